@@ -1,0 +1,167 @@
+"""Typed configuration, loaded from YAML.
+
+The shape follows the seed deployment config: ``control_plane``, ``execution_group.nodes``,
+``routing``, ``metrics``. Each component receives only its own part (``RoutingConfig`` for the
+router, ``NodeConfig`` for an engine, ...). Unknown keys are errors: a typo in a deployment file must
+not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration file or option is invalid; the message names the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ControlPlaneConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    heartbeat_interval: float = Field(1.0, gt=0, description="seconds between worker heartbeats")
+    heartbeat_misses: int = Field(3, ge=1, description="missed heartbeats before a worker leaves routing")
+    health_check_enabled: bool = True
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="largest accepted request body")
+
+
+class Role(str, Enum):
+    prefill = "prefill"
+    decode = "decode"
+    both = "both"
+
+
+class TimingConfig(_Strict):
+    """Pass-time model of the simulated engine. ``polynomial`` is Dynamo mocker's default."""
+
+    model: Literal["polynomial"] = "polynomial"
+    prefill_coeffs: tuple[float, float, float] = (4.209989e-07, 1.518344e-02, 16.50142)
+    decode_coeffs: tuple[float, float, float] = (-25.74, 54.01, 5.74)
+    decode_floor_ms: float = 1.0
+    speedup: float = Field(1.0, gt=0, description="divides every pass time (engine speed)")
+    decode_speedup: float = Field(1.0, gt=0, description="divides decode time only")
+
+
+class KvTransferConfig(_Strict):
+    enabled: bool = False
+    bandwidth_gbps: float = Field(25.0, gt=0)
+    max_inflight: int = Field(4, ge=1)
+
+
+class NodeConfig(_Strict):
+    """One group of identical workers."""
+
+    role: Role = Role.both
+    count: int = Field(1, ge=1)
+    engine: Literal["simulated"] = "simulated"
+    max_batch_size: int = Field(256, ge=1, description="max running sequences (max_num_seqs)")
+    max_num_batched_tokens: int = Field(8192, ge=1)
+    enable_chunked_prefill: bool = True
+    kv_blocks: int = Field(16384, ge=1)
+    block_size: int = Field(64, ge=1)
+    queue_depth_threshold: int = Field(64, ge=1, description="waiting requests at which a worker counts as busy")
+    kv_cache_transfer: KvTransferConfig = KvTransferConfig()
+    timing: TimingConfig = TimingConfig()
+
+
+class ExecutionGroupConfig(_Strict):
+    nodes: list[NodeConfig] = Field(default_factory=lambda: [NodeConfig(count=4)])
+
+    @model_validator(mode="after")
+    def _one_block_size(self) -> ExecutionGroupConfig:
+        if not self.nodes:
+            raise ValueError("execution_group.nodes must list at least one node group")
+        sizes = {n.block_size for n in self.nodes}
+        if len(sizes) > 1:
+            raise ValueError(f"all nodes must share one block_size for a common KV index, got {sorted(sizes)}")
+        return self
+
+
+class Policy(str, Enum):
+    kv_aware = "kv_aware"
+    round_robin = "round_robin"
+    random = "random"
+    least_loaded = "least_loaded"
+    power_of_two = "power_of_two"
+
+
+class CostWeights(_Strict):
+    prefill: float = Field(1.0, ge=0, description="weight of uncached prompt tokens")
+    queue: float = Field(1.0, ge=0, description="weight of the worker's queued prefill tokens")
+    decode: float = Field(1.0, ge=0, description="weight of the worker's decode tokens (KV footprint)")
+    overlap_credit: float = Field(1.0, ge=0, le=1, description="share of cached tokens credited")
+    credit_load_scale: float = Field(
+        4.0, gt=0, description="queued prefill passes at which the cache credit is halved"
+    )
+    memory: float = Field(1.0, ge=0, description="penalty per unit of KV usage above the watermark")
+
+
+class RoutingConfig(_Strict):
+    policy: Policy = Policy.kv_aware
+    weights: CostWeights = CostWeights()
+    temperature: float = Field(0.0, ge=0, description="0 = argmin; > 0 = softmax over normalised costs")
+    memory_watermark: float = Field(0.7, ge=0, le=1)
+    busy_kv_usage: float = Field(0.98, gt=0, le=1, description="KV usage at which a worker counts as busy")
+    fallback: Literal["least_loaded", "reject"] = Field(
+        "least_loaded", description="when every worker is busy: route to the least loaded, or 503"
+    )
+    prediction_ttl: float = Field(5.0, gt=0, description="seconds a predicted index entry lives unconfirmed")
+    seed: int | None = Field(None, description="RNG seed for tie-breaks and sampling (None = random)")
+
+
+class MetricsConfig(_Strict):
+    enabled: bool = True
+    path: str = "/metrics"
+
+
+class SimulationConfig(_Strict):
+    speedup: float = Field(1.0, gt=0, description="virtual seconds per wall second when serving")
+
+
+class Config(_Strict):
+    control_plane: ControlPlaneConfig = ControlPlaneConfig()
+    execution_group: ExecutionGroupConfig = ExecutionGroupConfig()
+    routing: RoutingConfig = RoutingConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    simulation: SimulationConfig = SimulationConfig()
+    model_name: str = "thunderagent-sim"
+
+
+def _format_error(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        lines.append(f"{source}: field '{loc}': {err['msg']}")
+    return "\n".join(lines)
+
+
+def parse_config(data: object, source: str = "<config>") -> Config:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level must be a mapping, got {type(data).__name__}")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc, source)) from exc
+
+
+def load_config(path: str | Path) -> Config:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+    return parse_config(data, str(p))

@@ -1,0 +1,62 @@
+"""Chained 64-bit block hashes over full token blocks.
+
+A block's hash is ``xxh3_64(tokens of the block, seed = parent hash)``; the first block is seeded by
+:func:`hash_seed`, which mixes the tenant salt (``cache_salt``) and the LoRA adapter name, so two
+tenants or two adapters never share a prefix by accident. Only full blocks are hashed: the partial
+tail can never be reused by an engine, so it must not count as an overlap either.
+
+Hashes are computed once per request (the frontend) and carried along in ``RouteRequest`` /
+``EngineRequest``; no later stage re-hashes the prompt.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+_xxh3 = xxhash.xxh3_64_intdigest
+
+#: seed of a request with neither salt nor LoRA. Non-zero so an empty-seed chain is still mixed.
+BASE_SEED = 0x7468756E646572  # "thunder"
+
+
+def hash_seed(cache_salt: str | None = None, lora_name: str | None = None) -> int:
+    """Seed of a request's chain. Salt and LoRA name are length-prefixed so ("ab", "c") and
+    ("a", "bc") cannot collide."""
+    if not cache_salt and not lora_name:
+        return BASE_SEED
+    salt = (cache_salt or "").encode()
+    lora = (lora_name or "").encode()
+    payload = len(salt).to_bytes(4, "little") + salt + len(lora).to_bytes(4, "little") + lora
+    return _xxh3(payload, seed=BASE_SEED)
+
+
+def block_hashes(
+    tokens: Sequence[int], block_size: int, seed: int = BASE_SEED, parent: int | None = None
+) -> list[int]:
+    """Hashes of every *full* block of ``tokens``, chained from ``parent`` (or ``seed``).
+
+    The whole prompt is packed into one uint32 buffer once and hashed through a memoryview, so no
+    per-block bytes object is built (this runs once per request on the routing hot path).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    n_full = len(tokens) // block_size
+    if n_full == 0:
+        return []
+    view = memoryview(array("I", tokens[: n_full * block_size]).tobytes())
+    step = block_size * 4
+    h = seed if parent is None else parent
+    out = [0] * n_full
+    for i in range(n_full):
+        h = _xxh3(view[i * step : (i + 1) * step], seed=h)
+        out[i] = h
+    return out
+
+
+def hash_block(tokens: Sequence[int], parent: int) -> int:
+    """Hash of one block given its parent's hash (or the chain seed for the first block).
+    Used by engines to extend a chain over generated tokens as blocks fill up."""
+    return _xxh3(array("I", tokens).tobytes(), seed=parent)

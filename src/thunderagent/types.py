@@ -1,0 +1,174 @@
+"""Plain typed data exchanged between the planes.
+
+Everything here is a slots dataclass: cheap to build on the hot path, no dict passed around loosely.
+Times are seconds on the clock of whoever drives the core (wall clock in the server, virtual clock
+in the simulator); the core never reads a clock itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+# ---------------------------------------------------------------------------------------------
+# KV events (execution plane -> KvIndex)
+# ---------------------------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class BlockStored:
+    """Blocks became cached on a worker. ``block_hashes`` are *our* chained hashes, in chain order;
+    ``parent_hash`` is the hash of the block before the first one (None at the start of a sequence)."""
+
+    worker_id: str
+    seq: int
+    block_hashes: tuple[int, ...]
+    parent_hash: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class BlockRemoved:
+    """Blocks were evicted from a worker's cache."""
+
+    worker_id: str
+    seq: int
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class AllBlocksCleared:
+    """A worker dropped its whole cache (reset, restart)."""
+
+    worker_id: str
+    seq: int
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+# ---------------------------------------------------------------------------------------------
+# Load (execution plane -> router / registry)
+# ---------------------------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class LoadReport:
+    """A worker's load as its engine sees it at ``time``."""
+
+    worker_id: str
+    time: float
+    running: int  # requests admitted (prefilling or decoding)
+    waiting: int  # requests queued, not admitted yet
+    queued_prefill_tokens: int  # prompt tokens still to prefill (waiting + partially prefilled)
+    decode_tokens: int  # sum of sequence lengths of decoding requests (their KV footprint)
+    kv_active_blocks: int  # blocks referenced by running requests
+    kv_cached_blocks: int  # blocks holding a hash (active or free-but-cached)
+    kv_total_blocks: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_active_blocks / self.kv_total_blocks if self.kv_total_blocks else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine requests and outputs (control plane <-> execution plane)
+# ---------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class EngineRequest:
+    """One generation request as an engine receives it.
+
+    ``block_hashes`` are the chained hashes of the prompt's full blocks, computed once by the
+    frontend (``kv.hashing``) and reused here so the engine never hashes the prompt again;
+    ``hash_seed`` lets the engine continue the chain over generated tokens.
+    """
+
+    request_id: str
+    prompt_tokens: list[int]
+    block_hashes: list[int]
+    hash_seed: int
+    max_tokens: int
+    ignore_eos: bool = False  # traces ask for exactly max_tokens tokens
+    priority: int = 0
+    arrival: float = 0.0  # set by the engine from ``now`` at add_request
+
+
+@dataclass(slots=True)
+class TokenOutput:
+    """Tokens a request produced in one engine pass (usually one), stamped with the pass end."""
+
+    request_id: str
+    token_ids: list[int]
+    time: float
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache (max over admissions)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing (control plane)
+# ---------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class RouteRequest:
+    """What the router needs to know about a request: computed once per request."""
+
+    request_id: str
+    num_tokens: int
+    block_hashes: list[int]
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """A routable worker as the router sees it: its engine's last report plus the router's own
+    in-flight accounting (load counted at dispatch, not at first byte)."""
+
+    worker_id: str
+    block_size: int
+    max_num_batched_tokens: int
+    queue_depth_threshold: int
+    load: LoadReport
+    inflight_requests: int = 0  # dispatched by us, not yet seen finished
+    inflight_prefill_tokens: int = 0  # prompt tokens dispatched by us whose first token is not out yet
+
+
+@dataclass(slots=True, frozen=True)
+class CandidateScore:
+    worker_id: str
+    overlap_blocks: int
+    prefill_tokens: int  # uncached prompt tokens after the overlap credit
+    queued_prefill_tokens: int
+    decode_tokens: int
+    kv_usage: float
+    busy: bool
+    cost: float
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    """A routing decision and its explanation."""
+
+    request_id: str
+    worker_id: str
+    policy: str
+    reason: str
+    candidates: tuple[CandidateScore, ...] = field(default=())
+    overlap_blocks: int = 0  # blocks the winner is believed to hold
+
+    def explain(self) -> dict[str, object]:
+        """JSON-ready explanation (returned in the response body when asked)."""
+        return {
+            "worker": self.worker_id,
+            "policy": self.policy,
+            "reason": self.reason,
+            "overlap_blocks": self.overlap_blocks,
+            "candidates": [
+                {
+                    "worker": c.worker_id,
+                    "overlap_blocks": c.overlap_blocks,
+                    "prefill_tokens": c.prefill_tokens,
+                    "queued_prefill_tokens": c.queued_prefill_tokens,
+                    "decode_tokens": c.decode_tokens,
+                    "kv_usage": round(c.kv_usage, 4),
+                    "busy": c.busy,
+                    "cost": round(c.cost, 3),
+                }
+                for c in self.candidates
+            ],
+        }
