@@ -31,6 +31,7 @@ class ControlPlaneConfig(_Strict):
     heartbeat_misses: int = Field(3, ge=1, description="missed heartbeats before a worker leaves routing")
     health_check_enabled: bool = True
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="largest accepted request body")
+    default_max_tokens: int = Field(1024, ge=1, description="max_tokens when a request gives none")
 
 
 class Role(str, Enum):

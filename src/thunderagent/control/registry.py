@@ -1,0 +1,112 @@
+"""Worker registry and health, pure and clock-free.
+
+Workers register with their static facts, then heartbeat with a :class:`LoadReport`. ``check(now)``
+turns a worker that missed ``misses`` heartbeat intervals into *unhealthy* (it leaves routing; the
+caller purges its index entries) and back into *healthy* when heartbeats resume. Drivers (the server,
+NATS listeners, the simulator) call these methods; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from thunderagent.types import LoadReport, WorkerState
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerInfo:
+    worker_id: str
+    role: str
+    block_size: int
+    max_num_batched_tokens: int
+    queue_depth_threshold: int
+    kv_total_blocks: int
+
+
+class Health(str, Enum):
+    healthy = "healthy"
+    unhealthy = "unhealthy"
+
+
+@dataclass(slots=True, frozen=True)
+class HealthChange:
+    worker_id: str
+    health: Health
+    reason: str
+
+
+@dataclass(slots=True)
+class _Entry:
+    info: WorkerInfo
+    load: LoadReport
+    last_heartbeat: float
+    health: Health = Health.healthy
+
+
+class WorkerRegistry:
+    def __init__(self, heartbeat_interval: float, misses: int) -> None:
+        if heartbeat_interval <= 0 or misses < 1:
+            raise ValueError("heartbeat_interval must be > 0 and misses >= 1")
+        self.timeout = heartbeat_interval * misses
+        self._entries: dict[str, _Entry] = {}
+
+    def register(self, info: WorkerInfo, now: float) -> None:
+        empty = LoadReport(info.worker_id, now, 0, 0, 0, 0, 0, 0, info.kv_total_blocks)
+        self._entries[info.worker_id] = _Entry(info, empty, now)
+
+    def deregister(self, worker_id: str) -> bool:
+        return self._entries.pop(worker_id, None) is not None
+
+    def heartbeat(self, worker_id: str, load: LoadReport, now: float) -> None:
+        e = self._entries.get(worker_id)
+        if e is None:
+            raise KeyError(f"heartbeat from unregistered worker {worker_id!r}")
+        e.load = load
+        e.last_heartbeat = now
+
+    def update_load(self, worker_id: str, load: LoadReport) -> None:
+        """Fresher load without counting as a heartbeat (e.g. read synchronously at routing time)."""
+        e = self._entries.get(worker_id)
+        if e is not None:
+            e.load = load
+
+    def check(self, now: float) -> list[HealthChange]:
+        changes = []
+        for wid, e in self._entries.items():
+            late = now - e.last_heartbeat > self.timeout
+            if late and e.health is Health.healthy:
+                e.health = Health.unhealthy
+                changes.append(
+                    HealthChange(wid, Health.unhealthy, f"no heartbeat for {now - e.last_heartbeat:.2f}s")
+                )
+            elif not late and e.health is Health.unhealthy:
+                e.health = Health.healthy
+                changes.append(HealthChange(wid, Health.healthy, "heartbeats resumed"))
+        return changes
+
+    def health(self, worker_id: str) -> Health:
+        return self._entries[worker_id].health
+
+    def info(self, worker_id: str) -> WorkerInfo:
+        return self._entries[worker_id].info
+
+    def worker_ids(self) -> list[str]:
+        return list(self._entries)
+
+    def routable(self) -> list[WorkerState]:
+        """Healthy workers as the router sees them."""
+        return [
+            WorkerState(
+                worker_id=wid,
+                block_size=e.info.block_size,
+                max_num_batched_tokens=e.info.max_num_batched_tokens,
+                queue_depth_threshold=e.info.queue_depth_threshold,
+                load=e.load,
+            )
+            for wid, e in self._entries.items()
+            if e.health is Health.healthy
+        ]
+
+    def loads(self) -> dict[str, LoadReport]:
+        return {wid: e.load for wid, e in self._entries.items()}

@@ -1,0 +1,522 @@
+"""The simulated engine: Dynamo mocker's vLLM engine model (``reference/dynamo-mocker.md``), in Python.
+
+One forward pass at a time, back to back:
+
+* a pass starts at ``max(previous end, arrival)``; requests arriving during a pass join the waiting
+  queue at its end, and an arrival exactly at a boundary joins the pass that starts then;
+* packing (§2.2): running requests first, in admission order (a decoder takes 1 token, a partial
+  prefill its next chunk), then FIFO admissions from the waiting queue, gated by vLLM's block check
+  (§2.3), under ``max_num_batched_tokens`` and ``max_num_seqs``;
+* prefix hits (§2.4) are chains of cached full blocks, capped at ``floor((len-1)/bs)`` blocks; the
+  full blocks a request computes become visible to later requests of the *same* pass;
+* allocation failure preempts the last running request (LIFO), which loses its blocks and recomputes
+  (§2.5); the pass time is the timing model of ``T`` new prompt tokens and ``A`` decoding KV
+  tokens (§3).
+
+The whole pass is decided when it starts (as the mocker does), its tokens are handed out when it
+ends. Time is kept in integer nanoseconds (pass ends are whole nanoseconds in the mocker too), so
+long replays accumulate no float drift; everything crossing the API is in seconds.
+
+Driver contract: add every arrival of an instant before calling ``next_wakeup()`` for that
+instant. ``advance``/``add_request``/``abort``/``load`` first run the passes that end before
+``now``; a pass due to *start* exactly at ``now`` is only fixed by ``next_wakeup()`` or a later
+call, so same-instant arrivals still join it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from thunderagent.config import NodeConfig
+from thunderagent.engine.blocks import BlockManager
+from thunderagent.engine.textgen import CorpusText, TextSource
+from thunderagent.engine.timing import TimingModel, make_timing
+from thunderagent.kv.hashing import hash_block
+from thunderagent.types import EngineRequest, KvEvent, LoadReport, TokenOutput
+
+_BUFFERED, _WAITING, _RUNNING, _DONE = 0, 1, 2, 3
+_SCHEDULED, _BLOCKED, _SELF_PREEMPTED = 0, 1, 2
+_NEVER = -(1 << 62)
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    """Engine-side state of one request."""
+
+    req: EngineRequest
+    plen: int  # prompt tokens
+    hashes: list[int]  # hashes of the full blocks known so far (prompt's, then generated ones)
+    seed: int  # text seed
+    natural: int  # index of the EOS token, -1 with ignore_eos
+    arrival_ns: int
+    own_hashes: bool = False  # ``hashes`` is our copy (the prompt's list is shared with the frontend)
+    generated: int = 0
+    computed: int = 0  # tokens whose KV is computed (or reused from cache)
+    table: list[int] = field(default_factory=list)  # physical block ids, in sequence order
+    cached: int = 0  # prompt tokens reused from cache, max over admissions
+    state: int = _BUFFERED
+    s_pass: int = -1  # pass that last scheduled it, and ``computed`` before that (to undo a preemption)
+    s_before: int = 0
+
+
+@dataclass(slots=True)
+class PassInfo:
+    """What one forward pass held: for metrics and tests."""
+
+    start: float  # seconds
+    end: float
+    prefill_tokens: int  # T: new prompt tokens in the batch
+    decode_kv_tokens: int  # A: summed sequence length of the decoding requests
+    num_prefills: int
+    num_decodes: int
+    scheduled_tokens: int
+
+
+@dataclass(slots=True, eq=False)
+class _Pass:
+    """Accumulators of the pass being packed."""
+
+    pid: int
+    budget: int
+    n_pf: int = 0
+    isl: int = 0  # sum of (prefix + chunk) over prefill entries
+    prefix: int = 0  # sum of prefix over prefill entries
+    A: int = 0
+    n_dec: int = 0
+    preempted: int = 0
+    progress: bool = False
+    emit: list[_Seq] = field(default_factory=list)
+    rejected: list[_Seq] = field(default_factory=list)
+    events: list[KvEvent] = field(default_factory=list)
+
+
+def _ns(t: float) -> int:
+    return round(t * 1e9)
+
+
+class SimulatedEngine:
+    """Engine protocol implementation backed by the mocker model (see module docstring)."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        node: NodeConfig,
+        *,
+        eos_token_id: int = 256,
+        text: TextSource | None = None,
+        cache_generated: bool = True,
+        timing: TimingModel | None = None,
+    ) -> None:
+        self.worker_id = worker_id
+        self.block_size = node.block_size
+        self.node = node
+        self.eos_token_id = eos_token_id
+        self._bs = node.block_size
+        self._max_seqs = node.max_batch_size
+        self._max_tokens = node.max_num_batched_tokens
+        self._chunked = node.enable_chunked_prefill
+        self._total_kv = node.kv_blocks * node.block_size
+        self._timing = timing or make_timing(node.timing)
+        self._text = text or CorpusText()
+        self._cache_gen = cache_generated
+        self._bm = BlockManager(node.kv_blocks, node.block_size, worker_id)
+        self._seqs: dict[str, _Seq] = {}
+        self._arrivals: deque[_Seq] = deque()
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._outbox: list[TokenOutput] = []
+        self._events: list[KvEvent] = []
+        self._pass: _Pass | None = None
+        self._pass_start = _NEVER
+        self._pass_end = _NEVER
+        self._last_end = _NEVER
+        self._pid = 0
+        self._stalled = False
+        self._q_prefill = 0  # prompt tokens not computed yet: buffered + waiting + partial prefills
+        self._dec_tokens = 0  # sum of sequence lengths of running requests past their first token
+        self.preemptions = 0
+        self.last_pass: PassInfo | None = None
+
+    @property
+    def blocks(self) -> BlockManager:
+        return self._bm
+
+    # ------------------------------------------------------------------------------ protocol
+    def add_request(self, req: EngineRequest, now: float) -> None:
+        rid = req.request_id
+        if rid in self._seqs:
+            raise ValueError(f"duplicate request id {rid!r}")
+        prompt = req.prompt_tokens
+        plen = len(prompt)
+        if plen == 0:
+            raise ValueError(f"request {rid!r} has an empty prompt")
+        bs = self._bs
+        if len(req.block_hashes) != plen // bs:
+            raise ValueError(
+                f"request {rid!r}: {len(req.block_hashes)} block hashes for {plen} tokens "
+                f"(block size {bs} needs {plen // bs})"
+            )
+        t = _ns(now)
+        self._run_until(t)
+        req.arrival = now
+        hashes = req.block_hashes
+        # Seed = chained hash of the whole prompt; only the partial tail needs hashing here.
+        seed = hash_block(prompt[len(hashes) * bs :], hashes[-1] if hashes else req.hash_seed)
+        natural = -1 if req.ignore_eos else self._text.natural_length(seed)
+        seq = _Seq(req, plen, hashes, seed, natural, t)
+        self._seqs[rid] = seq
+        self._q_prefill += plen
+        arr = self._arrivals
+        if arr and arr[-1].arrival_ns > t:  # an out-of-order driver: keep the buffer sorted
+            i = len(arr)
+            while i and arr[i - 1].arrival_ns > t:
+                i -= 1
+            arr.insert(i, seq)
+        else:
+            arr.append(seq)
+
+    def abort(self, request_id: str, now: float) -> None:
+        t = _ns(now)
+        self._run_until(t)
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return
+        st = seq.state
+        if st == _BUFFERED:
+            self._arrivals.remove(seq)
+        elif st == _WAITING:
+            self._waiting.remove(seq)
+        else:  # running; if the pass in flight computes it, its token is dropped at the pass end
+            self._running.remove(seq)
+            self._bm.release(seq.table)
+            if seq.generated:
+                self._dec_tokens -= seq.plen + seq.generated
+        self._q_prefill -= seq.plen - min(seq.computed, seq.plen)
+        seq.state = _DONE
+        self._stalled = False
+        self._outbox.append(TokenOutput(request_id, [], now, seq.plen, seq.cached, True, "abort"))
+
+    def advance(self, now: float) -> list[TokenOutput]:
+        self._run_until(_ns(now))
+        out = self._outbox
+        self._outbox = []
+        return out
+
+    def next_wakeup(self) -> float | None:
+        while self._pass is None:
+            s = self._next_start()
+            if s is None:
+                return None
+            self._begin_pass(s)
+        return self._pass_end / 1e9
+
+    def drain_events(self) -> list[KvEvent]:
+        ev = self._events
+        self._events = []
+        return ev
+
+    def load(self, now: float) -> LoadReport:
+        self._run_until(_ns(now))
+        bm = self._bm
+        return LoadReport(
+            worker_id=self.worker_id,
+            time=now,
+            running=len(self._running),
+            waiting=len(self._waiting) + len(self._arrivals),
+            queued_prefill_tokens=self._q_prefill,
+            decode_tokens=self._dec_tokens,
+            kv_active_blocks=bm.active_blocks,
+            kv_cached_blocks=bm.cached_blocks,
+            kv_total_blocks=bm.num_blocks,
+        )
+
+    def cache_snapshot(self) -> list[int]:
+        return self._bm.cached_hashes()
+
+    def reset(self) -> None:
+        """Drop the prefix cache (emits ``AllBlocksCleared``); running requests keep their blocks."""
+        if self._pass is not None:  # keep sequence order: the pass's events go out first
+            self._events.extend(self._pass.events)
+            self._pass.events = []
+        self._bm.reset()
+        self._events.extend(self._bm.drain_events())
+
+    # ------------------------------------------------------------------------------ clock
+    def _next_start(self) -> int | None:
+        if (self._running or self._waiting) and not self._stalled:
+            return self._last_end
+        if self._arrivals:
+            t = self._arrivals[0].arrival_ns
+            return t if t > self._last_end else self._last_end
+        return None
+
+    def _run_until(self, t: int) -> None:
+        """End the passes that end at or before ``t``; fix the passes that start before ``t``."""
+        while True:
+            if self._pass is None:
+                s = self._next_start()
+                if s is None or s >= t:
+                    return
+                self._begin_pass(s)
+                if self._pass is None:  # nothing could run: wait for an arrival or an abort
+                    continue
+            if self._pass_end > t:
+                return
+            self._end_pass()
+
+    # ------------------------------------------------------------------------------ packing
+    def _begin_pass(self, s: int) -> None:
+        self._pid += 1
+        p = _Pass(self._pid, self._max_tokens)
+        arr = self._arrivals
+        while arr and arr[0].arrival_ns <= s:
+            self._enqueue(arr.popleft())
+        self._stalled = False
+        bm, bs = self._bm, self._bs
+        running = self._running
+        emit = p.emit
+        pid = p.pid
+
+        # (a) running requests, in admission order, while budget lasts.
+        i = 0
+        while i < len(running) and p.budget > 0:
+            seq = running[i]
+            L = seq.plen + seq.generated
+            c = seq.computed
+            # Fast path, the common case: a decoder computes its last sampled token.
+            if seq.generated and c == L - 1 and (L <= len(seq.table) * bs or bm.append_fresh(seq.table)):
+                seq.computed = L
+                seq.s_pass = pid
+                seq.s_before = c
+                p.budget -= 1
+                p.A += L
+                p.n_dec += 1
+                emit.append(seq)
+                if L % bs == 0:  # the decode filled a block: cache it
+                    self._cache(seq, c // bs, L // bs)
+                i += 1
+                continue
+            r = self._schedule(seq, p, False, 0)
+            if r == _SCHEDULED:
+                i += 1
+            elif r == _BLOCKED:
+                break
+            # _SELF_PREEMPTED: it left ``running``; the next one moved into slot i
+
+        # (b) admissions from the waiting queue (FIFO / priority), head-of-line blocking.
+        waiting = self._waiting
+        nb = bm.num_blocks
+        while not p.preempted and waiting and len(running) < self._max_seqs and p.budget > 0:
+            seq = waiting[0]
+            L = seq.plen + seq.generated
+            need = -(-L // bs)
+            if need > nb:  # can never fit this pool: reject outright
+                waiting.popleft()
+                self._seqs.pop(seq.req.request_id, None)
+                self._q_prefill -= seq.plen
+                seq.state = _DONE
+                p.rejected.append(seq)
+                p.progress = True
+                continue
+            # The last token must be computed to get logits: cap the hit at floor((len-1)/bs).
+            cap = (L - 1) // bs if seq.generated < seq.req.max_tokens else L // bs
+            hits, active_hits = bm.match_prefix(seq.hashes, cap)
+            if need - active_hits > nb - bm.active_blocks:
+                break
+            waiting.popleft()
+            before = p.preempted
+            r = self._schedule(seq, p, True, hits * bs)
+            if r != _SCHEDULED:
+                waiting.insert(p.preempted - before, seq)  # behind victims it pushed to the front
+                break
+
+        # Pass time: T is the mocker's n*(floor(sum(prefix+chunk)/n) - floor(sum(prefix)/n)).
+        n = p.n_pf
+        T = n * (p.isl // n - p.prefix // n) if n else 0
+        p.events = bm.drain_events()
+        if not (p.progress or emit or p.rejected):
+            # Nothing can run (e.g. blocks pinned by nothing runnable): idle until something changes.
+            self._stalled = True
+            self._last_end = max(self._last_end, s)
+            self._events.extend(p.events)
+            return
+        dur = round(self._timing.pass_time(T, p.A, self._total_kv, p.A > 0) * 1e9)
+        self._pass = p
+        self._pass_start = s
+        self._pass_end = s + dur
+        self.last_pass = PassInfo(
+            s / 1e9, (s + dur) / 1e9, T, p.A, n, p.n_dec, self._max_tokens - p.budget
+        )
+
+    def _schedule(self, seq: _Seq, p: _Pass, from_waiting: bool, cached: int) -> int:
+        """Schedule ``seq``'s next chunk in pass ``p`` (vLLM ``schedule_request``)."""
+        bm, bs = self._bm, self._bs
+        P = seq.plen
+        g = seq.generated
+        L = P + g
+        old = seq.computed
+        # A preempted request recomputes up to its last sampled token (L-1); the next pass is then
+        # an ordinary decode step over the full sequence, which emits the next token.
+        K = L - 1 if g and old < L - 1 else L
+        before = old + cached
+        pb = before if before < P else P
+        remaining = K - before
+        if P > pb and not self._chunked and P - pb > p.budget:
+            return _BLOCKED
+        want = remaining if remaining < p.budget else p.budget
+        if want <= 0 < remaining:
+            return _BLOCKED
+        after = before + want
+        need = -(-after // bs)
+        hits = cached // bs
+        while need > len(seq.table) and not bm.allocate(seq.table, seq.hashes, hits, need):
+            victim = self._preempt_last(p)
+            if victim is None:
+                return _BLOCKED
+            if victim is seq:
+                return _SELF_PREEMPTED
+        seq.computed = after
+        seq.s_pass = p.pid
+        seq.s_before = before
+        if after // bs > before // bs:
+            self._cache(seq, before // bs, after // bs)
+        pa = after if after < P else P
+        if pa > pb:
+            p.n_pf += 1
+            p.isl += pa
+            p.prefix += pb
+        p.budget -= want
+        p.progress = True
+        self._q_prefill -= pa - (old if old < P else P)
+        if after == L:
+            p.emit.append(seq)
+            if g:
+                p.A += L
+                p.n_dec += 1
+        if from_waiting:
+            seq.state = _RUNNING
+            self._running.append(seq)
+            c = cached if cached < P else P
+            if c > seq.cached:
+                seq.cached = c
+            if g:
+                self._dec_tokens += L
+        return _SCHEDULED
+
+    def _preempt_last(self, p: _Pass) -> _Seq | None:
+        """LIFO preemption with recompute semantics; undoes the victim's work in this pass."""
+        if not self._running:
+            return None
+        v = self._running.pop()
+        P = v.plen
+        L = P + v.generated
+        if v.s_pass == p.pid:
+            p.budget += v.computed - v.s_before
+            pb = min(v.s_before, P)
+            pa = min(v.computed, P)
+            if pa > pb:
+                p.n_pf -= 1
+                p.isl -= pa
+                p.prefix -= pb
+            if v.computed == L:
+                p.emit.remove(v)
+                if v.generated:
+                    p.A -= L
+                    p.n_dec -= 1
+        v.s_pass = -1
+        self._q_prefill += min(v.computed, P)
+        if v.generated:
+            self._dec_tokens -= L
+        self._bm.release(v.table)
+        v.computed = 0
+        v.state = _WAITING
+        self._waiting.appendleft(v)
+        p.preempted += 1
+        self.preemptions += 1
+        return v
+
+    def _enqueue(self, seq: _Seq) -> None:
+        """Waiting queue: higher ``priority`` first, FIFO within a priority."""
+        seq.state = _WAITING
+        w = self._waiting
+        pr = seq.req.priority
+        if not w or w[-1].req.priority >= pr:
+            w.append(seq)
+            return
+        i = len(w)
+        while i and w[i - 1].req.priority < pr:
+            i -= 1
+        w.insert(i, seq)
+
+    def _cache(self, seq: _Seq, first: int, last: int) -> None:
+        """Register ``seq``'s blocks ``first..last-1``, now full, in the prefix cache."""
+        hs = seq.hashes
+        if last > len(hs):
+            if self._cache_gen:
+                hs = self._extend_hashes(seq, last)
+            else:
+                last = len(hs)
+                if last <= first:
+                    return
+        self._bm.cache_blocks(seq.table, hs, first, last)
+
+    def _extend_hashes(self, seq: _Seq, upto: int) -> list[int]:
+        """Hash generated blocks up to block ``upto`` (chained onto the prompt's hashes)."""
+        if not seq.own_hashes:  # copy on first write: the prompt's list belongs to the frontend
+            seq.hashes = list(seq.hashes)
+            seq.own_hashes = True
+        hs = seq.hashes
+        bs, P, prompt = self._bs, seq.plen, seq.req.prompt_tokens
+        tok, seed = self._text.token, seq.seed
+        for j in range(len(hs), upto):
+            lo, hi = j * bs, (j + 1) * bs
+            g0 = lo - P if lo > P else 0
+            toks = (prompt[lo:P] if lo < P else []) + [tok(seed, k) for k in range(g0, hi - P)]
+            hs.append(hash_block(toks, hs[j - 1] if j else seq.req.hash_seed))
+        return hs
+
+    # ------------------------------------------------------------------------------ pass end
+    def _end_pass(self) -> None:
+        p = self._pass
+        assert p is not None
+        self._pass = None
+        t = self._pass_end
+        self._last_end = t
+        ts = t / 1e9
+        out = self._outbox
+        self._events.extend(p.events)
+        for seq in p.rejected:
+            out.append(TokenOutput(seq.req.request_id, [], ts, seq.plen, 0, True, "abort"))
+        tok = self._text.token
+        finished = False
+        for seq in p.emit:
+            if seq.state != _RUNNING:  # aborted while the pass ran
+                continue
+            req = seq.req
+            g = seq.generated
+            reason = None
+            ids: list[int]
+            if g >= req.max_tokens:  # max_tokens == 0: done once the prompt is in
+                ids, reason = [], "length"
+            elif g == seq.natural:  # the model samples EOS (not returned as a token)
+                ids, reason = [], "stop"
+            else:
+                ids = [tok(seq.seed, g)]
+                g += 1
+                seq.generated = g
+                self._dec_tokens += seq.plen + 1 if g == 1 else 1
+                if g >= req.max_tokens:
+                    reason = "length"
+            if reason is None:
+                out.append(TokenOutput(req.request_id, ids, ts, seq.plen, seq.cached))
+                continue
+            out.append(TokenOutput(req.request_id, ids, ts, seq.plen, seq.cached, True, reason))
+            if g:
+                self._dec_tokens -= seq.plen + g
+            seq.state = _DONE
+            self._bm.release(seq.table)
+            del self._seqs[req.request_id]
+            finished = True
+        if finished:
+            self._running = [s for s in self._running if s.state == _RUNNING]

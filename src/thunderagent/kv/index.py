@@ -1,0 +1,421 @@
+"""KvIndex: which worker holds which KV block.
+
+Pure, synchronous, clock-free: every time is passed in as ``now`` (seconds on the driver's clock).
+
+Layout
+------
+Block hashes are chained (``kv.hashing``): one hash identifies a whole prefix, so a *flat* map keyed
+by hash answers "who holds the first i blocks" without any tree.
+
+Each registered worker owns one bit (a power of two; bits of removed workers are reused). An entry
+``(hash, worker)`` lives in exactly one of two maps:
+
+- ``_confirmed: hash -> int``: bitmask of the workers whose entry is confirmed (``BlockStored`` or a
+  resync). Confirmed entries never expire.
+- ``_predicted: hash -> _Predictions``: the router's own predictions, valid while ``now < expiry``.
+
+Why bitmasks: ``find_matches`` runs once per routed request. With masks, "which of the workers still
+matching also hold block i" is one dict lookup and one ``&`` per block, whatever the number of
+workers, instead of one lookup per (block, worker); an int per hash is also far smaller than a dict
+per hash. Predictions are consulted only for blocks where some still-matching worker lacks a
+confirmed entry.
+
+Each worker also keeps the set of hashes it has entries for, so ``remove_worker`` and
+``AllBlocksCleared`` cost O(that worker's entries), never a scan of the whole index.
+
+Confidence levels (DESIGN.md, "KV index")
+-----------------------------------------
+(a) worker events: ``apply_event`` (per-worker sequence numbers; a gap marks the worker STALE and
+    its entries are ignored by ``find_matches`` until ``resync``),
+(b) predictions: ``predict`` (TTL; a ``BlockStored`` for the same hash confirms them; a prediction
+    never downgrades a confirmed entry),
+(c) lazy verification: ``report_missing`` drops entries the worker found absent.
+
+Time semantics: a prediction made at ``t`` is valid while ``now < t + ttl`` and absent from
+``now >= t + ttl`` on (the boundary instant counts as expired).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from thunderagent.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+
+_NEVER = math.inf
+
+#: ``predict`` sweeps up to this many expiry-queue items per hash it pushes (see ``predict``).
+_SWEEP_PER_PREDICTION = 2
+
+
+class EventResult(enum.Enum):
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"  # seq <= last seen: ignored
+    GAP = "gap"  # seq > last + 1: applied, worker marked stale until resync
+    UNKNOWN_WORKER = "unknown_worker"  # not registered (or removed): ignored
+
+
+class _Worker:
+    """Per-worker bookkeeping."""
+
+    __slots__ = ("worker_id", "bit", "blocks", "last_seq", "stale")
+
+    def __init__(self, worker_id: str, bit: int) -> None:
+        self.worker_id = worker_id
+        self.bit = bit  # 1 << slot
+        self.blocks: set[int] = set()  # hashes this worker has an entry for (either map)
+        self.last_seq = -1
+        self.stale = False
+
+
+class _Predictions:
+    """Predicted holders of one hash, with a cached "live set" so queries on a predicted-only
+    prefix (approximate mode: engines without KV events) stay O(1) per block.
+
+    Cache invariant: for any ``now`` with ``checked_at <= now < live_until``, the holders whose
+    prediction is valid at ``now`` are exactly ``live_mask``. It holds because every bit in
+    ``live_mask`` has ``expiry >= live_until``, and every other bit was already expired at
+    ``checked_at`` (inserts and refreshes add their bit and lower ``live_until`` if needed;
+    removals clear their bit). Outside that window ``find_matches`` rescans and re-anchors it.
+    """
+
+    __slots__ = ("expiry", "live_mask", "live_until", "checked_at")
+
+    def __init__(self, bit: int, expiry: float, now: float) -> None:
+        self.expiry: dict[int, float] = {bit: expiry}
+        self.live_mask = bit
+        self.live_until = expiry
+        self.checked_at = now
+
+    def remove(self, bit: int) -> None:
+        del self.expiry[bit]
+        self.live_mask &= ~bit
+
+
+class KvIndex:
+    """Flat hash -> holders index fed by worker events, router predictions and lazy verification.
+
+    Unknown workers: events are answered ``UNKNOWN_WORKER``; ``predict``, ``report_missing`` and
+    ``resync`` do nothing for them; ``is_stale`` is False and ``last_seq`` is -1. A removed worker
+    is unknown; re-adding the same id starts it from scratch (empty, seq -1, not stale).
+    """
+
+    __slots__ = (
+        "_ttl",
+        "_confirmed",
+        "_predicted",
+        "_workers",
+        "_by_bit",
+        "_free_bits",
+        "_next_slot",
+        "_stale_mask",
+        "_expiry_queue",
+    )
+
+    def __init__(self, prediction_ttl: float) -> None:
+        if not prediction_ttl >= 0:  # also rejects NaN
+            raise ValueError(
+                "prediction_ttl must be >= 0 seconds (0 disables predictions), "
+                f"got {prediction_ttl}"
+            )
+        self._ttl = float(prediction_ttl)
+        self._confirmed: dict[int, int] = {}  # hash -> bitmask of confirmed holders (never 0)
+        self._predicted: dict[int, _Predictions] = {}  # never holds an empty _Predictions
+        self._workers: dict[str, _Worker] = {}
+        self._by_bit: dict[int, _Worker] = {}
+        # Bits of removed workers are reused (after their entries are purged, no mask holds them),
+        # so masks stay as narrow as the number of live workers even with churn.
+        self._free_bits: list[int] = []
+        self._next_slot = 0
+        self._stale_mask = 0
+        # (expiry, bit, hash) in push order. ttl is constant, so with a non-decreasing ``now`` push
+        # order is expiry order and sweeping pops from the left only. An item is a *candidate*: the
+        # entry may since have been confirmed, refreshed (a later item exists) or removed; the
+        # sweep deletes it only if the stored expiry is still exactly this one.
+        self._expiry_queue: deque[tuple[float, int, int]] = deque()
+
+    # -- workers -------------------------------------------------------------------------------
+    def add_worker(self, worker_id: str) -> None:
+        """Register a worker (idempotent: an existing worker keeps its state)."""
+        if worker_id in self._workers:
+            return
+        if self._free_bits:
+            bit = self._free_bits.pop()
+        else:
+            bit = 1 << self._next_slot
+            self._next_slot += 1
+        w = _Worker(worker_id, bit)
+        self._workers[worker_id] = w
+        self._by_bit[bit] = w
+
+    def remove_worker(self, worker_id: str) -> int:
+        """Forget a worker: purge all its entries (returns how many). Its later events are
+        ignored (``UNKNOWN_WORKER``) unless it is added again."""
+        w = self._workers.pop(worker_id, None)
+        if w is None:
+            return 0
+        n = len(w.blocks)
+        self._purge(w)
+        del self._by_bit[w.bit]
+        self._stale_mask &= ~w.bit
+        # Its expiry-queue items stay behind; the sweep skips them (no entry carries that expiry),
+        # so the bit can be handed out again right away.
+        self._free_bits.append(w.bit)
+        return n
+
+    def workers(self) -> list[str]:
+        return list(self._workers)
+
+    def is_stale(self, worker_id: str) -> bool:
+        w = self._workers.get(worker_id)
+        return w is not None and w.stale
+
+    def stale_workers(self) -> list[str]:
+        return [wid for wid, w in self._workers.items() if w.stale]
+
+    def last_seq(self, worker_id: str) -> int:
+        w = self._workers.get(worker_id)
+        return -1 if w is None else w.last_seq
+
+    # -- events --------------------------------------------------------------------------------
+    def apply_event(self, event: KvEvent, now: float) -> EventResult:
+        """Apply one worker event. ``now`` is accepted for symmetry with the other feeds (events
+        carry no expiry); it is not used today."""
+        w = self._workers.get(event.worker_id)
+        if w is None:
+            return EventResult.UNKNOWN_WORKER
+        seq = event.seq
+        if seq <= w.last_seq:
+            return EventResult.DUPLICATE
+        result = EventResult.APPLIED
+        if seq != w.last_seq + 1:
+            # Events were lost: our view of this worker is wrong in an unknown way. Keep applying
+            # (the newest state is still the best base) but stop trusting it until a resync.
+            w.stale = True
+            self._stale_mask |= w.bit
+            result = EventResult.GAP
+        w.last_seq = seq
+
+        if isinstance(event, BlockStored):
+            # parent_hash is not needed: a chained hash already names its whole prefix.
+            self._confirm(w, event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            self._drop(w, event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            self._purge(w)
+        else:  # pragma: no cover - caller bug
+            raise TypeError(f"not a KV event: {event!r}")
+        return result
+
+    def resync(self, worker_id: str, block_hashes: Iterable[int], last_seq: int) -> None:
+        """Replace the worker's entries by a snapshot (all confirmed; its predictions are dropped
+        too), clear its stale mark and set its last seq (the next expected event is last_seq+1)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return
+        self._purge(w)
+        self._confirm(w, block_hashes)
+        w.last_seq = last_seq
+        w.stale = False
+        self._stale_mask &= ~w.bit
+
+    # -- predictions and lazy verification -----------------------------------------------------
+    def predict(self, worker_id: str, block_hashes: Sequence[int], now: float) -> None:
+        """Record that the router just sent these blocks to ``worker_id``: they are assumed held
+        until ``now + ttl`` unless a ``BlockStored`` confirms them. A confirmed entry is never
+        downgraded; an unexpired prediction is refreshed to the new expiry.
+
+        Also sweeps up to 2 expiry-queue items per hash pushed: the queue is then drained at least
+        as fast as it grows, so it stays bounded even if the driver never calls ``expire``.
+        """
+        w = self._workers.get(worker_id)
+        if w is None or not self._ttl or not block_hashes:
+            return
+        expiry = now + self._ttl
+        bit = w.bit
+        confirmed = self._confirmed
+        predicted = self._predicted
+        mine = w.blocks
+        push = self._expiry_queue.append
+        pushed = 0
+        for h in block_hashes:
+            if confirmed.get(h, 0) & bit:
+                continue  # never downgrade a confirmed entry
+            preds = predicted.get(h)
+            if preds is None:
+                predicted[h] = _Predictions(bit, expiry, now)
+            else:
+                old = preds.expiry.get(bit)
+                if old is not None and old >= expiry:
+                    continue  # already valid at least as long
+                preds.expiry[bit] = expiry
+                preds.live_mask |= bit
+                if expiry < preds.live_until:  # live set was empty (inf), or clock went back
+                    preds.live_until = expiry
+            mine.add(h)
+            push((expiry, bit, h))
+            pushed += 1
+        if pushed:
+            self._sweep(now, _SWEEP_PER_PREDICTION * pushed)
+
+    def report_missing(self, worker_id: str, block_hashes: Iterable[int]) -> int:
+        """Lazy verification: the worker found these blocks missing (predicted or even confirmed,
+        e.g. after a lost event). Drop its entries for them; returns how many were dropped."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return 0
+        return self._drop(w, block_hashes)
+
+    def expire(self, now: float, max_items: int | None = None) -> int:
+        """Sweep predictions expired at ``now`` (expiry <= now); returns how many entries were
+        removed. Work bound: at most ``max_items`` expiry-queue items are popped per call (each
+        O(1)); items of predictions since confirmed, refreshed or removed are popped without
+        counting. ``None`` sweeps everything already expired.
+
+        Expired-but-unswept entries are already absent for ``find_matches``; sweeping only frees
+        memory and keeps ``num_blocks`` honest.
+        """
+        return self._sweep(now, -1 if max_items is None else max_items)
+
+    # -- queries -------------------------------------------------------------------------------
+    def find_matches(self, block_hashes: Sequence[int], now: float) -> dict[str, int]:
+        """For each worker, how many LEADING blocks of the query it holds (contiguous from block
+        0). Expired predictions count as absent, stale workers are excluded, workers with 0 are
+        omitted.
+
+        Work: O(1) mask operations per query block (plus the live predictions of a block when
+        some still-matching worker lacks a confirmed entry for it), stopping at the first block
+        that no still-matching worker holds.
+        """
+        result: dict[str, int] = {}
+        if not block_hashes:
+            return result
+        confirmed = self._confirmed
+        predicted = self._predicted
+        # Workers still matching. Before block 0: "everyone not stale" as an infinite mask (~x);
+        # the first ``&`` with a real mask makes it finite (block 0 always takes the branch
+        # below, since a finite mask never equals a negative one).
+        alive = ~self._stale_mask
+        n = 0  # blocks matched so far by every worker in ``alive``
+        for h in block_hashes:
+            held = confirmed.get(h, 0) & alive
+            if held != alive:
+                preds = predicted.get(h)
+                if preds is not None:
+                    if preds.checked_at <= now < preds.live_until:
+                        held |= preds.live_mask  # cached live set (see _Predictions)
+                    else:
+                        live = 0
+                        until = _NEVER
+                        for bit, expiry in preds.expiry.items():
+                            if expiry > now:
+                                live |= bit
+                                if expiry < until:
+                                    until = expiry
+                        preds.live_mask = live
+                        preds.live_until = until
+                        preds.checked_at = now
+                        held |= live
+                    held &= alive
+                if held != alive:
+                    if n:  # workers dropping out at block 0 have 0 blocks: omitted
+                        dropped = alive ^ held
+                        by_bit = self._by_bit
+                        while dropped:
+                            low = dropped & -dropped  # lowest set bit
+                            result[by_bit[low].worker_id] = n
+                            dropped ^= low
+                    if not held:
+                        return result
+                    alive = held
+            n += 1
+        by_bit = self._by_bit
+        while alive:
+            low = alive & -alive
+            result[by_bit[low].worker_id] = n
+            alive ^= low
+        return result
+
+    def num_blocks(self, worker_id: str | None = None) -> int:
+        """Number of entries (confirmed or predicted, live or expired-but-unswept), for one worker
+        or summed over all."""
+        if worker_id is not None:
+            w = self._workers.get(worker_id)
+            return 0 if w is None else len(w.blocks)
+        return sum(len(w.blocks) for w in self._workers.values())
+
+    # -- internals -----------------------------------------------------------------------------
+    def _confirm(self, w: _Worker, block_hashes: Iterable[int]) -> None:
+        """Set confirmed entries for ``w`` (moving any prediction of the same hash over)."""
+        bit = w.bit
+        confirmed = self._confirmed
+        predicted = self._predicted
+        mine = w.blocks
+        for h in block_hashes:
+            confirmed[h] = confirmed.get(h, 0) | bit
+            if h in mine:  # only then can a prediction of ours exist for h
+                preds = predicted.get(h)
+                if preds is not None and bit in preds.expiry:
+                    preds.remove(bit)
+                    if not preds.expiry:
+                        del predicted[h]
+            else:
+                mine.add(h)
+
+    def _remove_entry(self, bit: int, h: int) -> None:
+        """Delete entry (h, bit) from whichever map holds it (the caller knows it exists)."""
+        mask = self._confirmed.get(h, 0)
+        if mask & bit:
+            mask ^= bit
+            if mask:
+                self._confirmed[h] = mask
+            else:
+                del self._confirmed[h]
+        else:
+            preds = self._predicted[h]
+            preds.remove(bit)
+            if not preds.expiry:
+                del self._predicted[h]
+
+    def _drop(self, w: _Worker, block_hashes: Iterable[int]) -> int:
+        mine = w.blocks
+        dropped = 0
+        for h in block_hashes:
+            if h in mine:
+                mine.discard(h)
+                self._remove_entry(w.bit, h)
+                dropped += 1
+        return dropped
+
+    def _purge(self, w: _Worker) -> None:
+        """Delete all of ``w``'s entries."""
+        bit = w.bit
+        for h in w.blocks:
+            self._remove_entry(bit, h)
+        w.blocks = set()
+
+    def _sweep(self, now: float, budget: int) -> int:
+        """Pop up to ``budget`` expired queue items (``budget < 0``: no limit); delete the entries
+        that still carry exactly that expiry. Stops at the first unexpired item: with a constant
+        ttl and a non-decreasing clock the queue is in expiry order. (If the driver's clock ever
+        went backwards, some expired items could sit behind an unexpired one and be swept late;
+        ``find_matches`` ignores them meanwhile, so results stay correct.)"""
+        q = self._expiry_queue
+        predicted = self._predicted
+        removed = 0
+        while q and budget != 0 and q[0][0] <= now:
+            expiry, bit, h = q.popleft()
+            budget -= 1
+            preds = predicted.get(h)
+            if preds is None or preds.expiry.get(bit) != expiry:
+                continue  # confirmed, refreshed, removed, or the worker is gone
+            preds.remove(bit)
+            if not preds.expiry:
+                del predicted[h]
+            # An entry exists, so ``bit`` belongs to a live worker (bits are reused only after a
+            # purge; a re-added worker's own prediction with this exact expiry is expired too).
+            self._by_bit[bit].blocks.discard(h)
+            removed += 1
+        return removed

@@ -1,0 +1,77 @@
+"""The KV-aware cost of sending a request to a worker.
+
+Cost is in *prefill-token equivalents* (the unit the engine's pass time grows with):
+
+    cost = w_prefill * (prompt_tokens - credit * cached_tokens)
+         + w_queue   * queued_prefill_tokens
+         + w_decode  * decode_tokens
+         + w_memory  * over_watermark * max_num_batched_tokens
+
+* ``cached_tokens`` is the worker's leading overlap (index match) in tokens. The credit shrinks as
+  the worker's backlog grows: ``credit = overlap_credit / (1 + backlog_passes / credit_load_scale)``,
+  with ``backlog_passes = queued_prefill_tokens / max_num_batched_tokens``. A cache hit on a worker
+  that is passes behind buys less than the same hit on an idle one (it will still wait the backlog),
+  which keeps a hot prefix from pinning every request onto one drowning worker.
+* ``over_watermark = (kv_usage - watermark) / (1 - watermark)`` above the watermark, else 0: a
+  worker near memory exhaustion would evict (or preempt) to admit us, so it costs up to one extra
+  full pass of work.
+* A worker is *busy* (filtered out) when its waiting queue reached ``queue_depth_threshold`` or its
+  KV usage reached ``busy_kv_usage``.
+
+Pure functions over plain data; no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from thunderagent.config import RoutingConfig
+from thunderagent.types import CandidateScore, WorkerState
+
+
+def queued_prefill(w: WorkerState) -> int:
+    return w.load.queued_prefill_tokens + w.inflight_prefill_tokens
+
+
+def is_busy(w: WorkerState, cfg: RoutingConfig) -> bool:
+    return (w.load.waiting + w.inflight_requests) >= w.queue_depth_threshold or (
+        w.load.kv_usage >= cfg.busy_kv_usage
+    )
+
+
+def load_key(w: WorkerState) -> tuple[int, int, int]:
+    """Ordering of workers by load, for least_loaded / power_of_two and tie-breaks."""
+    return (
+        w.load.running + w.load.waiting + w.inflight_requests,
+        queued_prefill(w),
+        w.load.decode_tokens,
+    )
+
+
+def score(
+    w: WorkerState, num_tokens: int, overlap_blocks: int, cfg: RoutingConfig
+) -> CandidateScore:
+    weights = cfg.weights
+    cached = min(overlap_blocks * w.block_size, num_tokens)
+    queued = queued_prefill(w)
+    backlog_passes = queued / w.max_num_batched_tokens
+    credit = weights.overlap_credit / (1.0 + backlog_passes / weights.credit_load_scale)
+    prefill = num_tokens - credit * cached
+    usage = w.load.kv_usage
+    over = 0.0
+    if usage > cfg.memory_watermark and cfg.memory_watermark < 1.0:
+        over = min(1.0, (usage - cfg.memory_watermark) / (1.0 - cfg.memory_watermark))
+    cost = (
+        weights.prefill * prefill
+        + weights.queue * queued
+        + weights.decode * w.load.decode_tokens
+        + weights.memory * over * w.max_num_batched_tokens
+    )
+    return CandidateScore(
+        worker_id=w.worker_id,
+        overlap_blocks=overlap_blocks,
+        prefill_tokens=round(prefill),
+        queued_prefill_tokens=queued,
+        decode_tokens=w.load.decode_tokens,
+        kv_usage=usage,
+        busy=is_busy(w, cfg),
+        cost=cost,
+    )

@@ -1,0 +1,131 @@
+"""Routing policies: small strategy classes chosen by name (``make_policy``).
+
+A policy sees the scored candidates (already filtered of busy workers by the router) and returns the
+index of its choice and a one-line reason. Scores are computed for every policy so each decision can
+be explained and the predicted hit rate measured, whatever the policy.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from typing import Protocol
+
+from thunderagent.config import Policy, RoutingConfig
+from thunderagent.router.cost import load_key
+from thunderagent.types import CandidateScore, WorkerState
+
+#: costs closer than this (relative) are ties: the engine's pass time cannot tell them apart.
+TIE_RELATIVE = 1e-6
+
+
+class Candidate:
+    """A worker with its score and the size of its indexed cache (for tie-breaks)."""
+
+    __slots__ = ("worker", "score", "footprint")
+
+    def __init__(self, worker: WorkerState, score: CandidateScore, footprint: int) -> None:
+        self.worker = worker
+        self.score = score
+        self.footprint = footprint
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def choose(self, cands: Sequence[Candidate], rng: random.Random) -> tuple[int, str]: ...
+
+
+class KvAware:
+    """Lowest cost. Temperature 0: argmin; ties go to the worker with the smallest cache footprint
+    (a prefix nobody holds should land where it evicts least, as SGLang's cache-aware router does
+    for misses), then at random. Temperature > 0: softmax over costs normalised to [0, 1]."""
+
+    name = "kv_aware"
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+
+    def choose(self, cands: Sequence[Candidate], rng: random.Random) -> tuple[int, str]:
+        costs = [c.score.cost for c in cands]
+        lo, hi = min(costs), max(costs)
+        if self.temperature > 0 and hi > lo:
+            span = hi - lo
+            weights = [math.exp(-((c - lo) / span) / self.temperature) for c in costs]
+            i = rng.choices(range(len(cands)), weights=weights)[0]
+            return i, f"softmax(T={self.temperature}) sample, cost {costs[i]:.1f} (min {lo:.1f})"
+        tol = TIE_RELATIVE * max(1.0, abs(lo))
+        tied = [i for i, c in enumerate(costs) if c - lo <= tol]
+        best = cands[tied[0]]
+        if len(tied) == 1:
+            return tied[0], _why_lowest(best.score)
+        small = min(cands[i].footprint for i in tied)
+        tied = [i for i in tied if cands[i].footprint == small]
+        i = tied[0] if len(tied) == 1 else rng.choice(tied)
+        return i, f"lowest cost {lo:.1f}, tie among workers broken by smallest cache then random"
+
+
+def _why_lowest(s: CandidateScore) -> str:
+    if s.overlap_blocks:
+        return f"lowest cost {s.cost:.1f}: {s.overlap_blocks} cached blocks, {s.queued_prefill_tokens} queued prefill tokens"
+    return f"lowest cost {s.cost:.1f}: no cached prefix, least backlog"
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, cands: Sequence[Candidate], rng: random.Random) -> tuple[int, str]:
+        # Rotate over worker ids, not list positions, so a worker leaving does not skew the cycle.
+        ids = sorted(c.worker.worker_id for c in cands)
+        wid = ids[self._next % len(ids)]
+        self._next += 1
+        i = next(k for k, c in enumerate(cands) if c.worker.worker_id == wid)
+        return i, "round robin"
+
+
+class RandomChoice:
+    name = "random"
+
+    def choose(self, cands: Sequence[Candidate], rng: random.Random) -> tuple[int, str]:
+        return rng.randrange(len(cands)), "uniform random"
+
+
+class LeastLoaded:
+    name = "least_loaded"
+
+    def choose(self, cands: Sequence[Candidate], rng: random.Random) -> tuple[int, str]:
+        keys = [load_key(c.worker) for c in cands]
+        lo = min(keys)
+        tied = [i for i, k in enumerate(keys) if k == lo]
+        return rng.choice(tied), f"least loaded ({lo[0]} requests, {lo[1]} queued prefill tokens)"
+
+
+class PowerOfTwo:
+    name = "power_of_two"
+
+    def choose(self, cands: Sequence[Candidate], rng: random.Random) -> tuple[int, str]:
+        if len(cands) == 1:
+            return 0, "only candidate"
+        a, b = rng.sample(range(len(cands)), 2)
+        i = a if load_key(cands[a].worker) <= load_key(cands[b].worker) else b
+        other = cands[b if i == a else a].worker.worker_id
+        return i, f"less loaded of two sampled (vs {other})"
+
+
+def make_policy(cfg: RoutingConfig, name: Policy | None = None) -> RoutingPolicy:
+    policy = name or cfg.policy
+    if policy is Policy.kv_aware:
+        return KvAware(cfg.temperature)
+    if policy is Policy.round_robin:
+        return RoundRobin()
+    if policy is Policy.random:
+        return RandomChoice()
+    if policy is Policy.least_loaded:
+        return LeastLoaded()
+    if policy is Policy.power_of_two:
+        return PowerOfTwo()
+    raise ValueError(f"unknown routing policy {policy!r}")

@@ -1,0 +1,244 @@
+"""OpenAI-compatible HTTP frontend (aiohttp).
+
+Parses and validates requests, applies the chat template, hands the tokens to the :class:`Fleet`
+and formats the result as OpenAI JSON or server-sent events. Every error leaves in OpenAI's shape;
+the server keeps serving after any of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from thunderagent.config import Config, Policy
+from thunderagent.server.fleet import Fleet, Generation, NoWorkerAvailable, TextChunk
+from thunderagent.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    decode_request,
+    error_body,
+    message_text,
+    prompt_input,
+    stop_list,
+)
+from thunderagent.server.tokenizer import ChatMessage
+
+log = logging.getLogger(__name__)
+
+FLEET_KEY = web.AppKey("fleet", Fleet)
+WORKER_HEADER = "x-thunderagent-worker"
+EXPLAIN_HEADER = "x-thunderagent-explain"
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_enc = msgspec.json.Encoder()
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(err: RequestError, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        body=error_body(err), status=err.status, content_type="application/json", headers=headers
+    )
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure becomes an OpenAI-shaped error; nothing escapes as a bare 500 page."""
+    fleet = request.app[FLEET_KEY]
+    endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "unknown"
+    try:
+        resp = await handler(request)
+    except RequestError as err:
+        resp = _error(err)
+    except NoWorkerAvailable as exc:
+        resp = _error(
+            RequestError(str(exc), status=503, code="no_healthy_worker", type_="server_error"),
+            headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))},
+        )
+    except web.HTTPRequestEntityTooLarge as exc:
+        resp = _error(RequestError(
+            f"request body too large: limit is {exc.max_size} bytes", status=413, code="body_too_large"
+        ))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        resp = _error(RequestError(exc.reason, status=exc.status, type_="invalid_request_error"))
+    except Exception:
+        log.exception("internal error on %s %s", request.method, request.path)
+        resp = _error(RequestError("internal server error", status=500, type_="server_error"))
+    fleet.metrics.requests.labels(endpoint, str(resp.status)).inc()
+    return resp
+
+
+class Frontend:
+    def __init__(self, fleet: Fleet, max_tokens_default: int) -> None:
+        self.fleet = fleet
+        self.max_tokens_default = max_tokens_default
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.fleet.model_name:
+            raise RequestError(
+                f"The model `{model}` does not exist", param="model", status=404, code="model_not_found"
+            )
+
+    @staticmethod
+    def _explain(request: web.Request, body_flag: bool) -> bool:
+        return body_flag or request.headers.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes")
+
+    @staticmethod
+    def _usage(gen: Generation, last: TextChunk) -> dict[str, Any]:
+        return {
+            "prompt_tokens": gen.prompt_tokens,
+            "completion_tokens": last.completion_tokens,
+            "total_tokens": gen.prompt_tokens + last.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
+        }
+
+    async def _run(
+        self,
+        request: web.Request,
+        req: ChatCompletionRequest | CompletionRequest,
+        prompt_ids: list[int],
+        chat: bool,
+    ) -> web.StreamResponse:
+        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or self.max_tokens_default
+        stops = stop_list(req.stop)
+        if not prompt_ids:
+            raise RequestError("prompt is empty after tokenization", param="messages" if chat else "prompt")
+        gen = self.fleet.start_generation(
+            prompt_ids, max_tokens, cache_salt=req.cache_salt, lora_name=req.lora_name, priority=req.priority
+        )
+        headers = {WORKER_HEADER: gen.decision.worker_id}
+        explain = gen.decision.explain() if self._explain(request, req.explain) else None
+        created = int(time.time())
+        cid = ("chatcmpl-" if chat else "cmpl-") + gen.request_id
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return await self._stream(request, gen, stops, headers, explain, cid, created, req.model, chat,
+                                      include_usage)
+        text_parts: list[str] = []
+        last: TextChunk | None = None
+        async for chunk in self.fleet.stream_text(gen, stops):
+            text_parts.append(chunk.text)
+            last = chunk
+        assert last is not None, "a generation always ends with a final chunk"
+        text = "".join(text_parts)
+        if chat:
+            choice: dict[str, Any] = {
+                "index": 0, "message": {"role": "assistant", "content": text},
+                "finish_reason": last.finish_reason, "logprobs": None,
+            }
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": None}
+        body: dict[str, Any] = {
+            "id": cid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": req.model, "choices": [choice], "usage": self._usage(gen, last),
+        }
+        if explain is not None:
+            body["thunderagent"] = explain
+        return web.Response(body=_enc.encode(body), content_type="application/json", headers=headers)
+
+    async def _stream(
+        self, request: web.Request, gen: Generation, stops: list[str], headers: dict[str, str],
+        explain: dict[str, object] | None, cid: str, created: int, model: str, chat: bool, include_usage: bool,
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+            payload = {"id": cid, "object": obj, "created": created, "model": model, "choices": choices, **extra}
+            return b"data: " + _enc.encode(payload) + b"\n\n"
+
+        def choice(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+                if text:
+                    delta["content"] = text
+                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+        stream = self.fleet.stream_text(gen, stops)
+        try:
+            await resp.prepare(request)
+            if chat:
+                first_extra = {"thunderagent": explain} if explain is not None else {}
+                await resp.write(event([choice(None, None, role=True)], **first_extra))
+            last: TextChunk | None = None
+            async for chunk in stream:
+                last = chunk
+                if chunk.text or chunk.finish_reason:
+                    await resp.write(event([choice(chunk.text, chunk.finish_reason)]))
+            assert last is not None
+            if include_usage:
+                await resp.write(event([], usage=self._usage(gen, last)))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, ConnectionError) as exc:
+            log.info("client went away during stream %s: %s", gen.request_id, exc)
+        finally:
+            await stream.aclose()  # aborts the engine request if it did not finish
+        return resp
+
+    # -- handlers ----------------------------------------------------------------------------
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = decode_request(await request.read(), ChatCompletionRequest)
+        assert isinstance(req, ChatCompletionRequest)
+        self._check_model(req.model)
+        messages = [ChatMessage(m.role, message_text(m, i)) for i, m in enumerate(req.messages)]
+        return await self._run(request, req, self.fleet.tokenizer.apply_chat_template(messages), chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = decode_request(await request.read(), CompletionRequest)
+        assert isinstance(req, CompletionRequest)
+        self._check_model(req.model)
+        prompt = prompt_input(req.prompt)
+        ids = self.fleet.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return await self._run(request, req, ids, chat=False)
+
+    async def models(self, request: web.Request) -> web.Response:
+        body = {"object": "list", "data": [
+            {"id": self.fleet.model_name, "object": "model", "created": 0, "owned_by": "thunderagent"}
+        ]}
+        return web.json_response(body)
+
+    async def health(self, request: web.Request) -> web.Response:
+        summary = self.fleet.health_summary()
+        return web.json_response(summary, status=200 if summary["healthy_workers"] else 503,
+                                 dumps=json.dumps)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        resp = web.Response(body=self.fleet.metrics.render())
+        resp.headers["Content-Type"] = self.fleet.metrics.content_type
+        return resp
+
+
+def create_app(cfg: Config, *, policy: Policy | None = None) -> web.Application:
+    """The whole single-process deployment: HTTP frontend + fleet of simulated workers."""
+    fleet = Fleet(cfg, policy=policy)
+    app = web.Application(middlewares=[errors_middleware], client_max_size=cfg.control_plane.max_body_bytes)
+    app[FLEET_KEY] = fleet
+    fe = Frontend(fleet, cfg.control_plane.default_max_tokens)
+    app.router.add_post("/v1/chat/completions", fe.chat_completions)
+    app.router.add_post("/v1/completions", fe.completions)
+    app.router.add_get("/v1/models", fe.models)
+    app.router.add_get("/health", fe.health)
+    if cfg.metrics.enabled:
+        app.router.add_get(cfg.metrics.path, fe.metrics)
+
+    async def on_startup(app: web.Application) -> None:
+        await fleet.start()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await fleet.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app

@@ -1,0 +1,87 @@
+"""Prometheus metrics of the control plane, on a registry owned by the app (no global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from thunderagent.types import LoadReport
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "thunderagent_requests", "Requests by endpoint and HTTP status", ["endpoint", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "thunderagent_ttft_seconds", "Time to first token (wall clock)", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "thunderagent_itl_seconds", "Inter-token latency (wall clock)", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.queue_depth = Gauge(
+            "thunderagent_worker_queue_depth", "Waiting requests per worker", ["worker"], registry=r
+        )
+        self.running = Gauge("thunderagent_worker_running", "Running requests per worker", ["worker"], registry=r)
+        self.kv_usage = Gauge("thunderagent_worker_kv_usage", "Active KV blocks / total", ["worker"], registry=r)
+        self.healthy = Gauge("thunderagent_worker_healthy", "1 if the worker is routable", ["worker"], registry=r)
+        self.routed = Counter("thunderagent_routed", "Routing decisions per worker", ["worker"], registry=r)
+        self.prompt_tokens = Counter("thunderagent_prompt_tokens", "Prompt tokens routed", registry=r)
+        self.predicted_hit_tokens = Counter(
+            "thunderagent_predicted_hit_tokens", "Prompt tokens the router expected cached on the chosen worker",
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "thunderagent_cached_tokens", "Prompt tokens engines served from cache", registry=r
+        )
+        self.recompute_tokens = Counter(
+            "thunderagent_prefill_recompute_tokens",
+            "Prompt tokens prefilled although some worker held them (per the index at routing time)",
+            registry=r,
+        )
+        self.predicted_hit_rate = Gauge(
+            "thunderagent_router_predicted_hit_rate", "predicted_hit_tokens / prompt_tokens", registry=r
+        )
+        self.recompute_rate = Gauge(
+            "thunderagent_prefill_recompute_rate", "prefill_recompute_tokens / prompt_tokens", registry=r
+        )
+        self.decision_time = Histogram(
+            "thunderagent_routing_decision_seconds", "Time to hash, match and choose a worker",
+            buckets=_DECISION_BUCKETS, registry=r,
+        )
+        self._prompt = 0
+        self._predicted = 0
+        self._recompute = 0
+
+    def observe_route(self, worker_id: str, prompt_tokens: int, predicted_hit_tokens: int, seconds: float) -> None:
+        self.routed.labels(worker_id).inc()
+        self.decision_time.observe(seconds)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.predicted_hit_tokens.inc(predicted_hit_tokens)
+        self._prompt += prompt_tokens
+        self._predicted += predicted_hit_tokens
+        self.predicted_hit_rate.set(self._predicted / self._prompt if self._prompt else 0.0)
+
+    def observe_prefill(self, cached_tokens: int, best_known_tokens: int) -> None:
+        """Once per request, at its first token: what the engine reused vs the best the fleet had."""
+        self.cached_tokens.inc(cached_tokens)
+        recompute = max(0, best_known_tokens - cached_tokens)
+        self.recompute_tokens.inc(recompute)
+        self._recompute += recompute
+        self.recompute_rate.set(self._recompute / self._prompt if self._prompt else 0.0)
+
+    def observe_load(self, load: LoadReport, healthy: bool) -> None:
+        w = load.worker_id
+        self.queue_depth.labels(w).set(load.waiting)
+        self.running.labels(w).set(load.running)
+        self.kv_usage.labels(w).set(load.kv_usage)
+        self.healthy.labels(w).set(1 if healthy else 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

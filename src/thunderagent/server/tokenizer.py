@@ -1,0 +1,79 @@
+"""Tokenizers and chat templates seen by the frontend.
+
+The frontend tokenizes and applies the chat template *before* hashing, so the block hashes the router
+matches describe exactly the tokens the engine will cache. The simulated default is a byte-level
+tokenizer (ids 0..255 are UTF-8 bytes, 256 is EOS) with a plain-text chat template; real engines
+bring their model's own tokenizer (a later adapter implements the same protocol).
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(slots=True, frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(self, messages: Sequence[ChatMessage]) -> list[int]: ...
+
+    def decoder(self) -> StreamDecoder: ...
+
+
+class StreamDecoder(Protocol):
+    def feed(self, token_ids: Sequence[int]) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class _ByteStreamDecoder:
+    """Incremental UTF-8 decoding: a multi-byte character split across two engine passes is held
+    back until complete instead of being emitted as U+FFFD."""
+
+    __slots__ = ("_dec",)
+
+    def __init__(self) -> None:
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_ids: Sequence[int]) -> str:
+        return self._dec.decode(bytes(t for t in token_ids if t < 256))
+
+    def flush(self) -> str:
+        return self._dec.decode(b"", final=True)
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer with a prefix-stable chat template.
+
+    The template renders every message as ``<|role|>\\n{content}<|end|>\\n`` and ends with
+    ``<|assistant|>\\n``. Prefix stability matters for caching: the prompt of turn *k* is a strict
+    prefix of the prompt of turn *k+1* (which appends the assistant's reply and the next user turn),
+    so the blocks cached at turn *k* are hits at turn *k+1*.
+    """
+
+    eos_token_id = 256
+    vocab_size = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+        parts = [f"<|{m.role}|>\n{m.content}<|end|>\n" for m in messages]
+        parts.append("<|assistant|>\n")
+        return "".join(parts)
+
+    def apply_chat_template(self, messages: Sequence[ChatMessage]) -> list[int]:
+        return self.encode(self.render_chat(messages))
+
+    def decoder(self) -> StreamDecoder:
+        return _ByteStreamDecoder()

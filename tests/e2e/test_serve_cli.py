@@ -1,0 +1,75 @@
+"""The README's main command, as a user runs it: `thunderagent serve` in its own process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def thunderagent_cmd() -> list[str]:
+    exe = shutil.which("thunderagent", path=str(Path(sys.executable).parent)) or shutil.which("thunderagent")
+    return [exe] if exe else [sys.executable, "-m", "thunderagent.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def served():
+    port = free_port()
+    proc = subprocess.Popen(
+        [*thunderagent_cmd(), "serve", "--port", str(port), "--workers", "4", "--speedup", "10",
+         "--config", str(ROOT / "configs" / "example.yaml")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=10)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.models.list()
+            break
+        except Exception:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"server did not start: {proc.stdout.read() if proc.stdout else ''}")
+            time.sleep(0.1)
+    try:
+        yield client
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_serve_streams_chat_through_official_client(served):
+    raw = served.chat.completions.with_raw_response.create(
+        model="thunderagent-sim", messages=[{"role": "user", "content": "hi from the e2e test " * 5}],
+        max_tokens=30, stream=True,
+    )
+    assert raw.headers["x-thunderagent-worker"] in {f"worker-{i}" for i in range(4)}
+    text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+    assert text and len(text.encode()) <= 30
+
+
+def test_serve_rejects_bad_config_naming_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("routing:\n  policy: fastest\n")
+    res = subprocess.run([*thunderagent_cmd(), "serve", "--config", str(bad)], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 2
+    assert "routing.policy" in res.stderr

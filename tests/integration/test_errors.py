@@ -1,0 +1,128 @@
+"""Bad requests get clear OpenAI-shaped 4xx errors, and the server keeps serving after each."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+pytestmark = pytest.mark.integration
+
+MODEL = "thunderagent-sim"
+GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
+
+
+async def post(s: aiohttp.ClientSession, url: str, data: bytes | str) -> tuple[int, dict, dict]:
+    async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+        return r.status, await r.json(content_type=None), dict(r.headers)
+
+
+async def assert_still_serving(s: aiohttp.ClientSession, base: str) -> None:
+    status, body, _ = await post(s, base + "/v1/chat/completions", json.dumps(GOOD))
+    assert status == 200 and body["choices"][0]["message"]["content"]
+
+
+BAD_CASES = [
+    ("/v1/chat/completions", "{not json", 400, None, "not valid JSON"),
+    ("/v1/chat/completions", json.dumps({**GOOD, "max_tokens": "ten"}), 400, "max_tokens", "Expected `int"),
+    ("/v1/chat/completions", json.dumps({**GOOD, "max_tokens": -5}), 400, "max_tokens", ">= 1"),
+    ("/v1/chat/completions", json.dumps({**GOOD, "messages": "hi"}), 400, "messages", "Expected `array`"),
+    ("/v1/chat/completions", json.dumps({**GOOD, "messages": []}), 400, "messages", "length >= 1"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL}), 400, "messages", "missing required field"),
+    ("/v1/chat/completions", json.dumps({**GOOD, "messages": [{"role": "wizard", "content": "x"}]}), 400,
+     "messages[0].role", "Invalid enum value"),
+    ("/v1/chat/completions", json.dumps({**GOOD, "temperature": 9}), 400, "temperature", "<= 2.0"),
+    ("/v1/chat/completions", json.dumps({**GOOD, "stop": ["a", "b", "c", "d", "e"]}), 400, "stop", "at most 4"),
+    ("/v1/chat/completions", json.dumps({**GOOD, "n": 3}), 400, "n", None),
+    ("/v1/chat/completions", json.dumps({**GOOD, "model": "gpt-9"}), 404, "model", "does not exist"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": [1, -2]}), 400, "prompt", "non-negative"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": ["a", "b"]}), 400, "prompt", "one prompt"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}), 400, "max_tokens", ">= 1"),
+    ("/v1/nope", "{}", 404, None, None),
+]
+
+
+async def test_bad_requests_get_clear_errors_and_server_keeps_serving(server_factory):
+    async with server_factory(control_plane={"max_body_bytes": 64 * 1024}) as srv:
+        async with aiohttp.ClientSession() as s:
+            for path, body, status, param, text in BAD_CASES:
+                got, err, _ = await post(s, srv.base_url + path, body)
+                assert got == status, (path, body, got, err)
+                assert set(err["error"]) == {"message", "type", "param", "code"}, err
+                assert err["error"]["param"] == param, (body, err)
+                if text:
+                    assert text in err["error"]["message"], err
+                await assert_still_serving(s, srv.base_url)
+            huge = json.dumps({**GOOD, "messages": [{"role": "user", "content": "x" * 100_000}]})
+            got, err, _ = await post(s, srv.base_url + "/v1/chat/completions", huge)
+            assert got == 413 and "too large" in err["error"]["message"]
+            await assert_still_serving(s, srv.base_url)
+            async with s.get(srv.base_url + "/metrics") as r:
+                metrics = await r.text()
+            assert 'status="400"' in metrics and 'status="404"' in metrics and 'status="413"' in metrics
+
+
+async def test_client_disconnect_mid_stream_releases_the_request(server_factory):
+    async with server_factory(simulation={"speedup": 1.0}) as srv:
+        async with aiohttp.ClientSession() as s:
+            payload = {**GOOD, "max_tokens": 500, "stream": True,
+                       "messages": [{"role": "user", "content": "long story " * 50}]}
+            async with s.post(srv.base_url + "/v1/chat/completions", json=payload) as r:
+                assert r.status == 200
+                await r.content.readline()  # first event, then hang up
+                worker = srv.fleet.workers[r.headers["x-thunderagent-worker"]]
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if worker.load().running == 0:
+                    break
+            assert worker.load().running == 0 and worker.load().waiting == 0
+            await assert_still_serving(s, srv.base_url)
+
+
+async def test_no_healthy_worker_gives_503_then_recovers(server_factory):
+    async with server_factory() as srv:
+        async with aiohttp.ClientSession() as s:
+            for w in srv.fleet.workers.values():
+                w.heartbeats_paused = True
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if not srv.fleet.registry.routable():
+                    break
+            got, err, headers = await post(s, srv.base_url + "/v1/chat/completions", json.dumps(GOOD))
+            assert got == 503 and err["error"]["code"] == "no_healthy_worker"
+            assert int(headers["Retry-After"]) >= 1
+            async with s.get(srv.base_url + "/health") as r:
+                assert r.status == 503
+            for w in srv.fleet.workers.values():
+                w.heartbeats_paused = False
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if len(srv.fleet.registry.routable()) == 4:
+                    break
+            await assert_still_serving(s, srv.base_url)
+
+
+async def test_unhealthy_worker_leaves_routing_and_index_then_returns(server_factory):
+    async with server_factory() as srv:
+        prompt = [{"role": "user", "content": "sticky prefix " * 40}]
+        raw = await srv.client.chat.completions.with_raw_response.create(model=MODEL, messages=prompt, max_tokens=4)
+        home = raw.headers["x-thunderagent-worker"]
+        assert srv.fleet.index.num_blocks(home) > 0
+        srv.fleet.workers[home].heartbeats_paused = True
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if home not in {w.worker_id for w in srv.fleet.registry.routable()}:
+                break
+        assert srv.fleet.index.num_blocks(home) == 0  # purged
+        for _ in range(8):
+            raw = await srv.client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=prompt, max_tokens=4)
+            assert raw.headers["x-thunderagent-worker"] != home
+        srv.fleet.workers[home].heartbeats_paused = False
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if home in {w.worker_id for w in srv.fleet.registry.routable()}:
+                break
+        assert srv.fleet.index.num_blocks(home) > 0  # resynced from the worker's cache

@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from thunderagent.cli import build_config
+from thunderagent.config import Config, ConfigError, Policy, load_config, parse_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_are_the_embedded_deployment():
+    cfg = Config()
+    assert cfg.control_plane.host == "127.0.0.1" and cfg.control_plane.port == 8000
+    assert sum(n.count for n in cfg.execution_group.nodes) == 4
+    assert cfg.routing.policy is Policy.kv_aware and cfg.routing.memory_watermark == 0.7
+
+
+def test_example_yaml_loads():
+    cfg = load_config(ROOT / "configs" / "example.yaml")
+    node = cfg.execution_group.nodes[0]
+    assert node.kv_blocks == 16384 and node.block_size == 64 and node.count == 4
+    assert cfg.routing.policy is Policy.kv_aware
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"routing": {"policy": "fastest"}}, "routing.policy"),
+        ({"control_plane": {"port": 70000}}, "control_plane.port"),
+        ({"execution_group": {"nodes": [{"kv_blocks": 0}]}}, "execution_group.nodes.0.kv_blocks"),
+        ({"execution_group": {"nodes": [{"role": "router"}]}}, "execution_group.nodes.0.role"),
+        ({"routing": {"memory_watermark": 1.5}}, "routing.memory_watermark"),
+        ({"routing": {"temprature": 1}}, "routing.temprature"),
+        ({"execution_group": {"nodes": []}}, "execution_group"),
+    ],
+)
+def test_bad_config_names_the_field(data, field):
+    with pytest.raises(ConfigError) as exc:
+        parse_config(data, "x.yaml")
+    assert f"field '{field}'" in str(exc.value)
+    assert str(exc.value).startswith("x.yaml:")
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("routing: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "nope.yaml")
+    top = tmp_path / "list.yaml"
+    top.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(top)
+
+
+def test_cli_overrides_apply_on_top_of_file():
+    cfg = build_config(ROOT / "configs" / "example.yaml", port=9001, workers=2, policy=Policy.round_robin)
+    assert cfg.control_plane.port == 9001
+    assert cfg.execution_group.nodes[0].count == 2
+    assert cfg.routing.policy is Policy.round_robin
+    with pytest.raises(ConfigError, match="speedup"):
+        build_config(None, speedup=-1.0)

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import pytest
+
+from thunderagent.control.registry import Health, WorkerInfo, WorkerRegistry
+from thunderagent.types import LoadReport
+
+
+def info(wid: str) -> WorkerInfo:
+    return WorkerInfo(wid, "both", 64, 8192, 64, 100)
+
+
+def rep(wid: str, t: float, waiting: int = 0) -> LoadReport:
+    return LoadReport(wid, t, 0, waiting, 0, 0, 0, 0, 100)
+
+
+def test_missed_heartbeats_leave_routing_and_return():
+    reg = WorkerRegistry(heartbeat_interval=1.0, misses=3)
+    reg.register(info("a"), 0.0)
+    reg.register(info("b"), 0.0)
+    reg.heartbeat("a", rep("a", 2.5), 2.5)
+    reg.heartbeat("b", rep("b", 2.5, waiting=4), 2.5)
+    assert reg.check(5.5) == []  # exactly 3 intervals late is still on time
+    reg.heartbeat("a", rep("a", 5.0), 5.0)
+    changes = reg.check(5.6)
+    assert [(c.worker_id, c.health) for c in changes] == [("b", Health.unhealthy)]
+    assert [w.worker_id for w in reg.routable()] == ["a"]
+    reg.heartbeat("b", rep("b", 6.0), 6.0)
+    assert [(c.worker_id, c.health) for c in reg.check(6.1)] == [("b", Health.healthy)]
+    assert [w.worker_id for w in reg.routable()] == ["a", "b"]
+    assert reg.routable()[1].load.waiting == 0
+
+
+def test_unknown_heartbeat_and_bad_settings():
+    reg = WorkerRegistry(1.0, 1)
+    with pytest.raises(KeyError):
+        reg.heartbeat("x", rep("x", 0), 0)
+    with pytest.raises(ValueError):
+        WorkerRegistry(0, 1)
