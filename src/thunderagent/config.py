@@ -97,7 +97,11 @@ class Policy(str, Enum):
 class CostWeights(_Strict):
     prefill: float = Field(1.0, ge=0, description="weight of uncached prompt tokens")
     queue: float = Field(1.0, ge=0, description="weight of the worker's queued prefill tokens")
-    decode: float = Field(1.0, ge=0, description="weight of the worker's decode tokens (KV footprint)")
+    # A decoding token slows each pass of its worker a little (one budget slot per sequence, a
+    # KV-size-dependent decode time) but far less than a prompt token costs to prefill once; at
+    # weight 1 a conversation would leave the worker holding its whole context as soon as a
+    # neighbour decodes a context of similar size. 0.1 keeps decode load a balancing signal.
+    decode: float = Field(0.1, ge=0, description="weight of the worker's decode tokens (KV footprint)")
     overlap_credit: float = Field(1.0, ge=0, le=1, description="share of cached tokens credited")
     credit_load_scale: float = Field(
         4.0, gt=0, description="queued prefill passes at which the cache credit is halved"
@@ -115,6 +119,14 @@ class RoutingConfig(_Strict):
         "least_loaded", description="when every worker is busy: route to the least loaded, or 503"
     )
     prediction_ttl: float = Field(5.0, gt=0, description="seconds a predicted index entry lives unconfirmed")
+    miss_overlap_fraction: float = Field(
+        0.1, ge=0, le=1,
+        description="a request whose best and worst worker overlap differ by less than this share of the "
+        "prompt is a cache miss everywhere: it is balanced by recent request rate, not by cost",
+    )
+    balance_half_life: float = Field(
+        30.0, gt=0, description="seconds over which recent requests per worker decay (miss balancing)"
+    )
     seed: int | None = Field(None, description="RNG seed for tie-breaks and sampling (None = random)")
 
 

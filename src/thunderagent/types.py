@@ -55,7 +55,7 @@ class LoadReport:
     time: float
     running: int  # requests admitted (prefilling or decoding)
     waiting: int  # requests queued, not admitted yet
-    queued_prefill_tokens: int  # prompt tokens still to prefill (waiting + partially prefilled)
+    queued_prefill_tokens: int  # prompt tokens still to prefill (waiting + partial), less expected cache hits
     decode_tokens: int  # sum of sequence lengths of decoding requests (their KV footprint)
     kv_active_blocks: int  # blocks referenced by running requests
     kv_cached_blocks: int  # blocks holding a hash (active or free-but-cached)

@@ -24,7 +24,7 @@ class Server:
 
 def test_config(**overrides: object) -> Config:
     data: dict[str, object] = {
-        "control_plane": {"heartbeat_interval": 0.05, "heartbeat_misses": 3},
+        "control_plane": {"heartbeat_interval": 0.1, "heartbeat_misses": 5},
         "simulation": {"speedup": 20.0},
         "routing": {"seed": 7},
     }

@@ -73,7 +73,7 @@ async def test_client_disconnect_mid_stream_releases_the_request(server_factory)
                 assert r.status == 200
                 await r.content.readline()  # first event, then hang up
                 worker = srv.fleet.workers[r.headers["x-thunderagent-worker"]]
-            for _ in range(100):
+            for _ in range(250):
                 await asyncio.sleep(0.02)
                 if worker.load().running == 0:
                     break
@@ -86,7 +86,7 @@ async def test_no_healthy_worker_gives_503_then_recovers(server_factory):
         async with aiohttp.ClientSession() as s:
             for w in srv.fleet.workers.values():
                 w.heartbeats_paused = True
-            for _ in range(100):
+            for _ in range(250):
                 await asyncio.sleep(0.02)
                 if not srv.fleet.registry.routable():
                     break
@@ -97,7 +97,7 @@ async def test_no_healthy_worker_gives_503_then_recovers(server_factory):
                 assert r.status == 503
             for w in srv.fleet.workers.values():
                 w.heartbeats_paused = False
-            for _ in range(100):
+            for _ in range(250):
                 await asyncio.sleep(0.02)
                 if len(srv.fleet.registry.routable()) == 4:
                     break
@@ -111,7 +111,7 @@ async def test_unhealthy_worker_leaves_routing_and_index_then_returns(server_fac
         home = raw.headers["x-thunderagent-worker"]
         assert srv.fleet.index.num_blocks(home) > 0
         srv.fleet.workers[home].heartbeats_paused = True
-        for _ in range(100):
+        for _ in range(250):
             await asyncio.sleep(0.02)
             if home not in {w.worker_id for w in srv.fleet.registry.routable()}:
                 break
@@ -121,7 +121,7 @@ async def test_unhealthy_worker_leaves_routing_and_index_then_returns(server_fac
                 model=MODEL, messages=prompt, max_tokens=4)
             assert raw.headers["x-thunderagent-worker"] != home
         srv.fleet.workers[home].heartbeats_paused = False
-        for _ in range(100):
+        for _ in range(250):
             await asyncio.sleep(0.02)
             if home in {w.worker_id for w in srv.fleet.registry.routable()}:
                 break

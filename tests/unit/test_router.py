@@ -151,3 +151,27 @@ def test_random_policy_uses_all_workers():
     router, _ = make_router(Policy.random)
     ws = [worker("a"), worker("b"), worker("c")]
     assert {router.route(RouteRequest("r", 10, []), ws, 1.0).worker_id for _ in range(60)} == {"a", "b", "c"}
+
+
+def test_misses_spread_by_recent_requests_not_instant_load():
+    router, index = make_router()
+    ws = [worker("a"), worker("b"), worker("c")]
+    got = [router.route(RouteRequest(f"r{i}", 128, [1000 + i]), ws, 1.0).worker_id for i in range(6)]
+    assert sorted(got[:3]) == ["a", "b", "c"] and sorted(got[3:]) == ["a", "b", "c"]
+
+
+def test_miss_skips_backlogged_workers_and_rates_decay():
+    router, _ = make_router(balance_half_life=10.0)
+    ws = [worker("a"), worker("b", queued=2000)]  # b is 2 passes behind (1024-token passes)
+    assert [router.route(RouteRequest(str(i), 128, [7, i]), ws, 1.0).worker_id for i in range(3)] == ["a"] * 3
+    kv = router.policy
+    assert kv.recent.rate("a", 1.0) == pytest.approx(3.0)
+    assert kv.recent.rate("a", 11.0) == pytest.approx(1.5)  # one half-life later
+
+
+def test_hit_is_not_a_miss_even_with_recent_traffic():
+    router, index = make_router()
+    ws = [worker("a"), worker("b")]
+    store(index, "a", HASHES)
+    for i in range(5):  # a keeps getting its conversation's turns: still the cheapest, so it stays
+        assert router.route(RouteRequest(str(i), 128, HASHES), ws, 1.0).worker_id == "a"

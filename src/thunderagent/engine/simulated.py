@@ -1,26 +1,21 @@
-"""The simulated engine: Dynamo mocker's vLLM engine model (``reference/dynamo-mocker.md``), in Python.
+"""The simulated engine: Dynamo mocker's vLLM engine model (``reference/dynamo-mocker.md``).
 
-One forward pass at a time, back to back:
+One forward pass at a time, back to back. A pass starts at ``max(previous end, arrival)``; requests
+arriving during a pass join the waiting queue at its end (one arriving exactly at a boundary joins
+the pass starting then). Packing (§2.2): running requests first in admission order (a decoder takes
+1 token, a partial prefill its next chunk), then FIFO admissions gated by vLLM's block check (§2.3).
+Prefix hits (§2.4) are chains of cached full blocks capped at ``floor((len-1)/bs)``, and blocks a
+request computes are visible to later requests of the same pass. Allocation failure preempts the
+last running request (LIFO, recompute; §2.5). Pass time = timing model of ``T``/``A`` (§3).
 
-* a pass starts at ``max(previous end, arrival)``; requests arriving during a pass join the waiting
-  queue at its end, and an arrival exactly at a boundary joins the pass that starts then;
-* packing (§2.2): running requests first, in admission order (a decoder takes 1 token, a partial
-  prefill its next chunk), then FIFO admissions from the waiting queue, gated by vLLM's block check
-  (§2.3), under ``max_num_batched_tokens`` and ``max_num_seqs``;
-* prefix hits (§2.4) are chains of cached full blocks, capped at ``floor((len-1)/bs)`` blocks; the
-  full blocks a request computes become visible to later requests of the *same* pass;
-* allocation failure preempts the last running request (LIFO), which loses its blocks and recomputes
-  (§2.5); the pass time is the timing model of ``T`` new prompt tokens and ``A`` decoding KV
-  tokens (§3).
+A pass is decided when it starts (as in the mocker); its tokens and KV events come out when it ends.
+Time is integer nanoseconds inside (the mocker's pass ends are whole ns too, and long replays
+accumulate no float drift); seconds at the API.
 
-The whole pass is decided when it starts (as the mocker does), its tokens are handed out when it
-ends. Time is kept in integer nanoseconds (pass ends are whole nanoseconds in the mocker too), so
-long replays accumulate no float drift; everything crossing the API is in seconds.
-
-Driver contract: add every arrival of an instant before calling ``next_wakeup()`` for that
-instant. ``advance``/``add_request``/``abort``/``load`` first run the passes that end before
-``now``; a pass due to *start* exactly at ``now`` is only fixed by ``next_wakeup()`` or a later
-call, so same-instant arrivals still join it.
+Driver contract: add every arrival of an instant before calling ``next_wakeup()`` for it.
+``advance``/``add_request``/``abort``/``load`` first run the passes ending by ``now``; a pass due to
+*start* exactly at ``now`` is fixed only by ``next_wakeup()`` or a later call, so arrivals of that
+instant still join it.
 """
 
 from __future__ import annotations
@@ -58,6 +53,7 @@ class _Seq:
     state: int = _BUFFERED
     s_pass: int = -1  # pass that last scheduled it, and ``computed`` before that (to undo a preemption)
     s_before: int = 0
+    expect: int = 0  # prompt tokens expected from cache while queued (load reporting only)
 
 
 @dataclass(slots=True)
@@ -119,6 +115,7 @@ class SimulatedEngine:
         self._total_kv = node.kv_blocks * node.block_size
         self._timing = timing or make_timing(node.timing)
         self._text = text or CorpusText()
+        self._tokens = getattr(self._text, "tokens", None)  # optional bulk accessor: faster block hashing
         self._cache_gen = cache_generated
         self._bm = BlockManager(node.kv_blocks, node.block_size, worker_id)
         self._seqs: dict[str, _Seq] = {}
@@ -128,12 +125,15 @@ class SimulatedEngine:
         self._outbox: list[TokenOutput] = []
         self._events: list[KvEvent] = []
         self._pass: _Pass | None = None
-        self._pass_start = _NEVER
         self._pass_end = _NEVER
         self._last_end = _NEVER
         self._pid = 0
         self._stalled = False
         self._q_prefill = 0  # prompt tokens not computed yet: buffered + waiting + partial prefills
+        # Of those, the tokens queued requests are expected to find cached (matched at arrival).
+        # Reported load subtracts them: a queued request that mostly hits the cache is little work,
+        # and counting its raw prompt would push the router away from the worker holding the prefix.
+        self._q_hit = 0
         self._dec_tokens = 0  # sum of sequence lengths of running requests past their first token
         self.preemptions = 0
         self.last_pass: PassInfo | None = None
@@ -153,10 +153,7 @@ class SimulatedEngine:
             raise ValueError(f"request {rid!r} has an empty prompt")
         bs = self._bs
         if len(req.block_hashes) != plen // bs:
-            raise ValueError(
-                f"request {rid!r}: {len(req.block_hashes)} block hashes for {plen} tokens "
-                f"(block size {bs} needs {plen // bs})"
-            )
+            raise ValueError(f"request {rid!r}: {len(req.block_hashes)} block hashes, {plen // bs} full blocks")
         t = _ns(now)
         self._run_until(t)
         req.arrival = now
@@ -165,16 +162,15 @@ class SimulatedEngine:
         seed = hash_block(prompt[len(hashes) * bs :], hashes[-1] if hashes else req.hash_seed)
         natural = -1 if req.ignore_eos else self._text.natural_length(seed)
         seq = _Seq(req, plen, hashes, seed, natural, t)
+        seq.expect = self._bm.match_prefix(hashes, (plen - 1) // bs)[0] * bs
         self._seqs[rid] = seq
         self._q_prefill += plen
+        self._q_hit += seq.expect
         arr = self._arrivals
-        if arr and arr[-1].arrival_ns > t:  # an out-of-order driver: keep the buffer sorted
-            i = len(arr)
-            while i and arr[i - 1].arrival_ns > t:
-                i -= 1
-            arr.insert(i, seq)
-        else:
-            arr.append(seq)
+        i = len(arr)
+        while i and arr[i - 1].arrival_ns > t:  # an out-of-order driver: keep the buffer sorted
+            i -= 1
+        arr.insert(i, seq)
 
     def abort(self, request_id: str, now: float) -> None:
         t = _ns(now)
@@ -183,6 +179,7 @@ class SimulatedEngine:
         if seq is None:
             return
         st = seq.state
+        self._unexpect(seq)
         if st == _BUFFERED:
             self._arrivals.remove(seq)
         elif st == _WAITING:
@@ -219,17 +216,15 @@ class SimulatedEngine:
     def load(self, now: float) -> LoadReport:
         self._run_until(_ns(now))
         bm = self._bm
+        waiting = len(self._waiting) + len(self._arrivals)
         return LoadReport(
-            worker_id=self.worker_id,
-            time=now,
-            running=len(self._running),
-            waiting=len(self._waiting) + len(self._arrivals),
-            queued_prefill_tokens=self._q_prefill,
-            decode_tokens=self._dec_tokens,
-            kv_active_blocks=bm.active_blocks,
-            kv_cached_blocks=bm.cached_blocks,
-            kv_total_blocks=bm.num_blocks,
-        )
+            self.worker_id, now, len(self._running), waiting, self._q_prefill - self._q_hit, self._dec_tokens,
+            bm.active_blocks, bm.cached_blocks, bm.num_blocks,
+        )  # fmt: skip
+
+    def _unexpect(self, seq: _Seq) -> None:
+        self._q_hit -= seq.expect
+        seq.expect = 0
 
     def cache_snapshot(self) -> list[int]:
         return self._bm.cached_hashes()
@@ -315,9 +310,9 @@ class SimulatedEngine:
                 waiting.popleft()
                 self._seqs.pop(seq.req.request_id, None)
                 self._q_prefill -= seq.plen
+                self._unexpect(seq)
                 seq.state = _DONE
                 p.rejected.append(seq)
-                p.progress = True
                 continue
             # The last token must be computed to get logits: cap the hit at floor((len-1)/bs).
             cap = (L - 1) // bs if seq.generated < seq.req.max_tokens else L // bs
@@ -343,11 +338,8 @@ class SimulatedEngine:
             return
         dur = round(self._timing.pass_time(T, p.A, self._total_kv, p.A > 0) * 1e9)
         self._pass = p
-        self._pass_start = s
         self._pass_end = s + dur
-        self.last_pass = PassInfo(
-            s / 1e9, (s + dur) / 1e9, T, p.A, n, p.n_dec, self._max_tokens - p.budget
-        )
+        self.last_pass = PassInfo(s / 1e9, (s + dur) / 1e9, T, p.A, n, p.n_dec, self._max_tokens - p.budget)
 
     def _schedule(self, seq: _Seq, p: _Pass, from_waiting: bool, cached: int) -> int:
         """Schedule ``seq``'s next chunk in pass ``p`` (vLLM ``schedule_request``)."""
@@ -395,6 +387,7 @@ class SimulatedEngine:
                 p.A += L
                 p.n_dec += 1
         if from_waiting:
+            self._unexpect(seq)
             seq.state = _RUNNING
             self._running.append(seq)
             c = cached if cached < P else P
@@ -441,10 +434,7 @@ class SimulatedEngine:
         seq.state = _WAITING
         w = self._waiting
         pr = seq.req.priority
-        if not w or w[-1].req.priority >= pr:
-            w.append(seq)
-            return
-        i = len(w)
+        i = len(w)  # almost always stays len(w): an append
         while i and w[i - 1].req.priority < pr:
             i -= 1
         w.insert(i, seq)
@@ -467,13 +457,13 @@ class SimulatedEngine:
             seq.hashes = list(seq.hashes)
             seq.own_hashes = True
         hs = seq.hashes
-        bs, P, prompt = self._bs, seq.plen, seq.req.prompt_tokens
-        tok, seed = self._text.token, seq.seed
+        bs, P, prompt, seed = self._bs, seq.plen, seq.req.prompt_tokens, seq.seed
+        many = self._tokens
         for j in range(len(hs), upto):
             lo, hi = j * bs, (j + 1) * bs
             g0 = lo - P if lo > P else 0
-            toks = (prompt[lo:P] if lo < P else []) + [tok(seed, k) for k in range(g0, hi - P)]
-            hs.append(hash_block(toks, hs[j - 1] if j else seq.req.hash_seed))
+            gen = many(seed, g0, hi - P) if many else [self._text.token(seed, k) for k in range(g0, hi - P)]
+            hs.append(hash_block(prompt[lo:P] + gen if lo < P else gen, hs[j - 1] if j else seq.req.hash_seed))
         return hs
 
     # ------------------------------------------------------------------------------ pass end
@@ -496,7 +486,6 @@ class SimulatedEngine:
             req = seq.req
             g = seq.generated
             reason = None
-            ids: list[int]
             if g >= req.max_tokens:  # max_tokens == 0: done once the prompt is in
                 ids, reason = [], "length"
             elif g == seq.natural:  # the model samples EOS (not returned as a token)

@@ -66,6 +66,15 @@ class CorpusText:
     def token(self, seed: int, index: int) -> int:
         return self._data[(self._starts[seed % len(self._starts)] + index) % self._n]
 
+    def tokens(self, seed: int, start: int, stop: int) -> list[int]:
+        """Tokens ``start..stop-1`` at once (the engine uses this, when present, to hash a block)."""
+        n = self._n
+        off = (self._starts[seed % len(self._starts)] + start) % n
+        count = stop - start
+        if off + count <= n:
+            return list(self._data[off : off + count])
+        return [self._data[(off + i) % n] for i in range(count)]
+
     def natural_length(self, seed: int) -> int:
         return 16 + seed % 240
 

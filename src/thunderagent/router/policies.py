@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from thunderagent.config import Policy, RoutingConfig
-from thunderagent.router.cost import load_key
+from thunderagent.router.balance import RecentRequests
+from thunderagent.router.cost import load_key, queued_prefill
 from thunderagent.types import CandidateScore, WorkerState
 
 #: costs closer than this (relative) are ties: the engine's pass time cannot tell them apart.
@@ -34,20 +35,53 @@ class Candidate:
 class RoutingPolicy(Protocol):
     name: str
 
-    def choose(self, cands: Sequence[Candidate], rng: random.Random) -> tuple[int, str]: ...
+    def choose(
+        self, cands: Sequence[Candidate], rng: random.Random, num_tokens: int, now: float
+    ) -> tuple[int, str]: ...
 
 
 class KvAware:
-    """Lowest cost. Temperature 0: argmin; ties go to the worker with the smallest cache footprint
-    (a prefix nobody holds should land where it evicts least, as SGLang's cache-aware router does
-    for misses), then at random. Temperature > 0: softmax over costs normalised to [0, 1]."""
+    """Lowest cost, with misses balanced by recent traffic.
+
+    * **Miss** (the best and worst overlap differ by less than ``miss_overlap_fraction`` of the
+      prompt, so the cache cannot tell workers apart): among workers that can start the prompt
+      within one pass (queued prefill below ``max_num_batched_tokens``), the one sent the fewest
+      requests lately (decayed count, see ``balance.py``), then the smallest cache footprint. A miss
+      usually opens a conversation whose next turns stick where it lands: spreading misses by recent
+      traffic spreads conversations, where the instantaneous queue between two turns is noise.
+    * **Otherwise** temperature 0: argmin of cost; ties go to the smallest cache footprint (evicts
+      least, as SGLang's cache-aware router does), then at random. Temperature > 0: softmax over
+      costs normalised to [0, 1].
+    """
 
     name = "kv_aware"
 
-    def __init__(self, temperature: float) -> None:
+    def __init__(self, temperature: float, miss_overlap_fraction: float, half_life: float) -> None:
         self.temperature = temperature
+        self.miss_fraction = miss_overlap_fraction
+        self.recent = RecentRequests(half_life)
 
-    def choose(self, cands: Sequence[Candidate], rng: random.Random) -> tuple[int, str]:
+    def choose(
+        self, cands: Sequence[Candidate], rng: random.Random, num_tokens: int, now: float
+    ) -> tuple[int, str]:
+        i, reason = self._choose(cands, rng, num_tokens, now)
+        self.recent.add(cands[i].worker.worker_id, now)
+        return i, reason
+
+    def _choose(
+        self, cands: Sequence[Candidate], rng: random.Random, num_tokens: int, now: float
+    ) -> tuple[int, str]:
+        overlaps = [c.score.overlap_blocks * c.worker.block_size for c in cands]
+        if max(overlaps) - min(overlaps) < self.miss_fraction * num_tokens:
+            ready = [i for i, c in enumerate(cands) if queued_prefill(c.worker) < c.worker.max_num_batched_tokens]
+            if ready:
+                rates = {i: self.recent.rate(cands[i].worker.worker_id, now) for i in ready}
+                low = min(rates.values())
+                tied = [i for i in ready if rates[i] - low < 1e-9]
+                small = min(cands[i].footprint for i in tied)
+                tied = [i for i in tied if cands[i].footprint == small]
+                i = tied[0] if len(tied) == 1 else rng.choice(tied)
+                return i, f"cache miss everywhere: fewest recent requests ({rates[i]:.2f}) among workers ready within a pass"
         costs = [c.score.cost for c in cands]
         lo, hi = min(costs), max(costs)
         if self.temperature > 0 and hi > lo:
@@ -78,7 +112,9 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, cands: Sequence[Candidate], rng: random.Random) -> tuple[int, str]:
+    def choose(
+        self, cands: Sequence[Candidate], rng: random.Random, num_tokens: int, now: float
+    ) -> tuple[int, str]:
         # Rotate over worker ids, not list positions, so a worker leaving does not skew the cycle.
         ids = sorted(c.worker.worker_id for c in cands)
         wid = ids[self._next % len(ids)]
@@ -90,14 +126,18 @@ class RoundRobin:
 class RandomChoice:
     name = "random"
 
-    def choose(self, cands: Sequence[Candidate], rng: random.Random) -> tuple[int, str]:
+    def choose(
+        self, cands: Sequence[Candidate], rng: random.Random, num_tokens: int, now: float
+    ) -> tuple[int, str]:
         return rng.randrange(len(cands)), "uniform random"
 
 
 class LeastLoaded:
     name = "least_loaded"
 
-    def choose(self, cands: Sequence[Candidate], rng: random.Random) -> tuple[int, str]:
+    def choose(
+        self, cands: Sequence[Candidate], rng: random.Random, num_tokens: int, now: float
+    ) -> tuple[int, str]:
         keys = [load_key(c.worker) for c in cands]
         lo = min(keys)
         tied = [i for i, k in enumerate(keys) if k == lo]
@@ -107,7 +147,9 @@ class LeastLoaded:
 class PowerOfTwo:
     name = "power_of_two"
 
-    def choose(self, cands: Sequence[Candidate], rng: random.Random) -> tuple[int, str]:
+    def choose(
+        self, cands: Sequence[Candidate], rng: random.Random, num_tokens: int, now: float
+    ) -> tuple[int, str]:
         if len(cands) == 1:
             return 0, "only candidate"
         a, b = rng.sample(range(len(cands)), 2)
@@ -119,7 +161,7 @@ class PowerOfTwo:
 def make_policy(cfg: RoutingConfig, name: Policy | None = None) -> RoutingPolicy:
     policy = name or cfg.policy
     if policy is Policy.kv_aware:
-        return KvAware(cfg.temperature)
+        return KvAware(cfg.temperature, cfg.miss_overlap_fraction, cfg.balance_half_life)
     if policy is Policy.round_robin:
         return RoundRobin()
     if policy is Policy.random:

@@ -60,7 +60,7 @@ class KvRouter:
             best = min(cands, key=lambda c: load_key(c.worker))
             chosen, reason = best, "all workers busy: fallback to least loaded"
         else:
-            i, reason = self.policy.choose(free, self.rng)
+            i, reason = self.policy.choose(free, self.rng, req.num_tokens, now)
             chosen = free[i]
             if len(free) < len(cands):
                 prefix = f"{len(cands) - len(free)} busy filtered; "

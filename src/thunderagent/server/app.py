@@ -62,9 +62,11 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             RequestError(str(exc), status=503, code="no_healthy_worker", type_="server_error"),
             headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))},
         )
-    except web.HTTPRequestEntityTooLarge as exc:
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[FLEET_KEY].cfg.control_plane.max_body_bytes
         resp = _error(RequestError(
-            f"request body too large: limit is {exc.max_size} bytes", status=413, code="body_too_large"
+            f"request body too large: limit is {limit} bytes (control_plane.max_body_bytes)",
+            status=413, code="body_too_large",
         ))
     except web.HTTPException as exc:
         if exc.status < 400:

@@ -1,0 +1,215 @@
+"""Synthetic workloads, as :class:`~thunderagent.sim.traces.TraceRequest` lists like the loaders'.
+
+Every generator is deterministic for its ``seed`` (one private ``random.Random``) and describes
+prompts as **content blocks** of ``block_size`` tokens (default 64) with dense ids allocated in
+order of first appearance, exactly like a loaded trace; ``TraceRequest.tokens()`` expands them.
+Shared content (a group's prefix, a conversation's history, the agents' common tool/system prompt)
+is therefore made of whole blocks: its lengths are rounded **up** to a multiple of ``block_size``.
+Only the final segment of a prompt (a unique suffix / the new user text / the new tool result) may
+end inside a block, and, since each turn's history is rebuilt from whole blocks, lengths that later
+become history (user text, outputs, tool results) are rounded up too. Arrival times are seconds
+from the first arrival (which is 0).
+
+Length arguments accept an ``int`` (fixed) or a ``(lo, hi)`` tuple (uniform integer, inclusive).
+
+* :func:`shared_prefix` - ``G`` groups, each with a common system prefix of ``P`` tokens; each
+  request = its group's prefix + a unique suffix; Poisson arrivals at ``rate`` req/s; group drawn
+  uniformly. ``session`` = None (independent requests).
+* :func:`multi_turn_chat` - ``C`` conversations of ``T`` turns; conversations start as a Poisson
+  process at ``conversation_rate``; turn k+1's prompt = turn k's prompt + turn k's output + new
+  user text; turn k+1 arrives an exponential ``think_time_s`` (mean) after turn k (open loop: the
+  gap stands for response time plus user think time). ``session`` = ``"chat-<c>"``.
+* :func:`agent_programs` - like chat, for agent trajectories: ``session`` = ``"program-<p>"`` (the
+  program id), a tool/system prompt shared by **all** programs, a task description, then per step
+  the model's output (a tool call) and a tool result appended; steps separated by a tool pause
+  drawn from a log-normal distribution (``tool_pause_median_s``, ``tool_pause_sigma``); contexts
+  grow long (tens of thousands of tokens with the defaults).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from thunderagent.sim.traces import PAD_BASE, TraceRequest
+
+__all__ = ["agent_programs", "multi_turn_chat", "shared_prefix"]
+
+Length = int | tuple[int, int]
+
+
+def _draw(rng: random.Random, spec: Length, name: str, minimum: int = 0) -> int:
+    if isinstance(spec, tuple):
+        lo, hi = spec
+        if lo > hi:
+            raise ValueError(f"{name}: empty range {spec}")
+        v = rng.randint(lo, hi)
+    else:
+        v = spec
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return v
+
+
+def _check(block_size: int, **counts: float) -> None:
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    for k, v in counts.items():
+        if v < 0:
+            raise ValueError(f"{k} must be >= 0, got {v}")
+
+
+class _Blocks:
+    """Dense content-block id allocator."""
+
+    __slots__ = ("bs", "next")
+
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.next = 0
+
+    def new(self, tokens: int) -> list[int]:
+        """Fresh ids covering ``tokens`` tokens (the last block possibly partial)."""
+        n = -(-tokens // self.bs)
+        ids = list(range(self.next, self.next + n))
+        self.next += n
+        return ids
+
+    def whole(self, tokens: int) -> int:
+        """``tokens`` rounded up to whole blocks."""
+        return -(-tokens // self.bs) * self.bs
+
+
+def _finish(reqs: list[TraceRequest]) -> list[TraceRequest]:
+    reqs.sort(key=lambda r: r.arrival_s)  # stable: generation order breaks ties
+    t0 = reqs[0].arrival_s if reqs else 0.0
+    for k, r in enumerate(reqs):
+        r.arrival_s -= t0
+        r.pad_token = PAD_BASE + k
+    return reqs
+
+
+def shared_prefix(
+    num_groups: int,
+    prefix_tokens: int,
+    suffix_tokens: Length,
+    num_requests: int,
+    rate: float,
+    output_tokens: Length = 128,
+    *,
+    seed: int = 0,
+    block_size: int = 64,
+) -> list[TraceRequest]:
+    """``num_requests`` requests, each = one of ``num_groups`` shared prefixes (``prefix_tokens``,
+    rounded up to whole blocks) + a unique suffix of ``suffix_tokens`` (≥ 1); Poisson arrivals at
+    ``rate`` req/s (first at 0); group drawn uniformly."""
+    _check(block_size, num_groups=num_groups, prefix_tokens=prefix_tokens, num_requests=num_requests)
+    if num_groups == 0 and num_requests:
+        raise ValueError("num_groups must be > 0")
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    rng = random.Random(seed)
+    blocks = _Blocks(block_size)
+    prefixes = [blocks.new(blocks.whole(prefix_tokens)) for _ in range(num_groups)]
+    plen = blocks.whole(prefix_tokens)
+    out: list[TraceRequest] = []
+    t = 0.0
+    for i in range(num_requests):
+        if i:
+            t += rng.expovariate(rate)
+        g = rng.randrange(num_groups)
+        s = _draw(rng, suffix_tokens, "suffix_tokens", 1)
+        o = _draw(rng, output_tokens, "output_tokens")
+        out.append(TraceRequest(f"sp:{i}", t, plen + s, o, prefixes[g] + blocks.new(s), block_size, None))
+    return _finish(out)
+
+
+def multi_turn_chat(
+    num_conversations: int,
+    turns: int,
+    *,
+    conversation_rate: float = 1.0,
+    system_tokens: int = 0,
+    user_tokens: Length = (64, 512),
+    output_tokens: Length = (64, 512),
+    think_time_s: float = 10.0,
+    seed: int = 0,
+    block_size: int = 64,
+) -> list[TraceRequest]:
+    """``num_conversations`` chats of ``turns`` turns each (see the module docstring).
+
+    Turn 0 = the system prompt (``system_tokens``, shared by all conversations, 0 for none) + user
+    text; turn k+1 = turn k's prompt + turn k's output + new user text. User text and outputs are
+    whole blocks (rounded up), so each turn's prompt extends the previous one block for block.
+    ``think_s`` of turn k+1 records the drawn gap."""
+    _check(block_size, num_conversations=num_conversations, turns=turns, system_tokens=system_tokens)
+    if conversation_rate <= 0 or think_time_s < 0:
+        raise ValueError("conversation_rate must be > 0 and think_time_s >= 0")
+    rng = random.Random(seed)
+    blocks = _Blocks(block_size)
+    system = blocks.new(blocks.whole(system_tokens))
+    out: list[TraceRequest] = []
+    start = 0.0
+    for c in range(num_conversations):
+        if c:
+            start += rng.expovariate(conversation_rate)
+        ids = list(system)
+        t = start
+        think: float | None = None
+        for k in range(turns):
+            u = blocks.whole(_draw(rng, user_tokens, "user_tokens", 1))
+            ids = ids + blocks.new(u)
+            o = blocks.whole(_draw(rng, output_tokens, "output_tokens", 1))
+            out.append(TraceRequest(f"chat-{c}:{k}", t, len(ids) * block_size, o, ids, block_size, f"chat-{c}", think))
+            ids = ids + blocks.new(o)  # the answer becomes history of the next turn
+            think = rng.expovariate(1.0 / think_time_s) if think_time_s > 0 else 0.0
+            t += think
+    return _finish(out)
+
+
+def agent_programs(
+    num_programs: int,
+    steps: int,
+    *,
+    program_rate: float = 0.2,
+    shared_tokens: int = 8192,
+    task_tokens: Length = (512, 2048),
+    tool_result_tokens: Length = (256, 8192),
+    output_tokens: Length = (64, 512),
+    tool_pause_median_s: float = 2.0,
+    tool_pause_sigma: float = 1.0,
+    seed: int = 0,
+    block_size: int = 64,
+) -> list[TraceRequest]:
+    """``num_programs`` agent trajectories of ``steps`` LLM calls each (see the module docstring).
+
+    Step 0 = shared tool/system prompt (``shared_tokens``, common to every program) + task
+    description; step k+1 = step k's prompt + step k's output (the tool call) + the tool result.
+    Programs start as a Poisson process at ``program_rate``; step k+1 arrives after a tool pause
+    ``lognormvariate(ln(tool_pause_median_s), tool_pause_sigma)`` (recorded in ``think_s``). All
+    history segments are whole blocks."""
+    _check(block_size, num_programs=num_programs, steps=steps, shared_tokens=shared_tokens)
+    if program_rate <= 0 or tool_pause_median_s <= 0 or tool_pause_sigma < 0:
+        raise ValueError("program_rate and tool_pause_median_s must be > 0, tool_pause_sigma >= 0")
+    rng = random.Random(seed)
+    blocks = _Blocks(block_size)
+    shared = blocks.new(blocks.whole(shared_tokens))
+    mu = math.log(tool_pause_median_s)
+    out: list[TraceRequest] = []
+    start = 0.0
+    for p in range(num_programs):
+        if p:
+            start += rng.expovariate(program_rate)
+        ids = shared + blocks.new(blocks.whole(_draw(rng, task_tokens, "task_tokens", 1)))
+        t = start
+        pause: float | None = None
+        for k in range(steps):
+            o = blocks.whole(_draw(rng, output_tokens, "output_tokens", 1))
+            out.append(
+                TraceRequest(f"program-{p}:{k}", t, len(ids) * block_size, o, ids, block_size, f"program-{p}", pause)
+            )
+            r = blocks.whole(_draw(rng, tool_result_tokens, "tool_result_tokens", 1))
+            ids = ids + blocks.new(o) + blocks.new(r)
+            pause = rng.lognormvariate(mu, tool_pause_sigma)
+            t += pause
+    return _finish(out)
