@@ -249,7 +249,8 @@ def test_kvtester_single_file_and_global_scope(tmp_path: Path) -> None:
     p.write_text(json.dumps(CONV_B))
     assert detect_format(p) == "kv-cache-tester"
     reqs = load_trace(p)
-    assert [(r.request_id, r.arrival_s, r.block_ids) for r in reqs] == [("convB:0", 0.0, [0, 1]), ("convB:1", 12.0, [0, 1])]
+    got = [(r.request_id, r.arrival_s, r.block_ids) for r in reqs]
+    assert got == [("convB:0", 0.0, [0, 1]), ("convB:1", 12.0, [0, 1])]
     # "global" scope: ids shared across the files of one folder
     ga = dict(CONV_B, id="g1", hash_id_scope="global")
     gb = dict(CONV_B, id="g2", hash_id_scope="global")
