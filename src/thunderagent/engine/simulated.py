@@ -463,7 +463,8 @@ class SimulatedEngine:
             lo, hi = j * bs, (j + 1) * bs
             g0 = lo - P if lo > P else 0
             gen = many(seed, g0, hi - P) if many else [self._text.token(seed, k) for k in range(g0, hi - P)]
-            hs.append(hash_block(prompt[lo:P] + gen if lo < P else gen, hs[j - 1] if j else seq.req.hash_seed))
+            # prompt may be a list or an array('I') (the simulator's synthetic prompts): concatenate generically
+            hs.append(hash_block([*prompt[lo:P], *gen] if lo < P else gen, hs[j - 1] if j else seq.req.hash_seed))
         return hs
 
     # ------------------------------------------------------------------------------ pass end

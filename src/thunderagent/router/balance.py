@@ -1,4 +1,5 @@
-"""Recent request rate per worker: an exponentially decayed count of the requests routed to it.
+"""Recent traffic per worker: an exponentially decayed sum of what was routed to it (the router adds
+the uncached prompt tokens of each request it sends).
 
 Used to place *misses* (requests no worker holds a meaningfully longer prefix of). A miss usually
 starts a new conversation or agent program whose later turns will stick to wherever it lands, so

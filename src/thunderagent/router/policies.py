@@ -45,8 +45,9 @@ class KvAware:
 
     * **Miss** (the best and worst overlap differ by less than ``miss_overlap_fraction`` of the
       prompt, so the cache cannot tell workers apart): among workers that can start the prompt
-      within one pass (queued prefill below ``max_num_batched_tokens``), the one sent the fewest
-      requests lately (decayed count, see ``balance.py``), then the smallest cache footprint. A miss
+      within one pass (queued prefill below ``max_num_batched_tokens``), the one sent the least
+      prefill work lately (decayed uncached prompt tokens, see ``balance.py``), then the smallest
+      cache footprint. A miss
       usually opens a conversation whose next turns stick where it lands: spreading misses by recent
       traffic spreads conversations, where the instantaneous queue between two turns is noise.
     * **Otherwise** temperature 0: argmin of cost; ties go to the smallest cache footprint (evicts
@@ -65,14 +66,18 @@ class KvAware:
         self, cands: Sequence[Candidate], rng: random.Random, num_tokens: int, now: float
     ) -> tuple[int, str]:
         i, reason = self._choose(cands, rng, num_tokens, now)
-        self.recent.add(cands[i].worker.worker_id, now)
+        # Recent traffic counts the prompt tokens the winner must prefill (and store): that is the
+        # work and the cache churn a new conversation brings, whatever its number of requests.
+        c = cands[i]
+        fresh = num_tokens - min(num_tokens, c.score.overlap_blocks * c.worker.block_size)
+        self.recent.add(c.worker.worker_id, now, max(1, fresh))
         return i, reason
 
     def _choose(
         self, cands: Sequence[Candidate], rng: random.Random, num_tokens: int, now: float
     ) -> tuple[int, str]:
         overlaps = [c.score.overlap_blocks * c.worker.block_size for c in cands]
-        if max(overlaps) - min(overlaps) < self.miss_fraction * num_tokens:
+        if max(overlaps) - min(overlaps) <= self.miss_fraction * num_tokens:
             ready = [i for i, c in enumerate(cands) if queued_prefill(c.worker) < c.worker.max_num_batched_tokens]
             if ready:
                 rates = {i: self.recent.rate(cands[i].worker.worker_id, now) for i in ready}
@@ -81,7 +86,7 @@ class KvAware:
                 small = min(cands[i].footprint for i in tied)
                 tied = [i for i in tied if cands[i].footprint == small]
                 i = tied[0] if len(tied) == 1 else rng.choice(tied)
-                return i, f"cache miss everywhere: fewest recent requests ({rates[i]:.2f}) among workers ready within a pass"
+                return i, f"cache miss everywhere: least recent prefill traffic ({rates[i]:.0f} tokens) among workers ready within a pass"
         costs = [c.score.cost for c in cands]
         lo, hi = min(costs), max(costs)
         if self.temperature > 0 and hi > lo:

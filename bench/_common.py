@@ -1,0 +1,61 @@
+"""Small helpers shared by the benchmark scripts (medians, tables, the optional Dynamo import)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from types import ModuleType
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def load_dynamo() -> tuple[ModuleType | None, str]:
+    """``(dynamo.llm, "")`` or ``(None, why)`` when the peer is not installed."""
+    try:
+        import dynamo.llm as dyn  # noqa: PLC0415
+
+        dyn.RadixTree  # noqa: B018
+        dyn.compute_block_hash_for_seq  # noqa: B018
+    except Exception as exc:  # ImportError, or a wheel without these names
+        return None, f"dynamo not importable ({type(exc).__name__}: {exc}); install the 'compare' extra"
+    return dyn, ""
+
+
+def dynamo_version() -> str:
+    try:
+        from importlib.metadata import version  # noqa: PLC0415
+
+        return version("ai-dynamo-runtime")
+    except Exception:
+        return "?"
+
+
+def ratio(ours: float, peer: float) -> float:
+    return ours / peer if peer else float("nan")
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """Plain fixed-width table (no dependencies)."""
+    cells = [[str(h) for h in header]] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    print(f"\n{title}")
+    for j, r in enumerate(cells):
+        print("  " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if j == 0:
+            print("  " + "  ".join("-" * w for w in widths))
+
+
+def _fmt(x: object) -> str:
+    if isinstance(x, float):
+        if x != x:  # NaN
+            return "n/a"
+        if abs(x) >= 1e6:
+            return f"{x / 1e6:.2f} M"
+        if abs(x) >= 100:
+            return f"{x:,.0f}"
+        if abs(x) >= 10:
+            return f"{x:.1f}"
+        return f"{x:.2f}"
+    return str(x)
