@@ -331,7 +331,7 @@ def main() -> None:
         serve_thunderagent(args.serve_thunderagent)
         return
     n = args.requests or (60 if args.quick else 200)
-    per_client = args.per_client or (3 if args.quick else 10)
+    per_client = args.per_client or (3 if args.quick else 20)
     t0 = time.perf_counter()
     r = run(n, args.clients, per_client, 64, with_sglang=not args.no_sglang)
     elapsed = time.perf_counter() - t0

@@ -169,7 +169,7 @@ class Fleet:
         )
         elapsed = time.perf_counter() - t0
         best = max((c.overlap_blocks for c in decision.candidates), default=0)
-        best_tokens = min(best * self.block_size, max(0, len(prompt_ids) - 1))
+        best_tokens = min(best, (len(prompt_ids) - 1) // self.block_size) * self.block_size  # last token recomputed
         predicted = min(decision.overlap_blocks * self.block_size, len(prompt_ids))
         self.metrics.observe_route(decision.worker_id, len(prompt_ids), predicted, elapsed)
         if log.isEnabledFor(logging.DEBUG):

@@ -178,7 +178,9 @@ class Simulator:
         decision = self.router.route(RouteRequest(tr.request_id, tr.input_length, hashes), self._states, now)
         best = max((c.overlap_blocks for c in decision.candidates), default=0)
         i = self._pos[decision.worker_id]
-        tracks[tr.request_id] = _Track(now, tr.input_length, min(best * bs, max(0, tr.input_length - 1)), i)
+        # engines always recompute the last prompt token: at most floor((len-1)/bs) blocks can hit
+        best_known = min(best, (tr.input_length - 1) // bs) * bs
+        tracks[tr.request_id] = _Track(now, tr.input_length, best_known, i)
         req = EngineRequest(tr.request_id, tokens, hashes, BASE_SEED, tr.output_length, ignore_eos=True)  # type: ignore[arg-type]
         self.engines[i].add_request(req, now)
         return i
