@@ -163,10 +163,10 @@ def test_misses_spread_by_recent_requests_not_instant_load():
 def test_miss_skips_backlogged_workers_and_rates_decay():
     router, _ = make_router(balance_half_life=10.0)
     ws = [worker("a"), worker("b", queued=2000)]  # b is 2 passes behind (1024-token passes)
-    assert [router.route(RouteRequest(str(i), 128, [7, i]), ws, 1.0).worker_id for i in range(3)] == ["a"] * 3
+    assert [router.route(RouteRequest(str(i), 128, [100 + i]), ws, 1.0).worker_id for i in range(3)] == ["a"] * 3
     kv = router.policy
-    assert kv.recent.rate("a", 1.0) == pytest.approx(3.0)
-    assert kv.recent.rate("a", 11.0) == pytest.approx(1.5)  # one half-life later
+    assert kv.recent.rate("a", 1.0) == pytest.approx(3 * 128)  # uncached prompt tokens sent to a
+    assert kv.recent.rate("a", 11.0) == pytest.approx(3 * 64)  # one half-life later
 
 
 def test_hit_is_not_a_miss_even_with_recent_traffic():

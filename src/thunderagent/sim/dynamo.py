@@ -51,9 +51,10 @@ def _import_core() -> Any:
     we set it to ``warn`` before the first import.
     """
     os.environ.setdefault("DYN_LOG", "warn")
-    from dynamo import _core  # optional dependency, imported lazily
+    import importlib
 
-    return _core
+    # import_module (not ``from dynamo import _core``) so sys.modules is authoritative
+    return importlib.import_module("dynamo._core")  # optional dependency, imported lazily
 
 
 def dynamo_available() -> bool:
