@@ -115,8 +115,10 @@ class RoutingConfig(_Strict):
     temperature: float = Field(0.0, ge=0, description="0 = argmin; > 0 = softmax over normalised costs")
     memory_watermark: float = Field(0.7, ge=0, le=1)
     busy_kv_usage: float = Field(0.98, gt=0, le=1, description="KV usage at which a worker counts as busy")
-    fallback: Literal["least_loaded", "reject"] = Field(
-        "least_loaded", description="when every worker is busy: route to the least loaded, or 503"
+    fallback: Literal["policy", "least_loaded", "reject"] = Field(
+        "policy",
+        description="when every worker is busy: apply the policy to all of them (a saturated fleet still "
+        "benefits from cache hits most), route to the least loaded, or answer 503",
     )
     prediction_ttl: float = Field(5.0, gt=0, description="seconds a predicted index entry lives unconfirmed")
     miss_overlap_fraction: float = Field(

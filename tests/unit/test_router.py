@@ -108,7 +108,12 @@ def test_busy_filtered_and_fallback():
     store(index, "a", HASHES)
     d = router.route(RouteRequest("r", 128, HASHES), [worker("a", waiting=8), worker("b")], 1.0)
     assert d.worker_id == "b" and "1 busy filtered" in d.reason
+    # all busy, default fallback "policy": the cache still decides
     d = router.route(RouteRequest("r", 128, HASHES), [worker("a", waiting=9), worker("b", waiting=8)], 1.0)
+    assert d.worker_id == "a" and "all workers busy" in d.reason
+    ll, ll_index = make_router(fallback="least_loaded")
+    store(ll_index, "a", HASHES)
+    d = ll.route(RouteRequest("r", 128, HASHES), [worker("a", waiting=9), worker("b", waiting=8)], 1.0)
     assert d.worker_id == "b" and "fallback" in d.reason
     rej, _ = make_router(fallback="reject")
     with pytest.raises(NoWorkerAvailable):

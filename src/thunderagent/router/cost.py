@@ -8,10 +8,13 @@ Cost is in *prefill-token equivalents* (the unit the engine's pass time grows wi
          + w_memory  * over_watermark * max_num_batched_tokens
 
 * ``cached_tokens`` is the worker's leading overlap (index match) in tokens. The credit shrinks as
-  the worker's backlog grows: ``credit = overlap_credit / (1 + backlog_passes / credit_load_scale)``,
-  with ``backlog_passes = queued_prefill_tokens / max_num_batched_tokens``. A cache hit on a worker
-  that is passes behind buys less than the same hit on an idle one (it will still wait the backlog),
-  which keeps a hot prefix from pinning every request onto one drowning worker.
+  the worker's backlog rises above the least backlogged candidate's:
+  ``credit = overlap_credit / (1 + excess_passes / credit_load_scale)``, with
+  ``excess_passes = (queued_prefill_tokens - min queued over candidates) / max_num_batched_tokens``.
+  A hit on a worker passes behind the others buys less than the same hit elsewhere, which keeps a
+  hot prefix from pinning every request onto one drowning worker. The shrink is *relative*: when
+  the whole fleet is backlogged, hits are worth the most (they cut the work everyone waits for),
+  and an absolute shrink would turn overload into cache thrashing.
 * ``over_watermark = (kv_usage - watermark) / (1 - watermark)`` above the watermark, else 0: a
   worker near memory exhaustion would evict (or preempt) to admit us, so it costs up to one extra
   full pass of work.
@@ -47,15 +50,16 @@ def load_key(w: WorkerState) -> tuple[int, int, int]:
 
 
 def score(
-    w: WorkerState, num_tokens: int, overlap_blocks: int, cfg: RoutingConfig
+    w: WorkerState, num_tokens: int, overlap_blocks: int, cfg: RoutingConfig, min_queued: int = 0
 ) -> CandidateScore:
     weights = cfg.weights
     cached = min(overlap_blocks * w.block_size, num_tokens)
     queued = queued_prefill(w)
-    backlog_passes = queued / w.max_num_batched_tokens
-    credit = weights.overlap_credit / (1.0 + backlog_passes / weights.credit_load_scale)
+    excess_passes = max(0, queued - min_queued) / w.max_num_batched_tokens
+    credit = weights.overlap_credit / (1.0 + excess_passes / weights.credit_load_scale)
     prefill = num_tokens - credit * cached
-    usage = w.load.kv_usage
+    load = w.load
+    usage = load.kv_active_blocks / load.kv_total_blocks if load.kv_total_blocks else 0.0
     over = 0.0
     if usage > cfg.memory_watermark and cfg.memory_watermark < 1.0:
         over = min(1.0, (usage - cfg.memory_watermark) / (1.0 - cfg.memory_watermark))
@@ -72,6 +76,6 @@ def score(
         queued_prefill_tokens=queued,
         decode_tokens=w.load.decode_tokens,
         kv_usage=usage,
-        busy=is_busy(w, cfg),
+        busy=(load.waiting + w.inflight_requests) >= w.queue_depth_threshold or usage >= cfg.busy_kv_usage,
         cost=cost,
     )

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from thunderagent.config import Policy, RoutingConfig
 from thunderagent.kv.index import KvIndex
-from thunderagent.router.cost import load_key, score
+from thunderagent.router.cost import load_key, queued_prefill, score
 from thunderagent.router.policies import Candidate, make_policy
 from thunderagent.types import Decision, RouteRequest, WorkerState
 
@@ -42,21 +42,25 @@ class KvRouter:
         if not workers:
             raise NoWorkerAvailable("no healthy worker is registered")
         overlaps = self.index.find_matches(req.block_hashes, now) if req.block_hashes else {}
+        min_queued = min(queued_prefill(w) for w in workers)
         cands = [
             Candidate(
                 w,
-                score(w, req.num_tokens, overlaps.get(w.worker_id, 0), self.cfg),
+                score(w, req.num_tokens, overlaps.get(w.worker_id, 0), self.cfg, min_queued),
                 self.index.num_blocks(w.worker_id),
             )
             for w in workers
         ]
         free = [c for c in cands if not c.score.busy]
         prefix = ""
-        if not free:
+        if not free and self.cfg.fallback == "policy":
+            # Every worker is saturated: busy filtering tells nothing apart, so choose among all.
+            # Cache hits matter most here: they cut the work the whole fleet is queued behind.
+            i, reason = self.policy.choose(cands, self.rng, req.num_tokens, now)
+            chosen, prefix = cands[i], "all workers busy; "
+        elif not free:
             if self.cfg.fallback == "reject":
                 raise NoWorkerAvailable(f"all {len(cands)} workers are busy", retry_after=1.0)
-            # Every worker is saturated: still serve, on the least loaded one (bounded queues
-            # upstream of the engine are the scheduler's job, not the router's).
             best = min(cands, key=lambda c: load_key(c.worker))
             chosen, reason = best, "all workers busy: fallback to least loaded"
         else:
