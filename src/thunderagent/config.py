@@ -107,6 +107,10 @@ class CostWeights(_Strict):
         4.0, gt=0, description="queued prefill passes at which the cache credit is halved"
     )
     memory: float = Field(1.0, ge=0, description="penalty per unit of KV usage above the watermark")
+    contention: float = Field(
+        1.0, ge=0,
+        description="extra charge per waiting request on recomputing tokens another worker holds",
+    )
 
 
 class RoutingConfig(_Strict):
@@ -120,10 +124,13 @@ class RoutingConfig(_Strict):
         description="when every worker is busy: apply the policy to all of them (a saturated fleet still "
         "benefits from cache hits most), route to the least loaded, or answer 503",
     )
-    prediction_ttl: float = Field(5.0, gt=0, description="seconds a predicted index entry lives unconfirmed")
+    # A prediction must outlive the queueing delay of the request that made it: under load the next
+    # turn of a conversation can arrive before the previous one was even prefilled. A stale one
+    # costs at most one misroute (events and lazy verification correct the index).
+    prediction_ttl: float = Field(120.0, gt=0, description="seconds a predicted index entry lives unconfirmed")
     miss_overlap_fraction: float = Field(
-        0.1, ge=0, le=1,
-        description="a request whose best and worst worker overlap differ by less than this share of the "
+        0.0, ge=0, le=1,
+        description="a request whose best and worst worker overlap differ by at most this share of the "
         "prompt is a cache miss everywhere: it is balanced by recent request rate, not by cost",
     )
     balance_half_life: float = Field(

@@ -6,6 +6,7 @@ Cost is in *prefill-token equivalents* (the unit the engine's pass time grows wi
          + w_queue   * queued_prefill_tokens
          + w_decode  * decode_tokens
          + w_memory  * over_watermark * max_num_batched_tokens
+         + w_prefill * contention * waiting_requests * (best_cached_tokens - cached_tokens)
 
 * ``cached_tokens`` is the worker's leading overlap (index match) in tokens. The credit shrinks as
   the worker's backlog rises above the least backlogged candidate's:
@@ -50,7 +51,12 @@ def load_key(w: WorkerState) -> tuple[int, int, int]:
 
 
 def score(
-    w: WorkerState, num_tokens: int, overlap_blocks: int, cfg: RoutingConfig, min_queued: int = 0
+    w: WorkerState,
+    num_tokens: int,
+    overlap_blocks: int,
+    cfg: RoutingConfig,
+    min_queued: int = 0,
+    best_cached: int = 0,
 ) -> CandidateScore:
     weights = cfg.weights
     cached = min(overlap_blocks * w.block_size, num_tokens)
@@ -63,8 +69,16 @@ def score(
     over = 0.0
     if usage > cfg.memory_watermark and cfg.memory_watermark < 1.0:
         over = min(1.0, (usage - cfg.memory_watermark) / (1.0 - cfg.memory_watermark))
+    # Contention: recomputing tokens another candidate holds (``best_cached - cached``) delays
+    # this request *and* every request that will queue behind it on this worker; in steady state
+    # about as many as wait there now. Idle fleet: no charge (plain TTFT-greedy). Saturated
+    # fleet: avoidable recomputation is charged per waiting request, so a hit wins over queue
+    # differences (fewer recomputed tokens is what raises a saturated fleet's throughput).
+    # Tokens nobody holds are not charged: a miss is balanced on queue alone.
+    avoidable = max(0, min(best_cached, num_tokens) - cached)
+    contention = weights.contention * (load.waiting + w.inflight_requests) * avoidable
     cost = (
-        weights.prefill * prefill
+        weights.prefill * (prefill + contention)
         + weights.queue * queued
         + weights.decode * w.load.decode_tokens
         + weights.memory * over * w.max_num_batched_tokens

@@ -43,10 +43,11 @@ class KvRouter:
             raise NoWorkerAvailable("no healthy worker is registered")
         overlaps = self.index.find_matches(req.block_hashes, now) if req.block_hashes else {}
         min_queued = min(queued_prefill(w) for w in workers)
+        best_cached = max((overlaps.get(w.worker_id, 0) * w.block_size for w in workers), default=0)
         cands = [
             Candidate(
                 w,
-                score(w, req.num_tokens, overlaps.get(w.worker_id, 0), self.cfg, min_queued),
+                score(w, req.num_tokens, overlaps.get(w.worker_id, 0), self.cfg, min_queued, best_cached),
                 self.index.num_blocks(w.worker_id),
             )
             for w in workers
