@@ -57,12 +57,33 @@ class KvTransferConfig(_Strict):
     max_inflight: int = Field(4, ge=1)
 
 
+class EndpointConfig(_Strict):
+    """A real engine server: its OpenAI HTTP endpoint and its KV-event sockets."""
+
+    url: str = Field(description="OpenAI-compatible base URL, e.g. http://127.0.0.1:8101")
+    kv_events: str | None = Field(None, description="ZMQ PUB endpoint of KV events, e.g. tcp://127.0.0.1:5571")
+    kv_replay: str | None = Field(None, description="ZMQ ROUTER endpoint for replaying missed events")
+
+    @model_validator(mode="after")
+    def _schemes(self) -> EndpointConfig:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+        for name in ("kv_events", "kv_replay"):
+            v = getattr(self, name)
+            if v is not None and not v.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"{name} must be a tcp:// or ipc:// endpoint, got {v!r}")
+        return self
+
+
 class NodeConfig(_Strict):
     """One group of identical workers."""
 
     role: Role = Role.both
     count: int = Field(1, ge=1)
-    engine: Literal["simulated"] = "simulated"
+    engine: Literal["simulated", "vllm", "sglang"] = "simulated"
+    endpoints: list[EndpointConfig] = Field(
+        default_factory=list, description="real engines only: one entry per server (count follows)"
+    )
     max_batch_size: int = Field(256, ge=1, description="max running sequences (max_num_seqs)")
     max_num_batched_tokens: int = Field(8192, ge=1)
     enable_chunked_prefill: bool = True
@@ -71,6 +92,19 @@ class NodeConfig(_Strict):
     queue_depth_threshold: int = Field(64, ge=1, description="waiting requests at which a worker counts as busy")
     kv_cache_transfer: KvTransferConfig = KvTransferConfig()
     timing: TimingConfig = TimingConfig()
+
+    @model_validator(mode="after")
+    def _endpoints_match_engine(self) -> NodeConfig:
+        if self.engine == "simulated":
+            if self.endpoints:
+                raise ValueError("endpoints are for real engines (engine: vllm|sglang), not simulated ones")
+            return self
+        if not self.endpoints:
+            raise ValueError(f"engine {self.engine} needs endpoints: one {{url, kv_events}} per server")
+        if "count" in self.model_fields_set and self.count != len(self.endpoints):
+            raise ValueError(f"count ({self.count}) differs from the number of endpoints ({len(self.endpoints)})")
+        object.__setattr__(self, "count", len(self.endpoints))
+        return self
 
 
 class ExecutionGroupConfig(_Strict):
@@ -155,6 +189,9 @@ class Config(_Strict):
     metrics: MetricsConfig = MetricsConfig()
     simulation: SimulationConfig = SimulationConfig()
     model_name: str = "thunderagent-sim"
+    model: str | None = Field(
+        None, description="local model directory (tokenizer + chat template) for real engines; none = byte tokenizer"
+    )
 
 
 def _format_error(exc: ValidationError, source: str) -> str:

@@ -99,6 +99,7 @@ class TokenOutput:
     cached_tokens: int  # prompt tokens served from the prefix cache (max over admissions)
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    text: str | None = None  # engines that return text (real engines over HTTP) set it; else decoded from ids
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The in-process control plane: registry + index + router in front of local workers.
 
-This is the object graph ``thunderagent serve`` runs: it builds one :class:`LocalWorker` per
-configured worker, feeds their KV events into the :class:`KvIndex` and their heartbeats into the
+This is the object graph ``thunderagent serve`` runs: it builds one :class:`WorkerHandle` per
+configured worker (through the factory registered for the node's ``engine`` kind; the simulated
+engine's is built in), feeds their KV events into the :class:`KvIndex` and their heartbeats into the
 :class:`WorkerRegistry`, runs the health check, and turns a tokenized prompt into a routed, streaming
 generation. The HTTP layer (``server.app``) only parses and formats.
 """
@@ -17,13 +18,14 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from thunderagent.config import Config, Policy, Role
+from thunderagent.config import Config, NodeConfig, Policy, Role
 from thunderagent.control.registry import Health, WorkerInfo, WorkerRegistry
 from thunderagent.engine.simulated import SimulatedEngine
 from thunderagent.kv.hashing import block_hashes, hash_seed
 from thunderagent.kv.index import EventResult, KvIndex
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
 from thunderagent.server.local_worker import LocalWorker, ScaledClock
+from thunderagent.server.worker_handle import WorkerCallbacks, WorkerFactory, WorkerHandle
 from thunderagent.server.metrics import Metrics
 from thunderagent.server.stops import StopMatcher
 from thunderagent.server.tokenizer import ByteTokenizer, Tokenizer
@@ -38,7 +40,7 @@ __all__ = ["Fleet", "Generation", "NoWorkerAvailable", "TextChunk"]
 class Generation:
     request_id: str
     decision: Decision
-    worker: LocalWorker
+    worker: WorkerHandle
     queue: asyncio.Queue[TokenOutput]
     prompt_tokens: int
     best_known_tokens: int  # most prompt tokens any worker held per the index at routing time
@@ -64,15 +66,23 @@ class Fleet:
         cp = cfg.control_plane
         self.registry = WorkerRegistry(cp.heartbeat_interval, cp.heartbeat_misses)
         self.block_size = cfg.execution_group.nodes[0].block_size
-        self.workers: dict[str, LocalWorker] = {}
+        self.workers: dict[str, WorkerHandle] = {}
+        self.factories: dict[str, WorkerFactory] = {"simulated": self._simulated_worker}
+        self._clock: ScaledClock | None = None
         self._ids = itertools.count()
         self._health_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
+    def _simulated_worker(self, node: NodeConfig, wid: str, k: int, cb: WorkerCallbacks) -> WorkerHandle:
+        if self._clock is None:
+            self._clock = ScaledClock(self.cfg.simulation.speedup, self._loop)
+        engine = SimulatedEngine(wid, node, eos_token_id=self.tokenizer.eos_token_id)
+        return LocalWorker(engine, self._clock, cb.on_events, cb.on_heartbeat, self.cfg.control_plane.heartbeat_interval)
+
     async def start(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
-        clock = ScaledClock(self.cfg.simulation.speedup, loop)
+        callbacks = WorkerCallbacks(self._on_events, self._on_heartbeat)
         n = 0
         for node in self.cfg.execution_group.nodes:
             if node.role is not Role.both:
@@ -80,13 +90,13 @@ class Fleet:
                     "role %s: prefill/decode disaggregation is not implemented yet; "
                     "these workers serve requests end to end", node.role.value,
                 )
-            for _ in range(node.count):
+            factory = self.factories.get(node.engine)
+            if factory is None:
+                raise ValueError(f"no worker factory for engine kind {node.engine!r}")
+            for k in range(node.count):
                 wid = f"worker-{n}"
                 n += 1
-                engine = SimulatedEngine(wid, node, eos_token_id=self.tokenizer.eos_token_id)
-                worker = LocalWorker(
-                    engine, clock, self._on_events, self._on_heartbeat, self.cfg.control_plane.heartbeat_interval
-                )
+                worker = factory(node, wid, k, callbacks)
                 info = WorkerInfo(
                     wid, node.role.value, node.block_size, node.max_num_batched_tokens,
                     node.queue_depth_threshold, node.kv_blocks,
@@ -97,7 +107,7 @@ class Fleet:
                 worker.start()
         if self.cfg.control_plane.health_check_enabled:
             self._health_task = asyncio.create_task(self._health_loop(), name="health")
-        log.info("fleet up: %d simulated workers, policy %s", n, self.router.policy.name)
+        log.info("fleet up: %d workers, policy %s", n, self.router.policy.name)
 
     async def stop(self) -> None:
         if self._health_task is not None:
@@ -120,8 +130,9 @@ class Fleet:
                 self._resync(worker_id)
 
     def _resync(self, worker_id: str) -> None:
-        hashes, seq = self.workers[worker_id].snapshot()
-        self.index.resync(worker_id, hashes, seq)
+        snap = self.workers[worker_id].snapshot()
+        if snap is not None:
+            self.index.resync(worker_id, *snap)
 
     def _on_heartbeat(self, worker_id: str, load: LoadReport) -> None:
         self.registry.heartbeat(worker_id, load, self.now())
@@ -201,7 +212,7 @@ class Fleet:
                     self.metrics.itl.observe(now - last_t)
                 last_t = now
                 completion += len(out.token_ids)
-                text = matcher.feed(decoder.feed(out.token_ids))
+                text = matcher.feed(out.text if out.text is not None else decoder.feed(out.token_ids))
                 if matcher.stopped:
                     finished = True
                     yield TextChunk(text, "stop", completion, cached)

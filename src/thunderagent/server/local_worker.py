@@ -89,7 +89,7 @@ class LocalWorker:
     def load(self) -> LoadReport:
         return self.engine.load(self.clock.now())
 
-    def snapshot(self) -> tuple[list[int], int]:
+    def snapshot(self) -> tuple[list[int], int] | None:
         """The engine's cached hashes and the last event seq they include (index resync)."""
         self._flush_events()
         return self.engine.cache_snapshot(), self.last_seq
