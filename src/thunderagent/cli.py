@@ -20,10 +20,35 @@ def build_config(
     workers: int | None = None,
     speedup: float | None = None,
     policy: Policy | None = None,
+    *,
+    model: str | None = None,
+    engine: str | None = None,
+    worker_endpoints: list[str] | None = None,
+    block_size: int | None = None,
 ) -> Config:
-    """The config file (or the embedded default) with command-line overrides applied on top."""
+    """The config file (or the embedded default) with command-line overrides applied on top.
+
+    ``worker_endpoints`` (``--worker URL[=EVENTS[,REPLAY]]``) replace the node groups by one group of
+    real ``engine`` servers; ``model`` is the local model directory they serve."""
     cfg = load_config(config) if config else Config()
     data = cfg.model_dump(mode="json")
+    if model is not None:
+        data["model"] = model
+        if data["model_name"] == Config.model_fields["model_name"].default:
+            data["model_name"] = model  # what vLLM calls it by default: clients keep their model name
+    if worker_endpoints:
+        if workers is not None:
+            raise ConfigError("--workers counts simulated workers; with --worker the servers are the workers")
+        data["execution_group"]["nodes"] = [{
+            "engine": engine or "vllm",
+            "endpoints": [parse_worker_endpoint(w) for w in worker_endpoints],
+            "block_size": block_size or data["execution_group"]["nodes"][0]["block_size"],
+        }]
+    elif engine is not None and engine != "simulated":
+        raise ConfigError(f"--engine {engine} needs at least one --worker URL=EVENTS (or endpoints in --config)")
+    elif block_size is not None:
+        for node in data["execution_group"]["nodes"]:
+            node["block_size"] = block_size
     if host is not None:
         data["control_plane"]["host"] = host
     if port is not None:
@@ -39,6 +64,19 @@ def build_config(
     return parse_config(data, str(config) if config else "<command line>")
 
 
+def parse_worker_endpoint(spec: str) -> dict[str, str]:
+    """``URL[=EVENTS[,REPLAY]]``: the engine's OpenAI base URL, its KV-event PUB endpoint and its
+    replay endpoint, e.g. ``http://127.0.0.1:8101=tcp://127.0.0.1:5571,tcp://127.0.0.1:5572``."""
+    url, _, zmq = spec.partition("=")
+    events, _, replay = zmq.partition(",")
+    out = {"url": url}
+    if events:
+        out["kv_events"] = events
+    if replay:
+        out["kv_replay"] = replay
+    return out
+
+
 @app.command()
 def serve(
     host: Annotated[Optional[str], typer.Option(help="bind address (default 127.0.0.1)")] = None,
@@ -49,23 +87,38 @@ def serve(
     speedup: Annotated[
         Optional[float], typer.Option(help="simulated engine time per wall second (default 1.0)", min=0.001)
     ] = None,
+    model: Annotated[Optional[str], typer.Option(
+        help="local model directory the engines serve (tokenizer + chat template; needs the engines extra)")] = None,
+    engine: Annotated[Optional[str], typer.Option(help="engine of the --worker servers: vllm (default) or sglang")] = None,
+    worker: Annotated[Optional[list[str]], typer.Option(
+        help="an engine server: URL=EVENTS[,REPLAY], e.g. http://127.0.0.1:8101=tcp://127.0.0.1:5571,"
+             "tcp://127.0.0.1:5572 (repeat per server)")] = None,
+    block_size: Annotated[Optional[int], typer.Option(
+        help="KV block size in tokens: must equal the engines' --block-size", min=1)] = None,
     log_level: Annotated[str, typer.Option(help="debug shows every routing decision")] = "info",
 ) -> None:
-    """Run the OpenAI-compatible frontend, the KV-aware router and the simulated workers in one process."""
+    """Run the OpenAI-compatible frontend and the KV-aware router in one process, in front of simulated
+    workers or of real engine servers (--model DIR --worker URL=EVENTS ...)."""
     from aiohttp import web
 
     from thunderagent.server.app import create_app
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = build_config(config, host, port, workers, speedup, policy)
-    except ConfigError as exc:
+        if engine is not None and engine not in ("vllm", "sglang", "simulated"):
+            raise ConfigError(f"--engine must be vllm or sglang, got {engine!r}")
+        cfg = build_config(config, host, port, workers, speedup, policy, model=model, engine=engine,
+                           worker_endpoints=worker, block_size=block_size)
+        application = create_app(cfg)  # loads the model's tokenizer (before serving)
+    except (ConfigError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     cp = cfg.control_plane
+    kinds = sorted({node.engine for node in cfg.execution_group.nodes})
     n = sum(node.count for node in cfg.execution_group.nodes)
-    typer.echo(f"ThunderAgent on http://{cp.host}:{cp.port}/v1 — {n} simulated workers, policy {cfg.routing.policy.value}")
-    web.run_app(create_app(cfg), host=cp.host, port=cp.port, print=None, access_log=None)
+    typer.echo(f"ThunderAgent on http://{cp.host}:{cp.port}/v1 — {n} {'/'.join(kinds)} workers, "
+               f"model {cfg.model_name}, policy {cfg.routing.policy.value}")
+    web.run_app(application, host=cp.host, port=cp.port, print=None, access_log=None)
 
 
 _DYNAMO_MODE = {Policy.round_robin: "round_robin", Policy.kv_aware: "kv_router"}
@@ -159,6 +212,11 @@ def check_config(path: Annotated[Path, typer.Argument(exists=True, dir_okay=Fals
     import yaml
 
     typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+from thunderagent import cli_nats  # noqa: E402  (`frontend` and `worker`: the NATS deployment)
+
+cli_nats.register(app)
 
 
 def main() -> None:

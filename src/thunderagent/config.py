@@ -193,6 +193,16 @@ class Config(_Strict):
         None, description="local model directory (tokenizer + chat template) for real engines; none = byte tokenizer"
     )
 
+    @model_validator(mode="after")
+    def _model_for_real_engines(self) -> Config:
+        real = sorted({n.engine for n in self.execution_group.nodes if n.engine != "simulated"})
+        if real and self.model is None:
+            raise ValueError(
+                f"engine {real[0]} needs `model`: the local model directory the engine serves (its tokenizer "
+                "and chat template tokenize prompts here, so our block hashes match the engine's cache)"
+            )
+        return self
+
 
 def _format_error(exc: ValidationError, source: str) -> str:
     lines = []

@@ -86,6 +86,9 @@ class EngineRequest:
     ignore_eos: bool = False  # traces ask for exactly max_tokens tokens
     priority: int = 0
     arrival: float = 0.0  # set by the engine from ``now`` at add_request
+    # Real engines key their own prefix cache on these (``hash_seed`` already carries them for ours).
+    cache_salt: str | None = None
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)

@@ -126,3 +126,42 @@ async def test_unhealthy_worker_leaves_routing_and_index_then_returns(server_fac
             if home in {w.worker_id for w in srv.fleet.registry.routable()}:
                 break
         assert srv.fleet.index.num_blocks(home) > 0  # resynced from the worker's cache
+
+
+async def test_prompt_longer_than_any_worker_can_hold_is_a_clear_400(server_factory):
+    nodes = {"nodes": [{"count": 2, "kv_blocks": 8, "block_size": 16}]}  # 128 tokens per worker
+    async with server_factory(execution_group=nodes) as srv:
+        async with aiohttp.ClientSession() as s:
+            body = json.dumps({**GOOD, "messages": [{"role": "user", "content": "x" * 200}]})
+            got, err, _ = await post(s, srv.base_url + "/v1/chat/completions", body)
+            assert got == 400 and err["error"]["param"] == "messages"
+            assert err["error"]["code"] == "context_length_exceeded"
+            body = json.dumps({**GOOD, "messages": [{"role": "user", "content": "x" * 50}], "max_tokens": 100})
+            got, err, _ = await post(s, srv.base_url + "/v1/chat/completions", body)
+            assert got == 400 and err["error"]["param"] == "max_tokens"
+            await assert_still_serving(s, srv.base_url)
+
+
+async def test_failed_engine_ends_requests_with_an_error_and_leaves_routing(server_factory):
+    async with server_factory(execution_group={"nodes": [{"count": 2}]}) as srv:
+        victim = srv.fleet.workers["worker-0"]
+
+        def broken(now: float) -> list:
+            raise RuntimeError("simulated engine bug")
+
+        victim.engine.advance = broken  # type: ignore[method-assign]
+        async with aiohttp.ClientSession() as s:
+            statuses = []
+            for i in range(6):
+                body = json.dumps({**GOOD, "messages": [{"role": "user", "content": f"request {i} " * 20}]})
+                got, err, headers = await post(s, srv.base_url + "/v1/chat/completions", body)
+                statuses.append(got)
+                if got != 200:
+                    assert got == 502 and err["error"]["code"] == "worker_failed"
+            for _ in range(250):
+                await asyncio.sleep(0.02)
+                if [w.worker_id for w in srv.fleet.registry.routable()] == ["worker-1"]:
+                    break
+            assert [w.worker_id for w in srv.fleet.registry.routable()] == ["worker-1"]
+            for _ in range(4):
+                await assert_still_serving(s, srv.base_url)

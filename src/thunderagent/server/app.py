@@ -18,6 +18,7 @@ import msgspec
 from aiohttp import web
 
 from thunderagent.config import Config, Policy
+from thunderagent.server.engines import build_fleet
 from thunderagent.server.fleet import Fleet, Generation, NoWorkerAvailable, TextChunk
 from thunderagent.server.protocol import (
     ChatCompletionRequest,
@@ -30,6 +31,7 @@ from thunderagent.server.protocol import (
     stop_list,
 )
 from thunderagent.server.tokenizer import ChatMessage
+from thunderagent.server.worker_handle import UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +115,19 @@ class Frontend:
     ) -> web.StreamResponse:
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or self.max_tokens_default
         stops = stop_list(req.stop)
+        prompt_param = "messages" if chat else "prompt"
         if not prompt_ids:
-            raise RequestError("prompt is empty after tokenization", param="messages" if chat else "prompt")
+            raise RequestError("prompt is empty after tokenization", param=prompt_param)
+        limit = self.fleet.max_context_tokens
+        if limit is not None and len(prompt_ids) + max_tokens > limit:
+            # The engine would reject it anyway (it can never hold the sequence): say why, up front.
+            too_long = len(prompt_ids) >= limit
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the {limit} tokens "
+                "a worker's KV cache can hold",
+                param=prompt_param if too_long else ("max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"),
+                code="context_length_exceeded",
+            )
         gen = self.fleet.start_generation(
             prompt_ids, max_tokens, cache_salt=req.cache_salt, lora_name=req.lora_name, priority=req.priority
         )
@@ -133,6 +146,11 @@ class Frontend:
             last = chunk
         assert last is not None, "a generation always ends with a final chunk"
         text = "".join(text_parts)
+        if last.finish_reason == "error" and not text:
+            raise RequestError(f"worker {gen.decision.worker_id} failed while serving the request; retry",
+                               status=502, code="worker_failed", type_="server_error")
+        if last.finish_reason == UNAVAILABLE and not text:  # no worker could take it, even routed again
+            raise NoWorkerAvailable("no worker could take the request (engines unreachable)")
         if chat:
             choice: dict[str, Any] = {
                 "index": 0, "message": {"role": "assistant", "content": text},
@@ -146,6 +164,7 @@ class Frontend:
         }
         if explain is not None:
             body["thunderagent"] = explain
+        headers[WORKER_HEADER] = gen.decision.worker_id  # a request can be routed again (worker lost)
         return web.Response(body=_enc.encode(body), content_type="application/json", headers=headers)
 
     async def _stream(
@@ -222,9 +241,12 @@ class Frontend:
         return resp
 
 
-def create_app(cfg: Config, *, policy: Policy | None = None) -> web.Application:
-    """The whole single-process deployment: HTTP frontend + fleet of simulated workers."""
-    fleet = Fleet(cfg, policy=policy)
+def create_app(cfg: Config, *, policy: Policy | None = None, fleet: Fleet | None = None) -> web.Application:
+    """The whole single-process deployment: HTTP frontend + fleet of simulated workers or real engine
+    servers (``execution_group.nodes[].engine``). ``fleet`` replaces the in-process fleet
+    (``thunderagent frontend`` passes one whose workers are on NATS)."""
+    if fleet is None:
+        fleet = build_fleet(cfg, policy=policy)  # loads the model's tokenizer when cfg.model is set
     app = web.Application(middlewares=[errors_middleware], client_max_size=cfg.control_plane.max_body_bytes)
     app[FLEET_KEY] = fleet
     fe = Frontend(fleet, cfg.control_plane.default_max_tokens)

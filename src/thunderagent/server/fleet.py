@@ -25,11 +25,11 @@ from thunderagent.kv.hashing import block_hashes, hash_seed
 from thunderagent.kv.index import EventResult, KvIndex
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
 from thunderagent.server.local_worker import LocalWorker, ScaledClock
-from thunderagent.server.worker_handle import WorkerCallbacks, WorkerFactory, WorkerHandle
+from thunderagent.server.worker_handle import UNAVAILABLE, WorkerCallbacks, WorkerFactory, WorkerHandle
 from thunderagent.server.metrics import Metrics
 from thunderagent.server.stops import StopMatcher
 from thunderagent.server.tokenizer import ByteTokenizer, Tokenizer
-from thunderagent.types import Decision, EngineRequest, KvEvent, LoadReport, RouteRequest, TokenOutput
+from thunderagent.types import Decision, EngineRequest, KvEvent, LoadReport, RouteRequest, TokenOutput, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ class Generation:
     prompt_tokens: int
     best_known_tokens: int  # most prompt tokens any worker held per the index at routing time
     received: float  # loop time the request arrived
+    request: EngineRequest | None = None  # what was submitted (routed again if its worker cannot take it)
+    tried: tuple[str, ...] = ()  # workers that could not take it
 
 
 @dataclass(slots=True)
@@ -66,12 +68,19 @@ class Fleet:
         cp = cfg.control_plane
         self.registry = WorkerRegistry(cp.heartbeat_interval, cp.heartbeat_misses)
         self.block_size = cfg.execution_group.nodes[0].block_size
+        #: longest sequence any worker can hold (simulated workers: their KV pool); None = unknown
+        self.max_context_tokens: int | None = (
+            max(n.kv_blocks * n.block_size for n in cfg.execution_group.nodes)
+            if all(n.engine == "simulated" for n in cfg.execution_group.nodes) else None
+        )
         self.workers: dict[str, WorkerHandle] = {}
         self.factories: dict[str, WorkerFactory] = {"simulated": self._simulated_worker}
         self._clock: ScaledClock | None = None
         self._ids = itertools.count()
         self._health_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: workers that reported they cannot serve (reason); back in routing with their next heartbeat
+        self._unavailable: dict[str, str] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _simulated_worker(self, node: NodeConfig, wid: str, k: int, cb: WorkerCallbacks) -> WorkerHandle:
@@ -82,7 +91,7 @@ class Fleet:
 
     async def start(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
-        callbacks = WorkerCallbacks(self._on_events, self._on_heartbeat)
+        callbacks = WorkerCallbacks(self._on_events, self._on_heartbeat, self._on_unavailable)
         n = 0
         for node in self.cfg.execution_group.nodes:
             if node.role is not Role.both:
@@ -135,8 +144,26 @@ class Fleet:
             self.index.resync(worker_id, *snap)
 
     def _on_heartbeat(self, worker_id: str, load: LoadReport) -> None:
+        reason = self._unavailable.pop(worker_id, None)
+        if reason is not None:
+            log.info("worker %s serves again (was %s): back in routing", worker_id, reason)
+            self.metrics.out_of_routing.labels(worker_id, reason).set(0)
         self.registry.heartbeat(worker_id, load, self.now())
         self.metrics.observe_load(load, self.registry.health(worker_id) is Health.healthy)
+
+    def _on_unavailable(self, worker_id: str, reason: str) -> None:
+        old = self._unavailable.get(worker_id)
+        if old == reason:
+            return
+        if old is not None:
+            self.metrics.out_of_routing.labels(worker_id, old).set(0)
+        self._unavailable[worker_id] = reason
+        self.metrics.out_of_routing.labels(worker_id, reason).set(1)
+        log.warning("worker %s out of routing: %s", worker_id, reason)
+
+    def _routable(self, exclude: tuple[str, ...] = ()) -> list[WorkerState]:
+        out = self._unavailable
+        return [w for w in self.registry.routable() if w.worker_id not in out and w.worker_id not in exclude]
 
     def check_health(self) -> None:
         for change in self.registry.check(self.now()):
@@ -175,9 +202,7 @@ class Fleet:
         hashes = block_hashes(prompt_ids, self.block_size, seed)
         for wid, w in self.workers.items():  # in-process: read load synchronously, fresher than heartbeats
             self.registry.update_load(wid, w.load())
-        decision = self.router.route(
-            RouteRequest(rid, len(prompt_ids), hashes, priority), self.registry.routable(), received
-        )
+        decision = self.router.route(RouteRequest(rid, len(prompt_ids), hashes, priority), self._routable(), received)
         elapsed = time.perf_counter() - t0
         best = max((c.overlap_blocks for c in decision.candidates), default=0)
         best_tokens = min(best, (len(prompt_ids) - 1) // self.block_size) * self.block_size  # last token recomputed
@@ -186,9 +211,32 @@ class Fleet:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s -> %s (%s): %s", rid, decision.worker_id, decision.reason, decision.explain())
         worker = self.workers[decision.worker_id]
-        req = EngineRequest(rid, prompt_ids, hashes, seed, max_tokens, ignore_eos=ignore_eos, priority=priority)
+        req = EngineRequest(rid, prompt_ids, hashes, seed, max_tokens, ignore_eos=ignore_eos, priority=priority,
+                            cache_salt=cache_salt, lora_name=lora_name)
         queue = worker.submit(req)
-        return Generation(rid, decision, worker, queue, len(prompt_ids), best_tokens, received)
+        return Generation(rid, decision, worker, queue, len(prompt_ids), best_tokens, received, req)
+
+    def _route_again(self, gen: Generation) -> bool:
+        """Submit ``gen``'s request to another worker after its worker could not take it (nothing
+        was streamed yet). False when no other worker is left."""
+        req = gen.request
+        if req is None:
+            return False
+        tried = (*gen.tried, gen.worker.worker_id)
+        try:
+            decision = self.router.route(
+                RouteRequest(req.request_id, len(req.prompt_tokens), req.block_hashes, req.priority),
+                self._routable(tried), self.now(),
+            )
+        except NoWorkerAvailable:
+            return False
+        log.info("request %s: %s could not take it, routed again to %s", req.request_id, gen.worker.worker_id,
+                 decision.worker_id)
+        self.metrics.rerouted.inc()
+        worker = self.workers[decision.worker_id]
+        gen.decision, gen.worker, gen.tried = decision, worker, tried
+        gen.queue = worker.submit(req)
+        return True
 
     async def stream_text(self, gen: Generation, stops: list[str]) -> AsyncIterator[TextChunk]:
         """Detokenized text of a generation, with stop sequences applied. The engine request is
@@ -203,11 +251,14 @@ class Fleet:
             while True:
                 out = await gen.queue.get()
                 now = self.now()
+                if (last_t is None and out.finished and out.finish_reason == UNAVAILABLE and not out.token_ids
+                        and self._route_again(gen)):
+                    continue
+                # real engines report cached tokens with their last output, simulated ones with the first
+                cached = max(cached, out.cached_tokens)
                 if last_t is None:
-                    cached = out.cached_tokens
                     if out.token_ids or out.finished:
                         self.metrics.ttft.observe(now - gen.received)
-                        self.metrics.observe_prefill(cached, gen.best_known_tokens)
                 else:
                     self.metrics.itl.observe(now - last_t)
                 last_t = now
@@ -229,6 +280,8 @@ class Fleet:
                 if text:
                     yield TextChunk(text, None, completion, cached)
         finally:
+            if last_t is not None:
+                self.metrics.observe_prefill(cached, gen.best_known_tokens)
             if not finished or matcher.stopped:
                 gen.worker.abort(gen.request_id)
 
@@ -242,8 +295,9 @@ class Fleet:
                 "waiting": loads[wid].waiting,
                 "kv_usage": round(loads[wid].kv_usage, 4),
                 "indexed_blocks": self.index.num_blocks(wid),
+                "out_of_routing": self._unavailable.get(wid),  # reason a worker gave (unreachable, ...)
             }
             for wid in self.registry.worker_ids()
         ]
-        healthy = sum(1 for w in workers if w["health"] == Health.healthy.value)
+        healthy = sum(1 for w in workers if w["health"] == Health.healthy.value and not w["out_of_routing"])
         return {"status": "ok" if healthy else "unavailable", "healthy_workers": healthy, "workers": workers}

@@ -57,6 +57,9 @@ class LocalWorker:
         self.last_seq = -1
         #: when True the worker stops heartbeating (a hung worker, as health checks see it)
         self.heartbeats_paused = False
+        #: set when the engine raised: the worker stops heartbeating (health checks take it out of
+        #: routing) and every request it held or gets ends with finish_reason "error"
+        self.failed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -75,6 +78,9 @@ class LocalWorker:
     # -- requests ----------------------------------------------------------------------------
     def submit(self, req: EngineRequest) -> asyncio.Queue[TokenOutput]:
         q: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        if self.failed:
+            q.put_nowait(self._error_output(req.request_id, len(req.prompt_tokens)))
+            return q
         self._streams[req.request_id] = q
         self.engine.add_request(req, self.clock.now())
         self._wake.set()
@@ -105,9 +111,13 @@ class LocalWorker:
         while True:
             try:
                 outs = self.engine.advance(self.clock.now())
-            except Exception:  # an engine bug must not kill the worker silently
-                log.exception("engine %s failed in advance()", self.worker_id)
-                raise
+            except Exception:  # an engine bug must not strand requests or keep drawing traffic
+                log.exception("engine %s failed in advance(): worker taken out of service", self.worker_id)
+                self.failed = True
+                for rid, q in self._streams.items():
+                    q.put_nowait(self._error_output(rid, 0))
+                self._streams.clear()
+                return
             for out in outs:
                 q = self._streams.get(out.request_id)
                 if q is not None:
@@ -123,8 +133,11 @@ class LocalWorker:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.clock.wall_delay(wake))
 
+    def _error_output(self, request_id: str, prompt_tokens: int) -> TokenOutput:
+        return TokenOutput(request_id, [], self.clock.now(), prompt_tokens, 0, True, "error")
+
     async def _heartbeat(self) -> None:
         while True:
-            if not self.heartbeats_paused:
+            if not self.heartbeats_paused and not self.failed:
                 self._on_heartbeat(self.worker_id, self.load())
             await asyncio.sleep(self._hb_interval)

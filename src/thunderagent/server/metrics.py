@@ -31,6 +31,14 @@ class Metrics:
         self.running = Gauge("thunderagent_worker_running", "Running requests per worker", ["worker"], registry=r)
         self.kv_usage = Gauge("thunderagent_worker_kv_usage", "Active KV blocks / total", ["worker"], registry=r)
         self.healthy = Gauge("thunderagent_worker_healthy", "1 if the worker is routable", ["worker"], registry=r)
+        self.out_of_routing = Gauge(
+            "thunderagent_worker_out_of_routing",
+            "1 while a worker keeps itself out of routing (reason: unreachable, block_size_mismatch)",
+            ["worker", "reason"], registry=r,
+        )
+        self.rerouted = Counter(
+            "thunderagent_rerouted", "Requests routed again because their worker could not take them", registry=r
+        )
         self.routed = Counter("thunderagent_routed", "Routing decisions per worker", ["worker"], registry=r)
         self.prompt_tokens = Counter("thunderagent_prompt_tokens", "Prompt tokens routed", registry=r)
         self.predicted_hit_tokens = Counter(
@@ -69,7 +77,8 @@ class Metrics:
         self.predicted_hit_rate.set(self._predicted / self._prompt if self._prompt else 0.0)
 
     def observe_prefill(self, cached_tokens: int, best_known_tokens: int) -> None:
-        """Once per request, at its first token: what the engine reused vs the best the fleet had."""
+        """Once per request, when it ends (real engines report cached tokens with the last output):
+        what the engine reused vs the best the fleet had."""
         self.cached_tokens.inc(cached_tokens)
         recompute = max(0, best_known_tokens - cached_tokens)
         self.recompute_tokens.inc(recompute)

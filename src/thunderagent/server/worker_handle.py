@@ -18,12 +18,21 @@ from thunderagent.config import NodeConfig
 from thunderagent.types import EngineRequest, KvEvent, LoadReport, TokenOutput
 
 
+#: finish reason of a request a worker could not take (its engine unreachable or failing before any
+#: output): the fleet routes it again to another worker
+UNAVAILABLE = "unavailable"
+
+
 @dataclass(slots=True, frozen=True)
 class WorkerCallbacks:
-    """How a worker reports to the control plane: KV events (in seq order) and heartbeats."""
+    """How a worker reports to the control plane: KV events (in seq order) and heartbeats; and, for
+    workers that can tell, that they cannot serve (``on_unavailable(worker_id, reason)``: engine
+    unreachable, block-size mismatch): the worker leaves routing at once and comes back with its
+    next heartbeat (a worker that must stay out stops heartbeating)."""
 
     on_events: Callable[[str, list[KvEvent]], None]
     on_heartbeat: Callable[[str, LoadReport], None]
+    on_unavailable: Callable[[str, str], None] | None = None
 
 
 class WorkerHandle(Protocol):

@@ -1,0 +1,97 @@
+"""Command line of the multi-process deployment: ``thunderagent frontend`` and ``thunderagent worker``.
+
+Registered on the main Typer app by ``thunderagent.cli``. Needs the ``nats`` extra
+(``pip install 'thunderagent[nats]'``); the single-process ``serve`` does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from thunderagent.config import ConfigError, Policy
+
+NatsOpt = Annotated[str, typer.Option("--nats", help="NATS server URL")]
+PrefixOpt = Annotated[str, typer.Option(help="subject prefix: deployments sharing one NATS server use different ones")]
+ConfigOpt = Annotated[Optional[Path], typer.Option(help="YAML config file (give frontends and workers the same one)",
+                                                   exists=True, dir_okay=False)]
+LogOpt = Annotated[str, typer.Option(help="debug shows every routing decision")]
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def frontend(
+    nats: NatsOpt = "nats://127.0.0.1:4222",
+    host: Annotated[Optional[str], typer.Option(help="bind address (default 127.0.0.1)")] = None,
+    port: Annotated[Optional[int], typer.Option(help="HTTP port (default 8000)", min=0, max=65535)] = None,
+    config: ConfigOpt = None,
+    policy: Annotated[Optional[Policy], typer.Option(help="routing policy")] = None,
+    prefix: PrefixOpt = "ta",
+    log_level: LogOpt = "info",
+) -> None:
+    """Run an OpenAI-compatible frontend whose workers are discovered over NATS (run several: replicas)."""
+    from aiohttp import web
+
+    from thunderagent.cli import build_config
+    from thunderagent.control.nats_bus import BusError, NatsBus
+    from thunderagent.server.app import create_app
+    from thunderagent.server.engines import load_tokenizer
+    from thunderagent.server.nats_fleet import NatsFleet
+
+    _logging(log_level)
+    try:
+        cfg = build_config(config, host, port, None, None, policy)
+        # real engines: the model's own tokenizer (`model:` in the config), loaded before serving
+        fleet = NatsFleet(cfg, NatsBus(nats, "frontend"), prefix=prefix, policy=policy,
+                          tokenizer=load_tokenizer(cfg))
+    except (ConfigError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    cp = cfg.control_plane
+    typer.echo(f"ThunderAgent frontend {fleet.frontend_id} on http://{cp.host}:{cp.port}/v1 — workers from {nats}")
+    try:
+        web.run_app(create_app(cfg, fleet=fleet), host=cp.host, port=cp.port, print=None, access_log=None)
+    except BusError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+
+
+def worker(
+    nats: NatsOpt = "nats://127.0.0.1:4222",
+    id: Annotated[Optional[str], typer.Option("--id", help="worker id (default <host>-<pid>)")] = None,
+    config: ConfigOpt = None,
+    node: Annotated[int, typer.Option(help="node group of the config this worker runs", min=0)] = 0,
+    endpoint: Annotated[int, typer.Option(help="real engines: which endpoint of the node group", min=0)] = 0,
+    speedup: Annotated[
+        Optional[float], typer.Option(help="simulated engine time per wall second (default 1.0)", min=0.001)
+    ] = None,
+    prefix: PrefixOpt = "ta",
+    log_level: LogOpt = "info",
+) -> None:
+    """Run one worker (a simulated engine, or an attached real engine) on the NATS bus."""
+    from thunderagent.cli import build_config
+    from thunderagent.control.nats_bus import BusError
+    from thunderagent.server.nats_worker import default_worker_id, run_worker
+
+    _logging(log_level)
+    wid = id or default_worker_id()
+    try:
+        cfg = build_config(config, speedup=speedup)
+        asyncio.run(run_worker(cfg, nats, wid, node, endpoint, prefix))
+    except (ConfigError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    except BusError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(frontend)
+    app.command()(worker)

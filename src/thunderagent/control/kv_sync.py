@@ -1,0 +1,114 @@
+"""Keeps a KvIndex in step with remote workers: live events, cache dumps, and the seam between them.
+
+Pure and clock-free (``now`` is passed in). A frontend over NATS learns a worker's cache two ways:
+the worker's KV event stream (per-worker ``seq``) and, when it first meets the worker or notices
+lost events, a *dump* (all cached hashes plus the ``last_seq`` they include). The dump travels on
+a different subscription than the events, so the two can arrive in any order. The seam:
+
+- ``begin_sync`` is called *before* the dump is requested; from then on the worker's events are
+  buffered, not applied;
+- ``apply_dump`` replaces the worker's entries by the dump (``KvIndex.resync``) and then applies the
+  buffered events: those with ``seq <= last_seq`` are already in the dump and the index ignores them
+  as duplicates, later ones apply on top. If the buffered events do not start at ``last_seq + 1``,
+  some were lost: the index marks a gap and ``apply_dump`` asks for another sync.
+
+Events never reach the index out of order and none are applied twice, whichever of dump and
+events comes first. Every method that returns ``True`` means "request a (new) dump of this worker".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from thunderagent.kv.index import EventResult, KvIndex
+from thunderagent.types import KvEvent
+
+#: events buffered per worker while its dump is in flight; past this the buffer is dropped and the
+#: sync repeated (a dump that takes this long is stale anyway)
+MAX_BUFFERED_EVENTS = 200_000
+
+
+class _State:
+    __slots__ = ("syncing", "buffer", "overflow")
+
+    def __init__(self) -> None:
+        self.syncing = False
+        self.buffer: list[KvEvent] = []
+        self.overflow = False
+
+
+class KvFeed:
+    def __init__(self, index: KvIndex, max_buffered: int = MAX_BUFFERED_EVENTS) -> None:
+        self.index = index
+        self.max_buffered = max_buffered
+        self._st: dict[str, _State] = {}
+
+    def add_worker(self, worker_id: str) -> None:
+        """A newly met worker: registered in the index, syncing (its events wait for its dump)."""
+        self.index.add_worker(worker_id)
+        st = self._st.setdefault(worker_id, _State())
+        st.syncing, st.buffer, st.overflow = True, [], False
+
+    def remove_worker(self, worker_id: str) -> int:
+        """Forget a worker; returns the index entries purged."""
+        self._st.pop(worker_id, None)
+        return self.index.remove_worker(worker_id)
+
+    def is_syncing(self, worker_id: str) -> bool:
+        st = self._st.get(worker_id)
+        return st is not None and st.syncing
+
+    def events(self, worker_id: str, events: Sequence[KvEvent], now: float) -> bool:
+        st = self._st.get(worker_id)
+        if st is None:
+            return False
+        if st.syncing:
+            if len(st.buffer) + len(events) > self.max_buffered:
+                st.buffer = []
+                st.overflow = True
+            else:
+                st.buffer.extend(events)
+            return False
+        return self._apply(events, now)
+
+    def heartbeat(self, worker_id: str, last_seq: int) -> bool:
+        """A heartbeat says the worker published events up to ``last_seq``; if the index has fewer,
+        the tail of the stream was lost (no later event would reveal the gap)."""
+        st = self._st.get(worker_id)
+        if st is None or st.syncing:
+            return False
+        return last_seq > self.index.last_seq(worker_id)
+
+    def begin_sync(self, worker_id: str) -> None:
+        st = self._st.get(worker_id)
+        if st is not None and not st.syncing:
+            st.syncing, st.buffer, st.overflow = True, [], False
+
+    def apply_dump(self, worker_id: str, hashes: Iterable[int], last_seq: int, now: float) -> bool:
+        st = self._st.get(worker_id)
+        if st is None:
+            return False
+        self.index.resync(worker_id, hashes, last_seq)
+        return self._finish(st, now)
+
+    def abandon_sync(self, worker_id: str, now: float) -> bool:
+        """The worker cannot dump its cache: go live on events alone (the index stays as it is)."""
+        st = self._st.get(worker_id)
+        if st is None:
+            return False
+        self._finish(st, now)
+        return False  # asking again would get the same answer
+
+    def _finish(self, st: _State, now: float) -> bool:
+        buffered, overflow = st.buffer, st.overflow
+        st.syncing, st.buffer, st.overflow = False, [], False
+        gap = self._apply(buffered, now)
+        return gap or overflow
+
+    def _apply(self, events: Iterable[KvEvent], now: float) -> bool:
+        gap = False
+        apply = self.index.apply_event
+        for ev in events:
+            if apply(ev, now) is EventResult.GAP:
+                gap = True
+        return gap

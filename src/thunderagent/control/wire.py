@@ -1,0 +1,382 @@
+"""Messages between frontends and workers over the NATS bus: subjects, typed structs, codecs.
+
+Pure (no I/O, no clock). Every message is a ``msgspec.Struct`` encoded as a msgpack *array*
+(``array_like``: no field names on the wire, no per-message dict). Hash and token lists travel as
+packed little-endian integer bytes: 8 bytes per block hash (a msgpack uint64 costs 9) and 4 per
+token, decoded with one ``array.frombytes`` instead of a Python loop.
+
+Subjects (``<p>`` is the deployment prefix, ``ta`` by default; ``<id>`` a worker id)::
+
+    <p>.worker.<id>.hello      worker -> frontends   Heartbeat, on start and on every discover
+    <p>.worker.<id>.hb         worker -> frontends   Heartbeat: lease renewal + load report
+    <p>.worker.<id>.kv         worker -> frontends   KvBatch: KV events with per-worker seq
+    <p>.worker.<id>.bye        worker -> frontends   Bye: clean shutdown: leave routing, drain
+    <p>.worker.<id>.unavailable  worker -> frontends Unavailable: out of routing until the next heartbeat
+    <p>.rpc.<id>.generate      frontend -> worker    GenerateRequest; outputs go to its reply subject
+    <p>.rpc.<id>.abort         frontend -> worker    Abort
+    <p>.rpc.<id>.dump          frontend -> worker    (empty) request; DumpChunk replies
+    <p>.discover               frontend -> workers   (empty): every worker answers with a hello
+    <p>.inbox.<frontend>.<rid> worker -> frontend    TokenBatch stream of one request
+
+A frontend subscribes to ``<p>.worker.>`` with ONE subscription, so a worker's hello, heartbeats,
+events and bye are handled in publication order (NATS keeps one publisher's order per subscriber;
+nats-py runs each subscription's callbacks in order). A worker likewise takes all of its RPCs on one
+subscription, so an abort is never handled before the generate it cancels.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from array import array
+from collections.abc import Sequence
+
+import msgspec
+
+from thunderagent.control.registry import WorkerInfo
+from thunderagent.types import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineRequest,
+    KvEvent,
+    LoadReport,
+    TokenOutput,
+)
+
+#: bumped on any incompatible change; a frontend ignores workers speaking another version
+WIRE_VERSION = 1
+#: a worker sends an empty TokenBatch for a request that produced nothing for this long ...
+KEEPALIVE_S = 2.0
+#: ... so a frontend that hears nothing about a request for this long knows it is lost
+STALL_TIMEOUT_S = 4 * KEEPALIVE_S
+#: hashes per DumpChunk: 64 Ki hashes = 512 KiB, under NATS's default 1 MiB max_payload
+DUMP_CHUNK_HASHES = 65536
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def check_token(value: str, what: str) -> str:
+    """A worker id or prefix must be one NATS subject token."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} must be letters, digits, '_' or '-' (it is a NATS subject token)")
+    return value
+
+
+class Subjects:
+    """Subject names of one deployment (``prefix`` keeps deployments on one server apart)."""
+
+    __slots__ = ("prefix",)
+
+    def __init__(self, prefix: str = "ta") -> None:
+        self.prefix = check_token(prefix, "subject prefix")
+
+    def worker(self, worker_id: str, kind: str) -> str:
+        return f"{self.prefix}.worker.{worker_id}.{kind}"
+
+    def all_workers(self) -> str:
+        return f"{self.prefix}.worker.>"
+
+    def rpc(self, worker_id: str, kind: str) -> str:
+        return f"{self.prefix}.rpc.{worker_id}.{kind}"
+
+    def rpcs(self, worker_id: str) -> str:
+        return f"{self.prefix}.rpc.{worker_id}.*"
+
+    def discover(self) -> str:
+        return f"{self.prefix}.discover"
+
+    def inbox(self, frontend_id: str) -> str:
+        return f"{self.prefix}.inbox.{frontend_id}"
+
+    def parse_worker(self, subject: str) -> tuple[str, str] | None:
+        """``<p>.worker.<id>.<kind>`` -> (id, kind); None for anything else."""
+        parts = subject.split(".")
+        if len(parts) != 4 or parts[0] != self.prefix or parts[1] != "worker":
+            return None
+        return parts[2], parts[3]
+
+
+# ---------------------------------------------------------------------------------------------
+# packed integer lists
+# ---------------------------------------------------------------------------------------------
+def pack_u64(values: Sequence[int]) -> bytes:
+    a = array("Q", values)
+    if _BIG_ENDIAN:  # pragma: no cover - the wire is little-endian
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_u64(data: bytes) -> list[int]:
+    if len(data) % 8:
+        raise ValueError(f"packed uint64 list has {len(data)} bytes, not a multiple of 8")
+    a = array("Q")
+    a.frombytes(data)
+    if _BIG_ENDIAN:  # pragma: no cover
+        a.byteswap()
+    return a.tolist()
+
+
+def pack_u32(values: Sequence[int]) -> bytes:
+    a = array("I", values)
+    if _BIG_ENDIAN:  # pragma: no cover
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_u32(data: bytes) -> list[int]:
+    if len(data) % 4:
+        raise ValueError(f"packed uint32 list has {len(data)} bytes, not a multiple of 4")
+    a = array("I")
+    a.frombytes(data)
+    if _BIG_ENDIAN:  # pragma: no cover
+        a.byteswap()
+    return a.tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# discovery and load
+# ---------------------------------------------------------------------------------------------
+class WireInfo(msgspec.Struct, array_like=True, frozen=True):
+    worker_id: str
+    role: str
+    engine: str
+    block_size: int
+    max_num_batched_tokens: int
+    queue_depth_threshold: int
+    kv_total_blocks: int
+
+
+class WireLoad(msgspec.Struct, array_like=True, frozen=True):
+    time: float
+    running: int
+    waiting: int
+    queued_prefill_tokens: int
+    decode_tokens: int
+    kv_active_blocks: int
+    kv_cached_blocks: int
+    kv_total_blocks: int
+
+
+class Heartbeat(msgspec.Struct, array_like=True, frozen=True):
+    """Hello and heartbeat alike: a frontend that missed the hello registers the worker from any
+    heartbeat. ``instance`` changes on every worker process start (same id, new cache, seq from 0);
+    ``last_seq`` is the last KV event seq published before it, so a lost tail of events is noticed
+    even when no further event comes."""
+
+    version: int
+    instance: str
+    info: WireInfo
+    load: WireLoad
+    last_seq: int
+
+
+class Bye(msgspec.Struct, array_like=True, frozen=True):
+    instance: str
+
+
+class Unavailable(msgspec.Struct, array_like=True, frozen=True):
+    """The worker cannot serve now (its engine unreachable, a block-size mismatch...)."""
+
+    instance: str
+    reason: str
+
+
+def info_to_wire(info: WorkerInfo, engine: str) -> WireInfo:
+    return WireInfo(info.worker_id, info.role, engine, info.block_size, info.max_num_batched_tokens,
+                    info.queue_depth_threshold, info.kv_total_blocks)
+
+
+def info_from_wire(w: WireInfo) -> WorkerInfo:
+    return WorkerInfo(w.worker_id, w.role, w.block_size, w.max_num_batched_tokens, w.queue_depth_threshold,
+                      w.kv_total_blocks)
+
+
+def load_to_wire(r: LoadReport) -> WireLoad:
+    return WireLoad(r.time, r.running, r.waiting, r.queued_prefill_tokens, r.decode_tokens, r.kv_active_blocks,
+                    r.kv_cached_blocks, r.kv_total_blocks)
+
+
+def load_from_wire(w: WireLoad, worker_id: str) -> LoadReport:
+    return LoadReport(worker_id, w.time, w.running, w.waiting, w.queued_prefill_tokens, w.decode_tokens,
+                      w.kv_active_blocks, w.kv_cached_blocks, w.kv_total_blocks)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV events
+# ---------------------------------------------------------------------------------------------
+class WireStored(msgspec.Struct, array_like=True, frozen=True, tag=0):
+    seq: int
+    hashes: bytes  # packed u64
+    parent: int | None = None
+
+
+class WireRemoved(msgspec.Struct, array_like=True, frozen=True, tag=1):
+    seq: int
+    hashes: bytes
+
+
+class WireCleared(msgspec.Struct, array_like=True, frozen=True, tag=2):
+    seq: int
+
+
+WireEvent = WireStored | WireRemoved | WireCleared
+
+
+class KvBatch(msgspec.Struct, array_like=True, frozen=True):
+    instance: str
+    events: list[WireEvent]
+
+
+def events_to_wire(events: Sequence[KvEvent]) -> list[WireEvent]:
+    out: list[WireEvent] = []
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            out.append(WireStored(ev.seq, pack_u64(ev.block_hashes), ev.parent_hash))
+        elif isinstance(ev, BlockRemoved):
+            out.append(WireRemoved(ev.seq, pack_u64(ev.block_hashes)))
+        elif isinstance(ev, AllBlocksCleared):
+            out.append(WireCleared(ev.seq))
+        else:  # pragma: no cover - caller bug
+            raise TypeError(f"not a KV event: {ev!r}")
+    return out
+
+
+def events_from_wire(worker_id: str, events: Sequence[WireEvent]) -> list[KvEvent]:
+    out: list[KvEvent] = []
+    for ev in events:
+        if isinstance(ev, WireStored):
+            out.append(BlockStored(worker_id, ev.seq, tuple(unpack_u64(ev.hashes)), ev.parent))
+        elif isinstance(ev, WireRemoved):
+            out.append(BlockRemoved(worker_id, ev.seq, tuple(unpack_u64(ev.hashes))))
+        else:
+            out.append(AllBlocksCleared(worker_id, ev.seq))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# requests and outputs
+# ---------------------------------------------------------------------------------------------
+class GenerateRequest(msgspec.Struct, array_like=True, frozen=True):
+    request_id: str
+    prompt: bytes  # packed u32 token ids
+    block_hashes: bytes  # packed u64: computed once by the frontend, not again by the worker
+    hash_seed: int
+    max_tokens: int
+    ignore_eos: bool
+    priority: int
+    cache_salt: str | None = None  # real engines key their own prefix cache on these
+    lora_name: str | None = None
+
+
+class Abort(msgspec.Struct, array_like=True, frozen=True):
+    request_id: str
+
+
+class WireToken(msgspec.Struct, array_like=True, frozen=True):
+    token_ids: list[int]
+    time: float
+    prompt_tokens: int
+    cached_tokens: int
+    finished: bool
+    finish_reason: str | None
+    text: str | None
+
+
+class TokenBatch(msgspec.Struct, array_like=True, frozen=True):
+    """One message of a request's output stream. ``n`` counts the stream's messages from 0 (the
+    worker's acceptance, no outputs); a frontend that sees ``n`` skip knows outputs were lost.
+    Empty batches after the first are keepalives. ``error`` is set when the worker refused the
+    request (then ``outputs`` holds one finished output)."""
+
+    n: int
+    outputs: list[WireToken]
+    error: str | None = None
+
+
+def request_to_wire(req: EngineRequest) -> GenerateRequest:
+    return GenerateRequest(req.request_id, pack_u32(req.prompt_tokens), pack_u64(req.block_hashes), req.hash_seed,
+                           req.max_tokens, req.ignore_eos, req.priority, req.cache_salt, req.lora_name)
+
+
+def request_from_wire(g: GenerateRequest) -> EngineRequest:
+    return EngineRequest(g.request_id, unpack_u32(g.prompt), unpack_u64(g.block_hashes), g.hash_seed, g.max_tokens,
+                         ignore_eos=g.ignore_eos, priority=g.priority, cache_salt=g.cache_salt,
+                         lora_name=g.lora_name)
+
+
+def output_to_wire(o: TokenOutput) -> WireToken:
+    return WireToken(o.token_ids, o.time, o.prompt_tokens, o.cached_tokens, o.finished, o.finish_reason, o.text)
+
+
+def output_from_wire(request_id: str, w: WireToken) -> TokenOutput:
+    return TokenOutput(request_id, w.token_ids, w.time, w.prompt_tokens, w.cached_tokens, w.finished,
+                       w.finish_reason, w.text)
+
+
+# ---------------------------------------------------------------------------------------------
+# cache dumps
+# ---------------------------------------------------------------------------------------------
+class DumpChunk(msgspec.Struct, array_like=True, frozen=True):
+    """Part ``part`` of a worker's cache dump; the last one has ``final``. ``available`` False: the
+    worker cannot dump its cache (the frontend then relies on events alone)."""
+
+    instance: str
+    last_seq: int
+    available: bool
+    part: int
+    final: bool
+    hashes: bytes  # packed u64
+
+
+def dump_chunks(instance: str, hashes: Sequence[int] | None, last_seq: int,
+                chunk: int = DUMP_CHUNK_HASHES) -> list[DumpChunk]:
+    """Split a snapshot into chunks (always at least one)."""
+    if hashes is None:
+        return [DumpChunk(instance, last_seq, False, 0, True, b"")]
+    n = max(1, -(-len(hashes) // chunk))
+    return [
+        DumpChunk(instance, last_seq, True, i, i == n - 1, pack_u64(hashes[i * chunk:(i + 1) * chunk]))
+        for i in range(n)
+    ]
+
+
+class Dump(msgspec.Struct, frozen=True):
+    instance: str
+    last_seq: int
+    hashes: list[int] | None  # None: not available
+
+
+def join_dump(chunks: Sequence[DumpChunk]) -> Dump:
+    """Reassemble chunks (any arrival order). Raises ValueError if parts are missing or mixed."""
+    if not chunks:
+        raise ValueError("empty dump")
+    ordered = sorted(chunks, key=lambda c: c.part)
+    first = ordered[0]
+    if [c.part for c in ordered] != list(range(len(ordered))) or not ordered[-1].final:
+        raise ValueError(f"dump parts incomplete: {[c.part for c in ordered]}")
+    if any(c.instance != first.instance or c.last_seq != first.last_seq for c in ordered):
+        raise ValueError("dump chunks from different snapshots")
+    if not first.available:
+        return Dump(first.instance, first.last_seq, None)
+    hashes: list[int] = []
+    for c in ordered:
+        hashes.extend(unpack_u64(c.hashes))
+    return Dump(first.instance, first.last_seq, hashes)
+
+
+# ---------------------------------------------------------------------------------------------
+# codecs (one encoder; one decoder per type, reused)
+# ---------------------------------------------------------------------------------------------
+_encoder = msgspec.msgpack.Encoder()
+encode = _encoder.encode
+
+decode_heartbeat = msgspec.msgpack.Decoder(Heartbeat).decode
+decode_kv = msgspec.msgpack.Decoder(KvBatch).decode
+decode_bye = msgspec.msgpack.Decoder(Bye).decode
+decode_unavailable = msgspec.msgpack.Decoder(Unavailable).decode
+decode_generate = msgspec.msgpack.Decoder(GenerateRequest).decode
+decode_abort = msgspec.msgpack.Decoder(Abort).decode
+decode_tokens = msgspec.msgpack.Decoder(TokenBatch).decode
+decode_dump_chunk = msgspec.msgpack.Decoder(DumpChunk).decode

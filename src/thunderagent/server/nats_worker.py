@@ -1,0 +1,303 @@
+"""One worker process on the NATS bus (``thunderagent worker``).
+
+A :class:`WorkerService` wraps any :class:`WorkerHandle` (the simulated engine driven by
+:class:`LocalWorker`, or a real-engine adapter) and puts it on the bus:
+
+- the handle's KV events go out as ``KvBatch`` on ``<p>.worker.<id>.kv`` and its heartbeats as
+  ``Heartbeat`` on ``<p>.worker.<id>.hb`` (discovery, lease renewal and load report in one message;
+  a ``hello`` with the same content on start and whenever a frontend asks ``<p>.discover``);
+- ``<p>.rpc.<id>.generate`` starts a request; its outputs stream to the request's reply subject as
+  ``TokenBatch`` messages numbered from 0 (0 = accepted), with an empty keepalive batch whenever a
+  request produced nothing for ``KEEPALIVE_S``; ``abort`` cancels one; ``dump`` answers with the
+  cached hashes and the last event seq they include (``DumpChunk``s);
+- on SIGTERM/SIGINT: ``bye`` (frontends take it out of routing at once), then it drains: requests in
+  flight finish (up to ``drain_timeout``; the rest end with "error"), new ones are answered
+  "unavailable" (the frontend routes them elsewhere).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import secrets
+import signal
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from thunderagent.config import Config, NodeConfig
+from thunderagent.control.nats_bus import Bus, BusMsg, NatsBus
+from thunderagent.control.registry import WorkerInfo
+from thunderagent.control.wire import (
+    KEEPALIVE_S,
+    WIRE_VERSION,
+    Bye,
+    Heartbeat,
+    KvBatch,
+    Subjects,
+    TokenBatch,
+    Unavailable,
+    check_token,
+    decode_abort,
+    decode_generate,
+    dump_chunks,
+    encode,
+    events_to_wire,
+    info_to_wire,
+    load_to_wire,
+    output_to_wire,
+    request_from_wire,
+)
+from thunderagent.server.worker_handle import UNAVAILABLE, WorkerCallbacks, WorkerHandle
+from thunderagent.types import KvEvent, LoadReport, TokenOutput
+
+log = logging.getLogger(__name__)
+
+HandleBuilder = Callable[[WorkerCallbacks], WorkerHandle]
+
+
+@dataclass(slots=True)
+class _Out:
+    """One request's output stream to its frontend."""
+
+    reply: str
+    n: int  # next message number
+    last: float  # loop time of the last message sent
+    task: asyncio.Task[None] | None = None
+
+
+class WorkerService:
+    def __init__(
+        self,
+        bus: Bus,
+        subjects: Subjects,
+        info: WorkerInfo,
+        engine_kind: str,
+        build: HandleBuilder,
+        *,
+        keepalive: float = KEEPALIVE_S,
+        drain_timeout: float = 30.0,
+    ) -> None:
+        self.bus = bus
+        self.subjects = subjects
+        self.info = info
+        self.worker_id = check_token(info.worker_id, "worker id")
+        self.wire_info = info_to_wire(info, engine_kind)
+        #: changes on every process start: frontends tell a restarted worker (new cache, seq from 0)
+        #: from the one they knew
+        self.instance = secrets.token_hex(6)
+        self.keepalive = keepalive
+        self.drain_timeout = drain_timeout
+        self._closing = False
+        self._build = build
+        self.handle: WorkerHandle | None = None
+        self.last_seq = -1
+        self._streams: dict[str, _Out] = {}
+        self._keepalive_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self.bus.connect()
+        self.handle = self._build(WorkerCallbacks(self._on_events, self._on_heartbeat, self._on_unavailable))
+        # Subscribe (and flush) before saying hello: a frontend dumps a worker as soon as it meets it.
+        await self.bus.subscribe(self.subjects.rpcs(self.worker_id), self._on_rpc)
+        await self.bus.subscribe(self.subjects.discover(), self._on_discover)
+        self.handle.start()
+        self._publish_heartbeat("hello", self.handle.load())
+        self._keepalive_task = asyncio.create_task(self._keepalives(), name="keepalives")
+        log.info("worker %s (instance %s) on the bus", self.worker_id, self.instance)
+
+    async def stop(self) -> None:
+        """Leave: say bye, drain the requests in flight (bounded), then close."""
+        self._closing = True
+        self.bus.publish(self.subjects.worker(self.worker_id, "bye"), encode(Bye(self.instance)))
+        deadline = self._now() + self.drain_timeout
+        while self._streams and self._now() < deadline:
+            await asyncio.sleep(0.05)
+        if self._keepalive_task is not None:
+            self._keepalive_task.cancel()
+        for rid, out in list(self._streams.items()):
+            log.warning("request %s still running after %.0fs of draining: ended", rid, self.drain_timeout)
+            self._drop_stream(rid)
+            if self.handle is not None:
+                self.handle.abort(rid)
+            self._send(out, [TokenOutput(rid, [], self._now(), 0, 0, True, "error")])
+        if self.handle is not None:
+            await self.handle.stop()
+        await self.bus.close()
+
+    def _now(self) -> float:
+        assert self._loop is not None
+        return self._loop.time()
+
+    # -- handle callbacks (synchronous, in event order) --------------------------------------
+    def _on_events(self, worker_id: str, events: list[KvEvent]) -> None:
+        if not events:
+            return
+        self.last_seq = events[-1].seq
+        self.bus.publish(self.subjects.worker(self.worker_id, "kv"),
+                         encode(KvBatch(self.instance, events_to_wire(events))))
+
+    def _on_heartbeat(self, worker_id: str, load: LoadReport) -> None:
+        if not self._closing:  # a draining worker's lease runs out on its own
+            self._publish_heartbeat("hb", load)
+
+    def _on_unavailable(self, worker_id: str, reason: str) -> None:
+        self.bus.publish(self.subjects.worker(self.worker_id, "unavailable"),
+                         encode(Unavailable(self.instance, reason)))
+
+    def _publish_heartbeat(self, kind: str, load: LoadReport) -> None:
+        hb = Heartbeat(WIRE_VERSION, self.instance, self.wire_info, load_to_wire(load), self.last_seq)
+        self.bus.publish(self.subjects.worker(self.worker_id, kind), encode(hb))
+
+    # -- bus handlers ------------------------------------------------------------------------
+    async def _on_discover(self, msg: BusMsg) -> None:
+        assert self.handle is not None
+        if self._closing:
+            return
+        self._publish_heartbeat("hello", self.handle.load())
+
+    async def _on_rpc(self, msg: BusMsg) -> None:
+        kind = msg.subject.rsplit(".", 1)[1]
+        if kind == "generate":
+            self._generate(msg)
+        elif kind == "abort":
+            rid = decode_abort(msg.data).request_id
+            if self._drop_stream(rid) is not None:
+                assert self.handle is not None
+                self.handle.abort(rid)
+        elif kind == "dump":
+            self._dump(msg)
+        else:
+            log.warning("unknown rpc %s", msg.subject)
+
+    def _generate(self, msg: BusMsg) -> None:
+        assert self.handle is not None
+        req = request_from_wire(decode_generate(msg.data))
+        rid = req.request_id
+        if not msg.reply:
+            log.warning("generate %s without a reply subject: ignored", rid)
+            return
+        out = _Out(msg.reply, 0, self._now())
+        plen = len(req.prompt_tokens)
+        if self._closing:  # routed here before the frontend saw our bye: it goes elsewhere
+            self._send(out, [TokenOutput(rid, [], self._now(), plen, 0, True, UNAVAILABLE)], "shutting down")
+            return
+        if rid in self._streams:
+            self._send(out, [TokenOutput(rid, [], self._now(), plen, 0, True, "error")], f"duplicate request id {rid}")
+            return
+        try:
+            queue = self.handle.submit(req)
+        except Exception as exc:  # the engine refused it (bad input): tell the frontend, keep serving
+            log.warning("request %s refused: %s", rid, exc)
+            self._send(out, [TokenOutput(rid, [], self._now(), plen, 0, True, "error")], str(exc))
+            return
+        self._send(out, [])  # n=0: accepted
+        self._streams[rid] = out
+        out.task = asyncio.create_task(self._pump(rid, out, queue), name=f"out-{rid}")
+
+    def _dump(self, msg: BusMsg) -> None:
+        assert self.handle is not None
+        if not msg.reply:
+            return
+        snap = self.handle.snapshot()  # publishes pending events first: they precede the dump
+        hashes, seq = (None, self.last_seq) if snap is None else snap
+        for chunk in dump_chunks(self.instance, hashes, seq):
+            self.bus.publish(msg.reply, encode(chunk))
+
+    # -- output streams ----------------------------------------------------------------------
+    def _send(self, out: _Out, outputs: list[TokenOutput], error: str | None = None) -> None:
+        self.bus.publish(out.reply, encode(TokenBatch(out.n, [output_to_wire(o) for o in outputs], error)))
+        out.n += 1
+        out.last = self._now()
+
+    def _drop_stream(self, rid: str) -> _Out | None:
+        out = self._streams.pop(rid, None)
+        if out is not None and out.task is not None and out.task is not asyncio.current_task():
+            out.task.cancel()
+        return out
+
+    async def _pump(self, rid: str, out: _Out, queue: asyncio.Queue[TokenOutput]) -> None:
+        try:
+            while True:
+                batch = [await queue.get()]
+                while not queue.empty():  # everything of this engine pass in one message
+                    batch.append(queue.get_nowait())
+                self._send(out, batch)
+                if batch[-1].finished:
+                    return
+        finally:
+            if self._streams.get(rid) is out:
+                del self._streams[rid]
+
+    async def _keepalives(self) -> None:
+        while True:
+            await asyncio.sleep(self.keepalive / 2)
+            now = self._now()
+            for out in list(self._streams.values()):
+                if now - out.last >= self.keepalive:
+                    self._send(out, [])
+
+
+# ---------------------------------------------------------------------------------------------
+# process entry point
+# ---------------------------------------------------------------------------------------------
+def default_worker_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:40] or "host"
+    return f"{host}-{os.getpid()}"
+
+
+def handle_builder(cfg: Config, node: NodeConfig, worker_id: str, endpoint: int) -> HandleBuilder:
+    """How this process builds its worker: the simulated engine here, real engines through the
+    factory the fleet registers for their kind."""
+    if node.engine == "simulated":
+        from thunderagent.engine.simulated import SimulatedEngine
+        from thunderagent.server.local_worker import LocalWorker, ScaledClock
+        from thunderagent.server.tokenizer import ByteTokenizer
+
+        def build(cb: WorkerCallbacks) -> WorkerHandle:
+            engine = SimulatedEngine(worker_id, node, eos_token_id=ByteTokenizer().eos_token_id)
+            return LocalWorker(engine, ScaledClock(cfg.simulation.speedup), cb.on_events, cb.on_heartbeat,
+                               cfg.control_plane.heartbeat_interval)
+
+        return build
+    from thunderagent.server.engines import build_fleet
+    from thunderagent.server.tokenizer import ByteTokenizer
+
+    # the factories `serve` registers for real engines (the tokenizer is the frontend's business)
+    factory = build_fleet(cfg, tokenizer=ByteTokenizer()).factories.get(node.engine)
+    if factory is None:
+        raise ValueError(f"engine kind {node.engine!r} has no worker factory: it cannot run as a NATS worker yet")
+    if not 0 <= endpoint < node.count:
+        raise ValueError(f"--endpoint {endpoint} out of range: node group has {node.count} endpoints")
+    return lambda cb: factory(node, worker_id, endpoint, cb)
+
+
+async def run_worker(cfg: Config, nats_url: str, worker_id: str, node_index: int = 0, endpoint: int = 0,
+                     prefix: str = "ta") -> None:
+    """Run one worker until SIGTERM / SIGINT."""
+    nodes = cfg.execution_group.nodes
+    if not 0 <= node_index < len(nodes):
+        raise ValueError(f"--node {node_index} out of range: the config has {len(nodes)} node groups")
+    node = nodes[node_index]
+    check_token(worker_id, "worker id")
+    info = WorkerInfo(worker_id, node.role.value, node.block_size, node.max_num_batched_tokens,
+                      node.queue_depth_threshold, node.kv_blocks)
+    build = handle_builder(cfg, node, worker_id, endpoint)
+    service = WorkerService(NatsBus(nats_url, f"worker {worker_id}"), Subjects(prefix), info, node.engine, build)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await service.start()
+    try:
+        await stop.wait()
+    finally:
+        log.info("worker %s shutting down", worker_id)
+        with contextlib.suppress(Exception):
+            await service.stop()

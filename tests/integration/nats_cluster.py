@@ -1,0 +1,140 @@
+"""A real multi-process deployment for tests: nats-server, ``thunderagent worker`` and
+``thunderagent frontend`` processes on 127.0.0.1, each logging to a file, all killed on close."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+BIN = Path(sys.executable).parent
+
+CONFIG = """\
+control_plane: {{heartbeat_interval: {hb}, heartbeat_misses: {misses}}}
+simulation: {{speedup: 10.0}}
+routing: {{seed: 7}}
+execution_group:
+  nodes: [{{count: 1, kv_blocks: 8192, block_size: 64}}]
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def executable(name: str) -> str:
+    exe = shutil.which(name, path=str(BIN)) or shutil.which(name)
+    if exe is None:
+        pytest.skip(f"{name} not installed: pip install -e '.[nats]'")
+    return exe
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll ``check`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = check()
+            if last:
+                return last
+        except Exception as exc:  # not up yet
+            last = exc
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+        time.sleep(interval)
+
+
+class Cluster:
+    def __init__(self, tmp: Path, heartbeat_interval: float = 0.2, misses: int = 3) -> None:
+        self.tmp = tmp
+        self.config = tmp / "deploy.yaml"
+        self.config.write_text(CONFIG.format(hb=heartbeat_interval, misses=misses))
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.ports: dict[str, int] = {}
+        self.nats_url = ""
+
+    # -- processes ---------------------------------------------------------------------------
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        old = self.procs.get(name)
+        assert old is None or old.poll() is not None, f"{name} is still running"
+        log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 - owned by the process
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def start_nats(self) -> str:
+        port = free_port()
+        self._spawn("nats", [executable("nats-server"), "-a", "127.0.0.1", "-p", str(port)])
+        self.nats_url = f"nats://127.0.0.1:{port}"
+
+        def accepting() -> bool:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                return s.recv(4096).startswith(b"INFO")
+
+        wait_until(accepting, 10, "nats-server")
+        return self.nats_url
+
+    def start_worker(self, wid: str, *extra: str) -> None:
+        self._spawn(wid, [executable("thunderagent"), "worker", "--nats", self.nats_url, "--id", wid,
+                          "--config", str(self.config), *extra])
+
+    def start_frontend(self, name: str) -> int:
+        port = self.ports.setdefault(name, free_port())
+        self._spawn(name, [executable("thunderagent"), "frontend", "--nats", self.nats_url, "--port", str(port),
+                           "--config", str(self.config)])
+        return port
+
+    def kill(self, name: str, sig: int = signal.SIGKILL, wait: bool = True) -> None:
+        proc = self.procs[name]
+        proc.send_signal(sig)
+        if wait:
+            proc.wait(15)
+
+    def exited(self, name: str) -> bool:
+        return self.procs[name].poll() is not None
+
+    def close(self) -> None:
+        for proc in reversed(self.procs.values()):  # nats-server last: the others leave cleanly
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(self.tmp.glob("*.log")))
+
+    # -- HTTP --------------------------------------------------------------------------------
+    def health(self, name: str) -> dict[str, Any]:
+        url = f"http://127.0.0.1:{self.ports[name]}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                return json.load(resp)
+        except urllib.error.HTTPError as err:  # 503 when no worker: still a summary
+            return json.load(err)
+
+    def workers(self, name: str) -> set[str]:
+        return {w["id"] for w in self.health(name)["workers"] if w["health"] == "healthy"}
+
+    def indexed(self, name: str) -> dict[str, int]:
+        return {w["id"]: w["indexed_blocks"] for w in self.health(name)["workers"]}
+
+    def client(self, name: str) -> OpenAI:
+        return OpenAI(base_url=f"http://127.0.0.1:{self.ports[name]}/v1", api_key="unused", max_retries=0,
+                      timeout=30)

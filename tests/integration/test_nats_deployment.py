@@ -1,0 +1,163 @@
+"""The multi-process deployment over NATS, as an operator runs it: nats-server, 3 ``thunderagent
+worker`` processes and 2 ``thunderagent frontend`` replicas, driven with the official OpenAI client.
+A worker is killed and a frontend restarted in the middle."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+pytest.importorskip("nats", reason="the NATS deployment needs the nats extra")
+
+from nats_cluster import Cluster, wait_until  # noqa: E402  (tests/integration is on sys.path)
+
+pytestmark = [pytest.mark.nats, pytest.mark.integration]
+
+MODEL = "thunderagent-sim"
+WORKER = "x-thunderagent-worker"
+# ~1,100 bytes: 17 full 64-token blocks with the byte tokenizer
+TEXT = ("The router keeps a map of which worker holds which block of every prompt it has seen, "
+        "and it sends each new request where the longest prefix already sits, unless that worker "
+        "is drowning. ") * 6
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.close()
+        print(c.logs())  # captured: pytest shows it only when the test failed
+
+
+def complete(client, prompt: str, max_tokens: int = 8):
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=max_tokens)
+    body = raw.parse()
+    return raw.headers[WORKER], body
+
+
+def test_two_frontends_three_workers_survive_a_killed_worker_and_a_restarted_frontend(cluster: Cluster):
+    cluster.start_nats()
+    workers = ["w0", "w1", "w2"]
+    for w in workers:
+        cluster.start_worker(w)
+    cluster.start_frontend("fa")
+    cluster.start_frontend("fb")
+    for f in ("fa", "fb"):
+        wait_until(lambda f=f: cluster.workers(f) == set(workers), 30, f"{f} to discover 3 workers")
+    ca, cb = cluster.client("fa"), cluster.client("fb")
+
+    # 1. traffic through both frontends; each conversation lands somewhere
+    prompts = [f"Conversation {i}. " + TEXT for i in range(6)]
+    home: dict[int, str] = {}
+    for i, p in enumerate(prompts):
+        home[i], body = complete(ca if i % 2 == 0 else cb, p)
+        assert body.choices[0].finish_reason in ("length", "stop") and body.choices[0].text
+    assert len(set(home.values())) >= 2, f"6 conversations on one worker: {home}"
+
+    # 2. replicas share the index: the same blocks per worker on both, from the workers' events
+    wait_until(lambda: cluster.indexed("fa") == cluster.indexed("fb") and sum(cluster.indexed("fa").values()) > 0,
+               5, "both frontends to index the same blocks")
+
+    # 3. the same prompt through the *other* frontend goes to the worker holding it, and hits its cache
+    for i, p in enumerate(prompts):
+        wid, body = complete(cb if i % 2 == 0 else ca, p)
+        assert wid == home[i], f"conversation {i}: first on {home[i]}, repeated via the other frontend on {wid}"
+        assert body.usage.prompt_tokens_details.cached_tokens >= 64 * 16
+    # streaming through both
+    for client in (ca, cb):
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "stream please " + TEXT}], max_tokens=12, stream=True)
+        assert raw.headers[WORKER] in workers
+        chunks = list(raw.parse())
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+    # 4. kill a worker that holds conversations: it leaves both fleets, requests keep succeeding
+    victim = home[0]
+    survivors = set(workers) - {victim}
+    cluster.kill(victim)
+    t_kill = time.monotonic()
+    for i, p in enumerate(prompts):  # at once: some are routed to the dead worker and must be re-routed
+        wid, body = complete(ca if i % 2 == 0 else cb, p)
+        assert wid in survivors and body.choices[0].finish_reason in ("length", "stop")
+        if home[i] == victim:
+            home[i] = wid
+    for f in ("fa", "fb"):
+        wait_until(lambda f=f: cluster.workers(f) == survivors, 5, f"{f} to drop {victim}")
+    left_s = time.monotonic() - t_kill
+    assert victim not in cluster.indexed("fa") and victim not in cluster.indexed("fb")
+    wait_until(lambda: cluster.indexed("fa") == cluster.indexed("fb"), 5, "indexes to agree after the kill")
+
+    # 5. restart frontend B: it rebuilds its index from worker dumps before it serves
+    expected = cluster.indexed("fa")
+    cluster.kill("fb", signal.SIGTERM)
+    t_spawn = time.monotonic()
+    cluster.start_frontend("fb")
+    health = wait_until(lambda: cluster.health("fb"), 30, "restarted fb to answer /health")
+    up_s = time.monotonic() - t_spawn
+    rebuild_s = health["frontend"]["index_rebuild_s"]
+    assert rebuild_s <= 2.0, f"index rebuilt in {rebuild_s}s"
+    got = {w["id"]: w["indexed_blocks"] for w in health["workers"]}
+    assert got == expected, f"restarted frontend indexed {got}, the other frontend {expected}"
+
+    # 6. a repeated prompt through the restarted frontend goes to the worker holding it
+    cb = cluster.client("fb")
+    for i, p in enumerate(prompts):
+        wid, body = complete(cb, p)
+        assert wid == home[i], f"conversation {i}: on {home[i]}, after the restart routed to {wid}"
+        assert body.usage.prompt_tokens_details.cached_tokens >= 64 * 16
+    print(f"\nworker left both fleets {left_s:.2f}s after SIGKILL; restarted frontend serving after {up_s:.2f}s "
+          f"(process start included), index rebuilt in {rebuild_s:.3f}s")
+
+
+def test_stopped_worker_drains_and_a_crashed_one_ends_its_streams(tmp_path):
+    c = Cluster(tmp_path, heartbeat_interval=0.2, misses=10)  # 2 s lease: a bye is visibly faster
+    try:
+        c.start_nats()
+        for w in ("a", "b"):
+            c.start_worker(w, "--speedup", "0.05")  # 20x slower than real time: streams last seconds
+        c.start_frontend("f")
+        wait_until(lambda: c.workers("f") == {"a", "b"}, 30, "2 workers")
+        client = c.client("f")
+
+        # a clean stop (SIGTERM) mid-stream: the worker leaves routing at once, its stream completes
+        raw = client.completions.with_raw_response.create(model=MODEL, prompt="a short story " + TEXT,
+                                                          max_tokens=20, stream=True)
+        stopped = raw.headers[WORKER]
+        it = iter(raw.parse())
+        assert next(it).choices[0].finish_reason is None
+        t0 = time.monotonic()
+        c.kill(stopped, signal.SIGTERM, wait=False)
+        wait_until(lambda: c.workers("f") == {"a", "b"} - {stopped}, 1.5, "the stopped worker to leave")
+        assert time.monotonic() - t0 < 1.5
+        rest = list(it)
+        assert rest[-1].choices[0].finish_reason in ("length", "stop")
+        wait_until(lambda: c.exited(stopped), 10, "the stopped worker to exit after draining")
+
+        # a crash mid-stream: the client gets a finish_reason within the lease, never a hang
+        (survivor,) = c.workers("f")
+        stream = client.completions.create(model=MODEL, prompt="tell me a long story " + TEXT, max_tokens=500,
+                                           stream=True)
+        it = iter(stream)
+        assert next(it).choices[0].finish_reason is None
+        c.kill(survivor)
+        t_kill = time.monotonic()
+        rest = list(it)
+        waited = time.monotonic() - t_kill
+        assert rest[-1].choices[0].finish_reason == "error"
+        assert waited < 2.0 + 3.0, f"stream ended {waited:.1f}s after the worker died"
+
+        # no worker left: a clear 503, not a hang
+        from openai import APIStatusError
+
+        wait_until(lambda: not c.workers("f"), 5, "the crashed worker to leave")
+        with pytest.raises(APIStatusError) as err:
+            client.completions.create(model=MODEL, prompt="anyone?", max_tokens=4)
+        assert err.value.status_code == 503
+    finally:
+        c.close()
+        print(c.logs())  # captured: pytest shows it only when the test failed

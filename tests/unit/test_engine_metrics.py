@@ -1,0 +1,60 @@
+"""Engine load from Prometheus text (vLLM and SGLang pages)."""
+
+from __future__ import annotations
+
+from thunderagent.engine.sglang import SGLANG
+from thunderagent.engine.vllm import VLLM, engine_stats, parse_prometheus
+
+# Lines as vLLM 0.32 (CPU build) serves them, with the histogram noise they sit in.
+VLLM_PAGE = """\
+# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.
+# TYPE process_start_time_seconds gauge
+process_start_time_seconds 1.79595776048e+09
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="/tmp/tiny"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="/tmp/tiny"} 2.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="/tmp/tiny",reason="capacity"} 0.0
+vllm:kv_cache_usage_perc{engine="0",model_name="/tmp/tiny"} 0.25
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="/tmp/tiny"} 0.0
+vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="auto",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.92",num_cpu_blocks="None",num_gpu_blocks="16384",prefix_caching_hash_algo="sha256"} 1.0
+"""
+
+
+def test_vllm_page():
+    s = engine_stats(VLLM_PAGE, VLLM)
+    assert (s.running, s.waiting, s.kv_usage) == (3, 2, 0.25)
+    assert (s.block_size, s.num_blocks, s.prefix_caching) == (32, 16384, True)
+    assert s.start_time == 1.79595776048e09
+
+
+def test_data_parallel_engines_are_summed_and_usage_averaged():
+    page = """\
+vllm:num_requests_running{engine="0",model_name="m"} 1.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.2
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.4
+"""
+    s = engine_stats(page, VLLM)
+    assert s.running == 3 and abs(s.kv_usage - 0.3) < 1e-9 and s.block_size is None
+
+
+def test_older_vllm_usage_name_and_missing_info():
+    s = engine_stats('vllm:gpu_cache_usage_perc{model_name="m"} 0.5\n', VLLM)
+    assert s.kv_usage == 0.5 and s.prefix_caching is None
+
+
+def test_sglang_page():
+    page = """\
+sglang:num_running_reqs{model_name="m",tp_rank="0"} 4.0
+sglang:num_queue_reqs{model_name="m",tp_rank="0"} 1.0
+sglang:token_usage{model_name="m",tp_rank="0"} 0.5
+"""
+    s = engine_stats(page, SGLANG)
+    assert (s.running, s.waiting, s.kv_usage, s.block_size) == (4, 1, 0.5, None)
+
+
+def test_parser_skips_garbage_and_unwanted():
+    out = parse_prometheus('x 1\nvllm:num_requests_running{a="b \\" c"} 2\nvllm:num_requests_running nan?\n',
+                           frozenset({"vllm:num_requests_running"}))
+    assert out == {"vllm:num_requests_running": [({"a": 'b \\" c'}, 2.0)]}

@@ -1,0 +1,109 @@
+"""The fleet's side of real-engine failures, with scripted worker handles (no engine, no network):
+a worker that says it cannot serve leaves routing at once and returns with its next heartbeat; a
+request its worker could not take is routed to another one before anything was streamed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from thunderagent.config import NodeConfig, parse_config
+from thunderagent.server.fleet import Fleet
+from thunderagent.server.worker_handle import UNAVAILABLE, WorkerCallbacks
+from thunderagent.types import EngineRequest, LoadReport, TokenOutput
+
+
+class Scripted:
+    """A worker handle that answers every request with ``outputs`` (token lists; [] = unavailable)."""
+
+    def __init__(self, wid: str, cb: WorkerCallbacks, unavailable: bool = False) -> None:
+        self.worker_id = wid
+        self.heartbeats_paused = False
+        self.cb = cb
+        self.unavailable = unavailable
+        self.submitted: list[str] = []
+        self.aborted: list[str] = []
+
+    def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    def submit(self, req: EngineRequest) -> asyncio.Queue[TokenOutput]:
+        self.submitted.append(req.request_id)
+        q: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        n = len(req.prompt_tokens)
+        if self.unavailable:
+            self.cb.on_unavailable(self.worker_id, "unreachable")  # type: ignore[misc]
+            q.put_nowait(TokenOutput(req.request_id, [], 0.0, n, 0, True, UNAVAILABLE, text=""))
+        else:
+            q.put_nowait(TokenOutput(req.request_id, [104], 0.0, n, 0, text="h"))
+            q.put_nowait(TokenOutput(req.request_id, [105], 0.0, n, 64, True, "length", text="i"))
+        return q
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def load(self) -> LoadReport:
+        return LoadReport(self.worker_id, 0.0, 0, 0, 0, 0, 0, 0, 100)
+
+    def snapshot(self) -> tuple[list[int], int] | None:
+        return None
+
+
+@pytest.fixture
+async def fleet() -> Fleet:
+    cfg = parse_config({
+        "model": "/unused", "routing": {"seed": 1}, "control_plane": {"health_check_enabled": False},
+        "execution_group": {"nodes": [{"engine": "vllm", "endpoints": [{"url": "http://a"}, {"url": "http://b"}]}]},
+    })
+    f = Fleet(cfg)
+    made: dict[str, Scripted] = {}
+
+    def factory(node: NodeConfig, wid: str, k: int, cb: WorkerCallbacks) -> Scripted:
+        made[wid] = Scripted(wid, cb, unavailable=(k == 0))
+        return made[wid]
+
+    f.factories["vllm"] = factory  # type: ignore[assignment]
+    await f.start()
+    return f
+
+
+async def collect(f: Fleet, gen) -> list:
+    return [c async for c in f.stream_text(gen, [])]
+
+
+async def test_request_its_worker_could_not_take_is_routed_again(fleet: Fleet) -> None:
+    bad, good = fleet.workers["worker-0"], fleet.workers["worker-1"]
+    # route the first request to the bad worker by hand, as the router might have
+    gen = fleet.start_generation([1, 2, 3], 2)
+    if gen.worker is good:  # the router chose the good one: resubmit on the bad one
+        gen.queue = bad.submit(gen.request)  # type: ignore[arg-type]
+        gen.worker = bad
+    chunks = await collect(fleet, gen)
+    assert "".join(c.text for c in chunks) == "hi" and chunks[-1].finish_reason == "length"
+    assert chunks[-1].cached_tokens == 64, "cached tokens reported with the last output count"
+    assert gen.worker is good and gen.decision.worker_id == "worker-1" and gen.tried == ("worker-0",)
+    assert fleet.metrics.rerouted._value.get() == 1  # type: ignore[attr-defined]
+    assert fleet._unavailable == {"worker-0": "unreachable"}
+    # out of routing now: every new request goes to the good worker, no detour
+    for _ in range(5):
+        assert fleet.start_generation([4, 5, 6], 2).worker is good
+
+
+async def test_back_in_routing_with_its_next_heartbeat(fleet: Fleet) -> None:
+    fleet._on_unavailable("worker-0", "unreachable")
+    assert fleet.health_summary()["healthy_workers"] == 1
+    fleet._on_heartbeat("worker-0", fleet.workers["worker-0"].load())
+    assert "worker-0" not in fleet._unavailable
+    assert fleet.health_summary()["healthy_workers"] == 2
+
+
+async def test_no_other_worker_left_passes_the_failure_on(fleet: Fleet) -> None:
+    fleet._on_unavailable("worker-1", "block_size_mismatch")
+    gen = fleet.start_generation([1, 2, 3], 2)
+    assert gen.worker.worker_id == "worker-0"
+    chunks = await collect(fleet, gen)
+    assert chunks[-1].finish_reason == UNAVAILABLE and chunks[-1].text == ""

@@ -1,0 +1,260 @@
+"""NatsFleet's membership, leases, dumps and request fate, on an in-memory bus (no NATS, no sleeps).
+
+The fleet's clock is replaced by a number the test moves, so lease expiry and stall timeouts are
+exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from thunderagent.config import parse_config
+from thunderagent.control.nats_bus import BusMsg
+from thunderagent.control import wire
+from thunderagent.kv.hashing import block_hashes
+from thunderagent.server.nats_fleet import NatsFleet
+from thunderagent.types import BlockStored, LoadReport
+
+from fake_bus import FakeBus  # noqa: E402  (tests/unit is on sys.path)
+
+BS = 64
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def heartbeat(wid: str, instance: str = "i1", last_seq: int = -1, queued: int = 0) -> bytes:
+    info = wire.WireInfo(wid, "both", "simulated", BS, 8192, 64, 1000)
+    load = wire.WireLoad(0.0, 0, 0, queued, 0, 0, 0, 1000)
+    return wire.encode(wire.Heartbeat(wire.WIRE_VERSION, instance, info, load, last_seq))
+
+
+@pytest.fixture
+async def fleet():
+    cfg = parse_config({"control_plane": {"heartbeat_interval": 1.0, "heartbeat_misses": 3},
+                        "routing": {"seed": 1}, "execution_group": {"nodes": [{"block_size": BS}]}})
+    bus = FakeBus()
+    f = NatsFleet(cfg, bus, discovery_window=0.0)
+    await f.start()
+    f.now = Clock()  # type: ignore[method-assign]
+    f._health_task.cancel()  # the test calls check_health itself
+    yield f
+    await f.stop()
+
+
+async def deliver(f: NatsFleet, subject: str, data: bytes) -> None:
+    await f.bus.subs["ta.worker.>"](BusMsg(subject, data))
+    for _ in range(3):  # let dump tasks run (no wall-clock wait)
+        await asyncio.sleep(0)
+
+
+async def stream_msg(f: NatsFleet, rid: str, batch: wire.TokenBatch | None) -> None:
+    data = b"" if batch is None else wire.encode(batch)
+    await f.bus.subs[f"{f.inbox}.*"](BusMsg(f"{f.inbox}.{rid}", data, no_responders=batch is None))
+
+
+def accepted(n: int = 0) -> wire.TokenBatch:
+    return wire.TokenBatch(n, [])
+
+
+async def test_start_asks_workers_to_announce_themselves(fleet):
+    assert fleet.bus.published[0] == ("ta.discover", b"", "")
+    assert set(fleet.bus.subs) == {"ta.worker.>", f"{fleet.inbox}.*"}
+    assert fleet.index_rebuild_s is not None
+
+
+async def test_heartbeat_registers_worker_and_dump_fills_index(fleet):
+    fleet.bus.dumps["w1"] = ("i1", [11, 12], 4)
+    await deliver(fleet, "ta.worker.w1.hello", heartbeat("w1", last_seq=4))
+    assert fleet.registry.worker_ids() == ["w1"]
+    assert fleet.index.num_blocks("w1") == 2 and fleet.index.last_seq("w1") == 4
+    assert fleet.dumps_applied == 1
+    # events continue from the dump's seq
+    batch = wire.KvBatch("i1", wire.events_to_wire([BlockStored("w1", 5, (13,))]))
+    await deliver(fleet, "ta.worker.w1.kv", wire.encode(batch))
+    assert fleet.index.num_blocks("w1") == 3
+    # events of another instance (a stale process) are ignored
+    stale = wire.KvBatch("old", wire.events_to_wire([BlockStored("w1", 6, (14,))]))
+    await deliver(fleet, "ta.worker.w1.kv", wire.encode(stale))
+    assert fleet.index.num_blocks("w1") == 3
+
+
+async def test_lease_expiry_removes_worker_and_its_index_entries(fleet):
+    fleet.bus.dumps["w1"] = ("i1", [11], 0)
+    fleet.bus.dumps["w2"] = ("i1", [], -1)
+    await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1", last_seq=0))
+    await deliver(fleet, "ta.worker.w2.hb", heartbeat("w2"))
+    fleet.now.t += 2.9
+    await deliver(fleet, "ta.worker.w2.hb", heartbeat("w2"))
+    fleet.now.t += 0.2  # w1: 3.1 s since its heartbeat, lease is 3 x 1.0 s
+    fleet.check_health()
+    assert fleet.registry.worker_ids() == ["w2"]
+    assert "w1" not in fleet.workers and fleet.index.num_blocks() == 0
+    # it comes back (same process, e.g. after a network partition): re-registered and re-dumped
+    await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1", last_seq=0))
+    assert sorted(fleet.registry.worker_ids()) == ["w1", "w2"] and fleet.index.num_blocks("w1") == 1
+
+
+async def test_bye_and_restart_with_new_instance(fleet):
+    fleet.bus.dumps["w1"] = ("i1", [11], 0)
+    await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1", last_seq=0))
+    fleet.bus.dumps["w1"] = ("i2", [], -1)
+    await deliver(fleet, "ta.worker.w1.hello", heartbeat("w1", instance="i2"))  # restarted: new cache
+    assert fleet.workers["w1"].instance == "i2" and fleet.index.num_blocks("w1") == 0
+    await deliver(fleet, "ta.worker.w1.bye", wire.encode(wire.Bye("i1")))  # the old one's bye: ignored
+    assert "w1" in fleet.workers
+    await deliver(fleet, "ta.worker.w1.bye", wire.encode(wire.Bye("i2")))
+    assert fleet.registry.worker_ids() == [] and "w1" not in fleet.workers
+
+
+async def test_mismatched_block_size_or_version_is_ignored(fleet):
+    info = wire.WireInfo("w9", "both", "simulated", 32, 8192, 64, 1000)
+    hb = wire.Heartbeat(wire.WIRE_VERSION, "i", info, wire.WireLoad(0, 0, 0, 0, 0, 0, 0, 1000), -1)
+    await deliver(fleet, "ta.worker.w9.hb", wire.encode(hb))
+    hb2 = wire.Heartbeat(wire.WIRE_VERSION + 1, "i", info, hb.load, -1)
+    await deliver(fleet, "ta.worker.w9.hb", wire.encode(hb2))
+    assert fleet.registry.worker_ids() == []
+
+
+async def test_lost_event_tail_seen_in_heartbeat_triggers_a_dump(fleet):
+    fleet.bus.dumps["w1"] = ("i1", [1], 0)
+    await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1", last_seq=0))
+    fleet.bus.dumps["w1"] = ("i1", [1, 2, 3], 2)
+    await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1", last_seq=2))  # events 1, 2 never arrived
+    assert fleet.dumps_applied == 2 and fleet.index.num_blocks("w1") == 3
+
+
+async def test_request_stream_outputs_and_abort(fleet):
+    fleet.bus.dumps["w1"] = ("i1", [], -1)
+    await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1"))
+    gen = fleet.start_generation(list(range(130)), 4)
+    subject, data, reply = fleet.bus.sent("generate")[-1]
+    assert subject == "ta.rpc.w1.generate" and reply == f"{fleet.inbox}.{gen.request_id}"
+    assert wire.request_from_wire(wire.decode_generate(data)).block_hashes == block_hashes(list(range(130)), BS)
+    assert fleet.workers["w1"].load().waiting == 1  # counted until the worker reports it
+    await stream_msg(fleet, gen.request_id, accepted())
+    tok = wire.WireToken([65, 66], 1.0, 130, 64, False, None, None)
+    await stream_msg(fleet, gen.request_id, wire.TokenBatch(1, [tok]))
+    assert gen.queue.get_nowait().token_ids == [65, 66]
+    gen.worker.abort(gen.request_id)
+    assert wire.decode_abort(fleet.bus.sent("abort")[-1][1]).request_id == gen.request_id
+    await stream_msg(fleet, gen.request_id, wire.TokenBatch(2, [tok]))  # late output after abort: dropped
+    assert gen.queue.empty()
+
+
+async def test_lost_worker_ends_accepted_requests_and_reroutes_unaccepted_ones(fleet):
+    lost, other = "w1", "w2"
+    fleet.bus.dumps[lost] = fleet.bus.dumps[other] = ("i1", [], -1)
+    await deliver(fleet, f"ta.worker.{lost}.hb", heartbeat(lost))
+    await deliver(fleet, f"ta.worker.{other}.hb", heartbeat(other, queued=100_000))  # busy: both go to w1
+    g1 = fleet.start_generation(list(range(100)), 4)
+    g2 = fleet.start_generation(list(range(200, 300)), 4)
+    assert g1.decision.worker_id == g2.decision.worker_id == lost
+    await stream_msg(fleet, g1.request_id, accepted())  # g1 started; g2 not yet
+    text = asyncio.create_task(anext(fleet.stream_text(g2, [])))
+    fleet.now.t += 3.5
+    await deliver(fleet, f"ta.worker.{other}.hb", heartbeat(other, queued=100_000))
+    fleet.check_health()
+    assert lost not in fleet.workers
+    out = g1.queue.get_nowait()
+    assert out.finished and out.finish_reason == "error"
+    # g2 ends "unavailable" on the lost worker; the fleet routes it to the other one
+    await asyncio.sleep(0)
+    assert g2.decision.worker_id == other and g2.worker is fleet.workers[other]
+    assert fleet.bus.sent("generate")[-1][0] == f"ta.rpc.{other}.generate"
+    await stream_msg(fleet, g2.request_id, accepted())
+    await stream_msg(fleet, g2.request_id, wire.TokenBatch(1, [wire.WireToken([72, 105], 1.0, 100, 0, True,
+                                                                              "length", None)]))
+    chunk = await asyncio.wait_for(text, 1)
+    assert (chunk.text, chunk.finish_reason) == ("Hi", "length")
+
+
+async def test_no_responders_drops_worker_and_reroutes_at_once(fleet):
+    for w in ("w1", "w2"):
+        fleet.bus.dumps[w] = ("i1", [], -1)
+        await deliver(fleet, f"ta.worker.{w}.hb", heartbeat(w))
+    gen = fleet.start_generation(list(range(100)), 4)
+    first = gen.decision.worker_id
+    text = asyncio.create_task(anext(fleet.stream_text(gen, [])))
+    await stream_msg(fleet, gen.request_id, None)  # NATS: nobody listens on that worker's subject
+    await asyncio.sleep(0)
+    assert first not in fleet.workers and gen.decision.worker_id != first
+    await stream_msg(fleet, gen.request_id, None)  # the second one is gone too: nobody left
+    chunk = await asyncio.wait_for(text, 1)
+    assert chunk.finish_reason == "unavailable" and not fleet.workers
+
+
+async def test_silent_stream_and_lost_messages_end_with_error(fleet):
+    fleet.bus.dumps["w1"] = ("i1", [], -1)
+    await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1"))
+    g1 = fleet.start_generation(list(range(100)), 4)
+    g2 = fleet.start_generation(list(range(300, 400)), 4)
+    await stream_msg(fleet, g1.request_id, accepted())
+    await stream_msg(fleet, g2.request_id, accepted())
+    await stream_msg(fleet, g2.request_id, accepted(2))  # message 1 lost
+    assert g2.queue.get_nowait().finish_reason == "error"
+    fleet.now.t += wire.STALL_TIMEOUT_S - 0.5
+    await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1"))
+    fleet.check_health()
+    assert g1.queue.empty()  # keepalives would have come by now; none did, but not yet too late
+    fleet.now.t += 1.0
+    await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1"))
+    fleet.check_health()
+    assert g1.queue.get_nowait().finish_reason == "error"
+    aborted = {wire.decode_abort(d).request_id for _, d, _ in fleet.bus.sent("abort")}
+    assert aborted == {g1.request_id, g2.request_id}
+
+
+async def test_bye_leaves_routing_at_once_but_drains_requests_in_flight(fleet):
+    for w in ("w1", "w2"):
+        fleet.bus.dumps[w] = ("i1", [1], 0)
+        await deliver(fleet, f"ta.worker.{w}.hb", heartbeat(w, last_seq=0))
+    gen = fleet.start_generation(list(range(100)), 4)
+    wid = gen.decision.worker_id
+    await stream_msg(fleet, gen.request_id, accepted())
+    await deliver(fleet, f"ta.worker.{wid}.bye", wire.encode(wire.Bye("i1")))
+    assert wid not in fleet.workers and wid not in fleet.registry.worker_ids()
+    assert fleet.index.num_blocks(wid) == 0
+    assert gen.queue.empty()  # still streaming
+    tok = wire.WireToken([65], 1.0, 100, 0, True, "length", None)
+    await stream_msg(fleet, gen.request_id, wire.TokenBatch(1, [tok]))
+    assert gen.queue.get_nowait().finish_reason == "length"
+    fleet.check_health()
+    assert fleet._draining == []
+
+
+async def test_worker_reporting_unavailable_leaves_routing_until_its_next_heartbeat(fleet):
+    for w in ("w1", "w2"):
+        fleet.bus.dumps[w] = ("i1", [], -1)
+        await deliver(fleet, f"ta.worker.{w}.hb", heartbeat(w))
+    await deliver(fleet, "ta.worker.w1.unavailable", wire.encode(wire.Unavailable("i1", "unreachable")))
+    assert [w.worker_id for w in fleet._routable()] == ["w2"]
+    assert fleet.start_generation(list(range(100)), 4).decision.worker_id == "w2"
+    await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1"))
+    assert sorted(w.worker_id for w in fleet._routable()) == ["w1", "w2"]
+
+
+async def test_context_limit_follows_the_simulated_workers(fleet):
+    assert fleet.max_context_tokens is None  # no worker yet: unknown
+    fleet.bus.dumps["w1"] = ("i1", [], -1)
+    await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1"))
+    assert fleet.max_context_tokens == 1000 * BS
+
+
+async def test_health_summary_reports_frontend_and_sync_state(fleet):
+    await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1"))  # no dump available yet: keeps syncing
+    summary = fleet.health_summary()
+    assert summary["frontend"]["syncing"] == ["w1"]
+    assert [w["id"] for w in summary["workers"]] == ["w1"]
+
+
+def test_load_report_fields_match_wire():
+    # a new LoadReport field must be added to WireLoad too
+    assert len(LoadReport.__dataclass_fields__) - 1 == len(wire.WireLoad.__struct_fields__)

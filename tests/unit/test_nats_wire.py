@@ -1,0 +1,98 @@
+"""Wire messages of the NATS deployment: exact encodings, round trips, chunked dumps, subjects."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+
+from thunderagent.control import wire
+from thunderagent.control.registry import WorkerInfo
+from thunderagent.types import AllBlocksCleared, BlockRemoved, BlockStored, EngineRequest, LoadReport, TokenOutput
+
+U64_MAX = 2**64 - 1
+
+
+def test_packed_integers_round_trip_little_endian():
+    assert wire.pack_u64([1, U64_MAX]) == b"\x01" + b"\x00" * 7 + b"\xff" * 8
+    assert wire.unpack_u64(wire.pack_u64([0, 5, U64_MAX])) == [0, 5, U64_MAX]
+    assert wire.pack_u32([258]) == b"\x02\x01\x00\x00"
+    assert wire.unpack_u32(wire.pack_u32([0, 256, 2**32 - 1])) == [0, 256, 2**32 - 1]
+    with pytest.raises(ValueError, match="multiple of 8"):
+        wire.unpack_u64(b"\x00" * 7)
+
+
+def test_kv_batch_exact_bytes_and_round_trip():
+    # array_like structs: no field names on the wire; tagged events start with their tag
+    msg = wire.encode(wire.KvBatch("i1", [wire.WireCleared(5)]))
+    assert msg == msgspec.msgpack.encode(["i1", [[2, 5]]])
+    events = [
+        BlockStored("w", 0, (1, U64_MAX), None),
+        BlockStored("w", 1, (7,), U64_MAX),
+        BlockRemoved("w", 2, (1,)),
+        AllBlocksCleared("w", 3),
+    ]
+    batch = wire.decode_kv(wire.encode(wire.KvBatch("inst", wire.events_to_wire(events))))
+    assert batch.instance == "inst"
+    assert wire.events_from_wire("w", batch.events) == events
+
+
+def test_heartbeat_round_trip_carries_info_load_and_seq():
+    info = WorkerInfo("w-1", "both", 64, 8192, 64, 1000)
+    load = LoadReport("w-1", 12.5, 2, 3, 400, 900, 10, 20, 1000)
+    hb = wire.Heartbeat(wire.WIRE_VERSION, "abc", wire.info_to_wire(info, "simulated"), wire.load_to_wire(load), 41)
+    back = wire.decode_heartbeat(wire.encode(hb))
+    assert back == hb
+    assert wire.info_from_wire(back.info) == info
+    assert back.info.engine == "simulated"
+    assert wire.load_from_wire(back.load, "w-1") == load
+    assert back.last_seq == 41
+
+
+def test_generate_request_and_token_batch_round_trip():
+    req = EngineRequest("r1", [1, 2, 300, 70000], [11, U64_MAX], 99, 16, ignore_eos=True, priority=-2,
+                        cache_salt="tenant", lora_name="sql-lora")
+    back = wire.request_from_wire(wire.decode_generate(wire.encode(wire.request_to_wire(req))))
+    assert back == req
+    outs = [TokenOutput("r1", [5, 6], 1.5, 4, 2), TokenOutput("r1", [], 2.0, 4, 2, True, "length", "hi")]
+    batch = wire.decode_tokens(wire.encode(wire.TokenBatch(3, [wire.output_to_wire(o) for o in outs])))
+    assert batch.n == 3 and batch.error is None
+    assert [wire.output_from_wire("r1", w) for w in batch.outputs] == outs
+
+
+def test_wrong_message_type_is_rejected():
+    with pytest.raises(msgspec.ValidationError):
+        wire.decode_heartbeat(wire.encode(wire.Bye("x")))
+
+
+def test_dump_chunks_split_and_join_in_any_order():
+    hashes = [random.Random(1).getrandbits(64) for _ in range(7)]
+    chunks = wire.dump_chunks("inst", hashes, 12, chunk=3)
+    assert [(c.part, c.final, len(c.hashes) // 8) for c in chunks] == [(0, False, 3), (1, False, 3), (2, True, 1)]
+    decoded = [wire.decode_dump_chunk(wire.encode(c)) for c in reversed(chunks)]
+    dump = wire.join_dump(decoded)
+    assert dump == wire.Dump("inst", 12, hashes)
+    with pytest.raises(ValueError, match="incomplete"):
+        wire.join_dump(chunks[1:])
+    with pytest.raises(ValueError, match="different snapshots"):
+        wire.join_dump([chunks[0], wire.dump_chunks("other", hashes, 12, chunk=3)[1], chunks[2]])
+
+
+def test_empty_and_unavailable_dumps():
+    (empty,) = wire.dump_chunks("i", [], 4)
+    assert empty.final and wire.join_dump([empty]) == wire.Dump("i", 4, [])
+    (none,) = wire.dump_chunks("i", None, 4)
+    assert not none.available and wire.join_dump([none]).hashes is None
+
+
+def test_subjects_and_tokens():
+    s = wire.Subjects("ta")
+    assert s.worker("w1", "hb") == "ta.worker.w1.hb"
+    assert s.parse_worker("ta.worker.w1.kv") == ("w1", "kv")
+    assert s.parse_worker("ta.rpc.w1.dump") is None
+    assert s.parse_worker("other.worker.w1.kv") is None
+    assert s.rpcs("w1") == "ta.rpc.w1.*"
+    for bad in ("a.b", "a b", "*", ">", ""):
+        with pytest.raises(ValueError, match="NATS subject token"):
+            wire.check_token(bad, "worker id")

@@ -1,0 +1,161 @@
+"""WorkerService: a worker handle put on the bus, on an in-memory bus with a hand-driven handle."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from thunderagent.control import wire
+from thunderagent.control.nats_bus import BusMsg
+from thunderagent.control.registry import WorkerInfo
+from thunderagent.server.nats_worker import WorkerService
+from thunderagent.server.worker_handle import WorkerCallbacks
+from thunderagent.types import BlockStored, EngineRequest, LoadReport, TokenOutput
+from fake_bus import FakeBus  # (tests/unit is on sys.path)
+
+
+class FakeHandle:
+    worker_id = "w1"
+    heartbeats_paused = False
+
+    def __init__(self, cb: WorkerCallbacks) -> None:
+        self.cb = cb
+        self.queues: dict[str, asyncio.Queue[TokenOutput]] = {}
+        self.aborted: list[str] = []
+        self.snap: tuple[list[int], int] | None = ([5, 6], 3)
+        self.started = self.stopped = False
+
+    def start(self) -> None:
+        self.started = True
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+    def submit(self, req: EngineRequest) -> asyncio.Queue[TokenOutput]:
+        if not req.prompt_tokens:
+            raise ValueError("empty prompt")
+        q: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        self.queues[req.request_id] = q
+        return q
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def load(self) -> LoadReport:
+        return LoadReport("w1", 0.0, 1, 2, 3, 4, 5, 6, 100)
+
+    def snapshot(self) -> tuple[list[int], int] | None:
+        return self.snap
+
+
+@pytest.fixture
+async def svc():
+    bus = FakeBus()
+    handles: list[FakeHandle] = []
+
+    def build(cb: WorkerCallbacks) -> FakeHandle:
+        handles.append(FakeHandle(cb))
+        return handles[0]
+
+    s = WorkerService(bus, wire.Subjects(), WorkerInfo("w1", "both", 64, 8192, 64, 100), "simulated", build,
+                      drain_timeout=0.2)
+    await s.start()
+    s.fake = handles[0]  # type: ignore[attr-defined]
+    yield s
+    if not s._closing:
+        await s.stop()
+
+
+def batches(bus: FakeBus, reply: str) -> list[wire.TokenBatch]:
+    return [wire.decode_tokens(d) for subj, d, _ in bus.published if subj == reply]
+
+
+async def generate(s: WorkerService, rid: str, prompt: list[int]) -> str:
+    req = EngineRequest(rid, prompt, [], 1, 8)
+    reply = f"ta.inbox.f.{rid}"
+    await s.bus.subs["ta.rpc.w1.*"](BusMsg("ta.rpc.w1.generate", wire.encode(wire.request_to_wire(req)), reply))
+    return reply
+
+
+async def settle() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+async def test_start_subscribes_then_says_hello(svc):
+    bus = svc.bus
+    assert set(bus.subs) == {"ta.rpc.w1.*", "ta.discover"} and svc.fake.started
+    subj, data, _ = bus.published[0]
+    hb = wire.decode_heartbeat(data)
+    assert subj == "ta.worker.w1.hello" and hb.instance == svc.instance and hb.info.worker_id == "w1"
+    await bus.subs["ta.discover"](BusMsg("ta.discover", b""))
+    assert bus.published[-1][0] == "ta.worker.w1.hello"
+
+
+async def test_events_go_out_in_order_and_heartbeats_count_them(svc):
+    svc.fake.cb.on_events("w1", [BlockStored("w1", 0, (1, 2)), BlockStored("w1", 1, (3,))])
+    svc.fake.cb.on_heartbeat("w1", svc.fake.load())
+    (kv_subj, kv, _), (hb_subj, hb, _) = svc.bus.published[-2:]
+    assert kv_subj == "ta.worker.w1.kv" and hb_subj == "ta.worker.w1.hb"
+    batch = wire.decode_kv(kv)
+    assert [e.seq for e in wire.events_from_wire("w1", batch.events)] == [0, 1]
+    assert wire.decode_heartbeat(hb).last_seq == 1
+
+
+async def test_generate_streams_numbered_batches_until_finished(svc):
+    reply = await generate(svc, "r1", [1, 2, 3])
+    q = svc.fake.queues["r1"]
+    q.put_nowait(TokenOutput("r1", [7], 1.0, 3, 0))
+    q.put_nowait(TokenOutput("r1", [8], 1.0, 3, 0))  # same pass: one message
+    await settle()
+    q.put_nowait(TokenOutput("r1", [9], 2.0, 3, 0, True, "length"))
+    await settle()
+    got = batches(svc.bus, reply)
+    assert [b.n for b in got] == [0, 1, 2]
+    assert [[o.token_ids for o in b.outputs] for b in got] == [[], [[7], [8]], [[9]]]
+    assert got[-1].outputs[-1].finished and not svc._streams
+
+
+async def test_abort_cancels_the_stream(svc):
+    await generate(svc, "r1", [1])
+    await svc.bus.subs["ta.rpc.w1.*"](BusMsg("ta.rpc.w1.abort", wire.encode(wire.Abort("r1"))))
+    assert svc.fake.aborted == ["r1"] and not svc._streams
+
+
+async def test_refused_and_duplicate_requests_end_with_error(svc):
+    reply = await generate(svc, "bad", [])
+    (b,) = batches(svc.bus, reply)
+    assert b.error == "empty prompt" and b.outputs[0].finish_reason == "error"
+    await generate(svc, "r1", [1])
+    reply = await generate(svc, "r1", [1])
+    assert batches(svc.bus, reply)[-1].error == "duplicate request id r1"
+
+
+async def test_dump_replies_with_snapshot_or_unavailable(svc):
+    await svc.bus.subs["ta.rpc.w1.*"](BusMsg("ta.rpc.w1.dump", b"", "ta.inbox.f.d1"))
+    chunks = [wire.decode_dump_chunk(d) for s, d, _ in svc.bus.published if s == "ta.inbox.f.d1"]
+    assert wire.join_dump(chunks) == wire.Dump(svc.instance, 3, [5, 6])
+    svc.fake.snap = None
+    await svc.bus.subs["ta.rpc.w1.*"](BusMsg("ta.rpc.w1.dump", b"", "ta.inbox.f.d2"))
+    chunks = [wire.decode_dump_chunk(d) for s, d, _ in svc.bus.published if s == "ta.inbox.f.d2"]
+    assert wire.join_dump(chunks).hashes is None
+
+
+async def test_stop_says_bye_drains_and_turns_new_requests_away(svc):
+    reply = await generate(svc, "r1", [1])
+    stopping = asyncio.create_task(svc.stop())
+    await settle()
+    assert svc.bus.published[-1][0] == "ta.worker.w1.bye"
+    late = await generate(svc, "r2", [1])
+    assert batches(svc.bus, late)[0].outputs[0].finish_reason == "unavailable"
+    svc.fake.queues["r1"].put_nowait(TokenOutput("r1", [7], 1.0, 1, 0, True, "stop"))
+    await asyncio.wait_for(stopping, 2)
+    assert batches(svc.bus, reply)[-1].outputs[-1].finish_reason == "stop" and svc.fake.stopped
+
+
+async def test_stop_ends_what_does_not_drain_in_time(svc):
+    reply = await generate(svc, "r1", [1])
+    await asyncio.wait_for(svc.stop(), 2)  # drain_timeout 0.2 s
+    assert batches(svc.bus, reply)[-1].outputs[-1].finish_reason == "error"
+    assert svc.fake.aborted == ["r1"]
