@@ -89,6 +89,16 @@ class EngineRequest:
     # Real engines key their own prefix cache on these (``hash_seed`` already carries them for ours).
     cache_salt: str | None = None
     lora_name: str | None = None
+    sampling: Sampling | None = None  # real engines sample; the simulated one ignores it
+
+
+@dataclass(slots=True, frozen=True)
+class Sampling:
+    """Sampling parameters a client asked for, forwarded to engines that sample for real."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
 
 
 @dataclass(slots=True)

@@ -335,6 +335,11 @@ class EngineWorker:
             body["ignore_eos"] = True
         if req.cache_salt:
             body["cache_salt"] = req.cache_salt
+        if req.sampling is not None:  # only what the client set: vLLM's defaults otherwise
+            for key in ("temperature", "top_p", "seed"):
+                value = getattr(req.sampling, key)
+                if value is not None:
+                    body[key] = value
         return body
 
     async def _generate(self, r: _Inflight) -> None:

@@ -31,6 +31,7 @@ from thunderagent.server.protocol import (
     stop_list,
 )
 from thunderagent.server.tokenizer import ChatMessage
+from thunderagent.types import Sampling
 from thunderagent.server.worker_handle import UNAVAILABLE
 
 log = logging.getLogger(__name__)
@@ -128,8 +129,10 @@ class Frontend:
                 param=prompt_param if too_long else ("max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"),
                 code="context_length_exceeded",
             )
+        sampling = Sampling(req.temperature, req.top_p, req.seed)
         gen = self.fleet.start_generation(
-            prompt_ids, max_tokens, cache_salt=req.cache_salt, lora_name=req.lora_name, priority=req.priority
+            prompt_ids, max_tokens, cache_salt=req.cache_salt, lora_name=req.lora_name, priority=req.priority,
+            sampling=sampling,
         )
         headers = {WORKER_HEADER: gen.decision.worker_id}
         explain = gen.decision.explain() if self._explain(request, req.explain) else None

@@ -29,7 +29,16 @@ from thunderagent.server.worker_handle import UNAVAILABLE, WorkerCallbacks, Work
 from thunderagent.server.metrics import Metrics
 from thunderagent.server.stops import StopMatcher
 from thunderagent.server.tokenizer import ByteTokenizer, Tokenizer
-from thunderagent.types import Decision, EngineRequest, KvEvent, LoadReport, RouteRequest, TokenOutput, WorkerState
+from thunderagent.types import (
+    Decision,
+    EngineRequest,
+    KvEvent,
+    LoadReport,
+    RouteRequest,
+    Sampling,
+    TokenOutput,
+    WorkerState,
+)
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +202,7 @@ class Fleet:
         lora_name: str | None = None,
         priority: int = 0,
         ignore_eos: bool = False,
+        sampling: Sampling | None = None,
     ) -> Generation:
         """Hash once, route, submit. Raises NoWorkerAvailable."""
         received = self.now()
@@ -212,7 +222,7 @@ class Fleet:
             log.debug("route %s -> %s (%s): %s", rid, decision.worker_id, decision.reason, decision.explain())
         worker = self.workers[decision.worker_id]
         req = EngineRequest(rid, prompt_ids, hashes, seed, max_tokens, ignore_eos=ignore_eos, priority=priority,
-                            cache_salt=cache_salt, lora_name=lora_name)
+                            cache_salt=cache_salt, lora_name=lora_name, sampling=sampling)
         queue = worker.submit(req)
         return Generation(rid, decision, worker, queue, len(prompt_ids), best_tokens, received, req)
 

@@ -1,0 +1,31 @@
+"""What the vLLM adapter sends: token ids, limits, tenant salt and the client's sampling settings."""
+
+from __future__ import annotations
+
+from thunderagent.config import EndpointConfig, NodeConfig
+from thunderagent.engine.vllm import EngineWorker
+from thunderagent.server.worker_handle import WorkerCallbacks
+from thunderagent.types import EngineRequest, Sampling
+
+
+def make_worker() -> EngineWorker:
+    node = NodeConfig(engine="vllm", block_size=32, endpoints=[EndpointConfig(url="http://127.0.0.1:9")])
+    cb = WorkerCallbacks(lambda *a: None, lambda *a: None)
+    return EngineWorker("w0", node, node.endpoints[0], cb, heartbeat_interval=1.0)
+
+
+def test_body_forwards_only_what_the_client_set():
+    w = make_worker()
+    req = EngineRequest("r1", [1, 2, 3], [], 0, 7, cache_salt="tenant-a",
+                        sampling=Sampling(temperature=0.0, top_p=None, seed=42))
+    body = w._body(req, "/models/m")
+    assert body["prompt"] == [1, 2, 3] and body["max_tokens"] == 7 and body["stream"] is True
+    assert body["cache_salt"] == "tenant-a"
+    assert body["temperature"] == 0.0 and body["seed"] == 42
+    assert "top_p" not in body  # unset: vLLM's default applies
+
+
+def test_body_without_sampling_keeps_engine_defaults():
+    body = make_worker()._body(EngineRequest("r2", [5], [], 0, 1), "/models/m")
+    assert not {"temperature", "top_p", "seed", "cache_salt"} & set(body)
+    assert body["model"] == "/models/m"
