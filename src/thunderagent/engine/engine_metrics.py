@@ -1,0 +1,113 @@
+"""What differs between engines on the HTTP side (their "flavour"), and the pure parsing of their
+Prometheus ``/metrics`` page into load figures. No I/O here: the adapter fetches, this reads."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass
+
+# ---------------------------------------------------------------------------------------------
+# Engine flavours: what differs between vLLM and SGLang on the HTTP side
+# ---------------------------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class EngineFlavor:
+    name: str
+    running: tuple[str, ...]  # Prometheus gauges (summed over label sets: one per engine / DP rank)
+    waiting: tuple[str, ...]
+    kv_usage: tuple[str, ...]  # fraction 0..1 (averaged over label sets)
+    cache_info: str | None  # info gauge with block_size / num_gpu_blocks / enable_prefix_caching labels
+    return_token_ids: bool  # the completions API streams the generated token ids when asked
+    hints: str = ""  # what the engine's command line needs, for log messages
+
+    @property
+    def wanted(self) -> frozenset[str]:
+        names = {*self.running, *self.waiting, *self.kv_usage, "process_start_time_seconds"}
+        if self.cache_info:
+            names.add(self.cache_info)
+        return frozenset(names)
+
+
+VLLM = EngineFlavor(
+    "vllm",
+    running=("vllm:num_requests_running",),
+    waiting=("vllm:num_requests_waiting",),
+    kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),  # current, before 0.10
+    cache_info="vllm:cache_config_info",
+    return_token_ids=True,
+    hints="--enable-prefix-caching --enable-prompt-tokens-details --block-size N --kv-events-config ...",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus text (pure)
+# ---------------------------------------------------------------------------------------------
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str, wanted: frozenset[str]) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Samples of the ``wanted`` metrics: name -> [(labels, value)]. Other lines are skipped
+    without parsing their labels (vLLM's page is mostly histograms we do not need)."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name_end = line.find("{")
+        if name_end < 0:
+            name_end = line.find(" ")
+        if line[:name_end] not in wanted:
+            continue
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        labels = dict(_LABEL.findall(m.group(2) or ""))
+        out.setdefault(m.group(1), []).append((labels, value))
+    return out
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    block_size: int | None = None
+    num_blocks: int | None = None
+    prefix_caching: bool | None = None
+    start_time: float | None = None
+
+
+def engine_stats(text: str, flavor: EngineFlavor) -> EngineStats:
+    m = parse_prometheus(text, flavor.wanted)
+
+    def first(names: tuple[str, ...]) -> list[float]:
+        for n in names:
+            if n in m:
+                return [v for _, v in m[n]]
+        return []
+
+    usage = first(flavor.kv_usage)
+    block_size = num_blocks = None
+    prefix = None
+    if flavor.cache_info and flavor.cache_info in m:
+        labels = m[flavor.cache_info][0][0]
+        with contextlib.suppress(ValueError, KeyError):
+            block_size = int(labels["block_size"])
+        with contextlib.suppress(ValueError, KeyError):
+            num_blocks = int(labels["num_gpu_blocks"])
+        if "enable_prefix_caching" in labels:
+            prefix = labels["enable_prefix_caching"] == "True"
+    start = m.get("process_start_time_seconds")
+    return EngineStats(
+        running=int(sum(first(flavor.running))),
+        waiting=int(sum(first(flavor.waiting))),
+        kv_usage=sum(usage) / len(usage) if usage else 0.0,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        prefix_caching=prefix,
+        start_time=start[0][1] if start else None,
+    )
