@@ -27,7 +27,6 @@ Needs the ``engines`` extra (pyzmq) for KV events.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -39,7 +38,13 @@ import msgspec
 from thunderagent.config import Config, EndpointConfig, NodeConfig
 from thunderagent.engine.engine_metrics import VLLM, EngineFlavor, EngineStats, engine_stats
 from thunderagent.engine.kv_events import KvEventStream, StreamStep
-from thunderagent.server.worker_handle import UNAVAILABLE, WorkerCallbacks, WorkerFactory, WorkerHandle
+from thunderagent.server.worker_handle import (
+    UNAVAILABLE,
+    WorkerCallbacks,
+    WorkerFactory,
+    WorkerHandle,
+    cancel_and_wait,
+)
 from thunderagent.types import EngineRequest, LoadReport, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -143,11 +148,7 @@ class EngineWorker:
                 await asyncio.sleep(1.0)
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         pending = []
         for rid in list(self._reqs):
             r = self._drop(rid)

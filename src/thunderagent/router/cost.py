@@ -65,7 +65,7 @@ def score(
     credit = weights.overlap_credit / (1.0 + excess_passes / weights.credit_load_scale)
     prefill = num_tokens - credit * cached
     load = w.load
-    usage = load.kv_active_blocks / load.kv_total_blocks if load.kv_total_blocks else 0.0
+    usage = load.kv_usage
     over = 0.0
     if usage > cfg.memory_watermark and cfg.memory_watermark < 1.0:
         over = min(1.0, (usage - cfg.memory_watermark) / (1.0 - cfg.memory_watermark))
@@ -90,6 +90,6 @@ def score(
         queued_prefill_tokens=queued,
         decode_tokens=w.load.decode_tokens,
         kv_usage=usage,
-        busy=(load.waiting + w.inflight_requests) >= w.queue_depth_threshold or usage >= cfg.busy_kv_usage,
+        busy=is_busy(w, cfg),
         cost=cost,
     )

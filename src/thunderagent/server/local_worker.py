@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 
 from thunderagent.engine.base import Engine
+from thunderagent.server.worker_handle import cancel_and_wait
 from thunderagent.types import EngineRequest, KvEvent, LoadReport, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -69,11 +70,7 @@ class LocalWorker:
         ]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
 
     # -- requests ----------------------------------------------------------------------------
     def submit(self, req: EngineRequest) -> asyncio.Queue[TokenOutput]:

@@ -10,6 +10,7 @@ event loop only (never from another thread).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -58,6 +59,15 @@ class WorkerHandle(Protocol):
     def snapshot(self) -> tuple[list[int], int] | None:
         """Cached block hashes and the last event seq they include, for an index resync; None if
         the worker cannot dump its cache (the index then waits for events)."""
+
+
+async def cancel_and_wait(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel a handle's background tasks and wait until each has finished unwinding."""
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
 
 
 #: builds the handle of worker ``worker_id`` of node group ``node`` (``index`` within the group)
