@@ -112,7 +112,7 @@ def serve_thunderagent(workers: int) -> None:
     from aiohttp import web  # noqa: PLC0415
 
     from thunderagent.config import parse_config  # noqa: PLC0415
-    from thunderagent.server.app import create_app  # noqa: PLC0415
+    from thunderagent.frontend.app import create_app  # noqa: PLC0415
 
     cfg = parse_config({
         "simulation": {"speedup": 1e6},

@@ -8,6 +8,7 @@ in the simulator); the core never reads a clock itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 
 # ---------------------------------------------------------------------------------------------
@@ -42,6 +43,21 @@ class AllBlocksCleared:
 
 
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers (execution plane -> registry)
+# ---------------------------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class WorkerInfo:
+    """A worker's static facts, as it registers (in process or over the bus)."""
+
+    worker_id: str
+    role: str
+    block_size: int
+    max_num_batched_tokens: int
+    queue_depth_threshold: int
+    kv_total_blocks: int
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,6 +117,16 @@ class Sampling:
     seed: int | None = None
 
 
+class FinishReason(StrEnum):
+    """Why a request ended. A ``StrEnum``: it compares equal to, and serialises as, OpenAI's strings."""
+
+    STOP = "stop"  # end of sequence or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # cancelled: client gone, stop string matched, worker shutting down
+    ERROR = "error"  # failed after it started, or refused as invalid: not retried elsewhere
+    UNAVAILABLE = "unavailable"  # the worker could not take it (nothing generated): routed again
+
+
 @dataclass(slots=True)
 class TokenOutput:
     """Tokens a request produced in one engine pass (usually one), stamped with the pass end."""
@@ -111,7 +137,7 @@ class TokenOutput:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache (max over admissions)
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     text: str | None = None  # engines that return text (real engines over HTTP) set it; else decoded from ids
 
 
@@ -130,16 +156,14 @@ class RouteRequest:
 
 @dataclass(slots=True)
 class WorkerState:
-    """A routable worker as the router sees it: its engine's last report plus the router's own
-    in-flight accounting (load counted at dispatch, not at first byte)."""
+    """A routable worker as the router sees it: its static facts and its last pushed load report
+    (handles fold their own in-flight accounting into the report: load counts from dispatch)."""
 
     worker_id: str
     block_size: int
     max_num_batched_tokens: int
     queue_depth_threshold: int
     load: LoadReport
-    inflight_requests: int = 0  # dispatched by us, not yet seen finished
-    inflight_prefill_tokens: int = 0  # prompt tokens dispatched by us whose first token is not out yet
 
 
 @dataclass(slots=True)  # not frozen: built 8x per request on the hot path, frozen init is ~2x slower

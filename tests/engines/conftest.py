@@ -23,8 +23,8 @@ from openai import AsyncOpenAI
 from tests.engines.tiny_model import build_tiny_llama
 from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, VllmSetupError, cpu_binding, vllm_python
 from thunderagent.config import Config, parse_config
-from thunderagent.server.app import FLEET_KEY, create_app
-from thunderagent.server.fleet import Fleet
+from thunderagent.frontend.app import FLEET_KEY, create_app
+from thunderagent.control.fleet import Fleet
 
 _NOTES: list[str] = []
 

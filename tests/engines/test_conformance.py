@@ -17,10 +17,10 @@ from tests.engines.conftest import wait_until
 from tests.engines.vllm_env import BLOCK_SIZE
 from thunderagent.config import NodeConfig
 from thunderagent.engine.simulated import SimulatedEngine
-from thunderagent.engine.vllm import EngineWorker
+from thunderagent.execution.vllm import EngineWorker
 from thunderagent.kv.hashing import BASE_SEED, block_hashes
-from thunderagent.server.local_worker import LocalWorker, ScaledClock
-from thunderagent.server.worker_handle import WorkerCallbacks, WorkerHandle
+from thunderagent.execution.local import LocalWorker, ScaledClock
+from thunderagent.execution.handle import WorkerCallbacks, WorkerHandle
 from thunderagent.types import BlockStored, EngineRequest, KvEvent, LoadReport, TokenOutput
 
 BS = BLOCK_SIZE

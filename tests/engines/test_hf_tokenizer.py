@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from tests.engines.tiny_model import build_tokenizer
-from thunderagent.server.hf_tokenizer import HfTokenizer
-from thunderagent.server.tokenizer import ChatMessage
+from thunderagent.frontend.hf_tokenizer import HfTokenizer
+from thunderagent.frontend.tokenizer import ChatMessage
 
 
 @pytest.fixture(scope="module")

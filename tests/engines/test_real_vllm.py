@@ -114,7 +114,7 @@ async def test_streaming_through_thunderagent(vllm_servers: list[VllmServer], ti
 async def test_block_size_mismatch_is_refused(
     vllm_servers: list[VllmServer], tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.ERROR, "thunderagent.engine.vllm")
+    caplog.set_level(logging.ERROR, "thunderagent.execution.vllm")
     cfg = front_config(tiny_model_dir, vllm_servers, block_size=2 * BS)
     async with thunderagent(cfg, vllm_servers, wait_healthy=False) as front:
         await wait_until(lambda: len(front.fleet._unavailable) == 2, 15, "both workers refused")

@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import pytest
-from aiohttp import web
-from openai import AsyncOpenAI
 
+from support.server import Server, running_server
 from thunderagent.config import Config, parse_config
-from thunderagent.server.app import FLEET_KEY, create_app
-from thunderagent.server.fleet import Fleet
+
+__all__ = ["Server", "running_server", "server_factory", "test_config"]
 
 
-@dataclass
-class Server:
-    base_url: str
-    fleet: Fleet
-    client: AsyncOpenAI
+@pytest.fixture
+def server_factory() -> Callable[..., object]:
+    def make(**overrides: object):
+        return running_server(test_config(**overrides))
+
+    return make
 
 
 def test_config(**overrides: object) -> Config:
@@ -34,28 +32,3 @@ def test_config(**overrides: object) -> Config:
         else:
             data[key] = value
     return parse_config(data, "test")
-
-
-@asynccontextmanager
-async def running_server(cfg: Config) -> AsyncIterator[Server]:
-    app = create_app(cfg)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    base = f"http://127.0.0.1:{port}"
-    client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30)
-    try:
-        yield Server(base, app[FLEET_KEY], client)
-    finally:
-        await client.close()
-        await runner.cleanup()
-
-
-@pytest.fixture
-def server_factory() -> Callable[..., object]:
-    def make(**overrides: object):
-        return running_server(test_config(**overrides))
-
-    return make

@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from thunderagent.server.tokenizer import ChatMessage
+from thunderagent.frontend.tokenizer import ChatMessage
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +25,7 @@ async def test_chat_non_streaming_names_worker_and_reports_usage(server_factory)
         assert 0 < resp.usage.completion_tokens <= 40
         assert len(text.encode()) == resp.usage.completion_tokens  # byte tokenizer: one token per byte
         assert text.isascii() and text.strip()
-        expected_prompt = len(srv.fleet.tokenizer.apply_chat_template(
+        expected_prompt = len(srv.tokenizer.apply_chat_template(
             [ChatMessage("user", "Tell me about caches. " * 20)]))
         assert resp.usage.prompt_tokens == expected_prompt
         assert resp.usage.prompt_tokens_details.cached_tokens == 0
@@ -103,8 +103,8 @@ async def test_stop_sequence_truncates_and_frees_the_request(server_factory):
             if c.choices and c.choices[0].delta.content:
                 pieces.append(c.choices[0].delta.content)
         assert "".join(pieces) == text[: text.index(stop)]
-        for w in srv.fleet.workers.values():
-            assert w.load().running == 0 and w.load().waiting == 0  # aborted requests released
+        for load in srv.fleet.registry.loads().values():
+            assert load.running == 0 and load.waiting == 0  # aborted requests released
 
 
 async def test_models_health_metrics_and_explain(server_factory):

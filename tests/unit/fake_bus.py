@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from thunderagent.control import wire
-from thunderagent.control.nats_bus import BusError, BusMsg
+from thunderagent.bus import wire
+from thunderagent.bus.nats import BusError, BusMsg
 
 
 class FakeBus:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from thunderagent.cli import build_config
+from thunderagent.overrides import build_config
 from thunderagent.config import Config, ConfigError, Policy, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from thunderagent.cli import build_config, parse_worker_endpoint
+from thunderagent.overrides import build_config, parse_worker_endpoint
 from thunderagent.config import ConfigError, parse_config
 
 

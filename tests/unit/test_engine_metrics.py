@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from thunderagent.engine.sglang import SGLANG
-from thunderagent.engine.engine_metrics import VLLM, engine_stats, parse_prometheus
+from thunderagent.execution.sglang import SGLANG
+from thunderagent.execution.engine_metrics import VLLM, engine_stats, parse_prometheus
 
 # Lines as vLLM 0.32 (CPU build) serves them, with the histogram noise they sit in.
 VLLM_PAGE = """\

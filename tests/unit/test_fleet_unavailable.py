@@ -8,10 +8,16 @@ import asyncio
 
 import pytest
 
+from support.clock import ManualClock
 from thunderagent.config import NodeConfig, parse_config
-from thunderagent.server.fleet import Fleet
-from thunderagent.server.worker_handle import UNAVAILABLE, WorkerCallbacks
-from thunderagent.types import EngineRequest, LoadReport, TokenOutput
+from thunderagent.control.fleet import Fleet
+from thunderagent.control.membership import StaticMembership
+from thunderagent.execution.handle import OutputQueue, WorkerCallbacks
+from thunderagent.frontend.streaming import stream_text
+from thunderagent.frontend.tokenizer import ByteTokenizer
+from thunderagent.types import EngineRequest, FinishReason, LoadReport, TokenOutput
+
+UNAVAILABLE = FinishReason.UNAVAILABLE
 
 
 class Scripted:
@@ -19,7 +25,6 @@ class Scripted:
 
     def __init__(self, wid: str, cb: WorkerCallbacks, unavailable: bool = False) -> None:
         self.worker_id = wid
-        self.heartbeats_paused = False
         self.cb = cb
         self.unavailable = unavailable
         self.submitted: list[str] = []
@@ -31,12 +36,12 @@ class Scripted:
     async def stop(self) -> None:
         pass
 
-    def submit(self, req: EngineRequest) -> asyncio.Queue[TokenOutput]:
+    def submit(self, req: EngineRequest) -> OutputQueue:
         self.submitted.append(req.request_id)
-        q: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        q = OutputQueue(self.cb.clock())
         n = len(req.prompt_tokens)
         if self.unavailable:
-            self.cb.on_unavailable(self.worker_id, "unreachable")  # type: ignore[misc]
+            self.cb.on_unavailable(self.worker_id, "unreachable")
             q.put_nowait(TokenOutput(req.request_id, [], 0.0, n, 0, True, UNAVAILABLE, text=""))
         else:
             q.put_nowait(TokenOutput(req.request_id, [104], 0.0, n, 0, text="h"))
@@ -59,20 +64,16 @@ async def fleet() -> Fleet:
         "model": "/unused", "routing": {"seed": 1}, "control_plane": {"health_check_enabled": False},
         "execution_group": {"nodes": [{"engine": "vllm", "endpoints": [{"url": "http://a"}, {"url": "http://b"}]}]},
     })
-    f = Fleet(cfg)
-    made: dict[str, Scripted] = {}
-
     def factory(node: NodeConfig, wid: str, k: int, cb: WorkerCallbacks) -> Scripted:
-        made[wid] = Scripted(wid, cb, unavailable=(k == 0))
-        return made[wid]
+        return Scripted(wid, cb, unavailable=(k == 0))
 
-    f.factories["vllm"] = factory  # type: ignore[assignment]
+    f = Fleet(cfg, StaticMembership(cfg.execution_group, {"vllm": factory}), clock=ManualClock())
     await f.start()
     return f
 
 
 async def collect(f: Fleet, gen) -> list:
-    return [c async for c in f.stream_text(gen, [])]
+    return [c async for c in stream_text(f.outputs(gen), ByteTokenizer().decoder(), [])]
 
 
 async def test_request_its_worker_could_not_take_is_routed_again(fleet: Fleet) -> None:
@@ -87,22 +88,22 @@ async def test_request_its_worker_could_not_take_is_routed_again(fleet: Fleet) -
     assert chunks[-1].cached_tokens == 64, "cached tokens reported with the last output count"
     assert gen.worker is good and gen.decision.worker_id == "worker-1" and gen.tried == ("worker-0",)
     assert fleet.metrics.rerouted._value.get() == 1  # type: ignore[attr-defined]
-    assert fleet._unavailable == {"worker-0": "unreachable"}
+    assert fleet.unavailable == {"worker-0": "unreachable"}
     # out of routing now: every new request goes to the good worker, no detour
     for _ in range(5):
         assert fleet.start_generation([4, 5, 6], 2).worker is good
 
 
 async def test_back_in_routing_with_its_next_heartbeat(fleet: Fleet) -> None:
-    fleet._on_unavailable("worker-0", "unreachable")
+    fleet.on_unavailable("worker-0", "unreachable")
     assert fleet.health_summary()["healthy_workers"] == 1
-    fleet._on_heartbeat("worker-0", fleet.workers["worker-0"].load())
-    assert "worker-0" not in fleet._unavailable
+    fleet.on_heartbeat("worker-0", fleet.workers["worker-0"].load())
+    assert "worker-0" not in fleet.unavailable
     assert fleet.health_summary()["healthy_workers"] == 2
 
 
 async def test_no_other_worker_left_passes_the_failure_on(fleet: Fleet) -> None:
-    fleet._on_unavailable("worker-1", "block_size_mismatch")
+    fleet.on_unavailable("worker-1", "block_size_mismatch")
     gen = fleet.start_generation([1, 2, 3], 2)
     assert gen.worker.worker_id == "worker-0"
     chunks = await collect(fleet, gen)

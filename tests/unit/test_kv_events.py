@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from thunderagent.engine.kv_events import (
+from thunderagent.execution.kv_events import (
     END_SEQ,
     BlockTranslator,
     EngineBlockRemoved,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from thunderagent.control.kv_sync import KvFeed
+from thunderagent.kv.feed import KvFeed
 from thunderagent.kv.index import KvIndex
 from thunderagent.types import AllBlocksCleared, BlockRemoved, BlockStored
 

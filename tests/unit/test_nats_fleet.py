@@ -1,7 +1,6 @@
 """NatsFleet's membership, leases, dumps and request fate, on an in-memory bus (no NATS, no sleeps).
 
-The fleet's clock is replaced by a number the test moves, so lease expiry and stall timeouts are
-exact.
+The fleet's clock is injected and moved by the test, so lease expiry and stall timeouts are exact.
 """
 
 from __future__ import annotations
@@ -11,23 +10,19 @@ import asyncio
 import pytest
 
 from thunderagent.config import parse_config
-from thunderagent.control.nats_bus import BusMsg
-from thunderagent.control import wire
+from thunderagent.bus.nats import BusMsg
+from thunderagent.bus import wire
 from thunderagent.kv.hashing import block_hashes
-from thunderagent.server.nats_fleet import NatsFleet
+from thunderagent.assemble import build_nats_fleet
+from thunderagent.control.fleet import Fleet
+from thunderagent.frontend.streaming import stream_text
+from thunderagent.frontend.tokenizer import ByteTokenizer
 from thunderagent.types import BlockStored, LoadReport
 
 from fake_bus import FakeBus  # noqa: E402  (tests/unit is on sys.path)
+from support.clock import ManualClock
 
 BS = 64
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def heartbeat(wid: str, instance: str = "i1", last_seq: int = -1, queued: int = 0) -> bytes:
@@ -37,25 +32,34 @@ def heartbeat(wid: str, instance: str = "i1", last_seq: int = -1, queued: int = 
 
 
 @pytest.fixture
-async def fleet():
-    cfg = parse_config({"control_plane": {"heartbeat_interval": 1.0, "heartbeat_misses": 3},
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+async def fleet(clock: ManualClock):
+    cfg = parse_config({"control_plane": {"heartbeat_interval": 1.0, "heartbeat_misses": 3,
+                                          "health_check_enabled": False},  # the test calls check_health
                         "routing": {"seed": 1}, "execution_group": {"nodes": [{"block_size": BS}]}})
-    bus = FakeBus()
-    f = NatsFleet(cfg, bus, discovery_window=0.0)
+    f = build_nats_fleet(cfg, FakeBus(), discovery_window=0.0, clock=clock)
     await f.start()
-    f.now = Clock()  # type: ignore[method-assign]
-    f._health_task.cancel()  # the test calls check_health itself
+    f.bus = f.membership.bus  # type: ignore[attr-defined]  (shorthands for the tests below)
+    f.inbox = f.membership.inbox  # type: ignore[attr-defined]
     yield f
     await f.stop()
 
 
-async def deliver(f: NatsFleet, subject: str, data: bytes) -> None:
+def text_of(f: Fleet, gen):
+    return stream_text(f.outputs(gen), ByteTokenizer().decoder(), [])
+
+
+async def deliver(f: Fleet, subject: str, data: bytes) -> None:
     await f.bus.subs["ta.worker.>"](BusMsg(subject, data))
     for _ in range(3):  # let dump tasks run (no wall-clock wait)
         await asyncio.sleep(0)
 
 
-async def stream_msg(f: NatsFleet, rid: str, batch: wire.TokenBatch | None) -> None:
+async def stream_msg(f: Fleet, rid: str, batch: wire.TokenBatch | None) -> None:
     data = b"" if batch is None else wire.encode(batch)
     await f.bus.subs[f"{f.inbox}.*"](BusMsg(f"{f.inbox}.{rid}", data, no_responders=batch is None))
 
@@ -67,7 +71,7 @@ def accepted(n: int = 0) -> wire.TokenBatch:
 async def test_start_asks_workers_to_announce_themselves(fleet):
     assert fleet.bus.published[0] == ("ta.discover", b"", "")
     assert set(fleet.bus.subs) == {"ta.worker.>", f"{fleet.inbox}.*"}
-    assert fleet.index_rebuild_s is not None
+    assert fleet.membership.index_rebuild_s is not None
 
 
 async def test_heartbeat_registers_worker_and_dump_fills_index(fleet):
@@ -75,7 +79,7 @@ async def test_heartbeat_registers_worker_and_dump_fills_index(fleet):
     await deliver(fleet, "ta.worker.w1.hello", heartbeat("w1", last_seq=4))
     assert fleet.registry.worker_ids() == ["w1"]
     assert fleet.index.num_blocks("w1") == 2 and fleet.index.last_seq("w1") == 4
-    assert fleet.dumps_applied == 1
+    assert fleet.membership.dumps_applied == 1
     # events continue from the dump's seq
     batch = wire.KvBatch("i1", wire.events_to_wire([BlockStored("w1", 5, (13,))]))
     await deliver(fleet, "ta.worker.w1.kv", wire.encode(batch))
@@ -86,14 +90,14 @@ async def test_heartbeat_registers_worker_and_dump_fills_index(fleet):
     assert fleet.index.num_blocks("w1") == 3
 
 
-async def test_lease_expiry_removes_worker_and_its_index_entries(fleet):
+async def test_lease_expiry_removes_worker_and_its_index_entries(fleet, clock):
     fleet.bus.dumps["w1"] = ("i1", [11], 0)
     fleet.bus.dumps["w2"] = ("i1", [], -1)
     await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1", last_seq=0))
     await deliver(fleet, "ta.worker.w2.hb", heartbeat("w2"))
-    fleet.now.t += 2.9
+    clock.t += 2.9
     await deliver(fleet, "ta.worker.w2.hb", heartbeat("w2"))
-    fleet.now.t += 0.2  # w1: 3.1 s since its heartbeat, lease is 3 x 1.0 s
+    clock.t += 0.2  # w1: 3.1 s since its heartbeat, lease is 3 x 1.0 s
     fleet.check_health()
     assert fleet.registry.worker_ids() == ["w2"]
     assert "w1" not in fleet.workers and fleet.index.num_blocks() == 0
@@ -128,7 +132,7 @@ async def test_lost_event_tail_seen_in_heartbeat_triggers_a_dump(fleet):
     await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1", last_seq=0))
     fleet.bus.dumps["w1"] = ("i1", [1, 2, 3], 2)
     await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1", last_seq=2))  # events 1, 2 never arrived
-    assert fleet.dumps_applied == 2 and fleet.index.num_blocks("w1") == 3
+    assert fleet.membership.dumps_applied == 2 and fleet.index.num_blocks("w1") == 3
 
 
 async def test_request_stream_outputs_and_abort(fleet):
@@ -149,7 +153,7 @@ async def test_request_stream_outputs_and_abort(fleet):
     assert gen.queue.empty()
 
 
-async def test_lost_worker_ends_accepted_requests_and_reroutes_unaccepted_ones(fleet):
+async def test_lost_worker_ends_accepted_requests_and_reroutes_unaccepted_ones(fleet, clock):
     lost, other = "w1", "w2"
     fleet.bus.dumps[lost] = fleet.bus.dumps[other] = ("i1", [], -1)
     await deliver(fleet, f"ta.worker.{lost}.hb", heartbeat(lost))
@@ -158,8 +162,8 @@ async def test_lost_worker_ends_accepted_requests_and_reroutes_unaccepted_ones(f
     g2 = fleet.start_generation(list(range(200, 300)), 4)
     assert g1.decision.worker_id == g2.decision.worker_id == lost
     await stream_msg(fleet, g1.request_id, accepted())  # g1 started; g2 not yet
-    text = asyncio.create_task(anext(fleet.stream_text(g2, [])))
-    fleet.now.t += 3.5
+    text = asyncio.create_task(anext(text_of(fleet, g2)))
+    clock.t += 3.5
     await deliver(fleet, f"ta.worker.{other}.hb", heartbeat(other, queued=100_000))
     fleet.check_health()
     assert lost not in fleet.workers
@@ -182,7 +186,7 @@ async def test_no_responders_drops_worker_and_reroutes_at_once(fleet):
         await deliver(fleet, f"ta.worker.{w}.hb", heartbeat(w))
     gen = fleet.start_generation(list(range(100)), 4)
     first = gen.decision.worker_id
-    text = asyncio.create_task(anext(fleet.stream_text(gen, [])))
+    text = asyncio.create_task(anext(text_of(fleet, gen)))
     await stream_msg(fleet, gen.request_id, None)  # NATS: nobody listens on that worker's subject
     await asyncio.sleep(0)
     assert first not in fleet.workers and gen.decision.worker_id != first
@@ -191,7 +195,7 @@ async def test_no_responders_drops_worker_and_reroutes_at_once(fleet):
     assert chunk.finish_reason == "unavailable" and not fleet.workers
 
 
-async def test_silent_stream_and_lost_messages_end_with_error(fleet):
+async def test_silent_stream_and_lost_messages_end_with_error(fleet, clock):
     fleet.bus.dumps["w1"] = ("i1", [], -1)
     await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1"))
     g1 = fleet.start_generation(list(range(100)), 4)
@@ -200,11 +204,11 @@ async def test_silent_stream_and_lost_messages_end_with_error(fleet):
     await stream_msg(fleet, g2.request_id, accepted())
     await stream_msg(fleet, g2.request_id, accepted(2))  # message 1 lost
     assert g2.queue.get_nowait().finish_reason == "error"
-    fleet.now.t += wire.STALL_TIMEOUT_S - 0.5
+    clock.t += wire.STALL_TIMEOUT_S - 0.5
     await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1"))
     fleet.check_health()
     assert g1.queue.empty()  # keepalives would have come by now; none did, but not yet too late
-    fleet.now.t += 1.0
+    clock.t += 1.0
     await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1"))
     fleet.check_health()
     assert g1.queue.get_nowait().finish_reason == "error"
@@ -227,7 +231,7 @@ async def test_bye_leaves_routing_at_once_but_drains_requests_in_flight(fleet):
     await stream_msg(fleet, gen.request_id, wire.TokenBatch(1, [tok]))
     assert gen.queue.get_nowait().finish_reason == "length"
     fleet.check_health()
-    assert fleet._draining == []
+    assert fleet.membership.link.owners == {}  # nothing left draining
 
 
 async def test_worker_reporting_unavailable_leaves_routing_until_its_next_heartbeat(fleet):
@@ -235,10 +239,10 @@ async def test_worker_reporting_unavailable_leaves_routing_until_its_next_heartb
         fleet.bus.dumps[w] = ("i1", [], -1)
         await deliver(fleet, f"ta.worker.{w}.hb", heartbeat(w))
     await deliver(fleet, "ta.worker.w1.unavailable", wire.encode(wire.Unavailable("i1", "unreachable")))
-    assert [w.worker_id for w in fleet._routable()] == ["w2"]
+    assert [w.worker_id for w in fleet.routable()] == ["w2"]
     assert fleet.start_generation(list(range(100)), 4).decision.worker_id == "w2"
     await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1"))
-    assert sorted(w.worker_id for w in fleet._routable()) == ["w1", "w2"]
+    assert sorted(w.worker_id for w in fleet.routable()) == ["w1", "w2"]
 
 
 async def test_context_limit_follows_the_simulated_workers(fleet):

@@ -7,8 +7,8 @@ import random
 import msgspec
 import pytest
 
-from thunderagent.control import wire
-from thunderagent.control.registry import WorkerInfo
+from thunderagent.bus import wire
+from thunderagent.types import WorkerInfo
 from thunderagent.types import AllBlocksCleared, BlockRemoved, BlockStored, EngineRequest, LoadReport, TokenOutput
 
 U64_MAX = 2**64 - 1

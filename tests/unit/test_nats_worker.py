@@ -6,18 +6,17 @@ import asyncio
 
 import pytest
 
-from thunderagent.control import wire
-from thunderagent.control.nats_bus import BusMsg
-from thunderagent.control.registry import WorkerInfo
-from thunderagent.server.nats_worker import WorkerService
-from thunderagent.server.worker_handle import WorkerCallbacks
+from thunderagent.bus import wire
+from thunderagent.bus.nats import BusMsg
+from thunderagent.types import WorkerInfo
+from thunderagent.execution.nats_worker import WorkerService
+from thunderagent.execution.handle import WorkerCallbacks
 from thunderagent.types import BlockStored, EngineRequest, LoadReport, TokenOutput
 from fake_bus import FakeBus  # (tests/unit is on sys.path)
 
 
 class FakeHandle:
     worker_id = "w1"
-    heartbeats_paused = False
 
     def __init__(self, cb: WorkerCallbacks) -> None:
         self.cb = cb

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from thunderagent.control.registry import Health, WorkerInfo, WorkerRegistry
+from thunderagent.control.registry import Health, WorkerRegistry
+from thunderagent.types import WorkerInfo
 from thunderagent.types import LoadReport
 
 

@@ -1,4 +1,4 @@
-from thunderagent.server.stops import StopMatcher
+from thunderagent.frontend.stops import StopMatcher
 
 
 def run(stops, pieces):

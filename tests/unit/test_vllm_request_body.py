@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from thunderagent.config import EndpointConfig, NodeConfig
-from thunderagent.engine.vllm import EngineWorker
-from thunderagent.server.worker_handle import WorkerCallbacks
+from thunderagent.execution.vllm import EngineWorker
+from support.callbacks import Recorder
 from thunderagent.types import EngineRequest, Sampling
 
 
 def make_worker() -> EngineWorker:
     node = NodeConfig(engine="vllm", block_size=32, endpoints=[EndpointConfig(url="http://127.0.0.1:9")])
-    cb = WorkerCallbacks(lambda *a: None, lambda *a: None)
+    cb = Recorder().callbacks()
     return EngineWorker("w0", node, node.endpoints[0], cb, heartbeat_interval=1.0)
 
 

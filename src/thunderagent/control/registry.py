@@ -11,17 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from thunderagent.types import LoadReport, WorkerState
-
-
-@dataclass(slots=True, frozen=True)
-class WorkerInfo:
-    worker_id: str
-    role: str
-    block_size: int
-    max_num_batched_tokens: int
-    queue_depth_threshold: int
-    kv_total_blocks: int
+from thunderagent.types import LoadReport, WorkerInfo, WorkerState
 
 
 class Health(str, Enum):

@@ -32,11 +32,11 @@ from thunderagent.types import CandidateScore, WorkerState
 
 
 def queued_prefill(w: WorkerState) -> int:
-    return w.load.queued_prefill_tokens + w.inflight_prefill_tokens
+    return w.load.queued_prefill_tokens
 
 
 def is_busy(w: WorkerState, cfg: RoutingConfig) -> bool:
-    return (w.load.waiting + w.inflight_requests) >= w.queue_depth_threshold or (
+    return w.load.waiting >= w.queue_depth_threshold or (
         w.load.kv_usage >= cfg.busy_kv_usage
     )
 
@@ -44,7 +44,7 @@ def is_busy(w: WorkerState, cfg: RoutingConfig) -> bool:
 def load_key(w: WorkerState) -> tuple[int, int, int]:
     """Ordering of workers by load, for least_loaded / power_of_two and tie-breaks."""
     return (
-        w.load.running + w.load.waiting + w.inflight_requests,
+        w.load.running + w.load.waiting,
         queued_prefill(w),
         w.load.decode_tokens,
     )
@@ -76,7 +76,7 @@ def score(
     # differences (fewer recomputed tokens is what raises a saturated fleet's throughput).
     # Tokens nobody holds are not charged: a miss is balanced on queue alone.
     avoidable = max(0, min(best_cached, num_tokens) - cached)
-    contention = weights.contention * (load.waiting + w.inflight_requests) * avoidable
+    contention = weights.contention * load.waiting * avoidable
     cost = (
         weights.prefill * (prefill + contention)
         + weights.queue * queued

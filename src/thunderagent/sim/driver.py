@@ -22,15 +22,13 @@ from dataclasses import dataclass, field
 
 from thunderagent.config import NodeConfig, Policy, RoutingConfig
 from thunderagent.engine.simulated import SimulatedEngine
-from thunderagent.kv.hashing import BASE_SEED, block_hashes
+from thunderagent.kv.feed import KvFeed
 from thunderagent.kv.index import KvIndex
 from thunderagent.router.router import KvRouter
+from thunderagent.scheduler.dispatch import Dispatcher
 from thunderagent.sim.results import Dist, RunResult
 from thunderagent.sim.traces import TraceRequest
-from thunderagent.types import EngineRequest, RouteRequest, WorkerState
-
-#: sweep at most this many expired predictions per arrival (bounded work per event)
-_EXPIRE_PER_ARRIVAL = 64
+from thunderagent.types import WorkerState
 
 
 @dataclass(slots=True)
@@ -57,6 +55,65 @@ class SimOutcome:
     requests_per_worker: list[int] = field(default_factory=list)
 
 
+class _Run:
+    """One replay's mutable state: per-request tracks, the engines' wake-up heap, load samples."""
+
+    __slots__ = ("sim", "out", "tracks", "itl", "heap", "wake", "next_sample")
+
+    def __init__(self, sim: Simulator, out: SimOutcome) -> None:
+        self.sim = sim
+        self.out = out
+        self.tracks: dict[str, _Track] = {}
+        self.itl = array("d")
+        self.heap: list[tuple[float, int]] = []
+        self.wake: list[float | None] = [None] * len(sim.engines)
+        self.next_sample = 0.0
+
+    def collect(self, i: int, now: float) -> None:
+        """Engine ``i``'s outputs up to ``now`` into the tracks; its KV events into the index."""
+        tracks, itl = self.tracks, self.itl
+        for o in self.sim.engines[i].advance(now):
+            tr = tracks[o.request_id]
+            ids = o.token_ids
+            if ids:
+                if tr.first < 0:
+                    tr.first = o.time
+                else:
+                    itl.append((o.time - tr.last) * 1e3)
+                tr.last = o.time
+                tr.tokens += len(ids)
+            if o.finished:
+                tr.done = True
+                tr.cached = o.cached_tokens
+        self.sim.apply_events(i, now)
+
+    def schedule(self, i: int) -> None:
+        w = self.sim.engines[i].next_wakeup()
+        if w is not None and w != self.wake[i]:
+            heapq.heappush(self.heap, (w, i))
+        self.wake[i] = w
+
+    def passes_ending_at(self, now: float) -> list[int]:
+        """Collect the passes ending exactly at ``now``: their tokens and KV events first (the index
+        must see them before routing), but their successors are fixed only after the arrivals joined."""
+        heap, wake, sim = self.heap, self.wake, self.sim
+        due: list[int] = []
+        while heap and heap[0][0] == now:
+            tw, i = heapq.heappop(heap)
+            if wake[i] == tw:
+                wake[i] = None
+                self.collect(i, now)
+                sim._states[i].load = sim.engines[i].load(now)
+                due.append(i)
+        return due
+
+    def sample(self, now: float) -> None:
+        if now >= self.next_sample:
+            self.out.load_times.append(now)
+            self.out.load_samples.append([s.load.running + s.load.waiting for s in self.sim._states])
+            self.next_sample = now + self.sim.sample_interval
+
+
 class Simulator:
     def __init__(
         self,
@@ -74,9 +131,10 @@ class Simulator:
         self.policy = policy
         self.engines = [SimulatedEngine(f"worker-{i}", node) for i in range(num_workers)]
         self.index = KvIndex(prediction_ttl=routing.prediction_ttl)
+        self.feed = KvFeed(self.index)
         for e in self.engines:
-            self.index.add_worker(e.worker_id)
-        self.router = KvRouter(routing, self.index, random.Random(seed), policy)
+            self.feed.add_worker(e.worker_id, live=True)
+        self.dispatcher = Dispatcher(KvRouter(routing, self.index, random.Random(seed), policy), node.block_size)
         self._states = [
             WorkerState(e.worker_id, node.block_size, node.max_num_batched_tokens, node.queue_depth_threshold,
                         e.load(0.0))
@@ -84,6 +142,7 @@ class Simulator:
         ]
         self._pos = {e.worker_id: i for i, e in enumerate(self.engines)}
         self.sample_interval = sample_interval
+        self.resyncs = 0
 
     def run(
         self,
@@ -94,46 +153,13 @@ class Simulator:
         if speedup <= 0:
             raise ValueError(f"speedup must be > 0, got {speedup}")
         wall0 = time.perf_counter()
-        bs = self.node.block_size
-        engines = self.engines
-        index = self.index
         order = sorted(range(len(requests)), key=lambda k: requests[k].arrival_s)  # stable: file order ties
         arrivals = [requests[k].arrival_s / speedup for k in order]
-        tracks: dict[str, _Track] = {}
-        itl = array("d")
-        heap: list[tuple[float, int]] = []
-        wake: list[float | None] = [None] * len(engines)
-        out = SimOutcome(RunResult("thunderagent", self.policy.value, 0, *([Dist.of([])] * 3), 0, 0, 0, 0), [])
-        next_sample = 0.0
-
-        def collect(i: int, now: float) -> None:
-            e = engines[i]
-            for o in e.advance(now):
-                tr = tracks[o.request_id]
-                ids = o.token_ids
-                if ids:
-                    if tr.first < 0:
-                        tr.first = o.time
-                    else:
-                        itl.append((o.time - tr.last) * 1e3)
-                    tr.last = o.time
-                    tr.tokens += len(ids)
-                if o.finished:
-                    tr.done = True
-                    tr.cached = o.cached_tokens
-            events = e.drain_events()
-            for ev in events:
-                index.apply_event(ev, now)
-
-        def schedule(i: int) -> None:
-            w = engines[i].next_wakeup()
-            if w is not None and w != wake[i]:
-                heapq.heappush(heap, (w, i))
-            wake[i] = w
-
+        run = _Run(self, SimOutcome(RunResult("thunderagent", self.policy.value, 0, *([Dist.of([])] * 3), 0, 0, 0, 0),
+                                    []))
+        engines, states, heap, wake = self.engines, self._states, run.heap, run.wake
         n = len(order)
         k = 0
-        states = self._states
         # An engine's load only changes when it is advanced, scheduled or given a request, so each
         # report is refreshed right then and reused by every routing decision in between (re-reading
         # 8 engines per arrival was a third of the run time).
@@ -144,56 +170,50 @@ class Simulator:
                 if wake[i] != tw:
                     continue  # superseded entry
                 wake[i] = None
-                collect(i, tw)
-                schedule(i)
+                run.collect(i, tw)
+                run.schedule(i)
                 states[i].load = engines[i].load(tw)
                 continue
             now = ta
-            # Passes ending exactly now: their tokens and KV events first (the index must see them
-            # before routing), but their successors are fixed only after the arrivals joined.
-            due: list[int] = []
-            while heap and heap[0][0] == now:
-                tw, i = heapq.heappop(heap)
-                if wake[i] == tw:
-                    wake[i] = None
-                    collect(i, now)
-                    states[i].load = engines[i].load(now)
-                    due.append(i)
-            if now >= next_sample:
-                out.load_times.append(now)
-                out.load_samples.append([s.load.running + s.load.waiting for s in states])
-                next_sample = now + self.sample_interval
+            due = run.passes_ending_at(now)
+            run.sample(now)
             while k < n and arrivals[k] == now:
-                tr_req = requests[order[k]]
+                i = self._dispatch(requests[order[k]], now, run.tracks)
                 k += 1
-                i = self._dispatch(tr_req, now, bs, tracks)
                 states[i].load = engines[i].load(now)
                 due.append(i)
                 if progress is not None:
                     progress(1)
-            index.expire(now, _EXPIRE_PER_ARRIVAL)
+            self.dispatcher.settle(now)
             for i in due:
-                schedule(i)
+                run.schedule(i)
                 states[i].load = engines[i].load(now)
 
-        out.result = self._summarize(tracks, itl, time.perf_counter() - wall0)
-        out.ttft_ms = [(t.first - t.arrival) * 1e3 for t in tracks.values() if t.first >= 0]
+        out = run.out
+        out.result = self._summarize(run.tracks, run.itl, time.perf_counter() - wall0)
+        out.ttft_ms = [(t.first - t.arrival) * 1e3 for t in run.tracks.values() if t.first >= 0]
         counts = [0] * len(engines)
-        for t in tracks.values():
+        for t in run.tracks.values():
             counts[t.worker] += 1
         out.requests_per_worker = counts
         return out
 
-    def _dispatch(self, tr: TraceRequest, now: float, bs: int, tracks: dict[str, _Track]) -> int:
-        tokens = tr.tokens()
-        hashes = block_hashes(tokens, bs, BASE_SEED)  # once per request; the engine reuses them
-        decision = self.router.route(RouteRequest(tr.request_id, tr.input_length, hashes), self._states, now)
-        best = max((c.overlap_blocks for c in decision.candidates), default=0)
-        i = self._pos[decision.worker_id]
-        # engines always recompute the last prompt token: at most floor((len-1)/bs) blocks can hit
-        best_known = min(best, (tr.input_length - 1) // bs) * bs
-        tracks[tr.request_id] = _Track(now, tr.input_length, best_known, i)
-        req = EngineRequest(tr.request_id, tokens, hashes, BASE_SEED, tr.output_length, ignore_eos=True)  # type: ignore[arg-type]
+    def apply_events(self, i: int, now: float) -> None:
+        """KV events of engine ``i`` into the index, as the live fleet applies them: a gap resyncs
+        the worker from its cache snapshot (the simulated engine can always dump)."""
+        e = self.engines[i]
+        events = e.drain_events()
+        if events and self.feed.events(e.worker_id, events, now):
+            self.resyncs += 1
+            self.feed.begin_sync(e.worker_id)
+            self.feed.apply_dump(e.worker_id, e.cache_snapshot(), events[-1].seq, now)
+
+    def _dispatch(self, tr: TraceRequest, now: float, tracks: dict[str, _Track]) -> int:
+        dispatcher = self.dispatcher
+        req = dispatcher.prepare(tr.request_id, tr.tokens(), tr.output_length, ignore_eos=True)  # type: ignore[arg-type]
+        d = dispatcher.dispatch(req, self._states, now)
+        i = self._pos[d.decision.worker_id]
+        tracks[tr.request_id] = _Track(now, tr.input_length, d.best_known_tokens, i)
         self.engines[i].add_request(req, now)
         return i
 

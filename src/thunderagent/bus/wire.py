@@ -33,19 +33,21 @@ from collections.abc import Sequence
 
 import msgspec
 
-from thunderagent.control.registry import WorkerInfo
 from thunderagent.types import (
+    FinishReason,
+    WorkerInfo,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EngineRequest,
     KvEvent,
     LoadReport,
+    Sampling,
     TokenOutput,
 )
 
 #: bumped on any incompatible change; a frontend ignores workers speaking another version
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: GenerateRequest carries arrival and sampling
 #: a worker sends an empty TokenBatch for a request that produced nothing for this long ...
 KEEPALIVE_S = 2.0
 #: ... so a frontend that hears nothing about a request for this long knows it is lost
@@ -258,6 +260,12 @@ def events_from_wire(worker_id: str, events: Sequence[WireEvent]) -> list[KvEven
 # ---------------------------------------------------------------------------------------------
 # requests and outputs
 # ---------------------------------------------------------------------------------------------
+class WireSampling(msgspec.Struct, array_like=True, frozen=True):
+    temperature: float | None
+    top_p: float | None
+    seed: int | None
+
+
 class GenerateRequest(msgspec.Struct, array_like=True, frozen=True):
     request_id: str
     prompt: bytes  # packed u32 token ids
@@ -266,8 +274,10 @@ class GenerateRequest(msgspec.Struct, array_like=True, frozen=True):
     max_tokens: int
     ignore_eos: bool
     priority: int
-    cache_salt: str | None = None  # real engines key their own prefix cache on these
-    lora_name: str | None = None
+    arrival: float
+    cache_salt: str | None  # real engines key their own prefix cache on these
+    lora_name: str | None
+    sampling: WireSampling | None  # what the client set; real engines sample with it
 
 
 class Abort(msgspec.Struct, array_like=True, frozen=True):
@@ -296,14 +306,19 @@ class TokenBatch(msgspec.Struct, array_like=True, frozen=True):
 
 
 def request_to_wire(req: EngineRequest) -> GenerateRequest:
+    """Every field of :class:`EngineRequest` crosses (a test enumerates them)."""
+    s = req.sampling
+    sampling = None if s is None else WireSampling(s.temperature, s.top_p, s.seed)
     return GenerateRequest(req.request_id, pack_u32(req.prompt_tokens), pack_u64(req.block_hashes), req.hash_seed,
-                           req.max_tokens, req.ignore_eos, req.priority, req.cache_salt, req.lora_name)
+                           req.max_tokens, req.ignore_eos, req.priority, req.arrival, req.cache_salt, req.lora_name,
+                           sampling)
 
 
 def request_from_wire(g: GenerateRequest) -> EngineRequest:
+    s = g.sampling
     return EngineRequest(g.request_id, unpack_u32(g.prompt), unpack_u64(g.block_hashes), g.hash_seed, g.max_tokens,
-                         ignore_eos=g.ignore_eos, priority=g.priority, cache_salt=g.cache_salt,
-                         lora_name=g.lora_name)
+                         ignore_eos=g.ignore_eos, priority=g.priority, arrival=g.arrival, cache_salt=g.cache_salt,
+                         lora_name=g.lora_name, sampling=None if s is None else Sampling(s.temperature, s.top_p, s.seed))
 
 
 def output_to_wire(o: TokenOutput) -> WireToken:
@@ -311,8 +326,8 @@ def output_to_wire(o: TokenOutput) -> WireToken:
 
 
 def output_from_wire(request_id: str, w: WireToken) -> TokenOutput:
-    return TokenOutput(request_id, w.token_ids, w.time, w.prompt_tokens, w.cached_tokens, w.finished,
-                       w.finish_reason, w.text)
+    reason = None if w.finish_reason is None else FinishReason(w.finish_reason)
+    return TokenOutput(request_id, w.token_ids, w.time, w.prompt_tokens, w.cached_tokens, w.finished, reason, w.text)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ One :class:`EngineWorker` per server, three connections:
   tokens the engine caches), streamed back (SSE) with the engine's text, token ids and, at the end,
   ``usage.prompt_tokens_details.cached_tokens`` (vLLM: only with ``--enable-prompt-tokens-details``);
 - **KV events**: a ZMQ SUB socket on the engine's PUB endpoint, and a DEALER socket on its replay
-  ROUTER endpoint; frames go through :class:`~thunderagent.engine.kv_events.KvEventStream` (gaps,
+  ROUTER endpoint; frames go through :class:`~thunderagent.execution.kv_events.KvEventStream` (gaps,
   duplicates, replay, restarts) and come out as our events;
 - **load**: the engine's Prometheus ``/metrics`` (running, waiting, KV usage, and vLLM's
   ``cache_config_info``: block size, number of KV blocks, prefix caching), polled every heartbeat
@@ -36,22 +36,19 @@ import aiohttp
 import msgspec
 
 from thunderagent.config import Config, EndpointConfig, NodeConfig
-from thunderagent.engine.engine_metrics import VLLM, EngineFlavor, EngineStats, engine_stats
-from thunderagent.engine.kv_events import KvEventStream, StreamStep
-from thunderagent.server.worker_handle import (
-    UNAVAILABLE,
+from thunderagent.execution.engine_metrics import VLLM, EngineFlavor, EngineStats, engine_stats
+from thunderagent.execution.kv_events import KvEventStream, StreamStep
+from thunderagent.execution.handle import (
+    KEEPALIVE_S,
+    OutputQueue,
     WorkerCallbacks,
     WorkerFactory,
     WorkerHandle,
     cancel_and_wait,
 )
-from thunderagent.types import EngineRequest, LoadReport, TokenOutput
+from thunderagent.types import EngineRequest, FinishReason, LoadReport, TokenOutput
 
 log = logging.getLogger(__name__)
-
-#: finish reason of a request that failed at the engine after it started, or that the engine
-#: refused as invalid (4xx): not retried elsewhere (``UNAVAILABLE`` ones are)
-ERROR = "error"
 
 #: reasons a worker keeps itself out of routing (the metric's label)
 REASON_UNREACHABLE = "unreachable"
@@ -64,7 +61,7 @@ REASON_BLOCK_SIZE = "block_size_mismatch"
 @dataclass(slots=True, eq=False)
 class _Inflight:
     req: EngineRequest
-    queue: asyncio.Queue[TokenOutput]
+    queue: OutputQueue
     expected_hit_tokens: int  # prompt tokens the engine holds per its events, at dispatch
     started: bool = False  # first output seen (prefill done)
     generated: int = 0
@@ -72,10 +69,12 @@ class _Inflight:
 
 
 _json = msgspec.json.Decoder()
+#: finish reasons an engine may report that we pass on as they are (others count as "stop")
+_REASONS = frozenset(r.value for r in FinishReason)
 
 
 class EngineWorker:
-    """:class:`~thunderagent.server.worker_handle.WorkerHandle` of one vLLM / SGLang server."""
+    """:class:`~thunderagent.execution.handle.WorkerHandle` of one vLLM / SGLang server."""
 
     def __init__(
         self,
@@ -90,7 +89,6 @@ class EngineWorker:
         connect_timeout: float = 5.0,
     ) -> None:
         self.worker_id = worker_id
-        self.heartbeats_paused = False
         self.node = node
         self.endpoint = endpoint
         self.flavor = flavor
@@ -111,6 +109,7 @@ class EngineWorker:
         self._tasks: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reachable: bool | None = None  # None: not polled yet
+        self._last_poll_ok: float | None = None  # control-plane time of the last answered poll
         #: reason code while this worker keeps itself out of routing (None: routable)
         self.refused: str | None = None
         self._warned_prefix = False
@@ -118,12 +117,15 @@ class EngineWorker:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        # limit=0: one connection per streaming request, no cap (the router bounds the load)
+        # limit=0: one connection per streaming request, no cap (the router bounds the load). No read
+        # timeout on the session: a request may wait in the engine's queue for long; a hung engine is
+        # caught by the liveness rule instead (no keepalives once its metrics stop answering).
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
         )
-        self._tasks = [asyncio.create_task(self._supervise(self._poll_loop), name=f"poll-{self.worker_id}")]
+        self._tasks = [asyncio.create_task(self._supervise(self._poll_loop), name=f"poll-{self.worker_id}"),
+                       asyncio.create_task(self._supervise(self._keepalive_loop), name=f"keepalive-{self.worker_id}")]
         if self.endpoint.kv_events:
             try:
                 import zmq.asyncio  # noqa: F401
@@ -156,25 +158,30 @@ class EngineWorker:
             if r.task is not None:
                 r.task.cancel()
                 pending.append(r.task)
-            r.queue.put_nowait(self._final(r, [], None, "abort", 0))
+            r.queue.put_output(self._final(r, [], None, FinishReason.ABORT, 0), self._cb.clock())
         await asyncio.gather(*pending, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
 
     # -- WorkerHandle ------------------------------------------------------------------------
-    def submit(self, req: EngineRequest) -> asyncio.Queue[TokenOutput]:
-        q: asyncio.Queue[TokenOutput] = asyncio.Queue()
+    def submit(self, req: EngineRequest) -> OutputQueue:
+        q = OutputQueue(self._cb.clock())
         hit = self.stream.leading_cached(req.block_hashes) * self.node.block_size
         r = _Inflight(req, q, min(hit, len(req.prompt_tokens)))
         self._reqs[req.request_id] = r
         self._queued_tokens += len(req.prompt_tokens) - r.expected_hit_tokens
         r.task = asyncio.create_task(self._generate(r), name=f"req-{req.request_id}")
+        self._push_load()
         return q
 
     def abort(self, request_id: str) -> None:
         r = self._drop(request_id)
         if r is not None and r.task is not None:
             r.task.cancel()  # closes the HTTP stream: the engine aborts the request
+
+    def _push_load(self) -> None:
+        if self.refused is None:
+            self._cb.on_load(self.worker_id, self.load())
 
     def load(self) -> LoadReport:
         s = self._stats
@@ -198,6 +205,7 @@ class EngineWorker:
                 self._n_started += 1
                 self._queued_tokens -= len(r.req.prompt_tokens) - r.expected_hit_tokens
                 self._decode_tokens += len(r.req.prompt_tokens)
+                self._push_load()
         r.generated += n_tokens
         if self._reqs.get(r.req.request_id) is r:
             self._decode_tokens += n_tokens
@@ -210,6 +218,7 @@ class EngineWorker:
                 self._decode_tokens -= len(r.req.prompt_tokens) + r.generated
             else:
                 self._queued_tokens -= len(r.req.prompt_tokens) - r.expected_hit_tokens
+            self._push_load()
         return r
 
     def snapshot(self) -> tuple[list[int], int] | None:
@@ -247,22 +256,23 @@ class EngineWorker:
                     detail = (await resp.text())[:300]
                     log.warning("%s refused request %s: HTTP %d %s", self.worker_id, req.request_id,
                                 resp.status, detail)
-                    self._end(r, UNAVAILABLE if resp.status >= 500 else ERROR)
+                    self._end(r, FinishReason.UNAVAILABLE if resp.status >= 500 else FinishReason.ERROR)
                     return
+                r.queue.accepted = True
                 await self._read_stream(resp, r)
         except asyncio.CancelledError:
             raise
         except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
             if r.started:
                 log.warning("%s: request %s broke off: %r", self.worker_id, req.request_id, exc)
-                self._end(r, ERROR)
+                self._end(r, FinishReason.ERROR)
             else:
                 if isinstance(exc, aiohttp.ClientConnectionError) and not isinstance(exc, TimeoutError):
                     # refused, reset, server gone
                     self._lost(f"request {req.request_id} failed: {exc!r}")
                 else:
                     log.warning("%s: request %s failed: %r", self.worker_id, req.request_id, exc)
-                self._end(r, UNAVAILABLE)
+                self._end(r, FinishReason.UNAVAILABLE)
         finally:
             if self._reqs.get(req.request_id) is r:
                 self._drop(req.request_id)
@@ -270,6 +280,7 @@ class EngineWorker:
     async def _read_stream(self, resp: aiohttp.ClientResponse, r: _Inflight) -> None:
         loop = self._loop
         assert loop is not None
+        clock = self._cb.clock
         rid = r.req.request_id
         n_prompt = len(r.req.prompt_tokens)
         final: tuple[list[int], str, str] | None = None
@@ -283,7 +294,7 @@ class EngineWorker:
             chunk = _json.decode(data)
             if "error" in chunk:
                 log.warning("%s: request %s failed in the engine: %s", self.worker_id, rid, chunk["error"])
-                self._end(r, ERROR)
+                self._end(r, FinishReason.ERROR)
                 return
             usage = chunk.get("usage")
             if usage:
@@ -295,24 +306,25 @@ class EngineWorker:
                     ids = [-1] if text else []
                 reason = choice.get("finish_reason")
                 if reason is not None:
-                    final = (ids, text, reason)
+                    final = (ids, text, FinishReason(reason) if reason in _REASONS else FinishReason.STOP)
                 elif ids or text:
                     self._progress(r, len(ids))
-                    r.queue.put_nowait(TokenOutput(rid, ids, loop.time(), n_prompt, 0, text=text))
+                    r.queue.put_output(TokenOutput(rid, ids, loop.time(), n_prompt, 0, text=text), clock())
         if final is None:
             log.warning("%s: stream of request %s ended without a finish reason", self.worker_id, rid)
-            self._end(r, ERROR if r.started else UNAVAILABLE)
+            self._end(r, FinishReason.ERROR if r.started else FinishReason.UNAVAILABLE)
             return
         self._progress(r, len(final[0]))
-        r.queue.put_nowait(self._final(r, final[0], final[1], final[2], cached))
+        r.queue.put_output(self._final(r, final[0], final[1], final[2], cached), clock())
 
-    def _final(self, r: _Inflight, ids: list[int], text: str | None, reason: str, cached: int) -> TokenOutput:
+    def _final(self, r: _Inflight, ids: list[int], text: str | None, reason: FinishReason,
+               cached: int) -> TokenOutput:
         loop_time = self._loop.time() if self._loop is not None else 0.0
         return TokenOutput(r.req.request_id, ids, loop_time, len(r.req.prompt_tokens), cached, True, reason,
                            text=text)
 
-    def _end(self, r: _Inflight, reason: str) -> None:
-        r.queue.put_nowait(self._final(r, [], "", reason, 0))
+    def _end(self, r: _Inflight, reason: FinishReason) -> None:
+        r.queue.put_output(self._final(r, [], "", reason, 0), self._cb.clock())
 
     async def _fetch_model(self) -> str:
         """The served model name (vLLM: ``--served-model-name``, by default the model path)."""
@@ -343,8 +355,21 @@ class EngineWorker:
                 # slow or odd answer: no heartbeat this time (the registry counts the misses)
                 log.debug("%s: metrics poll failed: %r", self.worker_id, exc)
             else:
+                self._last_poll_ok = self._cb.clock()
                 self._on_stats(engine_stats(text, self.flavor))
             await asyncio.sleep(self._interval)
+
+    async def _keepalive_loop(self) -> None:
+        """Vouch for the requests in flight while the engine answers its metrics polls: a hung
+        engine (stopped, deadlocked) stops answering, its requests stop being touched, and the
+        fleet's stall check ends them."""
+        fresh = max(KEEPALIVE_S, 2 * self._interval)
+        while True:
+            await asyncio.sleep(KEEPALIVE_S / 2)
+            now = self._cb.clock()
+            if self._last_poll_ok is not None and now - self._last_poll_ok <= fresh:
+                for r in self._reqs.values():
+                    r.queue.touch(now)
 
     def _lost(self, why: str) -> None:
         if self._reachable is not False:
@@ -372,7 +397,7 @@ class EngineWorker:
             self._block_size_mismatch(s.block_size)
         if self.refused == REASON_UNREACHABLE:
             self._accept()
-        if self.refused is None and not self.heartbeats_paused:
+        if self.refused is None:
             self._cb.on_heartbeat(self.worker_id, self.load())
 
     def _block_size_mismatch(self, engine_bs: int) -> None:
@@ -390,8 +415,7 @@ class EngineWorker:
             return  # a configuration error outranks a transient one
         if self.refused != reason:
             self.refused = reason
-            if self._cb.on_unavailable is not None:
-                self._cb.on_unavailable(self.worker_id, reason)
+            self._cb.on_unavailable(self.worker_id, reason)
 
     def _accept(self) -> None:
         self.refused = None  # the next heartbeat puts it back into routing

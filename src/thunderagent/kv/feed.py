@@ -43,11 +43,12 @@ class KvFeed:
         self.max_buffered = max_buffered
         self._st: dict[str, _State] = {}
 
-    def add_worker(self, worker_id: str) -> None:
-        """A newly met worker: registered in the index, syncing (its events wait for its dump)."""
+    def add_worker(self, worker_id: str, *, live: bool = False) -> None:
+        """A newly met worker, registered in the index: syncing (its events wait for its dump), or
+        ``live`` when its cache is known to be empty (a new engine: its events apply at once)."""
         self.index.add_worker(worker_id)
         st = self._st.setdefault(worker_id, _State())
-        st.syncing, st.buffer, st.overflow = True, [], False
+        st.syncing, st.buffer, st.overflow = not live, [], False
 
     def remove_worker(self, worker_id: str) -> int:
         """Forget a worker; returns the index entries purged."""

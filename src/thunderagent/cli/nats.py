@@ -38,25 +38,26 @@ def frontend(
     """Run an OpenAI-compatible frontend whose workers are discovered over NATS (run several: replicas)."""
     from aiohttp import web
 
-    from thunderagent.cli import build_config
-    from thunderagent.control.nats_bus import BusError, NatsBus
-    from thunderagent.server.app import create_app
-    from thunderagent.server.engines import load_tokenizer
-    from thunderagent.server.nats_fleet import NatsFleet
+    from thunderagent.overrides import build_config
+    from thunderagent.bus.nats import BusError, NatsBus
+    from thunderagent.frontend.app import create_app
+    from thunderagent.assemble import build_nats_fleet, load_tokenizer
+    from thunderagent.control.nats_membership import NatsMembership
 
     _logging(log_level)
     try:
         cfg = build_config(config, host, port, None, None, policy)
         # real engines: the model's own tokenizer (`model:` in the config), loaded before serving
-        fleet = NatsFleet(cfg, NatsBus(nats, "frontend"), prefix=prefix, policy=policy,
-                          tokenizer=load_tokenizer(cfg))
+        tokenizer = load_tokenizer(cfg)
+        fleet = build_nats_fleet(cfg, NatsBus(nats, "frontend"), prefix=prefix, policy=policy)
     except (ConfigError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     cp = cfg.control_plane
-    typer.echo(f"ThunderAgent frontend {fleet.frontend_id} on http://{cp.host}:{cp.port}/v1 — workers from {nats}")
+    assert isinstance(fleet.membership, NatsMembership)
+    typer.echo(f"ThunderAgent frontend {fleet.membership.frontend_id} on http://{cp.host}:{cp.port}/v1 — workers from {nats}")
     try:
-        web.run_app(create_app(cfg, fleet=fleet), host=cp.host, port=cp.port, print=None, access_log=None)
+        web.run_app(create_app(cfg, fleet=fleet, tokenizer=tokenizer), host=cp.host, port=cp.port, print=None, access_log=None)
     except BusError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
@@ -75,9 +76,9 @@ def worker(
     log_level: LogOpt = "info",
 ) -> None:
     """Run one worker (a simulated engine, or an attached real engine) on the NATS bus."""
-    from thunderagent.cli import build_config
-    from thunderagent.control.nats_bus import BusError
-    from thunderagent.server.nats_worker import default_worker_id, run_worker
+    from thunderagent.overrides import build_config
+    from thunderagent.bus.nats import BusError
+    from thunderagent.execution.nats_worker import default_worker_id, run_worker
 
     _logging(log_level)
     wid = id or default_worker_id()

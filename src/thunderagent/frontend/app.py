@@ -11,16 +11,15 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from thunderagent.config import Config, Policy
-from thunderagent.server.engines import build_fleet
-from thunderagent.server.fleet import Fleet, Generation, NoWorkerAvailable, TextChunk
-from thunderagent.server.protocol import (
+from thunderagent.config import Config
+from thunderagent.control.fleet import Fleet, Generation, NoWorkerAvailable
+from thunderagent.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestError,
@@ -30,13 +29,14 @@ from thunderagent.server.protocol import (
     prompt_input,
     stop_list,
 )
-from thunderagent.server.tokenizer import ChatMessage
-from thunderagent.types import Sampling
-from thunderagent.server.worker_handle import UNAVAILABLE
+from thunderagent.frontend.streaming import TextChunk, stream_text
+from thunderagent.frontend.tokenizer import ChatMessage, Tokenizer
+from thunderagent.types import FinishReason, Sampling
 
 log = logging.getLogger(__name__)
 
 FLEET_KEY = web.AppKey("fleet", Fleet)
+FRONTEND_KEY: web.AppKey[Frontend] = web.AppKey("frontend")
 WORKER_HEADER = "x-thunderagent-worker"
 EXPLAIN_HEADER = "x-thunderagent-explain"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -83,9 +83,13 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 
 class Frontend:
-    def __init__(self, fleet: Fleet, max_tokens_default: int) -> None:
+    def __init__(self, fleet: Fleet, tokenizer: Tokenizer, max_tokens_default: int) -> None:
         self.fleet = fleet
+        self.tokenizer = tokenizer
         self.max_tokens_default = max_tokens_default
+
+    def _text(self, gen: Generation, stops: list[str]) -> AsyncIterator[TextChunk]:
+        return stream_text(self.fleet.outputs(gen), self.tokenizer.decoder(), stops)
 
     # -- helpers -----------------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
@@ -144,15 +148,15 @@ class Frontend:
                                       include_usage)
         text_parts: list[str] = []
         last: TextChunk | None = None
-        async for chunk in self.fleet.stream_text(gen, stops):
+        async for chunk in self._text(gen, stops):
             text_parts.append(chunk.text)
             last = chunk
         assert last is not None, "a generation always ends with a final chunk"
         text = "".join(text_parts)
-        if last.finish_reason == "error" and not text:
+        if last.finish_reason == FinishReason.ERROR and not text:
             raise RequestError(f"worker {gen.decision.worker_id} failed while serving the request; retry",
                                status=502, code="worker_failed", type_="server_error")
-        if last.finish_reason == UNAVAILABLE and not text:  # no worker could take it, even routed again
+        if last.finish_reason == FinishReason.UNAVAILABLE and not text:  # no worker could take it, even routed again
             raise NoWorkerAvailable("no worker could take the request (engines unreachable)")
         if chat:
             choice: dict[str, Any] = {
@@ -189,7 +193,7 @@ class Frontend:
                 return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
 
-        stream = self.fleet.stream_text(gen, stops)
+        stream = self._text(gen, stops)
         try:
             await resp.prepare(request)
             if chat:
@@ -217,14 +221,14 @@ class Frontend:
         assert isinstance(req, ChatCompletionRequest)
         self._check_model(req.model)
         messages = [ChatMessage(m.role, message_text(m, i)) for i, m in enumerate(req.messages)]
-        return await self._run(request, req, self.fleet.tokenizer.apply_chat_template(messages), chat=True)
+        return await self._run(request, req, self.tokenizer.apply_chat_template(messages), chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = decode_request(await request.read(), CompletionRequest)
         assert isinstance(req, CompletionRequest)
         self._check_model(req.model)
         prompt = prompt_input(req.prompt)
-        ids = self.fleet.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         return await self._run(request, req, ids, chat=False)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -244,15 +248,20 @@ class Frontend:
         return resp
 
 
-def create_app(cfg: Config, *, policy: Policy | None = None, fleet: Fleet | None = None) -> web.Application:
-    """The whole single-process deployment: HTTP frontend + fleet of simulated workers or real engine
-    servers (``execution_group.nodes[].engine``). ``fleet`` replaces the in-process fleet
-    (``thunderagent frontend`` passes one whose workers are on NATS)."""
+def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer | None = None) -> web.Application:
+    """The HTTP frontend in front of ``fleet`` (by default the single-process fleet of the config's
+    workers: simulated, or real engine servers). ``tokenizer`` defaults to the model's own when
+    ``cfg.model`` is set (loaded here, before serving), else the byte-level one."""
+    from thunderagent.assemble import build_fleet, load_tokenizer
+
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg)
     if fleet is None:
-        fleet = build_fleet(cfg, policy=policy)  # loads the model's tokenizer when cfg.model is set
+        fleet = build_fleet(cfg, tokenizer)
     app = web.Application(middlewares=[errors_middleware], client_max_size=cfg.control_plane.max_body_bytes)
     app[FLEET_KEY] = fleet
-    fe = Frontend(fleet, cfg.control_plane.default_max_tokens)
+    fe = Frontend(fleet, tokenizer, cfg.control_plane.default_max_tokens)
+    app[FRONTEND_KEY] = fe
     app.router.add_post("/v1/chat/completions", fe.chat_completions)
     app.router.add_post("/v1/completions", fe.completions)
     app.router.add_get("/v1/models", fe.models)

@@ -14,9 +14,9 @@ real SGLang server here (no CPU build of SGLang is installable in the test envir
 from __future__ import annotations
 
 from thunderagent.config import Config
-from thunderagent.engine.engine_metrics import EngineFlavor
-from thunderagent.engine.vllm import engine_factory
-from thunderagent.server.worker_handle import WorkerFactory
+from thunderagent.execution.engine_metrics import EngineFlavor
+from thunderagent.execution.vllm import engine_factory
+from thunderagent.execution.handle import WorkerFactory
 
 SGLANG = EngineFlavor(
     "sglang",

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from thunderagent.server.tokenizer import ChatMessage, StreamDecoder
+from thunderagent.frontend.tokenizer import ChatMessage, StreamDecoder
 
 
 class HfTokenizer:

@@ -2,8 +2,8 @@
 
 The engine never reads a clock; this driver maps wall time to engine time
 (``engine_now = (loop.time() - t0) * speedup``), calls ``advance`` when the pass in progress ends or
-when a request arrives, hands token outputs to per-request queues, and forwards KV events and load
-reports to the control plane through callbacks.
+when a request arrives, hands token outputs to per-request queues, and reports KV events, load
+(after every engine step, submission and abort) and heartbeats through the worker callbacks.
 """
 
 from __future__ import annotations
@@ -11,13 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
 
 from thunderagent.engine.base import Engine
-from thunderagent.server.worker_handle import cancel_and_wait
-from thunderagent.types import EngineRequest, KvEvent, LoadReport, TokenOutput
+from thunderagent.execution.handle import KEEPALIVE_S, OutputQueue, WorkerCallbacks, cancel_and_wait
+from thunderagent.types import EngineRequest, FinishReason, LoadReport, TokenOutput
 
 log = logging.getLogger(__name__)
+
+#: reason a failed engine gives when it takes itself out of routing
+REASON_ENGINE_FAILED = "engine_failed"
 
 
 class ScaledClock:
@@ -38,28 +40,23 @@ class ScaledClock:
 
 
 class LocalWorker:
-    def __init__(
-        self,
-        engine: Engine,
-        clock: ScaledClock,
-        on_events: Callable[[str, list[KvEvent]], None],
-        on_heartbeat: Callable[[str, LoadReport], None],
-        heartbeat_interval: float,
-    ) -> None:
+    def __init__(self, engine: Engine, clock: ScaledClock, callbacks: WorkerCallbacks,
+                 heartbeat_interval: float) -> None:
         self.engine = engine
         self.worker_id = engine.worker_id
         self.clock = clock
-        self._on_events = on_events
-        self._on_heartbeat = on_heartbeat
+        self._cb = callbacks
         self._hb_interval = heartbeat_interval
-        self._streams: dict[str, asyncio.Queue[TokenOutput]] = {}
+        self._streams: dict[str, OutputQueue] = {}
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.last_seq = -1
-        #: when True the worker stops heartbeating (a hung worker, as health checks see it)
+        self._report: LoadReport = engine.load(clock.now())
+        #: fault injection (tests, chaos runs): a hung worker, as the fleet sees it: no heartbeats,
+        #: no keepalives, while its engine keeps running
         self.heartbeats_paused = False
-        #: set when the engine raised: the worker stops heartbeating (health checks take it out of
-        #: routing) and every request it held or gets ends with finish_reason "error"
+        #: set when the engine raised: the worker leaves routing, stops heartbeating, and every
+        #: request it held ends (``ERROR`` if it had produced output, else ``UNAVAILABLE``: routed again)
         self.failed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -71,26 +68,35 @@ class LocalWorker:
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)
+        for rid, q in self._streams.items():
+            q.put_output(self._final(rid, 0, FinishReason.ABORT), self._cb.clock())
+        self._streams.clear()
 
     # -- requests ----------------------------------------------------------------------------
-    def submit(self, req: EngineRequest) -> asyncio.Queue[TokenOutput]:
-        q: asyncio.Queue[TokenOutput] = asyncio.Queue()
+    def submit(self, req: EngineRequest) -> OutputQueue:
+        q = OutputQueue(self._cb.clock())
         if self.failed:
-            q.put_nowait(self._error_output(req.request_id, len(req.prompt_tokens)))
+            q.put_output(self._final(req.request_id, len(req.prompt_tokens), FinishReason.UNAVAILABLE), q.last_heard)
             return q
+        q.accepted = True
         self._streams[req.request_id] = q
-        self.engine.add_request(req, self.clock.now())
+        now = self.clock.now()
+        # add_request runs the engine up to ``now``; next_wakeup fixes the pass that starts now (an
+        # idle engine admits the request at once), as the engine loop would next. The report then
+        # shows the request where it really is, so the next routing decision of a burst sees it.
+        self.engine.add_request(req, now)
+        self.engine.next_wakeup()
+        self._push_load(self.engine.load(now))
         self._wake.set()
         return q
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (client gone, stop sequence hit); its blocks are released."""
         if self._streams.pop(request_id, None) is not None:
-            self.engine.abort(request_id, self.clock.now())
+            now = self.clock.now()
+            self.engine.abort(request_id, now)
+            self._push_load(self.engine.load(now))
             self._wake.set()
-
-    def load(self) -> LoadReport:
-        return self.engine.load(self.clock.now())
 
     def snapshot(self) -> tuple[list[int], int] | None:
         """The engine's cached hashes and the last event seq they include (index resync)."""
@@ -98,30 +104,35 @@ class LocalWorker:
         return self.engine.cache_snapshot(), self.last_seq
 
     # -- loops -------------------------------------------------------------------------------
+    def _push_load(self, report: LoadReport) -> None:
+        self._report = report
+        self._cb.on_load(self.worker_id, report)
+
     def _flush_events(self) -> None:
         events = self.engine.drain_events()
         if events:
             self.last_seq = events[-1].seq
-            self._on_events(self.worker_id, events)
+            self._cb.on_events(self.worker_id, events)
 
     async def _run(self) -> None:
         while True:
+            now = self.clock.now()
             try:
-                outs = self.engine.advance(self.clock.now())
+                outs = self.engine.advance(now)
+                report = self.engine.load(now)
             except Exception:  # an engine bug must not strand requests or keep drawing traffic
                 log.exception("engine %s failed in advance(): worker taken out of service", self.worker_id)
-                self.failed = True
-                for rid, q in self._streams.items():
-                    q.put_nowait(self._error_output(rid, 0))
-                self._streams.clear()
+                self._fail()
                 return
+            wall = self._cb.clock()
             for out in outs:
                 q = self._streams.get(out.request_id)
                 if q is not None:
-                    q.put_nowait(out)
+                    q.put_output(out, wall)
                     if out.finished:
                         del self._streams[out.request_id]
             self._flush_events()
+            self._push_load(report)
             wake = self.engine.next_wakeup()
             self._wake.clear()
             if wake is None:
@@ -130,11 +141,29 @@ class LocalWorker:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.clock.wall_delay(wake))
 
-    def _error_output(self, request_id: str, prompt_tokens: int) -> TokenOutput:
-        return TokenOutput(request_id, [], self.clock.now(), prompt_tokens, 0, True, "error")
+    def _fail(self) -> None:
+        self.failed = True
+        self._cb.on_unavailable(self.worker_id, REASON_ENGINE_FAILED)
+        wall = self._cb.clock()
+        for rid, q in self._streams.items():
+            # nothing out yet: the fleet routes it again; otherwise the stream breaks off
+            reason = FinishReason.ERROR if q.produced else FinishReason.UNAVAILABLE
+            q.put_output(self._final(rid, 0, reason), wall)
+        self._streams.clear()
+
+    def _final(self, request_id: str, prompt_tokens: int, reason: FinishReason) -> TokenOutput:
+        return TokenOutput(request_id, [], self.clock.now(), prompt_tokens, 0, True, reason)
 
     async def _heartbeat(self) -> None:
+        # Keepalives at least every KEEPALIVE_S, heartbeats every heartbeat interval: one loop.
+        period = min(self._hb_interval, KEEPALIVE_S)
+        next_hb = 0.0
         while True:
             if not self.heartbeats_paused and not self.failed:
-                self._on_heartbeat(self.worker_id, self.load())
-            await asyncio.sleep(self._hb_interval)
+                wall = self._cb.clock()
+                if wall >= next_hb:
+                    self._cb.on_heartbeat(self.worker_id, self._report)
+                    next_hb = wall + self._hb_interval - period / 2
+                for q in self._streams.values():
+                    q.touch(wall)
+            await asyncio.sleep(period)

@@ -29,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from thunderagent.config import Config, NodeConfig
-from thunderagent.control.nats_bus import Bus, BusMsg, NatsBus
-from thunderagent.control.registry import WorkerInfo
-from thunderagent.control.wire import (
+from thunderagent.bus.nats import Bus, BusMsg, NatsBus
+from thunderagent.types import WorkerInfo
+from thunderagent.bus.wire import (
     KEEPALIVE_S,
     WIRE_VERSION,
     Bye,
@@ -51,8 +51,8 @@ from thunderagent.control.wire import (
     output_to_wire,
     request_from_wire,
 )
-from thunderagent.server.worker_handle import UNAVAILABLE, WorkerCallbacks, WorkerHandle
-from thunderagent.types import KvEvent, LoadReport, TokenOutput
+from thunderagent.execution.handle import OutputQueue, WorkerCallbacks, WorkerHandle
+from thunderagent.types import FinishReason, KvEvent, LoadReport, TokenOutput
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ class WorkerService:
         self._build = build
         self.handle: WorkerHandle | None = None
         self.last_seq = -1
+        self._load = LoadReport(info.worker_id, 0.0, 0, 0, 0, 0, 0, 0, info.kv_total_blocks)  # last pushed
         self._streams: dict[str, _Out] = {}
         self._keepalive_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -103,12 +104,13 @@ class WorkerService:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         await self.bus.connect()
-        self.handle = self._build(WorkerCallbacks(self._on_events, self._on_heartbeat, self._on_unavailable))
+        self.handle = self._build(WorkerCallbacks(self._on_events, self._on_heartbeat, self._on_load,
+                                                  self._on_unavailable, self._now))
         # Subscribe (and flush) before saying hello: a frontend dumps a worker as soon as it meets it.
         await self.bus.subscribe(self.subjects.rpcs(self.worker_id), self._on_rpc)
         await self.bus.subscribe(self.subjects.discover(), self._on_discover)
         self.handle.start()
-        self._publish_heartbeat("hello", self.handle.load())
+        self._publish_heartbeat("hello", self._load)
         self._keepalive_task = asyncio.create_task(self._keepalives(), name="keepalives")
         log.info("worker %s (instance %s) on the bus", self.worker_id, self.instance)
 
@@ -126,7 +128,7 @@ class WorkerService:
             self._drop_stream(rid)
             if self.handle is not None:
                 self.handle.abort(rid)
-            self._send(out, [TokenOutput(rid, [], self._now(), 0, 0, True, "error")])
+            self._send(out, [TokenOutput(rid, [], self._now(), 0, 0, True, FinishReason.ERROR)])
         if self.handle is not None:
             await self.handle.stop()
         await self.bus.close()
@@ -144,8 +146,12 @@ class WorkerService:
                          encode(KvBatch(self.instance, events_to_wire(events))))
 
     def _on_heartbeat(self, worker_id: str, load: LoadReport) -> None:
+        self._load = load
         if not self._closing:  # a draining worker's lease runs out on its own
             self._publish_heartbeat("hb", load)
+
+    def _on_load(self, worker_id: str, load: LoadReport) -> None:
+        self._load = load  # sent with the next heartbeat (frontends count what they sent meanwhile)
 
     def _on_unavailable(self, worker_id: str, reason: str) -> None:
         self.bus.publish(self.subjects.worker(self.worker_id, "unavailable"),
@@ -160,7 +166,7 @@ class WorkerService:
         assert self.handle is not None
         if self._closing:
             return
-        self._publish_heartbeat("hello", self.handle.load())
+        self._publish_heartbeat("hello", self._load)
 
     async def _on_rpc(self, msg: BusMsg) -> None:
         kind = msg.subject.rsplit(".", 1)[1]
@@ -186,16 +192,18 @@ class WorkerService:
         out = _Out(msg.reply, 0, self._now())
         plen = len(req.prompt_tokens)
         if self._closing:  # routed here before the frontend saw our bye: it goes elsewhere
-            self._send(out, [TokenOutput(rid, [], self._now(), plen, 0, True, UNAVAILABLE)], "shutting down")
+            self._send(out, [TokenOutput(rid, [], self._now(), plen, 0, True, FinishReason.UNAVAILABLE)],
+                       "shutting down")
             return
         if rid in self._streams:
-            self._send(out, [TokenOutput(rid, [], self._now(), plen, 0, True, "error")], f"duplicate request id {rid}")
+            self._send(out, [TokenOutput(rid, [], self._now(), plen, 0, True, FinishReason.ERROR)],
+                       f"duplicate request id {rid}")
             return
         try:
             queue = self.handle.submit(req)
         except Exception as exc:  # the engine refused it (bad input): tell the frontend, keep serving
             log.warning("request %s refused: %s", rid, exc)
-            self._send(out, [TokenOutput(rid, [], self._now(), plen, 0, True, "error")], str(exc))
+            self._send(out, [TokenOutput(rid, [], self._now(), plen, 0, True, FinishReason.ERROR)], str(exc))
             return
         self._send(out, [])  # n=0: accepted
         self._streams[rid] = out
@@ -222,7 +230,7 @@ class WorkerService:
             out.task.cancel()
         return out
 
-    async def _pump(self, rid: str, out: _Out, queue: asyncio.Queue[TokenOutput]) -> None:
+    async def _pump(self, rid: str, out: _Out, queue: OutputQueue) -> None:
         try:
             while True:
                 batch = [await queue.get()]
@@ -253,27 +261,14 @@ def default_worker_id() -> str:
 
 
 def handle_builder(cfg: Config, node: NodeConfig, worker_id: str, endpoint: int) -> HandleBuilder:
-    """How this process builds its worker: the simulated engine here, real engines through the
-    factory the fleet registers for their kind."""
-    if node.engine == "simulated":
-        from thunderagent.engine.simulated import SimulatedEngine
-        from thunderagent.server.local_worker import LocalWorker, ScaledClock
-        from thunderagent.server.tokenizer import ByteTokenizer
+    """How this process builds its worker: the factory of the node group's engine kind (the
+    simulated engine, or a real engine's adapter; the tokenizer is the frontend's business)."""
+    from thunderagent.execution.factories import worker_factories
 
-        def build(cb: WorkerCallbacks) -> WorkerHandle:
-            engine = SimulatedEngine(worker_id, node, eos_token_id=ByteTokenizer().eos_token_id)
-            return LocalWorker(engine, ScaledClock(cfg.simulation.speedup), cb.on_events, cb.on_heartbeat,
-                               cfg.control_plane.heartbeat_interval)
-
-        return build
-    from thunderagent.server.engines import build_fleet
-    from thunderagent.server.tokenizer import ByteTokenizer
-
-    # the factories `serve` registers for real engines (the tokenizer is the frontend's business)
-    factory = build_fleet(cfg, tokenizer=ByteTokenizer()).factories.get(node.engine)
+    factory = worker_factories(cfg, None).get(node.engine)  # simulated: the byte vocabulary's EOS
     if factory is None:
         raise ValueError(f"engine kind {node.engine!r} has no worker factory: it cannot run as a NATS worker yet")
-    if not 0 <= endpoint < node.count:
+    if node.engine != "simulated" and not 0 <= endpoint < node.count:
         raise ValueError(f"--endpoint {endpoint} out of range: node group has {node.count} endpoints")
     return lambda cb: factory(node, worker_id, endpoint, cb)
 

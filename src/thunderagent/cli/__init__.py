@@ -1,0 +1,26 @@
+"""Command line: ``thunderagent serve | sim | check-config | frontend | worker``.
+
+One module per command group: :mod:`.serve` (the single-process server and config check),
+:mod:`.sim` (trace replay), :mod:`.nats` (the multi-process deployment).
+"""
+
+from __future__ import annotations
+
+import typer
+
+from thunderagent.cli import nats as cli_nats
+from thunderagent.cli import serve as cli_serve
+from thunderagent.cli import sim as cli_sim
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="ThunderAgent: KV-cache-aware LLM router.")
+cli_serve.register(app)
+cli_sim.register(app)
+cli_nats.register(app)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

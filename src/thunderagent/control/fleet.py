@@ -1,0 +1,347 @@
+"""The control-plane core: registry + index + dispatch path in front of a set of worker handles.
+
+One :class:`Fleet` runs in every frontend. *Which* workers it has is a :class:`Membership`'s
+business (``control.membership``: built from the config, in process; ``control.nats_membership``:
+discovered over NATS). Everything else is here, the same for every kind of worker:
+
+- worker reports (:class:`~thunderagent.execution.handle.WorkerCallbacks`): KV events through the
+  :class:`~thunderagent.kv.feed.KvFeed` (a gap asks the membership for a resync), heartbeats renew
+  the lease, pushed load reports refresh the registry, "unavailable" takes a worker out of routing
+  until its next heartbeat;
+- health: a worker whose lease expires leaves routing, its index entries are purged and its
+  requests end (``ERROR`` once accepted, else ``UNAVAILABLE``: routed again); a request whose queue
+  heard nothing for ``stall_timeout`` ends the same way, whatever runs it;
+- requests: :meth:`start_generation` runs the one dispatch path
+  (:class:`~thunderagent.scheduler.dispatch.Dispatcher`) over the registry's routable workers and
+  submits; :meth:`outputs` streams a request's outputs, routing it again when its worker could not
+  take it, with TTFT / ITL metrics, and aborts it when the consumer stops early.
+
+The clock is injected (``clock``; the event loop's by default): tests move time by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from thunderagent.config import Config, Policy
+from thunderagent.control.metrics import Metrics
+from thunderagent.control.registry import Health, WorkerRegistry
+from thunderagent.execution.handle import STALL_TIMEOUT_S, OutputQueue, WorkerCallbacks, WorkerHandle
+from thunderagent.kv.feed import KvFeed
+from thunderagent.kv.index import KvIndex
+from thunderagent.router.router import KvRouter, NoWorkerAvailable
+from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
+from thunderagent.types import (
+    Decision,
+    EngineRequest,
+    FinishReason,
+    KvEvent,
+    LoadReport,
+    Sampling,
+    TokenOutput,
+    WorkerInfo,
+    WorkerState,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Fleet", "Generation", "Membership", "NoWorkerAvailable"]
+
+
+class Membership(Protocol):
+    """How a fleet's workers join and leave: the only part that differs between deployments."""
+
+    async def start(self, fleet: Fleet) -> None:
+        """Bring the workers in (``fleet.join``) before the frontend serves."""
+
+    async def stop(self) -> None:
+        """Stop the workers or leave the bus."""
+
+    def resync(self, worker_id: str) -> None:
+        """The index lost track of a worker's cache: reload it (``fleet.feed`` sync protocol)."""
+
+    def lease_expired(self, worker_id: str) -> None:
+        """The fleet took the worker out (no heartbeat for a lease): forget it, or wait for it."""
+
+    def summary(self) -> dict[str, object]:
+        """Extra facts for ``/health`` (empty when none)."""
+
+
+@dataclass(slots=True)
+class Generation:
+    request_id: str
+    dispatch: Dispatch  # the latest routing of the request (it changes when routed again)
+    worker: WorkerHandle
+    queue: OutputQueue
+    received: float  # fleet time the request arrived
+    tried: tuple[str, ...] = ()  # workers that could not take it
+
+    @property
+    def decision(self) -> Decision:
+        return self.dispatch.decision
+
+    @property
+    def request(self) -> EngineRequest:
+        return self.dispatch.request
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.dispatch.request.prompt_tokens)
+
+
+class Fleet:
+    def __init__(self, cfg: Config, membership: Membership, *, policy: Policy | None = None,
+                 clock: Callable[[], float] | None = None, stall_timeout: float = STALL_TIMEOUT_S) -> None:
+        self.cfg = cfg
+        self.model_name = cfg.model_name
+        self.membership = membership
+        self.metrics = Metrics()
+        self.index = KvIndex(prediction_ttl=cfg.routing.prediction_ttl)
+        self.feed = KvFeed(self.index)
+        self.router = KvRouter(cfg.routing, self.index, random.Random(cfg.routing.seed), policy)
+        self.block_size = cfg.execution_group.nodes[0].block_size
+        self.dispatcher = Dispatcher(self.router, self.block_size)
+        cp = cfg.control_plane
+        self.registry = WorkerRegistry(cp.heartbeat_interval, cp.heartbeat_misses)
+        self.stall_timeout = stall_timeout
+        #: longest sequence any worker can hold (simulated workers: their KV pool); None = unknown
+        self.max_context_tokens: int | None = None
+        self.workers: dict[str, WorkerHandle] = {}
+        #: workers that reported they cannot serve (reason); back in routing with their next heartbeat
+        self.unavailable: dict[str, str] = {}
+        self._clock = clock
+        self._ids = itertools.count()
+        self._inflight: dict[str, Generation] = {}
+        self._health_task: asyncio.Task[None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def now(self) -> float:
+        if self._clock is None:
+            self._clock = asyncio.get_running_loop().time
+        return self._clock()
+
+    def callbacks(self) -> WorkerCallbacks:
+        """What a handle reports to (its membership passes these when it builds the handle)."""
+        return WorkerCallbacks(self.on_events, self.on_heartbeat, self.on_load, self.on_unavailable, self.now)
+
+    async def start(self) -> None:
+        self.now()  # bind the loop's clock while a loop runs
+        await self.membership.start(self)
+        if self.cfg.control_plane.health_check_enabled:
+            self._health_task = asyncio.create_task(self._health_loop(), name="health")
+        log.info("fleet up: %d workers, policy %s", len(self.workers), self.router.policy.name)
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        await self.membership.stop()
+
+    # -- membership ----------------------------------------------------------------------------
+    def join(self, handle: WorkerHandle, info: WorkerInfo, *, synced: bool) -> None:
+        """Add a worker: registered, in the index (``synced``: its cache is known; else its events
+        wait for the membership's resync), routable at once."""
+        wid = info.worker_id
+        self.registry.register(info, self.now())
+        self.feed.add_worker(wid, live=synced)
+        self.workers[wid] = handle
+        self.metrics.healthy.labels(wid).set(1)
+
+    def leave(self, worker_id: str, reason: str, *, drain: bool = False) -> None:
+        """Remove a worker (registry, index, routing). Its requests in flight end, unless ``drain``:
+        a worker shutting down cleanly finishes them (the stall check still watches them)."""
+        handle = self.workers.pop(worker_id, None)
+        if handle is None:
+            return
+        self.registry.deregister(worker_id)
+        purged = self.feed.remove_worker(worker_id)
+        self.unavailable.pop(worker_id, None)
+        self.metrics.healthy.labels(worker_id).set(0)
+        gens = self._generations_on(handle)
+        log.warning("worker %s left: %s; %d index entries purged, %d requests in flight%s", worker_id, reason,
+                    purged, len(gens), " (draining)" if drain and gens else "")
+        if not drain:
+            for gen in gens:
+                self._cut(gen, f"worker {worker_id} left")
+
+    # -- worker reports ------------------------------------------------------------------------
+    def on_events(self, worker_id: str, events: list[KvEvent]) -> None:
+        if self.feed.events(worker_id, events, self.now()):
+            log.warning("KV event gap from %s at seq %d: resyncing its index entries", worker_id, events[-1].seq)
+            self.membership.resync(worker_id)
+
+    def on_heartbeat(self, worker_id: str, load: LoadReport) -> None:
+        reason = self.unavailable.pop(worker_id, None)
+        if reason is not None:
+            log.info("worker %s serves again (was %s): back in routing", worker_id, reason)
+            self.metrics.out_of_routing.labels(worker_id, reason).set(0)
+        self.registry.heartbeat(worker_id, load, self.now())
+        self.metrics.observe_load(load, self.registry.health(worker_id) is Health.healthy)
+
+    def on_load(self, worker_id: str, load: LoadReport) -> None:
+        self.registry.update_load(worker_id, load)
+
+    def on_unavailable(self, worker_id: str, reason: str) -> None:
+        old = self.unavailable.get(worker_id)
+        if old == reason:
+            return
+        if old is not None:
+            self.metrics.out_of_routing.labels(worker_id, old).set(0)
+        self.unavailable[worker_id] = reason
+        self.metrics.out_of_routing.labels(worker_id, reason).set(1)
+        log.warning("worker %s out of routing: %s", worker_id, reason)
+
+    def routable(self) -> list[WorkerState]:
+        out = self.unavailable
+        return [w for w in self.registry.routable() if w.worker_id not in out]
+
+    # -- health ------------------------------------------------------------------------------
+    def check_health(self) -> None:
+        now = self.now()
+        for change in self.registry.check(now):
+            wid = change.worker_id
+            if change.health is Health.unhealthy:
+                purged = self.feed.remove_worker(wid)
+                log.warning("worker %s unhealthy (%s): out of routing, %d index entries purged",
+                            wid, change.reason, purged)
+                handle = self.workers.get(wid)
+                for gen in self._generations_on(handle) if handle is not None else ():
+                    self._cut(gen, f"worker {wid} lease expired")
+                self.metrics.healthy.labels(wid).set(0)
+                self.membership.lease_expired(wid)
+            else:
+                self.feed.add_worker(wid)
+                self.membership.resync(wid)
+                log.info("worker %s healthy again (%s): back in routing", wid, change.reason)
+                self.metrics.healthy.labels(wid).set(1)
+        for gen in list(self._inflight.values()):
+            if now - gen.queue.last_heard > self.stall_timeout:
+                log.warning("request %s on %s: nothing heard for %.1fs", gen.request_id, gen.worker.worker_id,
+                            now - gen.queue.last_heard)
+                self._cut(gen, "stalled")
+
+    def _generations_on(self, handle: WorkerHandle) -> list[Generation]:
+        return [g for g in self._inflight.values() if g.worker is handle]
+
+    def _cut(self, gen: Generation, why: str) -> None:
+        """End a request its worker can no longer serve: aborted there, and finished here with
+        ``ERROR`` if the worker had accepted it, else ``UNAVAILABLE`` (the consumer routes it again)."""
+        self._inflight.pop(gen.request_id, None)
+        gen.worker.abort(gen.request_id)
+        reason = FinishReason.ERROR if gen.queue.accepted or gen.queue.produced else FinishReason.UNAVAILABLE
+        log.debug("request %s ended (%s): %s", gen.request_id, why, reason.value)
+        now = self.now()
+        gen.queue.put_output(TokenOutput(gen.request_id, [], now, gen.prompt_tokens, 0, True, reason), now)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.control_plane.heartbeat_interval / 2)
+            self.check_health()
+
+    # -- requests ----------------------------------------------------------------------------
+    def start_generation(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        priority: int = 0,
+        ignore_eos: bool = False,
+        sampling: Sampling | None = None,
+    ) -> Generation:
+        """Hash once, route, submit (the dispatch path). Raises NoWorkerAvailable."""
+        received = self.now()
+        t0 = time.perf_counter()
+        rid = f"{next(self._ids):08x}-{random.getrandbits(32):08x}"
+        req = self.dispatcher.prepare(rid, prompt_ids, max_tokens, cache_salt=cache_salt, lora_name=lora_name,
+                                      priority=priority, ignore_eos=ignore_eos, sampling=sampling, arrival=received)
+        d = self.dispatcher.dispatch(req, self.routable(), received)
+        self.dispatcher.settle(received)
+        self.metrics.observe_route(d.decision.worker_id, len(prompt_ids), d.predicted_tokens,
+                                   time.perf_counter() - t0)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("route %s -> %s (%s): %s", rid, d.decision.worker_id, d.decision.reason, d.decision.explain())
+        worker = self.workers[d.decision.worker_id]
+        gen = Generation(rid, d, worker, worker.submit(req), received)
+        self._inflight[rid] = gen
+        return gen
+
+    def _route_again(self, gen: Generation) -> bool:
+        """Submit ``gen``'s request to another worker after its worker could not take it (nothing
+        was streamed yet). False when no other worker is left."""
+        tried = (*gen.tried, gen.worker.worker_id)
+        try:
+            d = self.dispatcher.dispatch(gen.request, self.routable(), self.now(), exclude=tried)
+        except NoWorkerAvailable:
+            return False
+        log.info("request %s: %s could not take it, routed again to %s", gen.request_id, gen.worker.worker_id,
+                 d.decision.worker_id)
+        self.metrics.rerouted.inc()
+        worker = self.workers[d.decision.worker_id]
+        gen.dispatch, gen.worker, gen.tried = d, worker, tried
+        gen.queue = worker.submit(gen.request)
+        self._inflight[gen.request_id] = gen
+        return True
+
+    async def outputs(self, gen: Generation) -> AsyncIterator[TokenOutput]:
+        """A request's outputs, the last one finished. A request its worker could not take is
+        routed again before anything is yielded; the request is aborted if the consumer stops early
+        (client gone, stop string) and its metrics are recorded."""
+        cached = 0
+        last_t: float | None = None
+        finished = False
+        try:
+            while True:
+                out = await gen.queue.get()
+                now = self.now()
+                if (last_t is None and out.finished and out.finish_reason == FinishReason.UNAVAILABLE
+                        and not out.token_ids and self._route_again(gen)):
+                    continue
+                # real engines report cached tokens with their last output, simulated ones with the first
+                cached = max(cached, out.cached_tokens)
+                if last_t is None:
+                    if out.token_ids or out.finished:
+                        self.metrics.ttft.observe(now - gen.received)
+                else:
+                    self.metrics.itl.observe(now - last_t)
+                last_t = now
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._inflight.pop(gen.request_id, None)
+            if last_t is not None:
+                self.metrics.observe_prefill(cached, gen.dispatch.best_known_tokens)
+            if not finished:
+                gen.worker.abort(gen.request_id)
+
+    def health_summary(self) -> dict[str, object]:
+        loads = self.registry.loads()
+        workers = [
+            {
+                "id": wid,
+                "health": self.registry.health(wid).value,
+                "running": loads[wid].running,
+                "waiting": loads[wid].waiting,
+                "kv_usage": round(loads[wid].kv_usage, 4),
+                "indexed_blocks": self.index.num_blocks(wid),
+                "out_of_routing": self.unavailable.get(wid),  # reason a worker gave (unreachable, ...)
+            }
+            for wid in self.registry.worker_ids()
+        ]
+        healthy = sum(1 for w in workers if w["health"] == Health.healthy.value and not w["out_of_routing"])
+        summary: dict[str, object] = {"status": "ok" if healthy else "unavailable", "healthy_workers": healthy,
+                                      "workers": workers}
+        summary.update(self.membership.summary())
+        return summary

@@ -1,0 +1,76 @@
+"""Static membership: the workers the config names, built in this process (``thunderagent serve``).
+
+Each node group's ``engine`` kind picks a :data:`~thunderagent.execution.handle.WorkerFactory`
+(the simulated engine's, vLLM's and SGLang's are registered by ``thunderagent.assemble``); the
+handles live as long as the fleet. A worker whose lease expires stays known: when it heartbeats
+again the fleet takes it back and its cache is reloaded from a snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from thunderagent.config import ExecutionGroupConfig, Role
+from thunderagent.execution.handle import WorkerFactory, WorkerHandle
+from thunderagent.types import WorkerInfo
+
+if TYPE_CHECKING:
+    from thunderagent.control.fleet import Fleet
+
+log = logging.getLogger(__name__)
+
+
+class StaticMembership:
+    def __init__(self, group: ExecutionGroupConfig, factories: Mapping[str, WorkerFactory]) -> None:
+        for node in group.nodes:
+            if node.engine not in factories:
+                raise ValueError(f"no worker factory for engine kind {node.engine!r}")
+        self.group = group
+        self.factories = dict(factories)
+        self.handles: dict[str, WorkerHandle] = {}
+        self._fleet: Fleet | None = None
+
+    async def start(self, fleet: Fleet) -> None:
+        self._fleet = fleet
+        callbacks = fleet.callbacks()
+        n = 0
+        for node in self.group.nodes:
+            if node.role is not Role.both:
+                log.warning("role %s: prefill/decode disaggregation is not implemented yet; "
+                            "these workers serve requests end to end", node.role.value)
+            factory = self.factories[node.engine]
+            for k in range(node.count):
+                wid = f"worker-{n}"
+                n += 1
+                handle = factory(node, wid, k, callbacks)
+                info = WorkerInfo(wid, node.role.value, node.block_size, node.max_num_batched_tokens,
+                                  node.queue_depth_threshold, node.kv_blocks)
+                fleet.join(handle, info, synced=True)  # a new handle: its cache is empty or replayed
+                self.handles[wid] = handle
+                handle.start()
+        if all(node.engine == "simulated" for node in self.group.nodes):
+            fleet.max_context_tokens = max(node.kv_blocks * node.block_size for node in self.group.nodes)
+
+    async def stop(self) -> None:
+        for handle in self.handles.values():
+            await handle.stop()
+
+    def resync(self, worker_id: str) -> None:
+        fleet, handle = self._fleet, self.handles.get(worker_id)
+        if fleet is None or handle is None:
+            return
+        fleet.feed.begin_sync(worker_id)
+        snap = handle.snapshot()  # may flush pending events first: the feed buffers them
+        now = fleet.now()
+        if snap is None:
+            fleet.feed.abandon_sync(worker_id, now)
+        elif fleet.feed.apply_dump(worker_id, snap[0], snap[1], now):
+            log.warning("worker %s: events lost during its resync; the index waits for its next events", worker_id)
+
+    def lease_expired(self, worker_id: str) -> None:
+        pass  # the handle stays: the fleet takes the worker back when its heartbeats resume
+
+    def summary(self) -> dict[str, object]:
+        return {}

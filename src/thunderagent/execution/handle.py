@@ -1,0 +1,124 @@
+"""The worker contract: what the control plane needs from a worker, whatever runs it.
+
+A :class:`WorkerHandle` is the control plane's view of one worker: the in-process simulated engine
+(:class:`~thunderagent.execution.local.LocalWorker`), a real engine behind HTTP + ZMQ (vLLM, SGLang:
+:mod:`thunderagent.execution.vllm`), or a worker process reached over NATS
+(:class:`~thunderagent.control.remote_worker.RemoteWorker`). Handles are created by a
+:data:`WorkerFactory` chosen by the node's ``engine`` kind, report through :class:`WorkerCallbacks`,
+and are driven from the event loop only (never from another thread).
+
+The contract every handle keeps (``tests/engines/test_conformance.py`` checks it on each one):
+
+- ``submit`` returns an :class:`OutputQueue`; the request's outputs arrive on it in order, the last
+  one ``finished`` with a :class:`~thunderagent.types.FinishReason`; nothing arrives after it.
+- A request the worker could not take (nothing generated) ends ``UNAVAILABLE``: the fleet routes it
+  again. One that failed after it started ends ``ERROR``.
+- **Liveness**: while a worker is alive it *touches* each of its requests' queues at least every
+  :data:`KEEPALIVE_S` (an output counts as a touch). The fleet ends a request whose queue was not
+  touched for :data:`STALL_TIMEOUT_S`, the same rule for every kind of worker.
+- **Load is pushed**: after every engine step, poll, submission or abort the handle calls
+  ``on_load`` with a report that already counts the requests it was given but its engine has not
+  reported yet; routing reads the registry, never the handle.
+- ``abort`` of an unknown or finished request is ignored; after ``abort`` nothing more arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from thunderagent.config import NodeConfig
+from thunderagent.types import EngineRequest, KvEvent, LoadReport, TokenOutput
+
+#: a live worker touches each of its requests at least this often (seconds) ...
+KEEPALIVE_S = 2.0
+#: ... so the fleet ends a request that heard nothing for this long (its worker is lost or hung)
+STALL_TIMEOUT_S = 4 * KEEPALIVE_S
+
+
+class OutputQueue(asyncio.Queue[TokenOutput]):
+    """A request's outputs, with the liveness facts the fleet's stall check reads.
+
+    ``last_heard`` is the time (on the handle's clock, which is the fleet's) of the last output or
+    keepalive; ``accepted`` says the worker took the request (an engine has it): a request lost
+    after that ends ``ERROR``, before it ``UNAVAILABLE`` (routed again)."""
+
+    def __init__(self, now: float) -> None:
+        super().__init__()
+        self.last_heard = now
+        self.accepted = False
+        self.produced = False  # a token was put: the request cannot be routed again unseen
+
+    def put_output(self, out: TokenOutput, now: float) -> None:
+        self.last_heard = now
+        if out.token_ids:
+            self.produced = True
+        self.put_nowait(out)
+
+    def touch(self, now: float) -> None:
+        self.last_heard = now
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerCallbacks:
+    """How a worker reports to the control plane.
+
+    - ``on_events``: KV events, in seq order;
+    - ``on_heartbeat``: liveness (renews the worker's lease) with its load;
+    - ``on_load``: a fresher load between heartbeats (no lease renewal);
+    - ``on_unavailable``: the worker cannot serve (engine unreachable, block-size mismatch): it
+      leaves routing at once and comes back with its next heartbeat (a worker that must stay out
+      stops heartbeating).
+    """
+
+    on_events: Callable[[str, list[KvEvent]], None]
+    on_heartbeat: Callable[[str, LoadReport], None]
+    on_load: Callable[[str, LoadReport], None]
+    on_unavailable: Callable[[str, str], None]
+    #: the control plane's clock (seconds): queue liveness times are on it
+    clock: Callable[[], float]
+
+
+class WorkerHandle(Protocol):
+    worker_id: str
+
+    def start(self) -> None:
+        """Start background tasks (engine loop, heartbeats, event subscriptions)."""
+
+    async def stop(self) -> None:
+        """Cancel background tasks and release sockets; in-flight requests end with "abort"."""
+
+    def submit(self, req: EngineRequest) -> OutputQueue:
+        """Start a request; its outputs arrive on the returned queue, the last one ``finished``."""
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (client gone, stop sequence hit). Unknown ids are ignored."""
+
+    def snapshot(self) -> tuple[list[int], int] | None:
+        """Cached block hashes and the last event seq they include, for an index resync; None if
+        the worker cannot dump its cache synchronously (the fleet's membership asks it otherwise)."""
+
+
+def with_pending(report: LoadReport, pending_requests: int, pending_tokens: int) -> LoadReport:
+    """``report`` plus requests handed to the engine that its report does not include yet: counted
+    as waiting, so two quick requests never both see an idle worker."""
+    if not pending_requests:
+        return report
+    return replace(report, waiting=report.waiting + pending_requests,
+                   queued_prefill_tokens=report.queued_prefill_tokens + pending_tokens)
+
+
+async def cancel_and_wait(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel a handle's background tasks and wait until each has finished unwinding."""
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+
+
+#: builds the handle of worker ``worker_id`` of node group ``node`` (``index`` within the group)
+WorkerFactory = Callable[[NodeConfig, str, int, WorkerCallbacks], WorkerHandle]

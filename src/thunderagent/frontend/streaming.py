@@ -1,0 +1,49 @@
+"""A request's outputs as text: detokenized, with stop strings applied (the frontend's side)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from thunderagent.frontend.stops import StopMatcher
+from thunderagent.frontend.tokenizer import StreamDecoder
+from thunderagent.types import FinishReason, TokenOutput
+
+
+@dataclass(slots=True)
+class TextChunk:
+    text: str
+    finish_reason: FinishReason | None
+    completion_tokens: int
+    cached_tokens: int
+
+
+async def stream_text(
+    outputs: AsyncIterator[TokenOutput], decoder: StreamDecoder, stops: list[str]
+) -> AsyncIterator[TextChunk]:
+    """Text chunks of ``outputs`` (the fleet's stream of one request), the last one with its finish
+    reason. A matched stop string ends the stream with ``stop``; closing ``outputs`` early aborts the
+    request (the fleet does that), so this generator closes it in every case."""
+    matcher = StopMatcher(stops)
+    completion = 0
+    cached = 0
+    try:
+        async for out in outputs:
+            cached = max(cached, out.cached_tokens)
+            completion += len(out.token_ids)
+            text = matcher.feed(out.text if out.text is not None else decoder.feed(out.token_ids))
+            if matcher.stopped:
+                yield TextChunk(text, FinishReason.STOP, completion, cached)
+                return
+            if out.finished:
+                text += matcher.feed(decoder.flush())
+                if matcher.stopped:
+                    yield TextChunk(text, FinishReason.STOP, completion, cached)
+                    return
+                text += matcher.flush()
+                yield TextChunk(text, out.finish_reason or FinishReason.STOP, completion, cached)
+                return
+            if text:
+                yield TextChunk(text, None, completion, cached)
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,105 @@
+"""A reference worker handle: the smallest thing that keeps the whole worker contract.
+
+It answers each request with ``max_tokens`` tokens (letters), one output per step, caches the
+prompt's full blocks (reporting ``cached_tokens`` on a repeat and ``BlockStored`` events with the
+router's hashes), pushes its load at submit / finish, heartbeats, and touches its requests while
+alive. ``unavailable=True`` makes it refuse every request (``UNAVAILABLE``, and out of routing).
+It passes ``tests/engines/test_conformance.py`` like the real handles, so fleet tests can trust it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from thunderagent.execution.handle import KEEPALIVE_S, OutputQueue, WorkerCallbacks, cancel_and_wait
+from thunderagent.types import BlockStored, EngineRequest, FinishReason, LoadReport, TokenOutput
+
+
+class FakeWorker:
+    def __init__(self, worker_id: str, callbacks: WorkerCallbacks, *, block_size: int = 16, step: float = 0.002,
+                 heartbeat_interval: float = 0.05, unavailable: bool = False, kv_blocks: int = 1000) -> None:
+        self.worker_id = worker_id
+        self.cb = callbacks
+        self.block_size = block_size
+        self.step = step
+        self.heartbeat_interval = heartbeat_interval
+        self.unavailable = unavailable
+        self.kv_blocks = kv_blocks
+        self.cache: list[int] = []  # block hashes, in the order stored
+        self.seq = -1
+        self.submitted: list[str] = []
+        self.aborted: list[str] = []
+        self._reqs: dict[str, tuple[EngineRequest, OutputQueue, asyncio.Task[None]]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- WorkerHandle ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._heartbeats(), name=f"fake-hb-{self.worker_id}")]
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._tasks)
+        for rid in list(self._reqs):
+            req, q, task = self._reqs.pop(rid)
+            task.cancel()
+            q.put_output(TokenOutput(rid, [], 0.0, len(req.prompt_tokens), 0, True, FinishReason.ABORT), self.cb.clock())
+
+    def submit(self, req: EngineRequest) -> OutputQueue:
+        self.submitted.append(req.request_id)
+        q = OutputQueue(self.cb.clock())
+        n = len(req.prompt_tokens)
+        if self.unavailable:
+            self.cb.on_unavailable(self.worker_id, "unreachable")
+            q.put_output(TokenOutput(req.request_id, [], 0.0, n, 0, True, FinishReason.UNAVAILABLE, text=""),
+                         self.cb.clock())
+            return q
+        q.accepted = True
+        task = asyncio.create_task(self._generate(req, q), name=f"fake-{req.request_id}")
+        self._reqs[req.request_id] = (req, q, task)
+        self.cb.on_load(self.worker_id, self.load())
+        return q
+
+    def abort(self, request_id: str) -> None:
+        entry = self._reqs.pop(request_id, None)
+        if entry is not None:
+            self.aborted.append(request_id)
+            entry[2].cancel()
+            self.cb.on_load(self.worker_id, self.load())
+
+    def snapshot(self) -> tuple[list[int], int] | None:
+        return list(self.cache), self.seq
+
+    # -- the fake engine ---------------------------------------------------------------------
+    def load(self) -> LoadReport:
+        n = len(self._reqs)
+        return LoadReport(self.worker_id, self.cb.clock(), n, 0, 0, 0, len(self.cache) and n, len(self.cache),
+                          self.kv_blocks)
+
+    async def _generate(self, req: EngineRequest, q: OutputQueue) -> None:
+        rid, n = req.request_id, len(req.prompt_tokens)
+        held = set(self.cache)
+        hit = 0
+        for h in req.block_hashes:
+            if h not in held:
+                break
+            hit += 1
+        cached = min(hit * self.block_size, n - 1) // self.block_size * self.block_size if n else 0
+        new = tuple(h for h in req.block_hashes if h not in held)
+        if new:
+            self.seq += 1
+            self.cache.extend(new)
+            self.cb.on_events(self.worker_id, [BlockStored(self.worker_id, self.seq, new)])
+        for k in range(req.max_tokens):
+            await asyncio.sleep(self.step)
+            last = k == req.max_tokens - 1
+            tok = 97 + k % 26
+            q.put_output(TokenOutput(rid, [tok], self.cb.clock(), n, cached, last,
+                                     FinishReason.LENGTH if last else None, text=chr(tok)), self.cb.clock())
+        self._reqs.pop(rid, None)
+        self.cb.on_load(self.worker_id, self.load())
+
+    async def _heartbeats(self) -> None:
+        while True:
+            self.cb.on_heartbeat(self.worker_id, self.load())
+            for _, q, _ in self._reqs.values():
+                q.touch(self.cb.clock())
+            await asyncio.sleep(min(self.heartbeat_interval, KEEPALIVE_S))

@@ -1,0 +1,44 @@
+"""Polling with a deadline (async and blocking) and free loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def wait_until(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
+    """Poll ``cond`` on the running loop until it is truthy (returned); fail naming ``what``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for: {what}")
+        await asyncio.sleep(interval)
+
+
+def wait_until_blocking(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """The same from synchronous code (other processes): exceptions count as "not yet"."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = check()
+            if last:
+                return last
+        except Exception as exc:  # not up yet
+            last = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+        time.sleep(interval)
