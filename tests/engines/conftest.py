@@ -7,7 +7,6 @@ they fail (they are never skipped silently).
 
 from __future__ import annotations
 
-import asyncio
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -17,14 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 from openai import AsyncOpenAI
 
 from tests.engines.tiny_model import build_tiny_llama
 from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, VllmSetupError, cpu_binding, vllm_python
+from support.server import running_server
+from support.waiting import wait_until
 from thunderagent.config import Config, parse_config
-from thunderagent.frontend.app import FLEET_KEY, create_app
 from thunderagent.control.fleet import Fleet
+
+__all__ = ["Front", "front_config", "note", "thunderagent", "wait_until"]
 
 _NOTES: list[str] = []
 
@@ -138,32 +139,13 @@ def front_config(model_dir: Path, servers: list[VllmServer], **node: Any) -> Con
 
 @asynccontextmanager
 async def thunderagent(cfg: Config, servers: list[VllmServer], *, wait_healthy: bool = True) -> AsyncIterator[Front]:
-    app = create_app(cfg)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    base = f"http://127.0.0.1:{port}"
-    client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-    fleet = app[FLEET_KEY]
-    try:
+    async with running_server(cfg, timeout=120) as srv:
+        fleet = srv.fleet
         if wait_healthy:
             await wait_until(lambda: all(_heartbeated(fleet, w) for w in fleet.workers), 30, "workers heartbeat")
-        yield Front(base, fleet, client, servers, cfg.model_name)
-    finally:
-        await client.close()
-        await runner.cleanup()
+        yield Front(srv.base_url, fleet, srv.client, servers, cfg.model_name)
 
 
 def _heartbeated(fleet: Fleet, wid: str) -> bool:
     worker = fleet.workers[wid]
     return getattr(worker, "_reachable", None) is True and worker.refused is None  # type: ignore[attr-defined]
-
-
-async def wait_until(cond: Any, timeout: float, what: str, interval: float = 0.05) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for: {what}")
-        await asyncio.sleep(interval)

@@ -1,39 +1,61 @@
-"""One behavioural suite for every worker handle: the simulated engine's and a real vLLM server's.
+"""One behavioural suite for every worker handle: the worker contract of ``execution/handle.py``.
 
-Each check drives a :class:`WorkerHandle` directly (no router): submit, stream, abort, load, events.
-The vLLM variant needs a real server (``real_engine``).
+Each check drives a :class:`WorkerHandle` directly (no router): submit, stream, abort, pushed load,
+events, heartbeats. The handles: the simulated engine's :class:`LocalWorker`; the reference
+:class:`~support.fake_worker.FakeWorker` the fleet tests use; the real-engine adapter in vLLM's and
+in SGLang's flavour against a fake engine server (``support.fake_engine``: HTTP + ZMQ events); a
+:class:`RemoteWorker` talking over a real nats-server to a worker process's
+:class:`WorkerService` (``nats``); and a real vLLM server (``real_engine``).
+
+No check proves silence by sleeping: "nothing more arrives" is asserted once the worker's own pushed
+load says it holds no request any more.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import pytest
 
-from tests.engines.conftest import wait_until
+from support.callbacks import Recorder
+from support.fake_engine import FakeEngine
+from support.fake_worker import FakeWorker
+from support.waiting import wait_until
 from tests.engines.vllm_env import BLOCK_SIZE
-from thunderagent.config import NodeConfig
+from thunderagent.config import EndpointConfig, NodeConfig
 from thunderagent.engine.simulated import SimulatedEngine
+from thunderagent.execution.engine_metrics import VLLM
+from thunderagent.execution.handle import OutputQueue, WorkerHandle
+from thunderagent.execution.local import LocalWorker, ScaledClock
+from thunderagent.execution.sglang import SGLANG
 from thunderagent.execution.vllm import EngineWorker
 from thunderagent.kv.hashing import BASE_SEED, block_hashes
-from thunderagent.execution.local import LocalWorker, ScaledClock
-from thunderagent.execution.handle import WorkerCallbacks, WorkerHandle
-from thunderagent.types import BlockStored, EngineRequest, KvEvent, LoadReport, TokenOutput
+from thunderagent.types import BlockStored, EngineRequest, FinishReason, LoadReport, TokenOutput
 
 BS = BLOCK_SIZE
-HANDLES = ["simulated", pytest.param("vllm", marks=pytest.mark.real_engine)]
+HANDLES = [
+    "simulated",
+    "fake",
+    "vllm-flavour",
+    "sglang-flavour",
+    pytest.param("remote", marks=pytest.mark.nats),
+    pytest.param("vllm", marks=pytest.mark.real_engine),
+]
 
 
 @dataclass
 class Harness:
     handle: WorkerHandle
     vocab: int
-    events: list[KvEvent] = field(default_factory=list)
-    heartbeats: list[LoadReport] = field(default_factory=list)
+    rec: Recorder
+    caches: bool = True  # reports cached_tokens on a repeated prompt
+    events: bool = True  # publishes KV events
+    snapshot: bool = True  # can dump its cache synchronously
     rng: random.Random = field(default_factory=lambda: random.Random())
+    cleanup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     n: int = 0
 
     def prompt(self, tokens: int) -> list[int]:
@@ -46,7 +68,16 @@ class Harness:
                              block_hashes(prompt, BS, BASE_SEED), BASE_SEED, max_tokens, ignore_eos=ignore_eos)
 
     def stored(self) -> set[int]:
-        return {h for e in self.events if isinstance(e, BlockStored) for h in e.block_hashes}
+        return {h for e in self.rec.events if isinstance(e, BlockStored) for h in e.block_hashes}
+
+    @property
+    def load(self) -> LoadReport:
+        """The freshest load the handle pushed (what routing reads)."""
+        return self.rec.load
+
+    def idle(self) -> bool:
+        load = self.load
+        return busy(load) == 0 and load.queued_prefill_tokens == 0
 
 
 async def drain(q: asyncio.Queue[TokenOutput], timeout: float = 120) -> list[TokenOutput]:
@@ -60,59 +91,102 @@ def busy(load: LoadReport) -> int:
     return load.running + load.waiting
 
 
+async def _simulated(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
+    node = NodeConfig(block_size=BS, kv_blocks=4096)
+    engine = SimulatedEngine("sim-0", node, eos_token_id=256)
+    return Harness(LocalWorker(engine, ScaledClock(20.0), rec.callbacks(), 0.05), 256, rec)
+
+
+async def _fake(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
+    return Harness(FakeWorker("fake-0", rec.callbacks(), block_size=BS), 256, rec)
+
+
+async def _engine_flavour(rec: Recorder, flavour: str) -> Harness:
+    server = FakeEngine(flavor=flavour, block_size=BS)
+    await server.start()
+    node = NodeConfig(engine=flavour, block_size=BS, kv_blocks=512,
+                      endpoints=[EndpointConfig(url=server.url, kv_events=server.events, kv_replay=server.replay)])
+    handle = EngineWorker(f"{flavour}-0", node, node.endpoints[0], rec.callbacks(), heartbeat_interval=0.05,
+                          flavor=VLLM if flavour == "vllm" else SGLANG)
+    return Harness(handle, 500, rec, cleanup=[server.stop])
+
+
+async def _vllm_flavour(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
+    return await _engine_flavour(rec, "vllm")
+
+
+async def _sglang_flavour(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
+    return await _engine_flavour(rec, "sglang")
+
+
+async def _remote(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
+    pytest.importorskip("nats", reason="the NATS worker needs the nats extra")
+    from support.remote_pair import remote_pair
+
+    handle, cleanup = await remote_pair(rec, request.getfixturevalue("nats_url"), BS)
+    return Harness(handle, 256, rec, snapshot=False, cleanup=[cleanup])
+
+
+async def _vllm(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
+    server = request.getfixturevalue("vllm_servers")[0]
+    node = NodeConfig(engine="vllm", block_size=BS, endpoints=[server.endpoint()])
+    handle = EngineWorker("vllm-0", node, node.endpoints[0], rec.callbacks(), heartbeat_interval=0.2)
+    return Harness(handle, 500, rec)
+
+
+BUILDERS = {"simulated": _simulated, "fake": _fake, "vllm-flavour": _vllm_flavour,
+            "sglang-flavour": _sglang_flavour, "remote": _remote, "vllm": _vllm}
+
+
+@pytest.fixture(scope="module")
+def nats_url():
+    from support.nats_server import nats_server
+
+    with nats_server() as url:
+        yield url
+
+
 @pytest.fixture(params=HANDLES)
 async def h(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
-    events: list[KvEvent] = []
-    heartbeats: list[LoadReport] = []
-    cb = WorkerCallbacks(lambda wid, evs: events.extend(evs), lambda wid, load: heartbeats.append(load))
-    handle: WorkerHandle
-    if request.param == "simulated":
-        node = NodeConfig(block_size=BS, kv_blocks=4096)
-        engine = SimulatedEngine("sim-0", node, eos_token_id=256)
-        handle = LocalWorker(engine, ScaledClock(20.0), cb.on_events, cb.on_heartbeat, 0.05)
-        vocab = 256
-    else:
-        server = request.getfixturevalue("vllm_servers")[0]
-        node = NodeConfig(engine="vllm", block_size=BS, endpoints=[server.endpoint()])
-        handle = EngineWorker("vllm-0", node, node.endpoints[0], cb, heartbeat_interval=0.2)
-        vocab = 500
-    harness = Harness(handle, vocab, events, heartbeats, random.Random(request.node.name))
-    handle.start()
+    rec = Recorder(clock=asyncio.get_running_loop().time)
+    harness = await BUILDERS[request.param](rec, request)
+    harness.rng = random.Random(request.node.name)
+    harness.handle.start()
     try:
-        await wait_until(lambda: len(heartbeats) > 0, 30, "first heartbeat")
+        await wait_until(lambda: len(rec.heartbeats) > 0, 30, "first heartbeat")
         yield harness
     finally:
-        await handle.stop()
+        await harness.handle.stop()
+        for fn in harness.cleanup:
+            await fn()
 
 
 async def test_outputs_stream_in_order_and_end_finished(h: Harness) -> None:
     q = h.handle.submit(h.request(h.prompt(40), 16))
+    assert isinstance(q, OutputQueue)
     outs = await drain(q)
     assert sum(len(o.token_ids) for o in outs) == 16
     assert len(outs) > 1, "tokens are streamed, not delivered in one piece"
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
-    assert outs[-1].finish_reason == "length"
+    assert outs[-1].finish_reason == FinishReason.LENGTH
     assert all(o.prompt_tokens == 40 for o in outs)
     times = [o.time for o in outs]
     assert times == sorted(times)
-    await asyncio.sleep(0.2)
+    assert q.accepted and q.produced
+    await wait_until(h.idle, 10, "the worker reports it holds nothing")
     assert q.empty(), "nothing after the finished output"
 
 
 async def test_load_counts_a_request_at_dispatch(h: Harness) -> None:
-    before = h.handle.load()
+    await wait_until(h.idle, 10, "idle before")
+    before = h.load
     q = h.handle.submit(h.request(h.prompt(3 * BS), 4))
-    now = h.handle.load()  # no await in between: nothing has run yet
+    now = h.load  # pushed by submit itself: no await in between, nothing has run yet
     assert busy(now) == busy(before) + 1
     # its prompt is work ahead of the worker: still to prefill, or admitted into a pass already
     assert now.queued_prefill_tokens > before.queued_prefill_tokens or now.kv_active_blocks >= 3
     await drain(q)
-
-    def idle() -> bool:
-        load = h.handle.load()
-        return busy(load) == 0 and load.queued_prefill_tokens == 0 and load.decode_tokens == 0
-
-    await wait_until(idle, 10, "load back to idle")
+    await wait_until(lambda: h.idle() and h.load.decode_tokens == 0, 10, "load back to idle")
 
 
 async def test_abort_releases_the_request(h: Harness) -> None:
@@ -121,9 +195,8 @@ async def test_abort_releases_the_request(h: Harness) -> None:
     assert not first.finished
     h.handle.abort(first.request_id)
     h.handle.abort("no-such-request")  # ignored
-    await wait_until(lambda: busy(h.handle.load()) == 0, 15, "aborted request released by the engine")
-    await asyncio.sleep(0.2)
-    late = [o for o in iter_queue(q) if o.finished and o.finish_reason != "abort"]
+    await wait_until(h.idle, 15, "aborted request released by the engine")
+    late = [o for o in iter_queue(q) if o.finished and o.finish_reason != FinishReason.ABORT]
     assert not late, "an aborted request does not run to its end"
 
 
@@ -135,6 +208,8 @@ def iter_queue(q: asyncio.Queue[TokenOutput]) -> list[TokenOutput]:
 
 
 async def test_repeat_prompt_reports_cached_tokens(h: Harness) -> None:
+    if not h.caches:
+        pytest.skip("this handle reports no cached tokens")
     prompt = h.prompt(5 * BS + 7)
     first = await drain(h.handle.submit(h.request(prompt, 2)))
     assert max(o.cached_tokens for o in first) == 0
@@ -148,15 +223,29 @@ async def test_events_carry_the_routers_hashes(h: Harness) -> None:
     await drain(h.handle.submit(h.request(prompt, 1)))
     want = set(block_hashes(prompt, BS, BASE_SEED))
     await wait_until(lambda: want <= h.stored(), 10, "BlockStored events for the prompt")
-    seqs = [e.seq for e in h.events]
+    seqs = [e.seq for e in h.rec.events]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "event seqs are contiguous"
     snap = h.handle.snapshot()
-    assert snap is not None and want <= set(snap[0]) and snap[1] == seqs[-1]
+    if h.snapshot:
+        assert snap is not None and want <= set(snap[0]) and snap[1] == seqs[-1]
+    else:
+        assert snap is None  # dumps are asynchronous for this handle (its membership asks)
 
 
 async def test_heartbeats_report_load(h: Harness) -> None:
-    n = len(h.heartbeats)
-    await wait_until(lambda: len(h.heartbeats) >= n + 2, 10, "heartbeats keep coming")
-    last = h.heartbeats[-1]
+    n = len(h.rec.heartbeats)
+    await wait_until(lambda: len(h.rec.heartbeats) >= n + 2, 10, "heartbeats keep coming")
+    last = h.rec.heartbeats[-1]
     assert last.worker_id == h.handle.worker_id and last.kv_total_blocks > 0
     assert 0.0 <= last.kv_usage <= 1.0
+
+
+async def test_a_live_worker_touches_its_requests(h: Harness) -> None:
+    """Liveness: a request in flight is heard from (outputs or keepalives), so the fleet's stall
+    check never ends a request of a live worker."""
+    q = h.handle.submit(h.request(h.prompt(BS), 400))
+    first = await asyncio.wait_for(q.get(), 60)
+    t0 = q.last_heard
+    await wait_until(lambda: q.last_heard > t0, 10, "the request is heard from again")
+    h.handle.abort(first.request_id)
+    await wait_until(h.idle, 15, "released")

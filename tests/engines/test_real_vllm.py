@@ -117,8 +117,8 @@ async def test_block_size_mismatch_is_refused(
     caplog.set_level(logging.ERROR, "thunderagent.execution.vllm")
     cfg = front_config(tiny_model_dir, vllm_servers, block_size=2 * BS)
     async with thunderagent(cfg, vllm_servers, wait_healthy=False) as front:
-        await wait_until(lambda: len(front.fleet._unavailable) == 2, 15, "both workers refused")
-        assert set(front.fleet._unavailable.values()) == {"block_size_mismatch"}
+        await wait_until(lambda: len(front.fleet.unavailable) == 2, 15, "both workers refused")
+        assert set(front.fleet.unavailable.values()) == {"block_size_mismatch"}
         assert "engine KV block size 32 differs from the configured block_size 64" in caplog.text
         async with aiohttp.ClientSession() as s:
             async with s.post(f"{front.base_url}/v1/completions",
@@ -212,13 +212,13 @@ async def test_server_lost_mid_run_then_restarted(vllm_servers: list[VllmServer]
         assert {w for *_, w in after} == {"worker-0"}
         failed = [r for r in results if not r[2]]
         assert len(failed) <= in_flight and all(r[0] < t_kill for r in failed), failed
-        await wait_until(lambda: "worker-1" in front.fleet._unavailable, 5, "worker-1 out of routing")
+        await wait_until(lambda: "worker-1" in front.fleet.unavailable, 5, "worker-1 out of routing")
 
         # -- restart: the same endpoints, a new process with an empty cache -----------------------
         await asyncio.to_thread(lost.start)
         await asyncio.to_thread(lost.wait_ready)
         note(f"{lost.name} restarted by the test, ready in {lost.ready_after_s:.0f}s")
-        await wait_until(lambda: "worker-1" not in front.fleet._unavailable, 30, "worker-1 back in routing")
+        await wait_until(lambda: "worker-1" not in front.fleet.unavailable, 30, "worker-1 back in routing")
         await wait_until(lambda: front.fleet.registry.health("worker-1") is Health.healthy
                          and "worker-1" in front.fleet.index.workers(), 30, "worker-1 healthy and resynced")
         assert held(front, before).get("worker-1") is None, "the old process's blocks are gone from the index"

@@ -19,13 +19,14 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from support.waiting import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VERSION = "0.32.0"
@@ -77,12 +78,6 @@ def _tail(path: Path, n: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return "(no log)"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -19,6 +18,11 @@ from typing import Any
 
 import pytest
 from openai import OpenAI
+
+from support.waiting import free_port
+from support.waiting import wait_until_blocking as wait_until
+
+__all__ = ["Cluster", "free_port", "wait_until"]
 
 BIN = Path(sys.executable).parent
 
@@ -31,33 +35,11 @@ execution_group:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def executable(name: str) -> str:
     exe = shutil.which(name, path=str(BIN)) or shutil.which(name)
     if exe is None:
         pytest.skip(f"{name} not installed: pip install -e '.[nats]'")
     return exe
-
-
-def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll ``check`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        try:
-            last = check()
-            if last:
-                return last
-        except Exception as exc:  # not up yet
-            last = exc
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
-        time.sleep(interval)
 
 
 class Cluster:

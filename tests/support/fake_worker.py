@@ -30,6 +30,7 @@ class FakeWorker:
         self.submitted: list[str] = []
         self.aborted: list[str] = []
         self._reqs: dict[str, tuple[EngineRequest, OutputQueue, asyncio.Task[None]]] = {}
+        self._started: dict[str, int] = {}  # request id -> tokens generated
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- WorkerHandle ------------------------------------------------------------------------
@@ -62,6 +63,7 @@ class FakeWorker:
         entry = self._reqs.pop(request_id, None)
         if entry is not None:
             self.aborted.append(request_id)
+            self._started.pop(request_id, None)
             entry[2].cancel()
             self.cb.on_load(self.worker_id, self.load())
 
@@ -70,9 +72,15 @@ class FakeWorker:
 
     # -- the fake engine ---------------------------------------------------------------------
     def load(self) -> LoadReport:
-        n = len(self._reqs)
-        return LoadReport(self.worker_id, self.cb.clock(), n, 0, 0, 0, len(self.cache) and n, len(self.cache),
-                          self.kv_blocks)
+        # a request is "waiting" until its first token, then "running" with its KV footprint
+        reqs = [r for r, _, _ in self._reqs.values()]
+        waiting = [r for r in reqs if r.request_id not in self._started]
+        running = [r for r in reqs if r.request_id in self._started]
+        queued = sum(len(r.prompt_tokens) for r in waiting)
+        decode = sum(len(r.prompt_tokens) + self._started[r.request_id] for r in running)
+        active = sum(-(-(len(r.prompt_tokens) + 1) // self.block_size) for r in running)
+        return LoadReport(self.worker_id, self.cb.clock(), len(running), len(waiting), queued, decode, active,
+                          len(self.cache), self.kv_blocks)
 
     async def _generate(self, req: EngineRequest, q: OutputQueue) -> None:
         rid, n = req.request_id, len(req.prompt_tokens)
@@ -88,14 +96,22 @@ class FakeWorker:
             self.seq += 1
             self.cache.extend(new)
             self.cb.on_events(self.worker_id, [BlockStored(self.worker_id, self.seq, new)])
-        for k in range(req.max_tokens):
-            await asyncio.sleep(self.step)
-            last = k == req.max_tokens - 1
-            tok = 97 + k % 26
-            q.put_output(TokenOutput(rid, [tok], self.cb.clock(), n, cached, last,
-                                     FinishReason.LENGTH if last else None, text=chr(tok)), self.cb.clock())
-        self._reqs.pop(rid, None)
-        self.cb.on_load(self.worker_id, self.load())
+        try:
+            for k in range(req.max_tokens):
+                await asyncio.sleep(self.step)
+                last = k == req.max_tokens - 1
+                tok = 97 + k % 26
+                first = rid not in self._started
+                self._started[rid] = k + 1
+                if last:
+                    self._reqs.pop(rid, None)
+                    self._started.pop(rid, None)
+                q.put_output(TokenOutput(rid, [tok], self.cb.clock(), n, cached, last,
+                                         FinishReason.LENGTH if last else None, text=chr(tok)), self.cb.clock())
+                if first or last:
+                    self.cb.on_load(self.worker_id, self.load())
+        finally:
+            self._started.pop(rid, None)
 
     async def _heartbeats(self) -> None:
         while True:

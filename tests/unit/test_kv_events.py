@@ -6,17 +6,17 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from thunderagent.execution.kv_events import (
+from support.kv_frames import encode_batch
+from thunderagent.execution.kv_frames import (
     END_SEQ,
-    BlockTranslator,
     EngineBlockRemoved,
     EngineBlockStored,
     EventDecodeError,
-    KvEventStream,
     decode_event,
     decode_frames,
-    encode_batch,
 )
+from thunderagent.execution.kv_stream import KvEventStream
+from thunderagent.execution.kv_translate import BlockTranslator
 from thunderagent.kv.hashing import block_hashes, hash_seed
 from thunderagent.types import AllBlocksCleared, BlockRemoved, BlockStored
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -33,8 +33,7 @@ def sim(
 
     from thunderagent.sim.bounds import reuse_bounds
     from thunderagent.sim.driver import Simulator
-    from thunderagent.sim.report import render_table, write_json, write_plots
-    from thunderagent.sim.traces import TraceError, detect_format, load_traces
+    from thunderagent.sim.traces import TraceError, load_traces
 
     console = Console(stderr=True)
     policies = policy or [Policy.round_robin, Policy.kv_aware]
@@ -48,15 +47,7 @@ def sim(
     if limit:
         requests = sorted(requests, key=lambda r: r.arrival_s)[:limit]
     if compare_dynamo:
-        if len(trace) != 1 or detect_format(trace[0]) != "mooncake" or limit:
-            typer.echo("error: --compare-dynamo needs exactly one Mooncake JSONL --trace and no --limit "
-                       "(Dynamo's replay reads that format only)", err=True)
-            raise typer.Exit(2)
-        from thunderagent.sim.dynamo import dynamo_available
-
-        if not dynamo_available():
-            typer.echo("error: --compare-dynamo needs ai-dynamo-runtime: pip install -e '.[compare]'", err=True)
-            raise typer.Exit(2)
+        _check_dynamo(trace, limit)
     console.print(f"{len(requests):,} requests, {workers} workers x {kv_blocks} blocks x {block_size} tokens, "
                   f"speedup {speedup}")
     bounds = reuse_bounds(requests, block_size, workers * kv_blocks)
@@ -75,12 +66,36 @@ def sim(
             with console.status(f"dynamo {_DYNAMO_MODE[pol]}"):
                 results.append(run_dynamo(trace[0], workers=workers, kv_blocks=kv_blocks, block_size=block_size,
                                           speedup=speedup, router_mode=_DYNAMO_MODE[pol]))
+    _report(console, trace, results, outcomes, bounds, json_out, plots,
+            {"traces": [str(t) for t in trace], "workers": workers, "kv_blocks": kv_blocks,
+             "block_size": block_size, "speedup": speedup, "seed": seed, "requests": len(requests)})
+
+
+def _check_dynamo(trace: list[Path], limit: int | None) -> None:
+    from thunderagent.sim.dynamo import dynamo_available
+    from thunderagent.sim.traces import detect_format
+
+    if len(trace) != 1 or detect_format(trace[0]) != "mooncake" or limit:
+        typer.echo("error: --compare-dynamo needs exactly one Mooncake JSONL --trace and no --limit "
+                   "(Dynamo's replay reads that format only)", err=True)
+        raise typer.Exit(2)
+    if not dynamo_available():
+        typer.echo("error: --compare-dynamo needs ai-dynamo-runtime: pip install -e '.[compare]'", err=True)
+        raise typer.Exit(2)
+
+
+def _report(console: Any, trace: list[Path], results: list[Any], outcomes: list[Any], bounds: Any,
+            json_out: Path | None, plots: Path | None, meta: dict[str, object]) -> None:
+    """The table on stdout, then the JSON and plot files asked for."""
+    from rich.console import Console
+
+    from thunderagent.sim.report import render_table, write_json, write_plots
+
+    speedup = meta["speedup"]
     out_console = Console()
     if not out_console.is_terminal:  # piped to a file: don't squeeze 13 columns into 80
         out_console = Console(width=170)
     render_table(results, bounds, out_console, f"{', '.join(str(t) for t in trace)} — x{speedup}")
-    meta = {"traces": [str(t) for t in trace], "workers": workers, "kv_blocks": kv_blocks, "block_size": block_size,
-            "speedup": speedup, "seed": seed, "requests": len(requests)}
     if json_out:
         write_json(json_out, results, bounds, meta)
         console.print(f"wrote {json_out}")

@@ -1,4 +1,5 @@
-"""The simulated engine: Dynamo mocker's vLLM engine model (``reference/dynamo-mocker.md``).
+"""The simulated engine: the vLLM engine model of NVIDIA Dynamo 1.6.1's mocker (``dynamo.mocker``, shipped in
+the ``ai-dynamo-runtime`` wheel of the ``compare`` extra), rebuilt in Python.
 
 One forward pass at a time, back to back. A pass starts at ``max(previous end, arrival)``; requests
 arriving during a pass join the waiting queue at its end (one arriving exactly at a boundary joins
@@ -219,18 +220,36 @@ class SimulatedEngine:
 
     # ------------------------------------------------------------------------------ packing
     def _begin_pass(self, s: int) -> None:
+        """Pack the pass starting at ``s`` (vLLM's scheduler step) and fix its end time."""
         self._pid += 1
         p = _Pass(self._pid, self._max_tokens)
         arr = self._arrivals
         while arr and arr[0].arrival_ns <= s:
             self._enqueue(arr.popleft())
         self._stalled = False
+        self._step_running(p)
+        self._admit_waiting(p)
+        # Pass time: T is the mocker's n*(floor(sum(prefix+chunk)/n) - floor(sum(prefix)/n)).
+        n = p.n_pf
+        T = n * (p.isl // n - p.prefix // n) if n else 0
+        p.events = self._bm.drain_events()
+        if not (p.progress or p.emit or p.rejected):
+            # Nothing can run (e.g. blocks pinned by nothing runnable): idle until something changes.
+            self._stalled = True
+            self._last_end = max(self._last_end, s)
+            self._events.extend(p.events)
+            return
+        dur = round(self._timing.pass_time(T, p.A, self._total_kv, p.A > 0) * 1e9)
+        self._pass = p
+        self._pass_end = s + dur
+        self.last_pass = PassInfo(s / 1e9, (s + dur) / 1e9, T, p.A, n, p.n_dec, self._max_tokens - p.budget)
+
+    def _step_running(self, p: _Pass) -> None:
+        """(a) Running requests, in admission order, while the token budget lasts."""
         bm, bs = self._bm, self._bs
         running = self._running
         emit = p.emit
         pid = p.pid
-
-        # (a) running requests, in admission order, while budget lasts.
         i = 0
         while i < len(running) and p.budget > 0:
             seq = running[i]
@@ -256,7 +275,10 @@ class SimulatedEngine:
                 break
             # _SELF_PREEMPTED: it left ``running``; the next one moved into slot i
 
-        # (b) admissions from the waiting queue (FIFO / priority), head-of-line blocking.
+    def _admit_waiting(self, p: _Pass) -> None:
+        """(b) Admissions from the waiting queue (FIFO / priority), with head-of-line blocking."""
+        bm, bs = self._bm, self._bs
+        running = self._running
         waiting = self._waiting
         nb = bm.num_blocks
         while not p.preempted and waiting and len(running) < self._max_seqs and p.budget > 0:
@@ -282,21 +304,6 @@ class SimulatedEngine:
             if r != _SCHEDULED:
                 waiting.insert(p.preempted - before, seq)  # behind victims it pushed to the front
                 break
-
-        # Pass time: T is the mocker's n*(floor(sum(prefix+chunk)/n) - floor(sum(prefix)/n)).
-        n = p.n_pf
-        T = n * (p.isl // n - p.prefix // n) if n else 0
-        p.events = bm.drain_events()
-        if not (p.progress or emit or p.rejected):
-            # Nothing can run (e.g. blocks pinned by nothing runnable): idle until something changes.
-            self._stalled = True
-            self._last_end = max(self._last_end, s)
-            self._events.extend(p.events)
-            return
-        dur = round(self._timing.pass_time(T, p.A, self._total_kv, p.A > 0) * 1e9)
-        self._pass = p
-        self._pass_end = s + dur
-        self.last_pass = PassInfo(s / 1e9, (s + dur) / 1e9, T, p.A, n, p.n_dec, self._max_tokens - p.budget)
 
     def _schedule(self, seq: _Seq, p: _Pass, from_waiting: bool, cached: int) -> int:
         """Schedule ``seq``'s next chunk in pass ``p`` (vLLM ``schedule_request``)."""

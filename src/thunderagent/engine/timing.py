@@ -2,7 +2,7 @@
 
 A model answers one question: how long does one forward pass take, given what the batch holds?
 It is pure arithmetic on the pass's shape, so the same model runs under the live server and under
-the simulator. The default is NVIDIA Dynamo mocker's polynomial (``reference/dynamo-mocker.md`` §3):
+the simulator. The default is NVIDIA Dynamo mocker's polynomial (Dynamo 1.6.1, ``dynamo.mocker``):
 
     pass_ms = pf(T) / speedup + dec(p) / (speedup * decode_speedup)
 

@@ -9,7 +9,6 @@ when a request arrives, hands token outputs to per-request queues, and reports K
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from thunderagent.engine.base import Engine
@@ -138,8 +137,13 @@ class LocalWorker:
             if wake is None:
                 await self._wake.wait()
             else:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.clock.wall_delay(wake))
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+                # lands as the timeout fires, and stop() would then wait forever
+                try:
+                    async with asyncio.timeout(self.clock.wall_delay(wake)):
+                        await self._wake.wait()
+                except TimeoutError:
+                    pass
 
     def _fail(self) -> None:
         self.failed = True

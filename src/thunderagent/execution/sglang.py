@@ -1,7 +1,8 @@
 """SGLang servers as workers: the vLLM adapter with SGLang's metric names.
 
 SGLang publishes KV events in vLLM's envelope (``[ts, events, attn_dp_rank]``, tagged events, the
-same ZMQ PUB + replay ROUTER), one ``BlockStored`` per page, so :mod:`engine.kv_events` decodes both.
+same ZMQ PUB + replay ROUTER), one ``BlockStored`` per page, so
+:mod:`~thunderagent.execution.kv_frames` decodes both.
 Start SGLang with ``--page-size`` equal to our ``block_size`` (its default page size is 1) and
 ``--kv-events-config '{"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint":
 "tcp://*:5558"}'``; ``--enable-cache-report`` puts ``cached_tokens`` in its usage. Its completions

@@ -146,6 +146,13 @@ class Frontend:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await self._stream(request, gen, stops, headers, explain, cid, created, req.model, chat,
                                       include_usage)
+        return await self._complete(gen, stops, headers, explain, cid, created, req.model, chat)
+
+    async def _complete(
+        self, gen: Generation, stops: list[str], headers: dict[str, str], explain: dict[str, object] | None,
+        cid: str, created: int, model: str, chat: bool,
+    ) -> web.Response:
+        """A non-streaming response: the whole text, or an OpenAI error when nothing was generated."""
         text_parts: list[str] = []
         last: TextChunk | None = None
         async for chunk in self._text(gen, stops):
@@ -167,7 +174,7 @@ class Frontend:
             choice = {"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": None}
         body: dict[str, Any] = {
             "id": cid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": req.model, "choices": [choice], "usage": self._usage(gen, last),
+            "model": model, "choices": [choice], "usage": self._usage(gen, last),
         }
         if explain is not None:
             body["thunderagent"] = explain

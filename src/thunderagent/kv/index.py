@@ -23,8 +23,8 @@ confirmed entry.
 Each worker also keeps the set of hashes it has entries for, so ``remove_worker`` and
 ``AllBlocksCleared`` cost O(that worker's entries), never a scan of the whole index.
 
-Confidence levels (DESIGN.md, "KV index")
------------------------------------------
+Confidence levels
+-----------------
 (a) worker events: ``apply_event`` (per-worker sequence numbers; a gap marks the worker STALE and
     its entries are ignored by ``find_matches`` until ``resync``),
 (b) predictions: ``predict`` (TTL; a ``BlockStored`` for the same hash confirms them; a prediction

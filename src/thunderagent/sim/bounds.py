@@ -8,8 +8,8 @@
    unevictable blocks; an oracle with future knowledge could still do better than LRU);
 2. an **infinite cache**: every block ever computed stays; the trace's ceiling.
 
-Per request the rules are those of the engines (Dynamo's mocker, ``reference/dynamo-mocker.md``
-§2.4): the engine-block chained hashes of the request's synthetic tokens
+Per request the rules are those of the engines (Dynamo 1.6.1's mocker and its trace replay):
+the engine-block chained hashes of the request's synthetic tokens
 (``block_hashes(tr.tokens(), block_size)``; only full blocks); hit = the longest prefix of them
 present in the cache, capped at ``floor((input_length - 1) / block_size)`` blocks because an engine
 always recomputes at least one token; reused tokens = ``hit * block_size``. Then all of the

@@ -7,7 +7,7 @@ wheel (tested with 1.6.1) on a Mooncake JSONL trace and turns Dynamo's summary i
 The wheel is optional: this module imports without it. Only :func:`dynamo_available` and
 :func:`run_dynamo` try to import it, and ``run_dynamo`` raises ``RuntimeError`` when it is absent.
 
-What the replay does (see ``shared/reference/dynamo-mocker.md``):
+What the replay does (Dynamo 1.6.1, ``dynamo.mocker`` replay mode, read off the released wheel):
 
 * every worker is a vLLM-like mocker engine, ``{"engine": {"block_size": B, "num_gpu_blocks": K}}``,
   with all other engine settings left at Dynamo's defaults;
@@ -180,6 +180,11 @@ def run_dynamo(
         trace_path=path,
         prefill_recompute_rate_note=_RECOMPUTE_NOTE,
     )
+    return _result(summary, router_mode, wall_s, extra)
+
+
+def _result(summary: dict[str, Any], router_mode: str, wall_s: float, extra: dict[str, object]) -> RunResult:
+    """Dynamo's replay summary in our result record."""
     return RunResult(
         system="dynamo",
         policy=router_mode,

@@ -6,6 +6,7 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -71,10 +72,26 @@ def write_plots(
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
-    import numpy as np
 
     outdir.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
+
+    def save(fig: Any, name: str) -> Path:
+        path = outdir / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+    written = [save(_ttft_cdf(plt, outcomes), "ttft_cdf.png")]
+    for o in outcomes:
+        if o.load_samples:
+            written.append(save(_load_plot(plt, o), f"load_{o.result.policy}.png"))
+    written.append(save(_reuse_plot(plt, results, bounds), "reuse_vs_bound.png"))
+    return written
+
+
+def _ttft_cdf(plt: Any, outcomes: Sequence[SimOutcome]) -> Any:
+    import numpy as np
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for o in outcomes:
@@ -87,29 +104,24 @@ def write_plots(
     ax.set_title("TTFT CDF (ThunderAgent simulator)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    p = outdir / "ttft_cdf.png"
-    fig.tight_layout()
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    written.append(p)
+    return fig
 
-    for o in outcomes:
-        if not o.load_samples:
-            continue
-        fig, ax = plt.subplots(figsize=(8, 4))
-        data = np.asarray(o.load_samples)
-        for w in range(data.shape[1]):
-            ax.plot(o.load_times, data[:, w], lw=0.7, label=f"worker-{w}")
-        ax.set_xlabel("simulated time (s)")
-        ax.set_ylabel("running + waiting requests")
-        ax.set_title(f"Per-worker load: {o.result.policy}")
-        ax.legend(fontsize=7, ncol=4)
-        p = outdir / f"load_{o.result.policy}.png"
-        fig.tight_layout()
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
 
+def _load_plot(plt: Any, o: SimOutcome) -> Any:
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    data = np.asarray(o.load_samples)
+    for w in range(data.shape[1]):
+        ax.plot(o.load_times, data[:, w], lw=0.7, label=f"worker-{w}")
+    ax.set_xlabel("simulated time (s)")
+    ax.set_ylabel("running + waiting requests")
+    ax.set_title(f"Per-worker load: {o.result.policy}")
+    ax.legend(fontsize=7, ncol=4)
+    return fig
+
+
+def _reuse_plot(plt: Any, results: Sequence[RunResult], bounds: Bounds | None) -> Any:
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = [f"{r.system}\n{r.policy}" for r in results]
     ax.bar(labels, [r.prefix_reuse * 100 for r in results], color="tab:blue")
@@ -119,9 +131,4 @@ def write_plots(
         ax.legend()
     ax.set_ylabel("prefix reuse (% of prompt tokens)")
     ax.set_title("Prefix reuse vs achievable")
-    p = outdir / "reuse_vs_bound.png"
-    fig.tight_layout()
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    written.append(p)
-    return written
+    return fig

@@ -3,7 +3,7 @@
 No trace publishes prompt text. What they publish are *block ids*: two requests carrying the same id
 at the same position share that block of prompt (and, the ids being prefix hashes, everything before
 it). We turn ids into synthetic token ids exactly as Dynamo's mocker does
-(``reference/dynamo-mocker.md`` §2.4), so prefix reuse measured here is comparable with it:
+(Dynamo 1.6.1 ``dynamo.mocker`` trace replay), so prefix reuse measured here is comparable with it:
 
 * ids are **interned** to dense ids ``0, 1, 2, ...`` in order of first appearance, in dispatch
   (arrival) order, so token values stay small;

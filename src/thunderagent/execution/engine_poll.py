@@ -1,0 +1,163 @@
+"""Load polling and health of one engine server (vLLM, SGLang).
+
+The engine's Prometheus ``/metrics`` (running, waiting, KV usage, and vLLM's ``cache_config_info``:
+block size, number of KV blocks, prefix caching) is polled every heartbeat interval; every answered
+poll is a heartbeat, and while the polls answer the requests in flight are kept alive (touched).
+
+A server that cannot be reached stops heartbeating and leaves routing once the registry's timeout
+expires; one that refused a connection is kept out of routing (:data:`REASON_UNREACHABLE`) until
+it answers a poll again. A block-size mismatch (from ``cache_config_info`` or from an event) keeps
+the worker out of routing (:data:`REASON_BLOCK_SIZE`) until the engine restarts, with an error log
+line naming the setting to change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+
+from thunderagent.execution.engine_metrics import EngineFlavor, EngineStats, engine_stats
+from thunderagent.execution.handle import KEEPALIVE_S, OutputQueue, WorkerCallbacks
+from thunderagent.execution.http_transport import HttpTransport, TransportConnectionError, TransportError
+from thunderagent.types import LoadReport
+
+log = logging.getLogger(__name__)
+
+#: reasons a worker keeps itself out of routing (the metric's label)
+REASON_UNREACHABLE = "unreachable"
+REASON_BLOCK_SIZE = "block_size_mismatch"
+
+
+class EnginePoller:
+    """Polls one engine server and decides whether its worker is routable (:attr:`refused`).
+
+    ``load`` builds the worker's report for heartbeats, ``on_restart`` is called when the engine is
+    a new process (its cache is empty), ``in_flight`` lists the queues of the requests to keep alive.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        url: str,
+        block_size: int,
+        flavor: EngineFlavor,
+        transport: HttpTransport,
+        callbacks: WorkerCallbacks,
+        *,
+        interval: float,
+        connect_timeout: float,
+        load: Callable[[], LoadReport],
+        on_restart: Callable[[], None],
+        in_flight: Callable[[], Iterable[OutputQueue]],
+    ) -> None:
+        self.worker_id = worker_id
+        self.url = url
+        self.block_size = block_size
+        self.flavor = flavor
+        self._transport = transport
+        self._cb = callbacks
+        self._interval = interval
+        self._connect_timeout = connect_timeout
+        self._load = load
+        self._on_restart = on_restart
+        self._in_flight = in_flight
+        self.stats = EngineStats()
+        self.model: str | None = None
+        self.reachable: bool | None = None  # None: not polled yet
+        self.last_poll_ok: float | None = None  # control-plane time of the last answered poll
+        #: reason code while this worker keeps itself out of routing (None: routable)
+        self.refused: str | None = None
+        self._warned_prefix = False
+
+    # -- the served model --------------------------------------------------------------------
+    async def served_model(self) -> str:
+        return self.model or await self.fetch_model()
+
+    async def fetch_model(self) -> str:
+        """The served model name (vLLM: ``--served-model-name``, by default the model path)."""
+        body = await self._transport.get_json(f"{self.url}/v1/models", self._connect_timeout)
+        self.model = str(body["data"][0]["id"])
+        return self.model
+
+    # -- loops -------------------------------------------------------------------------------
+    async def poll_loop(self) -> None:
+        timeout = max(1.0, 2 * self._interval)
+        while True:
+            try:
+                text = await self._transport.get_text(f"{self.url}/metrics", timeout)
+                if self.model is None:
+                    await self.fetch_model()
+            except TimeoutError as exc:  # a busy engine answers late: skip this heartbeat
+                log.debug("%s: metrics poll timed out: %r", self.worker_id, exc)
+            except TransportConnectionError as exc:  # refused, reset: the server is gone
+                self.lost(f"{self.url} unreachable: {exc!r}")
+            except (TransportError, ValueError, KeyError) as exc:
+                # slow or odd answer: no heartbeat this time (the registry counts the misses)
+                log.debug("%s: metrics poll failed: %r", self.worker_id, exc)
+            else:
+                self.last_poll_ok = self._cb.clock()
+                self.on_stats(engine_stats(text, self.flavor))
+            await asyncio.sleep(self._interval)
+
+    async def keepalive_loop(self) -> None:
+        """Vouch for the requests in flight while the engine answers its metrics polls: a hung
+        engine (stopped, deadlocked) stops answering, its requests stop being touched, and the
+        fleet's stall check ends them."""
+        fresh = max(KEEPALIVE_S, 2 * self._interval)
+        while True:
+            await asyncio.sleep(KEEPALIVE_S / 2)
+            now = self._cb.clock()
+            if self.last_poll_ok is not None and now - self.last_poll_ok <= fresh:
+                for queue in self._in_flight():
+                    queue.touch(now)
+
+    # -- health ------------------------------------------------------------------------------
+    def lost(self, why: str) -> None:
+        if self.reachable is not False:
+            log.warning("%s: %s; out of routing until it answers again", self.worker_id, why)
+        self.reachable = False
+        self._refuse(REASON_UNREACHABLE)
+
+    def on_stats(self, s: EngineStats) -> None:
+        old = self.stats
+        if old.start_time is not None and s.start_time is not None and s.start_time != old.start_time:
+            log.warning("%s: engine restarted (new process): its cache is empty", self.worker_id)
+            self._on_restart()
+            self.model = None
+            if self.refused == REASON_BLOCK_SIZE:
+                self._accept()
+        if self.reachable is False:
+            log.info("%s: %s answers again", self.worker_id, self.url)
+        self.reachable = True
+        self.stats = s
+        if s.prefix_caching is False and not self._warned_prefix:
+            self._warned_prefix = True
+            log.error("%s: the engine runs without prefix caching: no cache to route to (start it with "
+                      "--enable-prefix-caching)", self.worker_id)
+        if s.block_size is not None and s.block_size != self.block_size:
+            self.block_size_mismatch(s.block_size)
+        if self.refused == REASON_UNREACHABLE:
+            self._accept()
+        if self.refused is None:
+            self._cb.on_heartbeat(self.worker_id, self._load())
+
+    def block_size_mismatch(self, engine_bs: int) -> None:
+        if self.refused != REASON_BLOCK_SIZE:
+            log.error(
+                "%s: engine KV block size %d differs from the configured block_size %d: not routing to it "
+                "(set execution_group.nodes[].block_size / --block-size to %d, or start the engine with "
+                "--block-size %d)", self.worker_id, engine_bs, self.block_size, engine_bs,
+                self.block_size,
+            )
+        self._refuse(REASON_BLOCK_SIZE)
+
+    def _refuse(self, reason: str) -> None:
+        if self.refused == REASON_BLOCK_SIZE and reason != REASON_BLOCK_SIZE:
+            return  # a configuration error outranks a transient one
+        if self.refused != reason:
+            self.refused = reason
+            self._cb.on_unavailable(self.worker_id, reason)
+
+    def _accept(self) -> None:
+        self.refused = None  # the next heartbeat puts it back into routing

@@ -1,0 +1,242 @@
+"""Requests to one engine server (vLLM, SGLang) and the in-flight accounting of its worker's load.
+
+A request is ``POST {url}/v1/completions`` with the prompt as *token ids* (tokenized by our frontend
+with the model's tokenizer and chat template, so our block hashes describe exactly the tokens the
+engine caches), streamed back (SSE) with the engine's text, token ids and, at the end,
+``usage.prompt_tokens_details.cached_tokens`` (vLLM: only with ``--enable-prompt-tokens-details``).
+Its outputs go to the request's :class:`~thunderagent.execution.handle.OutputQueue`.
+
+A request the engine did not take before any output (connection refused, 5xx) ends
+``finish_reason="unavailable"``, which the fleet routes again to another worker; one the engine
+rejected (4xx) or that failed after it started ends ``"error"``.
+
+The in-flight totals count a request from the moment it is dispatched (the engine's own numbers are
+up to one poll old); they are kept incrementally because the worker's load is read on every routing
+decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from thunderagent.execution.engine_metrics import EngineFlavor
+from thunderagent.execution.handle import OutputQueue
+from thunderagent.execution.http_transport import HttpTransport, TransportConnectionError, TransportError
+from thunderagent.types import EngineRequest, FinishReason, TokenOutput
+
+log = logging.getLogger(__name__)
+
+_json = msgspec.json.Decoder()
+#: finish reasons an engine may report that we pass on as they are (others count as "stop")
+_REASONS = frozenset(r.value for r in FinishReason)
+
+
+@dataclass(slots=True, eq=False)
+class Inflight:
+    req: EngineRequest
+    queue: OutputQueue
+    expected_hit_tokens: int  # prompt tokens the engine holds per its events, at dispatch
+    started: bool = False  # first output seen (prefill done)
+    generated: int = 0
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+def request_body(req: EngineRequest, model: str, flavor: EngineFlavor) -> dict[str, Any]:
+    """The JSON body of ``POST /v1/completions`` for ``req``."""
+    body: dict[str, Any] = {
+        "model": req.lora_name or model,
+        "prompt": req.prompt_tokens,
+        "max_tokens": req.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if flavor.return_token_ids:
+        body["return_token_ids"] = True
+    if req.ignore_eos:
+        body["ignore_eos"] = True
+    if req.cache_salt:
+        body["cache_salt"] = req.cache_salt
+    if req.sampling is not None:  # only what the client set: vLLM's defaults otherwise
+        for key in ("temperature", "top_p", "seed"):
+            value = getattr(req.sampling, key)
+            if value is not None:
+                body[key] = value
+    return body
+
+
+class RequestStreamer:
+    """The requests in flight on one engine server.
+
+    ``clock`` is the control plane's clock (queue liveness), ``loop_time`` the event loop's (output
+    time stamps); ``served_model`` gives the model name to send, ``on_lost`` reports a server that
+    refused a connection, ``on_change`` is called whenever the in-flight totals changed.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        url: str,
+        flavor: EngineFlavor,
+        transport: HttpTransport,
+        *,
+        clock: Callable[[], float],
+        loop_time: Callable[[], float],
+        served_model: Callable[[], Awaitable[str]],
+        on_lost: Callable[[str], None],
+        on_change: Callable[[], None],
+    ) -> None:
+        self.worker_id = worker_id
+        self.url = url
+        self.flavor = flavor
+        self._transport = transport
+        self._clock = clock
+        self._loop_time = loop_time
+        self._served_model = served_model
+        self._on_lost = on_lost
+        self._on_change = on_change
+        self._reqs: dict[str, Inflight] = {}
+        self.n_started = 0
+        self.queued_tokens = 0  # prompt tokens of requests not started, less their expected hits
+        self.decode_tokens = 0  # sequence lengths of started requests
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def queues(self) -> Iterator[OutputQueue]:
+        return (r.queue for r in self._reqs.values())
+
+    # -- dispatch and cancel -----------------------------------------------------------------
+    def submit(self, req: EngineRequest, expected_hit_tokens: int) -> OutputQueue:
+        q = OutputQueue(self._clock())
+        r = Inflight(req, q, expected_hit_tokens)
+        self._reqs[req.request_id] = r
+        self.queued_tokens += len(req.prompt_tokens) - r.expected_hit_tokens
+        r.task = asyncio.create_task(self._generate(r), name=f"req-{req.request_id}")
+        self._on_change()
+        return q
+
+    def abort(self, request_id: str) -> None:
+        r = self._drop(request_id)
+        if r is not None and r.task is not None:
+            r.task.cancel()  # closes the HTTP stream: the engine aborts the request
+
+    async def abort_all(self) -> None:
+        """End every request in flight with ``abort`` (the worker is stopping)."""
+        pending = []
+        for rid in list(self._reqs):
+            r = self._drop(rid)
+            assert r is not None
+            if r.task is not None:
+                r.task.cancel()
+                pending.append(r.task)
+            r.queue.put_output(self._final(r, [], None, FinishReason.ABORT, 0), self._clock())
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    # -- in-flight accounting ----------------------------------------------------------------
+    def _progress(self, r: Inflight, n_tokens: int) -> None:
+        """``r`` produced ``n_tokens`` (its first output moves it from queued to decoding)."""
+        if not r.started:
+            r.started = True
+            if self._reqs.get(r.req.request_id) is r:
+                self.n_started += 1
+                self.queued_tokens -= len(r.req.prompt_tokens) - r.expected_hit_tokens
+                self.decode_tokens += len(r.req.prompt_tokens)
+                self._on_change()
+        r.generated += n_tokens
+        if self._reqs.get(r.req.request_id) is r:
+            self.decode_tokens += n_tokens
+
+    def _drop(self, request_id: str) -> Inflight | None:
+        r = self._reqs.pop(request_id, None)
+        if r is not None:
+            if r.started:
+                self.n_started -= 1
+                self.decode_tokens -= len(r.req.prompt_tokens) + r.generated
+            else:
+                self.queued_tokens -= len(r.req.prompt_tokens) - r.expected_hit_tokens
+            self._on_change()
+        return r
+
+    # -- the HTTP exchange -------------------------------------------------------------------
+    async def _generate(self, r: Inflight) -> None:
+        req = r.req
+        try:
+            model = await self._served_model()
+            body = request_body(req, model, self.flavor)
+            async with self._transport.stream_post(f"{self.url}/v1/completions", body) as resp:
+                if resp.status != 200:
+                    detail = (await resp.text())[:300]
+                    log.warning("%s refused request %s: HTTP %d %s", self.worker_id, req.request_id,
+                                resp.status, detail)
+                    self._end(r, FinishReason.UNAVAILABLE if resp.status >= 500 else FinishReason.ERROR)
+                    return
+                r.queue.accepted = True
+                await self._read_stream(resp.lines(), r)
+        except asyncio.CancelledError:
+            raise
+        except (TransportError, TimeoutError, msgspec.DecodeError) as exc:
+            if r.started:
+                log.warning("%s: request %s broke off: %r", self.worker_id, req.request_id, exc)
+                self._end(r, FinishReason.ERROR)
+            else:
+                if isinstance(exc, TransportConnectionError) and not isinstance(exc, TimeoutError):
+                    # refused, reset, server gone
+                    self._on_lost(f"request {req.request_id} failed: {exc!r}")
+                else:
+                    log.warning("%s: request %s failed: %r", self.worker_id, req.request_id, exc)
+                self._end(r, FinishReason.UNAVAILABLE)
+        finally:
+            if self._reqs.get(req.request_id) is r:
+                self._drop(req.request_id)
+
+    async def _read_stream(self, lines: AsyncIterable[bytes], r: Inflight) -> None:
+        clock = self._clock
+        rid = r.req.request_id
+        n_prompt = len(r.req.prompt_tokens)
+        final: tuple[list[int], str, str] | None = None
+        cached = 0
+        async for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = _json.decode(data)
+            if "error" in chunk:
+                log.warning("%s: request %s failed in the engine: %s", self.worker_id, rid, chunk["error"])
+                self._end(r, FinishReason.ERROR)
+                return
+            usage = chunk.get("usage")
+            if usage:
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            for choice in chunk.get("choices") or ():
+                text = choice.get("text") or ""
+                ids = choice.get("token_ids")
+                if ids is None:  # engine without token ids in the stream: one token per chunk
+                    ids = [-1] if text else []
+                reason = choice.get("finish_reason")
+                if reason is not None:
+                    final = (ids, text, FinishReason(reason) if reason in _REASONS else FinishReason.STOP)
+                elif ids or text:
+                    self._progress(r, len(ids))
+                    r.queue.put_output(TokenOutput(rid, ids, self._loop_time(), n_prompt, 0, text=text), clock())
+        if final is None:
+            log.warning("%s: stream of request %s ended without a finish reason", self.worker_id, rid)
+            self._end(r, FinishReason.ERROR if r.started else FinishReason.UNAVAILABLE)
+            return
+        self._progress(r, len(final[0]))
+        r.queue.put_output(self._final(r, final[0], final[1], final[2], cached), clock())
+
+    def _final(self, r: Inflight, ids: list[int], text: str | None, reason: FinishReason,
+               cached: int) -> TokenOutput:
+        return TokenOutput(r.req.request_id, ids, self._loop_time(), len(r.req.prompt_tokens), cached, True,
+                           reason, text=text)
+
+    def _end(self, r: Inflight, reason: FinishReason) -> None:
+        r.queue.put_output(self._final(r, [], "", reason, 0), self._clock())

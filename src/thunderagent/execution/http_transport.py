@@ -1,0 +1,110 @@
+"""The HTTP seam between an engine worker and its server, and its aiohttp implementation.
+
+An engine worker makes three kinds of calls: a streamed ``POST`` (completions, read line by line),
+a ``GET`` for text (Prometheus metrics) and a ``GET`` for JSON (the served model). They go through an
+:class:`HttpTransport`, so unit tests can drive :class:`~thunderagent.execution.vllm.EngineWorker`
+with a fake one, without sockets.
+
+Errors keep aiohttp's classes (aliased here, so a fake raises the same ones): a transport raises
+:data:`TransportConnectionError` when the server cannot be reached (refused, reset, gone), another
+:data:`TransportError` for any other HTTP failure (a non-2xx answer to a ``GET`` included), and
+:class:`TimeoutError` when a call runs out of time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterable, AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
+
+import aiohttp
+
+TransportError = aiohttp.ClientError
+TransportConnectionError = aiohttp.ClientConnectionError
+
+
+class StreamedResponse(Protocol):
+    """An answer to :meth:`HttpTransport.stream_post`, open while its context lasts."""
+
+    @property
+    def status(self) -> int: ...
+
+    def lines(self) -> AsyncIterable[bytes]:
+        """The body, line by line (each line with its line ending), as it arrives."""
+        ...
+
+    async def text(self) -> str:
+        """The whole body (for error answers)."""
+        ...
+
+
+class HttpTransport(Protocol):
+    def stream_post(self, url: str, json: Any) -> AbstractAsyncContextManager[StreamedResponse]:
+        """POST ``json``; leaving the context closes the connection (an engine aborts the request)."""
+        ...
+
+    async def get_text(self, url: str, timeout: float) -> str:
+        """GET a 2xx answer's body as text, within ``timeout`` seconds."""
+        ...
+
+    async def get_json(self, url: str, timeout: float) -> Any:
+        """GET a 2xx answer's body as JSON, within ``timeout`` seconds."""
+        ...
+
+
+class _AiohttpStream:
+    __slots__ = ("_resp",)
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
+
+    @property
+    def status(self) -> int:
+        return self._resp.status
+
+    def lines(self) -> AsyncIterable[bytes]:
+        return self._resp.content
+
+    async def text(self) -> str:
+        return await self._resp.text()
+
+
+class AiohttpTransport:
+    """:class:`HttpTransport` over one aiohttp session, opened by :meth:`open` inside the event loop."""
+
+    def __init__(self, connect_timeout: float) -> None:
+        self._connect_timeout = connect_timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    def open(self) -> None:
+        # limit=0: one connection per streaming request, no cap (the router bounds the load). No read
+        # timeout on the session: a request may wait in the engine's queue for long; a hung engine is
+        # caught by the liveness rule instead (no keepalives once its metrics stop answering).
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def _opened(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "open() was not called"
+        return self._session
+
+    @contextlib.asynccontextmanager
+    async def stream_post(self, url: str, json: Any) -> AsyncIterator[StreamedResponse]:
+        async with self._opened().post(url, json=json) as resp:
+            yield _AiohttpStream(resp)
+
+    async def get_text(self, url: str, timeout: float) -> str:
+        async with self._opened().get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            resp.raise_for_status()
+            return await resp.text()
+
+    async def get_json(self, url: str, timeout: float) -> Any:
+        async with self._opened().get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            resp.raise_for_status()
+            return await resp.json()

@@ -1,0 +1,165 @@
+"""A fake engine *server* speaking vLLM's (or SGLang's) wire: HTTP completions, Prometheus metrics and
+ZMQ KV events with replay, so the real-engine adapter can be tested without a model.
+
+- ``POST /v1/completions`` with a token-id prompt streams ``max_tokens`` letters (one SSE chunk per
+  token, with ``token_ids`` in vLLM's flavour only, as the engines do), then a usage chunk whose
+  ``prompt_tokens_details.cached_tokens`` counts the prompt's leading full blocks already cached;
+- the prompt's full blocks are cached (LRU over ``num_blocks``) and announced as ``BlockStored``
+  events with opaque engine hashes, evictions as ``BlockRemoved``; batches are numbered from 0 and
+  kept for the replay ROUTER socket;
+- ``GET /metrics``: running / waiting / KV usage (and vLLM's ``cache_config_info``);
+- a client that hangs up aborts its request.
+Runs inside the test's event loop; every socket is on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from support.kv_frames import encode_batch
+
+
+@dataclass
+class FakeEngine:
+    flavor: str = "vllm"  # or "sglang"
+    block_size: int = 32
+    num_blocks: int = 512
+    step_s: float = 0.002
+    url: str = ""
+    events: str = ""  # PUB endpoint
+    replay: str = ""  # ROUTER endpoint
+    running: int = 0
+    requests: list[dict] = field(default_factory=list)  # bodies received
+    _cache: OrderedDict[int, None] = field(default_factory=OrderedDict)  # engine hash -> (LRU order)
+    _batches: list[list[bytes]] = field(default_factory=list)
+    _start: float = field(default_factory=time.time)
+
+    async def start(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        self._ctx = zmq.asyncio.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind("tcp://127.0.0.1:*")
+        self.events = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.bind("tcp://127.0.0.1:*")
+        self.replay = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._replayer = asyncio.create_task(self._serve_replay())
+
+    async def stop(self) -> None:
+        self._replayer.cancel()
+        await asyncio.gather(self._replayer, return_exceptions=True)
+        await self._runner.cleanup()
+        self._ctx.destroy(linger=0)
+
+    # -- HTTP ----------------------------------------------------------------------------------
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        usage = len(self._cache) / self.num_blocks
+        if self.flavor == "vllm":
+            lines = [f'vllm:num_requests_running{{engine="0"}} {self.running}',
+                     'vllm:num_requests_waiting{engine="0"} 0',
+                     f'vllm:kv_cache_usage_perc{{engine="0"}} {usage}',
+                     f'vllm:cache_config_info{{block_size="{self.block_size}",enable_prefix_caching="True",'
+                     f'num_gpu_blocks="{self.num_blocks}"}} 1.0']
+        else:
+            lines = [f"sglang:num_running_reqs {self.running}", "sglang:num_queue_reqs 0",
+                     f"sglang:token_usage {usage}"]
+        lines.append(f"process_start_time_seconds {self._start}")
+        return web.Response(text="\n".join(lines) + "\n")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        prompt: list[int] = body["prompt"]
+        max_tokens = int(body.get("max_tokens", 16))
+        cached = self._prefill(prompt)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        self.running += 1
+        try:
+            for k in range(max_tokens):
+                await asyncio.sleep(self.step_s)
+                tok = 97 + k % 26
+                last = k == max_tokens - 1
+                choice: dict[str, object] = {"index": 0, "text": chr(tok), "finish_reason": "length" if last else None}
+                if body.get("return_token_ids"):
+                    choice["token_ids"] = [tok]
+                await resp.write(_sse({"choices": [choice]}))
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": max_tokens,
+                     "prompt_tokens_details": {"cached_tokens": cached}}
+            await resp.write(_sse({"choices": [], "usage": usage}))
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass  # the client hung up: the request is aborted
+        finally:
+            self.running -= 1
+        return resp
+
+    # -- prefix cache and KV events --------------------------------------------------------------
+    def _prefill(self, prompt: list[int]) -> int:
+        bs = self.block_size
+        full = len(prompt) // bs
+        hit, parent, stored, removed = 0, None, [], []
+        hashes: list[int] = []
+        for b in range(full):
+            h = hash((parent, tuple(prompt[b * bs:(b + 1) * bs]))) & 0x7FFF_FFFF_FFFF_FFFF
+            hashes.append(h)
+            parent = h
+        for b, h in enumerate(hashes):
+            if h in self._cache and hit == b:
+                hit += 1
+                self._cache.move_to_end(h)
+        for b in range(hit, full):
+            while len(self._cache) >= self.num_blocks:
+                old, _ = self._cache.popitem(last=False)
+                removed.append(old)
+            self._cache[hashes[b]] = None
+            stored.append(b)
+        events: list[object] = []
+        if removed:
+            events.append({"type": "BlockRemoved", "block_hashes": removed, "medium": "GPU"})
+        if stored:
+            first = stored[0]
+            events.append({"type": "BlockStored", "block_hashes": [hashes[b] for b in stored],
+                           "parent_block_hash": hashes[first - 1] if first else None,
+                           "token_ids": prompt[first * bs:full * bs], "block_size": bs, "lora_id": None,
+                           "medium": "GPU"})
+        if events:
+            frames = encode_batch(len(self._batches), events, time.time())
+            self._batches.append(frames)
+            self._pub.send_multipart(frames)
+        return min(hit, (len(prompt) - 1) // bs) * bs
+
+    async def _serve_replay(self) -> None:
+        while True:
+            ident, _, start = await self._router.recv_multipart()
+            first = int.from_bytes(start, "big", signed=True)
+            for frames in self._batches[max(0, first):]:
+                await self._router.send_multipart([ident, b"", *frames])
+            await self._router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+
+def _sse(obj: object) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

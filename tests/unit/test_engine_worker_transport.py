@@ -1,0 +1,143 @@
+"""The vLLM adapter driven through a fake HTTP transport (no sockets): a streamed completion, and the
+finish reasons of requests the engine turns down."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from support.callbacks import Recorder
+from support.waiting import wait_until
+from thunderagent.config import EndpointConfig, NodeConfig
+from thunderagent.execution.http_transport import TransportConnectionError
+from thunderagent.execution.vllm import EngineWorker
+from thunderagent.types import EngineRequest, FinishReason, TokenOutput
+
+MODEL = "/models/tiny"
+METRICS = 'vllm:num_requests_running{model_name="m"} 0\nvllm:num_requests_waiting{model_name="m"} 0\n'
+
+
+def sse(*chunks: object) -> list[bytes]:
+    return [f"data: {json.dumps(c)}\n".encode() for c in chunks] + [b"\n", b"data: [DONE]\n"]
+
+
+class FakeStream:
+    def __init__(self, status: int, lines: list[bytes], body: str) -> None:
+        self.status = status
+        self._lines = lines
+        self._body = body
+
+    async def _iter(self) -> AsyncIterator[bytes]:
+        for line in self._lines:
+            await asyncio.sleep(0)  # the engine streams: other tasks run between chunks
+            yield line
+
+    def lines(self) -> AsyncIterator[bytes]:
+        return self._iter()
+
+    async def text(self) -> str:
+        return self._body
+
+
+class FakeTransport:
+    """Answers every completion with ``status`` and ``lines``; records the requests' bodies."""
+
+    def __init__(self, status: int = 200, lines: list[bytes] | None = None, body: str = "") -> None:
+        self.status, self.lines, self.body = status, lines or [], body
+        self.posted: list[tuple[str, Any]] = []
+
+    @contextlib.asynccontextmanager
+    async def stream_post(self, url: str, json: Any) -> AsyncIterator[FakeStream]:
+        self.posted.append((url, json))
+        yield FakeStream(self.status, self.lines, self.body)
+
+    async def get_text(self, url: str, timeout: float) -> str:
+        assert url.endswith("/metrics")
+        return METRICS
+
+    async def get_json(self, url: str, timeout: float) -> Any:
+        assert url.endswith("/v1/models")
+        return {"data": [{"id": MODEL}]}
+
+
+@pytest.fixture
+async def run_worker():
+    workers: list[EngineWorker] = []
+
+    async def start(transport: FakeTransport) -> tuple[EngineWorker, Recorder]:
+        rec = Recorder()
+        node = NodeConfig(engine="vllm", block_size=4, endpoints=[EndpointConfig(url="http://engine:8000/")])
+        w = EngineWorker("w0", node, node.endpoints[0], rec.callbacks(), heartbeat_interval=0.01,
+                         transport=transport)
+        w.start()
+        workers.append(w)
+        await wait_until(lambda: rec.heartbeats, 2.0, "first heartbeat")
+        return w, rec
+
+    yield start
+    for w in workers:
+        await w.stop()
+
+
+async def drain(q: asyncio.Queue[TokenOutput]) -> list[TokenOutput]:
+    outs: list[TokenOutput] = []
+    while not outs or not outs[-1].finished:
+        outs.append(await asyncio.wait_for(q.get(), 2.0))
+    return outs
+
+
+def request(rid: str = "r1") -> EngineRequest:
+    return EngineRequest(rid, list(range(10)), [], 0, 3)
+
+
+async def test_streamed_completion_ends_with_text_reason_and_cached_tokens(run_worker):
+    transport = FakeTransport(lines=sse(
+        {"choices": [{"text": "Hel", "token_ids": [7], "finish_reason": None}]},
+        {"choices": [{"text": "lo", "token_ids": [8], "finish_reason": None}]},
+        {"choices": [{"text": "!", "token_ids": [9], "finish_reason": "length"}]},
+        {"choices": [], "usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 8}}},
+    ))
+    w, rec = await run_worker(transport)
+    q = w.submit(request())
+    outs = await drain(q)
+    assert "".join(o.text or "" for o in outs) == "Hello!"
+    assert [t for o in outs for t in o.token_ids] == [7, 8, 9]
+    assert outs[-1].finish_reason == FinishReason.LENGTH and outs[-1].cached_tokens == 8
+    assert all(o.prompt_tokens == 10 for o in outs)
+    assert q.accepted
+    [(url, body)] = transport.posted
+    assert url == "http://engine:8000/v1/completions"
+    assert body["model"] == MODEL and body["prompt"] == list(range(10)) and body["max_tokens"] == 3
+    await wait_until(lambda: rec.load.waiting == 0 and rec.load.running == 0, 2.0, "request released")
+
+
+async def test_http_503_ends_unavailable(run_worker):
+    w, rec = await run_worker(FakeTransport(status=503, body="overloaded"))
+    q = w.submit(request())
+    outs = await drain(q)
+    assert [o.finish_reason for o in outs] == [FinishReason.UNAVAILABLE]
+    assert not q.accepted
+
+
+async def test_http_400_ends_error(run_worker):
+    w, rec = await run_worker(FakeTransport(status=400, body="prompt too long"))
+    outs = await drain(w.submit(request()))
+    assert [o.finish_reason for o in outs] == [FinishReason.ERROR]
+
+
+async def test_connection_refused_ends_unavailable_and_leaves_routing(run_worker):
+    class Refusing(FakeTransport):
+        @contextlib.asynccontextmanager
+        async def stream_post(self, url: str, json: Any) -> AsyncIterator[FakeStream]:
+            raise TransportConnectionError("connection refused")
+            yield  # pragma: no cover
+
+    w, rec = await run_worker(Refusing())
+    outs = await drain(w.submit(request()))
+    assert [o.finish_reason for o in outs] == [FinishReason.UNAVAILABLE]
+    assert rec.unavailable == ["unreachable"]  # back in routing with the next answered poll
