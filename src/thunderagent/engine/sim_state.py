@@ -4,12 +4,32 @@ module stays about scheduling)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 from thunderagent.types import EngineRequest, KvEvent
 
-_BUFFERED, _WAITING, _RUNNING, _DONE = 0, 1, 2, 3
-_SCHEDULED, _BLOCKED, _SELF_PREEMPTED = 0, 1, 2
-_NEVER = -(1 << 62)
+
+class SeqState(IntEnum):
+    """Where a request is inside the simulated engine."""
+
+    BUFFERED = 0  # arrived, not yet due (arrival after the pass being packed)
+    WAITING = 1
+    RUNNING = 2
+    DONE = 3
+
+
+class ScheduleResult(IntEnum):
+    """What scheduling one request into a pass did."""
+
+    SCHEDULED = 0
+    BLOCKED = 1  # no room: stop packing
+    SELF_PREEMPTED = 2  # it preempted itself out of ``running``
+
+
+# Module-level names for the engine's hot loops: a global load is cheaper than an attribute lookup.
+BUFFERED, WAITING, RUNNING, DONE = SeqState
+SCHEDULED, BLOCKED, SELF_PREEMPTED = ScheduleResult
+NEVER = -(1 << 62)
 
 
 @dataclass(slots=True, eq=False)
@@ -27,7 +47,7 @@ class _Seq:
     computed: int = 0  # tokens whose KV is computed (or reused from cache)
     table: list[int] = field(default_factory=list)  # physical block ids, in sequence order
     cached: int = 0  # prompt tokens reused from cache, max over admissions
-    state: int = _BUFFERED
+    state: int = BUFFERED
     s_pass: int = -1  # pass that last scheduled it, and ``computed`` before that (to undo a preemption)
     s_before: int = 0
     expect: int = 0  # prompt tokens expected from cache while queued (load reporting only)

@@ -28,17 +28,17 @@ from thunderagent.engine.blocks import BlockManager
 from thunderagent.engine.textgen import CorpusText, TextSource
 from thunderagent.engine.timing import TimingModel, make_timing
 from thunderagent.kv.hashing import hash_block
-from thunderagent.types import EngineRequest, KvEvent, LoadReport, TokenOutput
+from thunderagent.types import EngineRequest, FinishReason, KvEvent, LoadReport, TokenOutput
 
 from thunderagent.engine.sim_state import (  # noqa: F401  (PassInfo is part of this module's API)
-    _BLOCKED,
-    _BUFFERED,
-    _DONE,
-    _NEVER,
-    _RUNNING,
-    _SCHEDULED,
-    _SELF_PREEMPTED,
-    _WAITING,
+    BLOCKED,
+    BUFFERED,
+    DONE,
+    NEVER,
+    RUNNING,
+    SCHEDULED,
+    SELF_PREEMPTED,
+    WAITING,
     PassInfo,
     _Pass,
     _Seq,
@@ -83,8 +83,8 @@ class SimulatedEngine:
         self._outbox: list[TokenOutput] = []
         self._events: list[KvEvent] = []
         self._pass: _Pass | None = None
-        self._pass_end = _NEVER
-        self._last_end = _NEVER
+        self._pass_end = NEVER
+        self._last_end = NEVER
         self._pid = 0
         self._stalled = False
         self._q_prefill = 0  # prompt tokens not computed yet: buffered + waiting + partial prefills
@@ -138,9 +138,9 @@ class SimulatedEngine:
             return
         st = seq.state
         self._unexpect(seq)
-        if st == _BUFFERED:
+        if st == BUFFERED:
             self._arrivals.remove(seq)
-        elif st == _WAITING:
+        elif st == WAITING:
             self._waiting.remove(seq)
         else:  # running; if the pass in flight computes it, its token is dropped at the pass end
             self._running.remove(seq)
@@ -148,9 +148,9 @@ class SimulatedEngine:
             if seq.generated:
                 self._dec_tokens -= seq.plen + seq.generated
         self._q_prefill -= seq.plen - min(seq.computed, seq.plen)
-        seq.state = _DONE
+        seq.state = DONE
         self._stalled = False
-        self._outbox.append(TokenOutput(request_id, [], now, seq.plen, seq.cached, True, "abort"))
+        self._outbox.append(TokenOutput(request_id, [], now, seq.plen, seq.cached, True, FinishReason.ABORT))
 
     def advance(self, now: float) -> list[TokenOutput]:
         self._run_until(_ns(now))
@@ -269,11 +269,11 @@ class SimulatedEngine:
                 i += 1
                 continue
             r = self._schedule(seq, p, False, 0)
-            if r == _SCHEDULED:
+            if r == SCHEDULED:
                 i += 1
-            elif r == _BLOCKED:
+            elif r == BLOCKED:
                 break
-            # _SELF_PREEMPTED: it left ``running``; the next one moved into slot i
+            # SELF_PREEMPTED: it left ``running``; the next one moved into slot i
 
     def _admit_waiting(self, p: _Pass) -> None:
         """(b) Admissions from the waiting queue (FIFO / priority), with head-of-line blocking."""
@@ -290,7 +290,7 @@ class SimulatedEngine:
                 self._seqs.pop(seq.req.request_id, None)
                 self._q_prefill -= seq.plen
                 self._unexpect(seq)
-                seq.state = _DONE
+                seq.state = DONE
                 p.rejected.append(seq)
                 continue
             # The last token must be computed to get logits: cap the hit at floor((len-1)/bs).
@@ -301,7 +301,7 @@ class SimulatedEngine:
             waiting.popleft()
             before = p.preempted
             r = self._schedule(seq, p, True, hits * bs)
-            if r != _SCHEDULED:
+            if r != SCHEDULED:
                 waiting.insert(p.preempted - before, seq)  # behind victims it pushed to the front
                 break
 
@@ -319,19 +319,19 @@ class SimulatedEngine:
         pb = before if before < P else P
         remaining = K - before
         if P > pb and not self._chunked and P - pb > p.budget:
-            return _BLOCKED
+            return BLOCKED
         want = remaining if remaining < p.budget else p.budget
         if want <= 0 < remaining:
-            return _BLOCKED
+            return BLOCKED
         after = before + want
         need = -(-after // bs)
         hits = cached // bs
         while need > len(seq.table) and not bm.allocate(seq.table, seq.hashes, hits, need):
             victim = self._preempt_last(p)
             if victim is None:
-                return _BLOCKED
+                return BLOCKED
             if victim is seq:
-                return _SELF_PREEMPTED
+                return SELF_PREEMPTED
         seq.computed = after
         seq.s_pass = p.pid
         seq.s_before = before
@@ -352,14 +352,14 @@ class SimulatedEngine:
                 p.n_dec += 1
         if from_waiting:
             self._unexpect(seq)
-            seq.state = _RUNNING
+            seq.state = RUNNING
             self._running.append(seq)
             c = cached if cached < P else P
             if c > seq.cached:
                 seq.cached = c
             if g:
                 self._dec_tokens += L
-        return _SCHEDULED
+        return SCHEDULED
 
     def _preempt_last(self, p: _Pass) -> _Seq | None:
         """LIFO preemption with recompute semantics; undoes the victim's work in this pass."""
@@ -387,7 +387,7 @@ class SimulatedEngine:
             self._dec_tokens -= L
         self._bm.release(v.table)
         v.computed = 0
-        v.state = _WAITING
+        v.state = WAITING
         self._waiting.appendleft(v)
         p.preempted += 1
         self.preemptions += 1
@@ -395,7 +395,7 @@ class SimulatedEngine:
 
     def _enqueue(self, seq: _Seq) -> None:
         """Waiting queue: higher ``priority`` first, FIFO within a priority."""
-        seq.state = _WAITING
+        seq.state = WAITING
         w = self._waiting
         pr = seq.req.priority
         i = len(w)  # almost always stays len(w): an append
@@ -442,35 +442,35 @@ class SimulatedEngine:
         out = self._outbox
         self._events.extend(p.events)
         for seq in p.rejected:
-            out.append(TokenOutput(seq.req.request_id, [], ts, seq.plen, 0, True, "abort"))
+            out.append(TokenOutput(seq.req.request_id, [], ts, seq.plen, 0, True, FinishReason.ABORT))
         tok = self._text.token
         finished = False
         for seq in p.emit:
-            if seq.state != _RUNNING:  # aborted while the pass ran
+            if seq.state != RUNNING:  # aborted while the pass ran
                 continue
             req = seq.req
             g = seq.generated
             reason = None
             if g >= req.max_tokens:  # max_tokens == 0: done once the prompt is in
-                ids, reason = [], "length"
+                ids, reason = [], FinishReason.LENGTH
             elif g == seq.natural:  # the model samples EOS (not returned as a token)
-                ids, reason = [], "stop"
+                ids, reason = [], FinishReason.STOP
             else:
                 ids = [tok(seq.seed, g)]
                 g += 1
                 seq.generated = g
                 self._dec_tokens += seq.plen + 1 if g == 1 else 1
                 if g >= req.max_tokens:
-                    reason = "length"
+                    reason = FinishReason.LENGTH
             if reason is None:
                 out.append(TokenOutput(req.request_id, ids, ts, seq.plen, seq.cached))
                 continue
             out.append(TokenOutput(req.request_id, ids, ts, seq.plen, seq.cached, True, reason))
             if g:
                 self._dec_tokens -= seq.plen + g
-            seq.state = _DONE
+            seq.state = DONE
             self._bm.release(seq.table)
             del self._seqs[req.request_id]
             finished = True
         if finished:
-            self._running = [s for s in self._running if s.state == _RUNNING]
+            self._running = [s for s in self._running if s.state == RUNNING]
