@@ -171,6 +171,36 @@ class RoutingConfig(_Strict):
         30.0, gt=0, description="seconds over which recent requests per worker decay (miss balancing)"
     )
     seed: int | None = Field(None, description="RNG seed for tie-breaks and sampling (None = random)")
+    route_key: str = Field(
+        "header:x-thunderagent-route-key",
+        pattern=r"^(header:[A-Za-z0-9-]+|body:user)$",
+        description="where a request's route key (tenant / business line) is read: `header:NAME` or `body:user`; "
+        "the scheduler shares its queue fairly across keys",
+    )
+
+
+class SchedulerConfig(_Strict):
+    """The holding queue in front of the router (``scheduler/queue.py``). Off: every request is
+    routed the moment it arrives, into the engines' own queues."""
+
+    enabled: bool = Field(False, description="hold requests here while no worker can start them")
+    engine_queue_depth: int = Field(
+        1, ge=0,
+        description="a worker can start a request while fewer than this many wait in its engine (and it is not "
+        "busy); when none can, requests wait in the scheduler, ordered by priority",
+    )
+    max_queued: int = Field(4096, ge=1, description="requests held at most; past it new ones get 429")
+    max_queued_per_key: int = Field(1024, ge=1, description="requests held at most per route key (tenant)")
+    max_wait_s: float = Field(
+        30.0, gt=0, description="a request held this long goes next, whatever its tier and size"
+    )
+    aging_tokens_per_s: float = Field(
+        2048.0, ge=0,
+        description="short-first ageing: each second waited counts as this many fewer uncached prompt tokens",
+    )
+    drr_quantum_tokens: int = Field(
+        8192, ge=1, description="deficit round robin across route keys: prompt tokens a key may send per round"
+    )
 
 
 class MetricsConfig(_Strict):
@@ -186,6 +216,7 @@ class Config(_Strict):
     control_plane: ControlPlaneConfig = ControlPlaneConfig()
     execution_group: ExecutionGroupConfig = ExecutionGroupConfig()
     routing: RoutingConfig = RoutingConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
     metrics: MetricsConfig = MetricsConfig()
     simulation: SimulationConfig = SimulationConfig()
     model_name: str = "thunderagent-sim"

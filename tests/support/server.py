@@ -26,7 +26,7 @@ class Server:
 @asynccontextmanager
 async def running_server(cfg: Config, *, fleet: Fleet | None = None, timeout: float = 30) -> AsyncIterator[Server]:
     app = create_app(cfg, fleet=fleet)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)  # as `serve` runs it
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -79,7 +79,7 @@ async def collect(f: Fleet, gen) -> list:
 async def test_request_its_worker_could_not_take_is_routed_again(fleet: Fleet) -> None:
     bad, good = fleet.workers["worker-0"], fleet.workers["worker-1"]
     # route the first request to the bad worker by hand, as the router might have
-    gen = fleet.start_generation([1, 2, 3], 2)
+    gen = await fleet.start_generation([1, 2, 3], 2)
     if gen.worker is good:  # the router chose the good one: resubmit on the bad one
         gen.queue = bad.submit(gen.request)  # type: ignore[arg-type]
         gen.worker = bad
@@ -91,7 +91,7 @@ async def test_request_its_worker_could_not_take_is_routed_again(fleet: Fleet) -
     assert fleet.unavailable == {"worker-0": "unreachable"}
     # out of routing now: every new request goes to the good worker, no detour
     for _ in range(5):
-        assert fleet.start_generation([4, 5, 6], 2).worker is good
+        assert (await fleet.start_generation([4, 5, 6], 2)).worker is good
 
 
 async def test_back_in_routing_with_its_next_heartbeat(fleet: Fleet) -> None:
@@ -104,7 +104,7 @@ async def test_back_in_routing_with_its_next_heartbeat(fleet: Fleet) -> None:
 
 async def test_no_other_worker_left_passes_the_failure_on(fleet: Fleet) -> None:
     fleet.on_unavailable("worker-1", "block_size_mismatch")
-    gen = fleet.start_generation([1, 2, 3], 2)
+    gen = await fleet.start_generation([1, 2, 3], 2)
     assert gen.worker.worker_id == "worker-0"
     chunks = await collect(fleet, gen)
     assert chunks[-1].finish_reason == UNAVAILABLE and chunks[-1].text == ""

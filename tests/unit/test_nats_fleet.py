@@ -138,7 +138,7 @@ async def test_lost_event_tail_seen_in_heartbeat_triggers_a_dump(fleet):
 async def test_request_stream_outputs_and_abort(fleet):
     fleet.bus.dumps["w1"] = ("i1", [], -1)
     await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1"))
-    gen = fleet.start_generation(list(range(130)), 4)
+    gen = await fleet.start_generation(list(range(130)), 4)
     subject, data, reply = fleet.bus.sent("generate")[-1]
     assert subject == "ta.rpc.w1.generate" and reply == f"{fleet.inbox}.{gen.request_id}"
     assert wire.request_from_wire(wire.decode_generate(data)).block_hashes == block_hashes(list(range(130)), BS)
@@ -158,8 +158,8 @@ async def test_lost_worker_ends_accepted_requests_and_reroutes_unaccepted_ones(f
     fleet.bus.dumps[lost] = fleet.bus.dumps[other] = ("i1", [], -1)
     await deliver(fleet, f"ta.worker.{lost}.hb", heartbeat(lost))
     await deliver(fleet, f"ta.worker.{other}.hb", heartbeat(other, queued=100_000))  # busy: both go to w1
-    g1 = fleet.start_generation(list(range(100)), 4)
-    g2 = fleet.start_generation(list(range(200, 300)), 4)
+    g1 = await fleet.start_generation(list(range(100)), 4)
+    g2 = await fleet.start_generation(list(range(200, 300)), 4)
     assert g1.decision.worker_id == g2.decision.worker_id == lost
     await stream_msg(fleet, g1.request_id, accepted())  # g1 started; g2 not yet
     text = asyncio.create_task(anext(text_of(fleet, g2)))
@@ -184,7 +184,7 @@ async def test_no_responders_drops_worker_and_reroutes_at_once(fleet):
     for w in ("w1", "w2"):
         fleet.bus.dumps[w] = ("i1", [], -1)
         await deliver(fleet, f"ta.worker.{w}.hb", heartbeat(w))
-    gen = fleet.start_generation(list(range(100)), 4)
+    gen = await fleet.start_generation(list(range(100)), 4)
     first = gen.decision.worker_id
     text = asyncio.create_task(anext(text_of(fleet, gen)))
     await stream_msg(fleet, gen.request_id, None)  # NATS: nobody listens on that worker's subject
@@ -198,8 +198,8 @@ async def test_no_responders_drops_worker_and_reroutes_at_once(fleet):
 async def test_silent_stream_and_lost_messages_end_with_error(fleet, clock):
     fleet.bus.dumps["w1"] = ("i1", [], -1)
     await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1"))
-    g1 = fleet.start_generation(list(range(100)), 4)
-    g2 = fleet.start_generation(list(range(300, 400)), 4)
+    g1 = await fleet.start_generation(list(range(100)), 4)
+    g2 = await fleet.start_generation(list(range(300, 400)), 4)
     await stream_msg(fleet, g1.request_id, accepted())
     await stream_msg(fleet, g2.request_id, accepted())
     await stream_msg(fleet, g2.request_id, accepted(2))  # message 1 lost
@@ -220,7 +220,7 @@ async def test_bye_leaves_routing_at_once_but_drains_requests_in_flight(fleet):
     for w in ("w1", "w2"):
         fleet.bus.dumps[w] = ("i1", [1], 0)
         await deliver(fleet, f"ta.worker.{w}.hb", heartbeat(w, last_seq=0))
-    gen = fleet.start_generation(list(range(100)), 4)
+    gen = await fleet.start_generation(list(range(100)), 4)
     wid = gen.decision.worker_id
     await stream_msg(fleet, gen.request_id, accepted())
     await deliver(fleet, f"ta.worker.{wid}.bye", wire.encode(wire.Bye("i1")))
@@ -240,7 +240,7 @@ async def test_worker_reporting_unavailable_leaves_routing_until_its_next_heartb
         await deliver(fleet, f"ta.worker.{w}.hb", heartbeat(w))
     await deliver(fleet, "ta.worker.w1.unavailable", wire.encode(wire.Unavailable("i1", "unreachable")))
     assert [w.worker_id for w in fleet.routable()] == ["w2"]
-    assert fleet.start_generation(list(range(100)), 4).decision.worker_id == "w2"
+    assert (await fleet.start_generation(list(range(100)), 4)).decision.worker_id == "w2"
     await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1"))
     assert sorted(w.worker_id for w in fleet.routable()) == ["w1", "w2"]
 

@@ -57,7 +57,8 @@ def frontend(
     assert isinstance(fleet.membership, NatsMembership)
     typer.echo(f"ThunderAgent frontend {fleet.membership.frontend_id} on http://{cp.host}:{cp.port}/v1 — workers from {nats}")
     try:
-        web.run_app(create_app(cfg, fleet=fleet, tokenizer=tokenizer), host=cp.host, port=cp.port, print=None, access_log=None)
+        web.run_app(create_app(cfg, fleet=fleet, tokenizer=tokenizer), host=cp.host, port=cp.port, print=None,
+                    access_log=None, handler_cancellation=True)
     except BusError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc

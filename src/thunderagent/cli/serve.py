@@ -52,7 +52,9 @@ def serve(
     n = sum(node.count for node in cfg.execution_group.nodes)
     typer.echo(f"ThunderAgent on http://{cp.host}:{cp.port}/v1 — {n} {'/'.join(kinds)} workers, "
                f"model {cfg.model_name}, policy {cfg.routing.policy.value}")
-    web.run_app(application, host=cp.host, port=cp.port, print=None, access_log=None)
+    # handler_cancellation: a client that hangs up cancels its handler, so a request it left in the
+    # scheduler's queue leaves at once
+    web.run_app(application, host=cp.host, port=cp.port, print=None, access_log=None, handler_cancellation=True)
 
 
 def check_config(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False)]) -> None:

@@ -39,6 +39,7 @@ from thunderagent.kv.feed import KvFeed
 from thunderagent.kv.index import KvIndex
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
 from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
+from thunderagent.scheduler.queue import QueueFull
 from thunderagent.types import (
     Decision,
     EngineRequest,
@@ -53,7 +54,7 @@ from thunderagent.types import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Fleet", "Generation", "Membership", "NoWorkerAvailable"]
+__all__ = ["Fleet", "Generation", "Membership", "NoWorkerAvailable", "QueueFull"]
 
 
 class Membership(Protocol):
@@ -108,7 +109,7 @@ class Fleet:
         self.feed = KvFeed(self.index)
         self.router = KvRouter(cfg.routing, self.index, random.Random(cfg.routing.seed), policy)
         self.block_size = cfg.execution_group.nodes[0].block_size
-        self.dispatcher = Dispatcher(self.router, self.block_size)
+        self.dispatcher = Dispatcher(self.router, self.block_size, cfg.scheduler)
         cp = cfg.control_plane
         self.registry = WorkerRegistry(cp.heartbeat_interval, cp.heartbeat_misses)
         self.stall_timeout = stall_timeout
@@ -120,6 +121,8 @@ class Fleet:
         self._clock = clock
         self._ids = itertools.count()
         self._inflight: dict[str, Generation] = {}
+        self._held: dict[str, asyncio.Future[Generation]] = {}  # requests waiting in the scheduler
+        self._pump_due = False
         self._health_task: asyncio.Task[None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -186,9 +189,13 @@ class Fleet:
             self.metrics.out_of_routing.labels(worker_id, reason).set(0)
         self.registry.heartbeat(worker_id, load, self.now())
         self.metrics.observe_load(load, self.registry.health(worker_id) is Health.healthy)
+        if self._held:
+            self._schedule_pump()
 
     def on_load(self, worker_id: str, load: LoadReport) -> None:
         self.registry.update_load(worker_id, load)
+        if self._held:
+            self._schedule_pump()  # capacity may have freed up
 
     def on_unavailable(self, worker_id: str, reason: str) -> None:
         old = self.unavailable.get(worker_id)
@@ -223,6 +230,8 @@ class Fleet:
                 self.membership.resync(wid)
                 log.info("worker %s healthy again (%s): back in routing", wid, change.reason)
                 self.metrics.healthy.labels(wid).set(1)
+        if self._held:
+            self._pump()  # requests past max_wait_s go even when no worker has room
         for gen in list(self._inflight.values()):
             if now - gen.queue.last_heard > self.stall_timeout:
                 log.warning("request %s on %s: nothing heard for %.1fs", gen.request_id, gen.worker.worker_id,
@@ -248,7 +257,7 @@ class Fleet:
             self.check_health()
 
     # -- requests ----------------------------------------------------------------------------
-    def start_generation(
+    async def start_generation(
         self,
         prompt_ids: list[int],
         max_tokens: int,
@@ -258,23 +267,86 @@ class Fleet:
         priority: int = 0,
         ignore_eos: bool = False,
         sampling: Sampling | None = None,
+        route_key: str = "",
     ) -> Generation:
-        """Hash once, route, submit (the dispatch path). Raises NoWorkerAvailable."""
+        """Hash once, then route and submit now, or hold the request in the scheduler until a
+        worker can start it (the dispatch path). Raises NoWorkerAvailable, or QueueFull when the
+        scheduler's queue is full. A caller cancelled while its request is held leaves the queue."""
         received = self.now()
         t0 = time.perf_counter()
         rid = f"{next(self._ids):08x}-{random.getrandbits(32):08x}"
         req = self.dispatcher.prepare(rid, prompt_ids, max_tokens, cache_salt=cache_salt, lora_name=lora_name,
                                       priority=priority, ignore_eos=ignore_eos, sampling=sampling, arrival=received)
-        d = self.dispatcher.dispatch(req, self.routable(), received)
-        self.dispatcher.settle(received)
-        self.metrics.observe_route(d.decision.worker_id, len(prompt_ids), d.predicted_tokens,
-                                   time.perf_counter() - t0)
+        try:
+            d = self.dispatcher.submit(req, route_key, self.routable(), received)
+        except QueueFull:
+            self.metrics.scheduler_rejected.inc()
+            raise
+        if d is not None:
+            return self._launch(d, time.perf_counter() - t0)
+        fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
+        self._held[rid] = fut
+        self._observe_queue()
+        self._schedule_pump()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._held.pop(rid, None)
+            if self.dispatcher.cancel(rid):
+                self.metrics.scheduler_cancelled.inc()
+                self._observe_queue()
+            elif fut.done() and not fut.cancelled():  # dispatched just as the caller left
+                gen = fut.result()
+                self._inflight.pop(rid, None)
+                gen.worker.abort(rid)
+            raise
+
+    def _launch(self, d: Dispatch, route_s: float) -> Generation:
+        """Submit a routed request to its worker."""
+        req = d.request
+        self.dispatcher.settle(self.now())
+        self.metrics.observe_route(d.decision.worker_id, len(req.prompt_tokens), d.predicted_tokens, route_s)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("route %s -> %s (%s): %s", rid, d.decision.worker_id, d.decision.reason, d.decision.explain())
+            log.debug("route %s -> %s (%s): %s", req.request_id, d.decision.worker_id, d.decision.reason,
+                      d.decision.explain())
         worker = self.workers[d.decision.worker_id]
-        gen = Generation(rid, d, worker, worker.submit(req), received)
-        self._inflight[rid] = gen
+        gen = Generation(req.request_id, d, worker, worker.submit(req), req.arrival)
+        self._inflight[req.request_id] = gen
         return gen
+
+    def _schedule_pump(self) -> None:
+        # Deferred to the loop: reports arrive from inside a worker's submit, and the pump submits.
+        if not self._pump_due:
+            self._pump_due = True
+            asyncio.get_running_loop().call_soon(self._pump)
+
+    def _pump(self) -> None:
+        """Dispatch held requests while workers can start them, one at a time: each submission
+        pushes the chosen worker's load before the next decision."""
+        self._pump_due = False
+        while self._held:
+            now = self.now()
+            t0 = time.perf_counter()
+            try:
+                d = self.dispatcher.pump(self.routable(), now)
+            except NoWorkerAvailable:
+                break
+            if d is None:
+                break
+            self.metrics.scheduler_wait.observe(d.queue_wait)
+            gen = self._launch(d, time.perf_counter() - t0)
+            fut = self._held.pop(d.request.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(gen)
+            else:  # its caller is gone (never reached: cancel removes it from the queue first)
+                self._inflight.pop(gen.request_id, None)
+                gen.worker.abort(gen.request_id)
+        self._observe_queue()
+
+    def _observe_queue(self) -> None:
+        q = self.dispatcher.queue
+        if q is not None:
+            self.metrics.observe_queue(q.by_tier())
 
     def _route_again(self, gen: Generation) -> bool:
         """Submit ``gen``'s request to another worker after its worker could not take it (nothing
@@ -343,5 +415,9 @@ class Fleet:
         healthy = sum(1 for w in workers if w["health"] == Health.healthy.value and not w["out_of_routing"])
         summary: dict[str, object] = {"status": "ok" if healthy else "unavailable", "healthy_workers": healthy,
                                       "workers": workers}
+        q = self.dispatcher.queue
+        if q is not None:
+            summary["scheduler"] = {"held": len(q), "by_priority": {str(t): n for t, n in sorted(q.by_tier().items())},
+                                    "oldest_wait_s": round(q.oldest_wait(self.now()), 3)}
         summary.update(self.membership.summary())
         return summary

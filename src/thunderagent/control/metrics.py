@@ -63,6 +63,8 @@ class Metrics:
             "thunderagent_routing_decision_seconds", "Time to hash, match and choose a worker",
             buckets=_DECISION_BUCKETS, registry=r,
         )
+        self._scheduler_metrics(r)
+        self._tiers: set[str] = set()
         self._prompt = 0
         self._predicted = 0
         self._recompute = 0
@@ -91,6 +93,30 @@ class Metrics:
         self.running.labels(w).set(load.running)
         self.kv_usage.labels(w).set(load.kv_usage)
         self.healthy.labels(w).set(1 if healthy else 0)
+
+    def _scheduler_metrics(self, r: CollectorRegistry) -> None:
+        self.scheduler_queued = Gauge(
+            "thunderagent_scheduler_queued", "Requests held in the scheduler, per priority tier", ["priority"],
+            registry=r,
+        )
+        self.scheduler_wait = Histogram(
+            "thunderagent_scheduler_queue_wait_seconds", "Time requests waited in the scheduler before dispatch",
+            buckets=(0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=r,
+        )
+        self.scheduler_rejected = Counter(
+            "thunderagent_scheduler_rejected", "Requests refused with 429: the scheduler's queue was full", registry=r,
+        )
+        self.scheduler_cancelled = Counter(
+            "thunderagent_scheduler_cancelled", "Held requests whose client left before dispatch", registry=r,
+        )
+
+    def observe_queue(self, by_tier: dict[int, int]) -> None:
+        now = {str(t): n for t, n in by_tier.items()}
+        for t in self._tiers - now.keys():
+            self.scheduler_queued.labels(t).set(0)  # a tier that emptied reads 0, not its last value
+        for t, n in now.items():
+            self.scheduler_queued.labels(t).set(n)
+        self._tiers |= now.keys()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 
 from thunderagent.config import Config
-from thunderagent.control.fleet import Fleet, Generation, NoWorkerAvailable
+from thunderagent.control.fleet import Fleet, Generation, NoWorkerAvailable, QueueFull
 from thunderagent.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -65,6 +65,11 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             RequestError(str(exc), status=503, code="no_healthy_worker", type_="server_error"),
             headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))},
         )
+    except QueueFull as exc:
+        resp = _error(
+            RequestError(f"{exc}; retry later", status=429, code="queue_full", type_="rate_limit_error"),
+            headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))},
+        )
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[FLEET_KEY].cfg.control_plane.max_body_bytes
         resp = _error(RequestError(
@@ -83,10 +88,11 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 
 class Frontend:
-    def __init__(self, fleet: Fleet, tokenizer: Tokenizer, max_tokens_default: int) -> None:
+    def __init__(self, fleet: Fleet, tokenizer: Tokenizer, max_tokens_default: int, route_key: str) -> None:
         self.fleet = fleet
         self.tokenizer = tokenizer
         self.max_tokens_default = max_tokens_default
+        self.route_key = route_key
 
     def _text(self, gen: Generation, stops: list[str]) -> AsyncIterator[TextChunk]:
         return stream_text(self.fleet.outputs(gen), self.tokenizer.decoder(), stops)
@@ -97,6 +103,13 @@ class Frontend:
             raise RequestError(
                 f"The model `{model}` does not exist", param="model", status=404, code="model_not_found"
             )
+
+    def _route_key(self, request: web.Request, req: ChatCompletionRequest | CompletionRequest) -> str:
+        """The request's route key (tenant), from where ``routing.route_key`` says."""
+        where, _, name = self.route_key.partition(":")
+        if where == "header":
+            return request.headers.get(name, "")
+        return req.user or ""
 
     @staticmethod
     def _explain(request: web.Request, body_flag: bool) -> bool:
@@ -134,9 +147,9 @@ class Frontend:
                 code="context_length_exceeded",
             )
         sampling = Sampling(req.temperature, req.top_p, req.seed)
-        gen = self.fleet.start_generation(
+        gen = await self.fleet.start_generation(
             prompt_ids, max_tokens, cache_salt=req.cache_salt, lora_name=req.lora_name, priority=req.priority,
-            sampling=sampling,
+            sampling=sampling, route_key=self._route_key(request, req),
         )
         headers = {WORKER_HEADER: gen.decision.worker_id}
         explain = gen.decision.explain() if self._explain(request, req.explain) else None
@@ -267,7 +280,7 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
         fleet = build_fleet(cfg, tokenizer)
     app = web.Application(middlewares=[errors_middleware], client_max_size=cfg.control_plane.max_body_bytes)
     app[FLEET_KEY] = fleet
-    fe = Frontend(fleet, tokenizer, cfg.control_plane.default_max_tokens)
+    fe = Frontend(fleet, tokenizer, cfg.control_plane.default_max_tokens, cfg.routing.route_key)
     app[FRONTEND_KEY] = fe
     app.router.add_post("/v1/chat/completions", fe.chat_completions)
     app.router.add_post("/v1/completions", fe.completions)

@@ -43,6 +43,7 @@ class _Common(msgspec.Struct, kw_only=True):
     lora_name: str | None = None
     priority: int = 0
     explain: bool = False  # return the routing decision in the body
+    user: str | None = None  # OpenAI's end-user id: the route key with `routing.route_key: body:user`
 
 
 class ChatCompletionRequest(_Common, kw_only=True):

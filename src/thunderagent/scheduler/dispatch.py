@@ -6,8 +6,9 @@ simulator measures is what serves traffic. The path, once per request:
 
 1. **hash once** (:meth:`Dispatcher.prepare`): the prompt's chained block hashes, with the tenant
    salt and LoRA name in the seed; reused by the router, the index and the engine;
-2. **scheduler hook**: the scheduler decides whether the request goes now (today a pass-through;
-   the holding queue plugs in here);
+2. **scheduler**: with the holding queue on (``scheduler.enabled``), a request no worker can start
+   now waits in :class:`~thunderagent.scheduler.queue.HoldingQueue`; :meth:`Dispatcher.pump` routes
+   the next one whenever a worker frees up. Off, every request is routed at once;
 3. **route**: index match + cost + policy over the routable workers (``KvRouter.route``, called
    from here and nowhere else);
 4. **predict**: the router records the request's blocks on the winner (done inside ``route``);
@@ -21,34 +22,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
+from thunderagent.config import SchedulerConfig
 from thunderagent.kv.hashing import block_hashes, hash_seed
-from thunderagent.router.router import KvRouter
+from thunderagent.router.cost import is_busy
+from thunderagent.router.router import KvRouter, NoWorkerAvailable
+from thunderagent.scheduler.queue import Held, HoldingQueue, QueueFull
 from thunderagent.types import Decision, EngineRequest, RouteRequest, Sampling, WorkerState
+
+__all__ = ["Dispatch", "Dispatcher", "QueueFull"]
 
 #: expired predictions swept per settle (bounded work per instant; ``predict`` sweeps too)
 EXPIRE_PER_SETTLE = 64
-
-
-class SchedulerHook(Protocol):
-    """Where the scheduler meets the dispatch path. ``admit`` says whether ``req`` may be routed
-    now; the scheduler keeps what it holds back and hands it over later."""
-
-    def admit(self, req: EngineRequest, now: float) -> bool: ...
-
-
-class PassThrough:
-    """The scheduler hook of a fleet without a scheduler: every request goes at once."""
-
-    __slots__ = ()
-
-    def admit(self, req: EngineRequest, now: float) -> bool:
-        return True
-
-
-class Held(Exception):
-    """The scheduler hook held the request back (not raised by the pass-through)."""
 
 
 @dataclass(slots=True)
@@ -62,14 +47,17 @@ class Dispatch:
     best_known_tokens: int
     #: prompt tokens the chosen worker is believed to hold
     predicted_tokens: int
+    #: seconds the request waited in the holding queue
+    queue_wait: float = 0.0
 
 
 class Dispatcher:
-    def __init__(self, router: KvRouter, block_size: int, scheduler: SchedulerHook | None = None) -> None:
+    def __init__(self, router: KvRouter, block_size: int, scheduler: SchedulerConfig | None = None) -> None:
         self.router = router
         self.index = router.index
         self.block_size = block_size
-        self.scheduler: SchedulerHook = scheduler or PassThrough()
+        self.scheduler = scheduler if scheduler is not None and scheduler.enabled else None
+        self.queue = HoldingQueue(self.scheduler) if self.scheduler is not None else None
 
     def prepare(
         self,
@@ -90,13 +78,59 @@ class Dispatcher:
         return EngineRequest(request_id, prompt, hashes, seed, max_tokens, ignore_eos=ignore_eos, priority=priority,
                              arrival=arrival, cache_salt=cache_salt, lora_name=lora_name, sampling=sampling)
 
+    def submit(self, req: EngineRequest, key: str, workers: Sequence[WorkerState], now: float) -> Dispatch | None:
+        """A new request: routed now (returned) when nothing is held and a worker can start it, else
+        held (None) until :meth:`pump` routes it. Raises :class:`QueueFull` past the queue's bounds
+        and :class:`~thunderagent.router.router.NoWorkerAvailable` when no worker is there at all."""
+        queue = self.queue
+        if queue is None:
+            return self.dispatch(req, workers, now)
+        if not workers:
+            raise NoWorkerAvailable("no healthy worker is registered")
+        if not len(queue) and self.can_start(workers):
+            return self.dispatch(req, workers, now)
+        queue.push(Held(req, key, req.priority, now, self._uncached(req, now)), now)
+        return None
+
+    def pump(self, workers: Sequence[WorkerState], now: float) -> Dispatch | None:
+        """The next held request, routed, once a worker can start it (or it waited ``max_wait_s``:
+        then it goes anyway). None when nothing can go now. The driver submits it and calls again."""
+        queue = self.queue
+        if queue is None or not workers:
+            return None
+        held = queue.next(now)
+        if held is None:
+            return None
+        assert self.scheduler is not None
+        if now - held.enqueued < self.scheduler.max_wait_s and not self.can_start(workers):
+            return None
+        d = self.dispatch(held.req, workers, now)
+        queue.take(held, now)
+        d.queue_wait = now - held.enqueued
+        return d
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a held request (client gone): True if it was held."""
+        return self.queue is not None and self.queue.cancel(request_id)
+
+    def can_start(self, workers: Sequence[WorkerState]) -> bool:
+        """Some worker can start a request now: not busy, and its engine queue is short."""
+        assert self.scheduler is not None
+        depth = self.scheduler.engine_queue_depth
+        cfg = self.router.cfg
+        return any(w.load.waiting < depth and not is_busy(w, cfg) for w in workers)
+
+    def _uncached(self, req: EngineRequest, now: float) -> int:
+        n = len(req.prompt_tokens)
+        if not req.block_hashes:
+            return n
+        best = max(self.index.find_matches(req.block_hashes, now).values(), default=0)
+        return n - min(best * self.block_size, n)
+
     def dispatch(self, req: EngineRequest, workers: Sequence[WorkerState], now: float,
                  exclude: tuple[str, ...] = ()) -> Dispatch:
         """Route ``req`` among ``workers`` (less ``exclude``: workers that already could not take
-        it). Raises :class:`~thunderagent.router.router.NoWorkerAvailable`, or :class:`Held` when
-        the scheduler keeps the request."""
-        if not self.scheduler.admit(req, now):
-            raise Held(req.request_id)
+        it). Raises :class:`~thunderagent.router.router.NoWorkerAvailable`."""
         if exclude:
             workers = [w for w in workers if w.worker_id not in exclude]
         n = len(req.prompt_tokens)

@@ -1,0 +1,189 @@
+"""The holding queue: requests that no worker can start yet wait here, not in an engine's queue.
+
+Pure and clock-free (``now`` is passed in). Which request goes next, when a worker frees up:
+
+1. **deadline**: a request held ``max_wait_s`` or longer goes first (the oldest such), whatever its
+   tier and size: nobody starves;
+2. **strict priority tiers**: the highest ``priority`` with a request held;
+3. **fairness across route keys** inside the tier: deficit round robin (as llm-d's flow control
+   does): each key in turn earns ``drr_quantum_tokens`` of credit and spends it on its requests'
+   uncached prompt tokens, so a tenant sending huge prompts cannot crowd out one sending small ones;
+4. **short first with ageing** inside a key: the fewest uncached prompt tokens, less
+   ``aging_tokens_per_s`` per second waited.
+
+The queue is bounded in total and per route key; past a bound :meth:`HoldingQueue.push` raises
+:class:`QueueFull` with a ``retry_after`` computed from the measured drain rate. A cancelled
+request leaves at once (:meth:`HoldingQueue.cancel`). Work per pick is linear in the requests of one
+key, bounded by the queue's size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from thunderagent.config import SchedulerConfig
+from thunderagent.types import EngineRequest
+
+#: drain-rate smoothing: weight of the newest inter-dispatch gap
+_RATE_ALPHA = 0.2
+
+
+class QueueFull(Exception):
+    """The holding queue (or one route key's share of it) is full: the client retries later."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass(slots=True, eq=False)
+class Held:
+    req: EngineRequest
+    key: str  # route key (tenant / business line)
+    tier: int  # priority: higher goes first
+    enqueued: float
+    uncached: int  # uncached prompt tokens, estimated from the index at enqueue
+
+
+class _Key:
+    __slots__ = ("items", "deficit", "visiting")
+
+    def __init__(self) -> None:
+        self.items: list[Held] = []
+        self.deficit = 0.0
+        self.visiting = False  # at the head of the rotation, this round's quantum already earned
+
+
+class _Tier:
+    __slots__ = ("keys", "order")
+
+    def __init__(self) -> None:
+        self.keys: dict[str, _Key] = {}
+        self.order: deque[str] = deque()  # round-robin order of keys with requests
+
+
+class HoldingQueue:
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.cfg = cfg
+        self._tiers: dict[int, _Tier] = {}
+        self._by_id: dict[str, Held] = {}
+        self._per_key: dict[str, int] = {}
+        self._gap = 0.0  # smoothed seconds between dispatches from the queue (0: not measured yet)
+        self._last_pop: float | None = None
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._by_id
+
+    def by_tier(self) -> dict[int, int]:
+        return {t: sum(len(k.items) for k in tier.keys.values()) for t, tier in self._tiers.items()}
+
+    def oldest_wait(self, now: float) -> float:
+        return max((now - h.enqueued for h in self._by_id.values()), default=0.0)
+
+    # -- in ------------------------------------------------------------------------------------
+    def push(self, held: Held, now: float) -> None:
+        cfg = self.cfg
+        if len(self._by_id) >= cfg.max_queued:
+            raise QueueFull(f"the scheduler holds {len(self._by_id)} requests (scheduler.max_queued)",
+                            self.retry_after(now))
+        if self._per_key.get(held.key, 0) >= cfg.max_queued_per_key:
+            raise QueueFull(f"route key {held.key!r} has {cfg.max_queued_per_key} requests waiting "
+                            "(scheduler.max_queued_per_key)", self.retry_after(now, held.key))
+        tier = self._tiers.get(held.tier)
+        if tier is None:
+            tier = self._tiers[held.tier] = _Tier()
+        key = tier.keys.get(held.key)
+        if key is None:
+            key = tier.keys[held.key] = _Key()
+            tier.order.append(held.key)
+        key.items.append(held)
+        self._by_id[held.req.request_id] = held
+        self._per_key[held.key] = self._per_key.get(held.key, 0) + 1
+
+    def retry_after(self, now: float, key: str | None = None) -> float:
+        """Seconds until the queue (or ``key``'s share) has drained enough to take one more request,
+        from the measured dispatch rate; 1 s until a rate is known, at most 60 s."""
+        ahead = self._per_key.get(key, 0) if key is not None else len(self._by_id)
+        if self._gap <= 0:
+            return 1.0
+        return min(60.0, max(1.0, math.ceil(ahead * self._gap)))
+
+    def cancel(self, request_id: str) -> bool:
+        held = self._by_id.get(request_id)
+        if held is None:
+            return False
+        self._remove(held)
+        return True
+
+    # -- out -----------------------------------------------------------------------------------
+    def peek_overdue(self, now: float) -> Held | None:
+        """The oldest request held ``max_wait_s`` or longer, if any."""
+        limit = self.cfg.max_wait_s
+        oldest = min(self._by_id.values(), key=lambda h: h.enqueued, default=None)
+        return oldest if oldest is not None and now - oldest.enqueued >= limit else None
+
+    def next(self, now: float) -> Held | None:
+        """The request that goes next (not removed: :meth:`take` removes it once it is placed)."""
+        if not self._by_id:
+            return None
+        overdue = self.peek_overdue(now)
+        if overdue is not None:
+            return overdue
+        tier = self._tiers[max(t for t, tier in self._tiers.items() if tier.order)]
+        return self._drr_pick(tier, now)
+
+    def take(self, held: Held, now: float) -> None:
+        """``held`` was dispatched: remove it, charge its key's deficit, measure the drain rate."""
+        tier = self._tiers[held.tier]
+        key = tier.keys[held.key]
+        key.deficit = max(0.0, key.deficit - max(1, held.uncached))
+        self._remove(held)
+        if self._last_pop is not None:
+            gap = max(0.0, now - self._last_pop)
+            self._gap = gap if self._gap <= 0 else (1 - _RATE_ALPHA) * self._gap + _RATE_ALPHA * gap
+        self._last_pop = now
+
+    def _drr_pick(self, tier: _Tier, now: float) -> Held:
+        """Deficit round robin over the tier's keys: the key at the head of the rotation earns one
+        quantum per visit and keeps the head while its credit pays for its best request."""
+        quantum = self.cfg.drr_quantum_tokens
+        order = tier.order
+        if len(order) == 1:
+            return self._best(tier.keys[order[0]], now)
+        # Every full rotation adds a quantum to each key, so within ceil(max cost / quantum) + 1
+        # rotations some key can pay: bounded work.
+        while True:
+            key = tier.keys[order[0]]
+            if not key.visiting:
+                key.visiting = True
+                key.deficit += quantum
+            best = self._best(key, now)
+            if key.deficit >= max(1, best.uncached):
+                return best
+            key.visiting = False
+            order.rotate(-1)
+
+    def _best(self, key: _Key, now: float) -> Held:
+        age = self.cfg.aging_tokens_per_s
+        return min(key.items, key=lambda h: (h.uncached - age * (now - h.enqueued), h.enqueued))
+
+    def _remove(self, held: Held) -> None:
+        del self._by_id[held.req.request_id]
+        n = self._per_key[held.key] - 1
+        if n:
+            self._per_key[held.key] = n
+        else:
+            del self._per_key[held.key]
+        tier = self._tiers[held.tier]
+        key = tier.keys[held.key]
+        key.items.remove(held)
+        if not key.items:
+            del tier.keys[held.key]
+            tier.order.remove(held.key)
+            if not tier.order:
+                del self._tiers[held.tier]

@@ -1,0 +1,131 @@
+"""The scheduler's holding queue and the dispatch path around it: exact orders, bounds, cancellation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from thunderagent.config import RoutingConfig, SchedulerConfig
+from thunderagent.kv.index import KvIndex
+from thunderagent.router.router import KvRouter
+from thunderagent.scheduler.dispatch import Dispatcher
+from thunderagent.scheduler.queue import Held, HoldingQueue, QueueFull
+from thunderagent.types import EngineRequest, LoadReport, WorkerState
+
+CFG = SchedulerConfig(enabled=True, max_queued=6, max_queued_per_key=4, max_wait_s=10.0, aging_tokens_per_s=100.0,
+                      drr_quantum_tokens=1000)
+
+
+def held(rid: str, uncached: int, *, key: str = "", tier: int = 0, at: float = 0.0) -> Held:
+    return Held(EngineRequest(rid, [1] * max(1, uncached), [], 0, 4, priority=tier), key, tier, at, uncached)
+
+
+def drain(q: HoldingQueue, now: float) -> list[str]:
+    out = []
+    while (h := q.next(now)) is not None:
+        q.take(h, now)
+        out.append(h.req.request_id)
+    return out
+
+
+def test_strict_priority_tiers_then_short_first() -> None:
+    q = HoldingQueue(CFG)
+    for h in (held("lo-big", 900), held("lo-small", 100), held("hi-big", 800, tier=1), held("hi-small", 50, tier=1)):
+        q.push(h, 0.0)
+    assert q.by_tier() == {0: 2, 1: 2}
+    assert drain(q, 0.0) == ["hi-small", "hi-big", "lo-small", "lo-big"]
+    assert len(q) == 0 and q.by_tier() == {}
+
+
+def test_ageing_lets_a_long_wait_beat_a_shorter_prompt() -> None:
+    q = HoldingQueue(CFG)
+    q.push(held("old-big", 900, at=0.0), 0.0)
+    q.push(held("new-small", 500, at=5.0), 5.0)
+    # at t=5: old-big scores 900 - 100*5 = 400 < new-small's 500
+    assert q.next(5.0).req.request_id == "old-big"
+    q2 = HoldingQueue(CFG)
+    q2.push(held("old-big", 900, at=0.0), 0.0)
+    q2.push(held("new-small", 500, at=1.0), 1.0)
+    assert q2.next(1.0).req.request_id == "new-small"  # 800 vs 500: short first
+
+
+def test_max_wait_goes_first_whatever_the_tier() -> None:
+    q = HoldingQueue(CFG)
+    q.push(held("starved", 5000, tier=0, at=0.0), 0.0)
+    q.push(held("urgent", 10, tier=9, at=9.0), 9.0)
+    assert q.next(9.99).req.request_id == "urgent"
+    assert q.next(10.0).req.request_id == "starved"  # held max_wait_s: it goes next
+
+
+def test_deficit_round_robin_shares_a_tier_across_route_keys() -> None:
+    q = HoldingQueue(CFG)  # quantum 1000 tokens
+    for i in range(3):
+        q.push(held(f"a{i}", 600, key="a"), 0.0)  # tenant a: big prompts
+    for i in range(3):
+        q.push(held(f"b{i}", 100, key="b"), 0.0)  # tenant b: small ones
+    # round 1: a earns 1000, sends a0 (600), cannot pay a1 (400 left): b earns 1000, sends all three
+    # (300), then a (1400) sends a1 and a2
+    assert drain(q, 0.0) == ["a0", "b0", "b1", "b2", "a1", "a2"]
+
+
+def test_bounds_give_retry_after_from_the_drain_rate() -> None:
+    q = HoldingQueue(CFG)
+    for i in range(4):
+        q.push(held(f"a{i}", 10, key="a"), 0.0)
+    with pytest.raises(QueueFull, match="max_queued_per_key") as err:
+        q.push(held("a4", 10, key="a"), 0.0)
+    assert err.value.retry_after == 1.0  # no drain measured yet
+    q.push(held("b0", 10, key="b"), 0.0)
+    q.push(held("b1", 10, key="b"), 0.0)
+    with pytest.raises(QueueFull, match="scheduler.max_queued"):
+        q.push(held("c0", 10, key="c"), 0.0)
+    for t in (1.0, 3.0, 5.0):  # one dispatch every 2 s
+        q.take(q.next(t), t)
+    assert len(q) == 3
+    assert q.retry_after(5.0) == 6.0  # 3 ahead x 2 s
+
+
+def test_cancel_leaves_at_once() -> None:
+    q = HoldingQueue(CFG)
+    q.push(held("x", 10), 0.0)
+    q.push(held("y", 20), 0.0)
+    assert q.cancel("x") and not q.cancel("x") and "x" not in q
+    assert drain(q, 0.0) == ["y"]
+
+
+def _worker(wid: str, waiting: int = 0) -> WorkerState:
+    return WorkerState(wid, 16, 8192, 64, LoadReport(wid, 0.0, 0, waiting, 0, 0, 0, 0, 1000))
+
+
+def test_dispatcher_holds_while_no_worker_can_start_and_pumps_in_order() -> None:
+    index = KvIndex(prediction_ttl=60.0)
+    for w in ("w0", "w1"):
+        index.add_worker(w)
+    d = Dispatcher(KvRouter(RoutingConfig(seed=1), index, random.Random(1)), 16,
+                   SchedulerConfig(enabled=True, engine_queue_depth=1, aging_tokens_per_s=0.0))
+    free = [_worker("w0"), _worker("w1")]
+    full = [_worker("w0", waiting=1), _worker("w1", waiting=3)]
+    req = d.prepare("r0", list(range(40)), 4)
+    assert d.submit(req, "", free, 0.0) is not None  # nothing held and room: routed at once
+    assert d.submit(d.prepare("lo", list(range(50)), 4), "", full, 0.0) is None
+    assert d.submit(d.prepare("hi", list(range(60)), 4, priority=5), "", full, 0.1) is None
+    assert d.pump(full, 0.2) is None  # still no room
+    assert d.submit(d.prepare("late", list(range(10)), 4), "", free, 0.3) is None  # others are ahead of it
+    first = d.pump(free, 0.5)
+    assert first is not None and first.request.request_id == "hi" and first.queue_wait == pytest.approx(0.4)
+    # short first on *uncached* tokens: "lo" (50 tokens) shares r0's two predicted blocks, 18 left to
+    # prefill; "late" has 10
+    assert [d.pump(free, 0.6).request.request_id for _ in range(2)] == ["late", "lo"]
+    assert d.pump(free, 0.7) is None and len(d.queue) == 0
+    assert d.submit(d.prepare("c", [1] * 20, 4), "", full, 1.0) is None
+    assert d.cancel("c") and d.pump(free, 1.1) is None
+
+
+def test_dispatcher_without_scheduler_routes_at_once() -> None:
+    index = KvIndex(prediction_ttl=60.0)
+    index.add_worker("w0")
+    d = Dispatcher(KvRouter(RoutingConfig(seed=1), index, random.Random(1)), 16, SchedulerConfig(enabled=False))
+    assert d.queue is None
+    assert d.submit(d.prepare("r", [1] * 20, 4), "", [_worker("w0", waiting=50)], 0.0) is not None
+    assert d.pump([_worker("w0")], 0.0) is None and not d.cancel("r")
