@@ -186,8 +186,13 @@ class SchedulerConfig(_Strict):
     enabled: bool = Field(False, description="hold requests here while no worker can start them")
     engine_queue_depth: int = Field(
         1, ge=0,
-        description="a worker can start a request while fewer than this many wait in its engine (and it is not "
-        "busy); when none can, requests wait in the scheduler, ordered by priority",
+        description="a worker can start a request while fewer than this many wait in its engine, its prefill "
+        "backlog is under `engine_backlog_passes` passes and it is not busy; when none can, requests wait in the "
+        "scheduler, ordered by priority",
+    )
+    engine_backlog_passes: float = Field(
+        1.0, gt=0,
+        description="queued prefill tokens (in passes of max_num_batched_tokens) under which a worker can start a request",
     )
     max_queued: int = Field(4096, ge=1, description="requests held at most; past it new ones get 429")
     max_queued_per_key: int = Field(1024, ge=1, description="requests held at most per route key (tenant)")

@@ -129,3 +129,17 @@ def test_dispatcher_without_scheduler_routes_at_once() -> None:
     assert d.queue is None
     assert d.submit(d.prepare("r", [1] * 20, 4), "", [_worker("w0", waiting=50)], 0.0) is not None
     assert d.pump([_worker("w0")], 0.0) is None and not d.cancel("r")
+
+
+def test_a_worker_with_a_pass_of_prefill_backlog_cannot_start_more() -> None:
+    index = KvIndex(prediction_ttl=60.0)
+    index.add_worker("w0")
+    d = Dispatcher(KvRouter(RoutingConfig(seed=1), index, random.Random(1)), 16,
+                   SchedulerConfig(enabled=True, engine_queue_depth=4, engine_backlog_passes=1.0))
+
+    def w(queued: int, waiting: int = 0, kv: int = 0) -> list[WorkerState]:
+        return [WorkerState("w0", 16, 8192, 64, LoadReport("w0", 0.0, 1, waiting, queued, 0, kv, 0, 1000))]
+
+    assert d.can_start(w(8191)) and not d.can_start(w(8192))  # a full pass of prefill ahead: hold
+    assert not d.can_start(w(0, waiting=4))  # engine_queue_depth
+    assert not d.can_start(w(0, kv=990))  # busy: KV usage 0.99 >= busy_kv_usage 0.98

@@ -484,3 +484,22 @@ def test_random_pressure_keeps_invariants(trial: int) -> None:
         else:
             held.clear()
     assert held == set(eng.cache_snapshot())
+
+
+def test_running_requests_get_the_budget_in_priority_order() -> None:
+    """vLLM's priority policy: a higher-priority request admitted later is served first in the next
+    passes; with equal priorities admission order is kept (FCFS, as traces without priorities)."""
+
+    def third_pass(p_b: int):
+        eng = engine(max_num_batched_tokens=300, kv_blocks=1024)
+        r = Run(eng).run([(0.0, mk("a", [1] * 256, 5)), (0.001, mk("b", [2] * 1024, 3, priority=p_b))], until=0.06)
+        # pass 1: "a" alone prefills; pass 2: "a" decodes, "b" is admitted with the other 299 tokens
+        assert (r.passes[0].scheduled_tokens, r.passes[0].num_prefills) == (256, 1)
+        assert (r.passes[1].scheduled_tokens, r.passes[1].num_decodes, r.passes[1].num_prefills) == (300, 1, 1)
+        return r.passes[2]
+
+    fcfs = third_pass(0)
+    assert (fcfs.scheduled_tokens, fcfs.num_decodes, fcfs.num_prefills) == (300, 1, 1)  # "a" first, as admitted
+    prio = third_pass(1)
+    # "b" (priority 1) takes the whole budget first: "a" waits a pass for its next token
+    assert (prio.scheduled_tokens, prio.num_decodes, prio.num_prefills) == (300, 0, 1)

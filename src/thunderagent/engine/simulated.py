@@ -94,6 +94,7 @@ class SimulatedEngine:
         self._q_hit = 0
         self._dec_tokens = 0  # sum of sequence lengths of running requests past their first token
         self.preemptions = 0
+        self.busy_ns = 0  # time spent in passes (utilization = busy / elapsed)
         self.last_pass: PassInfo | None = None
 
     @property
@@ -240,6 +241,7 @@ class SimulatedEngine:
             self._events.extend(p.events)
             return
         dur = round(self._timing.pass_time(T, p.A, self._total_kv, p.A > 0) * 1e9)
+        self.busy_ns += dur
         self._pass = p
         self._pass_end = s + dur
         self.last_pass = PassInfo(s / 1e9, (s + dur) / 1e9, T, p.A, n, p.n_dec, self._max_tokens - p.budget)
@@ -351,15 +353,28 @@ class SimulatedEngine:
                 p.A += L
                 p.n_dec += 1
         if from_waiting:
-            self._unexpect(seq)
-            seq.state = RUNNING
-            self._running.append(seq)
-            c = cached if cached < P else P
-            if c > seq.cached:
-                seq.cached = c
-            if g:
-                self._dec_tokens += L
+            self._admit(seq, cached if cached < P else P, L if g else 0)
         return SCHEDULED
+
+    def _admit(self, seq: _Seq, cached: int, decode_tokens: int) -> None:
+        """``seq`` moves from waiting to running, ``cached`` prompt tokens served from the cache."""
+        self._unexpect(seq)
+        seq.state = RUNNING
+        running = self._running
+        pr = seq.req.priority
+        if running and running[-1].req.priority < pr:
+            # vLLM's priority policy: running requests get the budget (and escape LIFO preemption)
+            # in priority order; equal priorities keep admission order, so traces without
+            # priorities schedule exactly as before
+            i = len(running)
+            while i and running[i - 1].req.priority < pr:
+                i -= 1
+            running.insert(i, seq)
+        else:
+            running.append(seq)
+        if cached > seq.cached:
+            seq.cached = cached
+        self._dec_tokens += decode_tokens
 
     def _preempt_last(self, p: _Pass) -> _Seq | None:
         """LIFO preemption with recompute semantics; undoes the victim's work in this pass."""

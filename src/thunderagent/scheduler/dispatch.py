@@ -114,11 +114,17 @@ class Dispatcher:
         return self.queue is not None and self.queue.cancel(request_id)
 
     def can_start(self, workers: Sequence[WorkerState]) -> bool:
-        """Some worker can start a request now: not busy, and its engine queue is short."""
-        assert self.scheduler is not None
-        depth = self.scheduler.engine_queue_depth
+        """Some worker can start a request now: its engine queue is short, its prefill backlog would
+        be done within ``engine_backlog_passes`` passes, and it is not busy."""
+        sched = self.scheduler
+        assert sched is not None
+        depth, passes = sched.engine_queue_depth, sched.engine_backlog_passes
         cfg = self.router.cfg
-        return any(w.load.waiting < depth and not is_busy(w, cfg) for w in workers)
+        return any(
+            w.load.waiting < depth and w.load.queued_prefill_tokens < passes * w.max_num_batched_tokens
+            and not is_busy(w, cfg)
+            for w in workers
+        )
 
     def _uncached(self, req: EngineRequest, now: float) -> int:
         n = len(req.prompt_tokens)

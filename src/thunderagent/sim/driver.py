@@ -20,12 +20,12 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from thunderagent.config import NodeConfig, Policy, RoutingConfig
+from thunderagent.config import NodeConfig, Policy, RoutingConfig, SchedulerConfig
 from thunderagent.engine.simulated import SimulatedEngine
 from thunderagent.kv.feed import KvFeed
 from thunderagent.kv.index import KvIndex
 from thunderagent.router.router import KvRouter
-from thunderagent.scheduler.dispatch import Dispatcher
+from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
 from thunderagent.sim.results import Dist, RunResult
 from thunderagent.sim.traces import TraceRequest
 from thunderagent.types import WorkerState
@@ -36,7 +36,9 @@ class _Track:
     arrival: float
     input_length: int
     best_known: int
-    worker: int
+    worker: int  # -1 while held in the scheduler
+    priority: int = 0
+    queue_wait: float = 0.0
     first: float = -1.0
     last: float = -1.0
     tokens: int = 0
@@ -53,6 +55,7 @@ class SimOutcome:
     load_times: list[float] = field(default_factory=list)  # virtual seconds
     load_samples: list[list[int]] = field(default_factory=list)  # per sample: running+waiting per worker
     requests_per_worker: list[int] = field(default_factory=list)
+    ttft_by_id: dict[str, float] = field(default_factory=dict)  # ms, per request id
 
 
 class _Run:
@@ -124,6 +127,7 @@ class Simulator:
         *,
         seed: int = 0,
         sample_interval: float = 1.0,
+        scheduler: SchedulerConfig | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -134,7 +138,8 @@ class Simulator:
         self.feed = KvFeed(self.index)
         for e in self.engines:
             self.feed.add_worker(e.worker_id, live=True)
-        self.dispatcher = Dispatcher(KvRouter(routing, self.index, random.Random(seed), policy), node.block_size)
+        self.dispatcher = Dispatcher(KvRouter(routing, self.index, random.Random(seed), policy), node.block_size,
+                                     scheduler)
         self._states = [
             WorkerState(e.worker_id, node.block_size, node.max_num_batched_tokens, node.queue_depth_threshold,
                         e.load(0.0))
@@ -173,6 +178,9 @@ class Simulator:
                 run.collect(i, tw)
                 run.schedule(i)
                 states[i].load = engines[i].load(tw)
+                if self.dispatcher.queue:
+                    for j in self._pump(tw, run.tracks):
+                        run.schedule(j)
                 continue
             now = ta
             due = run.passes_ending_at(now)
@@ -180,10 +188,12 @@ class Simulator:
             while k < n and arrivals[k] == now:
                 i = self._dispatch(requests[order[k]], now, run.tracks)
                 k += 1
-                states[i].load = engines[i].load(now)
-                due.append(i)
+                if i >= 0:
+                    due.append(i)
                 if progress is not None:
                     progress(1)
+            if self.dispatcher.queue:
+                due.extend(self._pump(now, run.tracks))
             self.dispatcher.settle(now)
             for i in due:
                 run.schedule(i)
@@ -191,10 +201,12 @@ class Simulator:
 
         out = run.out
         out.result = self._summarize(run.tracks, run.itl, time.perf_counter() - wall0)
-        out.ttft_ms = [(t.first - t.arrival) * 1e3 for t in run.tracks.values() if t.first >= 0]
+        out.ttft_by_id = {rid: (t.first - t.arrival) * 1e3 for rid, t in run.tracks.items() if t.first >= 0}
+        out.ttft_ms = list(out.ttft_by_id.values())
         counts = [0] * len(engines)
         for t in run.tracks.values():
-            counts[t.worker] += 1
+            if t.worker >= 0:
+                counts[t.worker] += 1
         out.requests_per_worker = counts
         return out
 
@@ -209,12 +221,30 @@ class Simulator:
             self.feed.apply_dump(e.worker_id, e.cache_snapshot(), events[-1].seq, now)
 
     def _dispatch(self, tr: TraceRequest, now: float, tracks: dict[str, _Track]) -> int:
+        """An arrival: routed and placed now (its engine's index), or held in the scheduler (-1)."""
         dispatcher = self.dispatcher
-        req = dispatcher.prepare(tr.request_id, tr.tokens(), tr.output_length, ignore_eos=True)  # type: ignore[arg-type]
-        d = dispatcher.dispatch(req, self._states, now)
+        req = dispatcher.prepare(tr.request_id, tr.tokens(), tr.output_length, ignore_eos=True,  # type: ignore[arg-type]
+                                 priority=tr.priority, arrival=now)
+        tracks[tr.request_id] = _Track(now, tr.input_length, 0, -1, tr.priority)
+        d = dispatcher.submit(req, tr.session or "", self._states, now)
+        return -1 if d is None else self._place(d, now, tracks)
+
+    def _pump(self, now: float, tracks: dict[str, _Track]) -> list[int]:
+        """Held requests that can go now, placed one at a time (each placement updates its engine's
+        load before the next decision, as in the live fleet). Returns the engines given work."""
+        placed = []
+        while (d := self.dispatcher.pump(self._states, now)) is not None:
+            i = self._place(d, now, tracks)
+            tracks[d.request.request_id].queue_wait = d.queue_wait
+            placed.append(i)
+        return placed
+
+    def _place(self, d: Dispatch, now: float, tracks: dict[str, _Track]) -> int:
         i = self._pos[d.decision.worker_id]
-        tracks[tr.request_id] = _Track(now, tr.input_length, d.best_known_tokens, i)
-        self.engines[i].add_request(req, now)
+        tr = tracks[d.request.request_id]
+        tr.worker, tr.best_known = i, d.best_known_tokens
+        self.engines[i].add_request(d.request, now)
+        self._states[i].load = self.engines[i].load(now)
         return i
 
     def _summarize(self, tracks: dict[str, _Track], itl: array, wall_s: float) -> RunResult:
@@ -240,5 +270,25 @@ class Simulator:
                 "incomplete_requests": len(tracks) - len(done),
                 "preemptions": sum(e.preemptions for e in self.engines),
                 "duration_s": duration,
+                "utilization": (sum(e.busy_ns for e in self.engines) / 1e9 / (duration * len(self.engines))
+                                if duration > 0 else 0.0),
+                **self._scheduler_extra(done),
             },
         )
+
+    def _scheduler_extra(self, done: list[_Track]) -> dict[str, object]:
+        """With the scheduler on: queue wait and TTFT per priority tier (ms)."""
+        if self.dispatcher.queue is None:
+            return {}
+        by_tier: dict[int, list[float]] = {}
+        for t in done:
+            if t.first >= 0:
+                by_tier.setdefault(t.priority, []).append((t.first - t.arrival) * 1e3)
+        waits = Dist.of([t.queue_wait * 1e3 for t in done])
+        return {
+            "queue_wait_ms": {"mean": waits.mean, "p99": waits.p99, "max": max((t.queue_wait * 1e3 for t in done),
+                                                                                 default=0.0)},
+            "ttft_ms_by_priority": {str(k): {"n": len(v), "mean": Dist.of(v).mean, "p99": Dist.of(v).p99}
+                                    for k, v in sorted(by_tier.items())},
+            "held_at_end": len(self.dispatcher.queue),
+        }

@@ -127,6 +127,7 @@ class TraceRequest:
     session: str | None = None
     think_s: float | None = None
     pad_token: int | None = None
+    priority: int = 0  # scheduler tier (higher first); traces carry none, generators may set it
 
     def tokens(self) -> array:
         """Exactly ``input_length`` synthetic tokens (``array('I')``), built on each call."""
