@@ -206,6 +206,9 @@ class SchedulerConfig(_Strict):
     drr_quantum_tokens: int = Field(
         8192, ge=1, description="deficit round robin across route keys: prompt tokens a key may send per round"
     )
+    program_idle_ttl_s: float = Field(
+        600.0, gt=0, description="an agent program idle (acting) this long is terminated and forgotten"
+    )
 
 
 class MetricsConfig(_Strict):

@@ -39,6 +39,7 @@ from thunderagent.kv.feed import KvFeed
 from thunderagent.kv.index import KvIndex
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
 from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
+from thunderagent.scheduler.programs import ProgramTable
 from thunderagent.scheduler.queue import QueueFull
 from thunderagent.types import (
     Decision,
@@ -84,6 +85,7 @@ class Generation:
     queue: OutputQueue
     received: float  # fleet time the request arrived
     tried: tuple[str, ...] = ()  # workers that could not take it
+    program_id: str | None = None  # the agent program it belongs to
 
     @property
     def decision(self) -> Decision:
@@ -122,6 +124,8 @@ class Fleet:
         self._ids = itertools.count()
         self._inflight: dict[str, Generation] = {}
         self._held: dict[str, asyncio.Future[Generation]] = {}  # requests waiting in the scheduler
+        self._held_programs: dict[str, str | None] = {}
+        self.programs = ProgramTable(cfg.scheduler.program_idle_ttl_s)
         self._pump_due = False
         self._health_task: asyncio.Task[None] | None = None
 
@@ -232,6 +236,8 @@ class Fleet:
                 self.metrics.healthy.labels(wid).set(1)
         if self._held:
             self._pump()  # requests past max_wait_s go even when no worker has room
+        if self.programs.expire(now):
+            self._observe_programs()
         for gen in list(self._inflight.values()):
             if now - gen.queue.last_heard > self.stall_timeout:
                 log.warning("request %s on %s: nothing heard for %.1fs", gen.request_id, gen.worker.worker_id,
@@ -268,6 +274,7 @@ class Fleet:
         ignore_eos: bool = False,
         sampling: Sampling | None = None,
         route_key: str = "",
+        program_id: str | None = None,
     ) -> Generation:
         """Hash once, then route and submit now, or hold the request in the scheduler until a
         worker can start it (the dispatch path). Raises NoWorkerAvailable, or QueueFull when the
@@ -282,16 +289,23 @@ class Fleet:
         except QueueFull:
             self.metrics.scheduler_rejected.inc()
             raise
+        if program_id is not None:
+            self.programs.request_started(program_id, received)
+            self._observe_programs()
         if d is not None:
-            return self._launch(d, time.perf_counter() - t0)
+            return self._launch(d, time.perf_counter() - t0, program_id)
         fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         self._held[rid] = fut
+        self._held_programs[rid] = program_id
         self._observe_queue()
         self._schedule_pump()
         try:
             return await fut
         except asyncio.CancelledError:
             self._held.pop(rid, None)
+            self._held_programs.pop(rid, None)
+            if program_id is not None and not fut.done():
+                self.programs.request_finished(program_id, 0, self.now(), completed=False)
             if self.dispatcher.cancel(rid):
                 self.metrics.scheduler_cancelled.inc()
                 self._observe_queue()
@@ -301,7 +315,7 @@ class Fleet:
                 gen.worker.abort(rid)
             raise
 
-    def _launch(self, d: Dispatch, route_s: float) -> Generation:
+    def _launch(self, d: Dispatch, route_s: float, program_id: str | None) -> Generation:
         """Submit a routed request to its worker."""
         req = d.request
         self.dispatcher.settle(self.now())
@@ -310,8 +324,10 @@ class Fleet:
             log.debug("route %s -> %s (%s): %s", req.request_id, d.decision.worker_id, d.decision.reason,
                       d.decision.explain())
         worker = self.workers[d.decision.worker_id]
-        gen = Generation(req.request_id, d, worker, worker.submit(req), req.arrival)
+        gen = Generation(req.request_id, d, worker, worker.submit(req), req.arrival, program_id=program_id)
         self._inflight[req.request_id] = gen
+        if program_id is not None:
+            self.programs.request_placed(program_id, worker.worker_id)
         return gen
 
     def _schedule_pump(self) -> None:
@@ -334,7 +350,7 @@ class Fleet:
             if d is None:
                 break
             self.metrics.scheduler_wait.observe(d.queue_wait)
-            gen = self._launch(d, time.perf_counter() - t0)
+            gen = self._launch(d, time.perf_counter() - t0, self._held_programs.pop(d.request.request_id, None))
             fut = self._held.pop(d.request.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(gen)
@@ -342,6 +358,10 @@ class Fleet:
                 self._inflight.pop(gen.request_id, None)
                 gen.worker.abort(gen.request_id)
         self._observe_queue()
+
+    def _observe_programs(self) -> None:
+        for state, n in self.programs.by_state().items():
+            self.metrics.programs.labels(state).set(n)
 
     def _observe_queue(self) -> None:
         q = self.dispatcher.queue
@@ -370,8 +390,10 @@ class Fleet:
         routed again before anything is yielded; the request is aborted if the consumer stops early
         (client gone, stop string) and its metrics are recorded."""
         cached = 0
+        completion = 0
         last_t: float | None = None
         finished = False
+        reason: FinishReason | None = None
         try:
             while True:
                 out = await gen.queue.get()
@@ -388,6 +410,8 @@ class Fleet:
                     self.metrics.itl.observe(now - last_t)
                 last_t = now
                 finished = out.finished
+                completion += len(out.token_ids)
+                reason = out.finish_reason
                 yield out
                 if finished:
                     return
@@ -397,6 +421,11 @@ class Fleet:
                 self.metrics.observe_prefill(cached, gen.dispatch.best_known_tokens)
             if not finished:
                 gen.worker.abort(gen.request_id)
+            if gen.program_id is not None:
+                done = finished and reason in (FinishReason.STOP, FinishReason.LENGTH)
+                self.programs.request_finished(gen.program_id, gen.prompt_tokens + completion, self.now(),
+                                               completed=done)
+                self._observe_programs()
 
     def health_summary(self) -> dict[str, object]:
         loads = self.registry.loads()

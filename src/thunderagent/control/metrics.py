@@ -106,6 +106,12 @@ class Metrics:
         self.scheduler_rejected = Counter(
             "thunderagent_scheduler_rejected", "Requests refused with 429: the scheduler's queue was full", registry=r,
         )
+        self.programs = Gauge(
+            "thunderagent_programs", "Agent programs known, per state (reasoning, acting)", ["state"], registry=r,
+        )
+        self.programs_released = Counter(
+            "thunderagent_programs_released", "Agent programs released by their clients", registry=r,
+        )
         self.scheduler_cancelled = Counter(
             "thunderagent_scheduler_cancelled", "Held requests whose client left before dispatch", registry=r,
         )

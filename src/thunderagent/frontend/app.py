@@ -22,7 +22,9 @@ from thunderagent.control.fleet import Fleet, Generation, NoWorkerAvailable, Que
 from thunderagent.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    ReleaseRequest,
     RequestError,
+    check_program_id,
     decode_request,
     error_body,
     message_text,
@@ -38,6 +40,8 @@ log = logging.getLogger(__name__)
 FLEET_KEY = web.AppKey("fleet", Fleet)
 FRONTEND_KEY: web.AppKey[Frontend] = web.AppKey("frontend")
 WORKER_HEADER = "x-thunderagent-worker"
+PROGRAM_HEADER = "x-thunderagent-program-id"
+DYNAMO_SESSION_HEADER = "x-dynamo-session-id"
 EXPLAIN_HEADER = "x-thunderagent-explain"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _enc = msgspec.json.Encoder()
@@ -112,6 +116,17 @@ class Frontend:
         return req.user or ""
 
     @staticmethod
+    def _program_id(request: web.Request, req: ChatCompletionRequest | CompletionRequest) -> str | None:
+        """The agent program a request belongs to: our header, the body's ``program_id`` (top level
+        or in ``extra_body``, as the ThunderAgent paper's proxy reads it), or Dynamo's session header."""
+        nested = (req.extra_body or {}).get("program_id")
+        for value in (request.headers.get(PROGRAM_HEADER), req.program_id, nested,
+                      request.headers.get(DYNAMO_SESSION_HEADER)):
+            if value is not None:
+                return check_program_id(value)
+        return None
+
+    @staticmethod
     def _explain(request: web.Request, body_flag: bool) -> bool:
         return body_flag or request.headers.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes")
 
@@ -149,7 +164,7 @@ class Frontend:
         sampling = Sampling(req.temperature, req.top_p, req.seed)
         gen = await self.fleet.start_generation(
             prompt_ids, max_tokens, cache_salt=req.cache_salt, lora_name=req.lora_name, priority=req.priority,
-            sampling=sampling, route_key=self._route_key(request, req),
+            sampling=sampling, route_key=self._route_key(request, req), program_id=self._program_id(request, req),
         )
         headers = {WORKER_HEADER: gen.decision.worker_id}
         explain = gen.decision.explain() if self._explain(request, req.explain) else None
@@ -251,6 +266,26 @@ class Frontend:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         return await self._run(request, req, ids, chat=False)
 
+    async def programs(self, request: web.Request) -> web.Response:
+        data = self.fleet.programs.snapshot(self.fleet.now())
+        return web.json_response({"object": "list", "data": data, "by_state": self.fleet.programs.by_state()})
+
+    async def release_program(self, request: web.Request) -> web.Response:
+        return self._release(check_program_id(request.match_info["program_id"]))
+
+    async def release_program_body(self, request: web.Request) -> web.Response:
+        """``POST /programs/release {"program_id": ...}``: the ThunderAgent paper proxy's form."""
+        body = decode_request(await request.read(), ReleaseRequest)
+        assert isinstance(body, ReleaseRequest)
+        return self._release(check_program_id(body.program_id))
+
+    def _release(self, program_id: str) -> web.Response:
+        if not self.fleet.programs.release(program_id):
+            raise RequestError(f"no program {program_id!r} is known (released, expired or never seen)",
+                               param="program_id", status=404, code="program_not_found")
+        self.fleet.metrics.programs_released.inc()
+        return web.json_response({"id": program_id, "released": True})
+
     async def models(self, request: web.Request) -> web.Response:
         body = {"object": "list", "data": [
             {"id": self.fleet.model_name, "object": "model", "created": 0, "owned_by": "thunderagent"}
@@ -285,6 +320,9 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     app.router.add_post("/v1/chat/completions", fe.chat_completions)
     app.router.add_post("/v1/completions", fe.completions)
     app.router.add_get("/v1/models", fe.models)
+    app.router.add_get("/v1/programs", fe.programs)
+    app.router.add_post("/v1/programs/{program_id}/release", fe.release_program)
+    app.router.add_post("/programs/release", fe.release_program_body)
     app.router.add_get("/health", fe.health)
     if cfg.metrics.enabled:
         app.router.add_get(cfg.metrics.path, fe.metrics)

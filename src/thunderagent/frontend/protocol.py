@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from thunderagent.scheduler.programs import PROGRAM_ID
+
 PositiveInt = Annotated[int, Meta(ge=1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
@@ -44,6 +46,8 @@ class _Common(msgspec.Struct, kw_only=True):
     priority: int = 0
     explain: bool = False  # return the routing decision in the body
     user: str | None = None  # OpenAI's end-user id: the route key with `routing.route_key: body:user`
+    program_id: str | None = None  # the agent program (ThunderAgent paper's proxy field)
+    extra_body: dict[str, object] | None = None  # clients that nest extensions here (program_id)
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -55,6 +59,10 @@ class CompletionRequest(_Common, kw_only=True):
     # str, a token-id list, or a one-element list of str; checked in ``prompt_input``.
     prompt: str | list[int | str]
     echo: bool = False
+
+
+class ReleaseRequest(msgspec.Struct):
+    program_id: str
 
 
 class RequestError(Exception):
@@ -141,3 +149,10 @@ def prompt_input(prompt: str | list[int | str]) -> str | list[int]:
     if all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in prompt):
         return [int(p) for p in prompt]
     raise RequestError("prompt must be a string or a list of non-negative token ids", param="prompt")
+
+
+def check_program_id(value: object) -> str:
+    """A program id is 1-128 letters, digits or ``._:-`` (it appears in URLs and logs)."""
+    if not isinstance(value, str) or not PROGRAM_ID.match(value):
+        raise RequestError("program_id must be 1-128 letters, digits, '.', '_', ':' or '-'", param="program_id")
+    return value

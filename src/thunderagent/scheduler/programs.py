@@ -1,0 +1,113 @@
+"""Agent programs: the requests of one agent trajectory, tracked as one unit (the ThunderAgent paper's
+program abstraction). Pure and clock-free.
+
+A program id comes with a request (``x-thunderagent-program-id``, a body ``program_id``, or Dynamo's
+``x-dynamo-session-id``). States:
+
+- ``REASONING``: a request of the program is in flight;
+- ``ACTING``: between a response and the program's next request (a tool is running);
+- ``TERMINATED``: released by the client (``POST /v1/programs/{id}/release``) or idle past the TTL;
+  a terminated program is forgotten.
+
+The table records where a program's requests were served (its worker: placement is sticky through
+the router's cache affinity), its steps and its context size. Pausing programs under memory
+pressure builds on this table; it is not done yet.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+#: what a program id may be: it appears in URLs and logs
+PROGRAM_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class ProgramState(StrEnum):
+    REASONING = "reasoning"
+    ACTING = "acting"
+    TERMINATED = "terminated"
+
+
+@dataclass(slots=True)
+class Program:
+    program_id: str
+    state: ProgramState
+    first_seen: float
+    last_change: float
+    in_flight: int = 0
+    steps: int = 0  # responses completed
+    context_tokens: int = 0  # prompt + completion tokens of its latest step
+    worker: str | None = None  # where its latest request was served
+
+    def as_dict(self, now: float) -> dict[str, object]:
+        return {
+            "id": self.program_id, "state": self.state.value, "worker": self.worker, "steps": self.steps,
+            "in_flight": self.in_flight, "context_tokens": self.context_tokens,
+            "age_s": round(now - self.first_seen, 3), "in_state_s": round(now - self.last_change, 3),
+        }
+
+
+class ProgramTable:
+    def __init__(self, idle_ttl_s: float) -> None:
+        if idle_ttl_s <= 0:
+            raise ValueError(f"idle_ttl_s must be > 0, got {idle_ttl_s}")
+        self.idle_ttl_s = idle_ttl_s
+        self._programs: dict[str, Program] = {}
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def get(self, program_id: str) -> Program | None:
+        return self._programs.get(program_id)
+
+    def request_started(self, program_id: str, now: float) -> Program:
+        """A request of ``program_id`` arrived: the program is (or becomes) REASONING."""
+        prog = self._programs.get(program_id)
+        if prog is None:
+            prog = self._programs[program_id] = Program(program_id, ProgramState.REASONING, now, now)
+        elif prog.state is not ProgramState.REASONING:
+            prog.state, prog.last_change = ProgramState.REASONING, now
+        prog.in_flight += 1
+        return prog
+
+    def request_placed(self, program_id: str, worker_id: str) -> None:
+        prog = self._programs.get(program_id)
+        if prog is not None:
+            prog.worker = worker_id
+
+    def request_finished(self, program_id: str, context_tokens: int, now: float, *, completed: bool) -> None:
+        """A request ended; ``completed``: it produced its response (a step). With nothing left in
+        flight the program is ACTING: its tool runs until its next request."""
+        prog = self._programs.get(program_id)
+        if prog is None:
+            return  # released while its request ran
+        prog.in_flight = max(0, prog.in_flight - 1)
+        if completed:
+            prog.steps += 1
+            prog.context_tokens = context_tokens
+        if not prog.in_flight:
+            prog.state, prog.last_change = ProgramState.ACTING, now
+
+    def release(self, program_id: str) -> bool:
+        """The client says the program is done (TERMINATED): forget it. False if unknown."""
+        return self._programs.pop(program_id, None) is not None
+
+    def expire(self, now: float) -> list[str]:
+        """Programs ACTING (idle) for the TTL or longer are TERMINATED; returns their ids."""
+        ttl = self.idle_ttl_s
+        gone = [p.program_id for p in self._programs.values()
+                if p.state is ProgramState.ACTING and now - p.last_change >= ttl]
+        for pid in gone:
+            del self._programs[pid]
+        return gone
+
+    def by_state(self) -> dict[str, int]:
+        out = {s.value: 0 for s in (ProgramState.REASONING, ProgramState.ACTING)}
+        for p in self._programs.values():
+            out[p.state.value] += 1
+        return out
+
+    def snapshot(self, now: float) -> list[dict[str, object]]:
+        return [p.as_dict(now) for p in sorted(self._programs.values(), key=lambda p: p.first_seen)]
