@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -52,9 +52,20 @@ class TimingConfig(_Strict):
 
 
 class KvTransferConfig(_Strict):
+    """KV transfer between workers (prefill -> decode). Not built yet: ``enabled: true`` is refused
+    rather than parsed and ignored; the other fields are the seed's and will size the plane."""
+
     enabled: bool = False
     bandwidth_gbps: float = Field(25.0, gt=0)
     max_inflight: int = Field(4, ge=1)
+
+    @field_validator("enabled")
+    @classmethod
+    def _not_built(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("KV transfer between workers is not implemented yet (prefill/decode disaggregation "
+                             "comes with the transfer plane); leave it false")
+        return v
 
 
 class EndpointConfig(_Strict):
@@ -171,12 +182,34 @@ class RoutingConfig(_Strict):
         30.0, gt=0, description="seconds over which recent requests per worker decay (miss balancing)"
     )
     seed: int | None = Field(None, description="RNG seed for tie-breaks and sampling (None = random)")
+    preempt_enabled: bool = Field(
+        False, description="preempt a running low-priority request for a waiting high-priority one when it pays "
+        "(not implemented yet: true is refused)",
+    )
+    fallback_to_local: bool = Field(
+        True, description="prefill locally on the decode worker when a remote prefill does not pay or fails "
+        "(disaggregation is not built: every request prefills where it decodes, so false is refused)",
+    )
     route_key: str = Field(
         "header:x-thunderagent-route-key",
         pattern=r"^(header:[A-Za-z0-9-]+|body:user)$",
         description="where a request's route key (tenant / business line) is read: `header:NAME` or `body:user`; "
         "the scheduler shares its queue fairly across keys",
     )
+
+    @field_validator("preempt_enabled")
+    @classmethod
+    def _no_preemption_yet(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("preemption when it pays is not implemented yet; leave it false")
+        return v
+
+    @field_validator("fallback_to_local")
+    @classmethod
+    def _local_prefill_only(cls, v: bool) -> bool:
+        if not v:
+            raise ValueError("false needs prefill/decode disaggregation, which is not implemented yet; leave it true")
+        return v
 
 
 class SchedulerConfig(_Strict):

@@ -88,3 +88,15 @@ def test_fake_backend_builds() -> None:
     app = fb.create_backend()
     paths = {r.resource.canonical for r in app.router.routes() if r.resource is not None}
     assert {"/v1/completions", "/v1/chat/completions", "/health", "/server_info", "/model_info"} <= paths
+
+
+def test_scheduler_overhead_bench_runs(monkeypatch, capsys) -> None:
+    """bench/scheduler_overhead.py: one held-queue step per request keeps the queue at its size."""
+    monkeypatch.syspath_prepend(str(BENCH))  # the script imports its sibling _common
+    mod = _load("scheduler_overhead")
+    monkeypatch.setattr(mod, "PROGRAMS", 50)
+    monkeypatch.setattr(mod, "HELD", 20)
+    monkeypatch.setattr(sys, "argv", ["scheduler_overhead.py", "--quick"])
+    mod.main()
+    out = capsys.readouterr().out
+    assert "scheduler path p99" in out and "held: prepare + submit + pump" in out

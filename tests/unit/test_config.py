@@ -63,3 +63,23 @@ def test_cli_overrides_apply_on_top_of_file():
     assert cfg.routing.policy is Policy.round_robin
     with pytest.raises(ConfigError, match="speedup"):
         build_config(None, speedup=-1.0)
+
+
+@pytest.mark.parametrize("data, field, words", [
+    ({"routing": {"preempt_enabled": True}}, "routing.preempt_enabled", "not implemented yet"),
+    ({"routing": {"fallback_to_local": False}}, "routing.fallback_to_local", "disaggregation"),
+    ({"execution_group": {"nodes": [{"kv_cache_transfer": {"enabled": True}}]}},
+     "execution_group.nodes.0.kv_cache_transfer.enabled", "not implemented yet"),
+    ({"routing": {"route_key": "cookie:tenant"}}, "routing.route_key", "pattern"),
+    ({"scheduler": {"max_wait_s": 0}}, "scheduler.max_wait_s", "greater than 0"),
+])
+def test_fields_that_would_need_unbuilt_features_are_refused_by_name(data, field, words) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(data, "x.yaml")
+    assert f"field '{field}'" in str(err.value) and words in str(err.value)
+
+
+def test_seed_fields_with_their_working_values_are_accepted() -> None:
+    cfg = parse_config({"routing": {"preempt_enabled": False, "fallback_to_local": True, "route_key": "body:user"},
+                        "scheduler": {"enabled": True, "max_queued": 10}}, "x.yaml")
+    assert cfg.routing.route_key == "body:user" and cfg.scheduler.enabled and cfg.scheduler.max_queued == 10

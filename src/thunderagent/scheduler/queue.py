@@ -19,9 +19,11 @@ key, bounded by the queue's size.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from thunderagent.config import SchedulerConfig
 from thunderagent.types import EngineRequest
@@ -45,13 +47,18 @@ class Held:
     tier: int  # priority: higher goes first
     enqueued: float
     uncached: int  # uncached prompt tokens, estimated from the index at enqueue
+    gone: bool = field(default=False, repr=False)  # dispatched or cancelled (lazy heap deletion)
 
 
 class _Key:
-    __slots__ = ("items", "deficit", "visiting")
+    # Short first with ageing ranks by ``uncached - age * (now - enqueued)``, which orders requests
+    # exactly as ``uncached + age * enqueued`` does whatever ``now`` is: a heap on that keeps a key's
+    # best request at hand in O(log n) (entries of gone requests are skipped lazily).
+    __slots__ = ("heap", "n", "deficit", "visiting")
 
     def __init__(self) -> None:
-        self.items: list[Held] = []
+        self.heap: list[tuple[float, int, Held]] = []
+        self.n = 0  # live requests
         self.deficit = 0.0
         self.visiting = False  # at the head of the rotation, this round's quantum already earned
 
@@ -70,6 +77,7 @@ class HoldingQueue:
         self._tiers: dict[int, _Tier] = {}
         self._by_id: dict[str, Held] = {}
         self._per_key: dict[str, int] = {}
+        self._seq = itertools.count()
         self._gap = 0.0  # smoothed seconds between dispatches from the queue (0: not measured yet)
         self._last_pop: float | None = None
 
@@ -80,10 +88,11 @@ class HoldingQueue:
         return request_id in self._by_id
 
     def by_tier(self) -> dict[int, int]:
-        return {t: sum(len(k.items) for k in tier.keys.values()) for t, tier in self._tiers.items()}
+        return {t: sum(k.n for k in tier.keys.values()) for t, tier in self._tiers.items()}
 
     def oldest_wait(self, now: float) -> float:
-        return max((now - h.enqueued for h in self._by_id.values()), default=0.0)
+        oldest = next(iter(self._by_id.values()), None)
+        return 0.0 if oldest is None else now - oldest.enqueued
 
     # -- in ------------------------------------------------------------------------------------
     def push(self, held: Held, now: float) -> None:
@@ -101,7 +110,9 @@ class HoldingQueue:
         if key is None:
             key = tier.keys[held.key] = _Key()
             tier.order.append(held.key)
-        key.items.append(held)
+        rank = held.uncached + self.cfg.aging_tokens_per_s * held.enqueued
+        heapq.heappush(key.heap, (rank, next(self._seq), held))
+        key.n += 1
         self._by_id[held.req.request_id] = held
         self._per_key[held.key] = self._per_key.get(held.key, 0) + 1
 
@@ -123,9 +134,10 @@ class HoldingQueue:
     # -- out -----------------------------------------------------------------------------------
     def peek_overdue(self, now: float) -> Held | None:
         """The oldest request held ``max_wait_s`` or longer, if any."""
-        limit = self.cfg.max_wait_s
-        oldest = min(self._by_id.values(), key=lambda h: h.enqueued, default=None)
-        return oldest if oldest is not None and now - oldest.enqueued >= limit else None
+        # _by_id keeps push order and pushes come with a non-decreasing clock: its first entry is the
+        # oldest (O(1) instead of a scan per pick)
+        oldest = next(iter(self._by_id.values()), None)
+        return oldest if oldest is not None and now - oldest.enqueued >= self.cfg.max_wait_s else None
 
     def next(self, now: float) -> Held | None:
         """The request that goes next (not removed: :meth:`take` removes it once it is placed)."""
@@ -168,9 +180,12 @@ class HoldingQueue:
             key.visiting = False
             order.rotate(-1)
 
-    def _best(self, key: _Key, now: float) -> Held:
-        age = self.cfg.aging_tokens_per_s
-        return min(key.items, key=lambda h: (h.uncached - age * (now - h.enqueued), h.enqueued))
+    @staticmethod
+    def _best(key: _Key, now: float) -> Held:
+        heap = key.heap
+        while heap[0][2].gone:
+            heapq.heappop(heap)
+        return heap[0][2]
 
     def _remove(self, held: Held) -> None:
         del self._by_id[held.req.request_id]
@@ -179,10 +194,11 @@ class HoldingQueue:
             self._per_key[held.key] = n
         else:
             del self._per_key[held.key]
+        held.gone = True
         tier = self._tiers[held.tier]
         key = tier.keys[held.key]
-        key.items.remove(held)
-        if not key.items:
+        key.n -= 1
+        if not key.n:
             del tier.keys[held.key]
             tier.order.remove(held.key)
             if not tier.order:
