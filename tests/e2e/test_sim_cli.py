@@ -79,3 +79,26 @@ def test_round_robin_calibrated_against_dynamo_on_full_mooncake(tmp_path):
     for key in ("mean", "p50"):
         assert ours["ttft_ms"][key] == pytest.approx(theirs["ttft_ms"][key], rel=0.15), key
     assert ours["prefix_reuse"] == pytest.approx(theirs["prefix_reuse"], rel=0.05)
+
+
+AGENTIC_EXCERPT = ROOT / "tests" / "data" / "kv-cache-tester"
+
+
+def test_sim_closed_loop_reports_session_figures(tmp_path):
+    out = tmp_path / "out.json"
+    res = run_sim("--trace", str(AGENTIC_EXCERPT), "--workers", "2", "--closed-loop", "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "closed loop" in res.stdout and "steps/min" in res.stdout and "Jain fairness" in res.stdout
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["closed_loop"] is True
+    for r in doc["runs"]:
+        x = r["extra"]
+        assert r["requests"] == doc["meta"]["requests"] and x["incomplete_requests"] == 0
+        assert x["sessions"] == 4 and x["unissued_requests"] == 0 and x["steps_per_min"] > 0
+        assert set(x["session_completion_s"]) == {"n", "mean", "p50", "p99"} and x["session_completion_s"]["n"] == 4
+        assert 0 < x["jain_fairness_steps"] <= 1
+
+
+def test_sim_closed_loop_refuses_compare_dynamo():
+    res = run_sim("--trace", str(EXCERPT), "--closed-loop", "--compare-dynamo")
+    assert res.returncode == 2 and "--closed-loop" in res.stderr and "--compare-dynamo" in res.stderr

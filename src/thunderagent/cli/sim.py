@@ -11,6 +11,9 @@ from thunderagent.config import Config, ConfigError, Policy, load_config
 
 
 _DYNAMO_MODE = {Policy.round_robin: "round_robin", Policy.kv_aware: "kv_router"}
+_CLOSED_LOOP_HELP = ("closed loop: issue each session's requests one after another, the next one its recorded think "
+                     "time (else the trace's gap, never earlier) after the previous one finished; requests without a "
+                     "session keep their trace times. Reports sessions, steps/min, session completion, Jain fairness")
 
 
 def sim(
@@ -26,6 +29,7 @@ def sim(
     plots: Annotated[Optional[Path], typer.Option(help="write PNG plots into this folder")] = None,
     seed: Annotated[int, typer.Option(help="RNG seed (tie-breaks); same seed, same result")] = 0,
     limit: Annotated[Optional[int], typer.Option(help="replay only the first N requests", min=1)] = None,
+    closed_loop: Annotated[bool, typer.Option("--closed-loop", help=_CLOSED_LOOP_HELP)] = False,
 ) -> None:
     """Replay traces through the router, index and simulated engines on a virtual clock."""
     from rich.console import Console
@@ -47,9 +51,9 @@ def sim(
     if limit:
         requests = sorted(requests, key=lambda r: r.arrival_s)[:limit]
     if compare_dynamo:
-        _check_dynamo(trace, limit)
+        _check_dynamo(trace, limit, closed_loop)
     console.print(f"{len(requests):,} requests, {workers} workers x {kv_blocks} blocks x {block_size} tokens, "
-                  f"speedup {speedup}")
+                  f"speedup {speedup}" + (", closed loop" if closed_loop else ""))
     bounds = reuse_bounds(requests, block_size, workers * kv_blocks)
     outcomes, results = [], []
     for pol in policies:
@@ -57,7 +61,8 @@ def sim(
         with Progress(TextColumn(f"thunderagent {pol.value}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console, transient=True) as prog:
             task = prog.add_task("replay", total=len(requests))
-            outcome = simulator.run(requests, speedup, progress=lambda k: prog.advance(task, k))
+            outcome = simulator.run(requests, speedup, progress=lambda k: prog.advance(task, k),
+                                    closed_loop=closed_loop)
         outcomes.append(outcome)
         results.append(outcome.result)
         if compare_dynamo and pol in _DYNAMO_MODE:
@@ -68,13 +73,18 @@ def sim(
                                           speedup=speedup, router_mode=_DYNAMO_MODE[pol]))
     _report(console, trace, results, outcomes, bounds, json_out, plots,
             {"traces": [str(t) for t in trace], "workers": workers, "kv_blocks": kv_blocks,
-             "block_size": block_size, "speedup": speedup, "seed": seed, "requests": len(requests)})
+             "block_size": block_size, "speedup": speedup, "seed": seed, "requests": len(requests),
+             **({"closed_loop": True} if closed_loop else {})})
 
 
-def _check_dynamo(trace: list[Path], limit: int | None) -> None:
+def _check_dynamo(trace: list[Path], limit: int | None, closed_loop: bool) -> None:
     from thunderagent.sim.dynamo import dynamo_available
     from thunderagent.sim.traces import detect_format
 
+    if closed_loop:
+        typer.echo("error: --closed-loop cannot be combined with --compare-dynamo (Dynamo's replay is open-loop)",
+                   err=True)
+        raise typer.Exit(2)
     if len(trace) != 1 or detect_format(trace[0]) != "mooncake" or limit:
         typer.echo("error: --compare-dynamo needs exactly one Mooncake JSONL --trace and no --limit "
                    "(Dynamo's replay reads that format only)", err=True)
@@ -95,7 +105,9 @@ def _report(console: Any, trace: list[Path], results: list[Any], outcomes: list[
     out_console = Console()
     if not out_console.is_terminal:  # piped to a file: don't squeeze 13 columns into 80
         out_console = Console(width=170)
-    render_table(results, bounds, out_console, f"{', '.join(str(t) for t in trace)} — x{speedup}")
+    loop = " — closed loop" if meta.get("closed_loop") else ""
+    render_table(results, bounds, out_console, f"{', '.join(str(t) for t in trace)} — x{speedup}{loop}")
+    _closed_loop_lines(out_console, results)
     if json_out:
         write_json(json_out, results, bounds, meta)
         console.print(f"wrote {json_out}")
@@ -103,6 +115,24 @@ def _report(console: Any, trace: list[Path], results: list[Any], outcomes: list[
         for p in write_plots(plots, outcomes, results, bounds):
             console.print(f"wrote {p}")
 
+
+def _closed_loop_lines(console: Any, results: list[Any]) -> None:
+    """Under the table, per closed-loop run: sessions, steps/min, session completion, Jain fairness."""
+    for r in results:
+        x = r.extra
+        if "sessions" not in x:
+            continue
+        c = x["session_completion_s"]
+        console.print(
+            f"closed loop {r.system} {r.policy}: {x['sessions']} sessions, {x['steps_per_min']:,.2f} steps/min, "
+            f"session completion mean {_num(c['mean'])} s p50 {_num(c['p50'])} s p99 {_num(c['p99'])} s "
+            f"({c['n']} complete), Jain fairness of steps/min {_num(x['jain_fairness_steps'], 3)}"
+            + (f", {x['unissued_requests']} never issued" if x.get("unissued_requests") else "")
+        )
+
+
+def _num(v: float, nd: int = 1) -> str:
+    return "—" if v != v else f"{v:,.{nd}f}"
 
 
 def register(app: typer.Typer) -> None:

@@ -7,7 +7,13 @@ Nothing here re-implements a policy or an engine: the :class:`KvRouter`, :class:
 offline replay.
 
 Ordering rules (the engine's contract): at an instant ``t``, arrivals are processed before the pass
-that starts at ``t`` is fixed, so an arrival exactly at a pass boundary joins that pass.
+that starts at ``t`` is fixed, so an arrival exactly at a pass boundary joins that pass. This holds
+in closed loop too: a request issued at the very instant its predecessor finished (zero think time)
+joins the passes starting then.
+
+Arrivals come from an arrival source (:mod:`thunderagent.sim.arrivals`): open loop (trace times,
+the default) or closed loop (``run(..., closed_loop=True)``: a session's next request is issued once
+the previous one finished, plus its think time).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from thunderagent.kv.feed import KvFeed
 from thunderagent.kv.index import KvIndex
 from thunderagent.router.router import KvRouter
 from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
+from thunderagent.sim.arrivals import ClosedLoop, OpenLoop, session_stats
 from thunderagent.sim.results import Dist, RunResult
 from thunderagent.sim.traces import TraceRequest
 from thunderagent.types import WorkerState
@@ -41,6 +48,7 @@ class _Track:
     queue_wait: float = 0.0
     first: float = -1.0
     last: float = -1.0
+    end: float = -1.0  # finish time (last output; a rejected request's too)
     tokens: int = 0
     cached: int = 0
     done: bool = False
@@ -56,16 +64,19 @@ class SimOutcome:
     load_samples: list[list[int]] = field(default_factory=list)  # per sample: running+waiting per worker
     requests_per_worker: list[int] = field(default_factory=list)
     ttft_by_id: dict[str, float] = field(default_factory=dict)  # ms, per request id
+    #: per request id: (arrival, finish) in virtual seconds; finish -1.0 if it never finished
+    times_by_id: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 class _Run:
     """One replay's mutable state: per-request tracks, the engines' wake-up heap, load samples."""
 
-    __slots__ = ("sim", "out", "tracks", "itl", "heap", "wake", "next_sample")
+    __slots__ = ("sim", "out", "src", "tracks", "itl", "heap", "wake", "next_sample")
 
-    def __init__(self, sim: Simulator, out: SimOutcome) -> None:
+    def __init__(self, sim: Simulator, out: SimOutcome, src: OpenLoop | ClosedLoop) -> None:
         self.sim = sim
         self.out = out
+        self.src = src
         self.tracks: dict[str, _Track] = {}
         self.itl = array("d")
         self.heap: list[tuple[float, int]] = []
@@ -88,6 +99,8 @@ class _Run:
             if o.finished:
                 tr.done = True
                 tr.cached = o.cached_tokens
+                tr.end = o.time
+                self.src.finished(o.request_id, o.time, now)
         self.sim.apply_events(i, now)
 
     def schedule(self, i: int) -> None:
@@ -154,28 +167,55 @@ class Simulator:
         requests: Sequence[TraceRequest],
         speedup: float = 1.0,
         progress: Callable[[int], None] | None = None,
+        *,
+        closed_loop: bool = False,
     ) -> SimOutcome:
+        """Replay ``requests``: open loop (each at ``arrival_s / speedup``) or, with ``closed_loop``,
+        each session's requests one after another (:class:`~thunderagent.sim.arrivals.ClosedLoop`);
+        a closed-loop run adds the figures of :func:`~thunderagent.sim.arrivals.session_stats` and
+        ``unissued_requests`` to ``result.extra``."""
         if speedup <= 0:
             raise ValueError(f"speedup must be > 0, got {speedup}")
         wall0 = time.perf_counter()
-        order = sorted(range(len(requests)), key=lambda k: requests[k].arrival_s)  # stable: file order ties
-        arrivals = [requests[k].arrival_s / speedup for k in order]
+        src = ClosedLoop(requests, speedup) if closed_loop else OpenLoop(requests, speedup)
         run = _Run(self, SimOutcome(RunResult("thunderagent", self.policy.value, 0, *([Dist.of([])] * 3), 0, 0, 0, 0),
-                                    []))
-        engines, states, heap, wake = self.engines, self._states, run.heap, run.wake
-        n = len(order)
-        k = 0
+                                    []), src)
+        self._replay(run, progress)
+        out = run.out
+        out.result = self._summarize(run.tracks, run.itl, time.perf_counter() - wall0)
+        out.ttft_by_id = {rid: (t.first - t.arrival) * 1e3 for rid, t in run.tracks.items() if t.first >= 0}
+        out.ttft_ms = list(out.ttft_by_id.values())
+        out.times_by_id = {rid: (t.arrival, t.end) for rid, t in run.tracks.items()}
+        counts = [0] * len(self.engines)
+        for t in run.tracks.values():
+            if t.worker >= 0:
+                counts[t.worker] += 1
+        out.requests_per_worker = counts
+        if closed_loop:
+            extra = out.result.extra
+            extra.update(session_stats(requests, out.times_by_id, float(extra["duration_s"])))  # type: ignore[arg-type]
+            extra["unissued_requests"] = src.unissued
+        return out
+
+    def _replay(self, run: _Run, progress: Callable[[int], None] | None) -> None:
+        """The event loop: engine pass ends and arrivals, in time order."""
+        engines, states, heap, wake, src = self.engines, self._states, run.heap, run.wake, run.src
+        held: list[int] = []  # engines whose pass ended at an instant a closed-loop request arrives
         # An engine's load only changes when it is advanced, scheduled or given a request, so each
         # report is refreshed right then and reused by every routing decision in between (re-reading
         # 8 engines per arrival was a third of the run time).
-        while k < n or heap:
-            ta = arrivals[k] if k < n else math.inf
+        while src.t != math.inf or heap:
+            ta = src.t
             if heap and heap[0][0] < ta:
                 tw, i = heapq.heappop(heap)
                 if wake[i] != tw:
                     continue  # superseded entry
                 wake[i] = None
                 run.collect(i, tw)
+                if src.t == tw:  # closed loop, a successor issued right now: it joins the next pass
+                    states[i].load = engines[i].load(tw)
+                    held.append(i)
+                    continue
                 run.schedule(i)
                 states[i].load = engines[i].load(tw)
                 if self.dispatcher.queue:
@@ -184,10 +224,12 @@ class Simulator:
                 continue
             now = ta
             due = run.passes_ending_at(now)
+            if held:
+                due += held
+                held.clear()
             run.sample(now)
-            while k < n and arrivals[k] == now:
-                i = self._dispatch(requests[order[k]], now, run.tracks)
-                k += 1
+            while src.t == now:
+                i = self._dispatch(src.pop(), now, run.tracks)
                 if i >= 0:
                     due.append(i)
                 if progress is not None:
@@ -198,17 +240,6 @@ class Simulator:
             for i in due:
                 run.schedule(i)
                 states[i].load = engines[i].load(now)
-
-        out = run.out
-        out.result = self._summarize(run.tracks, run.itl, time.perf_counter() - wall0)
-        out.ttft_by_id = {rid: (t.first - t.arrival) * 1e3 for rid, t in run.tracks.items() if t.first >= 0}
-        out.ttft_ms = list(out.ttft_by_id.values())
-        counts = [0] * len(engines)
-        for t in run.tracks.values():
-            if t.worker >= 0:
-                counts[t.worker] += 1
-        out.requests_per_worker = counts
-        return out
 
     def apply_events(self, i: int, now: float) -> None:
         """KV events of engine ``i`` into the index, as the live fleet applies them: a gap resyncs
