@@ -5,6 +5,7 @@ request its worker could not take is routed to another one before anything was s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -108,3 +109,18 @@ async def test_no_other_worker_left_passes_the_failure_on(fleet: Fleet) -> None:
     assert gen.worker.worker_id == "worker-0"
     chunks = await collect(fleet, gen)
     assert chunks[-1].finish_reason == UNAVAILABLE and chunks[-1].text == ""
+
+
+async def test_the_refusing_workers_predictions_are_retracted(fleet: Fleet) -> None:
+    """Routing predicted the prompt's blocks on the worker that could not take it: once the request is
+    routed again they are gone from the index (only the worker that ran it is predicted to hold them)."""
+    prompt = list(range(200))  # 3 full 64-token blocks
+    gen = await fleet.start_generation(prompt, 2)
+    if gen.worker.worker_id != "worker-0":  # put it on the refusing worker, as the router might have
+        fleet.index.predict("worker-0", gen.request.block_hashes, fleet.now())
+        gen.dispatch.decision = dataclasses.replace(gen.decision, worker_id="worker-0")
+        gen.queue, gen.worker = fleet.workers["worker-0"].submit(gen.request), fleet.workers["worker-0"]
+    await collect(fleet, gen)
+    assert gen.worker.worker_id == "worker-1"
+    assert len(gen.request.block_hashes) == 3
+    assert fleet.index.find_matches(gen.request.block_hashes, fleet.now()) == {"worker-1": 3}

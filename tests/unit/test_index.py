@@ -268,6 +268,18 @@ def test_report_missing() -> None:
     assert idx.expire(now=100.0) == 3  # B's three; A's dropped predictions are skipped
 
 
+def test_report_missing_predicted_only_keeps_what_events_confirmed() -> None:
+    """A worker that refused a request never computed its blocks: only the router's predictions go."""
+    idx = make(A, B)
+    idx.apply_event(stored(A, 0, 1, 2), 0.0)
+    idx.predict(A, (1, 2, 3, 4), now=0.0)
+    idx.predict(B, (1, 2, 3, 4), now=0.0)
+    assert idx.report_missing(A, [1, 2, 3, 4], predicted_only=True) == 2  # 3 and 4
+    assert idx.find_matches((1, 2, 3, 4), 1.0) == {A: 2, B: 4}
+    assert idx.num_blocks(A) == 2 and idx.num_blocks(B) == 4
+    assert idx.report_missing("ghost", [1], predicted_only=True) == 0
+
+
 # -- workers ---------------------------------------------------------------------------------------
 def test_remove_worker_purges_and_ignores_later_events() -> None:
     idx = make(A, B)

@@ -372,6 +372,7 @@ class Fleet:
         """Submit ``gen``'s request to another worker after its worker could not take it (nothing
         was streamed yet). False when no other worker is left."""
         tried = (*gen.tried, gen.worker.worker_id)
+        self.dispatcher.retract(gen.dispatch)
         try:
             d = self.dispatcher.dispatch(gen.request, self.routable(), self.now(), exclude=tried)
         except NoWorkerAvailable:

@@ -260,13 +260,19 @@ class KvIndex:
         if pushed:
             self._sweep(now, _SWEEP_PER_PREDICTION * pushed)
 
-    def report_missing(self, worker_id: str, block_hashes: Iterable[int]) -> int:
+    def report_missing(self, worker_id: str, block_hashes: Iterable[int], *, predicted_only: bool = False) -> int:
         """Lazy verification: the worker found these blocks missing (predicted or even confirmed,
-        e.g. after a lost event). Drop its entries for them; returns how many were dropped."""
+        e.g. after a lost event). Drop its entries for them; returns how many were dropped.
+
+        ``predicted_only``: drop only the router's unconfirmed predictions (a worker that refused a
+        request never computed its blocks, but may hold some of them from events)."""
         w = self._workers.get(worker_id)
         if w is None:
             return 0
-        return self._drop(w, block_hashes)
+        if not predicted_only:
+            return self._drop(w, block_hashes)
+        bit, confirmed = w.bit, self._confirmed
+        return self._drop(w, [h for h in block_hashes if not confirmed.get(h, 0) & bit])
 
     def expire(self, now: float, max_items: int | None = None) -> int:
         """Sweep predictions expired at ``now`` (expiry <= now); returns how many entries were

@@ -147,6 +147,12 @@ class Dispatcher:
         predicted = min(decision.overlap_blocks * bs, n)
         return Dispatch(req, decision, best_known, predicted)
 
+    def retract(self, d: Dispatch) -> int:
+        """``d``'s worker could not take the request (nothing ran): forget the blocks the router
+        predicted there, so the next request is not drawn to a cache that was never filled.
+        Returns how many index entries were dropped."""
+        return self.index.report_missing(d.decision.worker_id, d.request.block_hashes, predicted_only=True)
+
     def settle(self, now: float) -> None:
         """End of an instant's dispatches: sweep a bounded number of expired predictions."""
         self.index.expire(now, EXPIRE_PER_SETTLE)
