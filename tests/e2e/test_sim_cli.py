@@ -102,3 +102,22 @@ def test_sim_closed_loop_reports_session_figures(tmp_path):
 def test_sim_closed_loop_refuses_compare_dynamo():
     res = run_sim("--trace", str(EXCERPT), "--closed-loop", "--compare-dynamo")
     assert res.returncode == 2 and "--closed-loop" in res.stderr and "--compare-dynamo" in res.stderr
+
+
+def test_sim_scheduler_off_and_on_side_by_side(tmp_path):
+    """`--scheduler off --scheduler on`: the same requests with and without the holding queue, the
+    scheduler's rows labelled and carrying queue waits; nothing left held, every request served (x40
+    overloads two workers, so the queue really holds requests)."""
+    out = tmp_path / "out.json"
+    res = run_sim("--trace", str(EXCERPT), "--workers", "2", "--speedup", "40", "--policy", "kv_aware",
+                  "--scheduler", "off", "--scheduler", "on", "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["policy"] for r in runs] == ["kv_aware", "kv_aware+scheduler"]
+    off, on = runs
+    assert off["requests"] == on["requests"] == 200
+    assert "queue_wait_ms" not in off["extra"]
+    assert on["extra"]["held_at_end"] == 0 and on["extra"]["queue_wait_ms"]["max"] >= 0
+    assert set(on["extra"]["ttft_ms_by_priority"]) == {"0"}
+    bad = run_sim("--trace", str(EXCERPT), "--scheduler", "maybe")
+    assert bad.returncode == 2 and "maybe" in bad.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -11,6 +12,12 @@ from thunderagent.config import Config, ConfigError, Policy, load_config
 
 
 _DYNAMO_MODE = {Policy.round_robin: "round_robin", Policy.kv_aware: "kv_router"}
+
+
+class SchedulerMode(str, Enum):
+    off = "off"
+    on = "on"
+
 _CLOSED_LOOP_HELP = ("closed loop: issue each session's requests one after another, the next one its recorded think "
                      "time (else the trace's gap, never earlier) after the previous one finished; requests without a "
                      "session keep their trace times. Reports sessions, steps/min, session completion, Jain fairness")
@@ -30,6 +37,9 @@ def sim(
     seed: Annotated[int, typer.Option(help="RNG seed (tie-breaks); same seed, same result")] = 0,
     limit: Annotated[Optional[int], typer.Option(help="replay only the first N requests", min=1)] = None,
     closed_loop: Annotated[bool, typer.Option("--closed-loop", help=_CLOSED_LOOP_HELP)] = False,
+    scheduler: Annotated[Optional[list[SchedulerMode]], typer.Option(
+        help="the holding queue (the config's `scheduler:` section) off or on; repeat for side-by-side rows "
+             "(default: as the config says)")] = None,
 ) -> None:
     """Replay traces through the router, index and simulated engines on a virtual clock."""
     from rich.console import Console
@@ -56,16 +66,20 @@ def sim(
                   f"speedup {speedup}" + (", closed loop" if closed_loop else ""))
     bounds = reuse_bounds(requests, block_size, workers * kv_blocks)
     outcomes, results = [], []
-    for pol in policies:
-        simulator = Simulator(node, cfg.routing, workers, pol, seed=seed)
-        with Progress(TextColumn(f"thunderagent {pol.value}"), BarColumn(), MofNCompleteColumn(),
+    modes = scheduler or [SchedulerMode.on if cfg.scheduler.enabled else SchedulerMode.off]
+    for pol, mode in ((p, m) for p in policies for m in modes):
+        sched = cfg.scheduler.model_copy(update={"enabled": mode is SchedulerMode.on})
+        simulator = Simulator(node, cfg.routing, workers, pol, seed=seed, scheduler=sched)
+        label = pol.value + ("+scheduler" if sched.enabled else "")
+        with Progress(TextColumn(f"thunderagent {label}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console, transient=True) as prog:
             task = prog.add_task("replay", total=len(requests))
             outcome = simulator.run(requests, speedup, progress=lambda k: prog.advance(task, k),
                                     closed_loop=closed_loop)
+        outcome.result.policy = label
         outcomes.append(outcome)
         results.append(outcome.result)
-        if compare_dynamo and pol in _DYNAMO_MODE:
+        if compare_dynamo and pol in _DYNAMO_MODE and mode is modes[0]:
             from thunderagent.sim.dynamo import run_dynamo
 
             with console.status(f"dynamo {_DYNAMO_MODE[pol]}"):
