@@ -88,3 +88,21 @@ async def test_a_client_that_leaves_while_held_leaves_the_queue(server_factory):
         assert srv.fleet.metrics.scheduler_cancelled._value.get() == 1  # type: ignore[attr-defined]
         done = await asyncio.gather(*busy)
         assert all(r.choices[0].finish_reason in ("length", "stop") and r.choices[0].text for r in done)
+
+
+async def test_a_program_whose_held_request_is_abandoned_does_not_stay_reasoning(server_factory):
+    async with server_factory(execution_group=ONE_AT_A_TIME, simulation={"speedup": 2.0},
+                              scheduler=scheduler()) as srv:
+        busy = [asyncio.create_task(complete(srv.client, f"busy {i} " * 8, 60)) for i in range(2)]
+        await wait_until(lambda: srv.fleet.registry.loads()["worker-0"].waiting == 1, 10, "the engine is full")
+        async with aiohttp.ClientSession() as s:
+            leaving = asyncio.create_task(s.post(
+                srv.base_url + "/v1/completions", headers={"x-thunderagent-program-id": "agent-9"},
+                json={"model": MODEL, "prompt": "bye " * 8, "max_tokens": 4}))
+            await wait_until(lambda: held(srv) == 1, 10, "the request is held")
+            assert srv.fleet.programs.get("agent-9").state == "reasoning"
+            leaving.cancel()
+        await wait_until(lambda: held(srv) == 0, 10, "the held request left the queue")
+        prog = srv.fleet.programs.get("agent-9")
+        assert (prog.state, prog.in_flight, prog.steps) == ("acting", 0, 0)
+        await asyncio.gather(*busy)

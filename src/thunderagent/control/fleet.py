@@ -100,6 +100,14 @@ class Generation:
         return len(self.dispatch.request.prompt_tokens)
 
 
+@dataclass(slots=True)
+class _HeldCall:
+    """A caller waiting for its held request to be dispatched."""
+
+    fut: asyncio.Future[Generation]
+    program_id: str | None
+
+
 class Fleet:
     def __init__(self, cfg: Config, membership: Membership, *, policy: Policy | None = None,
                  clock: Callable[[], float] | None = None, stall_timeout: float = STALL_TIMEOUT_S) -> None:
@@ -123,8 +131,7 @@ class Fleet:
         self._clock = clock
         self._ids = itertools.count()
         self._inflight: dict[str, Generation] = {}
-        self._held: dict[str, asyncio.Future[Generation]] = {}  # requests waiting in the scheduler
-        self._held_programs: dict[str, str | None] = {}
+        self._held: dict[str, _HeldCall] = {}  # requests waiting in the scheduler, by id
         self.programs = ProgramTable(cfg.scheduler.program_idle_ttl_s)
         self._pump_due = False
         self._health_task: asyncio.Task[None] | None = None
@@ -170,15 +177,22 @@ class Fleet:
         if handle is None:
             return
         self.registry.deregister(worker_id)
-        purged = self.feed.remove_worker(worker_id)
         self.unavailable.pop(worker_id, None)
-        self.metrics.healthy.labels(worker_id).set(0)
-        gens = self._generations_on(handle)
+        purged, gens = self._out_of_routing(worker_id, handle, None if drain else f"worker {worker_id} left")
         log.warning("worker %s left: %s; %d index entries purged, %d requests in flight%s", worker_id, reason,
                     purged, len(gens), " (draining)" if drain and gens else "")
-        if not drain:
+
+    def _out_of_routing(self, worker_id: str, handle: WorkerHandle | None,
+                        cut: str | None) -> tuple[int, list[Generation]]:
+        """Purge a worker's index entries and mark it unhealthy; with ``cut`` (the reason), end its
+        requests in flight. Returns the entries purged and its requests."""
+        purged = self.feed.remove_worker(worker_id)
+        self.metrics.healthy.labels(worker_id).set(0)
+        gens = self._generations_on(handle) if handle is not None else []
+        if cut is not None:
             for gen in gens:
-                self._cut(gen, f"worker {worker_id} left")
+                self._cut(gen, cut)
+        return purged, gens
 
     # -- worker reports ------------------------------------------------------------------------
     def on_events(self, worker_id: str, events: list[KvEvent]) -> None:
@@ -221,13 +235,9 @@ class Fleet:
         for change in self.registry.check(now):
             wid = change.worker_id
             if change.health is Health.unhealthy:
-                purged = self.feed.remove_worker(wid)
+                purged, _ = self._out_of_routing(wid, self.workers.get(wid), f"worker {wid} lease expired")
                 log.warning("worker %s unhealthy (%s): out of routing, %d index entries purged",
                             wid, change.reason, purged)
-                handle = self.workers.get(wid)
-                for gen in self._generations_on(handle) if handle is not None else ():
-                    self._cut(gen, f"worker {wid} lease expired")
-                self.metrics.healthy.labels(wid).set(0)
                 self.membership.lease_expired(wid)
             else:
                 self.feed.add_worker(wid)
@@ -294,25 +304,23 @@ class Fleet:
             self._observe_programs()
         if d is not None:
             return self._launch(d, time.perf_counter() - t0, program_id)
-        fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
-        self._held[rid] = fut
-        self._held_programs[rid] = program_id
+        call = _HeldCall(asyncio.get_running_loop().create_future(), program_id)
+        self._held[rid] = call
         self._observe_queue()
         self._schedule_pump()
         try:
-            return await fut
+            return await call.fut
         except asyncio.CancelledError:
             self._held.pop(rid, None)
-            self._held_programs.pop(rid, None)
-            if program_id is not None and not fut.done():
-                self.programs.request_finished(program_id, 0, self.now(), completed=False)
             if self.dispatcher.cancel(rid):
                 self.metrics.scheduler_cancelled.inc()
                 self._observe_queue()
-            elif fut.done() and not fut.cancelled():  # dispatched just as the caller left
-                gen = fut.result()
+            elif call.fut.done() and not call.fut.cancelled():  # dispatched just as the caller left
+                gen = call.fut.result()
                 self._inflight.pop(rid, None)
                 gen.worker.abort(rid)
+            if program_id is not None:  # its outputs were never read: the step ends here
+                self.programs.request_finished(program_id, 0, self.now(), completed=False)
             raise
 
     def _launch(self, d: Dispatch, route_s: float, program_id: str | None) -> Generation:
@@ -350,13 +358,12 @@ class Fleet:
             if d is None:
                 break
             self.metrics.scheduler_wait.observe(d.queue_wait)
-            gen = self._launch(d, time.perf_counter() - t0, self._held_programs.pop(d.request.request_id, None))
-            fut = self._held.pop(d.request.request_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(gen)
-            else:  # its caller is gone (never reached: cancel removes it from the queue first)
-                self._inflight.pop(gen.request_id, None)
-                gen.worker.abort(gen.request_id)
+            call = self._held.pop(d.request.request_id, None)
+            if call is None or call.fut.done():
+                # its caller was cancelled and has not run its cleanup yet: nothing to submit
+                self.dispatcher.retract(d)
+                continue
+            call.fut.set_result(self._launch(d, time.perf_counter() - t0, call.program_id))
         self._observe_queue()
 
     def _observe_programs(self) -> None:

@@ -64,7 +64,7 @@ class NatsMembership:
         self.subjects = Subjects(prefix)
         self.frontend_id = secrets.token_hex(4)
         self.inbox = self.subjects.inbox(self.frontend_id)
-        self.link = RemoteLink(bus, self.subjects, self.inbox, self._lost)
+        self.link = RemoteLink(bus, self.subjects, self.inbox, self.drop)  # no responders: the worker is gone
         self.discovery_window = discovery_window
         self.sync_timeout = sync_timeout
         self.dump_timeout = dump_timeout
@@ -188,9 +188,6 @@ class NatsMembership:
             task.cancel()
         self.fleet.leave(wid, reason, drain=drain)
         self._update_context_limit()
-
-    def _lost(self, wid: str, reason: str) -> None:
-        self.drop(wid, reason)
 
     def lease_expired(self, worker_id: str) -> None:
         self.drop(worker_id, "lease expired")

@@ -9,6 +9,7 @@ when a request arrives, hands token outputs to per-request queues, and reports K
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 
 from thunderagent.engine.base import Engine
@@ -159,15 +160,15 @@ class LocalWorker:
         return TokenOutput(request_id, [], self.clock.now(), prompt_tokens, 0, True, reason)
 
     async def _heartbeat(self) -> None:
-        # Keepalives at least every KEEPALIVE_S, heartbeats every heartbeat interval: one loop.
+        # One loop ticks at least every KEEPALIVE_S (keepalives) and heartbeats every heartbeat
+        # interval, i.e. every ``every`` ticks.
         period = min(self._hb_interval, KEEPALIVE_S)
-        next_hb = 0.0
-        while True:
+        every = max(1, round(self._hb_interval / period))
+        for tick in itertools.count():
             if not self.heartbeats_paused and not self.failed:
                 wall = self._cb.clock()
-                if wall >= next_hb:
+                if tick % every == 0:
                     self._cb.on_heartbeat(self.worker_id, self._report)
-                    next_hb = wall + self._hb_interval - period / 2
                 for q in self._streams.values():
                     q.touch(wall)
             await asyncio.sleep(period)
