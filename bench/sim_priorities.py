@@ -8,12 +8,19 @@ tokens) on 8 simulated workers; 20 % of them, drawn at random, carry priority 1.
 Arms, on the very same requests:
 - **fcfs**: no scheduler, priorities stripped (arrival order everywhere);
 - **engine only**: no scheduler, priorities passed to the engines (they order their own waiting queues);
-- **scheduler**: the holding queue on (priority tiers, short first with ageing, ``max_wait_s``), priorities set.
+- **scheduler**: the holding queue on (priority tiers, short first with ageing, ``max_wait_s``), priorities set;
+- **preemption**: no scheduler, priorities passed to the engines, ``routing.preempt_enabled`` on (a waiting
+  request short of KV blocks or of a sequence slot evicts lower-priority running ones when it pays).
+
+Preemption acts only where the engines run out of KV blocks or sequence slots. With the default node
+(16,384 blocks of 64 tokens, 256 sequences) they never do at this load: requests wait for the token budget
+of a pass, not for memory. ``--kv-blocks N`` shrinks the pool to make memory the bottleneck.
 
 Targets (issue 9): high-priority TTFT p99 >= 1.5x better than FCFS, low-priority TTFT mean <= 1.25x
 worse, and no request held past ``max_wait_s``.
 
-Run: ``python bench/sim_priorities.py [--requests N] [--seed S]`` (about a minute with the defaults).
+Run: ``python bench/sim_priorities.py [--requests N] [--seed S] [--kv-blocks N]`` (about a minute with the
+defaults).
 """
 
 from __future__ import annotations
@@ -40,18 +47,22 @@ def workload(n: int, rate: float, seed: int) -> list:
     return [dataclasses.replace(r, priority=1 if rng.random() < 0.2 else 0) for r in reqs]
 
 
-def run(reqs: list, scheduler: SchedulerConfig | None, keep_priority: bool, seed: int):
+def run(reqs: list, scheduler: SchedulerConfig | None, keep_priority: bool, seed: int, *,
+        kv_blocks: int | None = None, preempt: bool = False):
     cfg = Config()
     node = cfg.execution_group.nodes[0]
+    if kv_blocks is not None:
+        node = node.model_copy(update={"kv_blocks": kv_blocks})
+    routing = cfg.routing.model_copy(update={"preempt_enabled": preempt})
     if not keep_priority:
         reqs = [dataclasses.replace(r, priority=0) for r in reqs]
-    sim = Simulator(node, cfg.routing, WORKERS, Policy.kv_aware, seed=seed, scheduler=scheduler)
+    sim = Simulator(node, routing, WORKERS, Policy.kv_aware, seed=seed, scheduler=scheduler)
     return sim.run(reqs, 1.0)
 
 
-def calibrate(n: int, seed: int) -> tuple[float, float]:
+def calibrate(n: int, seed: int, kv_blocks: int | None) -> tuple[float, float]:
     """The fleet's capacity in requests/s (its completion rate when flooded), and 90 % of it."""
-    flood = run(workload(n, 1000.0, seed), None, False, seed)
+    flood = run(workload(n, 1000.0, seed), None, False, seed, kv_blocks=kv_blocks)
     capacity = flood.result.throughput_rps
     return TARGET_UTILIZATION * capacity, capacity
 
@@ -60,14 +71,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per worker (default: the node's 16,384)")
     args = ap.parse_args()
-    rate, capacity = calibrate(args.requests, args.seed)
+    kv = args.kv_blocks
+    rate, capacity = calibrate(args.requests, args.seed, kv)
     reqs = workload(args.requests, rate, args.seed)
     sched = SchedulerConfig(enabled=True, max_wait_s=MAX_WAIT_S, max_queued=1_000_000, max_queued_per_key=1_000_000)
     arms = {
-        "fcfs": run(reqs, None, False, args.seed),
-        "engine only": run(reqs, None, True, args.seed),
-        "scheduler": run(reqs, sched, True, args.seed),
+        "fcfs": run(reqs, None, False, args.seed, kv_blocks=kv),
+        "engine only": run(reqs, None, True, args.seed, kv_blocks=kv),
+        "scheduler": run(reqs, sched, True, args.seed, kv_blocks=kv),
+        "preemption": run(reqs, None, True, args.seed, kv_blocks=kv, preempt=True),
     }
     rows = []
     per = {}
@@ -77,15 +91,18 @@ def main() -> None:
         wait = extra.get("queue_wait_ms", {}).get("max", 0.0)
         rows.append((name, f"{tiers[1].p99:,.0f}", f"{tiers[1].mean:,.0f}", f"{tiers[0].mean:,.0f}",
                      f"{tiers[0].p99:,.0f}", f"{out.result.ttft_ms.mean:,.0f}", f"{wait / 1e3:,.1f}",
-                     out.result.requests))
-    print(f"{args.requests} requests at {rate:.2f} req/s on {WORKERS} workers: 90 % of their capacity "
-          f"({capacity:.2f} req/s, measured flooded)")
+                     extra["preemptions"], extra.get("priority_preemptions", "-"), out.result.requests))
+    print(f"{args.requests} requests at {rate:.2f} req/s on {WORKERS} workers ({kv or 16384} KV blocks each): "
+          f"90 % of their capacity ({capacity:.2f} req/s, measured flooded)")
     print_table("TTFT ms by priority (high = 1, low = 0)",
-                ("arm", "high p99", "high mean", "low mean", "low p99", "all mean", "max held s", "done"),
+                ("arm", "high p99", "high mean", "low mean", "low p99", "all mean", "max held s",
+                 "alloc preempt", "prio preempt", "done"),
                 rows)
-    f, s = per["fcfs"], per["scheduler"]
-    print(f"high-priority p99 TTFT: {f[1].p99 / s[1].p99:.2f}x better than FCFS (target >= 1.5x)")
-    print(f"low-priority mean TTFT: {s[0].mean / f[0].mean:.2f}x of FCFS (target <= 1.25x)")
+    f = per["fcfs"]
+    for arm in ("scheduler", "preemption"):
+        s = per[arm]
+        print(f"{arm}: high-priority p99 TTFT {f[1].p99 / s[1].p99:.2f}x better than FCFS (target >= 1.5x), "
+              f"low-priority mean TTFT {s[0].mean / f[0].mean:.2f}x of FCFS (target <= 1.25x)")
     held = arms["scheduler"].result.extra["queue_wait_ms"]["max"] / 1e3
     print(f"longest hold in the scheduler: {held:.1f} s (max_wait_s {MAX_WAIT_S:g}: "
           f"{'met' if held <= MAX_WAIT_S else 'MISSED'})")

@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -101,8 +109,22 @@ class NodeConfig(_Strict):
     kv_blocks: int = Field(16384, ge=1)
     block_size: int = Field(64, ge=1)
     queue_depth_threshold: int = Field(64, ge=1, description="waiting requests at which a worker counts as busy")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="vLLM only: the servers' --scheduling-policy. priority: requests carry vLLM's `priority` "
+        "(our priority negated: vLLM serves lower values first); fcfs: none is sent (vLLM refuses a non-zero one), "
+        "so priorities act only in ThunderAgent's holding queue",
+    )
     kv_cache_transfer: KvTransferConfig = KvTransferConfig()
     timing: TimingConfig = TimingConfig()
+
+    @field_validator("scheduling_policy")
+    @classmethod
+    def _vllm_policy(cls, v: str, info: ValidationInfo) -> str:
+        engine = info.data.get("engine")
+        if v != "fcfs" and engine != "vllm":  # fcfs, the default, is what a dumped config carries
+            raise ValueError(f"vLLM's --scheduling-policy; engine {engine} does not take it (simulated engines "
+                             "always order by priority; SGLang's priority is not forwarded)")
+        return v
 
     @model_validator(mode="after")
     def _endpoints_match_engine(self) -> NodeConfig:
@@ -183,8 +205,17 @@ class RoutingConfig(_Strict):
     )
     seed: int | None = Field(None, description="RNG seed for tie-breaks and sampling (None = random)")
     preempt_enabled: bool = Field(
-        False, description="preempt a running low-priority request for a waiting high-priority one when it pays "
-        "(not implemented yet: true is refused)",
+        False, description="simulated engines: a waiting request that cannot be admitted (no KV blocks or no "
+        "sequence slot) evicts running lower-priority ones (recompute) when its TTFT saved x tier weight exceeds the "
+        "victims' recompute time plus their memory cost (engine/preemption.py)",
+    )
+    preempt_tier_weight: float = Field(
+        1.0, gt=0,
+        description="with preempt_enabled: weight of a second of TTFT saved per priority level above the victim",
+    )
+    preempt_memory_cost_s: float = Field(
+        0.5, ge=0, description="with preempt_enabled: seconds charged for evicting victims that hold the whole KV "
+        "pool, in proportion to the share they hold",
     )
     fallback_to_local: bool = Field(
         True, description="prefill locally on the decode worker when a remote prefill does not pay or fails "
@@ -197,11 +228,14 @@ class RoutingConfig(_Strict):
         "the scheduler shares its queue fairly across keys",
     )
 
-    @field_validator("preempt_enabled")
+    @field_validator("preempt_tier_weight", "preempt_memory_cost_s")
     @classmethod
-    def _no_preemption_yet(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("preemption when it pays is not implemented yet; leave it false")
+    def _preempt_knobs_need_preemption(cls, v: float, info: ValidationInfo) -> float:
+        # a value other than the default without the switch would not act (the default is accepted:
+        # a dumped config, defaults filled in, must load again)
+        assert info.field_name is not None
+        if v != cls.model_fields[info.field_name].default and not info.data.get("preempt_enabled"):
+            raise ValueError("acts only with routing.preempt_enabled: true; enable it or remove this field")
         return v
 
     @field_validator("fallback_to_local")
@@ -272,6 +306,11 @@ class Config(_Strict):
             raise ValueError(
                 f"engine {real[0]} needs `model`: the local model directory the engine serves (its tokenizer "
                 "and chat template tokenize prompts here, so our block hashes match the engine's cache)"
+            )
+        if self.routing.preempt_enabled and all(n.engine != "simulated" for n in self.execution_group.nodes):
+            raise ValueError(
+                "routing.preempt_enabled acts in simulated engines and this config has none; for vLLM set the node's "
+                "scheduling_policy: priority (vLLM preempts by priority itself)"
             )
         return self
 

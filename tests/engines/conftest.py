@@ -57,10 +57,16 @@ def tiny_model_dir(engine_tmp: Path) -> Path:
 
 
 class VllmCluster:
-    """Two vLLM servers for the whole session. A test may kill one; ``ensure_up`` restarts it."""
+    """Two vLLM servers for the whole session. A test may kill one; ``ensure_up`` restarts it.
+
+    The first runs ``--scheduling-policy priority``, the other vLLM's default (fcfs). For requests
+    without a priority (every test but the priority one: ThunderAgent sends none unless the worker's
+    ``scheduling_policy`` is priority) the two behave alike: equal priorities are served in arrival
+    order and preempted latest first, as under fcfs."""
 
     def __init__(self, python: Path, model: Path, workdir: Path, n: int = 2) -> None:
-        self.servers = [VllmServer(f"vllm{i}", python, model, workdir, cpu=cpu_binding(i)) for i in range(n)]
+        self.servers = [VllmServer(f"vllm{i}", python, model, workdir, cpu=cpu_binding(i),
+                                   scheduling_policy="priority" if i == 0 else "fcfs") for i in range(n)]
 
     def start(self) -> None:
         t0 = time.monotonic()

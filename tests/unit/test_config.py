@@ -66,7 +66,14 @@ def test_cli_overrides_apply_on_top_of_file():
 
 
 @pytest.mark.parametrize("data, field, words", [
-    ({"routing": {"preempt_enabled": True}}, "routing.preempt_enabled", "not implemented yet"),
+    ({"routing": {"preempt_tier_weight": 2.0}}, "routing.preempt_tier_weight", "preempt_enabled: true"),
+    ({"routing": {"preempt_enabled": True, "preempt_memory_cost_s": -1}}, "routing.preempt_memory_cost_s",
+     "greater than or equal to 0"),
+    ({"execution_group": {"nodes": [{"scheduling_policy": "priority"}]}},
+     "execution_group.nodes.0.scheduling_policy", "engine simulated does not take it"),
+    ({"model": "/m", "execution_group": {"nodes": [{"engine": "sglang", "scheduling_policy": "priority",
+                                                    "endpoints": [{"url": "http://h:1"}]}]}},
+     "execution_group.nodes.0.scheduling_policy", "engine sglang does not take it"),
     ({"routing": {"fallback_to_local": False}}, "routing.fallback_to_local", "disaggregation"),
     ({"execution_group": {"nodes": [{"kv_cache_transfer": {"enabled": True}}]}},
      "execution_group.nodes.0.kv_cache_transfer.enabled", "not implemented yet"),
@@ -83,3 +90,19 @@ def test_seed_fields_with_their_working_values_are_accepted() -> None:
     cfg = parse_config({"routing": {"preempt_enabled": False, "fallback_to_local": True, "route_key": "body:user"},
                         "scheduler": {"enabled": True, "max_queued": 10}}, "x.yaml")
     assert cfg.routing.route_key == "body:user" and cfg.scheduler.enabled and cfg.scheduler.max_queued == 10
+
+
+def test_preemption_switch_and_knobs_act_together() -> None:
+    cfg = parse_config({"routing": {"preempt_enabled": True, "preempt_tier_weight": 3.0,
+                                    "preempt_memory_cost_s": 0.0}}, "x.yaml")
+    assert (cfg.routing.preempt_tier_weight, cfg.routing.preempt_memory_cost_s) == (3.0, 0.0)
+    # a dumped config (defaults filled in) loads again, with the switch off
+    again = parse_config(parse_config({}, "x.yaml").model_dump(mode="json"), "x.yaml")
+    assert again.routing.preempt_enabled is False
+    # the switch acts in simulated engines only: a fleet of vLLM servers is pointed at vLLM's own policy
+    with pytest.raises(ConfigError, match="scheduling_policy: priority"):
+        parse_config({"model": "/m", "routing": {"preempt_enabled": True}, "execution_group": {"nodes": [
+            {"engine": "vllm", "endpoints": [{"url": "http://h:1"}]}]}}, "x.yaml")
+    vllm = parse_config({"model": "/m", "execution_group": {"nodes": [
+        {"engine": "vllm", "scheduling_policy": "priority", "endpoints": [{"url": "http://h:1"}]}]}}, "x.yaml")
+    assert vllm.execution_group.nodes[0].scheduling_policy == "priority"

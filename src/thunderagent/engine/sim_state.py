@@ -1,11 +1,14 @@
-"""Per-request and per-pass state records of the simulated engine (kept apart so the engine
-module stays about scheduling)."""
+"""Per-request and per-pass state records of the simulated engine, and the hashing of a request's
+generated blocks (kept apart so the engine module stays about scheduling)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from thunderagent.engine.textgen import TextSource
+from thunderagent.kv.hashing import hash_block
 from thunderagent.types import EngineRequest, KvEvent
 
 
@@ -82,3 +85,38 @@ class _Pass:
     emit: list[_Seq] = field(default_factory=list)
     rejected: list[_Seq] = field(default_factory=list)
     events: list[KvEvent] = field(default_factory=list)
+
+    def undo(self, seq: _Seq) -> None:
+        """Take back what this pass scheduled for ``seq`` (it is being preempted)."""
+        P = seq.plen
+        L = P + seq.generated
+        self.budget += seq.computed - seq.s_before
+        pb = min(seq.s_before, P)
+        pa = min(seq.computed, P)
+        if pa > pb:
+            self.n_pf -= 1
+            self.isl -= pa
+            self.prefix -= pb
+        if seq.computed == L:
+            self.emit.remove(seq)
+            if seq.generated:
+                self.A -= L
+                self.n_dec -= 1
+
+
+def extend_hashes(seq: _Seq, upto: int, bs: int, text: TextSource,
+                  many: Callable[[int, int, int], list[int]] | None) -> list[int]:
+    """Hash ``seq``'s generated blocks up to block ``upto`` (chained onto the prompt's hashes);
+    ``many`` is the text source's optional bulk token accessor (faster than one call per token)."""
+    if not seq.own_hashes:  # copy on first write: the prompt's list belongs to the frontend
+        seq.hashes = list(seq.hashes)
+        seq.own_hashes = True
+    hs = seq.hashes
+    P, prompt, seed = seq.plen, seq.req.prompt_tokens, seq.seed
+    for j in range(len(hs), upto):
+        lo, hi = j * bs, (j + 1) * bs
+        g0 = lo - P if lo > P else 0
+        gen = many(seed, g0, hi - P) if many else [text.token(seed, k) for k in range(g0, hi - P)]
+        # prompt may be a list or an array('I') (the simulator's synthetic prompts): concatenate generically
+        hs.append(hash_block([*prompt[lo:P], *gen] if lo < P else gen, hs[j - 1] if j else seq.req.hash_seed))
+    return hs

@@ -7,7 +7,8 @@ the pass starting then). Packing (§2.2): running requests first in admission or
 1 token, a partial prefill its next chunk), then FIFO admissions gated by vLLM's block check (§2.3).
 Prefix hits (§2.4) are chains of cached full blocks capped at ``floor((len-1)/bs)``, and blocks a
 request computes are visible to later requests of the same pass. Allocation failure preempts the
-last running request (LIFO, recompute; §2.5). Pass time = timing model of ``T``/``A`` (§3).
+last running request (LIFO, recompute; §2.5); with ``preempt`` (``routing.preempt_enabled``) a waiting request
+may also evict lower-priority running ones when it pays (``engine/preemption.py``). Pass time: §3's model.
 
 A pass is decided when it starts (as in the mocker); its tokens and KV events come out when it ends.
 Time is integer nanoseconds inside (the mocker's pass ends are whole ns too, and long replays
@@ -25,6 +26,7 @@ from collections import deque
 
 from thunderagent.config import NodeConfig
 from thunderagent.engine.blocks import BlockManager
+from thunderagent.engine.preemption import PreemptKnobs, PriorityPreemption
 from thunderagent.engine.textgen import CorpusText, TextSource
 from thunderagent.engine.timing import TimingModel, make_timing
 from thunderagent.kv.hashing import hash_block
@@ -42,6 +44,7 @@ from thunderagent.engine.sim_state import (  # noqa: F401  (PassInfo is part of 
     PassInfo,
     _Pass,
     _Seq,
+    extend_hashes,
 )
 
 
@@ -61,6 +64,7 @@ class SimulatedEngine:
         text: TextSource | None = None,
         cache_generated: bool = True,
         timing: TimingModel | None = None,
+        preempt: PreemptKnobs | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.block_size = node.block_size
@@ -72,6 +76,9 @@ class SimulatedEngine:
         self._chunked = node.enable_chunked_prefill
         self._total_kv = node.kv_blocks * node.block_size
         self._timing = timing or make_timing(node.timing)
+        # routing.preempt_enabled: a waiting request may evict lower-priority running ones when it pays
+        self._pp = None if preempt is None else PriorityPreemption(preempt, self._timing, self._total_kv,
+                                                                   self._max_tokens)
         self._text = text or CorpusText()
         self._tokens = getattr(self._text, "tokens", None)  # optional bulk accessor: faster block hashing
         self._cache_gen = cache_generated
@@ -93,7 +100,8 @@ class SimulatedEngine:
         # and counting its raw prompt would push the router away from the worker holding the prefix.
         self._q_hit = 0
         self._dec_tokens = 0  # sum of sequence lengths of running requests past their first token
-        self.preemptions = 0
+        self.preemptions = 0  # allocation failures (LIFO, vLLM's)
+        self.priority_preemptions = 0  # victims evicted for a higher-priority waiting request (``_pp``)
         self.busy_ns = 0  # time spent in passes (utilization = busy / elapsed)
         self.last_pass: PassInfo | None = None
 
@@ -283,8 +291,12 @@ class SimulatedEngine:
         running = self._running
         waiting = self._waiting
         nb = bm.num_blocks
-        while not p.preempted and waiting and len(running) < self._max_seqs and p.budget > 0:
+        tried = None  # the head a priority preemption was tried for in this pass (once per head)
+        while not p.preempted and waiting and p.budget > 0:
             seq = waiting[0]
+            full = len(running) >= self._max_seqs
+            if full and self._pp is None:
+                break
             L = seq.plen + seq.generated
             need = -(-L // bs)
             if need > nb:  # can never fit this pool: reject outright
@@ -298,14 +310,30 @@ class SimulatedEngine:
             # The last token must be computed to get logits: cap the hit at floor((len-1)/bs).
             cap = (L - 1) // bs if seq.generated < seq.req.max_tokens else L // bs
             hits, active_hits = bm.match_prefix(seq.hashes, cap)
-            if need - active_hits > nb - bm.active_blocks:
-                break
+            deficit = need - active_hits - (nb - bm.active_blocks)
+            if full or deficit > 0:
+                if self._pp is None or tried is seq or not self._preempt_for(seq, p, hits, deficit, full):
+                    break
+                tried = seq
+                continue
             waiting.popleft()
             before = p.preempted
             r = self._schedule(seq, p, True, hits * bs)
             if r != SCHEDULED:
                 waiting.insert(p.preempted - before, seq)  # behind victims it pushed to the front
                 break
+
+    def _preempt_for(self, seq: _Seq, p: _Pass, hits: int, deficit: int, full: bool) -> bool:
+        """Evict the lower-priority running requests ``seq`` needs room from, when it pays."""
+        assert self._pp is not None
+        victims = self._pp.victims(seq, self._running, self._bm, hits, deficit, full, self._dec_tokens)
+        for v in victims:
+            self._evict(v, p)
+            # after every higher tier (``seq`` included), first of its own: it was admitted before
+            # the others of its tier that wait
+            self._enqueue(v, front=True)
+        self.priority_preemptions += len(victims)
+        return bool(victims)
 
     def _schedule(self, seq: _Seq, p: _Pass, from_waiting: bool, cached: int) -> int:
         """Schedule ``seq``'s next chunk in pass ``p`` (vLLM ``schedule_request``)."""
@@ -377,44 +405,40 @@ class SimulatedEngine:
         self._dec_tokens += decode_tokens
 
     def _preempt_last(self, p: _Pass) -> _Seq | None:
-        """LIFO preemption with recompute semantics; undoes the victim's work in this pass."""
+        """Allocation failure: LIFO preemption, the victim to the front of the waiting queue."""
         if not self._running:
             return None
-        v = self._running.pop()
-        P = v.plen
-        L = P + v.generated
-        if v.s_pass == p.pid:
-            p.budget += v.computed - v.s_before
-            pb = min(v.s_before, P)
-            pa = min(v.computed, P)
-            if pa > pb:
-                p.n_pf -= 1
-                p.isl -= pa
-                p.prefix -= pb
-            if v.computed == L:
-                p.emit.remove(v)
-                if v.generated:
-                    p.A -= L
-                    p.n_dec -= 1
-        v.s_pass = -1
-        self._q_prefill += min(v.computed, P)
-        if v.generated:
-            self._dec_tokens -= L
-        self._bm.release(v.table)
-        v.computed = 0
-        v.state = WAITING
+        v = self._running[-1]
+        self._evict(v, p)
         self._waiting.appendleft(v)
         p.preempted += 1
         self.preemptions += 1
         return v
 
-    def _enqueue(self, seq: _Seq) -> None:
-        """Waiting queue: higher ``priority`` first, FIFO within a priority."""
+    def _evict(self, v: _Seq, p: _Pass) -> None:
+        """Take ``v`` out of ``running`` with recompute semantics; undo its work in this pass. The
+        caller puts it back in the waiting queue."""
+        if self._running[-1] is v:
+            self._running.pop()
+        else:
+            self._running.remove(v)
+        if v.s_pass == p.pid:
+            p.undo(v)
+        v.s_pass = -1
+        self._q_prefill += min(v.computed, v.plen)
+        if v.generated:
+            self._dec_tokens -= v.plen + v.generated
+        self._bm.release(v.table)
+        v.computed = 0
+        v.state = WAITING
+
+    def _enqueue(self, seq: _Seq, front: bool = False) -> None:
+        """Waiting queue: higher ``priority`` first, FIFO within a priority (``front``: first of its tier)."""
         seq.state = WAITING
         w = self._waiting
         pr = seq.req.priority
         i = len(w)  # almost always stays len(w): an append
-        while i and w[i - 1].req.priority < pr:
+        while i and (w[i - 1].req.priority < pr or front and w[i - 1].req.priority == pr):
             i -= 1
         w.insert(i, seq)
 
@@ -423,28 +447,12 @@ class SimulatedEngine:
         hs = seq.hashes
         if last > len(hs):
             if self._cache_gen:
-                hs = self._extend_hashes(seq, last)
+                hs = extend_hashes(seq, last, self._bs, self._text, self._tokens)
             else:
                 last = len(hs)
                 if last <= first:
                     return
         self._bm.cache_blocks(seq.table, hs, first, last)
-
-    def _extend_hashes(self, seq: _Seq, upto: int) -> list[int]:
-        """Hash generated blocks up to block ``upto`` (chained onto the prompt's hashes)."""
-        if not seq.own_hashes:  # copy on first write: the prompt's list belongs to the frontend
-            seq.hashes = list(seq.hashes)
-            seq.own_hashes = True
-        hs = seq.hashes
-        bs, P, prompt, seed = self._bs, seq.plen, seq.req.prompt_tokens, seq.seed
-        many = self._tokens
-        for j in range(len(hs), upto):
-            lo, hi = j * bs, (j + 1) * bs
-            g0 = lo - P if lo > P else 0
-            gen = many(seed, g0, hi - P) if many else [self._text.token(seed, k) for k in range(g0, hi - P)]
-            # prompt may be a list or an array('I') (the simulator's synthetic prompts): concatenate generically
-            hs.append(hash_block([*prompt[lo:P], *gen] if lo < P else gen, hs[j - 1] if j else seq.req.hash_seed))
-        return hs
 
     # ------------------------------------------------------------------------------ pass end
     def _end_pass(self) -> None:

@@ -47,8 +47,14 @@ class Inflight:
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
-def request_body(req: EngineRequest, model: str, flavor: EngineFlavor) -> dict[str, Any]:
-    """The JSON body of ``POST /v1/completions`` for ``req``."""
+def request_body(req: EngineRequest, model: str, flavor: EngineFlavor, *,
+                 send_priority: bool = False) -> dict[str, Any]:
+    """The JSON body of ``POST /v1/completions`` for ``req``.
+
+    ``send_priority`` (a vLLM server started with ``--scheduling-policy priority``): vLLM's ``priority``
+    field, our priority negated, since vLLM serves *lower* values first and we serve higher ones
+    first. Without it nothing is sent: vLLM refuses a non-zero priority under its default fcfs policy
+    (HTTP 400 "Priority scheduling is not enabled")."""
     body: dict[str, Any] = {
         "model": req.lora_name or model,
         "prompt": req.prompt_tokens,
@@ -62,6 +68,8 @@ def request_body(req: EngineRequest, model: str, flavor: EngineFlavor) -> dict[s
         body["ignore_eos"] = True
     if req.cache_salt:
         body["cache_salt"] = req.cache_salt
+    if send_priority and req.priority:  # 0 is vLLM's default too
+        body["priority"] = -req.priority
     if req.sampling is not None:  # only what the client set: vLLM's defaults otherwise
         for key in ("temperature", "top_p", "seed"):
             value = getattr(req.sampling, key)
@@ -90,8 +98,10 @@ class RequestStreamer:
         served_model: Callable[[], Awaitable[str]],
         on_lost: Callable[[str], None],
         on_change: Callable[[], None],
+        send_priority: bool = False,
     ) -> None:
         self.worker_id = worker_id
+        self.send_priority = send_priority  # see request_body
         self.url = url
         self.flavor = flavor
         self._transport = transport
@@ -168,7 +178,7 @@ class RequestStreamer:
         req = r.req
         try:
             model = await self._served_model()
-            body = request_body(req, model, self.flavor)
+            body = request_body(req, model, self.flavor, send_priority=self.send_priority)
             async with self._transport.stream_post(f"{self.url}/v1/completions", body) as resp:
                 if resp.status != 200:
                     detail = (await resp.text())[:300]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from thunderagent.config import Config, NodeConfig
+from thunderagent.engine.preemption import knobs_from
 from thunderagent.engine.simulated import SimulatedEngine
 from thunderagent.execution.handle import WorkerCallbacks, WorkerFactory, WorkerHandle
 from thunderagent.execution.local import LocalWorker, ScaledClock
@@ -21,8 +22,9 @@ def simulated_factory(cfg: Config, eos_token_id: int | None) -> WorkerFactory:
         nonlocal clock
         if clock is None:
             clock = ScaledClock(cfg.simulation.speedup)
-        engine = (SimulatedEngine(worker_id, node) if eos_token_id is None
-                  else SimulatedEngine(worker_id, node, eos_token_id=eos_token_id))
+        preempt = knobs_from(cfg.routing)
+        engine = (SimulatedEngine(worker_id, node, preempt=preempt) if eos_token_id is None
+                  else SimulatedEngine(worker_id, node, eos_token_id=eos_token_id, preempt=preempt))
         return LocalWorker(engine, clock, callbacks, cfg.control_plane.heartbeat_interval)
 
     return make

@@ -84,6 +84,7 @@ class EngineWorker:
         self._requests = RequestStreamer(
             worker_id, self.url, flavor, self._transport, clock=callbacks.clock, loop_time=self._loop_time,
             served_model=self._health.served_model, on_lost=self._health.lost, on_change=self._push_load,
+            send_priority=node.scheduling_policy == "priority",
         )
         self._pump = None
         if endpoint.kv_events:
@@ -161,7 +162,7 @@ class EngineWorker:
 
     # -- glue between the parts --------------------------------------------------------------
     def _body(self, req: EngineRequest, model: str) -> dict[str, Any]:
-        return request_body(req, model, self.flavor)
+        return request_body(req, model, self.flavor, send_priority=self._requests.send_priority)
 
     def _loop_time(self) -> float:
         return self._loop.time() if self._loop is not None else 0.0

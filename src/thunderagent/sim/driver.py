@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from thunderagent.config import NodeConfig, Policy, RoutingConfig, SchedulerConfig
+from thunderagent.engine.preemption import knobs_from
 from thunderagent.engine.simulated import SimulatedEngine
 from thunderagent.kv.feed import KvFeed
 from thunderagent.kv.index import KvIndex
@@ -146,7 +147,8 @@ class Simulator:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.node = node
         self.policy = policy
-        self.engines = [SimulatedEngine(f"worker-{i}", node) for i in range(num_workers)]
+        self.preempt = knobs_from(routing)
+        self.engines = [SimulatedEngine(f"worker-{i}", node, preempt=self.preempt) for i in range(num_workers)]
         self.index = KvIndex(prediction_ttl=routing.prediction_ttl)
         self.feed = KvFeed(self.index)
         for e in self.engines:
@@ -300,6 +302,9 @@ class Simulator:
             extra={
                 "incomplete_requests": len(tracks) - len(done),
                 "preemptions": sum(e.preemptions for e in self.engines),
+                # only with routing.preempt_enabled: results of runs without it keep their shape
+                **({"priority_preemptions": sum(e.priority_preemptions for e in self.engines)}
+                   if self.preempt is not None else {}),
                 "duration_s": duration,
                 "utilization": (sum(e.busy_ns for e in self.engines) / 1e9 / (duration * len(self.engines))
                                 if duration > 0 else 0.0),
