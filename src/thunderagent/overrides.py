@@ -23,6 +23,7 @@ def build_config(
     engine: str | None = None,
     worker_endpoints: list[str] | None = None,
     block_size: int | None = None,
+    nats_servers: str | None = None,
 ) -> Config:
     """The config file (or the embedded default) with command-line overrides applied on top.
 
@@ -59,6 +60,8 @@ def build_config(
         data["simulation"]["speedup"] = speedup
     if policy is not None:
         data["routing"]["policy"] = policy.value
+    if nats_servers is not None:  # --nats URL[,URL...]: the servers of nats.servers
+        data["nats"]["servers"] = [u.strip() for u in nats_servers.split(",") if u.strip()]
     return parse_config(data, str(config) if config else "<command line>")
 
 

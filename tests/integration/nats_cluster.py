@@ -52,20 +52,22 @@ class Cluster:
         self.nats_url = ""
 
     # -- processes ---------------------------------------------------------------------------
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         old = self.procs.get(name)
         assert old is None or old.poll() is not None, f"{name} is still running"
         log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 - owned by the process
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         log.close()
         self.procs[name] = proc
         return proc
 
-    def start_nats(self) -> str:
-        port = free_port()
-        self._spawn("nats", [executable("nats-server"), "-a", "127.0.0.1", "-p", str(port)])
-        self.nats_url = f"nats://127.0.0.1:{port}"
+    def start_nats(self, conf: Path | None = None, port: int | None = None, url: str | None = None) -> str:
+        """An open server on a free port, or the one ``conf`` describes (on ``port``, reached at ``url``)."""
+        port = port or free_port()
+        args = ["-c", str(conf)] if conf is not None else ["-a", "127.0.0.1", "-p", str(port)]
+        self._spawn("nats", [executable("nats-server"), *args])
+        self.nats_url = url or f"nats://127.0.0.1:{port}"
 
         def accepting() -> bool:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
@@ -74,15 +76,22 @@ class Cluster:
         wait_until(accepting, 10, "nats-server")
         return self.nats_url
 
-    def start_worker(self, wid: str, *extra: str) -> None:
+    def start_worker(self, wid: str, *extra: str, env: dict[str, str] | None = None,
+                     config: Path | None = None) -> None:
         self._spawn(wid, [executable("thunderagent"), "worker", "--nats", self.nats_url, "--id", wid,
-                          "--config", str(self.config), *extra])
+                          "--config", str(config or self.config), *extra], env)
 
-    def start_frontend(self, name: str) -> int:
+    def start_frontend(self, name: str, env: dict[str, str] | None = None, config: Path | None = None) -> int:
         port = self.ports.setdefault(name, free_port())
         self._spawn(name, [executable("thunderagent"), "frontend", "--nats", self.nats_url, "--port", str(port),
-                           "--config", str(self.config)])
+                           "--config", str(config or self.config)], env)
         return port
+
+    def write_config(self, name: str, extra: str) -> Path:
+        """The cluster's config with ``extra`` YAML (a ``nats:`` section) appended."""
+        path = self.tmp / name
+        path.write_text(self.config.read_text() + extra)
+        return path
 
     def kill(self, name: str, sig: int = signal.SIGKILL, wait: bool = True) -> None:
         proc = self.procs[name]

@@ -30,12 +30,14 @@ async def remote_pair(rec: Recorder, nats_url: str, block_size: int) -> tuple[Re
     def build(cb: WorkerCallbacks) -> LocalWorker:
         return LocalWorker(SimulatedEngine(WID, node, eos_token_id=256), ScaledClock(20.0), cb, 0.05)
 
-    service = WorkerService(NatsBus(nats_url, "conf-worker"), subjects, info, "simulated", build, keepalive=0.2)
+    # this harness's frontend side does not heartbeat: a lease longer than any test
+    service = WorkerService(NatsBus(nats_url, "conf-worker"), subjects, info, "simulated", build, keepalive=0.2,
+                            frontend_lease=3600.0)
     await service.start()
     bus = NatsBus(nats_url, "conf-frontend")
     await bus.connect()
     cb = rec.callbacks()
-    link = RemoteLink(bus, subjects, subjects.inbox("conf"), lambda wid, why: rec.unavailable.append(why))
+    link = RemoteLink(bus, subjects, "conf", lambda wid, why: rec.unavailable.append(why))
     remote = RemoteWorker(link, WID, service.instance, LoadReport(WID, 0.0, 0, 0, 0, 0, 0, 0, node.kv_blocks), cb)
 
     async def on_worker(msg: BusMsg) -> None:
@@ -49,14 +51,14 @@ async def remote_pair(rec: Recorder, nats_url: str, block_size: int) -> tuple[Re
         elif kind == "kv":
             cb.on_events(WID, events_from_wire(WID, decode_kv(msg.data).events))
 
-    async def on_inbox(msg: BusMsg) -> None:
+    async def on_reply(msg: BusMsg) -> None:
         rid = msg.subject.rsplit(".", 1)[1]
         owner = link.owners.get(rid)
         if owner is not None:
             owner.on_stream(rid, msg)
 
     await bus.subscribe(subjects.all_workers(), on_worker)
-    await bus.subscribe(f"{link.inbox}.*", on_inbox)
+    await bus.subscribe(subjects.replies("conf"), on_reply)
     bus.publish(subjects.discover(), b"")
 
     async def cleanup() -> None:

@@ -44,7 +44,7 @@ async def fleet(clock: ManualClock):
     f = build_nats_fleet(cfg, FakeBus(), discovery_window=0.0, clock=clock)
     await f.start()
     f.bus = f.membership.bus  # type: ignore[attr-defined]  (shorthands for the tests below)
-    f.inbox = f.membership.inbox  # type: ignore[attr-defined]
+    f.fid = f.membership.frontend_id  # type: ignore[attr-defined]
     yield f
     await f.stop()
 
@@ -59,9 +59,14 @@ async def deliver(f: Fleet, subject: str, data: bytes) -> None:
         await asyncio.sleep(0)
 
 
-async def stream_msg(f: Fleet, rid: str, batch: wire.TokenBatch | None) -> None:
+async def stream_msg(f: Fleet, rid: str, batch: wire.TokenBatch | None, wid: str | None = None) -> None:
+    """A stream message of request ``rid`` from worker ``wid`` (default: the worker serving it)."""
     data = b"" if batch is None else wire.encode(batch)
-    await f.bus.subs[f"{f.inbox}.*"](BusMsg(f"{f.inbox}.{rid}", data, no_responders=batch is None))
+    if wid is None:
+        owner = f.membership.link.owners.get(rid)
+        wid = "w1" if owner is None else owner.worker_id
+    subject = wire.Subjects().reply(wid, f.fid, rid)
+    await f.bus.subs[f"ta.reply.*.{f.fid}.*"](BusMsg(subject, data, no_responders=batch is None))
 
 
 def accepted(n: int = 0) -> wire.TokenBatch:
@@ -70,7 +75,7 @@ def accepted(n: int = 0) -> wire.TokenBatch:
 
 async def test_start_asks_workers_to_announce_themselves(fleet):
     assert fleet.bus.published[0] == ("ta.discover", b"", "")
-    assert set(fleet.bus.subs) == {"ta.worker.>", f"{fleet.inbox}.*"}
+    assert set(fleet.bus.subs) == {"ta.worker.>", f"ta.reply.*.{fleet.fid}.*"}
     assert fleet.membership.index_rebuild_s is not None
 
 
@@ -140,7 +145,7 @@ async def test_request_stream_outputs_and_abort(fleet):
     await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1"))
     gen = await fleet.start_generation(list(range(130)), 4)
     subject, data, reply = fleet.bus.sent("generate")[-1]
-    assert subject == "ta.rpc.w1.generate" and reply == f"{fleet.inbox}.{gen.request_id}"
+    assert subject == "ta.rpc.w1.generate" and reply == f"ta.reply.w1.{fleet.fid}.{gen.request_id}"
     assert wire.request_from_wire(wire.decode_generate(data)).block_hashes == block_hashes(list(range(130)), BS)
     assert fleet.workers["w1"].load().waiting == 1  # counted until the worker reports it
     await stream_msg(fleet, gen.request_id, accepted())

@@ -143,3 +143,12 @@ def test_finish_reasons_cross_as_the_enum():
         out = TokenOutput("r", [1], 0.5, 3, 0, True, reason)
         back = wire.output_from_wire("r", wire.output_to_wire(out))
         assert back.finish_reason is reason and back == out
+
+
+@pytest.mark.parametrize(("max_payload", "block_size"), [(1024 * 1024, 64), (8 * 1024 * 1024, 16), (65536, 1)])
+def test_max_prompt_tokens_is_the_longest_prompt_one_message_carries(max_payload, block_size):
+    n = wire.max_prompt_tokens(max_payload, block_size)
+    req = EngineRequest("r" * 32, list(range(n)), list(range(n // block_size)), 1, 16, cache_salt="s" * 1000,
+                        lora_name="l" * 1000)
+    size = len(wire.encode(wire.request_to_wire(req)))
+    assert max_payload - 8192 < size <= max_payload

@@ -72,7 +72,7 @@ def batches(bus: FakeBus, reply: str) -> list[wire.TokenBatch]:
 
 async def generate(s: WorkerService, rid: str, prompt: list[int]) -> str:
     req = EngineRequest(rid, prompt, [], 1, 8)
-    reply = f"ta.inbox.f.{rid}"
+    reply = f"ta.reply.w1.f.{rid}"
     await s.bus.subs["ta.rpc.w1.*"](BusMsg("ta.rpc.w1.generate", wire.encode(wire.request_to_wire(req)), reply))
     return reply
 
@@ -84,7 +84,7 @@ async def settle() -> None:
 
 async def test_start_subscribes_then_says_hello(svc):
     bus = svc.bus
-    assert set(bus.subs) == {"ta.rpc.w1.*", "ta.discover"} and svc.fake.started
+    assert set(bus.subs) == {"ta.rpc.w1.*", "ta.discover", "ta.frontend.*.hb"} and svc.fake.started
     subj, data, _ = bus.published[0]
     hb = wire.decode_heartbeat(data)
     assert subj == "ta.worker.w1.hello" and hb.instance == svc.instance and hb.info.worker_id == "w1"
@@ -132,12 +132,12 @@ async def test_refused_and_duplicate_requests_end_with_error(svc):
 
 
 async def test_dump_replies_with_snapshot_or_unavailable(svc):
-    await svc.bus.subs["ta.rpc.w1.*"](BusMsg("ta.rpc.w1.dump", b"", "ta.inbox.f.d1"))
-    chunks = [wire.decode_dump_chunk(d) for s, d, _ in svc.bus.published if s == "ta.inbox.f.d1"]
+    await svc.bus.subs["ta.rpc.w1.*"](BusMsg("ta.rpc.w1.dump", b"", "ta.reply.w1.f.call.d1"))
+    chunks = [wire.decode_dump_chunk(d) for s, d, _ in svc.bus.published if s == "ta.reply.w1.f.call.d1"]
     assert wire.join_dump(chunks) == wire.Dump(svc.instance, 3, [5, 6])
     svc.fake.snap = None
-    await svc.bus.subs["ta.rpc.w1.*"](BusMsg("ta.rpc.w1.dump", b"", "ta.inbox.f.d2"))
-    chunks = [wire.decode_dump_chunk(d) for s, d, _ in svc.bus.published if s == "ta.inbox.f.d2"]
+    await svc.bus.subs["ta.rpc.w1.*"](BusMsg("ta.rpc.w1.dump", b"", "ta.reply.w1.f.call.d2"))
+    chunks = [wire.decode_dump_chunk(d) for s, d, _ in svc.bus.published if s == "ta.reply.w1.f.call.d2"]
     assert wire.join_dump(chunks).hashes is None
 
 
@@ -158,3 +158,32 @@ async def test_stop_ends_what_does_not_drain_in_time(svc):
     await asyncio.wait_for(svc.stop(), 2)  # drain_timeout 0.2 s
     assert batches(svc.bus, reply)[-1].outputs[-1].finish_reason == "error"
     assert svc.fake.aborted == ["r1"]
+
+
+async def test_ping_answers_with_this_instance_on_its_own_reply_subject(svc):
+    await svc.bus.subs["ta.rpc.w1.*"](BusMsg("ta.rpc.w1.ping", b"", "ta.reply.w1.f.call.p1"))
+    subj, data, _ = svc.bus.published[-1]
+    assert subj == "ta.reply.w1.f.call.p1" and wire.decode_pong(data).instance == svc.instance
+
+
+async def test_rpcs_asking_for_replies_under_another_workers_name_are_ignored(svc):
+    before = len(svc.bus.published)
+    req = EngineRequest("r9", [1, 2], [], 1, 8)
+    for kind, data in (("generate", wire.encode(wire.request_to_wire(req))), ("dump", b""), ("ping", b"")):
+        await svc.bus.subs["ta.rpc.w1.*"](BusMsg(f"ta.rpc.w1.{kind}", data, "ta.reply.w2.f.r9"))
+    assert len(svc.bus.published) == before and "r9" not in svc.fake.queues
+
+
+async def test_requests_of_a_frontend_that_stops_beating_are_aborted(svc, monkeypatch):
+    now = [svc._now()]
+    monkeypatch.setattr(svc, "_now", lambda: now[0])
+    lease = svc.frontend_lease
+    await generate(svc, "r1", [1])  # to frontend "f"
+    req = wire.request_to_wire(EngineRequest("r2", [1], [], 1, 8))
+    await svc.bus.subs["ta.rpc.w1.*"](BusMsg("ta.rpc.w1.generate", wire.encode(req), "ta.reply.w1.g.r2"))  # to "g"
+    assert svc.check_frontends(now[0] + lease - 0.1) == []  # a request is news of its frontend
+    now[0] += lease - 0.5
+    await svc.bus.subs["ta.frontend.*.hb"](BusMsg("ta.frontend.g.hb", b""))  # g beats, f is silent
+    now[0] += 1.0
+    assert svc.check_frontends(now[0]) == ["r1"]
+    assert svc.fake.aborted == ["r1"] and set(svc._streams) == {"r2"}

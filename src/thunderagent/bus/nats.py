@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 
 #: sender queue length at which a warning is logged (the bus is slower than its publishers)
 _OUTBOX_WARN = 10_000
+#: nats-server's default max_payload
+DEFAULT_MAX_PAYLOAD = 1024 * 1024
 
 
 class BusError(RuntimeError):
@@ -44,6 +47,9 @@ Handler = Callable[[BusMsg], Awaitable[None]]
 
 
 class Bus(Protocol):
+    #: largest message the server accepts (NATS's max_payload; 1 MiB by default), known once connected
+    max_payload: int
+
     async def connect(self) -> None: ...
 
     async def close(self) -> None: ...
@@ -59,32 +65,49 @@ class Bus(Protocol):
         """Wait until everything enqueued so far reached the server."""
 
     async def request_many(
-        self, subject: str, data: bytes, timeout: float, done: Callable[[BusMsg], bool]
+        self, subject: str, data: bytes, timeout: float, done: Callable[[BusMsg], bool], reply: str
     ) -> list[BusMsg]:
-        """Publish with a private reply subject and collect replies until ``done(reply)`` is true.
-        Raises TimeoutError after ``timeout`` seconds, BusError on no responders."""
+        """Publish with the reply subject ``reply`` (unique to this call) and collect replies until
+        ``done(reply)`` is true. Raises TimeoutError after ``timeout`` seconds, BusError on no
+        responders."""
 
 
 class NatsBus:
-    """:class:`Bus` over a NATS server (nats-py), reconnecting forever once connected."""
+    """:class:`Bus` over a NATS server or cluster (nats-py), reconnecting forever once connected.
 
-    def __init__(self, url: str, name: str, connect_timeout: float = 10.0) -> None:
-        self.url = url
+    ``options`` are further ``nats.connect`` arguments: TLS context and credentials
+    (:func:`thunderagent.bus.connect.connect_options` builds them from the config)."""
+
+    def __init__(self, servers: str | list[str], name: str, connect_timeout: float = 10.0,
+                 options: dict[str, Any] | None = None) -> None:
+        self.servers = [servers] if isinstance(servers, str) else list(servers)
+        self.url = ",".join(self.servers)
         self.name = name
         self.connect_timeout = connect_timeout
+        self.options = dict(options or {})
         self._nc: Any = None
         self._out: asyncio.Queue[tuple[str, bytes, str]] = asyncio.Queue()
         self._sender: asyncio.Task[None] | None = None
         self._busy = False  # the sender holds a message it has not handed to nats-py yet
         self._closing = False
 
+    @property
+    def max_payload(self) -> int:
+        return DEFAULT_MAX_PAYLOAD if self._nc is None else int(self._nc.max_payload)
+
     async def connect(self) -> None:
         try:
             import nats
+            from nats.errors import AuthorizationError
         except ImportError as exc:
             raise BusError("the NATS deployment needs nats-py: pip install 'thunderagent[nats]'") from exc
+        refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
 
         async def on_error(exc: Exception) -> None:
+            # Refused credentials or an unverifiable server do not get better by retrying: the first
+            # connection fails at once, naming why (a client that was connected keeps retrying).
+            if self._nc is None and not refused.done() and _is_refusal(exc, AuthorizationError):
+                refused.set_result(exc)
             log.warning("nats (%s): %s", self.name, exc)
 
         async def on_disconnect() -> None:
@@ -95,16 +118,22 @@ class NatsBus:
         async def on_reconnect() -> None:
             log.info("nats (%s): reconnected", self.name)
 
-        try:
-            # With unlimited reconnects nats-py retries the first connection forever too: bound it here.
-            async with asyncio.timeout(self.connect_timeout):
-                self._nc = await nats.connect(
-                    servers=[self.url], name=self.name, connect_timeout=2, allow_reconnect=True,
-                    max_reconnect_attempts=-1, reconnect_time_wait=0.5, error_cb=on_error,
-                    disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
-                )
-        except TimeoutError as exc:
-            raise BusError(f"cannot connect to NATS at {self.url} within {self.connect_timeout:g}s") from exc
+        connecting = asyncio.ensure_future(nats.connect(
+            servers=self.servers, name=self.name, connect_timeout=2, allow_reconnect=True,
+            max_reconnect_attempts=-1, reconnect_time_wait=0.5, error_cb=on_error,
+            disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, **self.options,
+        ))
+        # With unlimited reconnects nats-py retries the first connection forever too: bound it here.
+        done, _ = await asyncio.wait({connecting, refused}, timeout=self.connect_timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if connecting not in done:
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await connecting
+            if refused in done:
+                raise BusError(f"NATS at {self.url} refused {self.name}: {refused.result()!r}")
+            raise BusError(f"cannot connect to NATS at {self.url} within {self.connect_timeout:g}s")
+        self._nc = connecting.result()
         self._sender = asyncio.create_task(self._send(), name=f"nats-sender-{self.name}")
 
     async def close(self) -> None:
@@ -159,13 +188,13 @@ class NatsBus:
                 self._busy = False
 
     async def request_many(
-        self, subject: str, data: bytes, timeout: float, done: Callable[[BusMsg], bool]
+        self, subject: str, data: bytes, timeout: float, done: Callable[[BusMsg], bool], reply: str
     ) -> list[BusMsg]:
-        nc = self._nc
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox)
+        # The reply subject is the caller's, not a NATS _INBOX: a worker may publish only under its
+        # own name, and its replies must be told from another worker's (see bus/wire.py).
+        sub = await self._nc.subscribe(reply)
         try:
-            self.publish(subject, data, reply=inbox)
+            self.publish(subject, data, reply=reply)
             replies: list[BusMsg] = []
             async with asyncio.timeout(timeout):
                 while True:
@@ -180,3 +209,10 @@ class NatsBus:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+
+def _is_refusal(exc: Exception, auth_error: type[Exception]) -> bool:
+    """The server refused our credentials, or TLS failed (certificate not trusted, no TLS there)."""
+    text = str(exc).lower()
+    return (isinstance(exc, (auth_error, ssl.SSLError)) or "authorization violation" in text
+            or "authentication" in text or "tls" in text)

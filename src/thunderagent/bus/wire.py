@@ -15,8 +15,18 @@ Subjects (``<p>`` is the deployment prefix, ``ta`` by default; ``<id>`` a worker
     <p>.rpc.<id>.generate      frontend -> worker    GenerateRequest; outputs go to its reply subject
     <p>.rpc.<id>.abort         frontend -> worker    Abort
     <p>.rpc.<id>.dump          frontend -> worker    (empty) request; DumpChunk replies
+    <p>.rpc.<id>.ping          frontend -> worker    (empty) request; Pong reply: "which instance are you?"
     <p>.discover               frontend -> workers   (empty): every worker answers with a hello
-    <p>.inbox.<frontend>.<rid> worker -> frontend    TokenBatch stream of one request
+    <p>.frontend.<frontend>.hb frontend -> workers   (empty), every heartbeat_interval: the lease of its requests
+    <p>.reply.<id>.<frontend>.<rid>        worker -> frontend   TokenBatch stream of one request
+    <p>.reply.<id>.<frontend>.call.<token> worker -> frontend   replies to a dump or ping
+
+Identity is the subject. Everything a worker publishes is under a subject naming it
+(``<p>.worker.<id>.>``, ``<p>.reply.<id>.>``), so a NATS server that lets each worker's user publish
+only there (README: "Security") makes identity unforgeable; a frontend ignores a message whose
+payload names another worker than its subject, a stream message from another worker than the one
+serving the request, and a new instance of a worker whose current instance still answers a ping. A
+worker answers only to reply subjects under its own name.
 
 A frontend subscribes to ``<p>.worker.>`` with ONE subscription, so a worker's hello, heartbeats,
 events and bye are handled in publication order (NATS keeps one publisher's order per subscriber;
@@ -47,13 +57,16 @@ from thunderagent.types import (
 )
 
 #: bumped on any incompatible change; a frontend ignores workers speaking another version
-WIRE_VERSION = 2  # 2: GenerateRequest carries arrival and sampling
+WIRE_VERSION = 3  # 2: GenerateRequest carries arrival and sampling; 3: replies under <p>.reply.<id>, ping
 #: a worker sends an empty TokenBatch for a request that produced nothing for this long ...
 KEEPALIVE_S = 2.0
 #: ... so a frontend that hears nothing about a request for this long knows it is lost
 STALL_TIMEOUT_S = 4 * KEEPALIVE_S
 #: hashes per DumpChunk: 64 Ki hashes = 512 KiB, under NATS's default 1 MiB max_payload
 DUMP_CHUNK_HASHES = 65536
+#: bytes of a GenerateRequest besides its prompt and hashes: ids, numbers, and room for the
+#: client's cache_salt and lora_name (a longer one is caught when the request is encoded)
+_REQUEST_OVERHEAD = 4096
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -89,8 +102,41 @@ class Subjects:
     def discover(self) -> str:
         return f"{self.prefix}.discover"
 
-    def inbox(self, frontend_id: str) -> str:
-        return f"{self.prefix}.inbox.{frontend_id}"
+    def frontend_beat(self, frontend_id: str) -> str:
+        return f"{self.prefix}.frontend.{frontend_id}.hb"
+
+    def frontend_beats(self) -> str:
+        return f"{self.prefix}.frontend.*.hb"
+
+    def reply(self, worker_id: str, frontend_id: str, request_id: str) -> str:
+        """Where ``worker_id`` streams the outputs of one request of ``frontend_id``."""
+        return f"{self.prefix}.reply.{worker_id}.{frontend_id}.{request_id}"
+
+    def replies(self, frontend_id: str) -> str:
+        """Every request stream to ``frontend_id``, from any worker (not the call replies)."""
+        return f"{self.prefix}.reply.*.{frontend_id}.*"
+
+    def call_reply(self, worker_id: str, frontend_id: str, token: str) -> str:
+        """Where ``worker_id`` answers one dump or ping of ``frontend_id``."""
+        return f"{self.prefix}.reply.{worker_id}.{frontend_id}.call.{token}"
+
+    def reply_prefix(self, worker_id: str) -> str:
+        """Every reply subject of ``worker_id`` starts with this: it answers nowhere else."""
+        return f"{self.prefix}.reply.{worker_id}."
+
+    def parse_reply(self, subject: str) -> tuple[str, str] | None:
+        """``<p>.reply.<id>.<frontend>.<rid>`` -> (id, rid); None for anything else."""
+        parts = subject.split(".")
+        if len(parts) != 5 or parts[0] != self.prefix or parts[1] != "reply":
+            return None
+        return parts[2], parts[4]
+
+    def reply_frontend(self, subject: str) -> str | None:
+        """The frontend a reply subject (stream or call) goes to."""
+        parts = subject.split(".")
+        if len(parts) < 5 or parts[0] != self.prefix or parts[1] != "reply":
+            return None
+        return parts[3]
 
     def parse_worker(self, subject: str) -> tuple[str, str] | None:
         """``<p>.worker.<id>.<kind>`` -> (id, kind); None for anything else."""
@@ -175,6 +221,14 @@ class Heartbeat(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Bye(msgspec.Struct, array_like=True, frozen=True):
+    instance: str
+
+
+class Pong(msgspec.Struct, array_like=True, frozen=True):
+    """A worker's answer to a ping: the instance it runs. A frontend that hears a new instance of a
+    worker pings it; an answer from the instance it knows proves that one alive, and the new claim
+    is ignored (forged, or two processes share the id)."""
+
     instance: str
 
 
@@ -330,6 +384,15 @@ def output_from_wire(request_id: str, w: WireToken) -> TokenOutput:
     return TokenOutput(request_id, w.token_ids, w.time, w.prompt_tokens, w.cached_tokens, w.finished, reason, w.text)
 
 
+def max_prompt_tokens(max_payload: int, block_size: int) -> int:
+    """The longest prompt whose GenerateRequest fits in one bus message: 4 bytes per token and 8
+    per full block hash."""
+    per_block = 4 * block_size + 8
+    budget = max(0, max_payload - _REQUEST_OVERHEAD)
+    blocks, rest = divmod(budget, per_block)
+    return blocks * block_size + min(rest // 4, block_size - 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # cache dumps
 # ---------------------------------------------------------------------------------------------
@@ -390,6 +453,7 @@ encode = _encoder.encode
 decode_heartbeat = msgspec.msgpack.Decoder(Heartbeat).decode
 decode_kv = msgspec.msgpack.Decoder(KvBatch).decode
 decode_bye = msgspec.msgpack.Decoder(Bye).decode
+decode_pong = msgspec.msgpack.Decoder(Pong).decode
 decode_unavailable = msgspec.msgpack.Decoder(Unavailable).decode
 decode_generate = msgspec.msgpack.Decoder(GenerateRequest).decode
 decode_abort = msgspec.msgpack.Decoder(Abort).decode

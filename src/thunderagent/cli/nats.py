@@ -15,7 +15,9 @@ import typer
 
 from thunderagent.config import ConfigError, Policy
 
-NatsOpt = Annotated[str, typer.Option("--nats", help="NATS server URL")]
+NatsOpt = Annotated[Optional[str], typer.Option(
+    "--nats", help="NATS server URL(s), comma separated (default: nats.servers of the config, else nats://127.0.0.1:4222)"
+)]
 PrefixOpt = Annotated[str, typer.Option(help="subject prefix: deployments sharing one NATS server use different ones")]
 ConfigOpt = Annotated[Optional[Path], typer.Option(help="YAML config file (give frontends and workers the same one)",
                                                    exists=True, dir_okay=False)]
@@ -27,7 +29,7 @@ def _logging(level: str) -> None:
 
 
 def frontend(
-    nats: NatsOpt = "nats://127.0.0.1:4222",
+    nats: NatsOpt = None,
     host: Annotated[Optional[str], typer.Option(help="bind address (default 127.0.0.1)")] = None,
     port: Annotated[Optional[int], typer.Option(help="HTTP port (default 8000)", min=0, max=65535)] = None,
     config: ConfigOpt = None,
@@ -39,6 +41,7 @@ def frontend(
     from aiohttp import web
 
     from thunderagent.overrides import build_config
+    from thunderagent.bus.connect import connect_options
     from thunderagent.bus.nats import BusError, NatsBus
     from thunderagent.frontend.app import create_app
     from thunderagent.assemble import build_nats_fleet, load_tokenizer
@@ -46,16 +49,17 @@ def frontend(
 
     _logging(log_level)
     try:
-        cfg = build_config(config, host, port, None, None, policy)
+        cfg = build_config(config, host, port, None, None, policy, nats_servers=nats)
         # real engines: the model's own tokenizer (`model:` in the config), loaded before serving
         tokenizer = load_tokenizer(cfg)
-        fleet = build_nats_fleet(cfg, NatsBus(nats, "frontend"), prefix=prefix, policy=policy)
+        bus = NatsBus(cfg.nats.servers, "frontend", options=connect_options(cfg.nats))
+        fleet = build_nats_fleet(cfg, bus, prefix=prefix, policy=policy)
     except (ConfigError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     cp = cfg.control_plane
     assert isinstance(fleet.membership, NatsMembership)
-    typer.echo(f"ThunderAgent frontend {fleet.membership.frontend_id} on http://{cp.host}:{cp.port}/v1 — workers from {nats}")
+    typer.echo(f"ThunderAgent frontend {fleet.membership.frontend_id} on http://{cp.host}:{cp.port}/v1 — workers from {bus.url}")
     try:
         web.run_app(create_app(cfg, fleet=fleet, tokenizer=tokenizer), host=cp.host, port=cp.port, print=None,
                     access_log=None, handler_cancellation=True)
@@ -65,7 +69,7 @@ def frontend(
 
 
 def worker(
-    nats: NatsOpt = "nats://127.0.0.1:4222",
+    nats: NatsOpt = None,
     id: Annotated[Optional[str], typer.Option("--id", help="worker id (default <host>-<pid>)")] = None,
     config: ConfigOpt = None,
     node: Annotated[int, typer.Option(help="node group of the config this worker runs", min=0)] = 0,
@@ -84,8 +88,8 @@ def worker(
     _logging(log_level)
     wid = id or default_worker_id()
     try:
-        cfg = build_config(config, speedup=speedup)
-        asyncio.run(run_worker(cfg, nats, wid, node, endpoint, prefix))
+        cfg = build_config(config, speedup=speedup, nats_servers=nats)
+        asyncio.run(run_worker(cfg, wid, node, endpoint, prefix))
     except (ConfigError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc

@@ -125,6 +125,8 @@ class Fleet:
         self.stall_timeout = stall_timeout
         #: longest sequence any worker can hold (simulated workers: their KV pool); None = unknown
         self.max_context_tokens: int | None = None
+        #: longest prompt one request message can carry to a worker (over NATS: max_payload); None = any
+        self.max_prompt_tokens: int | None = None
         self.workers: dict[str, WorkerHandle] = {}
         #: workers that reported they cannot serve (reason); back in routing with their next heartbeat
         self.unavailable: dict[str, str] = {}

@@ -7,6 +7,11 @@ on the bus.
 - its lease is the fleet's heartbeat timeout (``heartbeat_interval x heartbeat_misses``): a worker
   that misses it, says ``bye``, cannot be reached (NATS "no responders"), or comes back as a new
   process (new ``instance``) leaves the fleet and its index entries are purged;
+- identity is the subject (``<p>.worker.<id>.>``, ``<p>.reply.<id>.>``; NATS permissions keep each
+  worker to its own): a message whose payload names another worker, or a stream message from
+  another worker than the one serving the request, is ignored and counted; a new instance replaces
+  a known one only when the known one no longer answers a ping (it crashed). Without that
+  evidence anyone on the bus could end a worker's streams with one forged heartbeat;
 - its cache enters the index from a dump (on first meeting, and whenever events were lost), then
   from its KV events; the fleet's :class:`~thunderagent.kv.feed.KvFeed` joins the two seamlessly.
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -35,11 +41,13 @@ from thunderagent.bus.wire import (
     decode_dump_chunk,
     decode_heartbeat,
     decode_kv,
+    decode_pong,
     decode_unavailable,
     events_from_wire,
     info_from_wire,
     join_dump,
     load_from_wire,
+    max_prompt_tokens,
 )
 from thunderagent.control.remote_worker import RemoteLink, RemoteWorker
 from thunderagent.types import LoadReport
@@ -59,15 +67,23 @@ class NatsMembership:
         discovery_window: float = 0.25,
         sync_timeout: float = 1.5,
         dump_timeout: float = 1.0,
+        probe_timeout: float = 1.0,
+        warn_interval: float = 10.0,
     ) -> None:
         self.bus = bus
         self.subjects = Subjects(prefix)
         self.frontend_id = secrets.token_hex(4)
-        self.inbox = self.subjects.inbox(self.frontend_id)
-        self.link = RemoteLink(bus, self.subjects, self.inbox, self.drop)  # no responders: the worker is gone
+        self.link = RemoteLink(bus, self.subjects, self.frontend_id, self.drop)  # no responders: the worker is gone
         self.discovery_window = discovery_window
         self.sync_timeout = sync_timeout
         self.dump_timeout = dump_timeout
+        #: a known instance that does not answer a ping within this is gone (a restart replaces it)
+        self.probe_timeout = probe_timeout
+        self.warn_interval = warn_interval
+        #: messages ignored for what they claim, by kind: "identity" (payload names another worker than
+        #: the subject), "incarnation" (a new instance held until the known one is proven gone),
+        #: "refuted" (the known one answered), "stream" (outputs from a worker not serving the request)
+        self.ignored: Counter[str] = Counter()
         self.remotes: dict[str, RemoteWorker] = {}
         #: seconds from start to an index rebuilt from every worker found at start
         self.index_rebuild_s: float | None = None
@@ -75,6 +91,11 @@ class NatsMembership:
         self._fleet: Fleet | None = None
         self._syncs: dict[str, asyncio.Task[None]] = {}
         self._warned: set[str] = set()
+        self._limited: dict[str, tuple[float, int]] = {}  # key -> (time of the last warning, suppressed since)
+        self._probes: dict[str, asyncio.Task[None]] = {}
+        self._challengers: dict[str, Heartbeat] = {}  # worker -> latest heartbeat of an unproven new instance
+        self._probe_after: dict[str, float] = {}  # worker -> no new probe before (a refuted claim)
+        self._beats: asyncio.Task[None] | None = None
 
     @property
     def fleet(self) -> Fleet:
@@ -86,8 +107,10 @@ class NatsMembership:
         self._fleet = fleet
         t0 = fleet.now()
         await self.bus.connect()
+        fleet.max_prompt_tokens = max_prompt_tokens(self.bus.max_payload, fleet.block_size)
+        self._beats = asyncio.create_task(self._beat(fleet.cfg.control_plane.heartbeat_interval), name="frontend-beat")
         await self.bus.subscribe(self.subjects.all_workers(), self._on_worker_msg)
-        await self.bus.subscribe(f"{self.inbox}.*", self._on_inbox)
+        await self.bus.subscribe(self.subjects.replies(self.frontend_id), self._on_reply)
         self.bus.publish(self.subjects.discover(), b"")
         # Workers answer a discover within milliseconds; each one met starts its dump at once.
         await asyncio.sleep(self.discovery_window)
@@ -99,12 +122,19 @@ class NatsMembership:
                  self.frontend_id, len(self.remotes), fleet.index.num_blocks(), self.index_rebuild_s)
 
     async def stop(self) -> None:
-        for task in self._syncs.values():
+        for task in [*self._syncs.values(), *self._probes.values(), *([self._beats] if self._beats else [])]:
             task.cancel()
         # every worker still serving a request of ours, draining ones included
         for worker in {*self.remotes.values(), *self.link.owners.values()}:
             await worker.stop()
         await self.bus.close()
+
+    async def _beat(self, interval: float) -> None:
+        """This frontend's heartbeat: workers abort its requests when it stops (the request lease)."""
+        subject = self.subjects.frontend_beat(self.frontend_id)
+        while True:
+            self.bus.publish(subject, b"")
+            await asyncio.sleep(interval)
 
     def summary(self) -> dict[str, object]:
         feed = self.fleet.feed
@@ -113,6 +143,8 @@ class NatsMembership:
             "index_rebuild_s": None if self.index_rebuild_s is None else round(self.index_rebuild_s, 4),
             "syncing": sorted(w for w in self.remotes if feed.is_syncing(w)),
             "dumps_applied": self.dumps_applied,
+            "instances": {w: r.instance for w, r in sorted(self.remotes.items())},
+            "ignored_messages": dict(self.ignored),
         }}
 
     # -- worker messages (one subscription: in publication order per worker) ----------------
@@ -144,14 +176,18 @@ class NatsMembership:
         return None if w is None else w.instance
 
     def on_heartbeat_msg(self, wid: str, hb: Heartbeat) -> None:
-        if hb.version != WIRE_VERSION or hb.info.worker_id != wid:
-            self._warn_once(f"version:{wid}", "worker %s speaks wire version %d (id %s), this frontend %d: ignored",
-                            wid, hb.version, hb.info.worker_id, WIRE_VERSION)
+        if hb.version != WIRE_VERSION:
+            self._warn_once(f"version:{wid}", "worker %s speaks wire version %d, this frontend %d: ignored",
+                            wid, hb.version, WIRE_VERSION)
+            return
+        if hb.info.worker_id != wid:
+            self._ignore("identity", wid, "a heartbeat on worker %s's subject claims to be worker %s: ignored",
+                         wid, hb.info.worker_id)
             return
         known = self._instance(wid)
         if known is not None and known != hb.instance:
-            self.drop(wid, "restarted")
-            known = None
+            self._challenge(wid, known, hb)
+            return
         load = load_from_wire(hb.load, wid)
         if known is None and not self._add(wid, hb, load):
             return
@@ -179,8 +215,56 @@ class NatsMembership:
         log.info("worker %s joined (%s engine, instance %s)", wid, hb.info.engine, hb.instance)
         return True
 
+    # -- a new instance of a known worker: a restart only with evidence -----------------------
+    def _challenge(self, wid: str, known: str, hb: Heartbeat) -> None:
+        """``hb`` claims a new process behind worker ``wid``. A restart (the old process crashed)
+        looks like this, and so does a forgery or a second process given the same id. The claim is
+        held, and the known instance pinged: if it answers, it is alive and the claim is ignored;
+        if not, it is gone, and the new instance replaces it. (A clean stop said bye, and a silent
+        worker's lease expires: both remove the known instance without a probe.)"""
+        self.ignored["incarnation"] += 1
+        self._challengers[wid] = hb
+        if wid not in self._probes and self.fleet.now() >= self._probe_after.get(wid, 0.0):
+            self._probes[wid] = asyncio.create_task(self._probe(wid, known), name=f"probe-{wid}")
+
+    async def _probe(self, wid: str, known: str) -> None:
+        try:
+            alive = await self._answers(wid, known)
+            hb = self._challengers.pop(wid, None)
+            current = self._instance(wid)
+            if alive and current == known:
+                self._probe_after[wid] = self.fleet.now() + max(5.0, 5 * self.probe_timeout)
+                self._ignore("refuted", wid, "worker %s: instance %s claimed to replace the running instance %s, "
+                             "which still answers: ignored (forged, or two workers share the id)",
+                             wid, "?" if hb is None else hb.instance, known)
+                return
+            if current == known:
+                self.drop(wid, "restarted")
+            if hb is not None and self._instance(wid) is None:
+                self.on_heartbeat_msg(wid, hb)  # the new process, registered from its latest heartbeat
+        finally:
+            if self._probes.get(wid) is asyncio.current_task():
+                del self._probes[wid]
+
+    async def _answers(self, wid: str, instance: str) -> bool:
+        """Does ``instance`` of ``wid`` answer a ping within ``probe_timeout``?"""
+        def is_it(msg: BusMsg) -> bool:
+            try:
+                return decode_pong(msg.data).instance == instance
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return False  # a garbage answer proves nothing either way
+
+        reply = self.subjects.call_reply(wid, self.frontend_id, secrets.token_hex(6))
+        try:
+            await self.bus.request_many(self.subjects.rpc(wid, "ping"), b"", self.probe_timeout, is_it, reply)
+        except (TimeoutError, BusError):
+            return False
+        return True
+
     def drop(self, wid: str, reason: str, *, drain: bool = False) -> None:
         """Remove a worker from this frontend's fleet; see :meth:`Fleet.leave` for its requests."""
+        if wid not in self._probes:
+            self._challengers.pop(wid, None)
         if self.remotes.pop(wid, None) is None:
             return
         task = self._syncs.pop(wid, None)
@@ -220,6 +304,7 @@ class NatsMembership:
                     replies = await self.bus.request_many(
                         self.subjects.rpc(wid, "dump"), b"", self.dump_timeout,
                         lambda m: decode_dump_chunk(m.data).final,
+                        self.subjects.call_reply(wid, self.frontend_id, secrets.token_hex(6)),
                     )
                     dump = join_dump([decode_dump_chunk(m.data) for m in replies])
                 except (TimeoutError, BusError, ValueError, msgspec.DecodeError) as exc:
@@ -243,11 +328,33 @@ class NatsMembership:
                 del self._syncs[wid]
 
     # -- requests ----------------------------------------------------------------------------
-    async def _on_inbox(self, msg: BusMsg) -> None:
-        rid = msg.subject.rsplit(".", 1)[1]
+    async def _on_reply(self, msg: BusMsg) -> None:
+        parsed = self.subjects.parse_reply(msg.subject)
+        if parsed is None:
+            return
+        wid, rid = parsed
         owner = self.link.owners.get(rid)
-        if owner is not None:
-            owner.on_stream(rid, msg)
+        if owner is None:
+            return  # finished or aborted: late messages are normal
+        if owner.worker_id != wid:
+            self._ignore("stream", wid, "worker %s sent outputs of request %s, which %s serves: ignored",
+                         wid, rid, owner.worker_id)
+            return
+        owner.on_stream(rid, msg)
+
+    def _ignore(self, kind: str, wid: str, fmt: str, *args: object) -> None:
+        """Count a message ignored for what it claims; warn at most every ``warn_interval`` seconds
+        per kind and worker (a flood of forgeries must not flood the log)."""
+        self.ignored[kind] += 1
+        key = f"{kind}:{wid}"
+        now = self.fleet.now()
+        last, suppressed = self._limited.get(key, (float("-inf"), 0))
+        if now - last < self.warn_interval:
+            self._limited[key] = (last, suppressed + 1)
+            return
+        self._limited[key] = (now, 0)
+        more = f" ({suppressed} more since the last warning)" if suppressed else ""
+        log.warning(fmt + more, *args)
 
     def _warn_once(self, key: str, fmt: str, *args: object) -> None:
         if key not in self._warned:

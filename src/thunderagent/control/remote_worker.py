@@ -6,7 +6,9 @@ request; empty batches after it are keepalives (they touch the queue, so the fle
 sees a live request); a missing batch number means messages were lost and the request ends
 ``ERROR``. Its load is the worker's last heartbeat plus the requests sent since, so two quick
 requests never both see an idle worker. It shares a :class:`RemoteLink` (bus, subjects, this
-frontend's inbox, who serves which request) with the other remote workers of its membership.
+frontend's id, who serves which request) with the other remote workers of its membership. A
+request's outputs come back on ``<p>.reply.<worker>.<frontend>.<rid>``: the membership hands a
+stream message only to the worker its subject names (see :mod:`thunderagent.bus.wire`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class RemoteLink:
 
     bus: Bus
     subjects: Subjects
-    inbox: str  # this frontend's reply subject prefix: ``<inbox>.<request id>``
+    frontend_id: str  # replies come to ``<p>.reply.<worker>.<frontend_id>.<request id>``
     #: the worker is unreachable (NATS "no responders"): the membership drops it
     on_lost: Callable[[str, str], None]
     owners: dict[str, RemoteWorker] = field(default_factory=dict)  # request id -> worker serving it
@@ -62,17 +64,24 @@ class RemoteWorker:
 
     async def stop(self) -> None:
         for st in self.take_streams():
+            self.send_abort(st.req.request_id)  # the worker need not finish what nobody will read
             self._finish(st, FinishReason.ABORT)  # this frontend shuts down
 
     def submit(self, req: EngineRequest) -> OutputQueue:
         link = self._link
         rid = req.request_id
         queue = OutputQueue(self._cb.clock())
+        data = encode(request_to_wire(req))
+        if len(data) > link.bus.max_payload:  # the bus would drop it: end it now, not after the stall timeout
+            log.warning("request %s: %d bytes, over the bus's max_payload of %d: ended", rid, len(data),
+                        link.bus.max_payload)
+            self._finish(_Stream(req, queue), FinishReason.ERROR)
+            return queue
         self._streams[rid] = _Stream(req, queue)
         link.owners[rid] = self
         self._unreported[rid] = len(req.prompt_tokens)
-        link.bus.publish(link.subjects.rpc(self.worker_id, "generate"), encode(request_to_wire(req)),
-                         reply=f"{link.inbox}.{rid}")
+        link.bus.publish(link.subjects.rpc(self.worker_id, "generate"), data,
+                         reply=link.subjects.reply(self.worker_id, link.frontend_id, rid))
         self._cb.on_load(self.worker_id, self.load())
         return queue
 

@@ -9,7 +9,12 @@ A :class:`WorkerService` wraps any :class:`WorkerHandle` (the simulated engine d
 - ``<p>.rpc.<id>.generate`` starts a request; its outputs stream to the request's reply subject as
   ``TokenBatch`` messages numbered from 0 (0 = accepted), with an empty keepalive batch whenever a
   request produced nothing for ``KEEPALIVE_S``; ``abort`` cancels one; ``dump`` answers with the
-  cached hashes and the last event seq they include (``DumpChunk``s);
+  cached hashes and the last event seq they include (``DumpChunk``s); ``ping`` with this process's
+  instance (``Pong``: a frontend that hears of a new instance asks whether the old one still runs);
+- a request lives as long as its frontend: one that misses ``frontend_lease`` seconds of
+  heartbeats (``<p>.frontend.<fid>.hb``) is gone, and its requests are aborted (nobody reads them);
+- it answers only to reply subjects under its own name (``<p>.reply.<id>.``): what it publishes
+  always names it, so NATS permissions can bind its identity (see :mod:`thunderagent.bus.wire`);
 - on SIGTERM/SIGINT: ``bye`` (frontends take it out of routing at once), then it drains: requests in
   flight finish (up to ``drain_timeout``; the rest end with "error"), new ones are answered
   "unavailable" (the frontend routes them elsewhere).
@@ -29,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from thunderagent.config import Config, NodeConfig
+from thunderagent.bus.connect import connect_options
 from thunderagent.bus.nats import Bus, BusMsg, NatsBus
 from thunderagent.types import WorkerInfo
 from thunderagent.bus.wire import (
@@ -37,6 +43,7 @@ from thunderagent.bus.wire import (
     Bye,
     Heartbeat,
     KvBatch,
+    Pong,
     Subjects,
     TokenBatch,
     Unavailable,
@@ -66,6 +73,7 @@ class _Out:
     reply: str
     n: int  # next message number
     last: float  # loop time of the last message sent
+    frontend: str = ""  # the frontend it streams to (its id, from the reply subject)
     task: asyncio.Task[None] | None = None
 
 
@@ -80,6 +88,7 @@ class WorkerService:
         *,
         keepalive: float = KEEPALIVE_S,
         drain_timeout: float = 30.0,
+        frontend_lease: float = 3.0,
     ) -> None:
         self.bus = bus
         self.subjects = subjects
@@ -91,6 +100,8 @@ class WorkerService:
         self.instance = secrets.token_hex(6)
         self.keepalive = keepalive
         self.drain_timeout = drain_timeout
+        self.frontend_lease = frontend_lease
+        self._frontends: dict[str, float] = {}  # frontend id -> loop time it was last heard of
         self._closing = False
         self._build = build
         self.handle: WorkerHandle | None = None
@@ -98,6 +109,8 @@ class WorkerService:
         self._load = LoadReport(info.worker_id, 0.0, 0, 0, 0, 0, 0, 0, info.kv_total_blocks)  # last pushed
         self._streams: dict[str, _Out] = {}
         self._keepalive_task: asyncio.Task[None] | None = None
+        self._replies = subjects.reply_prefix(self.worker_id)
+        self._refused_replies = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -109,6 +122,7 @@ class WorkerService:
         # Subscribe (and flush) before saying hello: a frontend dumps a worker as soon as it meets it.
         await self.bus.subscribe(self.subjects.rpcs(self.worker_id), self._on_rpc)
         await self.bus.subscribe(self.subjects.discover(), self._on_discover)
+        await self.bus.subscribe(self.subjects.frontend_beats(), self._on_frontend_beat)
         self.handle.start()
         self._publish_heartbeat("hello", self._load)
         self._keepalive_task = asyncio.create_task(self._keepalives(), name="keepalives")
@@ -168,8 +182,33 @@ class WorkerService:
             return
         self._publish_heartbeat("hello", self._load)
 
+    async def _on_frontend_beat(self, msg: BusMsg) -> None:
+        self._frontends[msg.subject.split(".")[-2]] = self._now()
+
+    def check_frontends(self, now: float) -> list[str]:
+        """Abort the requests of frontends not heard of for ``frontend_lease``; returns their ids."""
+        gone = {f for f, t in self._frontends.items() if now - t > self.frontend_lease}
+        for f in gone:
+            del self._frontends[f]
+        ended = [rid for rid, out in self._streams.items() if out.frontend in gone]
+        for rid in ended:
+            self._drop_stream(rid)
+            assert self.handle is not None
+            self.handle.abort(rid)
+        if ended:
+            log.warning("frontend(s) %s silent for %.1fs: %d requests aborted", ", ".join(sorted(gone)),
+                        self.frontend_lease, len(ended))
+        return ended
+
     async def _on_rpc(self, msg: BusMsg) -> None:
         kind = msg.subject.rsplit(".", 1)[1]
+        if msg.reply and not msg.reply.startswith(self._replies):
+            # Answering there would speak for another worker (NATS permissions would refuse it too).
+            self._refused_replies += 1
+            if self._refused_replies in (1, 10, 100) or self._refused_replies % 1000 == 0:
+                log.warning("%s rpc with reply subject %s, not under %s: ignored (%d so far)",
+                            kind, msg.reply, self._replies, self._refused_replies)
+            return
         if kind == "generate":
             self._generate(msg)
         elif kind == "abort":
@@ -179,6 +218,9 @@ class WorkerService:
                 self.handle.abort(rid)
         elif kind == "dump":
             self._dump(msg)
+        elif kind == "ping":
+            if msg.reply:
+                self.bus.publish(msg.reply, encode(Pong(self.instance)))
         else:
             log.warning("unknown rpc %s", msg.subject)
 
@@ -206,6 +248,8 @@ class WorkerService:
             self._send(out, [TokenOutput(rid, [], self._now(), plen, 0, True, FinishReason.ERROR)], str(exc))
             return
         self._send(out, [])  # n=0: accepted
+        out.frontend = self.subjects.reply_frontend(msg.reply) or ""
+        self._frontends[out.frontend] = self._now()  # a request is news of its frontend too
         self._streams[rid] = out
         out.task = asyncio.create_task(self._pump(rid, out, queue), name=f"out-{rid}")
 
@@ -247,6 +291,7 @@ class WorkerService:
         while True:
             await asyncio.sleep(self.keepalive / 2)
             now = self._now()
+            self.check_frontends(now)
             for out in list(self._streams.values()):
                 if now - out.last >= self.keepalive:
                     self._send(out, [])
@@ -273,9 +318,9 @@ def handle_builder(cfg: Config, node: NodeConfig, worker_id: str, endpoint: int)
     return lambda cb: factory(node, worker_id, endpoint, cb)
 
 
-async def run_worker(cfg: Config, nats_url: str, worker_id: str, node_index: int = 0, endpoint: int = 0,
+async def run_worker(cfg: Config, worker_id: str, node_index: int = 0, endpoint: int = 0,
                      prefix: str = "ta") -> None:
-    """Run one worker until SIGTERM / SIGINT."""
+    """Run one worker until SIGTERM / SIGINT, on the bus of ``cfg.nats``."""
     nodes = cfg.execution_group.nodes
     if not 0 <= node_index < len(nodes):
         raise ValueError(f"--node {node_index} out of range: the config has {len(nodes)} node groups")
@@ -284,7 +329,10 @@ async def run_worker(cfg: Config, nats_url: str, worker_id: str, node_index: int
     info = WorkerInfo(worker_id, node.role.value, node.block_size, node.max_num_batched_tokens,
                       node.queue_depth_threshold, node.kv_blocks)
     build = handle_builder(cfg, node, worker_id, endpoint)
-    service = WorkerService(NatsBus(nats_url, f"worker {worker_id}"), Subjects(prefix), info, node.engine, build)
+    bus = NatsBus(cfg.nats.servers, f"worker {worker_id}", options=connect_options(cfg.nats))
+    cp = cfg.control_plane  # frontends beat every heartbeat_interval, like workers
+    service = WorkerService(bus, Subjects(prefix), info, node.engine, build,
+                            frontend_lease=cp.heartbeat_interval * cp.heartbeat_misses)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
