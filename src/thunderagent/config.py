@@ -40,6 +40,27 @@ class ControlPlaneConfig(_Strict):
     health_check_enabled: bool = True
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="largest accepted request body")
     default_max_tokens: int = Field(1024, ge=1, description="max_tokens when a request gives none")
+    # Hostile-client limits of the HTTP server (frontend/server.py, frontend/limits.py).
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="a request body not fully received this long after its headers gets 408 and the "
+        "connection is closed (slow bodies, a Content-Length larger than the body)",
+    )
+    idle_timeout_s: float = Field(
+        60.0, gt=0, description="a connection that has not sent a complete request head this long after it opened "
+        "or after its last response is closed (idle keep-alive and slow headers share this timer)",
+    )
+    max_header_bytes: int = Field(
+        8190, ge=1024, le=1024 * 1024, description="longest request line and longest single header line (431 above)",
+    )
+    max_headers: int = Field(100, ge=16, le=10_000, description="most header lines in a request (431 above)")
+    max_connections: int = Field(
+        1024, ge=1, description="open client connections at most; past it a new connection gets 503 and is closed "
+        "(keep it under the process's open-file limit, ulimit -n)",
+    )
+    error_log_interval_s: float = Field(
+        60.0, gt=0, description="an error cause is logged once per this many seconds, with a count of the "
+        "repeats suppressed in between",
+    )
 
 
 class Role(str, Enum):

@@ -12,6 +12,7 @@ from openai import AsyncOpenAI
 from thunderagent.config import Config
 from thunderagent.control.fleet import Fleet
 from thunderagent.frontend.app import FLEET_KEY, create_app
+from thunderagent.frontend.server import ConnectionGuard, FrontendRunner
 from thunderagent.frontend.tokenizer import Tokenizer
 
 
@@ -21,12 +22,13 @@ class Server:
     fleet: Fleet
     client: AsyncOpenAI
     tokenizer: Tokenizer
+    guard: ConnectionGuard | None = None  # open connections, as the server counts them
 
 
 @asynccontextmanager
 async def running_server(cfg: Config, *, fleet: Fleet | None = None, timeout: float = 30) -> AsyncIterator[Server]:
     app = create_app(cfg, fleet=fleet)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)  # as `serve` runs it
+    runner = FrontendRunner(app)  # as `serve` runs it: with the control plane's connection limits
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -36,7 +38,7 @@ async def running_server(cfg: Config, *, fleet: Fleet | None = None, timeout: fl
     from thunderagent.frontend.app import FRONTEND_KEY
 
     try:
-        yield Server(base, app[FLEET_KEY], client, app[FRONTEND_KEY].tokenizer)
+        yield Server(base, app[FLEET_KEY], client, app[FRONTEND_KEY].tokenizer, runner.guard)
     finally:
         await client.close()
         await runner.cleanup()

@@ -38,12 +38,11 @@ def frontend(
     log_level: LogOpt = "info",
 ) -> None:
     """Run an OpenAI-compatible frontend whose workers are discovered over NATS (run several: replicas)."""
-    from aiohttp import web
-
     from thunderagent.overrides import build_config
     from thunderagent.bus.connect import connect_options
     from thunderagent.bus.nats import BusError, NatsBus
     from thunderagent.frontend.app import create_app
+    from thunderagent.frontend.server import run_frontend
     from thunderagent.assemble import build_nats_fleet, load_tokenizer
     from thunderagent.control.nats_membership import NatsMembership
 
@@ -61,8 +60,7 @@ def frontend(
     assert isinstance(fleet.membership, NatsMembership)
     typer.echo(f"ThunderAgent frontend {fleet.membership.frontend_id} on http://{cp.host}:{cp.port}/v1 — workers from {bus.url}")
     try:
-        web.run_app(create_app(cfg, fleet=fleet, tokenizer=tokenizer), host=cp.host, port=cp.port, print=None,
-                    access_log=None, handler_cancellation=True)
+        run_frontend(create_app(cfg, fleet=fleet, tokenizer=tokenizer), cp.host, cp.port)
     except BusError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc

@@ -33,9 +33,8 @@ def serve(
 ) -> None:
     """Run the OpenAI-compatible frontend and the KV-aware router in one process, in front of simulated
     workers or of real engine servers (--model DIR --worker URL=EVENTS ...)."""
-    from aiohttp import web
-
     from thunderagent.frontend.app import create_app
+    from thunderagent.frontend.server import run_frontend
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -52,9 +51,7 @@ def serve(
     n = sum(node.count for node in cfg.execution_group.nodes)
     typer.echo(f"ThunderAgent on http://{cp.host}:{cp.port}/v1 — {n} {'/'.join(kinds)} workers, "
                f"model {cfg.model_name}, policy {cfg.routing.policy.value}")
-    # handler_cancellation: a client that hangs up cancels its handler, so a request it left in the
-    # scheduler's queue leaves at once
-    web.run_app(application, host=cp.host, port=cp.port, print=None, access_log=None, handler_cancellation=True)
+    run_frontend(application, cp.host, cp.port)  # with the control plane's connection limits
 
 
 def check_config(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False)]) -> None:

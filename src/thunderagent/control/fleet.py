@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
+import secrets
 import logging
 import random
 import time
@@ -131,7 +131,6 @@ class Fleet:
         #: workers that reported they cannot serve (reason); back in routing with their next heartbeat
         self.unavailable: dict[str, str] = {}
         self._clock = clock
-        self._ids = itertools.count()
         self._inflight: dict[str, Generation] = {}
         self._held: dict[str, _HeldCall] = {}  # requests waiting in the scheduler, by id
         self.programs = ProgramTable(cfg.scheduler.program_idle_ttl_s)
@@ -293,7 +292,7 @@ class Fleet:
         scheduler's queue is full. A caller cancelled while its request is held leaves the queue."""
         received = self.now()
         t0 = time.perf_counter()
-        rid = f"{next(self._ids):08x}-{random.getrandbits(32):08x}"
+        rid = secrets.token_hex(12)  # unguessable: ids appear in responses and abort paths
         req = self.dispatcher.prepare(rid, prompt_ids, max_tokens, cache_salt=cache_salt, lora_name=lora_name,
                                       priority=priority, ignore_eos=ignore_eos, sampling=sampling, arrival=received)
         try:

@@ -19,6 +19,9 @@ from aiohttp import web
 
 from thunderagent.config import Config
 from thunderagent.control.fleet import Fleet, Generation, NoWorkerAvailable, QueueFull
+from thunderagent.frontend.errorlog import ERROR_LOG_KEY, ErrorLog
+from thunderagent.frontend.limits import LIMITS_KEY, limits_middleware
+from thunderagent.frontend.openapi import add_openapi_route
 from thunderagent.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -84,8 +87,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         if exc.status < 400:
             raise
         resp = _error(RequestError(exc.reason, status=exc.status, type_="invalid_request_error"))
-    except Exception:
-        log.exception("internal error on %s %s", request.method, request.path)
+    except Exception as exc:  # logged once per cause per interval: a flood of one bug is one line
+        request.app[ERROR_LOG_KEY].exception(exc, "internal error on %s %s", request.method, request.path)
         resp = _error(RequestError("internal server error", status=500, type_="server_error"))
     fleet.metrics.requests.labels(endpoint, str(resp.status)).inc()
     return resp
@@ -321,8 +324,11 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
         tokenizer = load_tokenizer(cfg)
     if fleet is None:
         fleet = build_fleet(cfg, tokenizer)
-    app = web.Application(middlewares=[errors_middleware], client_max_size=cfg.control_plane.max_body_bytes)
+    app = web.Application(middlewares=[errors_middleware, limits_middleware],
+                          client_max_size=cfg.control_plane.max_body_bytes)
     app[FLEET_KEY] = fleet
+    app[LIMITS_KEY] = cfg.control_plane
+    app[ERROR_LOG_KEY] = ErrorLog(log, cfg.control_plane.error_log_interval_s)
     fe = Frontend(fleet, tokenizer, cfg.control_plane.default_max_tokens, cfg.routing.route_key)
     app[FRONTEND_KEY] = fe
     app.router.add_post("/v1/chat/completions", fe.chat_completions)
@@ -334,6 +340,7 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     app.router.add_get("/health", fe.health)
     if cfg.metrics.enabled:
         app.router.add_get(cfg.metrics.path, fe.metrics)
+    add_openapi_route(app, cfg)
 
     async def on_startup(app: web.Application) -> None:
         await fleet.start()

@@ -1,68 +1,115 @@
 """OpenAI wire format: typed request structs (msgspec) and the error shape.
 
 msgspec validates while it decodes, and its errors name the offending path (``$.max_tokens``),
-which becomes the ``param`` of the OpenAI error. Unknown fields are ignored, as OpenAI clients send
-extras (``user``, ``logprobs``...).
+which becomes the ``param`` of the OpenAI error. Nothing is silently ignored: an unknown field is a
+400 naming it, and an OpenAI field we do not implement (``logprobs``, ``tools``, penalties...) is
+accepted only with the value that means "off" (``NEUTRAL``), else a 400 naming it. Numbers are
+bounded to what the engines can carry (token ids are uint32, seeds int64).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 from thunderagent.scheduler.programs import PROGRAM_ID
 
-PositiveInt = Annotated[int, Meta(ge=1)]
+INT32_MAX = 2**31 - 1
+MaxTokens = Annotated[int, Meta(ge=1, le=INT32_MAX)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+Priority = Annotated[int, Meta(ge=-INT32_MAX - 1, le=INT32_MAX)]
+#: token ids are hashed and shipped as uint32
+MAX_TOKEN_ID = 2**32 - 1
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 MAX_STOP = 4
 
 
-class Message(msgspec.Struct):
+class Message(msgspec.Struct, forbid_unknown_fields=True):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, object]] | None = None
+    content: str | list[dict[str, Any]] | None = None
+    # OpenAI message fields accepted only empty (see NEUTRAL): clients echo assistant messages back
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None
+    refusal: str | None = None
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class _Common(msgspec.Struct, kw_only=True):
+class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str
-    max_tokens: PositiveInt | None = None
+    max_tokens: MaxTokens | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     n: Literal[1] = 1
-    seed: int | None = None
+    seed: Seed | None = None
+    # OpenAI fields not implemented: accepted only with their "off" value (NEUTRAL)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     # ThunderAgent extensions
     cache_salt: str | None = None
     lora_name: str | None = None
-    priority: int = 0
+    priority: Priority = 0
     explain: bool = False  # return the routing decision in the body
     user: str | None = None  # OpenAI's end-user id: the route key with `routing.route_key: body:user`
     program_id: str | None = None  # the agent program (ThunderAgent paper's proxy field)
-    extra_body: dict[str, object] | None = None  # clients that nest extensions here (program_id)
+    extra_body: dict[str, Any] | None = None  # clients that nest extensions here (program_id)
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
     messages: Annotated[list[Message], Meta(min_length=1)]
-    max_completion_tokens: PositiveInt | None = None
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # has no effect without tools, which are refused
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
     # str, a token-id list, or a one-element list of str; checked in ``prompt_input``.
     prompt: str | list[int | str]
     echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
 
 
-class ReleaseRequest(msgspec.Struct):
+class ReleaseRequest(msgspec.Struct, forbid_unknown_fields=True):
     program_id: str
+
+
+# OpenAI fields this server does not implement, with the values that ask for nothing (what OpenAI
+# does when they are absent). Any other value would be silently ignored, so it is refused instead.
+NEUTRAL: dict[str, tuple[object, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "frequency_penalty": (None, 0.0),
+    "presence_penalty": (None, 0.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "echo": (False,),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+}
+NEUTRAL_COMPLETION = {**NEUTRAL, "logprobs": (None,)}  # an int there: 0 still returns logprobs
+NEUTRAL_MESSAGE: dict[str, tuple[object, ...]] = {
+    "name": (None,), "tool_calls": (None, []), "tool_call_id": (None,), "function_call": (None,), "refusal": (None,),
+}
 
 
 class RequestError(Exception):
@@ -85,22 +132,48 @@ class RequestError(Exception):
 
 
 _PATH = re.compile(r" - at `\$\.?([^`]*)`")
-_MISSING = re.compile(r"missing required field `([^`]*)`")
+_NAMED = re.compile(r"(?:missing required|unknown) field `([^`]*)`")
 
 
 def decode_request(body: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
     try:
-        return msgspec.json.decode(body, type=kind)
+        req = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         msg = str(exc)
         m = _PATH.search(msg)
         param = m.group(1) if m else None
-        missing = _MISSING.search(msg)
-        if missing:
-            param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+        named = _NAMED.search(msg)
+        if named:
+            param = f"{param}.{named.group(1)}" if param else named.group(1)
+        if "unknown field" in msg:
+            msg = f"unsupported field `{param}`: this server does not implement it; remove it from the request"
+            raise RequestError(msg, param=param, code="unsupported_parameter") from exc
         raise RequestError(msg, param=param or None) from exc
     except msgspec.DecodeError as exc:
         raise RequestError(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # msgspec's own guard against stack exhaustion
+        raise RequestError("request body is nested too deeply", code="nesting_too_deep") from exc
+    _check_neutral(req, NEUTRAL_COMPLETION if isinstance(req, CompletionRequest) else NEUTRAL, "")
+    for i, message in enumerate(getattr(req, "messages", ())):
+        _check_neutral(message, NEUTRAL_MESSAGE, f"messages[{i}].")
+    return req
+
+
+def _is(value: object, allowed: object) -> bool:
+    return value is allowed or (type(value) is type(allowed) and value == allowed)  # False is not 0
+
+
+def _check_neutral(obj: msgspec.Struct, table: dict[str, tuple[object, ...]], prefix: str) -> None:
+    for name, allowed in table.items():
+        if name not in obj.__struct_fields__:
+            continue
+        value = getattr(obj, name)
+        if not any(_is(value, a) for a in allowed):
+            shown = " or ".join(msgspec.json.encode(a).decode() for a in allowed)
+            raise RequestError(
+                f"`{prefix}{name}` is not supported by this server: leave it out (or {shown})",
+                param=prefix + name, code="unsupported_parameter",
+            )
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -146,13 +219,14 @@ def prompt_input(prompt: str | list[int | str]) -> str | list[int]:
         if len(prompt) != 1:
             raise RequestError("only one prompt per request is supported", param="prompt")
         return str(prompt[0])
-    if all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in prompt):
+    if all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= MAX_TOKEN_ID for p in prompt):
         return [int(p) for p in prompt]
-    raise RequestError("prompt must be a string or a list of non-negative token ids", param="prompt")
+    raise RequestError(f"prompt must be a string or a list of token ids in [0, {MAX_TOKEN_ID}] (non-negative "
+                       "uint32)", param="prompt")
 
 
 def check_program_id(value: object) -> str:
     """A program id is 1-128 letters, digits or ``._:-`` (it appears in URLs and logs)."""
-    if not isinstance(value, str) or not PROGRAM_ID.match(value):
+    if not isinstance(value, str) or not PROGRAM_ID.fullmatch(value):
         raise RequestError("program_id must be 1-128 letters, digits, '.', '_', ':' or '-'", param="program_id")
     return value

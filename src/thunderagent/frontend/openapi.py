@@ -1,0 +1,144 @@
+"""The OpenAPI 3.1 document of our HTTP API, served at ``GET /openapi.json``.
+
+Request bodies are generated from the msgspec structs that decode them (``frontend/protocol.py``),
+narrowed to what is really accepted: the served model, the OpenAI fields we do not implement to their
+neutral values, program ids to their pattern. A test compares the document's paths with the app's
+routes, and the fuzz test (schemathesis) checks the responses against it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from thunderagent.config import Config
+from thunderagent.frontend.protocol import (
+    MAX_STOP, NEUTRAL, NEUTRAL_COMPLETION, NEUTRAL_MESSAGE, ChatCompletionRequest, CompletionRequest,
+    ReleaseRequest,
+)
+
+PATH = "/openapi.json"
+PROGRAM_ID_SCHEMA = {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,128}$"}
+_ERROR = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
+    }},
+}
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"]}
+_CHOICE_COMMON = {"index": {"type": "integer"}, "finish_reason": {"type": ["string", "null"]}}
+_CHAT = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+    "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
+    "model": {"type": "string"}, "usage": _USAGE, "choices": {"type": "array", "items": {
+        "type": "object", "required": ["index", "message", "finish_reason"],
+        "properties": {**_CHOICE_COMMON, "message": {"type": "object", "required": ["role", "content"]}},
+    }},
+}}
+_COMPLETION = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+    "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
+    "model": {"type": "string"}, "usage": _USAGE, "choices": {"type": "array", "items": {
+        "type": "object", "required": ["index", "text", "finish_reason"],
+        "properties": {**_CHOICE_COMMON, "text": {"type": "string"}},
+    }},
+}}
+#: one server-sent event: `data:` is a chunk as JSON, or `[DONE]`
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+_LIST = {"type": "object", "required": ["object", "data"], "properties": {
+    "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object"}}}}
+_RELEASED = {"type": "object", "required": ["id", "released"],
+             "properties": {"id": {"type": "string"}, "released": {"const": True}}}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    """Error responses (OpenAI's shape); ``default`` covers the ones every endpoint can give (415, 431...)."""
+    out = {str(s): _json(_ERROR, "error") for s in statuses}
+    out["default"] = _json(_ERROR, "error (malformed request, unsupported media type, oversized header...)")
+    return out
+
+
+def _generate(summary: str, body: str, result: dict[str, Any]) -> dict[str, Any]:
+    ok = {"description": "the completion; `stream: true` gives server-sent events",
+          "content": {"application/json": {"schema": result}, "text/event-stream": {"schema": _SSE_EVENT}}}
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{body}"}}}},
+        "responses": {"200": ok, **_errors(400, 404, 408, 413, 415, 429, 502, 503)},
+    }}
+
+
+def _narrow(components: dict[str, Any], model_name: str) -> None:
+    """Say in the schema what the server checks after decoding."""
+    for name, table in (("ChatCompletionRequest", NEUTRAL), ("CompletionRequest", NEUTRAL_COMPLETION),
+                        ("Message", NEUTRAL_MESSAGE)):
+        props = components[name]["properties"]
+        for field, allowed in table.items():
+            if field in props:
+                props[field] = {"enum": list(allowed), "description": "not implemented: only the neutral value"}
+        if "model" in props:
+            props["model"] = {"enum": [model_name], "description": "the served model (GET /v1/models); others: 404"}
+        if "program_id" in props:
+            props["program_id"] = {"anyOf": [PROGRAM_ID_SCHEMA, {"type": "null"}], "default": None}
+        if "stop" in props:
+            stops = {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP}
+            props["stop"] = {"anyOf": [{"type": "string", "minLength": 1}, stops, {"type": "null"}], "default": None}
+    components["ReleaseRequest"]["properties"]["program_id"] = PROGRAM_ID_SCHEMA
+
+
+def get(summary: str, responses: dict[str, Any]) -> dict[str, Any]:
+    return {"get": {"summary": summary, "responses": responses}}
+
+
+def openapi_document(cfg: Config) -> dict[str, Any]:
+    (_, _, _), components = msgspec.json.schema_components(
+        [ChatCompletionRequest, CompletionRequest, ReleaseRequest], ref_template="#/components/schemas/{name}")
+    _narrow(components, cfg.model_name)
+    paths: dict[str, Any] = {
+        "/v1/chat/completions": _generate("Chat completion (OpenAI)", "ChatCompletionRequest", _CHAT),
+        "/v1/completions": _generate("Text completion (OpenAI)", "CompletionRequest", _COMPLETION),
+        "/v1/models": get("The served model", {"200": _json(_LIST, "models"), **_errors()}),
+        "/v1/programs": get("Agent programs known to the scheduler", {"200": _json(_LIST, "programs"), **_errors()}),
+        "/v1/programs/{program_id}/release": {"post": {
+            "summary": "Release an agent program", "parameters": [
+                {"name": "program_id", "in": "path", "required": True, "schema": PROGRAM_ID_SCHEMA}],
+            "responses": {"200": _json(_RELEASED, "released"), **_errors(400, 404)},
+        }},
+        "/programs/release": {"post": {
+            "summary": "Release an agent program (the ThunderAgent paper proxy's form)",
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/ReleaseRequest"}}}},
+            "responses": {"200": _json(_RELEASED, "released"), **_errors(400, 404, 408, 413, 415)},
+        }},
+        "/health": get("Fleet health", {"200": _json({"type": "object"}, "healthy"),
+                                         "503": _json({"type": "object"}, "no healthy worker"), **_errors()}),
+        PATH: get("This document", {"200": _json({"type": "object"}, "OpenAPI 3.1"), **_errors()}),
+    }
+    if cfg.metrics.enabled:
+        paths[cfg.metrics.path] = get("Prometheus metrics", {
+            "200": {"description": "metrics", "content": {"text/plain": {"schema": {"type": "string"}}}},
+            **_errors()})
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "ThunderAgent", "version": "0.1.0",
+                 "description": "OpenAI-compatible, KV-cache-aware router for LLM inference fleets"},
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+
+
+def add_openapi_route(app: web.Application, cfg: Config) -> None:
+    body = json.dumps(openapi_document(cfg)).encode()
+
+    async def serve(request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type="application/json")
+
+    app.router.add_get(PATH, serve)
