@@ -3,6 +3,8 @@ Dynamo's session header; states in ``GET /v1/programs``; release by URL or by th
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import pytest
 
@@ -37,7 +39,7 @@ async def test_program_ids_states_and_release(server_factory):
         p1 = progs["agent-1"]
         assert (p1["state"], p1["steps"], p1["in_flight"]) == ("acting", 1, 0)
         assert p1["worker"] == raw.headers["x-thunderagent-worker"] and p1["context_tokens"] > 0
-        assert listed["by_state"] == {"reasoning": 0, "acting": 4}
+        assert listed["by_state"] == {"reasoning": 0, "acting": 4, "paused": 0}
 
         # a step in flight: reasoning
         stream = await c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=200, stream=True,
@@ -62,3 +64,38 @@ async def test_program_ids_states_and_release(server_factory):
                 err = (await r.json())["error"]
                 assert r.status == 400 and err["param"] == "program_id"
         assert set(programs(srv)) == {"dyn-3", "agent-4"}
+
+
+async def test_a_new_program_is_held_while_the_fleet_is_full_and_resumed_when_room_comes(server_factory):
+    """One worker of 640 KV tokens: a second program of ~450 tokens cannot start next to the first
+    (admission holds it: ``paused`` in ``GET /v1/programs``), and is resumed once the first is idle."""
+    pacing = {"enabled": True, "tick_s": 0.05, "acting_half_life_s": 0.05, "work_conserving": False}
+    async with server_factory(execution_group={"nodes": [{"kv_blocks": 40, "block_size": 16}]},
+                              scheduler={"pacing": pacing}, simulation={"speedup": 1.0}) as srv:
+        c = srv.client
+        first = await c.completions.create(model=MODEL, prompt="a" * 450, max_tokens=60, stream=True,
+                                           extra_headers={"x-thunderagent-program-id": "first"})
+        await anext(aiter(first))
+        await wait_until(lambda: srv.fleet.dispatcher.pacer.next_tick > 0, 5, "a pacing tick")
+        second = asyncio.create_task(c.completions.create(
+            model=MODEL, prompt="b" * 450, max_tokens=4, extra_headers={"x-thunderagent-program-id": "second"}))
+        await wait_until(lambda: programs(srv).get("second", {}).get("state") == "paused", 5, "second held")
+        async with aiohttp.ClientSession() as s:
+            async with s.get(srv.base_url + "/v1/programs") as r:
+                listed = await r.json()
+        assert listed["by_state"]["paused"] == 1 and listed["pacing"]["held_requests"] == 1
+        assert any(e["program"] == "second" and e["action"] == "hold" for e in listed["pacing"]["recent"])
+        assert not second.done()
+        async for _ in first:
+            pass
+        done = await asyncio.wait_for(second, 10)
+        assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 4
+        async with aiohttp.ClientSession() as s:
+            async with s.get(srv.base_url + "/v1/programs") as r:
+                listed = await r.json()
+            async with s.get(srv.base_url + "/metrics") as r:
+                metrics = await r.text()
+        assert any(e["program"] == "second" and e["action"] == "resume" for e in listed["pacing"]["recent"])
+        assert listed["pacing"]["resumes"] >= 1 and listed["by_state"]["paused"] == 0
+        # the metric counts what the pacer did (the idle first program may have been paused and resumed too)
+        assert f"thunderagent_program_resumes_total {float(listed['pacing']['resumes'])}" in metrics

@@ -20,9 +20,10 @@ def test_a_program_reasons_while_a_request_runs_and_acts_between_them() -> None:
     assert p.state is ProgramState.REASONING and p.in_flight == 1  # one still running
     t.request_finished("agent-1", 0, 22.0, completed=False)  # cut off: not a step
     assert (p.state, p.steps, p.context_tokens) == (ProgramState.ACTING, 2, 1800)
-    assert t.by_state() == {"reasoning": 0, "acting": 1}
+    assert t.by_state() == {"reasoning": 0, "acting": 1, "paused": 0}
     assert t.snapshot(30.0) == [{"id": "agent-1", "state": "acting", "worker": "worker-2", "steps": 2, "in_flight": 0,
-                                 "context_tokens": 1800, "age_s": 20.0, "in_state_s": 8.0}]
+                                 "context_tokens": 1800, "age_s": 20.0, "in_state_s": 8.0, "pinned": None,
+                                 "pause_cycles": 0, "pause_after_turn": False}]
 
 
 def test_release_and_idle_expiry_terminate_programs() -> None:

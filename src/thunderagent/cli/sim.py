@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
-from thunderagent.config import Config, ConfigError, Policy, load_config
+from thunderagent.config import Config, ConfigError, PacingAccounting, Policy, ResumePlacement, load_config
 
 
 _DYNAMO_MODE = {Policy.round_robin: "round_robin", Policy.kv_aware: "kv_router"}
@@ -17,6 +18,12 @@ _DYNAMO_MODE = {Policy.round_robin: "round_robin", Policy.kv_aware: "kv_router"}
 class SchedulerMode(str, Enum):
     off = "off"
     on = "on"
+
+
+class PacingMode(str, Enum):
+    off = "off"
+    paper = "paper"  # the paper's accounting (every program in full) and placement (most free)
+    ours = "ours"  # the config's scheduler.pacing section (default: shared prefixes once, placed where cached)
 
 _CLOSED_LOOP_HELP = ("closed loop: issue each session's requests one after another, the next one its recorded think "
                      "time (else the trace's gap, never earlier) after the previous one finished; requests without a "
@@ -40,6 +47,16 @@ def sim(
     scheduler: Annotated[Optional[list[SchedulerMode]], typer.Option(
         help="the holding queue (the config's `scheduler:` section) off or on; repeat for side-by-side rows "
              "(default: as the config says)")] = None,
+    pacing: Annotated[Optional[list[PacingMode]], typer.Option(
+        help="agent-program pacing (scheduler.pacing; programs are the trace's sessions): off, paper (the ThunderAgent "
+             "paper's accounting and placement) or ours (the config's pacing section); repeat for side-by-side rows "
+             "(default: as the config says)")] = None,
+    horizon: Annotated[Optional[float], typer.Option(
+        help="stop at this many virtual seconds: what finished by then counts (closed-loop rates are per it)",
+        min=1e-6)] = None,
+    think_cap: Annotated[Optional[float], typer.Option(
+        help="closed loop: cap each recorded think time at this many seconds (agentic traces record human idle "
+             "time, up to hours, between tool-driven turns)", min=0)] = None,
 ) -> None:
     """Replay traces through the router, index and simulated engines on a virtual clock."""
     from rich.console import Console
@@ -60,6 +77,12 @@ def sim(
         raise typer.Exit(2) from exc
     if limit:
         requests = sorted(requests, key=lambda r: r.arrival_s)[:limit]
+    if think_cap is not None:
+        if not closed_loop:
+            typer.echo("error: --think-cap needs --closed-loop (think times only act in closed loop)", err=True)
+            raise typer.Exit(2)
+        requests = [r if r.think_s is None or r.think_s <= think_cap else replace(r, think_s=think_cap)
+                    for r in requests]
     if compare_dynamo:
         _check_dynamo(trace, limit, closed_loop)
     console.print(f"{len(requests):,} requests, {workers} workers x {kv_blocks} blocks x {block_size} tokens, "
@@ -67,15 +90,17 @@ def sim(
     bounds = reuse_bounds(requests, block_size, workers * kv_blocks)
     outcomes, results = [], []
     modes = scheduler or [SchedulerMode.on if cfg.scheduler.enabled else SchedulerMode.off]
-    for pol, mode in ((p, m) for p in policies for m in modes):
-        sched = cfg.scheduler.model_copy(update={"enabled": mode is SchedulerMode.on})
+    pacings = pacing or [PacingMode.ours if cfg.scheduler.pacing.enabled else PacingMode.off]
+    for pol, mode, pace in ((p, m, g) for p in policies for m in modes for g in pacings):
+        sched = _scheduler_config(cfg, mode, pace)
         simulator = Simulator(node, cfg.routing, workers, pol, seed=seed, scheduler=sched)
-        label = pol.value + ("+scheduler" if sched.enabled else "")
+        label = (pol.value + ("+scheduler" if sched.enabled else "")
+                 + (f"+pacing:{pace.value}" if pace is not PacingMode.off else ""))
         with Progress(TextColumn(f"thunderagent {label}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console, transient=True) as prog:
             task = prog.add_task("replay", total=len(requests))
             outcome = simulator.run(requests, speedup, progress=lambda k: prog.advance(task, k),
-                                    closed_loop=closed_loop)
+                                    closed_loop=closed_loop, horizon_s=horizon)
         outcome.result.policy = label
         outcomes.append(outcome)
         results.append(outcome.result)
@@ -89,6 +114,14 @@ def sim(
             {"traces": [str(t) for t in trace], "workers": workers, "kv_blocks": kv_blocks,
              "block_size": block_size, "speedup": speedup, "seed": seed, "requests": len(requests),
              **({"closed_loop": True} if closed_loop else {})})
+
+
+def _scheduler_config(cfg: Config, mode: SchedulerMode, pace: PacingMode) -> Any:
+    pacing = cfg.scheduler.pacing.model_copy(update={"enabled": pace is not PacingMode.off})
+    if pace is PacingMode.paper:
+        pacing = pacing.model_copy(update={"accounting": PacingAccounting.paper,
+                                           "placement": ResumePlacement.most_free})
+    return cfg.scheduler.model_copy(update={"enabled": mode is SchedulerMode.on, "pacing": pacing})
 
 
 def _check_dynamo(trace: list[Path], limit: int | None, closed_loop: bool) -> None:
@@ -143,6 +176,12 @@ def _closed_loop_lines(console: Any, results: list[Any]) -> None:
             f"({c['n']} complete), Jain fairness of steps/min {_num(x['jain_fairness_steps'], 3)}"
             + (f", {x['unissued_requests']} never issued" if x.get("unissued_requests") else "")
         )
+        if "pacing" in x:
+            pc = x["pacing"]
+            console.print(f"  pacing: {pc['pauses']} pauses, {pc['resumes']} resumes ({pc['forced_resumes']} forced), "
+                          f"pause cycles per program per 10 min mean "
+                          f"{_num(pc['pause_cycles_per_program_per_10min']['mean'], 2)} max "
+                          f"{_num(pc['pause_cycles_per_program_per_10min']['max'], 2)}")
 
 
 def _num(v: float, nd: int = 1) -> str:

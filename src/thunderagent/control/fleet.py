@@ -39,7 +39,6 @@ from thunderagent.kv.feed import KvFeed
 from thunderagent.kv.index import KvIndex
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
 from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
-from thunderagent.scheduler.programs import ProgramTable
 from thunderagent.scheduler.queue import QueueFull
 from thunderagent.types import (
     Decision,
@@ -133,7 +132,8 @@ class Fleet:
         self._clock = clock
         self._inflight: dict[str, Generation] = {}
         self._held: dict[str, _HeldCall] = {}  # requests waiting in the scheduler, by id
-        self.programs = ProgramTable(cfg.scheduler.program_idle_ttl_s)
+        self.programs = self.dispatcher.programs  # agent programs (the pacer pauses and resumes them)
+        self._paced = (0, 0)  # pauses, resumes already counted in metrics
         self._pump_due = False
         self._health_task: asyncio.Task[None] | None = None
 
@@ -245,8 +245,11 @@ class Fleet:
                 self.membership.resync(wid)
                 log.info("worker %s healthy again (%s): back in routing", wid, change.reason)
                 self.metrics.healthy.labels(wid).set(1)
+        if self.dispatcher.pacer is not None:
+            self.dispatcher.tick(self.routable(), now)
+            self._observe_pacing()
         if self._held:
-            self._pump()  # requests past max_wait_s go even when no worker has room
+            self._pump()  # requests past max_wait_s (or of resumed programs) go even when no worker has room
         if self.programs.expire(now):
             self._observe_programs()
         for gen in list(self._inflight.values()):
@@ -296,13 +299,14 @@ class Fleet:
         req = self.dispatcher.prepare(rid, prompt_ids, max_tokens, cache_salt=cache_salt, lora_name=lora_name,
                                       priority=priority, ignore_eos=ignore_eos, sampling=sampling, arrival=received)
         try:
-            d = self.dispatcher.submit(req, route_key, self.routable(), received)
+            d = self.dispatcher.submit(req, route_key, self.routable(), received, program=program_id)
         except QueueFull:
             self.metrics.scheduler_rejected.inc()
             raise
         if program_id is not None:
-            self.programs.request_started(program_id, received)
             self._observe_programs()
+        if self.dispatcher.ready():  # the submission's pacing tick resumed programs
+            self._schedule_pump()
         if d is not None:
             return self._launch(d, time.perf_counter() - t0, program_id)
         call = _HeldCall(asyncio.get_running_loop().create_future(), program_id)
@@ -321,7 +325,7 @@ class Fleet:
                 self._inflight.pop(rid, None)
                 gen.worker.abort(rid)
             if program_id is not None:  # its outputs were never read: the step ends here
-                self.programs.request_finished(program_id, 0, self.now(), completed=False)
+                self.dispatcher.finished(program_id, 0, self.now(), completed=False)
             raise
 
     def _launch(self, d: Dispatch, route_s: float, program_id: str | None) -> Generation:
@@ -335,8 +339,6 @@ class Fleet:
         worker = self.workers[d.decision.worker_id]
         gen = Generation(req.request_id, d, worker, worker.submit(req), req.arrival, program_id=program_id)
         self._inflight[req.request_id] = gen
-        if program_id is not None:
-            self.programs.request_placed(program_id, worker.worker_id)
         return gen
 
     def _schedule_pump(self) -> None:
@@ -370,6 +372,25 @@ class Fleet:
     def _observe_programs(self) -> None:
         for state, n in self.programs.by_state().items():
             self.metrics.programs.labels(state).set(n)
+
+    def _observe_pacing(self) -> None:
+        pacer = self.dispatcher.pacer
+        if pacer is None:
+            return
+        pauses, resumes = self._paced
+        self.metrics.program_pauses.inc(pacer.pauses - pauses)
+        self.metrics.program_resumes.inc(pacer.resumes - resumes)
+        self._paced = (pacer.pauses, pacer.resumes)
+        self._observe_programs()
+
+    def release_program(self, program_id: str) -> bool:
+        """The client ended the program: forgotten; requests of it still held go now."""
+        if not self.dispatcher.release(program_id):
+            return False
+        if self.dispatcher.ready():
+            self._schedule_pump()
+        self._observe_programs()
+        return True
 
     def _observe_queue(self) -> None:
         q = self.dispatcher.queue
@@ -432,8 +453,7 @@ class Fleet:
                 gen.worker.abort(gen.request_id)
             if gen.program_id is not None:
                 done = finished and reason in (FinishReason.STOP, FinishReason.LENGTH)
-                self.programs.request_finished(gen.program_id, gen.prompt_tokens + completion, self.now(),
-                                               completed=done)
+                self.dispatcher.finished(gen.program_id, gen.prompt_tokens + completion, self.now(), completed=done)
                 self._observe_programs()
 
     def health_summary(self) -> dict[str, object]:

@@ -107,7 +107,14 @@ class Metrics:
             "thunderagent_scheduler_rejected", "Requests refused with 429: the scheduler's queue was full", registry=r,
         )
         self.programs = Gauge(
-            "thunderagent_programs", "Agent programs known, per state (reasoning, acting)", ["state"], registry=r,
+            "thunderagent_programs", "Agent programs known, per state (reasoning, acting, paused)", ["state"], registry=r,
+        )
+        self.program_pauses = Counter(
+            "thunderagent_program_pauses", "Agent programs paused (or marked to pause after their turn) by pacing",
+            registry=r,
+        )
+        self.program_resumes = Counter(
+            "thunderagent_program_resumes", "Paused or held agent programs resumed by pacing", registry=r,
         )
         self.programs_released = Counter(
             "thunderagent_programs_released", "Agent programs released by their clients", registry=r,

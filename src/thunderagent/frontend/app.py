@@ -279,7 +279,12 @@ class Frontend:
 
     async def programs(self, request: web.Request) -> web.Response:
         data = self.fleet.programs.snapshot(self.fleet.now())
-        return web.json_response({"object": "list", "data": data, "by_state": self.fleet.programs.by_state()})
+        body: dict[str, object] = {"object": "list", "data": data, "by_state": self.fleet.programs.by_state()}
+        pacer = self.fleet.dispatcher.pacer
+        if pacer is not None:
+            body["pacing"] = {"pauses": pacer.pauses, "resumes": pacer.resumes, "forced_resumes": pacer.forced_resumes,
+                              "held_requests": pacer.held_count(), "recent": [e.as_dict() for e in pacer.recent]}
+        return web.json_response(body)
 
     async def release_program(self, request: web.Request) -> web.Response:
         return self._release(check_program_id(request.match_info["program_id"]))
@@ -291,7 +296,7 @@ class Frontend:
         return self._release(check_program_id(body.program_id))
 
     def _release(self, program_id: str) -> web.Response:
-        if not self.fleet.programs.release(program_id):
+        if not self.fleet.release_program(program_id):
             raise RequestError(f"no program {program_id!r} is known (released, expired or never seen)",
                                param="program_id", status=404, code="program_not_found")
         self.fleet.metrics.programs_released.inc()

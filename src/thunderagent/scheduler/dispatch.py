@@ -14,12 +14,18 @@ simulator measures is what serves traffic. The path, once per request:
 4. **predict**: the router records the request's blocks on the winner (done inside ``route``);
 5. the driver **submits** the returned :class:`EngineRequest` to the chosen worker.
 
+With program pacing on (``scheduler.pacing``), a request of a paused agent program waits in the
+:class:`~thunderagent.scheduler.pacing.ProgramPacer` instead; the driver calls :meth:`Dispatcher.tick`
+every ``tick_s`` and :meth:`Dispatcher.pump` releases the resumed programs' requests to the worker
+each was placed on (before the holding queue's).
+
 After the requests of one instant are dispatched the driver calls :meth:`Dispatcher.settle`
 (bounded sweep of expired predictions), so the index's bookkeeping is the same in both drivers.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +33,8 @@ from thunderagent.config import SchedulerConfig
 from thunderagent.kv.hashing import block_hashes, hash_seed
 from thunderagent.router.cost import is_busy
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
+from thunderagent.scheduler.pacing import ProgramPacer
+from thunderagent.scheduler.programs import ProgramTable
 from thunderagent.scheduler.queue import Held, HoldingQueue, QueueFull
 from thunderagent.types import Decision, EngineRequest, RouteRequest, Sampling, WorkerState
 
@@ -56,8 +64,13 @@ class Dispatcher:
         self.router = router
         self.index = router.index
         self.block_size = block_size
-        self.scheduler = scheduler if scheduler is not None and scheduler.enabled else None
-        self.queue = HoldingQueue(self.scheduler) if self.scheduler is not None else None
+        cfg = scheduler if scheduler is not None else SchedulerConfig()
+        self.scheduler = cfg if cfg.enabled else None
+        self.queue = HoldingQueue(cfg) if cfg.enabled else None
+        self.programs = ProgramTable(cfg.program_idle_ttl_s)
+        self.pacer = (ProgramPacer(cfg.pacing, self.programs, self.index, block_size)
+                      if cfg.pacing.enabled else None)
+        self._ready: deque[Held] = deque()  # requests of resumed programs, to dispatch first
 
     def prepare(
         self,
@@ -78,23 +91,74 @@ class Dispatcher:
         return EngineRequest(request_id, prompt, hashes, seed, max_tokens, ignore_eos=ignore_eos, priority=priority,
                              arrival=arrival, cache_salt=cache_salt, lora_name=lora_name, sampling=sampling)
 
-    def submit(self, req: EngineRequest, key: str, workers: Sequence[WorkerState], now: float) -> Dispatch | None:
-        """A new request: routed now (returned) when nothing is held and a worker can start it, else
-        held (None) until :meth:`pump` routes it. Raises :class:`QueueFull` past the queue's bounds
-        and :class:`~thunderagent.router.router.NoWorkerAvailable` when no worker is there at all."""
-        queue = self.queue
-        if queue is None:
-            return self.dispatch(req, workers, now)
-        if not workers:
+    def submit(self, req: EngineRequest, key: str, workers: Sequence[WorkerState], now: float,
+               program: str | None = None) -> Dispatch | None:
+        """A new request (of agent ``program``, if any): routed now (returned) when nothing is held
+        and a worker can start it, else held (None) until :meth:`pump` routes it. Raises
+        :class:`QueueFull` past the queue's bounds and
+        :class:`~thunderagent.router.router.NoWorkerAvailable` when no worker is there at all."""
+        queue, pacer = self.queue, self.pacer
+        if queue is not None and not workers:
             raise NoWorkerAvailable("no healthy worker is registered")
-        if not len(queue) and self.can_start(workers):
-            return self.dispatch(req, workers, now)
-        queue.push(Held(req, key, req.priority, now, self._uncached(req, now)), now)
+        if program is not None:
+            prog = self.programs.request_started(program, now, req.block_hashes, len(req.prompt_tokens))
+            if pacer is not None:
+                if now >= pacer.next_tick and workers:
+                    self.tick(workers, now)
+                if pacer.must_hold(prog, len(req.prompt_tokens), now):
+                    pacer.hold(program, Held(req, key, req.priority, now, 0, program))
+                    return None
+        try:
+            if queue is None or (not len(queue) and self.can_start(workers)):
+                return self.dispatch(req, workers, now, program=program)
+            queue.push(Held(req, key, req.priority, now, self._uncached(req, now), program), now)
+        except (QueueFull, NoWorkerAvailable):
+            if program is not None:  # refused: not a step of the program
+                self.programs.request_finished(program, 0, now, completed=False)
+            raise
         return None
+
+    def tick(self, workers: Sequence[WorkerState], now: float) -> int:
+        """Program pacing's periodic decision (no-op without pacing): pauses and resumes. Returns
+        how many held requests were released (:meth:`pump` dispatches them)."""
+        pacer = self.pacer
+        if pacer is None or not workers or now < pacer.next_tick:
+            return 0
+        n = 0
+        for pid in pacer.tick(workers, now):
+            for held in pacer.take_held(pid):
+                self._ready.append(held)
+                n += 1
+        return n
+
+    def release(self, program: str) -> bool:
+        """The client ended ``program`` (TERMINATED): forgotten; requests of it still held go now.
+        False if unknown."""
+        if self.pacer is not None:
+            self._ready.extend(self.pacer.take_held(program))
+        return self.programs.release(program)
+
+    def ready(self) -> int:
+        """Released requests waiting for :meth:`pump`."""
+        return len(self._ready)
+
+    def finished(self, program: str, context_tokens: int, now: float, *, completed: bool) -> None:
+        """A request of ``program`` ended (``completed``: it produced its response)."""
+        self.programs.request_finished(program, context_tokens, now, completed=completed)
+
+    def held(self) -> int:
+        """Requests waiting here: in the holding queue, or of paused programs."""
+        n = len(self._ready) + (len(self.queue) if self.queue is not None else 0)
+        return n + (self.pacer.held_count() if self.pacer is not None else 0)
 
     def pump(self, workers: Sequence[WorkerState], now: float) -> Dispatch | None:
         """The next held request, routed, once a worker can start it (or it waited ``max_wait_s``:
         then it goes anyway). None when nothing can go now. The driver submits it and calls again."""
+        if self._ready and workers:
+            held = self._ready.popleft()
+            d = self.dispatch(held.req, workers, now, program=held.program)
+            d.queue_wait = now - held.enqueued
+            return d
         queue = self.queue
         if queue is None or not workers:
             return None
@@ -104,14 +168,20 @@ class Dispatcher:
         assert self.scheduler is not None
         if now - held.enqueued < self.scheduler.max_wait_s and not self.can_start(workers):
             return None
-        d = self.dispatch(held.req, workers, now)
+        d = self.dispatch(held.req, workers, now, program=held.program)
         queue.take(held, now)
         d.queue_wait = now - held.enqueued
         return d
 
     def cancel(self, request_id: str) -> bool:
         """Drop a held request (client gone): True if it was held."""
-        return self.queue is not None and self.queue.cancel(request_id)
+        if self.queue is not None and self.queue.cancel(request_id):
+            return True
+        for k, held in enumerate(self._ready):
+            if held.req.request_id == request_id:
+                del self._ready[k]
+                return True
+        return self.pacer is not None and self.pacer.cancel(request_id)
 
     def can_start(self, workers: Sequence[WorkerState]) -> bool:
         """Some worker can start a request now: its engine queue is short, its prefill backlog would
@@ -134,17 +204,24 @@ class Dispatcher:
         return n - min(best * self.block_size, n)
 
     def dispatch(self, req: EngineRequest, workers: Sequence[WorkerState], now: float,
-                 exclude: tuple[str, ...] = ()) -> Dispatch:
+                 exclude: tuple[str, ...] = (), program: str | None = None) -> Dispatch:
         """Route ``req`` among ``workers`` (less ``exclude``: workers that already could not take
-        it). Raises :class:`~thunderagent.router.router.NoWorkerAvailable`."""
+        it); a request of a program the pacer pinned goes to its worker while that one is routable.
+        Raises :class:`~thunderagent.router.router.NoWorkerAvailable`."""
         if exclude:
             workers = [w for w in workers if w.worker_id not in exclude]
+        prog = self.programs.get(program) if program is not None else None
+        if prog is not None and prog.pinned is not None:
+            pinned = [w for w in workers if w.worker_id == prog.pinned]
+            workers = pinned or workers
         n = len(req.prompt_tokens)
         decision = self.router.route(RouteRequest(req.request_id, n, req.block_hashes, req.priority), workers, now)
         bs = self.block_size
         best = max((c.overlap_blocks for c in decision.candidates), default=0)
         best_known = min(best, (n - 1) // bs) * bs
         predicted = min(decision.overlap_blocks * bs, n)
+        if prog is not None:
+            self.programs.request_placed(prog.program_id, decision.worker_id)
         return Dispatch(req, decision, best_known, predicted)
 
     def retract(self, d: Dispatch) -> int:

@@ -6,17 +6,21 @@ A program id comes with a request (``x-thunderagent-program-id``, a body ``progr
 
 - ``REASONING``: a request of the program is in flight;
 - ``ACTING``: between a response and the program's next request (a tool is running);
+- ``PAUSED``: the pacer (:mod:`thunderagent.scheduler.pacing`) took it out of the fleet's KV budget:
+  its next request is held until it is resumed. A REASONING program is never paused mid-turn: it is
+  marked (``pause_after_turn``) and pauses when its turn ends;
 - ``TERMINATED``: released by the client (``POST /v1/programs/{id}/release``) or idle past the TTL;
   a terminated program is forgotten.
 
-The table records where a program's requests were served (its worker: placement is sticky through
-the router's cache affinity), its steps and its context size. Pausing programs under memory
-pressure builds on this table; it is not done yet.
+The table records where a program's requests were served (its worker), where the pacer pinned it
+after a resume, its steps, its context size and the block hashes of its latest prompt (the pacer
+counts a prefix shared by several programs once).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -27,6 +31,7 @@ PROGRAM_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 class ProgramState(StrEnum):
     REASONING = "reasoning"
     ACTING = "acting"
+    PAUSED = "paused"
     TERMINATED = "terminated"
 
 
@@ -36,16 +41,25 @@ class Program:
     state: ProgramState
     first_seen: float
     last_change: float
-    in_flight: int = 0
+    in_flight: int = 0  # requests in the system (held by the pacer included)
     steps: int = 0  # responses completed
-    context_tokens: int = 0  # prompt + completion tokens of its latest step
+    context_tokens: int = 0  # tokens of its latest step (prompt, then prompt + completion)
     worker: str | None = None  # where its latest request was served
+    #: the block hashes of its latest prompt (the request's own list, not a copy)
+    blocks: Sequence[int] = ()
+    admitted: bool = False  # a request of it was dispatched at least once
+    pinned: str | None = None  # the worker the pacer placed it on at its last resume
+    pause_after_turn: bool = False
+    paused_since: float = -1.0
+    pause_cycles: int = 0
+    resumed_at: float = -1.0
 
     def as_dict(self, now: float) -> dict[str, object]:
         return {
             "id": self.program_id, "state": self.state.value, "worker": self.worker, "steps": self.steps,
             "in_flight": self.in_flight, "context_tokens": self.context_tokens,
             "age_s": round(now - self.first_seen, 3), "in_state_s": round(now - self.last_change, 3),
+            "pinned": self.pinned, "pause_cycles": self.pause_cycles, "pause_after_turn": self.pause_after_turn,
         }
 
 
@@ -59,27 +73,36 @@ class ProgramTable:
     def __len__(self) -> int:
         return len(self._programs)
 
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._programs.values())
+
     def get(self, program_id: str) -> Program | None:
         return self._programs.get(program_id)
 
-    def request_started(self, program_id: str, now: float) -> Program:
-        """A request of ``program_id`` arrived: the program is (or becomes) REASONING."""
+    def request_started(self, program_id: str, now: float, blocks: Sequence[int] = (),
+                        prompt_tokens: int = 0) -> Program:
+        """A request of ``program_id`` arrived: the program is (or becomes) REASONING, unless it is
+        PAUSED (the request is then held until the pacer resumes it)."""
         prog = self._programs.get(program_id)
         if prog is None:
             prog = self._programs[program_id] = Program(program_id, ProgramState.REASONING, now, now)
-        elif prog.state is not ProgramState.REASONING:
+        elif prog.state is ProgramState.ACTING:
             prog.state, prog.last_change = ProgramState.REASONING, now
         prog.in_flight += 1
+        if prompt_tokens:
+            prog.blocks, prog.context_tokens = blocks, prompt_tokens
         return prog
 
     def request_placed(self, program_id: str, worker_id: str) -> None:
         prog = self._programs.get(program_id)
         if prog is not None:
             prog.worker = worker_id
+            prog.admitted = True
 
     def request_finished(self, program_id: str, context_tokens: int, now: float, *, completed: bool) -> None:
         """A request ended; ``completed``: it produced its response (a step). With nothing left in
-        flight the program is ACTING: its tool runs until its next request."""
+        flight the program is ACTING (its tool runs until its next request), or PAUSED if the pacer
+        marked it during the turn."""
         prog = self._programs.get(program_id)
         if prog is None:
             return  # released while its request ran
@@ -87,24 +110,42 @@ class ProgramTable:
         if completed:
             prog.steps += 1
             prog.context_tokens = context_tokens
-        if not prog.in_flight:
+        if prog.in_flight or prog.state is ProgramState.PAUSED:
+            return
+        if prog.pause_after_turn:
+            self.pause(prog, now)
+        else:
             prog.state, prog.last_change = ProgramState.ACTING, now
+
+    def pause(self, prog: Program, now: float) -> None:
+        prog.state, prog.last_change = ProgramState.PAUSED, now
+        prog.pause_after_turn = False
+        prog.paused_since = now
+        prog.pause_cycles += 1
+        prog.pinned = None
+
+    def resume(self, prog: Program, worker_id: str | None, now: float) -> None:
+        prog.state = ProgramState.REASONING if prog.in_flight else ProgramState.ACTING
+        prog.last_change = prog.resumed_at = now
+        prog.paused_since = -1.0
+        prog.pinned = worker_id
 
     def release(self, program_id: str) -> bool:
         """The client says the program is done (TERMINATED): forget it. False if unknown."""
         return self._programs.pop(program_id, None) is not None
 
     def expire(self, now: float) -> list[str]:
-        """Programs ACTING (idle) for the TTL or longer are TERMINATED; returns their ids."""
+        """Programs idle (ACTING, or PAUSED with nothing held) for the TTL or longer are TERMINATED;
+        returns their ids."""
         ttl = self.idle_ttl_s
         gone = [p.program_id for p in self._programs.values()
-                if p.state is ProgramState.ACTING and now - p.last_change >= ttl]
+                if p.state is not ProgramState.REASONING and not p.in_flight and now - p.last_change >= ttl]
         for pid in gone:
             del self._programs[pid]
         return gone
 
     def by_state(self) -> dict[str, int]:
-        out = {s.value: 0 for s in (ProgramState.REASONING, ProgramState.ACTING)}
+        out = {s.value: 0 for s in (ProgramState.REASONING, ProgramState.ACTING, ProgramState.PAUSED)}
         for p in self._programs.values():
             out[p.state.value] += 1
         return out

@@ -47,6 +47,7 @@ class Held:
     tier: int  # priority: higher goes first
     enqueued: float
     uncached: int  # uncached prompt tokens, estimated from the index at enqueue
+    program: str | None = None  # the agent program it belongs to
     gone: bool = field(default=False, repr=False)  # dispatched or cancelled (lazy heap deletion)
 
 

@@ -53,6 +53,7 @@ class _Track:
     tokens: int = 0
     cached: int = 0
     done: bool = False
+    program: str | None = None  # its agent program, with pacing on
 
 
 @dataclass(slots=True)
@@ -72,7 +73,7 @@ class SimOutcome:
 class _Run:
     """One replay's mutable state: per-request tracks, the engines' wake-up heap, load samples."""
 
-    __slots__ = ("sim", "out", "src", "tracks", "itl", "heap", "wake", "next_sample")
+    __slots__ = ("sim", "out", "src", "tracks", "itl", "heap", "wake", "next_sample", "last")
 
     def __init__(self, sim: Simulator, out: SimOutcome, src: OpenLoop | ClosedLoop) -> None:
         self.sim = sim
@@ -83,6 +84,7 @@ class _Run:
         self.heap: list[tuple[float, int]] = []
         self.wake: list[float | None] = [None] * len(sim.engines)
         self.next_sample = 0.0
+        self.last = 0.0  # the latest instant processed (virtual seconds)
 
     def collect(self, i: int, now: float) -> None:
         """Engine ``i``'s outputs up to ``now`` into the tracks; its KV events into the index."""
@@ -101,6 +103,8 @@ class _Run:
                 tr.done = True
                 tr.cached = o.cached_tokens
                 tr.end = o.time
+                if tr.program is not None:
+                    self.sim.dispatcher.finished(tr.program, tr.input_length + tr.tokens, o.time, completed=True)
                 self.src.finished(o.request_id, o.time, now)
         self.sim.apply_events(i, now)
 
@@ -171,18 +175,22 @@ class Simulator:
         progress: Callable[[int], None] | None = None,
         *,
         closed_loop: bool = False,
+        horizon_s: float | None = None,
     ) -> SimOutcome:
         """Replay ``requests``: open loop (each at ``arrival_s / speedup``) or, with ``closed_loop``,
         each session's requests one after another (:class:`~thunderagent.sim.arrivals.ClosedLoop`);
         a closed-loop run adds the figures of :func:`~thunderagent.sim.arrivals.session_stats` and
-        ``unissued_requests`` to ``result.extra``."""
+        ``unissued_requests`` to ``result.extra``. With ``horizon_s`` the run stops at that virtual
+        time: what finished by then counts, and the closed-loop rates are per the horizon."""
         if speedup <= 0:
             raise ValueError(f"speedup must be > 0, got {speedup}")
+        if horizon_s is not None and horizon_s <= 0:
+            raise ValueError(f"horizon_s must be > 0, got {horizon_s}")
         wall0 = time.perf_counter()
         src = ClosedLoop(requests, speedup) if closed_loop else OpenLoop(requests, speedup)
         run = _Run(self, SimOutcome(RunResult("thunderagent", self.policy.value, 0, *([Dist.of([])] * 3), 0, 0, 0, 0),
                                     []), src)
-        self._replay(run, progress)
+        self._replay(run, progress, math.inf if horizon_s is None else horizon_s)
         out = run.out
         out.result = self._summarize(run.tracks, run.itl, time.perf_counter() - wall0)
         out.ttft_by_id = {rid: (t.first - t.arrival) * 1e3 for rid, t in run.tracks.items() if t.first >= 0}
@@ -193,21 +201,36 @@ class Simulator:
             if t.worker >= 0:
                 counts[t.worker] += 1
         out.requests_per_worker = counts
+        if horizon_s is not None:
+            out.result.extra["horizon_s"] = horizon_s
         if closed_loop:
             extra = out.result.extra
-            extra.update(session_stats(requests, out.times_by_id, float(extra["duration_s"])))  # type: ignore[arg-type]
+            span = horizon_s if horizon_s is not None else float(extra["duration_s"])  # type: ignore[arg-type]
+            extra.update(session_stats(requests, out.times_by_id, span))
             extra["unissued_requests"] = src.unissued
         return out
 
-    def _replay(self, run: _Run, progress: Callable[[int], None] | None) -> None:
-        """The event loop: engine pass ends and arrivals, in time order."""
+    def _replay(self, run: _Run, progress: Callable[[int], None] | None, horizon: float) -> None:
+        """The event loop: engine pass ends and arrivals, in time order, up to ``horizon``."""
         engines, states, heap, wake, src = self.engines, self._states, run.heap, run.wake, run.src
         held: list[int] = []  # engines whose pass ended at an instant a closed-loop request arrives
         # An engine's load only changes when it is advanced, scheduled or given a request, so each
         # report is refreshed right then and reused by every routing decision in between (re-reading
         # 8 engines per arrival was a third of the run time).
-        while src.t != math.inf or heap:
+        dispatcher = self.dispatcher
+        pacer = dispatcher.pacer
+        pumping = dispatcher.queue is not None or pacer is not None
+        while src.t != math.inf or heap or (pacer is not None and dispatcher.held()):
             ta = src.t
+            if min(ta, heap[0][0] if heap else math.inf, pacer.next_tick if pacer else math.inf) > horizon:
+                break
+            if pacer is not None and pacer.next_tick < ta and (not heap or pacer.next_tick < heap[0][0]):
+                # a pacing tick with nothing else due before it: pauses, resumes, released requests
+                tt = max(pacer.next_tick, run.last)
+                if dispatcher.tick(states, tt):
+                    for j in self._pump(tt, run.tracks):
+                        run.schedule(j)
+                continue
             if heap and heap[0][0] < ta:
                 tw, i = heapq.heappop(heap)
                 if wake[i] != tw:
@@ -220,11 +243,12 @@ class Simulator:
                     continue
                 run.schedule(i)
                 states[i].load = engines[i].load(tw)
-                if self.dispatcher.queue:
+                run.last = tw
+                if pumping:
                     for j in self._pump(tw, run.tracks):
                         run.schedule(j)
                 continue
-            now = ta
+            now = run.last = ta
             due = run.passes_ending_at(now)
             if held:
                 due += held
@@ -236,7 +260,7 @@ class Simulator:
                     due.append(i)
                 if progress is not None:
                     progress(1)
-            if self.dispatcher.queue:
+            if pumping:
                 due.extend(self._pump(now, run.tracks))
             self.dispatcher.settle(now)
             for i in due:
@@ -258,8 +282,9 @@ class Simulator:
         dispatcher = self.dispatcher
         req = dispatcher.prepare(tr.request_id, tr.tokens(), tr.output_length, ignore_eos=True,  # type: ignore[arg-type]
                                  priority=tr.priority, arrival=now)
-        tracks[tr.request_id] = _Track(now, tr.input_length, 0, -1, tr.priority)
-        d = dispatcher.submit(req, tr.session or "", self._states, now)
+        program = tr.session if dispatcher.pacer is not None else None
+        tracks[tr.request_id] = _Track(now, tr.input_length, 0, -1, tr.priority, program=program)
+        d = dispatcher.submit(req, tr.session or "", self._states, now, program=program)
         return -1 if d is None else self._place(d, now, tracks)
 
     def _pump(self, now: float, tracks: dict[str, _Track]) -> list[int]:
@@ -301,6 +326,8 @@ class Simulator:
             wall_s=wall_s,
             extra={
                 "incomplete_requests": len(tracks) - len(done),
+                "prompt_tokens": prompt,
+                "recomputed_prompt_tokens": prompt - cached,  # prompt tokens not served from cache
                 "preemptions": sum(e.preemptions for e in self.engines),
                 # only with routing.preempt_enabled: results of runs without it keep their shape
                 **({"priority_preemptions": sum(e.priority_preemptions for e in self.engines)}
@@ -312,10 +339,24 @@ class Simulator:
             },
         )
 
+    def _pacing_extra(self, duration: float) -> dict[str, object]:
+        """With program pacing on: pauses, resumes and pause cycles per program per 10 minutes."""
+        pacer = self.dispatcher.pacer
+        if pacer is None:
+            return {}
+        cycles = [p.pause_cycles for p in self.dispatcher.programs]
+        per10 = 600.0 / duration if duration > 0 else 0.0
+        return {"pacing": {
+            "pauses": pacer.pauses, "resumes": pacer.resumes, "forced_resumes": pacer.forced_resumes,
+            "pause_cycles_per_program_per_10min": {"mean": sum(cycles) / len(cycles) * per10 if cycles else 0.0,
+                                                   "max": max(cycles, default=0) * per10},
+        }}
+
     def _scheduler_extra(self, done: list[_Track]) -> dict[str, object]:
         """With the scheduler on: queue wait and TTFT per priority tier (ms)."""
+        duration = max((t.last for t in done), default=0.0)
         if self.dispatcher.queue is None:
-            return {}
+            return self._pacing_extra(duration)
         by_tier: dict[int, list[float]] = {}
         for t in done:
             if t.first >= 0:
@@ -326,5 +367,6 @@ class Simulator:
                                                                                  default=0.0)},
             "ttft_ms_by_priority": {str(k): {"n": len(v), "mean": Dist.of(v).mean, "p99": Dist.of(v).p99}
                                     for k, v in sorted(by_tier.items())},
-            "held_at_end": len(self.dispatcher.queue),
+            "held_at_end": self.dispatcher.held(),
+            **self._pacing_extra(duration),
         }

@@ -13,23 +13,18 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from thunderagent.config._base import ConfigError, _Strict
+from thunderagent.config.nats import NatsAuthConfig, NatsConfig, NatsTlsConfig
+from thunderagent.config.scheduler import PacingAccounting, PacingConfig, ResumePlacement, SchedulerConfig
 
-class ConfigError(ValueError):
-    """A configuration file or option is invalid; the message names the field."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+__all__ = [
+    "Config", "ConfigError", "ControlPlaneConfig", "CostWeights", "EndpointConfig", "ExecutionGroupConfig",
+    "KvTransferConfig", "MetricsConfig", "NatsAuthConfig", "NatsConfig", "NatsTlsConfig", "NodeConfig",
+    "PacingAccounting", "PacingConfig", "Policy", "ResumePlacement", "Role", "RoutingConfig", "SchedulerConfig",
+    "SimulationConfig", "TimingConfig", "load_config", "parse_config",
+]
 
 
 class ControlPlaneConfig(_Strict):
@@ -264,118 +259,6 @@ class RoutingConfig(_Strict):
     def _local_prefill_only(cls, v: bool) -> bool:
         if not v:
             raise ValueError("false needs prefill/decode disaggregation, which is not implemented yet; leave it true")
-        return v
-
-
-class SchedulerConfig(_Strict):
-    """The holding queue in front of the router (``scheduler/queue.py``). Off: every request is
-    routed the moment it arrives, into the engines' own queues."""
-
-    enabled: bool = Field(False, description="hold requests here while no worker can start them")
-    engine_queue_depth: int = Field(
-        1, ge=0,
-        description="a worker can start a request while fewer than this many wait in its engine, its prefill "
-        "backlog is under `engine_backlog_passes` passes and it is not busy; when none can, requests wait in the "
-        "scheduler, ordered by priority",
-    )
-    engine_backlog_passes: float = Field(
-        1.0, gt=0,
-        description="queued prefill tokens (in passes of max_num_batched_tokens) under which a worker can start a request",
-    )
-    max_queued: int = Field(4096, ge=1, description="requests held at most; past it new ones get 429")
-    max_queued_per_key: int = Field(1024, ge=1, description="requests held at most per route key (tenant)")
-    max_wait_s: float = Field(
-        30.0, gt=0, description="a request held this long goes next, whatever its tier and size"
-    )
-    aging_tokens_per_s: float = Field(
-        2048.0, ge=0,
-        description="short-first ageing: each second waited counts as this many fewer uncached prompt tokens",
-    )
-    drr_quantum_tokens: int = Field(
-        8192, ge=1, description="deficit round robin across route keys: prompt tokens a key may send per round"
-    )
-    program_idle_ttl_s: float = Field(
-        600.0, gt=0, description="an agent program idle (acting) this long is terminated and forgotten"
-    )
-
-
-class NatsTlsConfig(_Strict):
-    """TLS to the NATS servers (``tls://`` URLs turn it on with the system's CAs)."""
-
-    ca_file: str | None = Field(None, description="PEM file of the CA that signed the servers' certificates")
-    cert_file: str | None = Field(None, description="client certificate (PEM), when the server verifies clients")
-    key_file: str | None = Field(None, description="private key of cert_file (PEM)")
-    hostname: str | None = Field(None, description="name to verify in the server certificate (default: the URL's host)")
-
-    @model_validator(mode="after")
-    def _cert_and_key(self) -> NatsTlsConfig:
-        if (self.cert_file is None) != (self.key_file is None):
-            raise ValueError("cert_file and key_file go together: a client certificate needs its key")
-        return self
-
-
-class NatsAuthConfig(_Strict):
-    """How this process proves who it is to NATS: exactly one of user + password, token, NKey seed or
-    creds file. Secrets are read at connect time from a file or an environment variable, never from
-    this file or the command line; each process (the frontends, every worker) can have its own."""
-
-    user: str | None = Field(None, description="user name (with password_file or password_env)")
-    user_env: str | None = Field(None, description="environment variable holding the user name")
-    password_file: str | None = Field(None, description="file holding the password")
-    password_env: str | None = Field(None, description="environment variable holding the password")
-    token_file: str | None = Field(None, description="file holding the token")
-    token_env: str | None = Field(None, description="environment variable holding the token")
-    nkey_seed_file: str | None = Field(None, description="NKey user seed file (needs the nkeys package)")
-    nkey_seed_env: str | None = Field(None, description="environment variable holding an NKey user seed")
-    creds_file: str | None = Field(None, description="JWT credentials file (.creds; needs the nkeys package)")
-
-    @model_validator(mode="after")
-    def _one_method(self) -> NatsAuthConfig:
-        for a, b in (("user", "user_env"), ("password_file", "password_env"), ("token_file", "token_env"),
-                     ("nkey_seed_file", "nkey_seed_env")):
-            if getattr(self, a) is not None and getattr(self, b) is not None:
-                raise ValueError(f"give {a} or {b}, not both")
-        user = self.user is not None or self.user_env is not None
-        password = self.password_file is not None or self.password_env is not None
-        if user != password:
-            raise ValueError("user (or user_env) and password_file (or password_env) go together")
-        methods = [name for name, on in (
-            ("user/password", user),
-            ("token", self.token_file is not None or self.token_env is not None),
-            ("nkey", self.nkey_seed_file is not None or self.nkey_seed_env is not None),
-            ("creds", self.creds_file is not None),
-        ) if on]
-        if len(methods) != 1:
-            raise ValueError(f"give exactly one auth method (user/password, token, nkey or creds), got {methods or 'none'}")
-        return self
-
-
-class NatsConfig(_Strict):
-    """The NATS bus of the multi-process deployment (``thunderagent frontend`` / ``worker``)."""
-
-    servers: list[str] = Field(
-        default_factory=lambda: ["nats://127.0.0.1:4222"],
-        description="server URLs of one cluster (nats:// or tls://); the client fails over between them",
-    )
-    tls: NatsTlsConfig | None = Field(None, description="TLS settings; tls:// URLs need none with public CAs")
-    auth: NatsAuthConfig | None = Field(None, description="credentials; none = an open server")
-
-    @field_validator("servers")
-    @classmethod
-    def _urls(cls, v: list[str]) -> list[str]:
-        if not v:
-            raise ValueError("list at least one server URL")
-        schemes = set()
-        for url in v:
-            scheme, sep, rest = url.partition("://")
-            if not sep or scheme not in ("nats", "tls") or not rest:
-                raise ValueError(f"{url!r} must be nats://HOST:PORT or tls://HOST:PORT")
-            if "@" in rest:
-                raise ValueError(f"{url!r} carries credentials: put them in nats.auth (read from a file or "
-                                 "an environment variable), not in the URL")
-            schemes.add(scheme)
-        if len(schemes) > 1:
-            raise ValueError("mix of nats:// and tls:// URLs: with TLS every server must use it (tls:// or nats.tls)")
         return v
 
 

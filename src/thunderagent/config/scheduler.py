@@ -1,0 +1,94 @@
+"""The `scheduler:` section: the holding queue and program pacing."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import Field, model_validator
+
+from thunderagent.config._base import _Strict
+
+
+class PacingAccounting(str, Enum):
+    paper = "paper"
+    shared = "shared"
+
+
+class ResumePlacement(str, Enum):
+    most_free = "most_free"
+    cached = "cached"
+
+
+class PacingConfig(_Strict):
+    """Program-aware pacing (``scheduler/pacing.py``): under KV pressure, agent programs are paused
+    between turns so the others keep their cache, and resumed with hysteresis."""
+
+    enabled: bool = Field(False, description="pause and resume agent programs by their workers' KV budget")
+    accounting: PacingAccounting = Field(
+        PacingAccounting.shared,
+        description="a worker's demand: `paper` sums every program's tokens (the ThunderAgent paper's proxy); "
+        "`shared` counts a prefix shared by several programs on the worker once (from their block hashes)",
+    )
+    placement: ResumePlacement = Field(
+        ResumePlacement.cached,
+        description="where a resumed program goes: `most_free` (the paper: most remaining KV) or `cached` (the "
+        "worker the index says holds most of its blocks, when it has room; else the most free)",
+    )
+    work_conserving: bool = Field(
+        True, description="resume the next paused program on a worker that has nothing to run, whatever its KV "
+        "demand (a worker idling while programs wait loses more than their recompute costs); off in the paper",
+    )
+    tick_s: float = Field(1.0, gt=0, description="seconds between pacing decisions")
+    pause_threshold: float = Field(
+        0.95, gt=0, le=4.0, description="pause programs on a worker whose demand exceeds this fraction of its KV tokens"
+    )
+    resume_threshold: float = Field(
+        0.8, gt=0, le=4.0, description="resume programs while the target worker's demand stays under this fraction"
+    )
+    max_pause_s: float = Field(
+        60.0, gt=0, description="a program paused (or a new one held) this long is resumed whatever the pressure"
+    )
+    min_run_s: float = Field(120.0, ge=0, description="a resumed program is not paused again within this time")
+    acting_half_life_s: float = Field(
+        30.0, gt=0, description="on the resume side an idle (acting) program's tokens count half per this many seconds"
+    )
+
+    @model_validator(mode="after")
+    def _hysteresis(self) -> PacingConfig:
+        if self.resume_threshold >= self.pause_threshold:
+            raise ValueError(f"scheduler.pacing.resume_threshold ({self.resume_threshold}) must be below "
+                             f"pause_threshold ({self.pause_threshold}): without hysteresis programs flap")
+        return self
+
+
+class SchedulerConfig(_Strict):
+    """The holding queue in front of the router (``scheduler/queue.py``). Off: every request is
+    routed the moment it arrives, into the engines' own queues."""
+
+    enabled: bool = Field(False, description="hold requests here while no worker can start them")
+    engine_queue_depth: int = Field(
+        1, ge=0,
+        description="a worker can start a request while fewer than this many wait in its engine, its prefill "
+        "backlog is under `engine_backlog_passes` passes and it is not busy; when none can, requests wait in the "
+        "scheduler, ordered by priority",
+    )
+    engine_backlog_passes: float = Field(
+        1.0, gt=0,
+        description="queued prefill tokens (in passes of max_num_batched_tokens) under which a worker can start a request",
+    )
+    max_queued: int = Field(4096, ge=1, description="requests held at most; past it new ones get 429")
+    max_queued_per_key: int = Field(1024, ge=1, description="requests held at most per route key (tenant)")
+    max_wait_s: float = Field(
+        30.0, gt=0, description="a request held this long goes next, whatever its tier and size"
+    )
+    aging_tokens_per_s: float = Field(
+        2048.0, ge=0,
+        description="short-first ageing: each second waited counts as this many fewer uncached prompt tokens",
+    )
+    drr_quantum_tokens: int = Field(
+        8192, ge=1, description="deficit round robin across route keys: prompt tokens a key may send per round"
+    )
+    program_idle_ttl_s: float = Field(
+        600.0, gt=0, description="an agent program idle (acting) this long is terminated and forgotten"
+    )
+    pacing: PacingConfig = PacingConfig()

@@ -1,0 +1,277 @@
+"""Program-aware pacing: pause agent programs between turns under KV pressure, resume them with
+hysteresis (after the ThunderAgent paper, arXiv 2602.13692). Pure and clock-free.
+
+Why: an agent program alternates model turns (REASONING) and tool calls (ACTING). When the programs
+placed on a worker need more KV than it has, each tool call lets the others' turns evict the idle
+program's blocks, and every turn recomputes its whole context. Pausing a few programs between turns
+keeps the rest's caches whole; the paused ones wait instead of thrashing.
+
+Each tick (``tick_s``), per worker, its **demand** is the KV tokens of the programs placed there and
+not paused: ``paper`` accounting sums their contexts; ``shared`` accounting counts a prefix several
+of them share once, from their prompts' block hashes (chained hashes: two programs share block ``i``
+only if they share every block before it, so a program's shared prefix is found by bisection).
+
+- **Pause** (demand over ``pause_threshold`` of the worker's KV tokens): ACTING programs smallest
+  first; if that is not enough, REASONING programs are marked to pause when their turn ends (a
+  running decode is never preempted). A program resumed less than ``min_run_s`` ago is spared.
+- **Resume** (per candidate, while its target worker stays under ``resume_threshold``): programs
+  with a request held first, then new programs, then idle ones; oldest pause first within each, and
+  the order is not skipped (a large program is never passed over by smaller ones forever). An idle
+  (ACTING) program's tokens count for less on the resume side, halving every
+  ``acting_half_life_s``: its cache is the first to go anyway. Anything paused ``max_pause_s`` is
+  resumed whatever the pressure; with ``work_conserving`` a worker with nothing to run takes the next
+  paused program whatever its demand. Placement: ``most_free`` (the paper) or ``cached`` (where the index
+  holds most of its blocks, if there is room there). A resumed program is pinned to its worker.
+- **Admission**: a new program's first request goes when some worker has room for it (or nothing
+  is known yet); otherwise the program waits as NEW in the resume order above.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from thunderagent.config import PacingAccounting, PacingConfig, ResumePlacement
+from thunderagent.kv.index import KvIndex
+from thunderagent.scheduler.programs import Program, ProgramState, ProgramTable
+from thunderagent.scheduler.queue import Held
+from thunderagent.types import WorkerState
+
+#: pacing decisions kept for explanations (``GET /v1/programs``)
+RECENT_EVENTS = 256
+
+
+@dataclass(slots=True, frozen=True)
+class PacingEvent:
+    time: float
+    program_id: str
+    action: str  # pause | pause_after_turn | resume | hold
+    worker: str | None
+    reason: str
+
+    def as_dict(self) -> dict[str, object]:
+        return {"time": round(self.time, 3), "program": self.program_id, "action": self.action,
+                "worker": self.worker, "reason": self.reason}
+
+
+class _Load:
+    """One worker's programs at a tick: the blocks they reference (with counts) and the demand."""
+
+    __slots__ = ("cap", "blocks", "demand", "resume_demand", "idle")
+
+    def __init__(self, cap: int, idle: bool) -> None:
+        self.cap = cap
+        self.idle = idle  # nothing running or waiting on the worker
+        self.blocks: Counter[int] = Counter()
+        self.demand = 0.0  # full, for pausing
+        self.resume_demand = 0.0  # idle programs decayed, for resuming
+
+
+def _shared_prefix(blocks: Sequence[int], counts: Counter[int], least: int) -> int:
+    """Leading blocks of ``blocks`` counted at least ``least`` times (bisection: counts along a
+    chain never increase)."""
+
+    class _View:  # bisect over "is block i held fewer than `least` times"
+        def __getitem__(self, i: int) -> bool:
+            return counts.get(blocks[i], 0) < least
+
+        def __len__(self) -> int:
+            return len(blocks)
+
+    return bisect_left(_View(), True, 0, len(blocks))  # type: ignore[arg-type]
+
+
+class ProgramPacer:
+    def __init__(self, cfg: PacingConfig, table: ProgramTable, index: KvIndex, block_size: int) -> None:
+        self.cfg = cfg
+        self.table = table
+        self.index = index
+        self.block_size = block_size
+        self._held: dict[str, list[Held]] = {}  # program -> its requests held while paused
+        self._room: dict[str, float] = {}  # per worker, resume-side room after the last tick
+        self.next_tick = 0.0
+        self.pauses = 0
+        self.resumes = 0
+        self.forced_resumes = 0
+        self.recent: deque[PacingEvent] = deque(maxlen=RECENT_EVENTS)
+
+    # -- requests ------------------------------------------------------------------------------
+    def must_hold(self, prog: Program, tokens: int, now: float) -> bool:
+        """Whether a request of ``prog`` (just started in the table) waits: its program is paused,
+        or it is a new program no worker has room for."""
+        if prog.state is ProgramState.PAUSED:
+            return True
+        if prog.admitted or prog.in_flight > 1 or not self._room:
+            return False
+        best = max(self._room, key=self._room.__getitem__)
+        if self._room[best] >= tokens:
+            self._room[best] -= tokens
+            return False
+        self.table.pause(prog, now)
+        prog.pause_cycles -= 1  # waiting for admission is not a pause cycle
+        self._event(now, prog, "hold", None, f"new program: no worker has room for {tokens} tokens")
+        return True
+
+    def hold(self, program_id: str, held: Held) -> None:
+        self._held.setdefault(program_id, []).append(held)
+
+    def cancel(self, request_id: str) -> bool:
+        for pid, reqs in self._held.items():
+            for k, h in enumerate(reqs):
+                if h.req.request_id == request_id:
+                    del reqs[k]
+                    if not reqs:
+                        del self._held[pid]
+                    return True
+        return False
+
+    def held_count(self) -> int:
+        return sum(map(len, self._held.values()))
+
+    def take_held(self, program_id: str) -> list[Held]:
+        return self._held.pop(program_id, [])
+
+    # -- ticks -------------------------------------------------------------------------------
+    def tick(self, workers: Sequence[WorkerState], now: float) -> list[str]:
+        """One pacing decision: pauses and resumes. Returns the programs resumed (their held
+        requests can go, pinned to ``Program.pinned``)."""
+        self.next_tick = now + self.cfg.tick_s
+        loads = self._loads(workers, now)
+        if not loads:
+            return []
+        for wid, load in loads.items():
+            if load.demand > self.cfg.pause_threshold * load.cap:
+                self._pause_on(wid, load, now)
+        resumed = self._resume(loads, now)
+        self._room = {wid: self.cfg.resume_threshold * ld.cap - ld.resume_demand for wid, ld in loads.items()}
+        return resumed
+
+    def _tokens(self, prog: Program, load: _Load, least: int) -> int:
+        """KV tokens ``prog`` adds to ``load``: all of them (paper), or those not shared with
+        ``least - 1`` other programs there (shared)."""
+        if self.cfg.accounting is PacingAccounting.paper or not prog.blocks:
+            return prog.context_tokens
+        shared = _shared_prefix(prog.blocks, load.blocks, least)
+        return max(0, prog.context_tokens - shared * self.block_size)
+
+    def _weight(self, prog: Program, now: float) -> float:
+        if prog.state is ProgramState.ACTING:
+            return 0.5 ** ((now - prog.last_change) / self.cfg.acting_half_life_s)
+        return 1.0
+
+    def _loads(self, workers: Sequence[WorkerState], now: float) -> dict[str, _Load]:
+        loads = {w.worker_id: _Load(w.load.kv_total_blocks * w.block_size, not w.load.running and not w.load.waiting)
+                 for w in workers if w.load.kv_total_blocks > 0}
+        placed: list[tuple[Program, _Load]] = []
+        for prog in self.table:
+            load = loads.get(prog.pinned or prog.worker or "")
+            if load is None or prog.state is ProgramState.PAUSED:
+                continue
+            if self.cfg.accounting is PacingAccounting.shared:
+                load.blocks.update(prog.blocks)
+            placed.append((prog, load))
+        for prog, load in placed:
+            # with every program counted, a program's own share: its blocks held by nobody else
+            tokens = self._tokens(prog, load, 2) + self._shared_once(prog, load)
+            load.demand += tokens
+            load.resume_demand += tokens * self._weight(prog, now)
+        return loads
+
+    def _shared_once(self, prog: Program, load: _Load) -> float:
+        """A prefix shared by ``n`` programs is counted once: each holder takes ``1/n`` of each
+        shared block (paper accounting shares nothing)."""
+        if self.cfg.accounting is PacingAccounting.paper or not prog.blocks:
+            return 0.0
+        counts = load.blocks
+        shared = _shared_prefix(prog.blocks, counts, 2)
+        return sum(1.0 / counts[h] for h in prog.blocks[:shared]) * self.block_size
+
+    def _pause_on(self, wid: str, load: _Load, now: float) -> None:
+        cfg = self.cfg
+        limit = cfg.pause_threshold * load.cap
+        mine = [p for p in self.table if (p.pinned or p.worker) == wid and p.state is not ProgramState.PAUSED
+                and not p.pause_after_turn and (p.resumed_at < 0 or now - p.resumed_at >= cfg.min_run_s)]
+        sizes = {p.program_id: self._tokens(p, load, 2) for p in mine}
+        mine.sort(key=lambda p: (sizes[p.program_id], -p.first_seen))  # equal sizes: the newest first
+        for state in (ProgramState.ACTING, ProgramState.REASONING):
+            for p in mine:
+                if load.demand <= limit:
+                    return
+                if p.state is not state:
+                    continue
+                load.demand -= sizes[p.program_id]
+                if state is ProgramState.ACTING:  # a marked program holds its KV until its turn ends
+                    load.resume_demand -= sizes[p.program_id] * self._weight(p, now)
+                why = f"{wid} demand {load.demand + sizes[p.program_id]:.0f} > {limit:.0f} tokens"
+                if state is ProgramState.ACTING:
+                    self.table.pause(p, now)
+                    self.pauses += 1
+                    self._event(now, p, "pause", wid, why)
+                else:
+                    p.pause_after_turn = True
+                    self.pauses += 1
+                    self._event(now, p, "pause_after_turn", wid, why)
+
+    def _order(self, now: float) -> list[Program]:
+        paused = [p for p in self.table if p.state is ProgramState.PAUSED]
+
+        def rank(p: Program) -> tuple[int, int, float]:
+            forced = now - p.paused_since >= self.cfg.max_pause_s
+            cls = 0 if p.program_id in self._held and p.admitted else 1 if not p.admitted else 2
+            return (0 if forced else 1, cls, p.paused_since)
+
+        paused.sort(key=rank)
+        return paused
+
+    def _resume(self, loads: dict[str, _Load], now: float) -> list[str]:
+        resumed: list[str] = []
+        for p in self._order(now):
+            forced = now - p.paused_since >= self.cfg.max_pause_s
+            target = self._place(p, loads, now)
+            if target is None and self.cfg.work_conserving:
+                target = self._idle_worker(p, loads, now)
+            if target is None and not forced:
+                break  # in order: nobody overtakes the program at the head for good
+            if target is None:
+                target = max(loads, key=lambda w: self.cfg.resume_threshold * loads[w].cap - loads[w].resume_demand)
+            load = loads[target]
+            load.idle = False
+            need = self._tokens(p, load, 1)
+            load.demand += need
+            load.resume_demand += need
+            if self.cfg.accounting is PacingAccounting.shared:
+                load.blocks.update(p.blocks)
+            self.table.resume(p, target, now)
+            self.resumes += 1
+            self.forced_resumes += forced
+            self._event(now, p, "resume", target, "paused past max_pause_s" if forced else f"room on {target}")
+            resumed.append(p.program_id)
+        return resumed
+
+    def _place(self, p: Program, loads: dict[str, _Load], now: float) -> str | None:
+        """Where ``p`` fits now, or None."""
+        thr = self.cfg.resume_threshold
+
+        def room(w: str) -> float:
+            return thr * loads[w].cap - loads[w].resume_demand - self._tokens(p, loads[w], 1)
+
+        if self.cfg.placement is ResumePlacement.cached and p.blocks:
+            overlap = self.index.find_matches(p.blocks, now)
+            for w in sorted((w for w in overlap if w in loads), key=lambda w: -overlap[w]):
+                if overlap[w] and (room(w) >= 0 or loads[w].resume_demand <= 0):
+                    return w
+        best = max(loads, key=room)
+        return best if room(best) >= 0 or loads[best].resume_demand <= 0 else None  # empty: it goes anyway
+
+    def _idle_worker(self, p: Program, loads: dict[str, _Load], now: float) -> str | None:
+        """An idle worker for ``p`` (the one holding most of its blocks), or None."""
+        idle = [w for w, ld in loads.items() if ld.idle]
+        if not idle:
+            return None
+        overlap = self.index.find_matches(p.blocks, now) if p.blocks else {}
+        return max(idle, key=lambda w: overlap.get(w, 0))
+
+    def _event(self, now: float, p: Program, action: str, worker: str | None, reason: str) -> None:
+        self.recent.append(PacingEvent(now, p.program_id, action, worker, reason))
