@@ -127,7 +127,8 @@ class NodeConfig(_Strict):
     queue_depth_threshold: int = Field(64, ge=1, description="waiting requests at which a worker counts as busy")
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "fcfs", description="vLLM only: the servers' --scheduling-policy. priority: requests carry vLLM's `priority` "
-        "(our priority negated: vLLM serves lower values first); fcfs: none is sent (vLLM refuses a non-zero one), "
+        "(our priority negated: vLLM serves lower values first); fcfs: none is sent (older vLLM refuses a non-zero "
+        "one, 0.32 ignores it), "
         "so priorities act only in ThunderAgent's holding queue",
     )
     kv_cache_transfer: KvTransferConfig = KvTransferConfig()
