@@ -179,6 +179,16 @@ class CandidateScore:
 
 
 @dataclass(slots=True, frozen=True)
+class HotPrefixNote:
+    """Why a request went to a replica of a hot prefix (``router/hot.py``)."""
+
+    prefix_blocks: int  # the prefix: the request's leading blocks held by its deepest holders
+    holders: tuple[str, ...]  # workers holding it, all overloaded when a replica was added
+    replicas: tuple[str, ...]  # the prefix's replica set after this decision, oldest first
+    added: bool  # this request warms a new replica
+
+
+@dataclass(slots=True, frozen=True)
 class Decision:
     """A routing decision and its explanation."""
 
@@ -188,10 +198,11 @@ class Decision:
     reason: str
     candidates: tuple[CandidateScore, ...] = field(default=())
     overlap_blocks: int = 0  # blocks the winner is believed to hold
+    hot_prefix: HotPrefixNote | None = None  # set when the winner is a hot prefix's replica
 
     def explain(self) -> dict[str, object]:
         """JSON-ready explanation (returned in the response body when asked)."""
-        return {
+        out: dict[str, object] = {
             "worker": self.worker_id,
             "policy": self.policy,
             "reason": self.reason,
@@ -210,3 +221,8 @@ class Decision:
                 for c in self.candidates
             ],
         }
+        hot = self.hot_prefix
+        if hot is not None:
+            out["hot_prefix"] = {"prefix_blocks": hot.prefix_blocks, "holders": list(hot.holders),
+                                 "replicas": list(hot.replicas), "added": hot.added}
+        return out

@@ -100,3 +100,14 @@ def test_scheduler_overhead_bench_runs(monkeypatch, capsys) -> None:
     mod.main()
     out = capsys.readouterr().out
     assert "scheduler path p99" in out and "held: prepare + submit + pump" in out
+
+
+def test_hot_prefix_bench_runs(monkeypatch, capsys) -> None:
+    """bench/hot_prefix.py: both arms on the same requests, the ratio line printed."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    mod = _load("hot_prefix")
+    monkeypatch.setattr(sys, "argv", ["hot_prefix.py", "--requests", "300", "--seeds", "0"])
+    mod.main()
+    out = capsys.readouterr().out
+    assert "TTFT p99 plain/hot" in out and "target >= 1.2x" in out
+    assert out.count("\n  0  ") == 2  # one row per arm

@@ -79,6 +79,14 @@ def test_cli_overrides_apply_on_top_of_file():
      "execution_group.nodes.0.kv_cache_transfer.enabled", "not implemented yet"),
     ({"routing": {"route_key": "cookie:tenant"}}, "routing.route_key", "pattern"),
     ({"scheduler": {"max_wait_s": 0}}, "scheduler.max_wait_s", "greater than 0"),
+    ({"routing": {"hot_prefix": {"max_replicas": 3}}}, "routing.hot_prefix.max_replicas",
+     "acts only with routing.hot_prefix.enabled: true"),
+    ({"routing": {"hot_prefix": {"enabled": True, "max_replicas": 0}}}, "routing.hot_prefix.max_replicas",
+     "greater than or equal to 1"),
+    ({"routing": {"hot_prefix": {"enabled": True, "room_backlog_passes": 1.0}}}, "routing.hot_prefix",
+     "room_backlog_passes (1.0) must be below hot_backlog_passes (1.0)"),
+    ({"routing": {"policy": "round_robin", "hot_prefix": {"enabled": True}}}, "routing",
+     "hot_prefix.enabled acts with policy kv_aware only"),
 ])
 def test_fields_that_would_need_unbuilt_features_are_refused_by_name(data, field, words) -> None:
     with pytest.raises(ConfigError) as err:
@@ -90,6 +98,15 @@ def test_seed_fields_with_their_working_values_are_accepted() -> None:
     cfg = parse_config({"routing": {"preempt_enabled": False, "fallback_to_local": True, "route_key": "body:user"},
                         "scheduler": {"enabled": True, "max_queued": 10}}, "x.yaml")
     assert cfg.routing.route_key == "body:user" and cfg.scheduler.enabled and cfg.scheduler.max_queued == 10
+
+
+def test_hot_prefix_switch_and_knobs_load_together() -> None:
+    cfg = parse_config({"routing": {"hot_prefix": {"enabled": True, "max_replicas": 3, "retire_after_s": 5}}}, "x.yaml")
+    hot = cfg.routing.hot_prefix
+    assert (hot.enabled, hot.max_replicas, hot.retire_after_s, hot.min_requests) == (True, 3, 5.0, 2)
+    assert parse_config({}, "x.yaml").routing.hot_prefix.enabled is False  # off by default (README: no gain measured)
+    again = parse_config(cfg.model_dump(mode="json"), "x.yaml")
+    assert again.routing.hot_prefix == hot
 
 
 def test_preemption_switch_and_knobs_act_together() -> None:

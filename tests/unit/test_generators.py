@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 
 from thunderagent.sim.bounds import reuse_bounds
-from thunderagent.sim.generators import agent_programs, multi_turn_chat, shared_prefix
+from thunderagent.sim.generators import agent_programs, multi_turn_chat, shared_prefix, zipf_prefix
 from thunderagent.sim.traces import PAD_BASE, TraceRequest
 
 
@@ -29,6 +29,7 @@ def _common(reqs: list[TraceRequest]) -> None:
         lambda seed: shared_prefix(3, 500, (1, 200), 50, rate=2.0, seed=seed),
         lambda seed: multi_turn_chat(4, 3, seed=seed),
         lambda seed: agent_programs(3, 5, seed=seed),
+        lambda seed: zipf_prefix(8, 256, (1, 100), 50, rate=2.0, seed=seed),
     ],
 )
 def test_deterministic_for_a_seed(make) -> None:  # type: ignore[no-untyped-def]
@@ -65,6 +66,31 @@ def test_shared_prefix_shape() -> None:
         firsts.add(key)
     b = reuse_bounds(reqs, bs, 10**9)
     assert b.infinite_cache_reuse == expected / sum(r.input_length for r in reqs)
+
+
+def test_zipf_prefix_shape() -> None:
+    bs = 64
+    reqs = zipf_prefix(64, 2000, (64, 512), 20000, rate=50.0, output_tokens=(1, 32), seed=3, block_size=bs)
+    _common(reqs)
+    plen = 2048  # 2000 rounded up to whole blocks
+    pblocks = plen // bs
+    by_prefix: dict[tuple[int, ...], set[str]] = defaultdict(set)
+    for r in reqs:
+        by_prefix[tuple(r.block_ids[:pblocks])].add(r.request_id.rsplit(":", 1)[1])
+    # one prefix per popularity rank, named in the request id
+    assert len(by_prefix) == 64 and all(len(ranks) == 1 for ranks in by_prefix.values())
+    suffix_ids = [b for r in reqs for b in r.block_ids[pblocks:]]
+    assert len(suffix_ids) == len(set(suffix_ids))  # suffixes unique
+    assert all(plen + 64 <= r.input_length <= plen + 512 and 1 <= r.output_length <= 32 for r in reqs)
+    counts = defaultdict(int)
+    for r in reqs:
+        counts[int(r.request_id.rsplit(":p", 1)[1])] += 1
+    # Zipf(1.1) over 64: P(k) = (k+1)^-1.1 / H, H = 3.992: prefix 0 draws 25.0 %, prefix 1 11.7 %
+    h = sum((k + 1) ** -1.1 for k in range(64))
+    for k in (0, 1, 2, 10):
+        assert counts[k] / len(reqs) == pytest.approx((k + 1) ** -1.1 / h, rel=0.1)
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(reqs, reqs[1:])]
+    assert statistics.mean(gaps) == pytest.approx(0.02, rel=0.05)
 
 
 def test_multi_turn_chat_shape() -> None:
@@ -129,3 +155,7 @@ def test_bad_arguments() -> None:
         multi_turn_chat(2, 2, block_size=0)
     with pytest.raises(ValueError):
         agent_programs(2, 2, tool_pause_median_s=0.0)
+    with pytest.raises(ValueError):
+        zipf_prefix(0, 100, 10, 5, rate=1.0)
+    with pytest.raises(ValueError):
+        zipf_prefix(4, 100, 10, 5, rate=1.0, alpha=-1.0)

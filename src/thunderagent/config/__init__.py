@@ -197,6 +197,58 @@ class CostWeights(_Strict):
     )
 
 
+class HotPrefixConfig(_Strict):
+    """Hot-prefix replicas (``router/hot.py``, kv_aware policy only). A prefix is *hot* when every worker
+    holding it is backlogged while another worker has room; the router then sends its request to a new
+    replica (the lowest-cost worker with room) so that worker warms up, up to ``max_replicas`` per prefix.
+    Replicas retire, newest first, once the prefix has not been hot for ``retire_after_s``."""
+
+    enabled: bool = Field(False, description="add replicas for hot prefixes (off: the cost function alone "
+                          "decides, its load-shrunk cache credit being the only spreading)")
+    max_replicas: int = Field(2, ge=1, description="extra workers a hot prefix may be sent to, per prefix")
+    min_prefix_tokens: int = Field(
+        512, ge=1, description="a shared prefix shorter than this is never replicated (its recompute is cheap)",
+    )
+    hot_backlog_passes: float = Field(
+        1.0, gt=0, description="a holder counts as overloaded at this many passes (max_num_batched_tokens) of "
+        "queued prefill tokens, or when busy; a prefix is hot only while all its holders are overloaded",
+    )
+    room_backlog_passes: float = Field(
+        0.5, ge=0, description="a non-holder has room (can become a replica) below this many passes of queued "
+        "prefill tokens, when not busy; must be below hot_backlog_passes (hysteresis)",
+    )
+    min_requests: int = Field(
+        2, ge=1, description="requests that must find the prefix hot (within retire_after_s of each other) "
+        "before the first replica is added: one backlogged request is not demand",
+    )
+    retire_after_s: float = Field(
+        10.0, gt=0, description="seconds without the prefix being hot after which its newest replica retires "
+        "(one per period; the set is forgotten when empty)",
+    )
+    max_prefixes: int = Field(
+        1024, ge=1, description="hot prefixes tracked at most; past it the least recently hot is forgotten",
+    )
+
+    @field_validator("max_replicas", "min_prefix_tokens", "hot_backlog_passes", "room_backlog_passes",
+                     "min_requests", "retire_after_s", "max_prefixes")
+    @classmethod
+    def _knobs_need_switch(cls, v: float, info: ValidationInfo) -> float:
+        # as for preemption: a non-default knob without the switch would not act (defaults load: dumps)
+        assert info.field_name is not None
+        if v != cls.model_fields[info.field_name].default and not info.data.get("enabled"):
+            raise ValueError("acts only with routing.hot_prefix.enabled: true; enable it or remove this field")
+        return v
+
+    @model_validator(mode="after")
+    def _hysteresis(self) -> HotPrefixConfig:
+        if self.room_backlog_passes >= self.hot_backlog_passes:
+            raise ValueError(
+                f"room_backlog_passes ({self.room_backlog_passes}) must be below hot_backlog_passes "
+                f"({self.hot_backlog_passes}): a worker with room must not count as overloaded"
+            )
+        return self
+
+
 class RoutingConfig(_Strict):
     policy: Policy = Policy.kv_aware
     weights: CostWeights = CostWeights()
@@ -244,6 +296,7 @@ class RoutingConfig(_Strict):
         description="where a request's route key (tenant / business line) is read: `header:NAME` or `body:user`; "
         "the scheduler shares its queue fairly across keys",
     )
+    hot_prefix: HotPrefixConfig = HotPrefixConfig()
 
     @field_validator("preempt_tier_weight", "preempt_memory_cost_s")
     @classmethod
@@ -254,6 +307,13 @@ class RoutingConfig(_Strict):
         if v != cls.model_fields[info.field_name].default and not info.data.get("preempt_enabled"):
             raise ValueError("acts only with routing.preempt_enabled: true; enable it or remove this field")
         return v
+
+    @model_validator(mode="after")
+    def _hot_prefix_needs_kv_aware(self) -> RoutingConfig:
+        if self.hot_prefix.enabled and self.policy is not Policy.kv_aware:
+            raise ValueError(f"hot_prefix.enabled acts with policy kv_aware only (policy is {self.policy.value}): "
+                             "other policies ignore the cache; disable hot_prefix or use kv_aware")
+        return self
 
     @field_validator("fallback_to_local")
     @classmethod

@@ -66,12 +66,15 @@ class KvAware:
         self, cands: Sequence[Candidate], rng: random.Random, num_tokens: int, now: float
     ) -> tuple[int, str]:
         i, reason = self._choose(cands, rng, num_tokens, now)
+        self.record(cands[i], num_tokens, now)
+        return i, reason
+
+    def record(self, c: Candidate, num_tokens: int, now: float) -> None:
+        """``c`` gets the request (chosen here, or by a hot prefix's replica steering)."""
         # Recent traffic counts the prompt tokens the winner must prefill (and store): that is the
         # work and the cache churn a new conversation brings, whatever its number of requests.
-        c = cands[i]
         fresh = num_tokens - min(num_tokens, c.score.overlap_blocks * c.worker.block_size)
         self.recent.add(c.worker.worker_id, now, max(1, fresh))
-        return i, reason
 
     def _choose(
         self, cands: Sequence[Candidate], rng: random.Random, num_tokens: int, now: float

@@ -15,6 +15,9 @@ Length arguments accept an ``int`` (fixed) or a ``(lo, hi)`` tuple (uniform inte
 * :func:`shared_prefix` - ``G`` groups, each with a common system prefix of ``P`` tokens; each
   request = its group's prefix + a unique suffix; Poisson arrivals at ``rate`` req/s; group drawn
   uniformly. ``session`` = None (independent requests).
+* :func:`zipf_prefix` - like :func:`shared_prefix`, but the prefix is drawn with Zipf popularity
+  (prefix ``k`` of ``N`` with probability proportional to ``(k + 1) ** -alpha``): a few hot prefixes
+  draw most of the traffic (issue 9's hot-prefix workload: 64 prefixes of 2,048 tokens, alpha 1.1).
 * :func:`multi_turn_chat` - ``C`` conversations of ``T`` turns; conversations start as a Poisson
   process at ``conversation_rate``; turn k+1's prompt = turn k's prompt + turn k's output + new
   user text; turn k+1 arrives an exponential ``think_time_s`` (mean) after turn k (open loop: the
@@ -33,7 +36,7 @@ import random
 
 from thunderagent.sim.traces import PAD_BASE, TraceRequest
 
-__all__ = ["agent_programs", "multi_turn_chat", "shared_prefix"]
+__all__ = ["agent_programs", "multi_turn_chat", "shared_prefix", "zipf_prefix"]
 
 Length = int | tuple[int, int]
 
@@ -121,6 +124,50 @@ def shared_prefix(
         s = _draw(rng, suffix_tokens, "suffix_tokens", 1)
         o = _draw(rng, output_tokens, "output_tokens")
         out.append(TraceRequest(f"sp:{i}", t, plen + s, o, prefixes[g] + blocks.new(s), block_size, None))
+    return _finish(out)
+
+
+def zipf_prefix(
+    num_prefixes: int,
+    prefix_tokens: int,
+    suffix_tokens: Length,
+    num_requests: int,
+    rate: float,
+    output_tokens: Length = 128,
+    *,
+    alpha: float = 1.1,
+    seed: int = 0,
+    block_size: int = 64,
+) -> list[TraceRequest]:
+    """``num_requests`` requests, each = one of ``num_prefixes`` shared prefixes (``prefix_tokens``,
+    rounded up to whole blocks) + a unique suffix of ``suffix_tokens`` (>= 1); Poisson arrivals at
+    ``rate`` req/s (first at 0). Prefix ``k`` (0-based) is drawn with probability proportional to
+    ``(k + 1) ** -alpha``: prefix 0 is the hottest. Request ids are ``zp:<i>:p<k>``."""
+    _check(block_size, num_prefixes=num_prefixes, prefix_tokens=prefix_tokens, num_requests=num_requests,
+           alpha=alpha)
+    if num_prefixes == 0 and num_requests:
+        raise ValueError("num_prefixes must be > 0")
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    rng = random.Random(seed)
+    blocks = _Blocks(block_size)
+    plen = blocks.whole(prefix_tokens)
+    prefixes = [blocks.new(plen) for _ in range(num_prefixes)]
+    cum: list[float] = []
+    total = 0.0
+    for k in range(num_prefixes):
+        total += (k + 1) ** -alpha
+        cum.append(total)
+    ranks = range(num_prefixes)
+    out: list[TraceRequest] = []
+    t = 0.0
+    for i in range(num_requests):
+        if i:
+            t += rng.expovariate(rate)
+        g = rng.choices(ranks, cum_weights=cum)[0]
+        s = _draw(rng, suffix_tokens, "suffix_tokens", 1)
+        o = _draw(rng, output_tokens, "output_tokens")
+        out.append(TraceRequest(f"zp:{i}:p{g}", t, plen + s, o, prefixes[g] + blocks.new(s), block_size, None))
     return _finish(out)
 
 
