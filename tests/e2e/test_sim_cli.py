@@ -143,3 +143,21 @@ def test_sim_pacing_off_paper_ours_side_by_side(tmp_path):
         assert pc["pauses"] >= 1 and pc["resumes"] >= 1
     capped = run_sim("--trace", str(AGENTIC_EXCERPT), "--think-cap", "5")
     assert capped.returncode == 2 and "--think-cap needs --closed-loop" in capped.stderr
+
+
+@pytest.mark.skipif(not have_dynamo(), reason="ai-dynamo-runtime not installed (pip install -e '.[compare]')")
+def test_sim_holding_queue_beside_dynamos_router_queue(tmp_path):
+    """`--scheduler off --scheduler on --compare-dynamo`: Dynamo at its defaults, and Dynamo's
+    kv_router with its router queue on (the threshold and order given) beside our holding queue."""
+    out = tmp_path / "out.json"
+    res = run_sim("--trace", str(EXCERPT), "--workers", "2", "--speedup", "40", "--policy", "kv_aware",
+                  "--scheduler", "off", "--scheduler", "on", "--compare-dynamo", "--dynamo-queue-threshold", "1.5",
+                  "--dynamo-queue-policy", "fcfs", "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["system"], r["policy"]) for r in runs] == [
+        ("thunderagent", "kv_aware"), ("dynamo", "kv_router"), ("thunderagent", "kv_aware+scheduler"),
+        ("dynamo", "kv_router+queue(fcfs, 1.5)")]
+    queued = runs[3]["extra"]["replay_args"]["router_config"]
+    assert queued == {"router_queue_threshold": 1.5, "router_queue_policy": "fcfs"}
+    assert "router_config" not in runs[1]["extra"]["replay_args"] and runs[3]["requests"] == 200

@@ -20,6 +20,12 @@ class SchedulerMode(str, Enum):
     on = "on"
 
 
+class DynamoQueuePolicy(str, Enum):
+    fcfs = "fcfs"
+    lcfs = "lcfs"
+    wspt = "wspt"
+
+
 class PacingMode(str, Enum):
     off = "off"
     paper = "paper"  # the paper's accounting (every program in full) and placement (most free)
@@ -51,6 +57,11 @@ def sim(
         help="agent-program pacing (scheduler.pacing; programs are the trace's sessions): off, paper (the ThunderAgent "
              "paper's accounting and placement) or ours (the config's pacing section); repeat for side-by-side rows "
              "(default: as the config says)")] = None,
+    dynamo_queue_threshold: Annotated[float, typer.Option(
+        help="with --compare-dynamo and --scheduler on: Dynamo's kv_router is also run with its router queue on at "
+             "this threshold (KvRouterConfig.router_queue_threshold)", min=0)] = 2.0,
+    dynamo_queue_policy: Annotated[DynamoQueuePolicy, typer.Option(
+        help="the order of Dynamo's router queue in that row")] = DynamoQueuePolicy.wspt,
     horizon: Annotated[Optional[float], typer.Option(
         help="stop at this many virtual seconds: what finished by then counts (closed-loop rates are per it)",
         min=1e-6)] = None,
@@ -104,12 +115,19 @@ def sim(
         outcome.result.policy = label
         outcomes.append(outcome)
         results.append(outcome.result)
-        if compare_dynamo and pol in _DYNAMO_MODE and mode is modes[0]:
+        if compare_dynamo and pol in _DYNAMO_MODE and pace is pacings[0]:
             from thunderagent.sim.dynamo import run_dynamo
 
-            with console.status(f"dynamo {_DYNAMO_MODE[pol]}"):
-                results.append(run_dynamo(trace[0], workers=workers, kv_blocks=kv_blocks, block_size=block_size,
-                                          speedup=speedup, router_mode=_DYNAMO_MODE[pol]))
+            # Dynamo at its defaults once per policy; beside our holding queue's row, Dynamo's
+            # kv_router with its router queue on
+            queues: list[float | None] = [None] if mode is modes[0] else []
+            if mode is SchedulerMode.on and pol is Policy.kv_aware:
+                queues.append(dynamo_queue_threshold)
+            for queue in queues:
+                with console.status(f"dynamo {_DYNAMO_MODE[pol]}"):
+                    results.append(run_dynamo(trace[0], workers=workers, kv_blocks=kv_blocks, block_size=block_size,
+                                              speedup=speedup, router_mode=_DYNAMO_MODE[pol],
+                                              queue_threshold=queue, queue_policy=dynamo_queue_policy.value))
     _report(console, trace, results, outcomes, bounds, json_out, plots,
             {"traces": [str(t) for t in trace], "workers": workers, "kv_blocks": kv_blocks,
              "block_size": block_size, "speedup": speedup, "seed": seed, "requests": len(requests),

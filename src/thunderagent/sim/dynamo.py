@@ -120,6 +120,8 @@ def run_dynamo(
     speedup: float,
     router_mode: str,
     trace_block_size: int = 512,
+    queue_threshold: float | None = None,
+    queue_policy: str = "wspt",
 ) -> RunResult:
     """Replay a Mooncake JSONL trace through Dynamo's mocker and summarize it.
 
@@ -132,6 +134,11 @@ def run_dynamo(
         speedup: arrival speedup; trace gaps are divided by this factor.
         router_mode: ``"round_robin"`` or ``"kv_router"``.
         trace_block_size: tokens per trace ``hash_id`` (512 for the Mooncake traces).
+        queue_threshold: ``kv_router`` only: Dynamo's router queue on
+            (``KvRouterConfig.router_queue_threshold``: requests wait in the router while every
+            worker is past this load), None for off (Dynamo's default).
+        queue_policy: the queue's order when on: ``fcfs``, ``lcfs`` or ``wspt`` (shortest uncached
+            prefill first, Smith's rule).
 
     Returns:
         A ``RunResult`` with ``system="dynamo"`` and ``policy=router_mode``. TTFT, ITL and E2E
@@ -162,6 +169,11 @@ def run_dynamo(
         router_mode=router_mode,
         trace_block_size=trace_block_size,
     )
+    if queue_threshold is not None:
+        if router_mode != "kv_router":
+            raise ValueError("Dynamo's router queue needs router_mode='kv_router'")
+        kwargs["router_config"] = core.KvRouterConfig(router_queue_threshold=float(queue_threshold),
+                                                      router_queue_policy=queue_policy)
     path = os.fspath(Path(trace_path))
     start = time.perf_counter()
     try:
@@ -174,13 +186,19 @@ def run_dynamo(
     wall_s = time.perf_counter() - start
 
     extra: dict[str, object] = dict(summary)
+    shown = {k: v for k, v in kwargs.items() if k != "router_config"}
+    if queue_threshold is not None:
+        shown["router_config"] = {"router_queue_threshold": queue_threshold, "router_queue_policy": queue_policy}
     extra.update(
         dynamo_version=dynamo_version(),
-        replay_args={"trace_files": [path], **kwargs},
+        replay_args={"trace_files": [path], **shown},
         trace_path=path,
         prefill_recompute_rate_note=_RECOMPUTE_NOTE,
     )
-    return _result(summary, router_mode, wall_s, extra)
+    result = _result(summary, router_mode, wall_s, extra)
+    if queue_threshold is not None:
+        result.policy = f"kv_router+queue({queue_policy}, {queue_threshold:g})"
+    return result
 
 
 def _result(summary: dict[str, Any], router_mode: str, wall_s: float, extra: dict[str, object]) -> RunResult:
