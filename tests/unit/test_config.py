@@ -123,3 +123,16 @@ def test_preemption_switch_and_knobs_act_together() -> None:
     vllm = parse_config({"model": "/m", "execution_group": {"nodes": [
         {"engine": "vllm", "scheduling_policy": "priority", "endpoints": [{"url": "http://h:1"}]}]}}, "x.yaml")
     assert vllm.execution_group.nodes[0].scheduling_policy == "priority"
+
+
+def test_pacing_knobs_need_the_switch_and_hysteresis() -> None:
+    cfg = parse_config({"scheduler": {"pacing": {"enabled": True, "pause_threshold": 1.5, "resume_threshold": 1.2,
+                                                 "accounting": "paper", "placement": "most_free"}}})
+    p = cfg.scheduler.pacing
+    assert (p.enabled, p.pause_threshold, p.accounting.value, p.placement.value) == (True, 1.5, "paper", "most_free")
+    with pytest.raises(ConfigError, match=r"scheduler\.pacing\.tick_s.*scheduler\.pacing\.enabled: true"):
+        parse_config({"scheduler": {"pacing": {"tick_s": 2.0}}})
+    with pytest.raises(ConfigError, match="resume_threshold .* must be below pause_threshold"):
+        parse_config({"scheduler": {"pacing": {"enabled": True, "resume_threshold": 0.95}}})
+    with pytest.raises(ConfigError, match=r"scheduler\.pacing\.placement"):
+        parse_config({"scheduler": {"pacing": {"enabled": True, "placement": "anywhere"}}})

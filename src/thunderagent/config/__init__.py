@@ -15,7 +15,7 @@ from typing import Literal
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from thunderagent.config._base import ConfigError, _Strict
+from thunderagent.config._base import ConfigError, _Strict, knob_needs_switch
 from thunderagent.config.nats import NatsAuthConfig, NatsConfig, NatsTlsConfig
 from thunderagent.config.scheduler import PacingAccounting, PacingConfig, ResumePlacement, SchedulerConfig
 
@@ -232,12 +232,8 @@ class HotPrefixConfig(_Strict):
     @field_validator("max_replicas", "min_prefix_tokens", "hot_backlog_passes", "room_backlog_passes",
                      "min_requests", "retire_after_s", "max_prefixes")
     @classmethod
-    def _knobs_need_switch(cls, v: float, info: ValidationInfo) -> float:
-        # as for preemption: a non-default knob without the switch would not act (defaults load: dumps)
-        assert info.field_name is not None
-        if v != cls.model_fields[info.field_name].default and not info.data.get("enabled"):
-            raise ValueError("acts only with routing.hot_prefix.enabled: true; enable it or remove this field")
-        return v
+    def _knobs_need_switch(cls, v: float, info: ValidationInfo) -> object:
+        return knob_needs_switch(cls, v, info.field_name, bool(info.data.get("enabled")), "routing.hot_prefix.enabled")
 
     @model_validator(mode="after")
     def _hysteresis(self) -> HotPrefixConfig:
@@ -300,13 +296,9 @@ class RoutingConfig(_Strict):
 
     @field_validator("preempt_tier_weight", "preempt_memory_cost_s")
     @classmethod
-    def _preempt_knobs_need_preemption(cls, v: float, info: ValidationInfo) -> float:
-        # a value other than the default without the switch would not act (the default is accepted:
-        # a dumped config, defaults filled in, must load again)
-        assert info.field_name is not None
-        if v != cls.model_fields[info.field_name].default and not info.data.get("preempt_enabled"):
-            raise ValueError("acts only with routing.preempt_enabled: true; enable it or remove this field")
-        return v
+    def _preempt_knobs_need_preemption(cls, v: float, info: ValidationInfo) -> object:
+        return knob_needs_switch(cls, v, info.field_name, bool(info.data.get("preempt_enabled")),
+                                 "routing.preempt_enabled")
 
     @model_validator(mode="after")
     def _hot_prefix_needs_kv_aware(self) -> RoutingConfig:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from enum import Enum
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from thunderagent.config._base import _Strict
+from thunderagent.config._base import _Strict, knob_needs_switch
 
 
 class PacingAccounting(str, Enum):
@@ -52,6 +52,12 @@ class PacingConfig(_Strict):
     acting_half_life_s: float = Field(
         30.0, gt=0, description="on the resume side an idle (acting) program's tokens count half per this many seconds"
     )
+
+    @field_validator("accounting", "placement", "work_conserving", "tick_s", "pause_threshold", "resume_threshold",
+                     "max_pause_s", "min_run_s", "acting_half_life_s")
+    @classmethod
+    def _knobs_need_pacing(cls, v: object, info: ValidationInfo) -> object:
+        return knob_needs_switch(cls, v, info.field_name, bool(info.data.get("enabled")), "scheduler.pacing.enabled")
 
     @model_validator(mode="after")
     def _hysteresis(self) -> PacingConfig:
