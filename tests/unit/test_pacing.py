@@ -145,3 +145,17 @@ def test_a_new_program_waits_for_room_and_is_admitted_when_it_comes() -> None:
     t.release("a")
     assert p.tick([worker("w0")], 4.0) == ["b"] and p.held_count() == 1
     assert p.cancel("rb") and p.held_count() == 0 and not p.cancel("rb")
+
+
+def test_a_rollout_group_sharing_a_long_prefix_is_admitted_together_with_shared_accounting() -> None:
+    prefix = list(range(100, 130))  # 30 blocks = 480 tokens shared by the group
+    for accounting, admitted in ((PacingAccounting.shared, ["g0", "g1", "g2"]), (PacingAccounting.paper, ["g0"])):
+        p, t, _ = pacer(pause_threshold=0.9, resume_threshold=0.5, accounting=accounting)
+        p.tick([worker("w0")], 0.0)  # an empty worker: 800 tokens of room
+        got = []
+        for k in range(3):
+            prog = t.request_started(f"g{k}", 1.0, [*prefix, 900 + k], 500)
+            if not p.must_hold(prog, 500, 1.0):
+                got.append(prog.program_id)
+        # shared: 500 for the first, then 20 tokens each (their own last block); paper: 500 each
+        assert got == admitted, accounting

@@ -91,6 +91,7 @@ class ProgramPacer:
         self.block_size = block_size
         self._held: dict[str, list[Held]] = {}  # program -> its requests held while paused
         self._room: dict[str, float] = {}  # per worker, resume-side room after the last tick
+        self._last: dict[str, _Load] = {}  # the last tick's per-worker loads (admissions add to them)
         self.next_tick = 0.0
         self.pauses = 0
         self.resumes = 0
@@ -103,11 +104,17 @@ class ProgramPacer:
         or it is a new program no worker has room for."""
         if prog.state is ProgramState.PAUSED:
             return True
-        if prog.admitted or prog.in_flight > 1 or not self._room:
+        if prog.admitted or prog.in_flight > 1 or not self._last:
             return False
-        best = max(self._room, key=self._room.__getitem__)
-        if self._room[best] >= tokens:
-            self._room[best] -= tokens
+        # the worker with the most room for what this program adds there: with shared accounting a
+        # program sharing a long prefix with programs already there (an RL rollout group arriving
+        # together) adds only its own tail, so such a group is admitted together
+        need = {w: self._tokens(prog, ld, 1) for w, ld in self._last.items()}
+        best = max(self._last, key=lambda w: self._room[w] - need[w])
+        if self._room[best] >= need[best]:
+            self._room[best] -= need[best]
+            if self.cfg.accounting is PacingAccounting.shared:
+                self._last[best].blocks.update(prog.blocks)
             return False
         self.table.pause(prog, now)
         prog.pause_cycles -= 1  # waiting for admission is not a pause cycle
@@ -140,12 +147,14 @@ class ProgramPacer:
         self.next_tick = now + self.cfg.tick_s
         loads = self._loads(workers, now)
         if not loads:
+            self._last, self._room = {}, {}
             return []
         for wid, load in loads.items():
             if load.demand > self.cfg.pause_threshold * load.cap:
                 self._pause_on(wid, load, now)
         resumed = self._resume(loads, now)
         self._room = {wid: self.cfg.resume_threshold * ld.cap - ld.resume_demand for wid, ld in loads.items()}
+        self._last = loads
         return resumed
 
     def _tokens(self, prog: Program, load: _Load, least: int) -> int:
