@@ -17,11 +17,17 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 
 from thunderagent.config._base import ConfigError, _Strict, knob_needs_switch
 from thunderagent.config.nats import NatsAuthConfig, NatsConfig, NatsTlsConfig
-from thunderagent.config.scheduler import PacingAccounting, PacingConfig, ResumePlacement, SchedulerConfig
+from thunderagent.config.scheduler import (
+    GroupingConfig,
+    PacingAccounting,
+    PacingConfig,
+    ResumePlacement,
+    SchedulerConfig,
+)
 
 __all__ = [
     "Config", "ConfigError", "ControlPlaneConfig", "CostWeights", "EndpointConfig", "ExecutionGroupConfig",
-    "KvTransferConfig", "MetricsConfig", "NatsAuthConfig", "NatsConfig", "NatsTlsConfig", "NodeConfig",
+    "GroupingConfig", "KvTransferConfig", "MetricsConfig", "NatsAuthConfig", "NatsConfig", "NatsTlsConfig", "NodeConfig",
     "PacingAccounting", "PacingConfig", "Policy", "ResumePlacement", "Role", "RoutingConfig", "SchedulerConfig",
     "SimulationConfig", "TimingConfig", "load_config", "parse_config",
 ]

@@ -1,4 +1,4 @@
-"""The `scheduler:` section: the holding queue and program pacing."""
+"""The `scheduler:` section: the holding queue, program pacing, prefix grouping."""
 
 from __future__ import annotations
 
@@ -67,6 +67,57 @@ class PacingConfig(_Strict):
         return self
 
 
+class GroupingConfig(_Strict):
+    """Prefix grouping and coalescing (``scheduler/grouping.py``): a request sharing a prefix with
+    one in flight whose blocks are not stored yet waits for them on that worker instead of
+    prefilling the prefix again; under load new requests wait a short window so their siblings
+    can find them."""
+
+    enabled: bool = Field(
+        False, description="group requests sharing at least `group_min_blocks` leading blocks behind one leader "
+        "per worker, and hold new requests up to the adaptive window under load",
+    )
+    coalesce: bool = Field(
+        False, description="identical in-flight prefills (same full blocks, even fewer than `group_min_blocks`) "
+        "follow the one already running",
+    )
+    window_max_ms: float = Field(
+        10.0, ge=0, description="with `enabled`: the window new requests wait for siblings at full load (0 at idle, "
+        "growing with the workers' queued prefill)",
+    )
+    batch_window_max_ms: float = Field(
+        50.0, ge=0, description="with `enabled`: the window for the batch tier (priority < 0)",
+    )
+    group_min_blocks: int = Field(
+        4, ge=1, description="leading blocks two requests must share to be grouped (with `enabled`)",
+    )
+    follower_max_wait_ms: float = Field(
+        2000.0, gt=0, description="a follower whose leader's prefix is not stored after this long goes on its own",
+    )
+
+    @model_validator(mode="after")
+    def _acts(self) -> GroupingConfig:
+        # a knob set to a non-default value must act: the window and the threshold act only with
+        # grouping, the follower bound with grouping or coalescing
+        if not self.enabled:
+            for name in ("window_max_ms", "batch_window_max_ms", "group_min_blocks"):
+                if name in self.model_fields_set and getattr(self, name) != type(self).model_fields[name].default:
+                    raise ValueError(f"scheduler.grouping.{name} acts only with scheduler.grouping.enabled: true; "
+                                     "enable it or remove the field")
+        if (not self.enabled and not self.coalesce and "follower_max_wait_ms" in self.model_fields_set
+                and self.follower_max_wait_ms != type(self).model_fields["follower_max_wait_ms"].default):
+            raise ValueError("scheduler.grouping.follower_max_wait_ms acts only with scheduler.grouping.enabled or "
+                             "coalesce: true; enable one or remove the field")
+        if self.batch_window_max_ms < self.window_max_ms:
+            raise ValueError(f"scheduler.grouping.batch_window_max_ms ({self.batch_window_max_ms}) must be at least "
+                             f"window_max_ms ({self.window_max_ms}): the batch tier waits longer, not shorter")
+        return self
+
+    @property
+    def active(self) -> bool:
+        return self.enabled or self.coalesce
+
+
 class SchedulerConfig(_Strict):
     """The holding queue in front of the router (``scheduler/queue.py``). Off: every request is
     routed the moment it arrives, into the engines' own queues."""
@@ -98,3 +149,4 @@ class SchedulerConfig(_Strict):
         600.0, gt=0, description="an agent program idle (acting) this long is terminated and forgotten"
     )
     pacing: PacingConfig = PacingConfig()
+    grouping: GroupingConfig = GroupingConfig()

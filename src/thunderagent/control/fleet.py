@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import secrets
 import logging
+import math
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -135,6 +136,7 @@ class Fleet:
         self.programs = self.dispatcher.programs  # agent programs (the pacer pauses and resumes them)
         self._paced = (0, 0)  # pauses, resumes already counted in metrics
         self._pump_due = False
+        self._wake_at: float | None = None  # when the armed grouping timer fires
         self._health_task: asyncio.Task[None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -200,6 +202,8 @@ class Fleet:
         if self.feed.events(worker_id, events, self.now()):
             log.warning("KV event gap from %s at seq %d: resyncing its index entries", worker_id, events[-1].seq)
             self.membership.resync(worker_id)
+        if self.dispatcher.kv_stored(worker_id):  # followers whose prefix is now stored there
+            self._schedule_pump()
 
     def on_heartbeat(self, worker_id: str, load: LoadReport) -> None:
         reason = self.unavailable.pop(worker_id, None)
@@ -245,9 +249,8 @@ class Fleet:
                 self.membership.resync(wid)
                 log.info("worker %s healthy again (%s): back in routing", wid, change.reason)
                 self.metrics.healthy.labels(wid).set(1)
-        if self.dispatcher.pacer is not None:
-            self.dispatcher.tick(self.routable(), now)
-            self._observe_pacing()
+        self.dispatcher.tick(self.routable(), now)  # pacing; grouping's bounds (``_wake`` runs them on time)
+        self._observe_pacing()
         if self._held:
             self._pump()  # requests past max_wait_s (or of resumed programs) go even when no worker has room
         if self.programs.expire(now):
@@ -312,7 +315,7 @@ class Fleet:
         call = _HeldCall(asyncio.get_running_loop().create_future(), program_id)
         self._held[rid] = call
         self._observe_queue()
-        self._schedule_pump()
+        self._schedule_pump()  # (it arms the grouping timer)
         try:
             return await call.fut
         except asyncio.CancelledError:
@@ -347,9 +350,19 @@ class Fleet:
             self._pump_due = True
             asyncio.get_running_loop().call_soon(self._pump)
 
+    def _arm(self) -> None:  # wake at the dispatcher's next grouping deadline (windows, follower bounds)
+        t = self.dispatcher.next_wakeup() if self.dispatcher.grouper is not None else math.inf
+        if t != math.inf and (self._wake_at is None or t < self._wake_at):
+            self._wake_at = t
+            asyncio.get_running_loop().call_later(max(0.0, t - self.now()), self._wake)
+
+    def _wake(self) -> None:
+        self._wake_at = None
+        self.dispatcher.tick(self.routable(), self.now())
+        self._pump()  # then re-armed while requests are held
+
     def _pump(self) -> None:
-        """Dispatch held requests while workers can start them, one at a time: each submission
-        pushes the chosen worker's load before the next decision."""
+        """Dispatch held requests one at a time (each submission pushes its worker's load first)."""
         self._pump_due = False
         while self._held:
             now = self.now()
@@ -368,6 +381,8 @@ class Fleet:
                 continue
             call.fut.set_result(self._launch(d, time.perf_counter() - t0, call.program_id))
         self._observe_queue()
+        if self._held:
+            self._arm()
 
     def _observe_programs(self) -> None:
         for state, n in self.programs.by_state().items():
@@ -436,6 +451,8 @@ class Fleet:
                 if last_t is None:
                     if out.token_ids or out.finished:
                         self.metrics.ttft.observe(now - gen.received)
+                        if self.dispatcher.progressed(gen.request_id, ok=bool(out.token_ids)):
+                            self._schedule_pump()  # a leader's followers go
                 else:
                     self.metrics.itl.observe(now - last_t)
                 last_t = now
@@ -447,6 +464,8 @@ class Fleet:
                     return
         finally:
             self._inflight.pop(gen.request_id, None)
+            if self.dispatcher.progressed(gen.request_id, ok=False):  # a leader gone before its first token
+                self._schedule_pump()
             if last_t is not None:
                 self.metrics.observe_prefill(cached, gen.dispatch.best_known_tokens)
             if not finished:

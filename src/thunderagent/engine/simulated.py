@@ -103,6 +103,7 @@ class SimulatedEngine:
         self.preemptions = 0  # allocation failures (LIFO, vLLM's)
         self.priority_preemptions = 0  # victims evicted for a higher-priority waiting request (``_pp``)
         self.busy_ns = 0  # time spent in passes (utilization = busy / elapsed)
+        self.prefill_tokens = 0  # prompt tokens computed (cache hits excluded, recomputes included)
         self.last_pass: PassInfo | None = None
 
     @property
@@ -242,14 +243,14 @@ class SimulatedEngine:
         n = p.n_pf
         T = n * (p.isl // n - p.prefix // n) if n else 0
         p.events = self._bm.drain_events()
-        if not (p.progress or p.emit or p.rejected):
-            # Nothing can run (e.g. blocks pinned by nothing runnable): idle until something changes.
+        if not (p.progress or p.emit or p.rejected):  # nothing can run (blocks pinned...): idle till a change
             self._stalled = True
             self._last_end = max(self._last_end, s)
             self._events.extend(p.events)
             return
         dur = round(self._timing.pass_time(T, p.A, self._total_kv, p.A > 0) * 1e9)
         self.busy_ns += dur
+        self.prefill_tokens += p.isl - p.prefix
         self._pass = p
         self._pass_end = s + dur
         self.last_pass = PassInfo(s / 1e9, (s + dur) / 1e9, T, p.A, n, p.n_dec, self._max_tokens - p.budget)

@@ -286,6 +286,13 @@ class KvIndex:
         return self._sweep(now, -1 if max_items is None else max_items)
 
     # -- queries -------------------------------------------------------------------------------
+    def is_confirmed(self, worker_id: str, block_hash: int) -> bool:
+        """Whether ``worker_id`` reported storing ``block_hash`` (a confirmed entry, not a
+        prediction; a stale worker's entries do not count). A chained hash names its whole prefix:
+        one lookup says whether the prefix ending at that block is stored."""
+        w = self._workers.get(worker_id)
+        return w is not None and not w.stale and bool(self._confirmed.get(block_hash, 0) & w.bit)
+
     def find_matches(self, block_hashes: Sequence[int], now: float) -> dict[str, int]:
         """For each worker, how many LEADING blocks of the query it holds (contiguous from block
         0). Expired predictions count as absent, stale workers are excluded, workers with 0 are

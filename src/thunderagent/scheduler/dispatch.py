@@ -19,12 +19,20 @@ With program pacing on (``scheduler.pacing``), a request of a paused agent progr
 every ``tick_s`` and :meth:`Dispatcher.pump` releases the resumed programs' requests to the worker
 each was placed on (before the holding queue's).
 
+With prefix grouping (``scheduler.grouping``), a request sharing a prefix with one in flight whose
+blocks are not stored yet waits in the :class:`~thunderagent.scheduler.grouping.Grouper` as a
+follower; the driver calls :meth:`Dispatcher.kv_stored` after applying a worker's KV events,
+:meth:`Dispatcher.progressed` on a request's first token and at its end, and :meth:`Dispatcher.tick`
+at :meth:`Dispatcher.next_wakeup` (windows and waiting bounds); released followers go through the
+same ready path, pinned to their leader's worker.
+
 After the requests of one instant are dispatched the driver calls :meth:`Dispatcher.settle`
 (bounded sweep of expired predictions), so the index's bookkeeping is the same in both drivers.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +41,7 @@ from thunderagent.config import SchedulerConfig
 from thunderagent.kv.hashing import block_hashes, hash_seed
 from thunderagent.router.cost import is_busy
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
+from thunderagent.scheduler.grouping import Grouper
 from thunderagent.scheduler.pacing import ProgramPacer
 from thunderagent.scheduler.programs import ProgramTable
 from thunderagent.scheduler.queue import Held, HoldingQueue, QueueFull
@@ -70,7 +79,9 @@ class Dispatcher:
         self.programs = ProgramTable(cfg.program_idle_ttl_s)
         self.pacer = (ProgramPacer(cfg.pacing, self.programs, self.index, block_size)
                       if cfg.pacing.enabled else None)
-        self._ready: deque[Held] = deque()  # requests of resumed programs, to dispatch first
+        self._ready: deque[Held] = deque()  # released requests (resumed programs, followers), to dispatch first
+        self.grouper = (Grouper(cfg.grouping, self.index, block_size, self._ready, cfg.max_queued)
+                        if cfg.grouping.active else None)
 
     def prepare(
         self,
@@ -108,9 +119,15 @@ class Dispatcher:
                 if pacer.must_hold(prog, len(req.prompt_tokens), now):
                     pacer.hold(program, Held(req, key, req.priority, now, 0, program))
                     return None
+        avoid: tuple[str, ...] = ()
+        if self.grouper is not None:
+            offered = self.grouper.offer(Held(req, key, req.priority, now, 0, program), workers, now)
+            if offered is None:
+                return None
+            avoid = offered
         try:
             if queue is None or (not len(queue) and self.can_start(workers)):
-                return self.dispatch(req, workers, now, program=program)
+                return self.dispatch(req, workers, now, exclude=avoid, program=program)
             queue.push(Held(req, key, req.priority, now, self._uncached(req, now), program), now)
         except (QueueFull, NoWorkerAvailable):
             if program is not None:  # refused: not a step of the program
@@ -119,17 +136,33 @@ class Dispatcher:
         return None
 
     def tick(self, workers: Sequence[WorkerState], now: float) -> int:
-        """Program pacing's periodic decision (no-op without pacing): pauses and resumes. Returns
-        how many held requests were released (:meth:`pump` dispatches them)."""
+        """Periodic decisions: grouping's windows and waiting bounds that are due, and program
+        pacing's pauses and resumes (every ``tick_s``). Returns how many held requests were released
+        (:meth:`pump` dispatches them)."""
+        n = self.grouper.expire(now) if self.grouper is not None else 0
         pacer = self.pacer
         if pacer is None or not workers or now < pacer.next_tick:
-            return 0
-        n = 0
+            return n
         for pid in pacer.tick(workers, now):
             for held in pacer.take_held(pid):
                 self._ready.append(held)
                 n += 1
         return n
+
+    def next_wakeup(self) -> float:
+        """When :meth:`tick` next has work: the next pacing tick or grouping deadline (inf: none)."""
+        t = self.grouper.next_deadline if self.grouper is not None else math.inf
+        return min(t, self.pacer.next_tick) if self.pacer is not None else t
+
+    def kv_stored(self, worker_id: str) -> int:
+        """The driver applied ``worker_id``'s KV events: followers whose prefix is now confirmed
+        there are released (cheap when none wait on it). Returns how many."""
+        return self.grouper.stored(worker_id) if self.grouper is not None else 0
+
+    def progressed(self, request_id: str, *, ok: bool) -> int:
+        """A dispatched request produced its first token or ended (``ok``: without an error): if it
+        leads a group, its followers are released. Returns how many."""
+        return self.grouper.progressed(request_id, ok) if self.grouper is not None else 0
 
     def release(self, program: str) -> bool:
         """The client ended ``program`` (TERMINATED): forgotten; requests of it still held go now.
@@ -149,6 +182,7 @@ class Dispatcher:
     def held(self) -> int:
         """Requests waiting here: in the holding queue, or of paused programs."""
         n = len(self._ready) + (len(self.queue) if self.queue is not None else 0)
+        n += self.grouper.held_count() if self.grouper is not None else 0
         return n + (self.pacer.held_count() if self.pacer is not None else 0)
 
     def pump(self, workers: Sequence[WorkerState], now: float) -> Dispatch | None:
@@ -156,7 +190,7 @@ class Dispatcher:
         then it goes anyway). None when nothing can go now. The driver submits it and calls again."""
         if self._ready and workers:
             held = self._ready.popleft()
-            d = self.dispatch(held.req, workers, now, program=held.program)
+            d = self.dispatch(held.req, workers, now, program=held.program, pin=held.pin)
             d.queue_wait = now - held.enqueued
             return d
         queue = self.queue
@@ -175,6 +209,8 @@ class Dispatcher:
 
     def cancel(self, request_id: str) -> bool:
         """Drop a held request (client gone): True if it was held."""
+        if self.grouper is not None and self.grouper.cancel(request_id):
+            return True
         if self.queue is not None and self.queue.cancel(request_id):
             return True
         for k, held in enumerate(self._ready):
@@ -204,16 +240,18 @@ class Dispatcher:
         return n - min(best * self.block_size, n)
 
     def dispatch(self, req: EngineRequest, workers: Sequence[WorkerState], now: float,
-                 exclude: tuple[str, ...] = (), program: str | None = None) -> Dispatch:
+                 exclude: tuple[str, ...] = (), program: str | None = None, pin: str | None = None) -> Dispatch:
         """Route ``req`` among ``workers`` (less ``exclude``: workers that already could not take
-        it); a request of a program the pacer pinned goes to its worker while that one is routable.
-        Raises :class:`~thunderagent.router.router.NoWorkerAvailable`."""
+        it, or that a sibling should not wait on); a request of a program the pacer pinned, or
+        pinned by ``pin`` (a follower released to its leader's worker), goes to that worker while it
+        is routable. Raises :class:`~thunderagent.router.router.NoWorkerAvailable`."""
         if exclude:
             workers = [w for w in workers if w.worker_id not in exclude]
         prog = self.programs.get(program) if program is not None else None
         if prog is not None and prog.pinned is not None:
-            pinned = [w for w in workers if w.worker_id == prog.pinned]
-            workers = pinned or workers
+            pin = prog.pinned
+        if pin is not None:
+            workers = [w for w in workers if w.worker_id == pin] or workers
         n = len(req.prompt_tokens)
         decision = self.router.route(RouteRequest(req.request_id, n, req.block_hashes, req.priority), workers, now)
         bs = self.block_size
@@ -222,6 +260,8 @@ class Dispatcher:
         predicted = min(decision.overlap_blocks * bs, n)
         if prog is not None:
             self.programs.request_placed(prog.program_id, decision.worker_id)
+        if self.grouper is not None:
+            self.grouper.placed(req.request_id, req.block_hashes, decision.worker_id, now)
         return Dispatch(req, decision, best_known, predicted)
 
     def retract(self, d: Dispatch) -> int:

@@ -48,6 +48,7 @@ class Held:
     enqueued: float
     uncached: int  # uncached prompt tokens, estimated from the index at enqueue
     program: str | None = None  # the agent program it belongs to
+    pin: str | None = None  # the worker it must go to while routable (a released follower: its leader's)
     gone: bool = field(default=False, repr=False)  # dispatched or cancelled (lazy heap deletion)
 
 

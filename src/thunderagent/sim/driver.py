@@ -95,11 +95,14 @@ class _Run:
             if ids:
                 if tr.first < 0:
                     tr.first = o.time
+                    self.sim.dispatcher.progressed(o.request_id, ok=True)  # a leader's followers go
                 else:
                     itl.append((o.time - tr.last) * 1e3)
                 tr.last = o.time
                 tr.tokens += len(ids)
             if o.finished:
+                if tr.first < 0:  # ended without a token (rejected): its followers go on their own
+                    self.sim.dispatcher.progressed(o.request_id, ok=False)
                 tr.done = True
                 tr.cached = o.cached_tokens
                 tr.end = o.time
@@ -218,15 +221,18 @@ class Simulator:
         # report is refreshed right then and reused by every routing decision in between (re-reading
         # 8 engines per arrival was a third of the run time).
         dispatcher = self.dispatcher
-        pacer = dispatcher.pacer
-        pumping = dispatcher.queue is not None or pacer is not None
-        while src.t != math.inf or heap or (pacer is not None and dispatcher.held()):
+        pumping = dispatcher.queue is not None or dispatcher.pacer is not None or dispatcher.grouper is not None
+        while True:
             ta = src.t
-            if min(ta, heap[0][0] if heap else math.inf, pacer.next_tick if pacer else math.inf) > horizon:
+            tick = dispatcher.next_wakeup()
+            if ta == math.inf and not heap and (tick == math.inf or not dispatcher.held()):
+                break  # (requests the holding queue alone still holds stay: ``held_at_end``)
+            if min(ta, heap[0][0] if heap else math.inf, tick) > horizon:
                 break
-            if pacer is not None and pacer.next_tick < ta and (not heap or pacer.next_tick < heap[0][0]):
-                # a pacing tick with nothing else due before it: pauses, resumes, released requests
-                tt = max(pacer.next_tick, run.last)
+            if tick < ta and (not heap or tick < heap[0][0]):
+                # a tick with nothing else due before it (pacing; grouping's windows and waiting
+                # bounds): the requests it releases go now
+                tt = max(tick, run.last)
                 if dispatcher.tick(states, tt):
                     for j in self._pump(tt, run.tracks):
                         run.schedule(j)
@@ -276,6 +282,8 @@ class Simulator:
             self.resyncs += 1
             self.feed.begin_sync(e.worker_id)
             self.feed.apply_dump(e.worker_id, e.cache_snapshot(), events[-1].seq, now)
+        if events:
+            self.dispatcher.kv_stored(e.worker_id)  # followers whose prefix is now stored there go
 
     def _dispatch(self, tr: TraceRequest, now: float, tracks: dict[str, _Track]) -> int:
         """An arrival: routed and placed now (its engine's index), or held in the scheduler (-1)."""
@@ -329,6 +337,7 @@ class Simulator:
                 "prompt_tokens": prompt,
                 "recomputed_prompt_tokens": prompt - cached,  # prompt tokens not served from cache
                 "preemptions": sum(e.preemptions for e in self.engines),
+                "computed_prefill_tokens": sum(e.prefill_tokens for e in self.engines),  # engines' own count
                 # only with routing.preempt_enabled: results of runs without it keep their shape
                 **({"priority_preemptions": sum(e.priority_preemptions for e in self.engines)}
                    if self.preempt is not None else {}),
@@ -336,6 +345,7 @@ class Simulator:
                 "utilization": (sum(e.busy_ns for e in self.engines) / 1e9 / (duration * len(self.engines))
                                 if duration > 0 else 0.0),
                 **self._scheduler_extra(done),
+                **({"grouping": dict(g.stats)} if (g := self.dispatcher.grouper) is not None else {}),
             },
         )
 
