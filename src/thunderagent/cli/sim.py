@@ -66,7 +66,10 @@ def sim(
                   f"speedup {speedup}" + (", closed loop" if closed_loop else ""))
     bounds = reuse_bounds(requests, block_size, workers * kv_blocks)
     outcomes, results = [], []
-    modes = scheduler or [SchedulerMode.on if cfg.scheduler.enabled else SchedulerMode.off]
+    # The serving default (on) does not change replays: the simulator holds requests only when the
+    # config file says so itself, or --scheduler on.
+    asked = cfg.scheduler.enabled and "enabled" in cfg.scheduler.model_fields_set
+    modes = scheduler or [SchedulerMode.on if asked else SchedulerMode.off]
     for pol, mode in ((p, m) for p in policies for m in modes):
         sched = cfg.scheduler.model_copy(update={"enabled": mode is SchedulerMode.on})
         simulator = Simulator(node, cfg.routing, workers, pol, seed=seed, scheduler=sched)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from thunderagent.config import Config, Policy
+from thunderagent.control.liveness import LoopLag
 from thunderagent.control.metrics import Metrics
 from thunderagent.control.registry import Health, WorkerRegistry
 from thunderagent.execution.handle import STALL_TIMEOUT_S, OutputQueue, WorkerCallbacks, WorkerHandle
@@ -123,6 +124,8 @@ class Fleet:
         cp = cfg.control_plane
         self.registry = WorkerRegistry(cp.heartbeat_interval, cp.heartbeat_misses)
         self.stall_timeout = stall_timeout
+        #: our loop's lateness: leases and stalls are judged on on-time seconds (control/liveness.py)
+        self.loop_lag = LoopLag(2 * max(self.registry.timeout, stall_timeout))
         #: longest sequence any worker can hold (simulated workers: their KV pool); None = unknown
         self.max_context_tokens: int | None = None
         self.workers: dict[str, WorkerHandle] = {}
@@ -187,6 +190,7 @@ class Fleet:
         """Purge a worker's index entries and mark it unhealthy; with ``cut`` (the reason), end its
         requests in flight. Returns the entries purged and its requests."""
         purged = self.feed.remove_worker(worker_id)
+        self.metrics.index_purged.labels(worker_id).inc(purged)
         self.metrics.healthy.labels(worker_id).set(0)
         gens = self._generations_on(handle) if handle is not None else []
         if cut is not None:
@@ -232,9 +236,11 @@ class Fleet:
     # -- health ------------------------------------------------------------------------------
     def check_health(self) -> None:
         now = self.now()
-        for change in self.registry.check(now):
+        silent_for = self.loop_lag.silent_for
+        for change in self.registry.check(now, silent_for):
             wid = change.worker_id
             if change.health is Health.unhealthy:
+                self.metrics.lease_expired.labels(wid).inc()
                 purged, _ = self._out_of_routing(wid, self.workers.get(wid), f"worker {wid} lease expired")
                 log.warning("worker %s unhealthy (%s): out of routing, %d index entries purged",
                             wid, change.reason, purged)
@@ -249,7 +255,7 @@ class Fleet:
         if self.programs.expire(now):
             self._observe_programs()
         for gen in list(self._inflight.values()):
-            if now - gen.queue.last_heard > self.stall_timeout:
+            if silent_for(gen.queue.last_heard, now) > self.stall_timeout:
                 log.warning("request %s on %s: nothing heard for %.1fs", gen.request_id, gen.worker.worker_id,
                             now - gen.queue.last_heard)
                 self._cut(gen, "stalled")
@@ -268,8 +274,11 @@ class Fleet:
         gen.queue.put_output(TokenOutput(gen.request_id, [], now, gen.prompt_tokens, 0, True, reason), now)
 
     async def _health_loop(self) -> None:
+        period = self.cfg.control_plane.heartbeat_interval / 2
         while True:
-            await asyncio.sleep(self.cfg.control_plane.heartbeat_interval / 2)
+            expected = self.now() + period
+            await asyncio.sleep(period)
+            self.metrics.observe_loop_lag(self.loop_lag.tick(expected, self.now()), self.loop_lag.max_lag)
             self.check_health()
 
     # -- requests ----------------------------------------------------------------------------
