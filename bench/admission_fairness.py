@@ -76,8 +76,8 @@ def main() -> None:
     kv = math.ceil(sum(SIZES) * PROGRAMS / 2 / 3 / WORKERS / BLOCK)
     paper = PacingConfig(enabled=True, accounting=PacingAccounting.paper, placement=ResumePlacement.most_free,
                          work_conserving=False)
-    arms = {"kv_aware": SchedulerConfig(), "pacing (paper)": SchedulerConfig(pacing=paper),
-            "pacing (ours)": SchedulerConfig(pacing=PacingConfig(enabled=True))}
+    arms = {"kv_aware": SchedulerConfig(enabled=False), "pacing (paper)": SchedulerConfig(enabled=False, pacing=paper),
+            "pacing (ours)": SchedulerConfig(enabled=False, pacing=PacingConfig(enabled=True))}
     res = {name: run(reqs, s, kv) for name, s in arms.items()}
     base = res["kv_aware"]
     rows = [(name, r["small"].p50, r["small"].p99, r["large"].p50, r["large"].p99,

@@ -73,12 +73,12 @@ def kv_blocks_for(reqs: list[TraceRequest], ratio: str) -> int:
 
 def arm(name: str) -> SchedulerConfig:
     if name == "kv_aware":
-        return SchedulerConfig()
+        return SchedulerConfig(enabled=False)
     pacing = PacingConfig(enabled=True)
     if name == "pacing paper":
         pacing = PacingConfig(enabled=True, accounting=PacingAccounting.paper, placement=ResumePlacement.most_free,
                               work_conserving=False)
-    return SchedulerConfig(pacing=pacing)
+    return SchedulerConfig(enabled=False, pacing=pacing)
 
 
 def run(reqs: list[TraceRequest], kv_blocks: int, sched: SchedulerConfig, horizon: float) -> dict[str, float]:

@@ -49,7 +49,7 @@ def burst(seed: int, n: int, prefix: int, suffix: int, spread_s: float) -> list[
 def run(reqs: list[TraceRequest], on: bool, seed: int) -> dict[str, float]:
     grouping = GroupingConfig(enabled=on, coalesce=on)
     sim = Simulator(NodeConfig(), RoutingConfig(seed=seed), WORKERS, Policy.kv_aware, seed=seed,
-                    scheduler=SchedulerConfig(grouping=grouping))
+                    scheduler=SchedulerConfig(enabled=False, grouping=grouping))
     out = sim.run(reqs)
     extra = out.result.extra
     return {"used": sum(1 for c in out.requests_per_worker if c), "computed": float(extra["computed_prefill_tokens"]),

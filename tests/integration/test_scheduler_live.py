@@ -3,7 +3,8 @@ answers 429 with Retry-After and the server keeps serving; a high-priority reque
 low-priority ones; a client that leaves while held leaves the queue; every admitted request completes.
 
 One simulated worker that runs one sequence at a time (``max_batch_size: 1``), so requests beyond the
-one running and the one waiting in its engine (``engine_queue_depth: 1``) wait in the scheduler."""
+one running and the one waiting in its engine (``engine_queue_depth: 1``) wait in the scheduler. The
+time bound (``max_queue_delay_s``) is off here: these tests pin the count bounds and the order."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ ONE_AT_A_TIME = {"nodes": [{"count": 1, "max_batch_size": 1}]}
 
 
 def scheduler(**kw: object) -> dict[str, object]:
-    return {"enabled": True, "engine_queue_depth": 1, "max_wait_s": 60.0, **kw}
+    return {"enabled": True, "engine_queue_depth": 1, "max_wait_s": 60.0, "max_queue_delay_s": None, **kw}
 
 
 async def complete(client, text: str, max_tokens: int):

@@ -25,7 +25,7 @@ def dispatcher(*, enabled: bool = True, coalesce: bool = False, window_ms: float
     index = KvIndex(prediction_ttl=60.0)
     for w in ("a", "b"):
         index.add_worker(w)
-    return Dispatcher(KvRouter(RoutingConfig(seed=0), index, random.Random(0)), BS, SchedulerConfig(grouping=cfg))
+    return Dispatcher(KvRouter(RoutingConfig(seed=0), index, random.Random(0)), BS, SchedulerConfig(enabled=False, grouping=cfg))
 
 
 def worker(wid: str, *, running: int = 0, queued: int = 0) -> WorkerState:

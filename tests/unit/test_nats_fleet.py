@@ -40,7 +40,8 @@ def clock() -> ManualClock:
 async def fleet(clock: ManualClock):
     cfg = parse_config({"control_plane": {"heartbeat_interval": 1.0, "heartbeat_misses": 3,
                                           "health_check_enabled": False},  # the test calls check_health
-                        "routing": {"seed": 1}, "execution_group": {"nodes": [{"block_size": BS}]}})
+                        "routing": {"seed": 1}, "execution_group": {"nodes": [{"block_size": BS}]},
+                        "scheduler": {"enabled": False}})  # requests go straight to workers: no held ones to pump
     f = build_nats_fleet(cfg, FakeBus(), discovery_window=0.0, clock=clock)
     await f.start()
     f.bus = f.membership.bus  # type: ignore[attr-defined]  (shorthands for the tests below)

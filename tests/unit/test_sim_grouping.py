@@ -25,7 +25,7 @@ def burst(seed: int) -> list[TraceRequest]:
 
 
 def simulate(seed: int, on: bool, **grouping: float) -> tuple[Simulator, dict[str, object], list[int]]:
-    cfg = SchedulerConfig(grouping=GroupingConfig(enabled=on, coalesce=on, **grouping))
+    cfg = SchedulerConfig(enabled=False, grouping=GroupingConfig(enabled=on, coalesce=on, **grouping))
     sim = Simulator(NodeConfig(), RoutingConfig(seed=seed), 4, Policy.kv_aware, seed=seed, scheduler=cfg)
     out = sim.run(burst(seed))
     assert out.result.requests == N and out.result.extra["incomplete_requests"] == 0
@@ -48,7 +48,7 @@ def test_burst_ttft_better_than_without_grouping() -> None:
 
     def p50(on: bool) -> float:
         sim = Simulator(NodeConfig(), RoutingConfig(seed=1), 4, Policy.kv_aware, seed=1,
-                        scheduler=SchedulerConfig(grouping=GroupingConfig(enabled=on, coalesce=on)))
+                        scheduler=SchedulerConfig(enabled=False, grouping=GroupingConfig(enabled=on, coalesce=on)))
         return statistics.median(sim.run(burst(1)).ttft_ms)
 
     assert p50(False) / p50(True) > 1.25

@@ -28,7 +28,7 @@ class DynamoQueuePolicy(str, Enum):
 
 class PacingMode(str, Enum):
     off = "off"
-    paper = "paper"  # the paper's accounting (every program in full) and placement (most free)
+    paper = "paper"  # the paper's accounting (every program in full), placement (most free), not work-conserving
     ours = "ours"  # the config's scheduler.pacing section (default: shared prefixes once, placed where cached)
 
 _CLOSED_LOOP_HELP = ("closed loop: issue each session's requests one after another, the next one its recorded think "
@@ -100,7 +100,10 @@ def sim(
                   f"speedup {speedup}" + (", closed loop" if closed_loop else ""))
     bounds = reuse_bounds(requests, block_size, workers * kv_blocks)
     outcomes, results = [], []
-    modes = scheduler or [SchedulerMode.on if cfg.scheduler.enabled else SchedulerMode.off]
+    # The serving default (on) does not change replays: the simulator holds requests only when the
+    # config file says so itself, or --scheduler on.
+    asked = cfg.scheduler.enabled and "enabled" in cfg.scheduler.model_fields_set
+    modes = scheduler or [SchedulerMode.on if asked else SchedulerMode.off]
     pacings = pacing or [PacingMode.ours if cfg.scheduler.pacing.enabled else PacingMode.off]
     for pol, mode, pace in ((p, m, g) for p in policies for m in modes for g in pacings):
         sched = _scheduler_config(cfg, mode, pace)
@@ -138,7 +141,7 @@ def _scheduler_config(cfg: Config, mode: SchedulerMode, pace: PacingMode) -> Any
     pacing = cfg.scheduler.pacing.model_copy(update={"enabled": pace is not PacingMode.off})
     if pace is PacingMode.paper:
         pacing = pacing.model_copy(update={"accounting": PacingAccounting.paper,
-                                           "placement": ResumePlacement.most_free})
+                                           "placement": ResumePlacement.most_free, "work_conserving": False})
     return cfg.scheduler.model_copy(update={"enabled": mode is SchedulerMode.on, "pacing": pacing})
 
 

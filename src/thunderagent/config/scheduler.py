@@ -119,10 +119,15 @@ class GroupingConfig(_Strict):
 
 
 class SchedulerConfig(_Strict):
-    """The holding queue in front of the router (``scheduler/queue.py``). Off: every request is
-    routed the moment it arrives, into the engines' own queues."""
+    """The holding queue in front of the router (``scheduler/queue.py``), on by default: the bounded
+    admission that keeps an overloaded server serving (429 + Retry-After past its bounds). Off: every
+    request is routed the moment it arrives, into the engines' own queues. ``thunderagent sim`` runs
+    it only when asked (``--scheduler on`` or ``enabled: true`` written in the config file)."""
 
-    enabled: bool = Field(False, description="hold requests here while no worker can start them")
+    enabled: bool = Field(
+        True, description="hold requests here while no worker can start them; false routes every request at once "
+        "into the engines' own queues, without bound (no 429 under overload)",
+    )
     engine_queue_depth: int = Field(
         1, ge=0,
         description="a worker can start a request while fewer than this many wait in its engine, its prefill "
@@ -134,6 +139,12 @@ class SchedulerConfig(_Strict):
         description="queued prefill tokens (in passes of max_num_batched_tokens) under which a worker can start a request",
     )
     max_queued: int = Field(4096, ge=1, description="requests held at most; past it new ones get 429")
+    max_queue_delay_s: float | None = Field(
+        0.1, gt=0,
+        description="a new request that would wait longer than this (requests held ahead x measured dispatch gap) "
+        "gets 429 with Retry-After at once: under sustained overload the excess is refused and admitted requests' "
+        "TTFT stays near a lightly loaded fleet's; null: only the count bounds (the simulator's replays use null)",
+    )
     max_queued_per_key: int = Field(1024, ge=1, description="requests held at most per route key (tenant)")
     max_wait_s: float = Field(
         30.0, gt=0, description="a request held this long goes next, whatever its tier and size"

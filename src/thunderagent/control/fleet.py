@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from thunderagent.config import Config, Policy
+from thunderagent.control.health_view import health_summary
+from thunderagent.control.liveness import LoopLag
 from thunderagent.control.metrics import Metrics
 from thunderagent.control.registry import Health, WorkerRegistry
 from thunderagent.execution.handle import STALL_TIMEOUT_S, OutputQueue, WorkerCallbacks, WorkerHandle
@@ -123,6 +125,8 @@ class Fleet:
         cp = cfg.control_plane
         self.registry = WorkerRegistry(cp.heartbeat_interval, cp.heartbeat_misses)
         self.stall_timeout = stall_timeout
+        #: our loop's lateness: leases and stalls are judged on on-time seconds (control/liveness.py)
+        self.loop_lag = LoopLag(2 * max(self.registry.timeout, stall_timeout))
         #: longest sequence any worker can hold (simulated workers: their KV pool); None = unknown
         self.max_context_tokens: int | None = None
         #: longest prompt one request message can carry to a worker (over NATS: max_payload); None = any
@@ -134,7 +138,6 @@ class Fleet:
         self._inflight: dict[str, Generation] = {}
         self._held: dict[str, _HeldCall] = {}  # requests waiting in the scheduler, by id
         self.programs = self.dispatcher.programs  # agent programs (the pacer pauses and resumes them)
-        self._paced = (0, 0)  # pauses, resumes already counted in metrics
         self._pump_due = False
         self._wake_at: float | None = None  # when the armed grouping timer fires
         self._health_task: asyncio.Task[None] | None = None
@@ -190,6 +193,7 @@ class Fleet:
         """Purge a worker's index entries and mark it unhealthy; with ``cut`` (the reason), end its
         requests in flight. Returns the entries purged and its requests."""
         purged = self.feed.remove_worker(worker_id)
+        self.metrics.index_purged.labels(worker_id).inc(purged)
         self.metrics.healthy.labels(worker_id).set(0)
         gens = self._generations_on(handle) if handle is not None else []
         if cut is not None:
@@ -237,9 +241,11 @@ class Fleet:
     # -- health ------------------------------------------------------------------------------
     def check_health(self) -> None:
         now = self.now()
-        for change in self.registry.check(now):
+        silent_for = self.loop_lag.silent_for
+        for change in self.registry.check(now, silent_for):
             wid = change.worker_id
             if change.health is Health.unhealthy:
+                self.metrics.lease_expired.labels(wid).inc()
                 purged, _ = self._out_of_routing(wid, self.workers.get(wid), f"worker {wid} lease expired")
                 log.warning("worker %s unhealthy (%s): out of routing, %d index entries purged",
                             wid, change.reason, purged)
@@ -256,7 +262,7 @@ class Fleet:
         if self.programs.expire(now):
             self._observe_programs()
         for gen in list(self._inflight.values()):
-            if now - gen.queue.last_heard > self.stall_timeout:
+            if silent_for(gen.queue.last_heard, now) > self.stall_timeout:
                 log.warning("request %s on %s: nothing heard for %.1fs", gen.request_id, gen.worker.worker_id,
                             now - gen.queue.last_heard)
                 self._cut(gen, "stalled")
@@ -275,8 +281,11 @@ class Fleet:
         gen.queue.put_output(TokenOutput(gen.request_id, [], now, gen.prompt_tokens, 0, True, reason), now)
 
     async def _health_loop(self) -> None:
+        period = self.cfg.control_plane.heartbeat_interval / 2
         while True:
-            await asyncio.sleep(self.cfg.control_plane.heartbeat_interval / 2)
+            expected = self.now() + period
+            await asyncio.sleep(period)
+            self.metrics.observe_loop_lag(self.loop_lag.tick(expected, self.now()), self.loop_lag.max_lag)
             self.check_health()
 
     # -- requests ----------------------------------------------------------------------------
@@ -385,18 +394,13 @@ class Fleet:
             self._arm()
 
     def _observe_programs(self) -> None:
-        for state, n in self.programs.by_state().items():
-            self.metrics.programs.labels(state).set(n)
+        self.metrics.observe_programs(self.programs.by_state())
 
     def _observe_pacing(self) -> None:
         pacer = self.dispatcher.pacer
-        if pacer is None:
-            return
-        pauses, resumes = self._paced
-        self.metrics.program_pauses.inc(pacer.pauses - pauses)
-        self.metrics.program_resumes.inc(pacer.resumes - resumes)
-        self._paced = (pacer.pauses, pacer.resumes)
-        self._observe_programs()
+        if pacer is not None:
+            self.metrics.observe_pacing(pacer.pauses, pacer.resumes)
+            self._observe_programs()
 
     def release_program(self, program_id: str) -> bool:
         """The client ended the program: forgotten; requests of it still held go now."""
@@ -476,25 +480,5 @@ class Fleet:
                 self._observe_programs()
 
     def health_summary(self) -> dict[str, object]:
-        loads = self.registry.loads()
-        workers = [
-            {
-                "id": wid,
-                "health": self.registry.health(wid).value,
-                "running": loads[wid].running,
-                "waiting": loads[wid].waiting,
-                "kv_usage": round(loads[wid].kv_usage, 4),
-                "indexed_blocks": self.index.num_blocks(wid),
-                "out_of_routing": self.unavailable.get(wid),  # reason a worker gave (unreachable, ...)
-            }
-            for wid in self.registry.worker_ids()
-        ]
-        healthy = sum(1 for w in workers if w["health"] == Health.healthy.value and not w["out_of_routing"])
-        summary: dict[str, object] = {"status": "ok" if healthy else "unavailable", "healthy_workers": healthy,
-                                      "workers": workers}
-        q = self.dispatcher.queue
-        if q is not None:
-            summary["scheduler"] = {"held": len(q), "by_priority": {str(t): n for t, n in sorted(q.by_tier().items())},
-                                    "oldest_wait_s": round(q.oldest_wait(self.now()), 3)}
-        summary.update(self.membership.summary())
-        return summary
+        return health_summary(self.registry, self.index, self.unavailable, self.dispatcher.queue, self.now(),
+                              self.membership.summary())

@@ -63,8 +63,10 @@ class Metrics:
             "thunderagent_routing_decision_seconds", "Time to hash, match and choose a worker",
             buckets=_DECISION_BUCKETS, registry=r,
         )
+        self._liveness_metrics(r)
         self._scheduler_metrics(r)
         self._tiers: set[str] = set()
+        self._paced = (0, 0)  # the pacer's pauses and resumes already counted
         self._prompt = 0
         self._predicted = 0
         self._recompute = 0
@@ -93,6 +95,27 @@ class Metrics:
         self.running.labels(w).set(load.running)
         self.kv_usage.labels(w).set(load.kv_usage)
         self.healthy.labels(w).set(1 if healthy else 0)
+
+    def _liveness_metrics(self, r: CollectorRegistry) -> None:
+        self.lease_expired = Counter(
+            "thunderagent_worker_lease_expired", "Workers taken out of routing: no heartbeat for a lease of on-time "
+            "loop seconds", ["worker"], registry=r,
+        )
+        self.index_purged = Counter(
+            "thunderagent_index_purged_entries", "KV index entries purged because their worker left or its lease "
+            "expired", ["worker"], registry=r,
+        )
+        self.loop_lag = Histogram(
+            "thunderagent_loop_lag_seconds", "How late the frontend's health loop woke up (its event loop's lag)",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r,
+        )
+        self.loop_lag_max = Gauge(
+            "thunderagent_loop_lag_max_seconds", "Largest lateness of the health loop seen", registry=r,
+        )
+
+    def observe_loop_lag(self, lag: float, max_lag: float) -> None:
+        self.loop_lag.observe(lag)
+        self.loop_lag_max.set(max_lag)
 
     def _scheduler_metrics(self, r: CollectorRegistry) -> None:
         self.scheduler_queued = Gauge(
@@ -130,6 +153,17 @@ class Metrics:
         for t, n in now.items():
             self.scheduler_queued.labels(t).set(n)
         self._tiers |= now.keys()
+
+    def observe_programs(self, by_state: dict[str, int]) -> None:
+        for state, n in by_state.items():
+            self.programs.labels(state).set(n)
+
+    def observe_pacing(self, pauses: int, resumes: int) -> None:
+        """The pacer's running totals: counters advance by what is new since the last call."""
+        last_pauses, last_resumes = self._paced
+        self.program_pauses.inc(pauses - last_pauses)
+        self.program_resumes.inc(resumes - last_resumes)
+        self._paced = (pauses, resumes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

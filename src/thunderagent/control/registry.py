@@ -8,6 +8,7 @@ NATS listeners, the simulator) call these methods; nothing here reads a clock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -61,15 +62,17 @@ class WorkerRegistry:
         if e is not None:
             e.load = load
 
-    def check(self, now: float) -> list[HealthChange]:
+    def check(self, now: float, silent_for: Callable[[float, float], float] | None = None) -> list[HealthChange]:
+        """Health changes at ``now``. ``silent_for(since, now)`` measures a worker's silence (default:
+        wall time; the fleet passes :meth:`LoopLag.silent_for`, which leaves out its own loop's lag)."""
         changes = []
         for wid, e in self._entries.items():
-            late = now - e.last_heartbeat > self.timeout
+            silent = silent_for(e.last_heartbeat, now) if silent_for is not None else now - e.last_heartbeat
+            late = silent > self.timeout
             if late and e.health is Health.healthy:
                 e.health = Health.unhealthy
-                changes.append(
-                    HealthChange(wid, Health.unhealthy, f"no heartbeat for {now - e.last_heartbeat:.2f}s")
-                )
+                changes.append(HealthChange(
+                    wid, Health.unhealthy, f"no heartbeat for {now - e.last_heartbeat:.2f}s ({silent:.2f}s on time)"))
             elif not late and e.health is Health.unhealthy:
                 e.health = Health.healthy
                 changes.append(HealthChange(wid, Health.healthy, "heartbeats resumed"))

@@ -73,7 +73,7 @@ class Dispatcher:
         self.router = router
         self.index = router.index
         self.block_size = block_size
-        cfg = scheduler if scheduler is not None else SchedulerConfig()
+        cfg = scheduler if scheduler is not None else SchedulerConfig(enabled=False)  # none: route at once
         self.scheduler = cfg if cfg.enabled else None
         self.queue = HoldingQueue(cfg) if cfg.enabled else None
         self.programs = ProgramTable(cfg.program_idle_ttl_s)

@@ -11,8 +11,11 @@ Pure and clock-free (``now`` is passed in). Which request goes next, when a work
 4. **short first with ageing** inside a key: the fewest uncached prompt tokens, less
    ``aging_tokens_per_s`` per second waited.
 
-The queue is bounded in total and per route key; past a bound :meth:`HoldingQueue.push` raises
-:class:`QueueFull` with a ``retry_after`` computed from the measured drain rate. A cancelled
+The queue is bounded in total and per route key, and in time: a request that would wait longer than
+``max_queue_delay_s`` (the requests ahead of it times the measured drain gap) is refused at once, so
+under sustained overload the excess gets 429 instead of a TTFT that grows with the backlog. Past a
+bound :meth:`HoldingQueue.push` raises :class:`QueueFull` with a ``retry_after`` computed from the
+measured drain rate. A cancelled
 request leaves at once (:meth:`HoldingQueue.cancel`). Work per pick is linear in the requests of one
 key, bounded by the queue's size.
 """
@@ -105,6 +108,12 @@ class HoldingQueue:
         if self._per_key.get(held.key, 0) >= cfg.max_queued_per_key:
             raise QueueFull(f"route key {held.key!r} has {cfg.max_queued_per_key} requests waiting "
                             "(scheduler.max_queued_per_key)", self.retry_after(now, held.key))
+        wait = self.expected_wait()
+        if cfg.max_queue_delay_s is not None and wait > cfg.max_queue_delay_s:
+            raise QueueFull(f"a new request would wait about {wait:.2f}s here, over scheduler.max_queue_delay_s "
+                            f"({cfg.max_queue_delay_s}s)", self.retry_after(now))
+        if not self._by_id:
+            self._last_pop = None  # a busy period starts: the idle time before it is no drain gap
         tier = self._tiers.get(held.tier)
         if tier is None:
             tier = self._tiers[held.tier] = _Tier()
@@ -117,6 +126,11 @@ class HoldingQueue:
         key.n += 1
         self._by_id[held.req.request_id] = held
         self._per_key[held.key] = self._per_key.get(held.key, 0) + 1
+
+    def expected_wait(self) -> float:
+        """Seconds a request pushed now would wait: the requests held ahead of it, and itself, times
+        the measured gap between dispatches (0 until a gap was measured: the count bounds act alone)."""
+        return (len(self._by_id) + 1) * self._gap
 
     def retry_after(self, now: float, key: str | None = None) -> float:
         """Seconds until the queue (or ``key``'s share) has drained enough to take one more request,

@@ -160,6 +160,8 @@ class Simulator:
         self.feed = KvFeed(self.index)
         for e in self.engines:
             self.feed.add_worker(e.worker_id, live=True)
+        if scheduler is not None:  # a replay refuses nothing: only the count bounds act (as before the time bound)
+            scheduler = scheduler.model_copy(update={"max_queue_delay_s": None})
         self.dispatcher = Dispatcher(KvRouter(routing, self.index, random.Random(seed), policy), node.block_size,
                                      scheduler)
         self._states = [

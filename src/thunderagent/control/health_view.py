@@ -1,0 +1,34 @@
+"""``GET /health``'s body: each worker's health and load, the holding queue, the membership's part."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from thunderagent.control.registry import Health, WorkerRegistry
+from thunderagent.kv.index import KvIndex
+from thunderagent.scheduler.queue import HoldingQueue
+
+
+def health_summary(registry: WorkerRegistry, index: KvIndex, unavailable: Mapping[str, str],
+                   queue: HoldingQueue | None, now: float, membership: Mapping[str, object]) -> dict[str, object]:
+    loads = registry.loads()
+    workers = [
+        {
+            "id": wid,
+            "health": registry.health(wid).value,
+            "running": loads[wid].running,
+            "waiting": loads[wid].waiting,
+            "kv_usage": round(loads[wid].kv_usage, 4),
+            "indexed_blocks": index.num_blocks(wid),
+            "out_of_routing": unavailable.get(wid),  # reason a worker gave (unreachable, ...)
+        }
+        for wid in registry.worker_ids()
+    ]
+    healthy = sum(1 for w in workers if w["health"] == Health.healthy.value and not w["out_of_routing"])
+    summary: dict[str, object] = {"status": "ok" if healthy else "unavailable", "healthy_workers": healthy,
+                                  "workers": workers}
+    if queue is not None:
+        summary["scheduler"] = {"held": len(queue), "by_priority": {str(t): n for t, n in sorted(queue.by_tier().items())},
+                                "oldest_wait_s": round(queue.oldest_wait(now), 3)}
+    summary.update(membership)
+    return summary
