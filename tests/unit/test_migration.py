@@ -94,7 +94,8 @@ async def test_cut_request_continues_on_another_worker_with_the_same_tokens(faul
         assert all(o.cached_tokens <= len(PROMPT) for o in outs)
         assert gen.origin is not None and len(gen.request.prompt_tokens) == len(PROMPT) + gen.request.resumed
         assert fleet.metrics.migrations._metrics  # type: ignore[attr-defined]
-        assert sum(c._value.get() for c in fleet.metrics.migrations._metrics.values()) == 1  # type: ignore[attr-defined]
+        counters = fleet.metrics.migrations._metrics.values()  # type: ignore[attr-defined]
+        assert sum(c._value.get() for c in counters) == 1
     finally:
         await fleet.stop()
 
