@@ -106,6 +106,10 @@ class EngineRequest:
     cache_salt: str | None = None
     lora_name: str | None = None
     sampling: Sampling | None = None  # real engines sample; the simulated one ignores it
+    # A migrated request (``control.migration``): the prompt ends with this many tokens an earlier
+    # attempt generated. Real engines need nothing more (greedy decoding continues from the ids);
+    # the simulated one continues the original completion at that index.
+    resumed: int = 0
 
 
 @dataclass(slots=True, frozen=True)

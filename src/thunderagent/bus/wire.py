@@ -332,6 +332,7 @@ class GenerateRequest(msgspec.Struct, array_like=True, frozen=True):
     cache_salt: str | None  # real engines key their own prefix cache on these
     lora_name: str | None
     sampling: WireSampling | None  # what the client set; real engines sample with it
+    resumed: int = 0  # a migrated request: generated tokens at the end of the prompt
 
 
 class Abort(msgspec.Struct, array_like=True, frozen=True):
@@ -365,14 +366,15 @@ def request_to_wire(req: EngineRequest) -> GenerateRequest:
     sampling = None if s is None else WireSampling(s.temperature, s.top_p, s.seed)
     return GenerateRequest(req.request_id, pack_u32(req.prompt_tokens), pack_u64(req.block_hashes), req.hash_seed,
                            req.max_tokens, req.ignore_eos, req.priority, req.arrival, req.cache_salt, req.lora_name,
-                           sampling)
+                           sampling, req.resumed)
 
 
 def request_from_wire(g: GenerateRequest) -> EngineRequest:
     s = g.sampling
     return EngineRequest(g.request_id, unpack_u32(g.prompt), unpack_u64(g.block_hashes), g.hash_seed, g.max_tokens,
                          ignore_eos=g.ignore_eos, priority=g.priority, arrival=g.arrival, cache_salt=g.cache_salt,
-                         lora_name=g.lora_name, sampling=None if s is None else Sampling(s.temperature, s.top_p, s.seed))
+                         lora_name=g.lora_name, sampling=None if s is None else Sampling(s.temperature, s.top_p, s.seed),
+                         resumed=g.resumed)
 
 
 def output_to_wire(o: TokenOutput) -> WireToken:

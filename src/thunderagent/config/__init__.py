@@ -275,6 +275,10 @@ class RoutingConfig(_Strict):
         30.0, gt=0, description="seconds over which recent requests per worker decay (miss balancing)"
     )
     seed: int | None = Field(None, description="RNG seed for tie-breaks and sampling (None = random)")
+    migration_limit: int = Field(
+        3, ge=0, description="times a request whose worker died, stalled or failed mid-stream continues on another "
+        "worker (prompt + tokens so far); 0 = off: it ends with an error",
+    )
     preempt_enabled: bool = Field(
         False, description="simulated engines: a waiting request that cannot be admitted (no KV blocks or no "
         "sequence slot) evicts running lower-priority ones (recompute) when its TTFT saved x tier weight exceeds the "

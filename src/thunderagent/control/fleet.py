@@ -29,10 +29,11 @@ import math
 import random
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from thunderagent.config import Config, Policy
+from thunderagent.control import migration
 from thunderagent.control.health_view import health_summary
 from thunderagent.control.liveness import LoopLag
 from thunderagent.control.metrics import Metrics
@@ -86,8 +87,12 @@ class Generation:
     worker: WorkerHandle
     queue: OutputQueue
     received: float  # fleet time the request arrived
-    tried: tuple[str, ...] = ()  # workers that could not take it
+    tried: tuple[str, ...] = ()  # workers that could not take it, or lost it
     program_id: str | None = None  # the agent program it belongs to
+    produced: list[int] = field(default_factory=list)  # tokens streamed so far (``control.migration``)
+    origin: EngineRequest | None = None  # the request as the client sent it, once it migrated
+    migrations: int = 0
+    lost: str | None = None  # why the fleet cut the attempt in progress
 
     @property
     def decision(self) -> Decision:
@@ -99,7 +104,7 @@ class Generation:
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.dispatch.request.prompt_tokens)
+        return len((self.origin or self.dispatch.request).prompt_tokens)
 
 
 @dataclass(slots=True)
@@ -272,8 +277,10 @@ class Fleet:
 
     def _cut(self, gen: Generation, why: str) -> None:
         """End a request its worker can no longer serve: aborted there, and finished here with
-        ``ERROR`` if the worker had accepted it, else ``UNAVAILABLE`` (the consumer routes it again)."""
+        ``ERROR`` if the worker had accepted it (the consumer migrates it), else ``UNAVAILABLE``
+        (the consumer routes it again)."""
         self._inflight.pop(gen.request_id, None)
+        gen.lost = why
         gen.worker.abort(gen.request_id)
         reason = FinishReason.ERROR if gen.queue.accepted or gen.queue.produced else FinishReason.UNAVAILABLE
         log.debug("request %s ended (%s): %s", gen.request_id, why, reason.value)
@@ -428,16 +435,20 @@ class Fleet:
         log.info("request %s: %s could not take it, routed again to %s", gen.request_id, gen.worker.worker_id,
                  d.decision.worker_id)
         self.metrics.rerouted.inc()
-        worker = self.workers[d.decision.worker_id]
-        gen.dispatch, gen.worker, gen.tried = d, worker, tried
-        gen.queue = worker.submit(gen.request)
-        self._inflight[gen.request_id] = gen
+        self.resubmit(gen, d, tried)
         return True
 
+    def resubmit(self, gen: Generation, d: Dispatch, tried: tuple[str, ...]) -> None:
+        """Submit ``gen`` as routed again (``d``), after the workers in ``tried``."""
+        worker = self.workers[d.decision.worker_id]
+        gen.dispatch, gen.worker, gen.tried = d, worker, tried
+        gen.queue = worker.submit(d.request)
+        self._inflight[gen.request_id] = gen
+
     async def outputs(self, gen: Generation) -> AsyncIterator[TokenOutput]:
-        """A request's outputs, the last one finished. A request its worker could not take is
-        routed again before anything is yielded; the request is aborted if the consumer stops early
-        (client gone, stop string) and its metrics are recorded."""
+        """A request's outputs, the last one finished. A request its worker could not take is routed
+        again; one its worker lost continues on another (``control.migration``) in this stream. The
+        request is aborted if the consumer stops early (client gone, stop string); metrics recorded."""
         cached = 0
         completion = 0
         last_t: float | None = None
@@ -447,9 +458,14 @@ class Fleet:
             while True:
                 out = await gen.queue.get()
                 now = self.now()
-                if (last_t is None and out.finished and out.finish_reason == FinishReason.UNAVAILABLE
-                        and not out.token_ids and self._route_again(gen)):
-                    continue
+                if out.finished:
+                    if (out.finish_reason == FinishReason.UNAVAILABLE and not out.token_ids
+                            and not gen.queue.produced and self._route_again(gen)):
+                        continue
+                    if migration.is_lost(gen, out) and migration.migrate(self, gen):
+                        continue
+                out = migration.settle(gen, out) if gen.origin is not None or out.finished else out
+                gen.produced += out.token_ids
                 # real engines report cached tokens with their last output, simulated ones with the first
                 cached = max(cached, out.cached_tokens)
                 if last_t is None:

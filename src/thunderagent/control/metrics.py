@@ -39,6 +39,10 @@ class Metrics:
         self.rerouted = Counter(
             "thunderagent_rerouted", "Requests routed again because their worker could not take them", registry=r
         )
+        self.migrations = Counter("thunderagent_migrations", "Requests moved to another worker mid-stream "
+                                  "(their worker was lost)", ["cause"], registry=r)
+        self.migration_failed = Counter("thunderagent_migration_failed", "Requests lost mid-stream that no "
+                                        "worker could take over", registry=r)
         self.routed = Counter("thunderagent_routed", "Routing decisions per worker", ["worker"], registry=r)
         self.prompt_tokens = Counter("thunderagent_prompt_tokens", "Prompt tokens routed", registry=r)
         self.predicted_hit_tokens = Counter(

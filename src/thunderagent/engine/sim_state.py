@@ -112,11 +112,21 @@ def extend_hashes(seq: _Seq, upto: int, bs: int, text: TextSource,
         seq.hashes = list(seq.hashes)
         seq.own_hashes = True
     hs = seq.hashes
-    P, prompt, seed = seq.plen, seq.req.prompt_tokens, seq.seed
+    P, prompt, seed, r = seq.plen, seq.req.prompt_tokens, seq.seed, seq.req.resumed
     for j in range(len(hs), upto):
         lo, hi = j * bs, (j + 1) * bs
-        g0 = lo - P if lo > P else 0
-        gen = many(seed, g0, hi - P) if many else [text.token(seed, k) for k in range(g0, hi - P)]
+        g0 = (lo - P if lo > P else 0) + r
+        gen = many(seed, g0, hi - P + r) if many else [text.token(seed, k) for k in range(g0, hi - P + r)]
         # prompt may be a list or an array('I') (the simulator's synthetic prompts): concatenate generically
         hs.append(hash_block([*prompt[lo:P], *gen] if lo < P else gen, hs[j - 1] if j else seq.req.hash_seed))
     return hs
+
+
+def text_seed(req: EngineRequest, bs: int) -> int:
+    """The completion's text seed: the chained hash of the prompt the client sent. A migrated
+    request's prompt ends with ``resumed`` generated tokens, which are not part of it; the prompt's
+    block hashes are prefix-stable, so the original prompt's full blocks are the first ones."""
+    prompt, hashes = req.prompt_tokens, req.block_hashes
+    end = len(prompt) - req.resumed
+    n = end // bs  # only the partial tail needs hashing here
+    return hash_block(prompt[n * bs : end], hashes[n - 1] if n else req.hash_seed)

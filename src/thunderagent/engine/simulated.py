@@ -29,7 +29,6 @@ from thunderagent.engine.blocks import BlockManager
 from thunderagent.engine.preemption import PreemptKnobs, PriorityPreemption
 from thunderagent.engine.textgen import CorpusText, TextSource
 from thunderagent.engine.timing import TimingModel, make_timing
-from thunderagent.kv.hashing import hash_block
 from thunderagent.types import EngineRequest, FinishReason, KvEvent, LoadReport, TokenOutput
 
 from thunderagent.engine.sim_state import (  # noqa: F401  (PassInfo is part of this module's API)
@@ -45,6 +44,7 @@ from thunderagent.engine.sim_state import (  # noqa: F401  (PassInfo is part of 
     _Pass,
     _Seq,
     extend_hashes,
+    text_seed,
 )
 
 
@@ -126,9 +126,8 @@ class SimulatedEngine:
         self._run_until(t)
         req.arrival = now
         hashes = req.block_hashes
-        # Seed = chained hash of the whole prompt; only the partial tail needs hashing here.
-        seed = hash_block(prompt[len(hashes) * bs :], hashes[-1] if hashes else req.hash_seed)
-        natural = -1 if req.ignore_eos else self._text.natural_length(seed)
+        seed = text_seed(req, bs)  # a migrated request continues its original completion
+        natural = -1 if req.ignore_eos else max(0, self._text.natural_length(seed) - req.resumed)
         seq = _Seq(req, plen, hashes, seed, natural, t)
         seq.expect = self._bm.match_prefix(hashes, (plen - 1) // bs)[0] * bs
         self._seqs[rid] = seq
@@ -480,7 +479,7 @@ class SimulatedEngine:
             elif g == seq.natural:  # the model samples EOS (not returned as a token)
                 ids, reason = [], FinishReason.STOP
             else:
-                ids = [tok(seq.seed, g)]
+                ids = [tok(seq.seed, g + req.resumed)]
                 g += 1
                 seq.generated = g
                 self._dec_tokens += seq.plen + 1 if g == 1 else 1

@@ -199,9 +199,11 @@ class Frontend:
             last = chunk
         assert last is not None, "a generation always ends with a final chunk"
         text = "".join(text_parts)
-        if last.finish_reason == FinishReason.ERROR and not text:
-            raise RequestError(f"worker {gen.decision.worker_id} failed while serving the request; retry",
-                               status=502, code="worker_failed", type_="server_error")
+        if last.finish_reason == FinishReason.ERROR:  # never a 200 with part of a text: it is an error
+            moved = f" (migrated {gen.migrations} times)" if gen.migrations else ""
+            raise RequestError(f"worker {gen.decision.worker_id} failed while serving the request{moved} and no "
+                               "worker could take it over; retry", status=502, code="worker_failed",
+                               type_="server_error")
         if last.finish_reason == FinishReason.UNAVAILABLE and not text:  # no worker could take it, even routed again
             raise NoWorkerAvailable("no worker could take the request (engines unreachable)")
         if chat:
