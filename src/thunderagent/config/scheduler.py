@@ -140,7 +140,7 @@ class SchedulerConfig(_Strict):
     )
     max_queued: int = Field(4096, ge=1, description="requests held at most; past it new ones get 429")
     max_queue_delay_s: float | None = Field(
-        0.1, gt=0,
+        5.0, gt=0,
         description="a new request that would wait longer than this (requests held ahead x measured dispatch gap) "
         "gets 429 with Retry-After at once: under sustained overload the excess is refused and admitted requests' "
         "TTFT stays near a lightly loaded fleet's; null: only the count bounds (the simulator's replays use null)",
