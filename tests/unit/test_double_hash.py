@@ -116,7 +116,7 @@ def test_check_map_rejects_length_mismatch() -> None:
     with pytest.raises(ValueError, match="2 block hashes but 1 check hashes"):
         m.bind([1, 2], [3])
     with pytest.raises(ValueError, match="1 block hashes but 0 check hashes"):
-        m.verified_prefix([1], [])
+        m.verified_prefix([1], [], 1)
 
 
 def _router(double_hash: bool) -> tuple[KvRouter, KvIndex, list[WorkerState]]:

@@ -48,28 +48,25 @@ class CheckMap:
         if len(hashes) != len(checks):
             raise ValueError(f"{len(hashes)} block hashes but {len(checks)} check hashes")
         check = self._check
+        setdefault = check.setdefault  # one dict operation per block in the common case
         for h, c in zip(hashes, checks):
-            old = check.get(h)
-            if old is None:
-                check[h] = c
-            elif old != c:
+            if setdefault(h, c) != c:
                 check[h] = CONFLICT  # two contents under one primary: trust neither
 
     def forget(self, h: int) -> None:
         self._check.pop(h, None)
 
-    def verified_prefix(self, hashes: Sequence[int], checks: Sequence[int]) -> int:
-        """How many leading query blocks pass the check (a block without binding passes)."""
+    def verified_prefix(self, hashes: Sequence[int], checks: Sequence[int], limit: int) -> int:
+        """How many of the first ``limit`` query blocks pass the check, leading (a block without
+        binding passes)."""
         if len(hashes) != len(checks):
             raise ValueError(f"{len(hashes)} block hashes but {len(checks)} check hashes")
         get = self._check.get
-        i = 0
-        for h, c in zip(hashes, checks):
-            s = get(h)
-            if s is not None and s != c:
+        for i in range(min(limit, len(hashes))):
+            s = get(hashes[i])
+            if s is not None and s != checks[i]:
                 return i
-            i += 1
-        return i
+        return min(limit, len(hashes))
 
     def get(self, h: int) -> int | None:
         return self._check.get(h)

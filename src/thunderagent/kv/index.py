@@ -319,12 +319,19 @@ class KvIndex:
         Work: O(1) mask operations per query block (plus the live predictions of a block when
         some still-matching worker lacks a confirmed entry for it), stopping at the first block
         that no still-matching worker holds. ``check_hashes`` (guard on): the query stops at its
-        first block whose primary is bound to another check hash (one more lookup per block).
+        first block whose primary is bound to another check hash.
         """
-        if check_hashes is not None and self.checks is not None:
-            n_ok = self.checks.verified_prefix(block_hashes, check_hashes)
-            if n_ok < len(block_hashes):  # a primary collision (or a poisoned primary): rare
-                block_hashes = block_hashes[:n_ok]
+        result = self._match(block_hashes, now)
+        checks = self.checks
+        if check_hashes is None or checks is None or not result:
+            return result
+        # Verify only the blocks some worker matched (misses and short partial hits cost nothing
+        # more); a failed block cuts the query there, which is rare: match again on the cut query.
+        n_max = max(result.values())
+        n_ok = checks.verified_prefix(block_hashes, check_hashes, n_max)
+        return result if n_ok == n_max else self._match(block_hashes[:n_ok], now)
+
+    def _match(self, block_hashes: Sequence[int], now: float) -> dict[str, int]:
         result: dict[str, int] = {}
         if not block_hashes:
             return result
