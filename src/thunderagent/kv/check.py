@@ -6,8 +6,9 @@ the guard on (``routing.double_hash``), the index also keeps, per primary hash, 
 (``kv.hashing.block_hash_pairs``: xxh64 on its own seed chain) of the content indexed under it:
 
 - a source that hashed the tokens itself passes the check hashes along and *binds* them: the
-  router's predictions (the request's prompt) and translated engine events (``BlockStored`` with
-  ``check_hashes``: the vLLM / SGLang translator recomputes both chains from ``token_ids``);
+  router's predictions (the request's prompt) and ``BlockStored`` events that carry
+  ``check_hashes`` (no producer sends them yet: the vLLM / SGLang translator could, it has the
+  ``token_ids``);
 - if two sources bind different check hashes to one primary, the primary is *poisoned*
   (:data:`CONFLICT`): no query matches it until its last entry leaves the index;
 - a query that carries check hashes matches a block only if the block's binding is absent or equal
@@ -18,8 +19,8 @@ Guarantee. For every primary hash that carries a binding, a hit needs both hashe
 primary collision alone can never produce a false hit, only a miss (the poisoned block and what
 follows it). A false hit would need the independent check chain to collide on the same pair of
 prefixes as well (2**-64 for non-adversarial input; neither hash is cryptographic). Entries whose
-source sent no check hashes (hash-only cache dumps, the simulated engine's events, the NATS wire
-today) do not bind: a primary with *only* such entries matches on the primary alone, as with the
+source sent no check hashes (hash-only cache dumps, the simulated engine's events, the NATS wire,
+the engine-event translator today) do not bind: a primary with *only* such entries matches on the primary alone, as with the
 guard off, and such an entry sharing a primary with bound entries of the same content is not
 checked itself. Queries without check hashes (the scheduler's grouping and pacing estimates) are
 not checked either.
