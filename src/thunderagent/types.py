@@ -23,6 +23,9 @@ class BlockStored:
     seq: int
     block_hashes: tuple[int, ...]
     parent_hash: int | None = None
+    #: check hashes of the same blocks (``kv.hashing.block_hash_pairs``), from a source that hashed
+    #: the tokens itself; None: unverified (see ``kv.check``)
+    check_hashes: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -110,6 +113,8 @@ class EngineRequest:
     # attempt generated. Real engines need nothing more (greedy decoding continues from the ids);
     # the simulated one continues the original completion at that index.
     resumed: int = 0
+    #: the prompt blocks' check hashes (``routing.double_hash`` on; None when off)
+    check_hashes: list[int] | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -156,6 +161,7 @@ class RouteRequest:
     num_tokens: int
     block_hashes: list[int]
     priority: int = 0
+    check_hashes: list[int] | None = None  # the double-hash guard's (None: guard off)
 
 
 @dataclass(slots=True)

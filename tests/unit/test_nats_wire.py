@@ -116,6 +116,7 @@ def _non_default(field: dataclasses.Field, k: int) -> object:
         "hash_seed": 2**63 + k, "max_tokens": 77, "ignore_eos": True, "priority": -3, "arrival": 12.5,
         "cache_salt": "tenant-a", "lora_name": "adapter-x",
         "sampling": Sampling(temperature=0.25, top_p=0.5, seed=4242), "resumed": 5,
+        "check_hashes": [2**64 - 2, 0],
     }
     assert field.name in values, f"EngineRequest.{field.name} is new: give it a wire test value here and a wire field"
     value = values[field.name]

@@ -333,6 +333,7 @@ class GenerateRequest(msgspec.Struct, array_like=True, frozen=True):
     lora_name: str | None
     sampling: WireSampling | None  # what the client set; real engines sample with it
     resumed: int = 0  # a migrated request: generated tokens at the end of the prompt
+    check_hashes: bytes | None = None  # packed u64: the double-hash guard's (kv.check), None when off
 
 
 class Abort(msgspec.Struct, array_like=True, frozen=True):
@@ -366,7 +367,8 @@ def request_to_wire(req: EngineRequest) -> GenerateRequest:
     sampling = None if s is None else WireSampling(s.temperature, s.top_p, s.seed)
     return GenerateRequest(req.request_id, pack_u32(req.prompt_tokens), pack_u64(req.block_hashes), req.hash_seed,
                            req.max_tokens, req.ignore_eos, req.priority, req.arrival, req.cache_salt, req.lora_name,
-                           sampling, req.resumed)
+                           sampling, req.resumed,
+                           None if req.check_hashes is None else pack_u64(req.check_hashes))
 
 
 def request_from_wire(g: GenerateRequest) -> EngineRequest:
@@ -374,7 +376,8 @@ def request_from_wire(g: GenerateRequest) -> EngineRequest:
     return EngineRequest(g.request_id, unpack_u32(g.prompt), unpack_u64(g.block_hashes), g.hash_seed, g.max_tokens,
                          ignore_eos=g.ignore_eos, priority=g.priority, arrival=g.arrival, cache_salt=g.cache_salt,
                          lora_name=g.lora_name, sampling=None if s is None else Sampling(s.temperature, s.top_p, s.seed),
-                         resumed=g.resumed)
+                         resumed=g.resumed,
+                         check_hashes=None if g.check_hashes is None else unpack_u64(g.check_hashes))
 
 
 def output_to_wire(o: TokenOutput) -> WireToken:

@@ -266,6 +266,11 @@ class RoutingConfig(_Strict):
     # turn of a conversation can arrive before the previous one was even prefilled. A stale one
     # costs at most one misroute (events and lazy verification correct the index).
     prediction_ttl: float = Field(120.0, gt=0, description="seconds a predicted index entry lives unconfirmed")
+    # kv.check: a primary-hash collision can then only cost a miss, never a false hit. Cost measured
+    # in bench/README.md (Double hash).
+    double_hash: bool = Field(
+        True, description="verify indexed blocks with a second, independent 64-bit hash (kv.check)"
+    )
     miss_overlap_fraction: float = Field(
         0.0, ge=0, le=1,
         description="a request whose best and worst worker overlap differ by at most this share of the "

@@ -122,7 +122,7 @@ class Fleet:
         self.model_name = cfg.model_name
         self.membership = membership
         self.metrics = Metrics()
-        self.index = KvIndex(prediction_ttl=cfg.routing.prediction_ttl)
+        self.index = KvIndex(prediction_ttl=cfg.routing.prediction_ttl, double_hash=cfg.routing.double_hash)
         self.feed = KvFeed(self.index)
         self.router = KvRouter(cfg.routing, self.index, random.Random(cfg.routing.seed), policy)
         self.block_size = cfg.execution_group.nodes[0].block_size

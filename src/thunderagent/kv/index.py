@@ -31,6 +31,9 @@ Confidence levels
     never downgrades a confirmed entry),
 (c) lazy verification: ``report_missing`` drops entries the worker found absent.
 
+Double hash: with ``double_hash`` on, a :class:`~thunderagent.kv.check.CheckMap` verifies primary
+hashes against a second, independent hash (see that module for the exact guarantee).
+
 Time semantics: a prediction made at ``t`` is valid while ``now < t + ttl`` and absent from
 ``now >= t + ttl`` on (the boundary instant counts as expired).
 """
@@ -42,6 +45,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 
+from thunderagent.kv.check import CheckMap
 from thunderagent.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 _NEVER = math.inf
@@ -112,9 +116,10 @@ class KvIndex:
         "_next_slot",
         "_stale_mask",
         "_expiry_queue",
+        "checks",
     )
 
-    def __init__(self, prediction_ttl: float) -> None:
+    def __init__(self, prediction_ttl: float, double_hash: bool = True) -> None:
         if not prediction_ttl >= 0:  # also rejects NaN
             raise ValueError(
                 "prediction_ttl must be >= 0 seconds (0 disables predictions), "
@@ -135,6 +140,8 @@ class KvIndex:
         # entry may since have been confirmed, refreshed (a later item exists) or removed; the
         # sweep deletes it only if the stored expiry is still exactly this one.
         self._expiry_queue: deque[tuple[float, int, int]] = deque()
+        #: the double-hash guard (None: off; check hashes passed in are then ignored)
+        self.checks: CheckMap | None = CheckMap() if double_hash else None
 
     # -- workers -------------------------------------------------------------------------------
     def add_worker(self, worker_id: str) -> None:
@@ -201,6 +208,8 @@ class KvIndex:
         if isinstance(event, BlockStored):
             # parent_hash is not needed: a chained hash already names its whole prefix.
             self._confirm(w, event.block_hashes)
+            if event.check_hashes is not None and self.checks is not None:
+                self.checks.bind(event.block_hashes, event.check_hashes)
         elif isinstance(event, BlockRemoved):
             self._drop(w, event.block_hashes)
         elif isinstance(event, AllBlocksCleared):
@@ -222,10 +231,15 @@ class KvIndex:
         self._stale_mask &= ~w.bit
 
     # -- predictions and lazy verification -----------------------------------------------------
-    def predict(self, worker_id: str, block_hashes: Sequence[int], now: float) -> None:
+    def predict(
+        self, worker_id: str, block_hashes: Sequence[int], now: float, check_hashes: Sequence[int] | None = None
+    ) -> None:
         """Record that the router just sent these blocks to ``worker_id``: they are assumed held
         until ``now + ttl`` unless a ``BlockStored`` confirms them. A confirmed entry is never
         downgraded; an unexpired prediction is refreshed to the new expiry.
+
+        ``check_hashes`` (the prompt's, guard on) bind to every hash: each one has an entry of this
+        worker afterwards (confirmed or predicted), so the binding's lifetime is tied to it.
 
         Also sweeps up to 2 expiry-queue items per hash pushed: the queue is then drained at least
         as fast as it grows, so it stays bounded even if the driver never calls ``expire``.
@@ -233,6 +247,8 @@ class KvIndex:
         w = self._workers.get(worker_id)
         if w is None or not self._ttl or not block_hashes:
             return
+        if check_hashes is not None and self.checks is not None:
+            self.checks.bind(block_hashes, check_hashes)
         expiry = now + self._ttl
         bit = w.bit
         confirmed = self._confirmed
@@ -293,15 +309,29 @@ class KvIndex:
         w = self._workers.get(worker_id)
         return w is not None and not w.stale and bool(self._confirmed.get(block_hash, 0) & w.bit)
 
-    def find_matches(self, block_hashes: Sequence[int], now: float) -> dict[str, int]:
+    def find_matches(
+        self, block_hashes: Sequence[int], now: float, check_hashes: Sequence[int] | None = None
+    ) -> dict[str, int]:
         """For each worker, how many LEADING blocks of the query it holds (contiguous from block
         0). Expired predictions count as absent, stale workers are excluded, workers with 0 are
         omitted.
 
         Work: O(1) mask operations per query block (plus the live predictions of a block when
         some still-matching worker lacks a confirmed entry for it), stopping at the first block
-        that no still-matching worker holds.
+        that no still-matching worker holds. ``check_hashes`` (guard on): the query stops at its
+        first block whose primary is bound to another check hash.
         """
+        result = self._match(block_hashes, now)
+        checks = self.checks
+        if check_hashes is None or checks is None or not result:
+            return result
+        # Verify only the blocks some worker matched (misses and short partial hits cost nothing
+        # more); a failed block cuts the query there, which is rare: match again on the cut query.
+        n_max = max(result.values())
+        n_ok = checks.verified_prefix(block_hashes, check_hashes, n_max)
+        return result if n_ok == n_max else self._match(block_hashes[:n_ok], now)
+
+    def _match(self, block_hashes: Sequence[int], now: float) -> dict[str, int]:
         result: dict[str, int] = {}
         if not block_hashes:
             return result
@@ -384,13 +414,20 @@ class KvIndex:
             mask ^= bit
             if mask:
                 self._confirmed[h] = mask
-            else:
-                del self._confirmed[h]
+                return
+            del self._confirmed[h]
         else:
             preds = self._predicted[h]
             preds.remove(bit)
-            if not preds.expiry:
-                del self._predicted[h]
+            if preds.expiry:
+                return
+            del self._predicted[h]
+        self._unbind(h)
+
+    def _unbind(self, h: int) -> None:
+        """``h`` left one map: forget its check binding if no entry of it is left in either."""
+        if self.checks is not None and h not in self._confirmed and h not in self._predicted:
+            self.checks.forget(h)
 
     def _drop(self, w: _Worker, block_hashes: Iterable[int]) -> int:
         mine = w.blocks
@@ -427,6 +464,7 @@ class KvIndex:
             preds.remove(bit)
             if not preds.expiry:
                 del predicted[h]
+                self._unbind(h)
             # An entry exists, so ``bit`` belongs to a live worker (bits are reused only after a
             # purge; a re-added worker's own prediction with this exact expiry is expired too).
             self._by_bit[bit].blocks.discard(h)

@@ -69,7 +69,7 @@ class KvRouter:
                 prefix = f"{len(cands) - len(free)} busy filtered; "
         wid = chosen.worker.worker_id
         if req.block_hashes:
-            self.index.predict(wid, req.block_hashes, now)
+            self.index.predict(wid, req.block_hashes, now, req.check_hashes)
         return Decision(
             request_id=req.request_id,
             worker_id=wid,
@@ -81,7 +81,7 @@ class KvRouter:
         )
 
     def _candidates(self, req: RouteRequest, workers: Sequence[WorkerState], now: float) -> list[Candidate]:
-        overlaps = self.index.find_matches(req.block_hashes, now) if req.block_hashes else {}
+        overlaps = self.index.find_matches(req.block_hashes, now, req.check_hashes) if req.block_hashes else {}
         min_queued = min(queued_prefill(w) for w in workers)
         best_cached = max((overlaps.get(w.worker_id, 0) * w.block_size for w in workers), default=0)
         return [

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from thunderagent.config import SchedulerConfig
-from thunderagent.kv.hashing import block_hashes, hash_seed
+from thunderagent.kv.hashing import block_hash_pairs, block_hashes, hash_seed
 from thunderagent.router.cost import is_busy
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
 from thunderagent.scheduler.grouping import Grouper
@@ -98,9 +98,14 @@ class Dispatcher:
     ) -> EngineRequest:
         """Hash the prompt once; the engine request carries the hashes from here on."""
         seed = hash_seed(cache_salt, lora_name)
-        hashes = block_hashes(prompt, self.block_size, seed)
+        checks: list[int] | None = None
+        if self.index.checks is None:
+            hashes = block_hashes(prompt, self.block_size, seed)
+        else:  # the double-hash guard (kv.check): both chains in one pass over the packed prompt
+            hashes, checks = block_hash_pairs(prompt, self.block_size, seed)
         return EngineRequest(request_id, prompt, hashes, seed, max_tokens, ignore_eos=ignore_eos, priority=priority,
-                             arrival=arrival, cache_salt=cache_salt, lora_name=lora_name, sampling=sampling)
+                             arrival=arrival, cache_salt=cache_salt, lora_name=lora_name, sampling=sampling,
+                             check_hashes=checks)
 
     def submit(self, req: EngineRequest, key: str, workers: Sequence[WorkerState], now: float,
                program: str | None = None) -> Dispatch | None:
@@ -253,7 +258,7 @@ class Dispatcher:
         if pin is not None:
             workers = [w for w in workers if w.worker_id == pin] or workers
         n = len(req.prompt_tokens)
-        decision = self.router.route(RouteRequest(req.request_id, n, req.block_hashes, req.priority), workers, now)
+        decision = self.router.route(RouteRequest(req.request_id, n, req.block_hashes, req.priority, req.check_hashes), workers, now)
         bs = self.block_size
         best = max((c.overlap_blocks for c in decision.candidates), default=0)
         best_known = min(best, (n - 1) // bs) * bs

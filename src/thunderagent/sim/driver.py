@@ -156,7 +156,7 @@ class Simulator:
         self.policy = policy
         self.preempt = knobs_from(routing)
         self.engines = [SimulatedEngine(f"worker-{i}", node, preempt=self.preempt) for i in range(num_workers)]
-        self.index = KvIndex(prediction_ttl=routing.prediction_ttl)
+        self.index = KvIndex(prediction_ttl=routing.prediction_ttl, double_hash=routing.double_hash)
         self.feed = KvFeed(self.index)
         for e in self.engines:
             self.feed.add_worker(e.worker_id, live=True)
