@@ -16,6 +16,7 @@ import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from thunderagent.config._base import ConfigError, _Strict, knob_needs_switch
+from thunderagent.config.auth import check_key, check_tenant
 from thunderagent.config.nats import NatsAuthConfig, NatsConfig, NatsTlsConfig
 from thunderagent.config.scheduler import (
     GroupingConfig,
@@ -62,6 +63,49 @@ class ControlPlaneConfig(_Strict):
         60.0, gt=0, description="an error cause is logged once per this many seconds, with a count of the "
         "repeats suppressed in between",
     )
+    # API keys (frontend/auth.py). Any tenant key source turns keys on; see README "Tenants and API keys".
+    api_keys: dict[str, str] = Field(
+        default_factory=dict, description="key -> tenant, inline (tests and development only: keep secrets out "
+        "of config files, use api_keys_file or api_keys_env)",
+    )
+    api_keys_file: str | None = Field(None, description="file of `KEY TENANT` lines or a YAML mapping KEY: TENANT")
+    api_keys_env: str | None = Field(None, description="environment variable holding the same text as api_keys_file")
+    admin_keys: list[str] = Field(
+        default_factory=list, description="keys of the admin endpoints (program release, /health detail, "
+        "/v1/programs, metrics), inline (tests and development only)",
+    )
+    admin_keys_file: str | None = Field(None, description="file of admin keys, one per line")
+    admin_keys_env: str | None = Field(None, description="environment variable holding admin keys, one per line")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _tenant_keys(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, tenant in v.items():
+            check_key(key)
+            check_tenant(tenant)
+        return v
+
+    @field_validator("admin_keys")
+    @classmethod
+    def _admin_keys(cls, v: list[str]) -> list[str]:
+        for key in v:
+            check_key(key)
+        return v
+
+    @model_validator(mode="after")
+    def _admin_needs_keys(self) -> ControlPlaneConfig:
+        if self.keys_on:
+            return self
+        for name in ("admin_keys", "admin_keys_file", "admin_keys_env"):
+            if getattr(self, name):
+                raise ValueError(f"{name} acts only with API keys on (api_keys, api_keys_file or api_keys_env): "
+                                 "without them every endpoint is open")
+        return self
+
+    @property
+    def keys_on(self) -> bool:
+        """Whether requests need an API key."""
+        return bool(self.api_keys) or self.api_keys_file is not None or self.api_keys_env is not None
 
 
 class Role(str, Enum):

@@ -19,8 +19,19 @@ from aiohttp import web
 
 from thunderagent.config import Config
 from thunderagent.control.fleet import Fleet, Generation, NoWorkerAvailable, QueueFull
+from thunderagent.frontend.auth import (
+    ACCESS_KEY,
+    AUTH_KEY,
+    DETAIL,
+    TENANT,
+    Access,
+    auth_middleware,
+    load_keyring,
+    tenant_salt,
+)
 from thunderagent.frontend.errorlog import ERROR_LOG_KEY, ErrorLog
 from thunderagent.frontend.limits import LIMITS_KEY, limits_middleware
+from thunderagent.frontend.openapi import PATH as OPENAPI_PATH
 from thunderagent.frontend.openapi import add_openapi_route
 from thunderagent.frontend.protocol import (
     ChatCompletionRequest,
@@ -112,7 +123,10 @@ class Frontend:
             )
 
     def _route_key(self, request: web.Request, req: ChatCompletionRequest | CompletionRequest) -> str:
-        """The request's route key (tenant), from where ``routing.route_key`` says."""
+        """The request's route key: its tenant with API keys on, else from where ``routing.route_key`` says."""
+        tenant: str | None = request.get(TENANT)
+        if tenant is not None:  # fair shares across tenants, not across names a client picks
+            return tenant
         where, _, name = self.route_key.partition(":")
         if where == "header":
             return request.headers.get(name, "")
@@ -174,7 +188,7 @@ class Frontend:
             )
         sampling = Sampling(req.temperature, req.top_p, req.seed)
         gen = await self.fleet.start_generation(
-            prompt_ids, max_tokens, cache_salt=req.cache_salt, lora_name=req.lora_name, priority=req.priority,
+            prompt_ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt), lora_name=req.lora_name, priority=req.priority,
             sampling=sampling, route_key=self._route_key(request, req), program_id=self._program_id(request, req),
         )
         headers = {WORKER_HEADER: gen.decision.worker_id}
@@ -312,6 +326,8 @@ class Frontend:
 
     async def health(self, request: web.Request) -> web.Response:
         summary = self.fleet.health_summary()
+        if not request[DETAIL]:  # API keys on and no admin key: what a load balancer needs, no more
+            summary = {k: summary[k] for k in ("status", "healthy_workers")}
         return web.json_response(summary, status=200 if summary["healthy_workers"] else 503,
                                  dumps=json.dumps)
 
@@ -331,23 +347,34 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
         tokenizer = load_tokenizer(cfg)
     if fleet is None:
         fleet = build_fleet(cfg, tokenizer)
-    app = web.Application(middlewares=[errors_middleware, limits_middleware],
+    app = web.Application(middlewares=[errors_middleware, auth_middleware, limits_middleware],
                           client_max_size=cfg.control_plane.max_body_bytes)
     app[FLEET_KEY] = fleet
     app[LIMITS_KEY] = cfg.control_plane
     app[ERROR_LOG_KEY] = ErrorLog(log, cfg.control_plane.error_log_interval_s)
+    ring = load_keyring(cfg.control_plane)  # reads key files and variables: a ConfigError names the field
+    if ring is not None:
+        app[AUTH_KEY] = ring
     fe = Frontend(fleet, tokenizer, cfg.control_plane.default_max_tokens, cfg.routing.route_key)
     app[FRONTEND_KEY] = fe
-    app.router.add_post("/v1/chat/completions", fe.chat_completions)
-    app.router.add_post("/v1/completions", fe.completions)
-    app.router.add_get("/v1/models", fe.models)
-    app.router.add_get("/v1/programs", fe.programs)
-    app.router.add_post("/v1/programs/{program_id}/release", fe.release_program)
-    app.router.add_post("/programs/release", fe.release_program_body)
-    app.router.add_get("/health", fe.health)
+    access: dict[str | None, Access] = {}  # what a route needs with API keys on (frontend/auth.py)
+
+    def route(method: str, path: str, handler: Handler, needs: Access) -> None:
+        (app.router.add_get if method == "GET" else app.router.add_post)(path, handler)  # GET also serves HEAD
+        access[path] = needs
+
+    route("POST", "/v1/chat/completions", fe.chat_completions, Access.TENANT)
+    route("POST", "/v1/completions", fe.completions, Access.TENANT)
+    route("GET", "/v1/models", fe.models, Access.TENANT)
+    route("GET", "/v1/programs", fe.programs, Access.ADMIN)  # lists every tenant's programs
+    route("POST", "/v1/programs/{program_id}/release", fe.release_program, Access.ADMIN)
+    route("POST", "/programs/release", fe.release_program_body, Access.ADMIN)
+    route("GET", "/health", fe.health, Access.PUBLIC)  # the detail needs an admin key
     if cfg.metrics.enabled:
-        app.router.add_get(cfg.metrics.path, fe.metrics)
+        route("GET", cfg.metrics.path, fe.metrics, Access.ADMIN)
     add_openapi_route(app, cfg)
+    access[OPENAPI_PATH] = Access.PUBLIC
+    app[ACCESS_KEY] = access
 
     async def on_startup(app: web.Application) -> None:
         await fleet.start()

@@ -1,0 +1,149 @@
+"""Tenants and API keys over HTTP against the simulated fleet: 401 without a valid key, no cached
+prefix shared across tenants (hits within one), admin endpoints behind admin keys, keys off as before.
+Keys are generated per test run; none is stored in the repository."""
+
+from __future__ import annotations
+
+import secrets
+
+import aiohttp
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from support.server import Server
+
+pytestmark = pytest.mark.integration
+
+MODEL = "thunderagent-sim"
+PROMPT = [{"role": "user", "content": "Shared system prompt of every tenant, long enough to fill blocks. " * 8}]
+KEY_A, KEY_B, ADMIN = (secrets.token_urlsafe(24) for _ in range(3))
+
+
+def _keys_on(**extra: object) -> dict[str, object]:
+    return {"control_plane": {"api_keys": {KEY_A: "acme", KEY_B: "globex"}, "admin_keys": [ADMIN], **extra}}
+
+
+def _client(srv: Server, key: str) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{srv.base_url}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+async def _cached(client: AsyncOpenAI, **extra: object) -> int:
+    resp = await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=4, **extra)
+    assert resp.usage is not None and resp.usage.prompt_tokens_details is not None
+    return resp.usage.prompt_tokens_details.cached_tokens or 0
+
+
+async def test_tenants_never_share_a_cached_prefix(server_factory):
+    async with server_factory(**_keys_on()) as srv:
+        a, b = _client(srv, KEY_A), _client(srv, KEY_B)
+        assert await _cached(a) == 0
+        assert await _cached(a) > 0  # a tenant hits its own prefix
+        assert await _cached(b) == 0  # the same prompt from another tenant: no hit
+        assert await _cached(b) > 0
+        # a client salt subdivides its tenant, and cannot reach another tenant's (or the unsalted) cache
+        assert await _cached(a, extra_body={"cache_salt": "team-1"}) == 0
+        assert await _cached(b, extra_body={"cache_salt": "team-1"}) == 0
+        assert await _cached(b, extra_body={"cache_salt": "team-1"}) > 0
+        assert await _cached(a, extra_body={"cache_salt": "globex"}) == 0
+        for c in (a, b):
+            await c.close()
+
+
+async def test_the_engine_runs_with_the_tenant_salt(server_factory, monkeypatch):
+    async with server_factory(**_keys_on()) as srv:
+        seen: list[tuple[str | None, str]] = []
+        real = srv.fleet.start_generation
+
+        async def spy(prompt_ids, max_tokens, **kw):
+            seen.append((kw.get("cache_salt"), kw.get("route_key")))
+            return await real(prompt_ids, max_tokens, **kw)
+
+        monkeypatch.setattr(srv.fleet, "start_generation", spy)
+        a = _client(srv, KEY_A)
+        await _cached(a, extra_headers={"x-thunderagent-route-key": "not-acme"})
+        await _cached(a, extra_body={"cache_salt": "s1"})
+        await a.close()
+        # the tenant is the salt (subdivided by the client's) and the route key (fair shares per tenant)
+        assert seen == [("tenant:acme", "acme"), ("tenant:acme:s1", "acme")]
+
+
+async def test_no_key_or_a_bad_key_is_401_in_openai_shape(server_factory):
+    async with server_factory(**_keys_on()) as srv:
+        for key in ("wrong-" + secrets.token_urlsafe(24), ADMIN):  # an admin key is not a tenant key
+            bad = _client(srv, key)
+            with pytest.raises(openai.AuthenticationError) as exc:
+                await bad.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=4)
+            await bad.close()
+            err = exc.value.response.json()["error"]
+            assert exc.value.status_code == 401 and err["type"] == "invalid_request_error"
+            assert err["code"] == "invalid_api_key" and err["message"]
+            assert exc.value.response.headers["WWW-Authenticate"].startswith("Bearer")
+        async with aiohttp.ClientSession() as s:
+            for path in ("/v1/models", "/v1/completions", "/no/such/path"):  # unknown paths are not open
+                async with s.request("GET" if "models" in path else "POST", srv.base_url + path) as r:
+                    assert r.status == 401, path
+                    assert (await r.json())["error"]["code"] == "missing_api_key"
+            async with s.get(srv.base_url + "/v1/models", headers={"Authorization": f"Bearer {KEY_B}"}) as r:
+                assert r.status == 200
+        metrics = srv.fleet.metrics.render().decode()
+        assert 'thunderagent_requests_total{endpoint="/v1/chat/completions",status="401"} 2.0' in metrics
+
+
+async def test_admin_endpoints_need_an_admin_key(server_factory):
+    async with server_factory(**_keys_on()) as srv, aiohttp.ClientSession() as s:
+        a = _client(srv, KEY_A)
+        await _cached(a, extra_body={"program_id": "agent-1"})
+        await a.close()
+        calls = [("POST", "/v1/programs/agent-1/release", None), ("POST", "/programs/release", {"program_id": "agent-1"}),
+                 ("GET", "/v1/programs", None), ("GET", "/metrics", None)]
+        for method, path, body in calls:
+            for headers, status in (({}, 401), ({"Authorization": "Bearer " + KEY_A}, 403)):
+                async with s.request(method, srv.base_url + path, json=body, headers=headers) as r:
+                    assert r.status == status, (path, headers)
+                    err = (await r.json())["error"]
+                    assert err["code"] == ("missing_api_key" if status == 401 else "admin_key_required")
+        admin = {"Authorization": "Bearer " + ADMIN}
+        async with s.post(srv.base_url + "/v1/programs/agent-1/release", headers=admin) as r:
+            assert r.status == 200 and (await r.json())["released"] is True
+        async with s.get(srv.base_url + "/metrics", headers=admin) as r:
+            assert r.status == 200
+        # /health: public and minimal; the detail with an admin key
+        for headers in ({}, {"Authorization": "Bearer " + KEY_A}):
+            async with s.get(srv.base_url + "/health", headers=headers) as r:
+                assert r.status == 200 and await r.json() == {"status": "ok", "healthy_workers": 4}
+        async with s.get(srv.base_url + "/health", headers=admin) as r:
+            assert r.status == 200 and len((await r.json())["workers"]) == 4
+        async with s.get(srv.base_url + "/health", headers={"Authorization": "Bearer nope-nope-nope-nope"}) as r:
+            assert r.status == 401
+        async with s.get(srv.base_url + "/openapi.json") as r:
+            assert r.status == 200
+
+
+async def test_keys_from_a_file_and_an_environment_variable(server_factory, tmp_path, monkeypatch):
+    key_c, key_d, admin = (secrets.token_urlsafe(24) for _ in range(3))
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"# key tenant\n{key_c} initech\n")
+    monkeypatch.setenv("TA_TEST_API_KEYS", f"{key_d}: hooli\n")
+    monkeypatch.setenv("TA_TEST_ADMIN_KEYS", admin)
+    cp = {"api_keys_file": str(keys), "api_keys_env": "TA_TEST_API_KEYS", "admin_keys_env": "TA_TEST_ADMIN_KEYS"}
+    async with server_factory(control_plane=cp) as srv:
+        c, d = _client(srv, key_c), _client(srv, key_d)
+        assert await _cached(c) == 0 and await _cached(c) > 0
+        assert await _cached(d) == 0
+        await c.close()
+        await d.close()
+        async with aiohttp.ClientSession() as s:
+            async with s.get(srv.base_url + "/v1/programs", headers={"Authorization": "Bearer " + admin}) as r:
+                assert r.status == 200
+
+
+async def test_keys_off_everything_as_before(server_factory):
+    async with server_factory() as srv, aiohttp.ClientSession() as s:
+        assert await _cached(srv.client) == 0 and await _cached(srv.client) > 0  # api_key="unused" is ignored
+        async with s.get(srv.base_url + "/health") as r:
+            assert "workers" in await r.json()
+        async with s.get(srv.base_url + "/v1/programs") as r:
+            assert r.status == 200
+        async with s.get(srv.base_url + "/metrics") as r:
+            assert r.status == 200
