@@ -143,3 +143,31 @@ async def test_migration_limit_bounds_the_moves() -> None:
         assert 16 <= len(got) < 40 and got == want[: len(got)]
     finally:
         await fleet.stop()
+
+
+# -- the client's text across a cut, when the engine sent text (vLLM) -------------------------------
+async def _text(outs: list[TokenOutput]) -> str:
+    from thunderagent.frontend.streaming import stream_text
+
+    async def it():  # type: ignore[no-untyped-def]
+        for o in outs:
+            yield o
+
+    return "".join([c.text async for c in stream_text(it(), ByteTokenizer().decoder(), [])])
+
+
+def _out(ids: bytes, text: str | None, last: bool = False) -> TokenOutput:
+    return TokenOutput("r", list(ids), 0.0, 4, 0, last, FinishReason.LENGTH if last else None, text=text)
+
+
+async def test_text_goes_on_from_the_engines_text_when_a_continuation_sends_none() -> None:
+    """The engine's text stops at the cut (``settle`` drops a continuation's: vLLM's first one can
+    repeat the prompt); the frontend decodes the rest, with the bytes the engine held back (an
+    incomplete character) and without repeating what it emitted."""
+    e = "é".encode()
+    outs = [_out(b"a", "a"), _out(b"b", "b"), _out(e[:1], ""),  # the engine holds back half of "é"
+            _out(e[1:], None), _out(b"!", None, last=True)]
+    assert await _text(outs) == "abé!"
+    # cut right after an emitted character, and an unbroken engine-text stream: unchanged
+    assert await _text([_out(b"a", "a"), _out(e, None), _out(b"!", None, last=True)]) == "aé!"
+    assert await _text([_out(b"a", "a"), _out(e[:1], ""), _out(e[1:], "é", last=True)]) == "aé"

@@ -148,5 +148,9 @@ def settle(gen: Generation, out: TokenOutput) -> TokenOutput:
     if gen.origin is None and reason == out.finish_reason:
         return out
     plen = gen.prompt_tokens
+    # A continuation's engine text is not the client's: vLLM primes its detokenizer with the whole
+    # prompt, and when the cut fell inside a character (bytes it held back) its first text repeats
+    # much of the prompt. The frontend decodes the ids instead, going on from where the text stopped.
+    text = None if gen.origin is not None else out.text
     return dataclasses.replace(out, prompt_tokens=plen, cached_tokens=min(out.cached_tokens, plen),
-                               finish_reason=reason)
+                               finish_reason=reason, text=text)

@@ -27,16 +27,39 @@ async def stream_text(
     matcher = StopMatcher(stops)
     completion = 0
     cached = 0
+    # While the engine's text is used: the ids of the last step that emitted text (the engine
+    # detokenizer's window) and those after it, whose text it holds back (an incomplete character).
+    # Should its text stop mid-stream (a migrated request: ``control.migration.settle``), the decoder
+    # goes on from there, so no character is lost or repeated at the cut.
+    engine_text = False
+    window: list[int] = []
+    held: list[int] = []
     try:
         async for out in outputs:
             cached = max(cached, out.cached_tokens)
             completion += len(out.token_ids)
-            text = matcher.feed(out.text if out.text is not None else decoder.feed(out.token_ids))
+            if out.text is not None:
+                engine_text = True
+                held += out.token_ids
+                if out.text:
+                    window, held = held, []
+                raw = out.text
+            else:
+                raw = ""
+                if window or held:
+                    decoder.feed(window)
+                    raw = decoder.feed(held)  # "" unless the engine held back more than needed
+                    window, held = [], []
+                raw += decoder.feed(out.token_ids)
+            text = matcher.feed(raw)
             if matcher.stopped:
                 yield TextChunk(text, FinishReason.STOP, completion, cached)
                 return
             if out.finished:
-                text += matcher.feed(decoder.flush())
+                # an engine's detokenizer drops an incomplete character at the end (vLLM): so does a
+                # stream whose text came from the engine, even after a migration
+                if not engine_text:
+                    text += matcher.feed(decoder.flush())
                 if matcher.stopped:
                     yield TextChunk(text, FinishReason.STOP, completion, cached)
                     return
