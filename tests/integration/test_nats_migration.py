@@ -36,7 +36,10 @@ def test_kill_9_of_a_worker_during_100_streams_loses_nothing(tmp_path):
         c.start_nats()
         for w in ("a", "b", "c"):
             c.start_worker(w, "--speedup", "0.5")  # slower than real time: streams last seconds
-        c.start_frontend("f")
+        # the holding queue is not under test here: off, all 100 streams run in the engines at once
+        # (on, most wait in the frontend, few are on the killed worker, and slowed workers make the
+        # queue's time bound refuse some with 429 before any kill)
+        c.start_frontend("f", config=c.write_config("front.yaml", "scheduler: {enabled: false}\n"))
         wait_until(lambda: c.workers("f") == {"a", "b", "c"}, 30, "3 workers")
         want, got, took = asyncio.run(_run(c, f"http://127.0.0.1:{c.ports['f']}"))
         for i, (text, finish, usage) in enumerate(got):
@@ -48,7 +51,7 @@ def test_kill_9_of_a_worker_during_100_streams_loses_nothing(tmp_path):
         logs = (tmp_path / "f.log").read_text()
         # lost by lease expiry or by NATS reporting no responders first, whichever comes first
         moved = logs.count("lost on a (")
-        assert moved >= 3 and "not migrated" not in logs, logs[-3000:]
+        assert moved >= 5 and "not migrated" not in logs, logs[-3000:]
         print(f"{moved} streams migrated; the last stream ended {took:.2f}s after the kill")
     finally:
         c.close()
