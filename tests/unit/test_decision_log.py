@@ -146,3 +146,16 @@ async def test_live_fleet_logs_decisions_and_skipped_workers(tmp_path) -> None:
     assert line["request_id"] == gen.request_id and line["worker"] == "worker-1"
     assert line["program"] == "prog-1" and line["skipped"] == {"worker-0": "unavailable: unreachable"}
     assert [c["worker"] for c in line["candidates"]] == ["worker-1"]
+
+
+def test_buffered_lines_reach_the_file_when_due(tmp_path) -> None:
+    clock = ManualClock()
+    path = tmp_path / "d.jsonl"
+    dlog = DecisionLog(DecisionLogConfig(path=str(path)), clock=clock)
+    dlog.record(_dispatch("a"), 0.0)
+    dlog.flush_due()
+    assert path.read_text() == ""  # buffered
+    clock.advance(1.0)
+    dlog.flush_due()
+    assert [x["request_id"] for x in read_lines([path])] == ["a"]
+    dlog.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import Protocol
 
 from thunderagent.config import DecisionLogConfig
@@ -22,9 +23,14 @@ log = logging.getLogger("thunderagent.control.fleet")  # the fleet's logger: its
 class Fleet(Protocol):
     """What the hook reads of the fleet (``control.fleet.Fleet``; a protocol: no import cycle)."""
 
-    workers: dict[str, object]
-    unavailable: dict[str, str]
-    registry: WorkerRegistry
+    @property
+    def workers(self) -> Mapping[str, object]: ...
+
+    @property
+    def unavailable(self) -> Mapping[str, str]: ...
+
+    @property
+    def registry(self) -> WorkerRegistry: ...
 
 
 class DecisionHook:
@@ -41,6 +47,11 @@ class DecisionHook:
         if dlog is None or not dlog.wants(dec.request_id):
             return
         dlog.write(_line(fleet, d, program, tried))
+
+    def tick(self) -> None:
+        """Periodic (the fleet's health check): lines buffered past ``FLUSH_S`` reach the file."""
+        if self.log is not None:
+            self.log.flush_due()
 
     def close(self) -> None:
         if self.log is not None:

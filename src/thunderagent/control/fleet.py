@@ -255,6 +255,7 @@ class Fleet:
                 log.info("worker %s healthy again (%s): back in routing", wid, change.reason)
                 self.metrics.healthy.labels(wid).set(1)
         self.dispatcher.tick(self.routable(), now)  # pacing; grouping's bounds (``_wake`` runs them on time)
+        self.decisions.tick()  # buffered decision-log lines reach the file
         self._observe_pacing()
         if self._held:
             self._pump()  # requests past max_wait_s (or of resumed programs) go even when no worker has room

@@ -6,8 +6,9 @@ the simulator, ``thunderagent sim --decision-log``): the line is built from the 
 (:mod:`thunderagent.observe.decision_summary`).
 
 Writes are buffered: a line is encoded (msgspec) and appended to a list; the list goes to the file
-when it holds ``FLUSH_BYTES``, when ``FLUSH_S`` passed since the last write, or on :meth:`flush` /
-:meth:`close`. A write is one ``write`` of at most ``FLUSH_BYTES`` per file, so the event loop is
+when it holds ``FLUSH_BYTES``, when ``FLUSH_S`` passed since the last write (checked at the next
+line and by :meth:`flush_due`, which the live fleet calls from its health check), or on
+:meth:`flush` / :meth:`close`. A write is one ``write`` of at most ``FLUSH_BYTES`` per file, so the event loop is
 never held for long. Rotation is by size, like ``logging.handlers.RotatingFileHandler``: before a
 line would take the file past ``max_bytes``, ``path`` becomes ``path.1`` (``path.1`` becomes
 ``path.2``, ..., the oldest beyond ``backups`` is dropped); with ``backups: 0`` the file starts over.
@@ -127,6 +128,11 @@ class DecisionLog:
         self._buffered += len(data)
         self.written += 1
         if self._buffered >= FLUSH_BYTES or self._clock() - self._last_write >= FLUSH_S:
+            self.flush()
+
+    def flush_due(self) -> None:
+        """Flush if lines waited ``FLUSH_S`` (called periodically, so a quiet server's lines land too)."""
+        if self._buf and self._clock() - self._last_write >= FLUSH_S:
             self.flush()
 
     def flush(self) -> None:
