@@ -14,7 +14,7 @@ PKG = SRC / "thunderagent"
 CORE = ("thunderagent.kv", "thunderagent.router", "thunderagent.scheduler", "thunderagent.engine")
 EXECUTION = ("thunderagent.execution",)
 UPPER = ("thunderagent.control", "thunderagent.frontend", "thunderagent.cli", "thunderagent.sim",
-         "thunderagent.assemble", "thunderagent.overrides")
+         "thunderagent.observe", "thunderagent.assemble", "thunderagent.overrides")
 
 
 def _modules() -> dict[str, Path]:

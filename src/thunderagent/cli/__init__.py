@@ -1,13 +1,14 @@
-"""Command line: ``thunderagent serve | sim | check-config | frontend | worker``.
+"""Command line: ``thunderagent serve | sim | explain | check-config | frontend | worker``.
 
 One module per command group: :mod:`.serve` (the single-process server and config check),
-:mod:`.sim` (trace replay), :mod:`.nats` (the multi-process deployment).
+:mod:`.sim` (trace replay), :mod:`.explain` (decision logs), :mod:`.nats` (the multi-process deployment).
 """
 
 from __future__ import annotations
 
 import typer
 
+from thunderagent.cli import explain as cli_explain
 from thunderagent.cli import nats as cli_nats
 from thunderagent.cli import serve as cli_serve
 from thunderagent.cli import sim as cli_sim
@@ -15,6 +16,7 @@ from thunderagent.cli import sim as cli_sim
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ThunderAgent: KV-cache-aware LLM router.")
 cli_serve.register(app)
 cli_sim.register(app)
+cli_explain.register(app)
 cli_nats.register(app)
 
 

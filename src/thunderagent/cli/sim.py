@@ -68,6 +68,10 @@ def sim(
     think_cap: Annotated[Optional[float], typer.Option(
         help="closed loop: cap each recorded think time at this many seconds (agentic traces record human idle "
              "time, up to hours, between tool-driven turns)", min=0)] = None,
+    decision_log: Annotated[Optional[Path], typer.Option(
+        help="write every routing decision here as JSON lines (overwritten; the config's control_plane.decision_log "
+             "sampling and rotation apply; each line's `run` names its row); summarise with `thunderagent explain "
+             "--log`", dir_okay=False)] = None,
 ) -> None:
     """Replay traces through the router, index and simulated engines on a virtual clock."""
     from rich.console import Console
@@ -105,11 +109,13 @@ def sim(
     asked = cfg.scheduler.enabled and "enabled" in cfg.scheduler.model_fields_set
     modes = scheduler or [SchedulerMode.on if asked else SchedulerMode.off]
     pacings = pacing or [PacingMode.ours if cfg.scheduler.pacing.enabled else PacingMode.off]
+    dlog = _open_decision_log(cfg, decision_log)
     for pol, mode, pace in ((p, m, g) for p in policies for m in modes for g in pacings):
         sched = _scheduler_config(cfg, mode, pace)
-        simulator = Simulator(node, cfg.routing, workers, pol, seed=seed, scheduler=sched)
         label = (pol.value + ("+scheduler" if sched.enabled else "")
                  + (f"+pacing:{pace.value}" if pace is not PacingMode.off else ""))
+        simulator = Simulator(node, cfg.routing, workers, pol, seed=seed, scheduler=sched, decision_log=dlog,
+                              run_label=label)
         with Progress(TextColumn(f"thunderagent {label}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console, transient=True) as prog:
             task = prog.add_task("replay", total=len(requests))
@@ -131,10 +137,26 @@ def sim(
                     results.append(run_dynamo(trace[0], workers=workers, kv_blocks=kv_blocks, block_size=block_size,
                                               speedup=speedup, router_mode=_DYNAMO_MODE[pol],
                                               queue_threshold=queue, queue_policy=dynamo_queue_policy.value))
+    if dlog is not None:
+        dlog.close()
+        console.print(f"wrote {dlog.written:,} decisions to {decision_log}")
     _report(console, trace, results, outcomes, bounds, json_out, plots,
             {"traces": [str(t) for t in trace], "workers": workers, "kv_blocks": kv_blocks,
              "block_size": block_size, "speedup": speedup, "seed": seed, "requests": len(requests),
              **({"closed_loop": True} if closed_loop else {})})
+
+
+def _open_decision_log(cfg: Config, path: Path | None) -> Any:
+    """The decision log's writer (None without ``--decision-log``), on a fresh file: the file and
+    rotated files of an earlier run are removed, so ``explain`` reads this run only."""
+    if path is None:
+        return None
+    from thunderagent.observe.decision_log import DecisionLog
+
+    for old in (path, *path.parent.glob(f"{path.name}.*")):
+        if old == path or old.suffix[1:].isdigit():
+            old.unlink(missing_ok=True)
+    return DecisionLog(cfg.control_plane.decision_log.model_copy(update={"path": str(path)}))
 
 
 def _scheduler_config(cfg: Config, mode: SchedulerMode, pace: PacingMode) -> Any:

@@ -18,6 +18,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 from thunderagent.config._base import ConfigError, _Strict, knob_needs_switch
 from thunderagent.config.auth import check_key, check_tenant
 from thunderagent.config.nats import NatsAuthConfig, NatsConfig, NatsTlsConfig
+from thunderagent.config.observe import DecisionLogConfig
 from thunderagent.config.scheduler import (
     GroupingConfig,
     PacingAccounting,
@@ -27,8 +28,9 @@ from thunderagent.config.scheduler import (
 )
 
 __all__ = [
-    "Config", "ConfigError", "ControlPlaneConfig", "CostWeights", "EndpointConfig", "ExecutionGroupConfig",
-    "GroupingConfig", "KvTransferConfig", "MetricsConfig", "NatsAuthConfig", "NatsConfig", "NatsTlsConfig", "NodeConfig",
+    "Config", "ConfigError", "ControlPlaneConfig", "CostWeights", "DecisionLogConfig", "EndpointConfig",
+    "ExecutionGroupConfig", "GroupingConfig", "KvTransferConfig", "MetricsConfig", "NatsAuthConfig", "NatsConfig",
+    "NatsTlsConfig", "NodeConfig",
     "PacingAccounting", "PacingConfig", "Policy", "ResumePlacement", "Role", "RoutingConfig", "SchedulerConfig",
     "SimulationConfig", "TimingConfig", "load_config", "parse_config",
 ]
@@ -76,6 +78,9 @@ class ControlPlaneConfig(_Strict):
     )
     admin_keys_file: str | None = Field(None, description="file of admin keys, one per line")
     admin_keys_env: str | None = Field(None, description="environment variable holding admin keys, one per line")
+    decision_log: DecisionLogConfig = Field(
+        DecisionLogConfig(), description="JSON-lines log of routing decisions (README: `thunderagent explain`)",
+    )
 
     @field_validator("api_keys")
     @classmethod

@@ -34,6 +34,7 @@ from typing import Protocol
 
 from thunderagent.config import Config, Policy
 from thunderagent.control import migration
+from thunderagent.control.decision_hook import DecisionHook
 from thunderagent.control.health_view import health_summary
 from thunderagent.control.liveness import LoopLag
 from thunderagent.control.metrics import Metrics
@@ -44,17 +45,8 @@ from thunderagent.kv.index import KvIndex
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
 from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
 from thunderagent.scheduler.queue import QueueFull
-from thunderagent.types import (
-    Decision,
-    EngineRequest,
-    FinishReason,
-    KvEvent,
-    LoadReport,
-    Sampling,
-    TokenOutput,
-    WorkerInfo,
-    WorkerState,
-)
+from thunderagent.types import (Decision, EngineRequest, FinishReason, KvEvent, LoadReport, Sampling, TokenOutput,
+                                WorkerInfo, WorkerState)
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +119,7 @@ class Fleet:
         self.router = KvRouter(cfg.routing, self.index, random.Random(cfg.routing.seed), policy)
         self.block_size = cfg.execution_group.nodes[0].block_size
         self.dispatcher = Dispatcher(self.router, self.block_size, cfg.scheduler)
+        self.decisions = DecisionHook(cfg.control_plane.decision_log)  # DEBUG lines, the decision log
         cp = cfg.control_plane
         self.registry = WorkerRegistry(cp.heartbeat_interval, cp.heartbeat_misses)
         self.stall_timeout = stall_timeout
@@ -170,6 +163,7 @@ class Fleet:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
         await self.membership.stop()
+        self.decisions.close()
 
     # -- membership ----------------------------------------------------------------------------
     def join(self, handle: WorkerHandle, info: WorkerInfo, *, synced: bool) -> None:
@@ -261,6 +255,7 @@ class Fleet:
                 log.info("worker %s healthy again (%s): back in routing", wid, change.reason)
                 self.metrics.healthy.labels(wid).set(1)
         self.dispatcher.tick(self.routable(), now)  # pacing; grouping's bounds (``_wake`` runs them on time)
+        self.decisions.tick()  # buffered decision-log lines reach the file
         self._observe_pacing()
         if self._held:
             self._pump()  # requests past max_wait_s (or of resumed programs) go even when no worker has room
@@ -352,9 +347,7 @@ class Fleet:
         req = d.request
         self.dispatcher.settle(self.now())
         self.metrics.observe_route(d.decision.worker_id, len(req.prompt_tokens), d.predicted_tokens, route_s)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("route %s -> %s (%s): %s", req.request_id, d.decision.worker_id, d.decision.reason,
-                      d.decision.explain())
+        self.decisions.record(self, d, program_id)
         worker = self.workers[d.decision.worker_id]
         gen = Generation(req.request_id, d, worker, worker.submit(req), req.arrival, program_id=program_id)
         self._inflight[req.request_id] = gen
@@ -442,6 +435,7 @@ class Fleet:
         """Submit ``gen`` as routed again (``d``), after the workers in ``tried``."""
         worker = self.workers[d.decision.worker_id]
         gen.dispatch, gen.worker, gen.tried = d, worker, tried
+        self.decisions.record(self, d, gen.program_id, tried)
         gen.queue = worker.submit(d.request)
         self._inflight[gen.request_id] = gen
 

@@ -31,6 +31,7 @@ from thunderagent.engine.preemption import knobs_from
 from thunderagent.engine.simulated import SimulatedEngine
 from thunderagent.kv.feed import KvFeed
 from thunderagent.kv.index import KvIndex
+from thunderagent.observe.decision_log import DecisionLog
 from thunderagent.router.router import KvRouter
 from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
 from thunderagent.sim.arrivals import ClosedLoop, OpenLoop, session_stats
@@ -149,7 +150,11 @@ class Simulator:
         seed: int = 0,
         sample_interval: float = 1.0,
         scheduler: SchedulerConfig | None = None,
+        decision_log: DecisionLog | None = None,
+        run_label: str | None = None,
     ) -> None:
+        """``decision_log``: every decision placed is written there (virtual time), its lines
+        tagged ``run: run_label``; the caller closes it."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.node = node
@@ -172,6 +177,8 @@ class Simulator:
         self._pos = {e.worker_id: i for i, e in enumerate(self.engines)}
         self.sample_interval = sample_interval
         self.resyncs = 0
+        self.decision_log = decision_log
+        self.run_label = run_label
 
     def run(
         self,
@@ -311,6 +318,8 @@ class Simulator:
         i = self._pos[d.decision.worker_id]
         tr = tracks[d.request.request_id]
         tr.worker, tr.best_known = i, d.best_known_tokens
+        if self.decision_log is not None:
+            self.decision_log.record(d, now, program=tr.program, run=self.run_label)
         self.engines[i].add_request(d.request, now)
         self._states[i].load = self.engines[i].load(now)
         return i

@@ -1,0 +1,30 @@
+"""`thunderagent sim --decision-log` then `thunderagent explain --log` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from tests.e2e.test_serve_cli import thunderagent_cmd
+from tests.e2e.test_sim_cli import EXCERPT, run_sim
+
+
+def test_sim_decision_log_explained(tmp_path) -> None:
+    log = tmp_path / "decisions.jsonl"
+    res = run_sim("--trace", str(EXCERPT), "--workers", "2", "--decision-log", str(log))
+    assert res.returncode == 0, res.stderr
+    assert "wrote 400 decisions to" in res.stderr  # (rich wraps the path)
+    out = subprocess.run([*thunderagent_cmd(), "explain", "--log", str(log), "--json"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["files"] == [str(log)] and set(doc["runs"]) == {"round_robin", "kv_aware"}
+    for s in doc["runs"].values():
+        assert s["decisions"] == s["requests"] == 200 and s["retries"] == 0
+        assert sum(s["cache"].values()) == 200 and sum(s["by_reason"].values()) == 200
+        assert sum(s["elsewhere_why"].values()) == s["cache"]["elsewhere"]
+        assert sum(w["chosen"] for w in s["workers"].values()) == 200 and set(s["workers"]) == {"worker-0", "worker-1"}
+    assert doc["runs"]["round_robin"]["by_reason"] == {"round robin": 200}
+    table = subprocess.run([*thunderagent_cmd(), "explain", "--log", str(log)], capture_output=True, text=True,
+                           timeout=120)
+    assert table.returncode == 0 and "kv_aware: 200 decisions, 200 requests" in table.stdout
