@@ -1,0 +1,32 @@
+# ThunderAgent image: `thunderagent frontend` and `thunderagent worker` (the multi-process deployment
+# over NATS). Extras: nats (client) and engines (the model's tokenizer for frontends, pyzmq for the
+# workers' KV-event streams from vLLM/SGLang). Build from the repository root:
+#   docker build -t thunderagent:0.1.0 .
+# Linted by tests/unit/test_deploy.py with hadolint (pinned in the `test` extra).
+
+FROM python:3.11-slim-bookworm AS build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY src ./src
+# every dependency is pinned exactly in pyproject.toml
+RUN /opt/venv/bin/pip install --no-cache-dir '.[nats,engines]'
+
+FROM python:3.11-slim-bookworm
+RUN groupadd --system --gid 10001 thunderagent \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /tmp \
+      --shell /usr/sbin/nologin thunderagent
+COPY --from=build /opt/venv /opt/venv
+# HOME=/tmp: the only writable place when the root filesystem is read-only (an emptyDir in the pods);
+# HF_HUB_OFFLINE: tokenizers load from the local model directory, never from the network
+ENV PATH=/opt/venv/bin:$PATH \
+    HOME=/tmp \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HF_HUB_OFFLINE=1
+USER 10001:10001
+EXPOSE 8000
+ENTRYPOINT ["thunderagent"]
+CMD ["--help"]
