@@ -1,7 +1,8 @@
-"""Command line: ``thunderagent serve | sim | check-config | frontend | worker``.
+"""Command line: ``thunderagent serve | sim | check-config | frontend | worker | top``.
 
 One module per command group: :mod:`.serve` (the single-process server and config check),
-:mod:`.sim` (trace replay), :mod:`.nats` (the multi-process deployment).
+:mod:`.sim` (trace replay), :mod:`.nats` (the multi-process deployment),
+:mod:`.top` (a live view of a running server).
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import typer
 from thunderagent.cli import nats as cli_nats
 from thunderagent.cli import serve as cli_serve
 from thunderagent.cli import sim as cli_sim
+from thunderagent.cli import top as cli_top
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ThunderAgent: KV-cache-aware LLM router.")
 cli_serve.register(app)
 cli_sim.register(app)
 cli_nats.register(app)
+cli_top.register(app)
 
 
 def main() -> None:

@@ -355,8 +355,8 @@ class Fleet:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s -> %s (%s): %s", req.request_id, d.decision.worker_id, d.decision.reason,
                       d.decision.explain())
-        worker = self.workers[d.decision.worker_id]
-        gen = Generation(req.request_id, d, worker, worker.submit(req), req.arrival, program_id=program_id)
+        worker, received = self.workers[d.decision.worker_id], req.arrival  # before submit: sim engines reset it
+        gen = Generation(req.request_id, d, worker, worker.submit(req), received, program_id=program_id)
         self._inflight[req.request_id] = gen
         return gen
 
