@@ -1,7 +1,8 @@
-"""Command line: ``thunderagent serve | sim | explain | check-config | frontend | worker``.
+"""Command line: ``thunderagent serve | sim | explain | top | check-config | frontend | worker``.
 
 One module per command group: :mod:`.serve` (the single-process server and config check),
-:mod:`.sim` (trace replay), :mod:`.explain` (decision logs), :mod:`.nats` (the multi-process deployment).
+:mod:`.sim` (trace replay), :mod:`.explain` (decision logs), :mod:`.top` (a live view of a running
+server), :mod:`.nats` (the multi-process deployment).
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from thunderagent.cli import explain as cli_explain
 from thunderagent.cli import nats as cli_nats
 from thunderagent.cli import serve as cli_serve
 from thunderagent.cli import sim as cli_sim
+from thunderagent.cli import top as cli_top
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ThunderAgent: KV-cache-aware LLM router.")
 cli_serve.register(app)
 cli_sim.register(app)
 cli_explain.register(app)
 cli_nats.register(app)
+cli_top.register(app)
 
 
 def main() -> None:

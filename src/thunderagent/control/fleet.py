@@ -348,8 +348,8 @@ class Fleet:
         self.dispatcher.settle(self.now())
         self.metrics.observe_route(d.decision.worker_id, len(req.prompt_tokens), d.predicted_tokens, route_s)
         self.decisions.record(self, d, program_id)
-        worker = self.workers[d.decision.worker_id]
-        gen = Generation(req.request_id, d, worker, worker.submit(req), req.arrival, program_id=program_id)
+        worker, received = self.workers[d.decision.worker_id], req.arrival  # before submit: sim engines reset it
+        gen = Generation(req.request_id, d, worker, worker.submit(req), received, program_id=program_id)
         self._inflight[req.request_id] = gen
         return gen
 

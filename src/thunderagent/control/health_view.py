@@ -15,6 +15,7 @@ def health_summary(registry: WorkerRegistry, index: KvIndex, unavailable: Mappin
     workers = [
         {
             "id": wid,
+            "role": registry.info(wid).role,
             "health": registry.health(wid).value,
             "running": loads[wid].running,
             "waiting": loads[wid].waiting,

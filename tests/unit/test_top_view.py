@@ -1,0 +1,49 @@
+"""``thunderagent top``'s arithmetic: histogram quantiles as Prometheus computes them, the hot worker rule,
+rates between two scrapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from thunderagent.cli.top_view import Scrape, build_frame, hot_worker, parse_metrics, quantile
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize(("q", "want"), [(0.5, 0.1), (0.75, 0.1 + 0.4 * 2.5 / 3), (1.0, 1.0)])
+def test_quantile_interpolates_inside_the_bucket(q, want):
+    assert quantile(q, [(0.1, 5.0), (0.5, 8.0), (1.0, 10.0), (INF, 10.0)]) == pytest.approx(want)
+
+
+def test_quantile_of_nothing_and_of_the_inf_bucket():
+    assert quantile(0.5, [(0.1, 0.0), (INF, 0.0)]) is None
+    assert quantile(0.99, [(0.1, 1.0), (60.0, 1.0), (INF, 10.0)]) == 60.0  # the largest finite bound
+
+
+@pytest.mark.parametrize(("depths", "want"), [
+    ({"a": 0, "b": 0, "c": 17}, "c"),
+    ({"a": 0, "b": 0, "c": 3}, None),  # under the minimum
+    ({"a": 10, "b": 12, "c": 20}, None),  # under 2x the median
+    ({"a": 10, "b": 10, "c": 21}, "c"),
+    ({}, None),
+])
+def test_hot_worker(depths, want):
+    assert hot_worker(depths) == want
+
+
+def _scrape(t: float, routed: int, ttft_fast: int, ttft_slow: int) -> Scrape:
+    text = (f'thunderagent_routed_total{{worker="w0"}} {routed}\n'
+            f'thunderagent_ttft_seconds_bucket{{le="0.1"}} {ttft_fast}\n'
+            f'thunderagent_ttft_seconds_bucket{{le="1.0"}} {ttft_fast + ttft_slow}\n'
+            f'thunderagent_ttft_seconds_bucket{{le="+Inf"}} {ttft_fast + ttft_slow}\n')
+    health = {"status": "ok", "workers": [{"id": "w0", "role": "both", "health": "healthy", "running": 1,
+                                           "waiting": 0, "kv_usage": 0.5}]}
+    return Scrape(t, health, parse_metrics(text))
+
+
+def test_rates_and_percentiles_are_over_the_window_between_scrapes():
+    old, new = _scrape(10.0, 100, 100, 0), _scrape(12.0, 120, 100, 10)  # 10 slow first tokens since the last scrape
+    frame = build_frame(new, old)
+    assert frame.window_s == 2.0 and frame.workers[0].routed_per_s == 10.0
+    assert 0.1 < frame.ttft[0.5] <= 1.0  # the window holds only slow ones; since start, p50 would be fast
+    assert build_frame(new).ttft[0.5] <= 0.1 and build_frame(new).window_s is None
