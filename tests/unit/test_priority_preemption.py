@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from support.engine_run import Run
 from support.callbacks import Recorder
 from thunderagent.config import Config, NodeConfig, Policy, RoutingConfig, parse_config
 from thunderagent.engine.preemption import (
@@ -109,39 +110,6 @@ def test_knobs_follow_the_switch() -> None:
 # ------------------------------------------------------------------------------ the simulated engine
 def mk(rid: str, tokens: list[int], max_tokens: int, priority: int = 0) -> EngineRequest:
     return EngineRequest(rid, tokens, block_hashes(tokens, BS), BASE_SEED, max_tokens, True, priority)
-
-
-class Run:
-    """A minimal driver (arrivals of an instant before ``next_wakeup``), recording every output and pass."""
-
-    def __init__(self, eng: SimulatedEngine) -> None:
-        self.eng = eng
-        self.outs: list[TokenOutput] = []
-        self.passes: list = []
-
-    def run(self, arrivals: list[tuple[float, EngineRequest]]) -> Run:
-        eng, i, now = self.eng, 0, arrivals[0][0]
-        while True:
-            while i < len(arrivals) and arrivals[i][0] <= now:
-                eng.add_request(arrivals[i][1], arrivals[i][0])
-                i += 1
-            self.outs += eng.advance(now)
-            w = eng.next_wakeup()
-            if eng.last_pass is not None and (not self.passes or self.passes[-1] is not eng.last_pass):
-                self.passes.append(eng.last_pass)
-            nxt = [x for x in (w, arrivals[i][0] if i < len(arrivals) else None) if x is not None]
-            if not nxt:
-                return self
-            now = min(nxt)
-
-    def of(self, rid: str) -> list[TokenOutput]:
-        return [o for o in self.outs if o.request_id == rid]
-
-    def tokens(self, rid: str) -> list[int]:
-        return [t for o in self.of(rid) for t in o.token_ids]
-
-    def pass_ending_after(self, t: float):
-        return next(p for p in self.passes if p.start < t <= p.end)
 
 
 def engine(preempt: bool = True, **node: int) -> SimulatedEngine:
