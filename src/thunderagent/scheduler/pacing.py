@@ -182,20 +182,21 @@ class ProgramPacer:
                 load.blocks.update(prog.blocks)
             placed.append((prog, load))
         for prog, load in placed:
-            # with every program counted, a program's own share: its blocks held by nobody else
-            tokens = self._tokens(prog, load, 2) + self._shared_once(prog, load)
+            tokens = self._share(prog, load)
             load.demand += tokens
             load.resume_demand += tokens * self._weight(prog, now)
         return loads
 
-    def _shared_once(self, prog: Program, load: _Load) -> float:
-        """A prefix shared by ``n`` programs is counted once: each holder takes ``1/n`` of each
-        shared block (paper accounting shares nothing)."""
+    def _share(self, prog: Program, load: _Load) -> float:
+        """``prog``'s share of ``load`` with every program counted: its blocks held by nobody else,
+        plus ``1/n`` of each block it shares with ``n - 1`` others (a shared prefix counts once;
+        paper accounting shares nothing). One bisection per program per tick."""
         if self.cfg.accounting is PacingAccounting.paper or not prog.blocks:
-            return 0.0
-        counts = load.blocks
-        shared = _shared_prefix(prog.blocks, counts, 2)
-        return sum(1.0 / counts[h] for h in prog.blocks[:shared]) * self.block_size
+            return prog.context_tokens
+        counts, blocks = load.blocks, prog.blocks
+        shared = _shared_prefix(blocks, counts, 2)
+        own = max(0, prog.context_tokens - shared * self.block_size)
+        return own + sum(1.0 / counts[blocks[i]] for i in range(shared)) * self.block_size
 
     def _pause_on(self, wid: str, load: _Load, now: float) -> None:
         cfg = self.cfg

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 
 from thunderagent.sim.traces import PAD_BASE, TraceRequest
 
@@ -112,19 +113,8 @@ def shared_prefix(
     if rate <= 0:
         raise ValueError(f"rate must be > 0, got {rate}")
     rng = random.Random(seed)
-    blocks = _Blocks(block_size)
-    prefixes = [blocks.new(blocks.whole(prefix_tokens)) for _ in range(num_groups)]
-    plen = blocks.whole(prefix_tokens)
-    out: list[TraceRequest] = []
-    t = 0.0
-    for i in range(num_requests):
-        if i:
-            t += rng.expovariate(rate)
-        g = rng.randrange(num_groups)
-        s = _draw(rng, suffix_tokens, "suffix_tokens", 1)
-        o = _draw(rng, output_tokens, "output_tokens")
-        out.append(TraceRequest(f"sp:{i}", t, plen + s, o, prefixes[g] + blocks.new(s), block_size, None))
-    return _finish(out)
+    return _prefixed(rng, num_groups, prefix_tokens, suffix_tokens, num_requests, rate, output_tokens, block_size,
+                     lambda: rng.randrange(num_groups), lambda i, g: f"sp:{i}")
 
 
 def zipf_prefix(
@@ -150,24 +140,32 @@ def zipf_prefix(
     if rate <= 0:
         raise ValueError(f"rate must be > 0, got {rate}")
     rng = random.Random(seed)
-    blocks = _Blocks(block_size)
-    plen = blocks.whole(prefix_tokens)
-    prefixes = [blocks.new(plen) for _ in range(num_prefixes)]
     cum: list[float] = []
     total = 0.0
     for k in range(num_prefixes):
         total += (k + 1) ** -alpha
         cum.append(total)
     ranks = range(num_prefixes)
+    return _prefixed(rng, num_prefixes, prefix_tokens, suffix_tokens, num_requests, rate, output_tokens, block_size,
+                     lambda: rng.choices(ranks, cum_weights=cum)[0], lambda i, g: f"zp:{i}:p{g}")
+
+
+def _prefixed(rng: random.Random, num_prefixes: int, prefix_tokens: int, suffix_tokens: Length, num_requests: int,
+              rate: float, output_tokens: Length, block_size: int, pick: Callable[[], int],
+              name: Callable[[int, int], str]) -> list[TraceRequest]:
+    """Poisson arrivals of one of ``num_prefixes`` shared prefixes (``pick`` draws which) + a unique suffix."""
+    blocks = _Blocks(block_size)
+    plen = blocks.whole(prefix_tokens)
+    prefixes = [blocks.new(plen) for _ in range(num_prefixes)]
     out: list[TraceRequest] = []
     t = 0.0
     for i in range(num_requests):
         if i:
             t += rng.expovariate(rate)
-        g = rng.choices(ranks, cum_weights=cum)[0]
+        g = pick()
         s = _draw(rng, suffix_tokens, "suffix_tokens", 1)
         o = _draw(rng, output_tokens, "output_tokens")
-        out.append(TraceRequest(f"zp:{i}:p{g}", t, plen + s, o, prefixes[g] + blocks.new(s), block_size, None))
+        out.append(TraceRequest(name(i, g), t, plen + s, o, prefixes[g] + blocks.new(s), block_size, None))
     return _finish(out)
 
 
