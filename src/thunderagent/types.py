@@ -115,6 +115,12 @@ class EngineRequest:
     resumed: int = 0
     #: the prompt blocks' check hashes (``routing.double_hash`` on; None when off)
     check_hashes: list[int] | None = None
+    # Prefill/decode disaggregation (``transfer/``). ``remote_decode``: a prefill-only job: compute the
+    # prompt's KV, produce one token, end with ``TokenOutput.kv_transfer`` and keep the blocks for the
+    # decode worker to pull. ``kv_from``: the decode side: take the prompt's KV from that transfer
+    # instead of computing it (an engine that cannot falls back to computing it).
+    remote_decode: bool = False
+    kv_from: KvTransfer | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -148,6 +154,22 @@ class TokenOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     text: str | None = None  # engines that return text (real engines over HTTP) set it; else decoded from ids
+    #: on the finished output of a ``remote_decode`` request: where the decode worker pulls the KV from
+    kv_transfer: KvTransfer | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class KvTransfer:
+    """A prefill worker's KV, ready for a decode worker to pull (prefill -> transfer -> decode).
+
+    ``engine_params`` is the engine's own transfer object, passed through unchanged as JSON text
+    (vLLM: the ``kv_transfer_params`` its prefill response returns, which its decode request must
+    carry); simulated engines leave it None and move ``block_hashes`` themselves."""
+
+    source_worker: str
+    num_tokens: int  # prompt tokens whose KV the source computed (full blocks only are moved)
+    block_hashes: tuple[int, ...] = ()
+    engine_params: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from thunderagent.types import (
     BlockStored,
     EngineRequest,
     FinishReason,
+    KvTransfer,
     LoadReport,
     Sampling,
     TokenOutput,
@@ -66,7 +67,8 @@ def test_generate_request_and_token_batch_round_trip():
                         cache_salt="tenant", lora_name="sql-lora")
     back = wire.request_from_wire(wire.decode_generate(wire.encode(wire.request_to_wire(req))))
     assert back == req
-    outs = [TokenOutput("r1", [5, 6], 1.5, 4, 2), TokenOutput("r1", [], 2.0, 4, 2, True, "length", "hi")]
+    outs = [TokenOutput("r1", [5, 6], 1.5, 4, 2), TokenOutput("r1", [], 2.0, 4, 2, True, "length", "hi"),
+            TokenOutput("r1", [9], 2.5, 4, 0, True, "length", None, KvTransfer("p0", 4, (7,), '{"a": 1}'))]
     batch = wire.decode_tokens(wire.encode(wire.TokenBatch(3, [wire.output_to_wire(o) for o in outs])))
     assert batch.n == 3 and batch.error is None
     assert [wire.output_from_wire("r1", w) for w in batch.outputs] == outs
@@ -116,7 +118,8 @@ def _non_default(field: dataclasses.Field, k: int) -> object:
         "hash_seed": 2**63 + k, "max_tokens": 77, "ignore_eos": True, "priority": -3, "arrival": 12.5,
         "cache_salt": "tenant-a", "lora_name": "adapter-x",
         "sampling": Sampling(temperature=0.25, top_p=0.5, seed=4242), "resumed": 5,
-        "check_hashes": [2**64 - 2, 0],
+        "check_hashes": [2**64 - 2, 0], "remote_decode": True,
+        "kv_from": KvTransfer("w-prefill", 130, (2**64 - 1, 5), '{"remote_engine_id": "e1"}'),
     }
     assert field.name in values, f"EngineRequest.{field.name} is new: give it a wire test value here and a wire field"
     value = values[field.name]

@@ -51,13 +51,15 @@ from thunderagent.types import (
     BlockStored,
     EngineRequest,
     KvEvent,
+    KvTransfer,
     LoadReport,
     Sampling,
     TokenOutput,
 )
 
 #: bumped on any incompatible change; a frontend ignores workers speaking another version
-WIRE_VERSION = 3  # 2: GenerateRequest carries arrival and sampling; 3: replies under <p>.reply.<id>, ping
+WIRE_VERSION = 4  # 2: GenerateRequest carries arrival and sampling; 3: replies under <p>.reply.<id>, ping;
+# 4: requests and outputs carry prefill/decode transfer fields
 #: a worker sends an empty TokenBatch for a request that produced nothing for this long ...
 KEEPALIVE_S = 2.0
 #: ... so a frontend that hears nothing about a request for this long knows it is lost
@@ -320,6 +322,23 @@ class WireSampling(msgspec.Struct, array_like=True, frozen=True):
     seed: int | None
 
 
+class WireKvTransfer(msgspec.Struct, array_like=True, frozen=True):
+    source_worker: str
+    num_tokens: int
+    block_hashes: bytes  # packed u64
+    engine_params: str | None
+
+
+def _kv_to_wire(t: KvTransfer | None) -> WireKvTransfer | None:
+    return None if t is None else WireKvTransfer(t.source_worker, t.num_tokens, pack_u64(t.block_hashes),
+                                                 t.engine_params)
+
+
+def _kv_from_wire(w: WireKvTransfer | None) -> KvTransfer | None:
+    return None if w is None else KvTransfer(w.source_worker, w.num_tokens, tuple(unpack_u64(w.block_hashes)),
+                                             w.engine_params)
+
+
 class GenerateRequest(msgspec.Struct, array_like=True, frozen=True):
     request_id: str
     prompt: bytes  # packed u32 token ids
@@ -334,6 +353,8 @@ class GenerateRequest(msgspec.Struct, array_like=True, frozen=True):
     sampling: WireSampling | None  # what the client set; real engines sample with it
     resumed: int = 0  # a migrated request: generated tokens at the end of the prompt
     check_hashes: bytes | None = None  # packed u64: the double-hash guard's (kv.check), None when off
+    remote_decode: bool = False  # a prefill-only job (prefill/decode disaggregation)
+    kv_from: WireKvTransfer | None = None  # the decode side: where the prompt's KV is pulled from
 
 
 class Abort(msgspec.Struct, array_like=True, frozen=True):
@@ -348,6 +369,7 @@ class WireToken(msgspec.Struct, array_like=True, frozen=True):
     finished: bool
     finish_reason: str | None
     text: str | None
+    kv_transfer: WireKvTransfer | None = None
 
 
 class TokenBatch(msgspec.Struct, array_like=True, frozen=True):
@@ -368,7 +390,8 @@ def request_to_wire(req: EngineRequest) -> GenerateRequest:
     return GenerateRequest(req.request_id, pack_u32(req.prompt_tokens), pack_u64(req.block_hashes), req.hash_seed,
                            req.max_tokens, req.ignore_eos, req.priority, req.arrival, req.cache_salt, req.lora_name,
                            sampling, req.resumed,
-                           None if req.check_hashes is None else pack_u64(req.check_hashes))
+                           None if req.check_hashes is None else pack_u64(req.check_hashes),
+                           req.remote_decode, _kv_to_wire(req.kv_from))
 
 
 def request_from_wire(g: GenerateRequest) -> EngineRequest:
@@ -377,16 +400,19 @@ def request_from_wire(g: GenerateRequest) -> EngineRequest:
                          ignore_eos=g.ignore_eos, priority=g.priority, arrival=g.arrival, cache_salt=g.cache_salt,
                          lora_name=g.lora_name, sampling=None if s is None else Sampling(s.temperature, s.top_p, s.seed),
                          resumed=g.resumed,
-                         check_hashes=None if g.check_hashes is None else unpack_u64(g.check_hashes))
+                         check_hashes=None if g.check_hashes is None else unpack_u64(g.check_hashes),
+                         remote_decode=g.remote_decode, kv_from=_kv_from_wire(g.kv_from))
 
 
 def output_to_wire(o: TokenOutput) -> WireToken:
-    return WireToken(o.token_ids, o.time, o.prompt_tokens, o.cached_tokens, o.finished, o.finish_reason, o.text)
+    return WireToken(o.token_ids, o.time, o.prompt_tokens, o.cached_tokens, o.finished, o.finish_reason, o.text,
+                     _kv_to_wire(o.kv_transfer))
 
 
 def output_from_wire(request_id: str, w: WireToken) -> TokenOutput:
     reason = None if w.finish_reason is None else FinishReason(w.finish_reason)
-    return TokenOutput(request_id, w.token_ids, w.time, w.prompt_tokens, w.cached_tokens, w.finished, reason, w.text)
+    return TokenOutput(request_id, w.token_ids, w.time, w.prompt_tokens, w.cached_tokens, w.finished, reason, w.text,
+                       _kv_from_wire(w.kv_transfer))
 
 
 def max_prompt_tokens(max_payload: int, block_size: int) -> int:
