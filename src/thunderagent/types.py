@@ -221,6 +221,23 @@ class HotPrefixNote:
 
 
 @dataclass(slots=True, frozen=True)
+class PdPlan:
+    """A disaggregated request's plan (prefill on one worker, KV moved, decode on another).
+
+    The decode worker is the :class:`Decision`'s ``worker_id``; a request without a plan prefills
+    where it decodes. Drivers run it as: a ``remote_decode`` job on ``prefill_worker``, its
+    ``KvTransfer`` moved by the transfer plane, then the request on the decode worker with
+    ``kv_from`` set; any failure on the way falls back to prefilling on the decode worker."""
+
+    prefill_worker: str
+    transfer_tokens: int  # prompt tokens whose KV moves (full blocks the decode worker lacks)
+    transfer_bytes: int
+    estimate_s: float  # estimated transfer time on that link (bytes / bandwidth + latency)
+    saved_s: float  # estimated local prefill time it saves on the decode worker
+    reason: str
+
+
+@dataclass(slots=True, frozen=True)
 class Decision:
     """A routing decision and its explanation."""
 

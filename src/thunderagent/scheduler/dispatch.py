@@ -45,7 +45,7 @@ from thunderagent.scheduler.grouping import Grouper
 from thunderagent.scheduler.pacing import ProgramPacer
 from thunderagent.scheduler.programs import ProgramTable
 from thunderagent.scheduler.queue import Held, HoldingQueue, QueueFull
-from thunderagent.types import Decision, EngineRequest, RouteRequest, Sampling, WorkerState
+from thunderagent.types import Decision, EngineRequest, PdPlan, RouteRequest, Sampling, WorkerState
 
 __all__ = ["Dispatch", "Dispatcher", "QueueFull"]
 
@@ -66,6 +66,8 @@ class Dispatch:
     predicted_tokens: int
     #: seconds the request waited in the holding queue
     queue_wait: float = 0.0
+    #: prefill/decode disaggregation: prefill elsewhere and move the KV (None: prefill locally)
+    pd: PdPlan | None = None
 
 
 class Dispatcher:
