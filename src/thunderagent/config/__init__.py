@@ -19,6 +19,7 @@ from thunderagent.config._base import ConfigError, _Strict, knob_needs_switch
 from thunderagent.config.auth import check_key, check_tenant
 from thunderagent.config.nats import NatsAuthConfig, NatsConfig, NatsTlsConfig
 from thunderagent.config.observe import DecisionLogConfig
+from thunderagent.config.outlier import OutlierConfig
 from thunderagent.config.scheduler import (
     GroupingConfig,
     PacingAccounting,
@@ -30,7 +31,7 @@ from thunderagent.config.scheduler import (
 __all__ = [
     "Config", "ConfigError", "ControlPlaneConfig", "CostWeights", "DecisionLogConfig", "EndpointConfig",
     "ExecutionGroupConfig", "GroupingConfig", "KvTransferConfig", "MetricsConfig", "NatsAuthConfig", "NatsConfig",
-    "NatsTlsConfig", "NodeConfig",
+    "NatsTlsConfig", "NodeConfig", "OutlierConfig",
     "PacingAccounting", "PacingConfig", "Policy", "ResumePlacement", "Role", "RoutingConfig", "SchedulerConfig",
     "SimulationConfig", "TimingConfig", "load_config", "parse_config",
 ]
@@ -80,6 +81,9 @@ class ControlPlaneConfig(_Strict):
     admin_keys_env: str | None = Field(None, description="environment variable holding admin keys, one per line")
     decision_log: DecisionLogConfig = Field(
         DecisionLogConfig(), description="JSON-lines log of routing decisions (README: `thunderagent explain`)",
+    )
+    outlier: OutlierConfig = Field(
+        OutlierConfig(), description="slow-worker ejection and circuit breaking (control/breaker.py)",
     )
 
     @field_validator("api_keys")
