@@ -248,6 +248,8 @@ class Decision:
     candidates: tuple[CandidateScore, ...] = field(default=())
     overlap_blocks: int = 0  # blocks the winner is believed to hold
     hot_prefix: HotPrefixNote | None = None  # set when the winner is a hot prefix's replica
+    #: workers routing left out because their breaker is open or probing (``control/breaker.py``): (id, why)
+    skipped: tuple[tuple[str, str], ...] = ()
 
     def explain(self) -> dict[str, object]:
         """JSON-ready explanation (returned in the response body when asked)."""
@@ -274,4 +276,6 @@ class Decision:
         if hot is not None:
             out["hot_prefix"] = {"prefix_blocks": hot.prefix_blocks, "holders": list(hot.holders),
                                  "replicas": list(hot.replicas), "added": hot.added}
+        if self.skipped:
+            out["skipped"] = {wid: why for wid, why in self.skipped}
         return out

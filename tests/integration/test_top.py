@@ -93,8 +93,10 @@ def _ttft_ms(screen: str) -> list[float]:
 
 @pytest.fixture
 def skewed(server_factory):
+    # slow-worker ejection off: the slow worker must stay in routing to become the hot one
     return server_factory(execution_group=SKEWED, scheduler={"enabled": False},
-                          routing={"policy": "round_robin"}, simulation={"speedup": 20.0})
+                          routing={"policy": "round_robin"}, simulation={"speedup": 20.0},
+                          control_plane={"outlier": {"enabled": False}})
 
 
 async def _run_with_traffic(srv, body):

@@ -66,11 +66,14 @@ def skipped_workers(fleet: Fleet, d: Dispatch, tried: tuple[str, ...]) -> dict[s
     """The fleet's workers that were no candidate for ``d``, each with why."""
     cands = {c.worker_id for c in d.decision.candidates}
     out: dict[str, str] = {}
+    breakers = dict(d.decision.skipped)
     for wid in fleet.workers:
         if wid in cands:
             continue
         why = fleet.unavailable.get(wid)
-        if why is not None:
+        if wid in breakers:
+            out[wid] = breakers[wid]
+        elif why is not None:
             out[wid] = f"unavailable: {why}"
         elif wid in tried:
             out[wid] = "could not take it (tried before)"

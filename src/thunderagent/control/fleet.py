@@ -38,6 +38,7 @@ from thunderagent.control.decision_hook import DecisionHook
 from thunderagent.control.health_view import health_summary
 from thunderagent.control.liveness import LoopLag
 from thunderagent.control.metrics import Metrics
+from thunderagent.control.outliers import OutlierWatch
 from thunderagent.control.registry import Health, WorkerRegistry
 from thunderagent.execution.handle import STALL_TIMEOUT_S, OutputQueue, WorkerCallbacks, WorkerHandle
 from thunderagent.kv.feed import KvFeed
@@ -122,6 +123,7 @@ class Fleet:
         self.decisions = DecisionHook(cfg.control_plane.decision_log)  # DEBUG lines, the decision log
         cp = cfg.control_plane
         self.registry = WorkerRegistry(cp.heartbeat_interval, cp.heartbeat_misses)
+        self.outliers = OutlierWatch(cp.outlier, self.metrics)  # slow or failing live workers skipped a while
         self.stall_timeout = stall_timeout
         #: our loop's lateness: leases and stalls are judged on on-time seconds (control/liveness.py)
         self.loop_lag = LoopLag(2 * max(self.registry.timeout, stall_timeout))
@@ -235,7 +237,7 @@ class Fleet:
 
     def routable(self) -> list[WorkerState]:
         out = self.unavailable
-        return [w for w in self.registry.routable() if w.worker_id not in out]
+        return self.outliers.routable([w for w in self.registry.routable() if w.worker_id not in out])
 
     # -- health ------------------------------------------------------------------------------
     def check_health(self) -> None:
@@ -254,6 +256,7 @@ class Fleet:
                 self.membership.resync(wid)
                 log.info("worker %s healthy again (%s): back in routing", wid, change.reason)
                 self.metrics.healthy.labels(wid).set(1)
+        self.outliers.tick([w.worker_id for w in self.registry.routable()], now)
         self.dispatcher.tick(self.routable(), now)  # pacing; grouping's bounds (``_wake`` runs them on time)
         self.decisions.tick()  # buffered decision-log lines reach the file
         self._observe_pacing()
@@ -348,6 +351,7 @@ class Fleet:
         self.dispatcher.settle(self.now())
         self.metrics.observe_route(d.decision.worker_id, len(req.prompt_tokens), d.predicted_tokens, route_s)
         self.decisions.record(self, d, program_id)
+        self.outliers.launched(d)
         worker, received = self.workers[d.decision.worker_id], req.arrival  # before submit: sim engines reset it
         gen = Generation(req.request_id, d, worker, worker.submit(req), received, program_id=program_id)
         self._inflight[req.request_id] = gen
@@ -416,25 +420,11 @@ class Fleet:
         if q is not None:
             self.metrics.observe_queue(q.by_tier())
 
-    def _route_again(self, gen: Generation) -> bool:
-        """Submit ``gen``'s request to another worker after its worker could not take it (nothing
-        was streamed yet). False when no other worker is left."""
-        tried = (*gen.tried, gen.worker.worker_id)
-        self.dispatcher.retract(gen.dispatch)
-        try:
-            d = self.dispatcher.dispatch(gen.request, self.routable(), self.now(), exclude=tried)
-        except NoWorkerAvailable:
-            return False
-        log.info("request %s: %s could not take it, routed again to %s", gen.request_id, gen.worker.worker_id,
-                 d.decision.worker_id)
-        self.metrics.rerouted.inc()
-        self.resubmit(gen, d, tried)
-        return True
-
     def resubmit(self, gen: Generation, d: Dispatch, tried: tuple[str, ...]) -> None:
         """Submit ``gen`` as routed again (``d``), after the workers in ``tried``."""
         worker = self.workers[d.decision.worker_id]
         gen.dispatch, gen.worker, gen.tried = d, worker, tried
+        self.outliers.launched(d)
         self.decisions.record(self, d, gen.program_id, tried)
         gen.queue = worker.submit(d.request)
         self._inflight[gen.request_id] = gen
@@ -443,9 +433,8 @@ class Fleet:
         """A request's outputs, the last one finished. A request its worker could not take is routed
         again; one its worker lost continues on another (``control.migration``) in this stream. The
         request is aborted if the consumer stops early (client gone, stop string); metrics recorded."""
-        cached = 0
-        completion = 0
-        last_t: float | None = None
+        cached = completion = 0
+        first_t = last_t = None
         finished = False
         reason: FinishReason | None = None
         try:
@@ -453,8 +442,10 @@ class Fleet:
                 out = await gen.queue.get()
                 now = self.now()
                 if out.finished:
+                    if out.finish_reason == FinishReason.UNAVAILABLE or migration.is_lost(gen, out):
+                        self.outliers.ended(gen.worker.worker_id, now, ok=False)
                     if (out.finish_reason == FinishReason.UNAVAILABLE and not out.token_ids
-                            and not gen.queue.produced and self._route_again(gen)):
+                            and not gen.queue.produced and migration.route_again(self, gen)):
                         continue
                     if migration.is_lost(gen, out) and migration.migrate(self, gen):
                         continue
@@ -463,6 +454,7 @@ class Fleet:
                 # real engines report cached tokens with their last output, simulated ones with the first
                 cached = max(cached, out.cached_tokens)
                 if last_t is None:
+                    first_t = now
                     if out.token_ids or out.finished:
                         self.metrics.ttft.observe(now - gen.received)
                         if self.dispatcher.progressed(gen.request_id, ok=bool(out.token_ids)):
@@ -482,6 +474,8 @@ class Fleet:
                 self._schedule_pump()
             if last_t is not None:
                 self.metrics.observe_prefill(cached, gen.dispatch.best_known_tokens)
+                if finished and reason in (FinishReason.STOP, FinishReason.LENGTH):
+                    self.outliers.served(gen, first_t, last_t, completion)
             if not finished:
                 gen.worker.abort(gen.request_id)
             if gen.program_id is not None:
@@ -491,4 +485,4 @@ class Fleet:
 
     def health_summary(self) -> dict[str, object]:
         return health_summary(self.registry, self.index, self.unavailable, self.dispatcher.queue, self.now(),
-                              self.membership.summary())
+                              self.membership.summary(), self.outliers.breakers)

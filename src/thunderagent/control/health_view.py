@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from thunderagent.control.breaker import Breakers
 from thunderagent.control.registry import Health, WorkerRegistry
 from thunderagent.kv.index import KvIndex
 from thunderagent.scheduler.queue import HoldingQueue
 
 
 def health_summary(registry: WorkerRegistry, index: KvIndex, unavailable: Mapping[str, str],
-                   queue: HoldingQueue | None, now: float, membership: Mapping[str, object]) -> dict[str, object]:
+                   queue: HoldingQueue | None, now: float, membership: Mapping[str, object],
+                   breakers: Breakers) -> dict[str, object]:
     loads = registry.loads()
     workers = [
         {
@@ -22,10 +24,13 @@ def health_summary(registry: WorkerRegistry, index: KvIndex, unavailable: Mappin
             "kv_usage": round(loads[wid].kv_usage, 4),
             "indexed_blocks": index.num_blocks(wid),
             "out_of_routing": unavailable.get(wid),  # reason a worker gave (unreachable, ...)
+            "breaker": breakers.state(wid).value,  # closed, half_open (probing) or open (ejected: slow or failing)
+            "skipped": breakers.blocked(wid),  # why routing skips it now, if it does
         }
         for wid in registry.worker_ids()
     ]
-    healthy = sum(1 for w in workers if w["health"] == Health.healthy.value and not w["out_of_routing"])
+    healthy = sum(1 for w in workers if w["health"] == Health.healthy.value and not w["out_of_routing"]
+                  and not w["skipped"])
     summary: dict[str, object] = {"status": "ok" if healthy else "unavailable", "healthy_workers": healthy,
                                   "workers": workers}
     if queue is not None:

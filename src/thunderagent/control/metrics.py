@@ -116,6 +116,14 @@ class Metrics:
         self.loop_lag_max = Gauge(
             "thunderagent_loop_lag_max_seconds", "Largest lateness of the health loop seen", registry=r,
         )
+        self.breaker_state = Gauge(
+            "thunderagent_worker_breaker_state", "Slow-worker breaker: 0 closed, 1 half-open (probing), 2 open "
+            "(ejected from routing)", ["worker"], registry=r,
+        )
+        self.ejections = Counter(
+            "thunderagent_worker_ejections", "Times a live worker was ejected from routing (slow against the fleet, "
+            "or failing)", ["worker"], registry=r,
+        )
 
     def observe_loop_lag(self, lag: float, max_lag: float) -> None:
         self.loop_lag.observe(lag)

@@ -43,6 +43,7 @@ class Generation(Protocol):
     """What migration reads and moves of a request in flight (``control.fleet.Generation``)."""
 
     request_id: str
+    dispatch: Dispatch
     worker: WorkerHandle
     queue: OutputQueue
     tried: tuple[str, ...]
@@ -74,6 +75,22 @@ class Fleet(Protocol):
 
 #: metric label of why a request moved, from the reason the fleet cut it (else the worker ended it)
 _CAUSES = (("stalled", "stalled"), ("lease expired", "lease_expired"), ("left", "worker_left"))
+
+
+def route_again(fleet: Fleet, gen: Generation) -> bool:
+    """Submit ``gen``'s request to another worker after its worker could not take it (nothing
+    was streamed yet). False when no other worker is left."""
+    tried = (*gen.tried, gen.worker.worker_id)
+    fleet.dispatcher.retract(gen.dispatch)
+    try:
+        d = fleet.dispatcher.dispatch(gen.request, fleet.routable(), fleet.now(), exclude=tried)
+    except NoWorkerAvailable:
+        return False
+    log.info("request %s: %s could not take it, routed again to %s", gen.request_id, gen.worker.worker_id,
+             d.decision.worker_id)
+    fleet.metrics.rerouted.inc()
+    fleet.resubmit(gen, d, tried)
+    return True
 
 
 def is_lost(gen: Generation, out: TokenOutput) -> bool:
