@@ -39,6 +39,7 @@ from thunderagent.control.health_view import health_summary
 from thunderagent.control.liveness import LoopLag
 from thunderagent.control.metrics import Metrics
 from thunderagent.control.outliers import OutlierWatch
+from thunderagent.control.seed_metrics import Latency
 from thunderagent.control.registry import Health, WorkerRegistry
 from thunderagent.execution.handle import STALL_TIMEOUT_S, OutputQueue, WorkerCallbacks, WorkerHandle
 from thunderagent.kv.feed import KvFeed
@@ -86,6 +87,7 @@ class Generation:
     origin: EngineRequest | None = None  # the request as the client sent it, once it migrated
     migrations: int = 0
     lost: str | None = None  # why the fleet cut the attempt in progress
+    latency: Latency | None = None  # its worker's and route key's TTFT/ITL histograms
 
     @property
     def decision(self) -> Decision:
@@ -114,7 +116,7 @@ class Fleet:
         self.cfg = cfg
         self.model_name = cfg.model_name
         self.membership = membership
-        self.metrics = Metrics()
+        self.metrics = Metrics(cfg.metrics.window_s, cfg.metrics.max_route_keys)
         self.index = KvIndex(prediction_ttl=cfg.routing.prediction_ttl, double_hash=cfg.routing.double_hash)
         self.feed = KvFeed(self.index)
         self.router = KvRouter(cfg.routing, self.index, random.Random(cfg.routing.seed), policy)
@@ -259,6 +261,7 @@ class Fleet:
         self.outliers.tick([w.worker_id for w in self.registry.routable()], now)
         self.dispatcher.tick(self.routable(), now)  # pacing; grouping's bounds (``_wake`` runs them on time)
         self.decisions.tick()  # buffered decision-log lines reach the file
+        self.metrics.observe_fleet(self.registry.loads().values(), now)
         self._observe_pacing()
         if self._held:
             self._pump()  # requests past max_wait_s (or of resumed programs) go even when no worker has room
@@ -349,11 +352,12 @@ class Fleet:
         """Submit a routed request to its worker."""
         req = d.request
         self.dispatcher.settle(self.now())
-        self.metrics.observe_route(d.decision.worker_id, len(req.prompt_tokens), d.predicted_tokens, route_s)
+        self.metrics.observe_route(d, route_s, self.now())
         self.decisions.record(self, d, program_id)
         self.outliers.launched(d)
         worker, received = self.workers[d.decision.worker_id], req.arrival  # before submit: sim engines reset it
-        gen = Generation(req.request_id, d, worker, worker.submit(req), received, program_id=program_id)
+        gen = Generation(req.request_id, d, worker, worker.submit(req), received, program_id=program_id,
+                         latency=self.metrics.seed.latency(worker.worker_id, d.route_key))
         self._inflight[req.request_id] = gen
         return gen
 
@@ -423,7 +427,9 @@ class Fleet:
     def resubmit(self, gen: Generation, d: Dispatch, tried: tuple[str, ...]) -> None:
         """Submit ``gen`` as routed again (``d``), after the workers in ``tried``."""
         worker = self.workers[d.decision.worker_id]
+        d.route_key = gen.dispatch.route_key
         gen.dispatch, gen.worker, gen.tried = d, worker, tried
+        gen.latency = self.metrics.seed.latency(worker.worker_id, d.route_key)
         self.outliers.launched(d)
         self.decisions.record(self, d, gen.program_id, tried)
         gen.queue = worker.submit(d.request)
@@ -456,11 +462,11 @@ class Fleet:
                 if last_t is None:
                     first_t = now
                     if out.token_ids or out.finished:
-                        self.metrics.ttft.observe(now - gen.received)
+                        self.metrics.observe_ttft(gen.latency, now - gen.received)
                         if self.dispatcher.progressed(gen.request_id, ok=bool(out.token_ids)):
                             self._schedule_pump()  # a leader's followers go
                 else:
-                    self.metrics.itl.observe(now - last_t)
+                    self.metrics.observe_itl(gen.latency, now - last_t)
                 last_t = now
                 finished = out.finished
                 completion += len(out.token_ids)
@@ -473,7 +479,7 @@ class Fleet:
             if self.dispatcher.progressed(gen.request_id, ok=False):  # a leader gone before its first token
                 self._schedule_pump()
             if last_t is not None:
-                self.metrics.observe_prefill(cached, gen.dispatch.best_known_tokens)
+                self.metrics.observe_prefill(gen.prompt_tokens, cached, gen.dispatch.best_known_tokens, self.now())
                 if finished and reason in (FinishReason.STOP, FinishReason.LENGTH):
                     self.outliers.served(gen, first_t, last_t, completion)
             if not finished:

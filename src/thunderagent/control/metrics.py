@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from thunderagent.control.seed_metrics import Latency, SeedMetrics
+from thunderagent.scheduler.dispatch import Dispatch
 from thunderagent.types import LoadReport
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -14,8 +18,9 @@ _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, window_s: float = 60.0, max_route_keys: int = 32) -> None:
         r = self.registry = CollectorRegistry()
+        self.seed = SeedMetrics(r, window_s, max_route_keys)
         self.requests = Counter(
             "thunderagent_requests", "Requests by endpoint and HTTP status", ["endpoint", "status"], registry=r
         )
@@ -75,8 +80,10 @@ class Metrics:
         self._predicted = 0
         self._recompute = 0
 
-    def observe_route(self, worker_id: str, prompt_tokens: int, predicted_hit_tokens: int, seconds: float) -> None:
-        self.routed.labels(worker_id).inc()
+    def observe_route(self, d: Dispatch, seconds: float, now: float) -> None:
+        prompt_tokens, predicted_hit_tokens = len(d.request.prompt_tokens), d.predicted_tokens
+        self.seed.routed(d, now)
+        self.routed.labels(d.decision.worker_id).inc()
         self.decision_time.observe(seconds)
         self.prompt_tokens.inc(prompt_tokens)
         self.predicted_hit_tokens.inc(predicted_hit_tokens)
@@ -84,14 +91,30 @@ class Metrics:
         self._predicted += predicted_hit_tokens
         self.predicted_hit_rate.set(self._predicted / self._prompt if self._prompt else 0.0)
 
-    def observe_prefill(self, cached_tokens: int, best_known_tokens: int) -> None:
+    def observe_prefill(self, prompt_tokens: int, cached_tokens: int, best_known_tokens: int, now: float) -> None:
         """Once per request, when it ends (real engines report cached tokens with the last output):
         what the engine reused vs the best the fleet had."""
         self.cached_tokens.inc(cached_tokens)
         recompute = max(0, best_known_tokens - cached_tokens)
+        self.seed.ended(prompt_tokens, cached_tokens, recompute, now)
         self.recompute_tokens.inc(recompute)
         self._recompute += recompute
         self.recompute_rate.set(self._recompute / self._prompt if self._prompt else 0.0)
+
+    def observe_ttft(self, latency: Latency | None, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        if latency is not None:
+            latency.ttft(seconds)
+
+    def observe_itl(self, latency: Latency | None, seconds: float) -> None:
+        self.itl.observe(seconds)
+        if latency is not None:
+            latency.itl(seconds)
+
+    def observe_fleet(self, loads: Iterable[LoadReport], now: float) -> None:
+        """The health tick: the fleet's shape from the latest load reports; window rates decay."""
+        self.seed.loads(loads)
+        self.seed.refresh(now)
 
     def observe_load(self, load: LoadReport, healthy: bool) -> None:
         w = load.worker_id

@@ -68,6 +68,10 @@ class Dispatch:
     queue_wait: float = 0.0
     #: prefill/decode disaggregation: prefill elsewhere and move the KV (None: prefill locally)
     pd: PdPlan | None = None
+    #: the request's route key (tenant / business line: ``routing.route_key``)
+    route_key: str = ""
+    #: a follower released to its group leader's worker (``scheduler.grouping``)
+    grouped: bool = False
 
 
 class Dispatcher:
@@ -134,7 +138,9 @@ class Dispatcher:
             avoid = offered
         try:
             if queue is None or (not len(queue) and self.can_start(workers)):
-                return self.dispatch(req, workers, now, exclude=avoid, program=program)
+                d = self.dispatch(req, workers, now, exclude=avoid, program=program)
+                d.route_key = key
+                return d
             queue.push(Held(req, key, req.priority, now, self._uncached(req, now), program), now)
         except (QueueFull, NoWorkerAvailable):
             if program is not None:  # refused: not a step of the program
@@ -198,7 +204,7 @@ class Dispatcher:
         if self._ready and workers:
             held = self._ready.popleft()
             d = self.dispatch(held.req, workers, now, program=held.program, pin=held.pin)
-            d.queue_wait = now - held.enqueued
+            d.queue_wait, d.route_key, d.grouped = now - held.enqueued, held.key, held.pin is not None
             return d
         queue = self.queue
         if queue is None or not workers:
@@ -211,7 +217,7 @@ class Dispatcher:
             return None
         d = self.dispatch(held.req, workers, now, program=held.program)
         queue.take(held, now)
-        d.queue_wait = now - held.enqueued
+        d.queue_wait, d.route_key = now - held.enqueued, held.key
         return d
 
     def cancel(self, request_id: str) -> bool:
