@@ -76,9 +76,7 @@ class Metrics:
         self._scheduler_metrics(r)
         self._tiers: set[str] = set()
         self._paced = (0, 0)  # the pacer's pauses and resumes already counted
-        self._prompt = 0
-        self._predicted = 0
-        self._recompute = 0
+        self._prompt = self._predicted = self._recompute = 0
 
     def observe_route(self, d: Dispatch, seconds: float, now: float) -> None:
         prompt_tokens, predicted_hit_tokens = len(d.request.prompt_tokens), d.predicted_tokens
