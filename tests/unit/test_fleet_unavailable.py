@@ -124,3 +124,34 @@ async def test_the_refusing_workers_predictions_are_retracted(fleet: Fleet) -> N
     assert gen.worker.worker_id == "worker-1"
     assert len(gen.request.block_hashes) == 3
     assert fleet.index.find_matches(gen.request.block_hashes, fleet.now()) == {"worker-1": 3}
+
+
+async def test_lazy_verification_counts_a_worker_that_had_less_than_predicted(fleet: Fleet) -> None:
+    """The second turn is predicted to hit 3 blocks (192 tokens) on worker-1; its engine reports 64
+    cached: the index was wrong about that worker, counted once."""
+    fleet.on_unavailable("worker-0", "unreachable")
+    prompt = list(range(200))
+    await collect(fleet, await fleet.start_generation(prompt, 2))
+    corrections = fleet.metrics.prediction_corrections
+    assert corrections._value.get() == 0  # type: ignore[attr-defined]
+    gen = await fleet.start_generation(prompt, 2)
+    assert gen.dispatch.predicted_tokens == 192
+    await collect(fleet, gen)
+    assert corrections._value.get() == 1  # type: ignore[attr-defined]
+
+
+async def test_a_request_that_never_ran_leaves_no_prediction_behind(fleet: Fleet) -> None:
+    """The client left before any token: the blocks predicted on its worker were never computed there."""
+    fleet.on_unavailable("worker-0", "unreachable")
+    gen = await fleet.start_generation(list(range(200)), 2)
+    hashes = gen.request.block_hashes
+    assert fleet.index.find_matches(hashes, fleet.now()) == {"worker-1": 3}
+    gen.queue = OutputQueue(fleet.now())  # the engine has it queued: nothing comes yet
+    reading = asyncio.ensure_future(anext(fleet.outputs(gen)))
+    await asyncio.sleep(0)
+    reading.cancel()  # the client leaves before the first token
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    assert gen.worker.aborted == [gen.request_id]  # type: ignore[attr-defined]
+    assert fleet.index.find_matches(hashes, fleet.now()) == {}
+    assert fleet.metrics.prediction_corrections._value.get() == 1  # type: ignore[attr-defined]

@@ -479,9 +479,11 @@ class Fleet:
             if self.dispatcher.progressed(gen.request_id, ok=False):  # a leader gone before its first token
                 self._schedule_pump()
             if last_t is not None:
-                self.metrics.observe_prefill(gen.prompt_tokens, cached, gen.dispatch.best_known_tokens, self.now())
+                self.metrics.observe_prefill(gen.dispatch, gen.prompt_tokens, cached, self.now())
                 if finished and reason in (FinishReason.STOP, FinishReason.LENGTH):
                     self.outliers.served(gen, first_t, last_t, completion)
+            if not gen.produced:  # it never ran there: the blocks predicted on its worker are not there
+                self.metrics.observe_correction(self.dispatcher.retract(gen.dispatch))
             if not finished:
                 gen.worker.abort(gen.request_id)
             if gen.program_id is not None:

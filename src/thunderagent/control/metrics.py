@@ -89,15 +89,23 @@ class Metrics:
         self._predicted += predicted_hit_tokens
         self.predicted_hit_rate.set(self._predicted / self._prompt if self._prompt else 0.0)
 
-    def observe_prefill(self, prompt_tokens: int, cached_tokens: int, best_known_tokens: int, now: float) -> None:
+    def observe_prefill(self, d: Dispatch, prompt_tokens: int, cached_tokens: int, now: float) -> None:
         """Once per request, when it ends (real engines report cached tokens with the last output):
-        what the engine reused vs the best the fleet had."""
+        what the engine reused vs the best the fleet had, and whether the index was wrong about its
+        worker (lazy verification: the engine had less than predicted)."""
         self.cached_tokens.inc(cached_tokens)
-        recompute = max(0, best_known_tokens - cached_tokens)
+        if cached_tokens < d.predicted_tokens and not d.request.resumed:
+            self.observe_correction(1)
+        recompute = max(0, d.best_known_tokens - cached_tokens)
         self.seed.ended(prompt_tokens, cached_tokens, recompute, now)
         self.recompute_tokens.inc(recompute)
         self._recompute += recompute
         self.recompute_rate.set(self._recompute / self._prompt if self._prompt else 0.0)
+
+    def observe_correction(self, wrong: int) -> None:
+        """Lazy verification found the index wrong about a request's worker (``wrong`` > 0)."""
+        if wrong:
+            self.prediction_corrections.inc()
 
     def observe_ttft(self, latency: Latency | None, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -136,6 +144,11 @@ class Metrics:
         )
         self.loop_lag_max = Gauge(
             "thunderagent_loop_lag_max_seconds", "Largest lateness of the health loop seen", registry=r,
+        )
+        self.prediction_corrections = Counter(
+            "thunderagent_prediction_corrections", "Requests whose worker lacked blocks the index believed it held "
+            "(its engine reported fewer cached tokens than predicted, or it never ran: predictions dropped)",
+            registry=r,
         )
         self.breaker_state = Gauge(
             "thunderagent_worker_breaker_state", "Slow-worker breaker: 0 closed, 1 half-open (probing), 2 open "

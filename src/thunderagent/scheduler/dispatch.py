@@ -270,7 +270,7 @@ class Dispatcher:
         bs = self.block_size
         best = max((c.overlap_blocks for c in decision.candidates), default=0)
         best_known = min(best, (n - 1) // bs) * bs
-        predicted = min(decision.overlap_blocks * bs, n)
+        predicted = min(decision.overlap_blocks, (n - 1) // bs) * bs  # an engine recomputes the last token
         if prog is not None:
             self.programs.request_placed(prog.program_id, decision.worker_id)
         if self.grouper is not None:
