@@ -29,7 +29,6 @@ import math
 import random
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from thunderagent.config import Config, Policy
@@ -39,16 +38,15 @@ from thunderagent.control.health_view import health_summary
 from thunderagent.control.liveness import LoopLag
 from thunderagent.control.metrics import Metrics
 from thunderagent.control.outliers import OutlierWatch
-from thunderagent.control.seed_metrics import Latency
+from thunderagent.control.generation import Generation, HeldCall
 from thunderagent.control.registry import Health, WorkerRegistry
-from thunderagent.execution.handle import STALL_TIMEOUT_S, OutputQueue, WorkerCallbacks, WorkerHandle
+from thunderagent.execution.handle import STALL_TIMEOUT_S, WorkerCallbacks, WorkerHandle
 from thunderagent.kv.feed import KvFeed
 from thunderagent.kv.index import KvIndex
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
 from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
 from thunderagent.scheduler.queue import QueueFull
-from thunderagent.types import (Decision, EngineRequest, FinishReason, KvEvent, LoadReport, Sampling, TokenOutput,
-                                WorkerInfo, WorkerState)
+from thunderagent.types import FinishReason, KvEvent, LoadReport, Sampling, TokenOutput, WorkerInfo, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -72,42 +70,6 @@ class Membership(Protocol):
 
     def summary(self) -> dict[str, object]:
         """Extra facts for ``/health`` (empty when none)."""
-
-
-@dataclass(slots=True)
-class Generation:
-    request_id: str
-    dispatch: Dispatch  # the latest routing of the request (it changes when routed again)
-    worker: WorkerHandle
-    queue: OutputQueue
-    received: float  # fleet time the request arrived
-    tried: tuple[str, ...] = ()  # workers that could not take it, or lost it
-    program_id: str | None = None  # the agent program it belongs to
-    produced: list[int] = field(default_factory=list)  # tokens streamed so far (``control.migration``)
-    origin: EngineRequest | None = None  # the request as the client sent it, once it migrated
-    migrations: int = 0
-    lost: str | None = None  # why the fleet cut the attempt in progress
-    latency: Latency | None = None  # its worker's and route key's TTFT/ITL histograms
-
-    @property
-    def decision(self) -> Decision:
-        return self.dispatch.decision
-
-    @property
-    def request(self) -> EngineRequest:
-        return self.dispatch.request
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len((self.origin or self.dispatch.request).prompt_tokens)
-
-
-@dataclass(slots=True)
-class _HeldCall:
-    """A caller waiting for its held request to be dispatched."""
-
-    fut: asyncio.Future[Generation]
-    program_id: str | None
 
 
 class Fleet:
@@ -138,7 +100,7 @@ class Fleet:
         self.unavailable: dict[str, str] = {}
         self._clock = clock
         self._inflight: dict[str, Generation] = {}
-        self._held: dict[str, _HeldCall] = {}  # requests waiting in the scheduler, by id
+        self._held: dict[str, HeldCall] = {}  # requests waiting in the scheduler, by id
         self.programs = self.dispatcher.programs  # agent programs (the pacer pauses and resumes them)
         self._pump_due = False
         self._wake_at: float | None = None  # when the armed grouping timer fires
@@ -329,7 +291,7 @@ class Fleet:
             self._schedule_pump()
         if d is not None:
             return self._launch(d, time.perf_counter() - t0, program_id)
-        call = _HeldCall(asyncio.get_running_loop().create_future(), program_id)
+        call = HeldCall(asyncio.get_running_loop().create_future(), program_id)
         self._held[rid] = call
         self._observe_queue()
         self._schedule_pump()  # (it arms the grouping timer)
