@@ -79,6 +79,9 @@ class LoadReport:
     kv_active_blocks: int  # blocks referenced by running requests
     kv_cached_blocks: int  # blocks holding a hash (active or free-but-cached)
     kv_total_blocks: int
+    #: the last KV event seq the worker published (on heartbeats of in-process workers; -1: not
+    #: said). An index behind it lost the stream's tail: no later event would reveal that gap.
+    kv_seq: int = -1
 
     @property
     def kv_usage(self) -> float:

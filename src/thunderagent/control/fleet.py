@@ -179,6 +179,8 @@ class Fleet:
         if reason is not None:
             log.info("worker %s serves again (was %s): back in routing", worker_id, reason)
             self.metrics.out_of_routing.labels(worker_id, reason).set(0)
+        if load.kv_seq >= 0 and self.feed.heartbeat(worker_id, load.kv_seq):  # the stream's tail was lost
+            self.membership.resync(worker_id)
         self.registry.heartbeat(worker_id, load, self.now())
         self.metrics.observe_load(load, self.registry.health(worker_id) is Health.healthy)
         if self._held:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from dataclasses import replace
 
 from thunderagent.engine.base import Engine
 from thunderagent.execution.handle import KEEPALIVE_S, OutputQueue, WorkerCallbacks, cancel_and_wait
@@ -168,7 +169,7 @@ class LocalWorker:
             if not self.heartbeats_paused and not self.failed:
                 wall = self._cb.clock()
                 if tick % every == 0:
-                    self._cb.on_heartbeat(self.worker_id, self._report)
+                    self._cb.on_heartbeat(self.worker_id, replace(self._report, kv_seq=self.last_seq))
                 for q in self._streams.values():
                     q.touch(wall)
             await asyncio.sleep(period)

@@ -389,6 +389,15 @@ class KvIndex:
             return 0 if w is None else len(w.blocks)
         return sum(len(w.blocks) for w in self._workers.values())
 
+    def confirmed_blocks(self, worker_id: str) -> set[int]:
+        """The hashes confirmed on a worker (by its events or a dump): what the index knows it holds,
+        predictions left out. For checks and tests (a full scan of the worker's entries)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return set()
+        bit, confirmed = w.bit, self._confirmed
+        return {h for h in w.blocks if confirmed.get(h, 0) & bit}
+
     # -- internals -----------------------------------------------------------------------------
     def _confirm(self, w: _Worker, block_hashes: Iterable[int]) -> None:
         """Set confirmed entries for ``w`` (moving any prediction of the same hash over)."""
