@@ -161,3 +161,19 @@ def test_sim_holding_queue_beside_dynamos_router_queue(tmp_path):
     queued = runs[3]["extra"]["replay_args"]["router_config"]
     assert queued == {"router_queue_threshold": 1.5, "router_queue_policy": "fcfs"}
     assert "router_config" not in runs[1]["extra"]["replay_args"] and runs[3]["requests"] == 200
+
+
+def test_plots_without_the_plots_extra_is_refused_before_the_replay(tmp_path, monkeypatch):
+    """matplotlib and numpy are the `plots` extra: a lean install refuses --plots with the fix."""
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    from thunderagent.cli import app
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    result = CliRunner().invoke(app, ["sim", "--trace", str(EXCERPT), "--workers", "2", "--plots", str(tmp_path)],
+                                env={"COLUMNS": "300"})
+    assert result.exit_code == 2
+    assert "pip install 'thunderagent[plots]'" in result.output and "requests," not in result.output

@@ -100,6 +100,8 @@ def sim(
                     for r in requests]
     if compare_dynamo:
         _check_dynamo(trace, limit, closed_loop)
+    if plots is not None:
+        _check_plots()
     console.print(f"{len(requests):,} requests, {workers} workers x {kv_blocks} blocks x {block_size} tokens, "
                   f"speedup {speedup}" + (", closed loop" if closed_loop else ""))
     bounds = reuse_bounds(requests, block_size, workers * kv_blocks)
@@ -165,6 +167,15 @@ def _scheduler_config(cfg: Config, mode: SchedulerMode, pace: PacingMode) -> Any
         pacing = pacing.model_copy(update={"accounting": PacingAccounting.paper,
                                            "placement": ResumePlacement.most_free, "work_conserving": False})
     return cfg.scheduler.model_copy(update={"enabled": mode is SchedulerMode.on, "pacing": pacing})
+
+
+def _check_plots() -> None:
+    """--plots draws with matplotlib, an extra (a server does not need it): say so before the replay."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None or importlib.util.find_spec("numpy") is None:
+        raise typer.BadParameter("needs matplotlib and numpy: pip install 'thunderagent[plots]'",
+                                 param_hint="--plots")
 
 
 def _check_dynamo(trace: list[Path], limit: int | None, closed_loop: bool) -> None:
