@@ -50,6 +50,24 @@ def load_key(w: WorkerState) -> tuple[int, int, int]:
     )
 
 
+def base_load(w: WorkerState, cfg: RoutingConfig) -> float:
+    """The part of a worker's cost that does not depend on the request: queue, decode and memory
+    terms. A worker holding none of the request's blocks costs at least
+    ``weights.prefill * num_tokens + base_load`` (the contention term is >= 0): the fleet view
+    (``router/candidates.py``) orders free workers by it, and the router stops scoring them once that
+    bound exceeds the best cost found."""
+    weights = cfg.weights
+    usage = w.load.kv_usage
+    over = 0.0
+    if usage > cfg.memory_watermark and cfg.memory_watermark < 1.0:
+        over = min(1.0, (usage - cfg.memory_watermark) / (1.0 - cfg.memory_watermark))
+    return (
+        weights.queue * w.load.queued_prefill_tokens
+        + weights.decode * w.load.decode_tokens
+        + weights.memory * over * w.max_num_batched_tokens
+    )
+
+
 def score(
     w: WorkerState,
     num_tokens: int,
