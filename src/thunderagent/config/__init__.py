@@ -311,7 +311,7 @@ class RoutingConfig(_Strict):
         "equivalents of the best are near-ties, the softmax samples among them only (0 = argmin)",
     )
     candidate_limit: int = Field(
-        16, ge=1, description="kv_aware over a maintained fleet view (router/candidates.py): score the workers "
+        4, ge=1, description="kv_aware over a maintained fleet view (router/candidates.py): score the workers "
         "holding a prefix plus this many least loaded (more only while one could still win); fleets this small "
         "or smaller are scanned whole",
     )

@@ -117,6 +117,7 @@ class KvIndex:
         "_stale_mask",
         "_expiry_queue",
         "checks",
+        "epoch",
     )
 
     def __init__(self, prediction_ttl: float, double_hash: bool = True) -> None:
@@ -142,20 +143,17 @@ class KvIndex:
         self._expiry_queue: deque[tuple[float, int, int]] = deque()
         #: the double-hash guard (None: off; check hashes passed in are then ignored)
         self.checks: CheckMap | None = CheckMap() if double_hash else None
+        self.epoch = 0  #: bumped by add_worker / remove_worker (workers' bits may change)
 
     # -- workers -------------------------------------------------------------------------------
     def add_worker(self, worker_id: str) -> None:
         """Register a worker (idempotent: an existing worker keeps its state)."""
         if worker_id in self._workers:
             return
-        if self._free_bits:
-            bit = self._free_bits.pop()
-        else:
-            bit = 1 << self._next_slot
-            self._next_slot += 1
-        w = _Worker(worker_id, bit)
-        self._workers[worker_id] = w
-        self._by_bit[bit] = w
+        bit = self._free_bits.pop() if self._free_bits else 1 << self._next_slot
+        self._next_slot += bit == 1 << self._next_slot  # a fresh slot was taken
+        self._workers[worker_id] = self._by_bit[bit] = _Worker(worker_id, bit)
+        self.epoch += 1
 
     def remove_worker(self, worker_id: str) -> int:
         """Forget a worker: purge all its entries (returns how many). Its later events are
@@ -170,6 +168,7 @@ class KvIndex:
         # Its expiry-queue items stay behind; the sweep skips them (no entry carries that expiry),
         # so the bit can be handed out again right away.
         self._free_bits.append(w.bit)
+        self.epoch += 1
         return n
 
     def workers(self) -> list[str]:
@@ -331,7 +330,30 @@ class KvIndex:
         n_ok = checks.verified_prefix(block_hashes, check_hashes, n_max)
         return result if n_ok == n_max else self._match(block_hashes[:n_ok], now)
 
-    def _match(self, block_hashes: Sequence[int], now: float) -> dict[str, int]:
+    def match_levels(
+        self, block_hashes: Sequence[int], now: float, check_hashes: Sequence[int] | None = None
+    ) -> list[tuple[int, int]]:
+        """``find_matches`` as (blocks, mask of ``bit_of`` bits) pairs, fewest blocks first: O(query
+        blocks) whatever the number of holders (a prefix the whole fleet holds is one mask)."""
+        levels: list[tuple[int, int]] = []
+        self._match(block_hashes, now, levels)
+        if check_hashes is None or self.checks is None or not levels:
+            return levels
+        n_ok = self.checks.verified_prefix(block_hashes, check_hashes, levels[-1][0])
+        if n_ok < levels[-1][0]:
+            levels = []
+            self._match(block_hashes[:n_ok], now, levels)
+        return levels
+
+    def bit_of(self, worker_id: str) -> int:
+        w = self._workers.get(worker_id)  # 0: unknown (bits of removed workers are reused)
+        return 0 if w is None else w.bit
+
+    def worker_of(self, bit: int) -> str:
+        return self._by_bit[bit].worker_id
+
+    def _match(self, block_hashes: Sequence[int], now: float, levels: list[tuple[int, int]] | None = None
+               ) -> dict[str, int]:  # with ``levels``: (blocks, mask) pairs go there, the dict stays empty
         result: dict[str, int] = {}
         if not block_hashes:
             return result
@@ -363,7 +385,9 @@ class KvIndex:
                         held |= live
                     held &= alive
                 if held != alive:
-                    if n:  # workers dropping out at block 0 have 0 blocks: omitted
+                    if n and levels is not None:
+                        levels.append((n, alive ^ held))
+                    elif n:  # workers dropping out at block 0 have 0 blocks: omitted
                         dropped = alive ^ held
                         by_bit = self._by_bit
                         while dropped:
@@ -374,6 +398,9 @@ class KvIndex:
                         return result
                     alive = held
             n += 1
+        if levels is not None:
+            levels.append((n, alive))
+            return result
         by_bit = self._by_bit
         while alive:
             low = alive & -alive

@@ -28,7 +28,8 @@ from thunderagent.types import CandidateScore, LoadReport, WorkerState
 
 
 class FleetView(Sequence[WorkerState]):
-    __slots__ = ("cfg", "_states", "_loads", "_pos", "_free", "_free_key", "_queued", "_queued_key", "version")
+    __slots__ = ("cfg", "_states", "_loads", "_pos", "_free", "_free_key", "_busy", "_queued", "_queued_key",
+                 "version")
 
     def __init__(self, cfg: RoutingConfig, workers: Iterable[WorkerState] = ()) -> None:
         self.cfg = cfg
@@ -37,6 +38,7 @@ class FleetView(Sequence[WorkerState]):
         self._pos: dict[str, int] = {}
         self._free: list[tuple[float, int]] = []  # (base_load, position) of free workers, ascending
         self._free_key: list[tuple[float, int] | None] = []  # per position: its key in _free, None = busy
+        self._busy: set[int] = set()  # positions of busy workers
         self._queued: list[tuple[int, int]] = []  # (queued prefill, position) of every worker, ascending
         self._queued_key: list[tuple[int, int]] = []
         #: bumped on every membership change (add/remove): lets the router refresh what it derives
@@ -105,12 +107,15 @@ class FleetView(Sequence[WorkerState]):
         w = self._states[i]
         old = self._free_key[i]
         key = None if is_busy(w, self.cfg) else (base_load(w, self.cfg), i)
-        if key == old:
+        if key == old and (key is not None or i in self._busy):
             return
         if old is not None:
             del self._free[bisect_left(self._free, old)]
         if key is not None:
             insort(self._free, key)
+            self._busy.discard(i)
+        else:
+            self._busy.add(i)
         self._free_key[i] = key
 
     # -- queries (router) -----------------------------------------------------------------------
@@ -129,6 +134,11 @@ class FleetView(Sequence[WorkerState]):
         """(base_load, position) of the free workers, least loaded first. Read only."""
         return self._free
 
+    @property
+    def busy_positions(self) -> set[int]:
+        """Positions of the busy workers. Read only."""
+        return self._busy
+
     def min_queued(self) -> int:
         return self._queued[0][0]
 
@@ -143,22 +153,24 @@ class LazyScores(Sequence[CandidateScore]):
 
     __slots__ = ("_states", "_loads", "_args", "_built")
 
-    def __init__(self, view: FleetView, num_tokens: int, overlaps: dict[str, int], min_queued: int,
-                 best_cached: int) -> None:
+    def __init__(self, view: FleetView, num_tokens: int, levels: list[tuple[int, int]], bits: list[int],
+                 min_queued: int, best_cached: int) -> None:
+        """``levels``: the index's ``match_levels``; ``bits``: each view position's index bit (the
+        caller's list must not change afterwards)."""
         # WorkerState objects are mutated by drivers after the decision: keep their loads as they were
         self._states = view._states[:]
         self._loads = view.snapshot()
-        self._args = (num_tokens, overlaps, view.cfg, min_queued, best_cached)
+        self._args = (num_tokens, levels, bits, view.cfg, min_queued, best_cached)
         self._built: tuple[CandidateScore, ...] | None = None
 
     def _all(self) -> tuple[CandidateScore, ...]:
         built = self._built
         if built is None:
-            n, overlaps, cfg, min_queued, best_cached = self._args
+            n, levels, bits, cfg, min_queued, best_cached = self._args
             built = self._built = tuple(
                 score(WorkerState(w.worker_id, w.block_size, w.max_num_batched_tokens, w.queue_depth_threshold, load),
-                      n, overlaps.get(w.worker_id, 0), cfg, min_queued, best_cached)
-                for w, load in zip(self._states, self._loads)
+                      n, depth(levels, bit), cfg, min_queued, best_cached)
+                for w, load, bit in zip(self._states, self._loads, bits)
             )
         return built
 
@@ -189,5 +201,9 @@ class LazyScores(Sequence[CandidateScore]):
         return f"LazyScores({len(self)} workers{', built' if self._built is not None else ''})"
 
 
-def as_view(workers: Sequence[WorkerState]) -> FleetView | None:
-    return workers if isinstance(workers, FleetView) else None
+def depth(levels: list[tuple[int, int]], bit: int) -> int:
+    """Leading blocks the worker of index bit ``bit`` holds, by ``KvIndex.match_levels``."""
+    for blocks, mask in levels:
+        if mask & bit:
+            return blocks
+    return 0

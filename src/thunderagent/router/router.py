@@ -56,7 +56,10 @@ class KvRouter:
 
         # the fleet-view fast path: kv_aware's choice is provably among few workers (selection.py)
         self._fast = self.hot is None and isinstance(self.policy, KvAware)
-        self._tracked: tuple[int, int] = (0, -1)  # (id, version) of the view whose workers are tracked
+        # (id, version, index epoch) of the view the next two were derived from
+        self._tracked: tuple[int, int, int] = (0, -1, -1)
+        self._bits: list[int] = []  # index bit of each view position
+        self._view_mask = 0
 
     def route(self, req: RouteRequest, workers: Sequence[WorkerState], now: float) -> Decision:
         if not workers:
@@ -99,12 +102,15 @@ class KvRouter:
     def _route_view(self, req: RouteRequest, view: FleetView, now: float) -> Decision:
         policy = self.policy
         assert isinstance(policy, KvAware)
-        if self._tracked != (id(view), view.version):  # membership changed: rank new workers by recent traffic
+        index = self.index
+        if self._tracked != (id(view), view.version, index.epoch):  # membership changed (O(n), rare)
             for w in view:
-                policy.recent.track(w.worker_id)
-            self._tracked = (id(view), view.version)
-        overlaps = self.index.find_matches(req.block_hashes, now, req.check_hashes) if req.block_hashes else {}
-        sel = select(req.num_tokens, overlaps, view, self.index, policy, self.cfg, now)
+                policy.recent.track(w.worker_id)  # rank new workers by recent traffic
+            self._bits = [index.bit_of(w.worker_id) for w in view]  # a new list: LazyScores keep the old
+            self._view_mask = sum(self._bits)
+            self._tracked = (id(view), view.version, index.epoch)
+        levels = index.match_levels(req.block_hashes, now, req.check_hashes) if req.block_hashes else []
+        sel = select(req.num_tokens, levels, view, self._bits, self._view_mask, index, policy, self.cfg, now)
         free = [c for c in sel.cands if not c.score.busy]
         i, reason = policy.choose(free, self.rng, req.num_tokens, now)
         chosen = free[i]
@@ -119,7 +125,7 @@ class KvRouter:
             worker_id=wid,
             policy=policy.name,
             reason=reason,
-            candidates=LazyScores(view, req.num_tokens, overlaps, sel.min_queued, sel.best_cached),
+            candidates=LazyScores(view, req.num_tokens, sel.levels, self._bits, sel.min_queued, sel.best_cached),
             overlap_blocks=chosen.score.overlap_blocks,
             best_overlap_blocks=sel.best_overlap,
         )
