@@ -349,7 +349,7 @@ class KvIndex:
         w = self._workers.get(worker_id)  # 0: unknown (bits of removed workers are reused)
         return 0 if w is None else w.bit
 
-    def worker_of(self, bit: int) -> str:
+    def worker_of(self, bit: int) -> str:  # bit: one ``bit_of`` bit of a known worker
         return self._by_bit[bit].worker_id
 
     def _match(self, block_hashes: Sequence[int], now: float, levels: list[tuple[int, int]] | None = None
@@ -424,7 +424,8 @@ class KvIndex:
         predicted = self._predicted
         mine = w.blocks
         for h in block_hashes:
-            confirmed[h] = confirmed.get(h, 0) | bit
+            old = confirmed.get(h)  # a lone holder shares its worker's bit object (bit 999: a 160-byte int)
+            confirmed[h] = bit if old is None else old | bit
             if h in mine:  # only then can a prediction of ours exist for h
                 preds = predicted.get(h)
                 if preds is not None and bit in preds.expiry:
