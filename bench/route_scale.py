@@ -162,6 +162,7 @@ def run(at_1000: int, queries: int, seed: int, sizes: tuple[int, ...] = SIZES) -
         now += 0.001
         for k in range(len(fleets)):
             fleets[(q + k) % len(fleets)].decide(q, now)
+    gc.unfreeze()
     return [f.row() for f in fleets]
 
 
