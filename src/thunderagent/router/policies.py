@@ -2,7 +2,9 @@
 
 A policy sees the scored candidates (already filtered of busy workers by the router) and returns the
 index of its choice and a one-line reason. Scores are computed for every policy so each decision can
-be explained and the predicted hit rate measured, whatever the policy.
+be explained and the predicted hit rate measured, whatever the policy. Over a maintained fleet view,
+kv_aware is handed only the workers that can win (``router/selection.py``): it must choose as it
+would among all of them, so a new rule here must keep ``selection.py``'s bound true.
 """
 
 from __future__ import annotations
