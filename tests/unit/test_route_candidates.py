@@ -242,3 +242,50 @@ def test_other_policies_scan_whole_views():
     view = FleetView(router.cfg, [worker(f"w{i}", running=30 - i) for i in range(30)])
     d = router.route(RouteRequest("r", 128, []), view, 1.0)
     assert d.worker_id == "w29" and isinstance(d.candidates, tuple) and len(d.candidates) == 30
+
+
+def test_registry_keeps_its_view_in_step_with_loads_and_health():
+    from thunderagent.control.registry import WorkerRegistry  # noqa: PLC0415
+    from thunderagent.types import WorkerInfo  # noqa: PLC0415
+
+    reg = WorkerRegistry(1.0, 3, RoutingConfig())
+    for wid in ("a", "b", "c"):
+        reg.register(WorkerInfo(wid, "both", BS, 1024, 8, 1000), 0.0)
+    view = reg.routable()
+    assert isinstance(view, FleetView) and [w.worker_id for w in view] == ["a", "b", "c"]
+    reg.heartbeat("a", load("a", queued=500), 1.0)
+    reg.heartbeat("b", load("b", waiting=8), 1.0)  # busy
+    reg.heartbeat("c", load("c", queued=100), 1.0)
+    assert view.free_order == [(100.0, 2), (500.0, 0)] and view.busy_positions == {1}
+    reg.update_load("c", load("c", queued=900))
+    assert view.free_order == [(500.0, 0), (900.0, 2)] and view[2].load.queued_prefill_tokens == 900
+    reg.heartbeat("a", load("a"), 3.5)
+    reg.heartbeat("c", load("c"), 3.5)
+    reg.check(4.5)  # b silent for 3.5 s > 3 s lease: out of the view
+    assert [w.worker_id for w in reg.routable()] == ["a", "c"] and view.busy_positions == set()
+    reg.heartbeat("b", load("b", queued=7), 4.6)
+    reg.check(4.7)  # back, at the end
+    assert [w.worker_id for w in reg.routable()] == ["a", "c", "b"] and view[2].load.queued_prefill_tokens == 7
+    reg.deregister("a")
+    assert [w.worker_id for w in reg.routable()] == ["c", "b"]
+
+
+def test_match_levels_agree_with_find_matches_with_and_without_check_hashes():
+    rng = random.Random(5)
+    index = KvIndex(prediction_ttl=10.0, double_hash=True)
+    for i in range(12):
+        index.add_worker(f"w{i}")
+    chain = [rng.getrandbits(60) for _ in range(10)]
+    checks = [rng.getrandbits(60) for _ in range(10)]
+    for i in range(12):
+        n = rng.randrange(1, 11)
+        index.predict(f"w{i}", chain[:n], 0.0, checks[:n])
+    index.apply_event(BlockStored("w3", 0, tuple(chain)), 0.0)
+    index.add_worker("gone")
+    index.apply_event(BlockStored("gone", 0, tuple(chain[:4])), 0.0)
+    for q in (chain, chain[:5], chain[:1], [rng.getrandbits(60)]):
+        for ch in (None, checks[: len(q)], [1] * len(q)):
+            levels = index.match_levels(q, 1.0, ch)
+            as_dict = {index.worker_of(low): b for b, m in levels for low in (1 << k for k in range(m.bit_length())) if m & low}
+            assert as_dict == index.find_matches(q, 1.0, ch)
+            assert [b for b, _ in levels] == sorted({b for b, _ in levels})
