@@ -10,8 +10,9 @@ Queries: 1,024-token prompts (16 full blocks), one third each: exact replay of a
 Each query is timed for every contender back to back, in rotating order, so CPU noise on a shared
 machine hits all of them alike; we report medians per decision.
 
-- ours, full decision: ``block_hashes`` + ``KvRouter.route`` (index match + cost of every worker +
-  kv_aware policy + prediction of the chosen worker's blocks), clock advancing 1 ms per decision.
+- ours, full decision: ``block_hashes`` + ``KvRouter.route`` over a fleet view (index match + cost
+  of the workers that can win, ``router/selection.py`` + kv_aware policy + prediction of the chosen
+  worker's blocks; the explanation is not built), clock advancing 1 ms per decision.
 - ours, hash + match: ``block_hashes`` + ``KvIndex.find_matches`` on an index fed only by events.
 - peer: ``dynamo.llm.compute_block_hash_for_seq`` + ``RadixTree.find_matches`` called from Python.
   Dynamo's cost/selection step runs elsewhere (in Rust, in its KvRouter) and is NOT included, so the
@@ -38,6 +39,7 @@ from _common import dynamo_version, load_dynamo, median, print_table, ratio  # n
 from thunderagent.config import RoutingConfig  # noqa: E402
 from thunderagent.kv.hashing import block_hashes  # noqa: E402
 from thunderagent.kv.index import KvIndex  # noqa: E402
+from thunderagent.router.candidates import FleetView  # noqa: E402
 from thunderagent.router.cost import score  # noqa: E402
 from thunderagent.router.router import KvRouter  # noqa: E402
 from thunderagent.types import BlockStored, LoadReport, RouteRequest, WorkerState  # noqa: E402
@@ -158,7 +160,7 @@ def run(n_blocks: int = 100_000, n_workers: int = 8, n_queries: int = 3000, seed
         seqs[w] += 1
 
     router = KvRouter(RoutingConfig(seed=seed), route_index, random.Random(seed))
-    states = _worker_states(n_workers)
+    states = FleetView(router.cfg, _worker_states(n_workers))
     queries = make_queries(wl, n_queries, seed)
 
     perf = time.perf_counter_ns
@@ -267,20 +269,21 @@ def main() -> None:
     ]
     print_table("median µs per decision (lower is better; ratio < 1 = ours faster)",
                 ["stage", "ours µs", "dynamo µs", "ours/dynamo"], rows)
-    print("(*) ours: hash + match + cost of 8 workers + kv_aware policy + prediction; dynamo: hash + match only")
+    print("(*) ours: hash + match + cost of the workers that can win (of 8) + kv_aware policy + prediction,")
+    print("    explanation not built; dynamo: hash + match only")
     print("    (its cost/selection runs in Rust elsewhere and is excluded, which favours the peer).")
     print_table("ours: where the full decision goes (median µs)", ["part", "µs"], [
         ["block_hashes (16 blocks)", p("ours_hash_us")],
         ["KvRouter.route() total", p("ours_route_us")],
-        ["  of which cost score() x 8 workers", p("ours_score_us")],
+        ["  (for scale: cost score() x 8 workers)", p("ours_score_us")],
         ["  of which find_matches (index above)", p("ours_match_us")],
-        ["  rest: policy + predict + Decision (diff)", p("ours_route_us") - p("ours_score_us") - p("ours_match_us")],
+        ["  rest: selection + scoring + policy + predict", p("ours_route_us") - p("ours_match_us")],
     ])
     if dyn:
         print(f"per-worker overlap agreement ours vs dynamo: {p('match_agreement'):.1%} of queries")
     verdict = ratio(p("ours_full_us"), p("peer_hash_match_us"))
     if verdict == verdict:
-        print(f"target full decision <= 1.0x dynamo: {'MET' if verdict <= 1.0 else 'NOT MET'} ({verdict:.2f}x)")
+        print(f"target full decision <= 0.5x dynamo: {'MET' if verdict <= 0.5 else 'NOT MET'} ({verdict:.2f}x)")
     print(f"elapsed {elapsed:.1f} s")
 
 

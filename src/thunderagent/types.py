@@ -7,6 +7,7 @@ in the simulator); the core never reads a clock itself.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -248,9 +249,12 @@ class Decision:
     worker_id: str
     policy: str
     reason: str
-    candidates: tuple[CandidateScore, ...] = field(default=())
+    # every routable worker's score, in the workers' order; a decision that scored part of the fleet
+    # holds a lazy sequence (router/candidates.py LazyScores) that computes them on first read
+    candidates: Sequence[CandidateScore] = field(default=())
     overlap_blocks: int = 0  # blocks the winner is believed to hold
     hot_prefix: HotPrefixNote | None = None  # set when the winner is a hot prefix's replica
+    best_overlap_blocks: int = 0  # the most blocks any routable worker is believed to hold
     #: workers routing left out because their breaker is open or probing (``control/breaker.py``): (id, why)
     skipped: tuple[tuple[str, str], ...] = ()
 

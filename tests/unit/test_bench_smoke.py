@@ -66,6 +66,15 @@ def test_route_decision_with_dynamo() -> None:
     assert res["match_agreement"] == 1.0
 
 
+def test_route_scale_runs_small() -> None:
+    rs = _load("route_scale")
+    rows = rs.run(at_1000=40_000, queries=30, seed=3, sizes=(8, 64))
+    assert [r["workers"] for r in rows] == [8, 64]
+    for r in rows:
+        _positive(r, ["entries", "p50_us", "p99_us", "set_load_us"])  # RSS may not move at this size
+    assert rows[1]["entries"] >= 2_560  # filled in proportion to the fleet
+
+
 def test_index_ingest_ours_only() -> None:
     ii = _load("index_ingest")
     res = ii.run(n_events=40, n_workers=4, rounds=1, seed=3, with_peer=False)

@@ -266,5 +266,6 @@ async def test_health_summary_reports_frontend_and_sync_state(fleet):
 
 
 def test_load_report_fields_match_wire():
-    # a new LoadReport field must be added to WireLoad too
-    assert len(LoadReport.__dataclass_fields__) - 1 == len(wire.WireLoad.__struct_fields__)
+    # a new LoadReport field must be added to WireLoad too; worker_id is the subject's, and kv_seq
+    # rides on the heartbeat itself (Heartbeat.last_seq)
+    assert len(LoadReport.__dataclass_fields__) - 2 == len(wire.WireLoad.__struct_fields__)

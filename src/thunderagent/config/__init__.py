@@ -307,7 +307,18 @@ class HotPrefixConfig(_Strict):
 class RoutingConfig(_Strict):
     policy: Policy = Policy.kv_aware
     weights: CostWeights = CostWeights()
-    temperature: float = Field(0.0, ge=0, description="0 = argmin; > 0 = softmax over normalised costs")
+    temperature: float = Field(
+        0.0, ge=0, description="0 = argmin; > 0 = softmax among the near-ties (cost within tie_margin of the best)"
+    )
+    tie_margin: float = Field(
+        512.0, ge=0, description="with temperature > 0: workers whose cost is within this many prefill-token "
+        "equivalents of the best are near-ties, the softmax samples among them only (0 = argmin)",
+    )
+    candidate_limit: int = Field(
+        4, ge=1, description="kv_aware over a maintained fleet view (router/candidates.py): score the workers "
+        "holding a prefix plus this many least loaded (more only while one could still win); fleets this small "
+        "or smaller are scanned whole",
+    )
     memory_watermark: float = Field(0.7, ge=0, le=1)
     busy_kv_usage: float = Field(0.98, gt=0, le=1, description="KV usage at which a worker counts as busy")
     fallback: Literal["policy", "least_loaded", "reject"] = Field(

@@ -28,7 +28,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from thunderagent.config import Config, Policy
@@ -86,7 +86,7 @@ class Fleet:
         self.dispatcher = Dispatcher(self.router, self.block_size, cfg.scheduler)
         self.decisions = DecisionHook(cfg.control_plane.decision_log)  # DEBUG lines, the decision log
         cp = cfg.control_plane
-        self.registry = WorkerRegistry(cp.heartbeat_interval, cp.heartbeat_misses)
+        self.registry = WorkerRegistry(cp.heartbeat_interval, cp.heartbeat_misses, cfg.routing)
         self.outliers = OutlierWatch(cp.outlier, self.metrics)  # slow or failing live workers skipped a while
         self.stall_timeout = stall_timeout
         #: our loop's lateness: leases and stalls are judged on on-time seconds (control/liveness.py)
@@ -201,9 +201,9 @@ class Fleet:
         self.metrics.out_of_routing.labels(worker_id, reason).set(1)
         log.warning("worker %s out of routing: %s", worker_id, reason)
 
-    def routable(self) -> list[WorkerState]:
-        out = self.unavailable
-        return self.outliers.routable([w for w in self.registry.routable() if w.worker_id not in out])
+    def routable(self) -> Sequence[WorkerState]:
+        out, ws = self.unavailable, self.registry.routable()  # ws: the registry's FleetView (kept whole)
+        return self.outliers.routable([w for w in ws if w.worker_id not in out] if out else ws)
 
     # -- health ------------------------------------------------------------------------------
     def check_health(self) -> None:

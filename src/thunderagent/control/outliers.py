@@ -36,8 +36,9 @@ class OutlierWatch:
         self.metrics = metrics
         self._skipped: tuple[tuple[str, str], ...] = ()  # at the last routing filter
 
-    def routable(self, workers: list[WorkerState]) -> list[WorkerState]:
-        """``workers`` less those the breakers skip now (remembered for the decision's explanation)."""
+    def routable(self, workers: Sequence[WorkerState]) -> Sequence[WorkerState]:
+        """``workers`` less those the breakers skip now (remembered for the decision's explanation);
+        ``workers`` itself when none is skipped (a FleetView stays whole: the router's fast path)."""
         blocked = self.breakers.blocked
         skipped = tuple((w.worker_id, why) for w in workers if (why := blocked(w.worker_id)) is not None)
         self._skipped = skipped

@@ -8,10 +8,12 @@ NATS listeners, the simulator) call these methods; nothing here reads a clock.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from thunderagent.config import RoutingConfig
+from thunderagent.router.candidates import FleetView
 from thunderagent.types import LoadReport, WorkerInfo, WorkerState
 
 
@@ -36,31 +38,49 @@ class _Entry:
 
 
 class WorkerRegistry:
-    def __init__(self, heartbeat_interval: float, misses: int) -> None:
+    def __init__(self, heartbeat_interval: float, misses: int, routing: RoutingConfig | None = None) -> None:
+        """``routing``: keep the healthy workers in a :class:`FleetView` too (``routable`` returns it),
+        fed here on every load and health change, so the router scores few of them."""
         if heartbeat_interval <= 0 or misses < 1:
             raise ValueError("heartbeat_interval must be > 0 and misses >= 1")
         self.timeout = heartbeat_interval * misses
         self._entries: dict[str, _Entry] = {}
+        self._view = FleetView(routing) if routing is not None else None
 
     def register(self, info: WorkerInfo, now: float) -> None:
         empty = LoadReport(info.worker_id, now, 0, 0, 0, 0, 0, 0, info.kv_total_blocks)
         self._entries[info.worker_id] = _Entry(info, empty, now)
+        if self._view is not None:  # its static facts may have changed: enter it afresh
+            self._view.remove(info.worker_id)
+            self._view.add(self._state(info.worker_id, self._entries[info.worker_id]))
 
     def deregister(self, worker_id: str) -> bool:
+        if self._view is not None:
+            self._view.remove(worker_id)
         return self._entries.pop(worker_id, None) is not None
 
     def heartbeat(self, worker_id: str, load: LoadReport, now: float) -> None:
         e = self._entries.get(worker_id)
         if e is None:
             raise KeyError(f"heartbeat from unregistered worker {worker_id!r}")
-        e.load = load
+        self._set_load(worker_id, e, load)
         e.last_heartbeat = now
 
     def update_load(self, worker_id: str, load: LoadReport) -> None:
         """Fresher load without counting as a heartbeat (e.g. read synchronously at routing time)."""
         e = self._entries.get(worker_id)
         if e is not None:
-            e.load = load
+            self._set_load(worker_id, e, load)
+
+    def _set_load(self, worker_id: str, e: _Entry, load: LoadReport) -> None:
+        e.load = load
+        i = self._view.position(worker_id) if self._view is not None else None
+        if i is not None:
+            self._view.set_load(i, load)  # type: ignore[union-attr]
+
+    @staticmethod
+    def _state(wid: str, e: _Entry) -> WorkerState:
+        return WorkerState(wid, e.info.block_size, e.info.max_num_batched_tokens, e.info.queue_depth_threshold, e.load)
 
     def check(self, now: float, silent_for: Callable[[float, float], float] | None = None) -> list[HealthChange]:
         """Health changes at ``now``. ``silent_for(since, now)`` measures a worker's silence (default:
@@ -71,10 +91,14 @@ class WorkerRegistry:
             late = silent > self.timeout
             if late and e.health is Health.healthy:
                 e.health = Health.unhealthy
+                if self._view is not None:
+                    self._view.remove(wid)
                 changes.append(HealthChange(
                     wid, Health.unhealthy, f"no heartbeat for {now - e.last_heartbeat:.2f}s ({silent:.2f}s on time)"))
             elif not late and e.health is Health.unhealthy:
                 e.health = Health.healthy
+                if self._view is not None:
+                    self._view.add(self._state(wid, e))
                 changes.append(HealthChange(wid, Health.healthy, "heartbeats resumed"))
         return changes
 
@@ -87,8 +111,10 @@ class WorkerRegistry:
     def worker_ids(self) -> list[str]:
         return list(self._entries)
 
-    def routable(self) -> list[WorkerState]:
-        """Healthy workers as the router sees them."""
+    def routable(self) -> Sequence[WorkerState]:
+        """Healthy workers as the router sees them (the maintained view, when kept: do not mutate)."""
+        if self._view is not None:
+            return self._view
         return [
             WorkerState(
                 worker_id=wid,

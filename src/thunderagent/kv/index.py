@@ -4,39 +4,37 @@ Pure, synchronous, clock-free: every time is passed in as ``now`` (seconds on th
 
 Layout
 ------
-Block hashes are chained (``kv.hashing``): one hash identifies a whole prefix, so a *flat* map keyed
-by hash answers "who holds the first i blocks" without any tree.
+Block hashes are chained (``kv.hashing``): one hash identifies a whole prefix, so a *flat* map keyed by hash answers
+"who holds the first i blocks" without any tree.
 
-Each registered worker owns one bit (a power of two; bits of removed workers are reused). An entry
-``(hash, worker)`` lives in exactly one of two maps:
+Each registered worker owns one bit (a power of two; bits of removed workers are reused). An entry ``(hash,
+worker)`` lives in exactly one of two maps:
 
 - ``_confirmed: hash -> int``: bitmask of the workers whose entry is confirmed (``BlockStored`` or a
   resync). Confirmed entries never expire.
 - ``_predicted: hash -> _Predictions``: the router's own predictions, valid while ``now < expiry``.
 
-Why bitmasks: ``find_matches`` runs once per routed request. With masks, "which of the workers still
-matching also hold block i" is one dict lookup and one ``&`` per block, whatever the number of
-workers, instead of one lookup per (block, worker); an int per hash is also far smaller than a dict
-per hash. Predictions are consulted only for blocks where some still-matching worker lacks a
-confirmed entry.
+Why bitmasks: ``find_matches`` runs once per routed request. With masks, "which of the workers still matching also
+hold block i" is one dict lookup and one ``&`` per block, whatever the number of workers, instead of one lookup per
+(block, worker); an int per hash is also far smaller than a dict per hash. Predictions are consulted only for blocks
+where some still-matching worker lacks a confirmed entry.
 
-Each worker also keeps the set of hashes it has entries for, so ``remove_worker`` and
-``AllBlocksCleared`` cost O(that worker's entries), never a scan of the whole index.
+Each worker also keeps the set of hashes it has entries for, so ``remove_worker`` and ``AllBlocksCleared`` cost
+O(that worker's entries), never a scan of the whole index.
 
 Confidence levels
 -----------------
-(a) worker events: ``apply_event`` (per-worker sequence numbers; a gap marks the worker STALE and
-    its entries are ignored by ``find_matches`` until ``resync``),
-(b) predictions: ``predict`` (TTL; a ``BlockStored`` for the same hash confirms them; a prediction
-    never downgrades a confirmed entry),
+(a) worker events: ``apply_event`` (per-worker sequence numbers; a gap marks the worker STALE and its entries are
+    ignored by ``find_matches`` until ``resync``),
+(b) predictions: ``predict`` (TTL; a ``BlockStored`` for the same hash confirms them; a prediction never downgrades
+    a confirmed entry),
 (c) lazy verification: ``report_missing`` drops entries the worker found absent.
 
-Double hash: with ``double_hash`` on, a :class:`~thunderagent.kv.check.CheckMap` verifies primary
-hashes against a second, independent hash (see that module for the exact guarantee).
+Double hash: with ``double_hash`` on, a :class:`~thunderagent.kv.check.CheckMap` verifies primary hashes against a
+second, independent hash (see that module for the exact guarantee).
 
-Time semantics: a prediction made at ``t`` is valid while ``now < t + ttl`` and absent from
-``now >= t + ttl`` on (the boundary instant counts as expired).
-"""
+Time semantics: a prediction made at ``t`` is valid while ``now < t + ttl`` and absent from ``now >= t + ttl`` on
+(the boundary instant counts as expired)."""
 
 from __future__ import annotations
 
@@ -75,14 +73,13 @@ class _Worker:
 
 
 class _Predictions:
-    """Predicted holders of one hash, with a cached "live set" so queries on a predicted-only
-    prefix (approximate mode: engines without KV events) stay O(1) per block.
+    """Predicted holders of one hash, with a cached "live set" so queries on a predicted-only prefix (approximate
+    mode: engines without KV events) stay O(1) per block.
 
-    Cache invariant: for any ``now`` with ``checked_at <= now < live_until``, the holders whose
-    prediction is valid at ``now`` are exactly ``live_mask``. It holds because every bit in
-    ``live_mask`` has ``expiry >= live_until``, and every other bit was already expired at
-    ``checked_at`` (inserts and refreshes add their bit and lower ``live_until`` if needed;
-    removals clear their bit). Outside that window ``find_matches`` rescans and re-anchors it.
+    Cache invariant: for any ``now`` with ``checked_at <= now < live_until``, the holders whose prediction is valid
+    at ``now`` are exactly ``live_mask``. It holds because every bit in ``live_mask`` has ``expiry >= live_until``,
+    and every other bit was already expired at ``checked_at`` (inserts and refreshes add their bit and lower
+    ``live_until`` if needed; removals clear their bit). Outside that window ``find_matches`` rescans and re-anchors.
     """
 
     __slots__ = ("expiry", "live_mask", "live_until", "checked_at")
@@ -117,6 +114,7 @@ class KvIndex:
         "_stale_mask",
         "_expiry_queue",
         "checks",
+        "epoch",
     )
 
     def __init__(self, prediction_ttl: float, double_hash: bool = True) -> None:
@@ -142,24 +140,21 @@ class KvIndex:
         self._expiry_queue: deque[tuple[float, int, int]] = deque()
         #: the double-hash guard (None: off; check hashes passed in are then ignored)
         self.checks: CheckMap | None = CheckMap() if double_hash else None
+        self.epoch = 0  #: bumped by add_worker / remove_worker (workers' bits may change)
 
     # -- workers -------------------------------------------------------------------------------
     def add_worker(self, worker_id: str) -> None:
         """Register a worker (idempotent: an existing worker keeps its state)."""
         if worker_id in self._workers:
             return
-        if self._free_bits:
-            bit = self._free_bits.pop()
-        else:
-            bit = 1 << self._next_slot
-            self._next_slot += 1
-        w = _Worker(worker_id, bit)
-        self._workers[worker_id] = w
-        self._by_bit[bit] = w
+        bit = self._free_bits.pop() if self._free_bits else 1 << self._next_slot
+        self._next_slot += bit == 1 << self._next_slot  # a fresh slot was taken
+        self._workers[worker_id] = self._by_bit[bit] = _Worker(worker_id, bit)
+        self.epoch += 1
 
     def remove_worker(self, worker_id: str) -> int:
-        """Forget a worker: purge all its entries (returns how many). Its later events are
-        ignored (``UNKNOWN_WORKER``) unless it is added again."""
+        """Forget a worker: purge all its entries (returns how many). Its later events are ignored
+        (``UNKNOWN_WORKER``) unless it is added again."""
         w = self._workers.pop(worker_id, None)
         if w is None:
             return 0
@@ -167,9 +162,9 @@ class KvIndex:
         self._purge(w)
         del self._by_bit[w.bit]
         self._stale_mask &= ~w.bit
-        # Its expiry-queue items stay behind; the sweep skips them (no entry carries that expiry),
-        # so the bit can be handed out again right away.
+        # Its expiry-queue items stay behind; the sweep skips them (no entry carries that expiry): the bit is free.
         self._free_bits.append(w.bit)
+        self.epoch += 1
         return n
 
     def workers(self) -> list[str]:
@@ -331,7 +326,30 @@ class KvIndex:
         n_ok = checks.verified_prefix(block_hashes, check_hashes, n_max)
         return result if n_ok == n_max else self._match(block_hashes[:n_ok], now)
 
-    def _match(self, block_hashes: Sequence[int], now: float) -> dict[str, int]:
+    def match_levels(
+        self, block_hashes: Sequence[int], now: float, check_hashes: Sequence[int] | None = None
+    ) -> list[tuple[int, int]]:
+        """``find_matches`` as (blocks, mask of ``bit_of`` bits) pairs, fewest blocks first: O(query
+        blocks) whatever the number of holders (a prefix the whole fleet holds is one mask)."""
+        levels: list[tuple[int, int]] = []
+        self._match(block_hashes, now, levels)
+        if check_hashes is None or self.checks is None or not levels:
+            return levels
+        n_ok = self.checks.verified_prefix(block_hashes, check_hashes, levels[-1][0])
+        if n_ok < levels[-1][0]:
+            levels = []
+            self._match(block_hashes[:n_ok], now, levels)
+        return levels
+
+    def bit_of(self, worker_id: str) -> int:
+        w = self._workers.get(worker_id)  # 0: unknown (bits of removed workers are reused)
+        return 0 if w is None else w.bit
+
+    def worker_of(self, bit: int) -> str:  # bit: one ``bit_of`` bit of a known worker
+        return self._by_bit[bit].worker_id
+
+    def _match(self, block_hashes: Sequence[int], now: float, levels: list[tuple[int, int]] | None = None
+               ) -> dict[str, int]:  # with ``levels``: (blocks, mask) pairs go there, the dict stays empty
         result: dict[str, int] = {}
         if not block_hashes:
             return result
@@ -363,7 +381,9 @@ class KvIndex:
                         held |= live
                     held &= alive
                 if held != alive:
-                    if n:  # workers dropping out at block 0 have 0 blocks: omitted
+                    if n and levels is not None:
+                        levels.append((n, alive ^ held))
+                    elif n:  # workers dropping out at block 0 have 0 blocks: omitted
                         dropped = alive ^ held
                         by_bit = self._by_bit
                         while dropped:
@@ -374,6 +394,9 @@ class KvIndex:
                         return result
                     alive = held
             n += 1
+        if levels is not None:
+            levels.append((n, alive))
+            return result
         by_bit = self._by_bit
         while alive:
             low = alive & -alive
@@ -390,15 +413,10 @@ class KvIndex:
         return sum(len(w.blocks) for w in self._workers.values())
 
     def confirmed_blocks(self, worker_id: str) -> set[int]:
-        """The hashes confirmed on a worker (by its events or a dump): what the index knows it holds,
-        predictions left out. For checks and tests (a full scan of the worker's entries)."""
-        w = self._workers.get(worker_id)
-        if w is None:
-            return set()
-        bit, confirmed = w.bit, self._confirmed
-        return {h for h in w.blocks if confirmed.get(h, 0) & bit}
+        """The hashes confirmed on a worker (events or a dump), predictions left out: for checks."""
+        w = self._workers[worker_id]
+        return {h for h in w.blocks if self._confirmed.get(h, 0) & w.bit}
 
-    # -- internals -----------------------------------------------------------------------------
     def _confirm(self, w: _Worker, block_hashes: Iterable[int]) -> None:
         """Set confirmed entries for ``w`` (moving any prediction of the same hash over)."""
         bit = w.bit
@@ -406,7 +424,8 @@ class KvIndex:
         predicted = self._predicted
         mine = w.blocks
         for h in block_hashes:
-            confirmed[h] = confirmed.get(h, 0) | bit
+            old = confirmed.get(h)  # a lone holder shares its worker's bit object (bit 999: a 160-byte int)
+            confirmed[h] = bit if old is None else old | bit
             if h in mine:  # only then can a prediction of ours exist for h
                 preds = predicted.get(h)
                 if preds is not None and bit in preds.expiry:

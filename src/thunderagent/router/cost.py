@@ -50,6 +50,24 @@ def load_key(w: WorkerState) -> tuple[int, int, int]:
     )
 
 
+def base_load(w: WorkerState, cfg: RoutingConfig) -> float:
+    """The part of a worker's cost that does not depend on the request: queue, decode and memory
+    terms. A worker holding none of the request's blocks costs at least
+    ``weights.prefill * num_tokens + base_load`` (the contention term is >= 0): the fleet view
+    (``router/candidates.py``) orders free workers by it, and the router stops scoring them once that
+    bound exceeds the best cost found."""
+    weights = cfg.weights
+    usage = w.load.kv_usage
+    over = 0.0
+    if usage > cfg.memory_watermark and cfg.memory_watermark < 1.0:
+        over = min(1.0, (usage - cfg.memory_watermark) / (1.0 - cfg.memory_watermark))
+    return (
+        weights.queue * w.load.queued_prefill_tokens
+        + weights.decode * w.load.decode_tokens
+        + weights.memory * over * w.max_num_batched_tokens
+    )
+
+
 def score(
     w: WorkerState,
     num_tokens: int,
@@ -58,38 +76,46 @@ def score(
     min_queued: int = 0,
     best_cached: int = 0,
 ) -> CandidateScore:
+    # Hot path (once per scored worker per decision): builtins and properties inlined, the
+    # arithmetic kept term for term as written in the module docstring (the fleet view's bound and
+    # the tests rely on exact values).
     weights = cfg.weights
-    cached = min(overlap_blocks * w.block_size, num_tokens)
-    queued = queued_prefill(w)
-    excess_passes = max(0, queued - min_queued) / w.max_num_batched_tokens
+    load = w.load
+    mnbt = w.max_num_batched_tokens
+    cached = overlap_blocks * w.block_size
+    if cached > num_tokens:
+        cached = num_tokens
+    queued = load.queued_prefill_tokens
+    excess = queued - min_queued
+    excess_passes = (excess if excess > 0 else 0) / mnbt
     credit = weights.overlap_credit / (1.0 + excess_passes / weights.credit_load_scale)
     prefill = num_tokens - credit * cached
-    load = w.load
-    usage = load.kv_usage
+    total = load.kv_total_blocks
+    usage = load.kv_active_blocks / total if total else 0.0  # LoadReport.kv_usage
     over = 0.0
-    if usage > cfg.memory_watermark and cfg.memory_watermark < 1.0:
-        over = min(1.0, (usage - cfg.memory_watermark) / (1.0 - cfg.memory_watermark))
+    watermark = cfg.memory_watermark
+    if usage > watermark and watermark < 1.0:
+        over = (usage - watermark) / (1.0 - watermark)
+        if over > 1.0:
+            over = 1.0
     # Contention: recomputing tokens another candidate holds (``best_cached - cached``) delays
     # this request *and* every request that will queue behind it on this worker; in steady state
     # about as many as wait there now. Idle fleet: no charge (plain TTFT-greedy). Saturated
     # fleet: avoidable recomputation is charged per waiting request, so a hit wins over queue
     # differences (fewer recomputed tokens is what raises a saturated fleet's throughput).
     # Tokens nobody holds are not charged: a miss is balanced on queue alone.
-    avoidable = max(0, min(best_cached, num_tokens) - cached)
-    contention = weights.contention * load.waiting * avoidable
+    avoidable = (best_cached if best_cached < num_tokens else num_tokens) - cached
+    waiting = load.waiting
+    contention = weights.contention * waiting * (avoidable if avoidable > 0 else 0)
+    decode = load.decode_tokens
     cost = (
         weights.prefill * (prefill + contention)
         + weights.queue * queued
-        + weights.decode * w.load.decode_tokens
-        + weights.memory * over * w.max_num_batched_tokens
+        + weights.decode * decode
+        + weights.memory * over * mnbt
     )
     return CandidateScore(
-        worker_id=w.worker_id,
-        overlap_blocks=overlap_blocks,
-        prefill_tokens=round(prefill),
-        queued_prefill_tokens=queued,
-        decode_tokens=w.load.decode_tokens,
-        kv_usage=usage,
-        busy=is_busy(w, cfg),
-        cost=cost,
+        w.worker_id, overlap_blocks, round(prefill), queued, decode, usage,
+        waiting >= w.queue_depth_threshold or usage >= cfg.busy_kv_usage,  # is_busy
+        cost,
     )

@@ -2,7 +2,9 @@
 
 A policy sees the scored candidates (already filtered of busy workers by the router) and returns the
 index of its choice and a one-line reason. Scores are computed for every policy so each decision can
-be explained and the predicted hit rate measured, whatever the policy.
+be explained and the predicted hit rate measured, whatever the policy. Over a maintained fleet view,
+kv_aware is handed only the workers that can win (``router/selection.py``): it must choose as it
+would among all of them, so a new rule here must keep ``selection.py``'s bound true.
 """
 
 from __future__ import annotations
@@ -51,14 +53,17 @@ class KvAware:
       usually opens a conversation whose next turns stick where it lands: spreading misses by recent
       traffic spreads conversations, where the instantaneous queue between two turns is noise.
     * **Otherwise** temperature 0: argmin of cost; ties go to the smallest cache footprint (evicts
-      least, as SGLang's cache-aware router does), then at random. Temperature > 0: softmax over
-      costs normalised to [0, 1].
+      least, as SGLang's cache-aware router does), then at random. Temperature > 0: softmax among
+      the near-ties only (cost within ``tie_margin`` of the best, in the cost's unit: prefill-token
+      equivalents), over their costs normalised to [0, 1]; a lone best is taken as at temperature 0.
     """
 
     name = "kv_aware"
 
-    def __init__(self, temperature: float, miss_overlap_fraction: float, half_life: float) -> None:
+    def __init__(self, temperature: float, miss_overlap_fraction: float, half_life: float,
+                 tie_margin: float) -> None:
         self.temperature = temperature
+        self.tie_margin = tie_margin
         self.miss_fraction = miss_overlap_fraction
         self.recent = RecentRequests(half_life)
 
@@ -68,6 +73,12 @@ class KvAware:
         i, reason = self._choose(cands, rng, num_tokens, now)
         self.record(cands[i], num_tokens, now)
         return i, reason
+
+    def window(self, lo: float) -> float:
+        """Costs up to ``lo + window(lo)`` can be chosen when the best is ``lo`` (ties, and with a
+        temperature the near-ties): the router must score every worker that low."""
+        tol = TIE_RELATIVE * max(1.0, abs(lo))
+        return max(tol, self.tie_margin) if self.temperature > 0 else tol
 
     def record(self, c: Candidate, num_tokens: int, now: float) -> None:
         """``c`` gets the request (chosen here, or by a hot prefix's replica steering)."""
@@ -91,13 +102,18 @@ class KvAware:
                 i = tied[0] if len(tied) == 1 else rng.choice(tied)
                 return i, f"cache miss everywhere: least recent prefill traffic ({rates[i]:.0f} tokens) among workers ready within a pass"
         costs = [c.score.cost for c in cands]
-        lo, hi = min(costs), max(costs)
-        if self.temperature > 0 and hi > lo:
-            span = hi - lo
-            weights = [math.exp(-((c - lo) / span) / self.temperature) for c in costs]
-            i = rng.choices(range(len(cands)), weights=weights)[0]
-            return i, f"softmax(T={self.temperature}) sample, cost {costs[i]:.1f} (min {lo:.1f})"
+        lo = min(costs)
         tol = TIE_RELATIVE * max(1.0, abs(lo))
+        if self.temperature > 0 and self.tie_margin > tol:
+            # Near-ties only: a worker far above the best is never sampled, whatever the fleet's size
+            # (a softmax over the whole fleet gave 1,000 bad workers 1,000 lottery tickets).
+            near = [i for i, c in enumerate(costs) if c - lo <= self.tie_margin]
+            span = max(costs[i] for i in near) - lo
+            if span > 0:
+                weights = [math.exp(-((costs[i] - lo) / span) / self.temperature) for i in near]
+                i = near[rng.choices(range(len(near)), weights=weights)[0]]
+                return i, (f"softmax(T={self.temperature}) among {len(near)} near-ties, cost {costs[i]:.1f} "
+                           f"(min {lo:.1f})")
         tied = [i for i, c in enumerate(costs) if c - lo <= tol]
         best = cands[tied[0]]
         if len(tied) == 1:
@@ -169,7 +185,7 @@ class PowerOfTwo:
 def make_policy(cfg: RoutingConfig, name: Policy | None = None) -> RoutingPolicy:
     policy = name or cfg.policy
     if policy is Policy.kv_aware:
-        return KvAware(cfg.temperature, cfg.miss_overlap_fraction, cfg.balance_half_life)
+        return KvAware(cfg.temperature, cfg.miss_overlap_fraction, cfg.balance_half_life, cfg.tie_margin)
     if policy is Policy.round_robin:
         return RoundRobin()
     if policy is Policy.random:

@@ -5,6 +5,12 @@ workers' states and ``now``; it returns a :class:`Decision` that explains itself
 prediction in the index (the request's blocks will be on the winner shortly; events confirm it).
 With ``routing.hot_prefix.enabled`` (kv_aware only), a hot prefix's request may go to a new replica
 instead (``router/hot.py``); the decision then says so.
+
+Handed a :class:`~thunderagent.router.candidates.FleetView` of more than ``routing.candidate_limit``
+workers with some free, the kv_aware policy (hot prefixes off) scores only the workers that can win
+(``router/selection.py``) and the decision's ``candidates`` are computed when first read
+(:class:`~thunderagent.router.candidates.LazyScores`): the explanation costs nothing unless a
+request, the decision log or a test asks for it. Any other case scans every worker, as before.
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ from collections.abc import Sequence
 
 from thunderagent.config import Policy, RoutingConfig
 from thunderagent.kv.index import KvIndex
+from thunderagent.router.candidates import FleetView, LazyScores
 from thunderagent.router.cost import load_key, queued_prefill, score
 from thunderagent.router.hot import HotPrefixes
 from thunderagent.router.policies import Candidate, KvAware, make_policy
+from thunderagent.router.selection import select
 from thunderagent.types import Decision, HotPrefixNote, RouteRequest, WorkerState
 
 
@@ -46,9 +54,19 @@ class KvRouter:
             if cfg.hot_prefix.enabled and isinstance(self.policy, KvAware) else None
         )
 
+        # the fleet-view fast path: kv_aware's choice is provably among few workers (selection.py)
+        self._fast = self.hot is None and isinstance(self.policy, KvAware)
+        # (id, version, index epoch) of the view the next two were derived from
+        self._tracked: tuple[int, int, int] = (0, -1, -1)
+        self._bits: list[int] = []  # index bit of each view position
+        self._view_mask = 0
+
     def route(self, req: RouteRequest, workers: Sequence[WorkerState], now: float) -> Decision:
         if not workers:
             raise NoWorkerAvailable("no healthy worker is registered")
+        if (self._fast and isinstance(workers, FleetView) and workers.free_count
+                and len(workers) > self.cfg.candidate_limit):
+            return self._route_view(req, workers, now)
         cands = self._candidates(req, workers, now)
         free = [c for c in cands if not c.score.busy]
         prefix = ""
@@ -78,6 +96,38 @@ class KvRouter:
             candidates=tuple(c.score for c in cands),
             overlap_blocks=chosen.score.overlap_blocks,
             hot_prefix=hot,
+            best_overlap_blocks=max((c.score.overlap_blocks for c in cands), default=0),
+        )
+
+    def _route_view(self, req: RouteRequest, view: FleetView, now: float) -> Decision:
+        policy = self.policy
+        assert isinstance(policy, KvAware)
+        index = self.index
+        if self._tracked != (id(view), view.version, index.epoch):  # membership changed (O(n), rare)
+            for w in view:
+                policy.recent.track(w.worker_id)  # rank new workers by recent traffic
+            self._bits = [index.bit_of(w.worker_id) for w in view]  # a new list: LazyScores keep the old
+            self._view_mask = sum(self._bits)
+            self._tracked = (id(view), view.version, index.epoch)
+        levels = index.match_levels(req.block_hashes, now, req.check_hashes) if req.block_hashes else []
+        sel = select(req.num_tokens, levels, view, self._bits, self._view_mask, index, policy, self.cfg, now)
+        free = [c for c in sel.cands if not c.score.busy]
+        i, reason = policy.choose(free, self.rng, req.num_tokens, now)
+        chosen = free[i]
+        busy = len(view) - view.free_count
+        if busy:
+            reason = f"{busy} busy filtered; " + reason
+        wid = chosen.worker.worker_id
+        if req.block_hashes:
+            self.index.predict(wid, req.block_hashes, now, req.check_hashes)
+        return Decision(
+            request_id=req.request_id,
+            worker_id=wid,
+            policy=policy.name,
+            reason=reason,
+            candidates=LazyScores(view, req.num_tokens, sel.levels, self._bits, sel.min_queued, sel.best_cached),
+            overlap_blocks=chosen.score.overlap_blocks,
+            best_overlap_blocks=sel.best_overlap,
         )
 
     def _candidates(self, req: RouteRequest, workers: Sequence[WorkerState], now: float) -> list[Candidate]:

@@ -268,7 +268,7 @@ class Dispatcher:
         n = len(req.prompt_tokens)
         decision = self.router.route(RouteRequest(req.request_id, n, req.block_hashes, req.priority, req.check_hashes), workers, now)
         bs = self.block_size
-        best = max((c.overlap_blocks for c in decision.candidates), default=0)
+        best = decision.best_overlap_blocks  # not from candidates: those may be built lazily
         best_known = min(best, (n - 1) // bs) * bs
         predicted = min(decision.overlap_blocks, (n - 1) // bs) * bs  # an engine recomputes the last token
         if prog is not None:

@@ -37,6 +37,7 @@ from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
 from thunderagent.sim.arrivals import ClosedLoop, OpenLoop, session_stats
 from thunderagent.sim.results import Dist, RunResult
 from thunderagent.sim.traces import TraceRequest
+from thunderagent.router.candidates import FleetView
 from thunderagent.types import WorkerState
 
 
@@ -128,7 +129,7 @@ class _Run:
             if wake[i] == tw:
                 wake[i] = None
                 self.collect(i, now)
-                sim._states[i].load = sim.engines[i].load(now)
+                sim._states.set_load(i, sim.engines[i].load(now))
                 due.append(i)
         return due
 
@@ -169,11 +170,12 @@ class Simulator:
             scheduler = scheduler.model_copy(update={"max_queue_delay_s": None})
         self.dispatcher = Dispatcher(KvRouter(routing, self.index, random.Random(seed), policy), node.block_size,
                                      scheduler)
-        self._states = [
+        # a maintained view (router/candidates.py): every load change below goes through set_load
+        self._states = FleetView(routing, (
             WorkerState(e.worker_id, node.block_size, node.max_num_batched_tokens, node.queue_depth_threshold,
                         e.load(0.0))
             for e in self.engines
-        ]
+        ))
         self._pos = {e.worker_id: i for i, e in enumerate(self.engines)}
         self.sample_interval = sample_interval
         self.resyncs = 0
@@ -253,11 +255,11 @@ class Simulator:
                 wake[i] = None
                 run.collect(i, tw)
                 if src.t == tw:  # closed loop, a successor issued right now: it joins the next pass
-                    states[i].load = engines[i].load(tw)
+                    states.set_load(i, engines[i].load(tw))
                     held.append(i)
                     continue
                 run.schedule(i)
-                states[i].load = engines[i].load(tw)
+                states.set_load(i, engines[i].load(tw))
                 run.last = tw
                 if pumping:
                     for j in self._pump(tw, run.tracks):
@@ -280,7 +282,7 @@ class Simulator:
             self.dispatcher.settle(now)
             for i in due:
                 run.schedule(i)
-                states[i].load = engines[i].load(now)
+                states.set_load(i, engines[i].load(now))
 
     def apply_events(self, i: int, now: float) -> None:
         """KV events of engine ``i`` into the index, as the live fleet applies them: a gap resyncs
@@ -321,7 +323,7 @@ class Simulator:
         if self.decision_log is not None:
             self.decision_log.record(d, now, program=tr.program, run=self.run_label)
         self.engines[i].add_request(d.request, now)
-        self._states[i].load = self.engines[i].load(now)
+        self._states.set_load(i, self.engines[i].load(now))
         return i
 
     def _summarize(self, tracks: dict[str, _Track], itl: array, wall_s: float) -> RunResult:
