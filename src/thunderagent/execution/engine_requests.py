@@ -111,6 +111,9 @@ class RequestStreamer:
         self._on_lost = on_lost
         self._on_change = on_change
         self._reqs: dict[str, Inflight] = {}
+        #: serves requests that carry the client's own body (``EngineRequest.passthrough``): the
+        #: ``engine: openai`` worker sets it (``execution/openai_relay.py``); None: they are refused
+        self.relay: Callable[[Inflight], Awaitable[None]] | None = None
         self.n_started = 0
         self.queued_tokens = 0  # prompt tokens of requests not started, less their expected hits
         self.decode_tokens = 0  # sequence lengths of started requests
@@ -177,6 +180,14 @@ class RequestStreamer:
     async def _generate(self, r: Inflight) -> None:
         req = r.req
         try:
+            if req.passthrough is not None:
+                if self.relay is None:  # a caller bug: only engine openai fleets relay
+                    log.error("%s cannot relay request %s (engine %s)", self.worker_id, req.request_id,
+                              self.flavor.name)
+                    self._end(r, FinishReason.ERROR)
+                else:
+                    await self.relay(r)
+                return
             model = await self._served_model()
             body = request_body(req, model, self.flavor, send_priority=self.send_priority)
             async with self._transport.stream_post(f"{self.url}/v1/completions", body) as resp:

@@ -1,0 +1,180 @@
+"""One hop through ThunderAgent: a client's request relayed unchanged to an OpenAI-compatible server.
+
+A request with :attr:`~thunderagent.types.EngineRequest.passthrough` is ``POST``-ed byte for byte to
+the server's path (``/v1/chat/completions`` or ``/v1/completions``); the answer comes back in
+:attr:`TokenOutput.raw <thunderagent.types.TokenOutput.raw>` as the server sent it, so fields
+ThunderAgent does not model (tools, logprobs, response formats...) still work end to end:
+
+- **streamed**: one output per server-sent event, its bytes unchanged; the event is read only for
+  what the router needs (a token produced, the finish reason, ``usage``); ``data: [DONE]`` is the
+  finished output. Servers stream text, not ids: each chunk with content counts one token (id
+  ``-1``; ``usage.completion_tokens`` at the end tops the count up), and a request whose stream
+  breaks cannot be continued elsewhere (``control.migration`` refuses streams without ids): it ends
+  ``ERROR`` and the client gets an error event;
+- **not streamed**: the whole JSON body in one finished output;
+- **refused** (non-200): ``UNAVAILABLE`` for a 5xx (routed again to another server), ``ERROR`` for a
+  4xx, with the server's body and status in ``raw`` / ``raw_status`` for the frontend to pass on.
+
+The in-flight accounting (:class:`~thunderagent.execution.engine_requests.RequestStreamer`) is the
+same as for token requests: a request counts as queued until its first event, then as decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from thunderagent.types import FinishReason, TokenOutput
+
+if TYPE_CHECKING:
+    from thunderagent.execution.engine_requests import Inflight, RequestStreamer
+
+log = logging.getLogger(__name__)
+
+_REASONS = frozenset(r.value for r in FinishReason)
+_DONE = b"[DONE]"
+_NO_IDS: list[int] = []  # shared: outputs without tokens never mutate their list (Fleet.outputs reads it)
+_ONE = [-1]  # shared too: one produced token of unknown id (read only, like _NO_IDS)
+
+
+# Typed, lenient decoders: only the fields the router reads; anything else in a chunk is skipped
+# unparsed (msgspec ignores unknown fields of a Struct), which keeps a relayed event cheap.
+class _Delta(msgspec.Struct):
+    content: Any = None
+    reasoning_content: Any = None
+    tool_calls: Any = None
+
+
+class _Choice(msgspec.Struct):
+    text: Any = None
+    delta: _Delta | None = None
+    message: Any = None
+    finish_reason: str | None = None
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int | None = None
+    prompt_tokens_details: _Details | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+    error: Any = None
+
+
+_chunk = msgspec.json.Decoder(_Chunk)
+
+
+def _has_token(c: _Choice) -> bool:
+    d = c.delta
+    if d is not None:
+        return bool(d.content or d.reasoning_content or d.tool_calls)
+    return bool(c.text)
+
+
+class Relay:
+    """The passthrough side of one server's :class:`RequestStreamer` (its ``relay``)."""
+
+    def __init__(self, streamer: RequestStreamer) -> None:
+        self._s = streamer
+
+    async def __call__(self, r: Inflight) -> None:
+        s = self._s
+        pt = r.req.passthrough
+        assert pt is not None, "only passthrough requests are relayed"
+        async with s._transport.stream_post(s.url + pt.path, pt.body) as resp:
+            if resp.status != 200:
+                body = (await resp.text()).encode()
+                log.warning("%s refused request %s: HTTP %d %s", s.worker_id, r.req.request_id, resp.status,
+                            body[:300])
+                reason = FinishReason.UNAVAILABLE if resp.status >= 500 else FinishReason.ERROR
+                self._finish(r, _NO_IDS, reason, 0, body, resp.status)
+                return
+            r.queue.accepted = True
+            if pt.stream:
+                await self._stream(resp.lines(), r)
+            else:
+                await self._whole(resp.lines(), r)
+
+    def _finish(self, r: Inflight, ids: list[int], reason: FinishReason, cached: int, raw: bytes | None,
+                status: int = 200) -> None:
+        s = self._s
+        r.queue.put_output(TokenOutput(r.req.request_id, ids, s._loop_time(), len(r.req.prompt_tokens), cached,
+                                       True, reason, "", raw=raw, raw_status=status), s._clock())
+
+    async def _whole(self, lines: AsyncIterable[bytes], r: Inflight) -> None:
+        body = b"".join([line async for line in lines])
+        try:
+            chunk = _chunk.decode(body)
+        except msgspec.DecodeError:
+            chunk = _Chunk()  # not ours to judge: the client gets the server's bytes
+        usage = chunk.usage
+        n = (usage.completion_tokens or 0) if usage is not None else 0
+        cached = _cached(usage)
+        reason = FinishReason.STOP
+        if chunk.choices and chunk.choices[0].finish_reason in _REASONS:
+            reason = FinishReason(chunk.choices[0].finish_reason)
+        self._s._progress(r, 0)
+        self._finish(r, [-1] * n, reason, cached, body)
+
+    async def _stream(self, lines: AsyncIterable[bytes], r: Inflight) -> None:
+        s = self._s
+        rid, n_prompt, clock, queue = r.req.request_id, len(r.req.prompt_tokens), s._clock, r.queue
+        reason: FinishReason | None = None
+        cached = counted = tokens = 0  # tokens: of the event being read
+        reported: int | None = None
+        event: list[bytes] = []
+        async for line in lines:
+            if line.startswith(b"data:"):
+                data = line[5:].strip()
+                if data == _DONE:
+                    # the event's blank line is not waited for: the server may hold the socket open
+                    event.append(line if line.endswith(b"\n\n") else line.rstrip(b"\r\n") + b"\n\n")
+                    self._done(r, reason, cached, max(tokens, (reported or 0) - counted), b"".join(event))
+                    return
+                chunk = _chunk.decode(data)
+                if chunk.error is not None:
+                    log.warning("%s: request %s failed in the server: %s", s.worker_id, rid, chunk.error)
+                    self._finish(r, _NO_IDS, FinishReason.ERROR, 0, data, 500)
+                    return
+                for c in chunk.choices or ():
+                    if _has_token(c):
+                        tokens += 1
+                    if c.finish_reason is not None:
+                        reason = FinishReason(c.finish_reason) if c.finish_reason in _REASONS else FinishReason.STOP
+                if chunk.usage is not None:
+                    reported = chunk.usage.completion_tokens
+                    cached = _cached(chunk.usage)
+            event.append(line)
+            if line.strip():  # data, comments (": ping"), "event:" / "id:" fields: until the blank line
+                continue
+            # a blank line ends an event: relay it as it came
+            s._progress(r, tokens)
+            counted += tokens
+            ids = _NO_IDS if not tokens else _ONE if tokens == 1 else [-1] * tokens
+            queue.put_output(TokenOutput(rid, ids, s._loop_time(), n_prompt, 0, text="", raw=b"".join(event)),
+                             clock())
+            event, tokens = [], 0
+        if reason is not None:  # a server that ends its stream without [DONE] (older llama.cpp)
+            self._done(r, reason, cached, max(tokens, (reported or 0) - counted), b"".join(event))
+            return
+        log.warning("%s: stream of request %s ended without a finish reason", s.worker_id, rid)
+        s._end(r, FinishReason.ERROR if r.started else FinishReason.UNAVAILABLE)
+
+    def _done(self, r: Inflight, reason: FinishReason | None, cached: int, top_up: int, raw: bytes) -> None:
+        self._s._progress(r, top_up)
+        self._finish(r, [-1] * top_up, reason or FinishReason.STOP, cached, raw)
+
+
+def _cached(usage: _Usage | None) -> int:
+    if usage is None or usage.prompt_tokens_details is None:
+        return 0
+    return usage.prompt_tokens_details.cached_tokens or 0
