@@ -41,6 +41,10 @@ class StreamedResponse(Protocol):
         """The whole body (for error answers)."""
         ...
 
+    def chunks(self) -> AsyncIterable[bytes]:
+        """The body in pieces as they arrive, whatever their boundaries (relayed streams)."""
+        ...
+
 
 class HttpTransport(Protocol):
     def stream_post(self, url: str, json: Any) -> AbstractAsyncContextManager[StreamedResponse]:
@@ -72,6 +76,9 @@ class _AiohttpStream:
 
     async def text(self) -> str:
         return await self._resp.text()
+
+    def chunks(self) -> AsyncIterable[bytes]:
+        return self._resp.content.iter_any()
 
 
 class AiohttpTransport:

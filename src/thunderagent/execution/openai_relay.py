@@ -100,9 +100,9 @@ class Relay:
                 return
             r.queue.accepted = True
             if pt.stream:
-                await self._stream(resp.lines(), r)
+                await self._stream(resp.chunks(), r)
             else:
-                await self._whole(resp.lines(), r)
+                await self._whole(resp.chunks(), r)
 
     def _finish(self, r: Inflight, ids: list[int], reason: FinishReason, cached: int, raw: bytes | None,
                 status: int = 200) -> None:
@@ -110,8 +110,8 @@ class Relay:
         r.queue.put_output(TokenOutput(r.req.request_id, ids, s._loop_time(), len(r.req.prompt_tokens), cached,
                                        True, reason, "", raw=raw, raw_status=status), s._clock())
 
-    async def _whole(self, lines: AsyncIterable[bytes], r: Inflight) -> None:
-        body = b"".join([line async for line in lines])
+    async def _whole(self, chunks: AsyncIterable[bytes], r: Inflight) -> None:
+        body = b"".join([c async for c in chunks])
         try:
             chunk = _chunk.decode(body)
         except msgspec.DecodeError:
@@ -125,46 +125,55 @@ class Relay:
         self._s._progress(r, 0)
         self._finish(r, [-1] * n, reason, cached, body)
 
-    async def _stream(self, lines: AsyncIterable[bytes], r: Inflight) -> None:
+    async def _stream(self, chunks: AsyncIterable[bytes], r: Inflight) -> None:
+        """Relay the server's events; all complete events of one network read go out as one output
+        (fewer queue hops and socket writes when a server writes faster than we relay)."""
         s = self._s
         rid, n_prompt, clock, queue = r.req.request_id, len(r.req.prompt_tokens), s._clock, r.queue
         reason: FinishReason | None = None
-        cached = counted = tokens = 0  # tokens: of the event being read
+        cached = counted = 0
+        tokens = 0  # of the event being read
+        ready = 0  # of the complete events not relayed yet
         reported: int | None = None
-        event: list[bytes] = []
-        async for line in lines:
-            if line.startswith(b"data:"):
-                data = line[5:].strip()
-                if data == _DONE:
-                    # the event's blank line is not waited for: the server may hold the socket open
-                    event.append(line if line.endswith(b"\n\n") else line.rstrip(b"\r\n") + b"\n\n")
-                    self._done(r, reason, cached, max(tokens, (reported or 0) - counted), b"".join(event))
-                    return
-                chunk = _chunk.decode(data)
-                if chunk.error is not None:
-                    log.warning("%s: request %s failed in the server: %s", s.worker_id, rid, chunk.error)
-                    self._finish(r, _NO_IDS, FinishReason.ERROR, 0, data, 500)
-                    return
-                for c in chunk.choices or ():
-                    if _has_token(c):
-                        tokens += 1
-                    if c.finish_reason is not None:
-                        reason = FinishReason(c.finish_reason) if c.finish_reason in _REASONS else FinishReason.STOP
-                if chunk.usage is not None:
-                    reported = chunk.usage.completion_tokens
-                    cached = _cached(chunk.usage)
-            event.append(line)
-            if line.strip():  # data, comments (": ping"), "event:" / "id:" fields: until the blank line
-                continue
-            # a blank line ends an event: relay it as it came
-            s._progress(r, tokens)
-            counted += tokens
-            ids = _NO_IDS if not tokens else _ONE if tokens == 1 else [-1] * tokens
-            queue.put_output(TokenOutput(rid, ids, s._loop_time(), n_prompt, 0, text="", raw=b"".join(event)),
-                             clock())
-            event, tokens = [], 0
+        buf = b""
+        scan = 0  # buf is parsed up to here (complete lines)
+        async for piece in chunks:
+            buf = buf + piece if buf else piece
+            cut = 0  # end of the last complete event in buf
+            while (nl := buf.find(b"\n", scan)) >= 0:
+                line = buf[scan:nl]
+                scan = nl + 1
+                if line.startswith(b"data:"):
+                    data = line[5:].strip()
+                    if data == _DONE:  # the event's blank line is not waited for: the socket may stay open
+                        self._done(r, reason, cached, ready + max(tokens, (reported or 0) - counted - ready),
+                                   buf[:scan] + b"\n")
+                        return
+                    chunk = _chunk.decode(data)
+                    if chunk.error is not None:
+                        log.warning("%s: request %s failed in the server: %s", s.worker_id, rid, chunk.error)
+                        self._finish(r, _NO_IDS, FinishReason.ERROR, 0, data, 500)
+                        return
+                    for c in chunk.choices or ():
+                        if _has_token(c):
+                            tokens += 1
+                        if c.finish_reason is not None:
+                            reason = FinishReason(c.finish_reason) if c.finish_reason in _REASONS else FinishReason.STOP
+                    if chunk.usage is not None:
+                        reported = chunk.usage.completion_tokens
+                        cached = _cached(chunk.usage)
+                elif not line.strip():  # a blank line ends an event (comments, "event:", "id:" ride along)
+                    cut = scan
+                    ready += tokens
+                    tokens = 0
+            if cut:
+                s._progress(r, ready)
+                counted += ready
+                ids = _NO_IDS if not ready else _ONE if ready == 1 else [-1] * ready
+                queue.put_output(TokenOutput(rid, ids, s._loop_time(), n_prompt, 0, text="", raw=buf[:cut]), clock())
+                buf, scan, ready = buf[cut:], scan - cut, 0
         if reason is not None:  # a server that ends its stream without [DONE] (older llama.cpp)
-            self._done(r, reason, cached, max(tokens, (reported or 0) - counted), b"".join(event))
+            self._done(r, reason, cached, max(tokens, (reported or 0) - counted), buf)
             return
         log.warning("%s: stream of request %s ended without a finish reason", s.worker_id, rid)
         s._end(r, FinishReason.ERROR if r.started else FinishReason.UNAVAILABLE)
