@@ -148,8 +148,10 @@ async def test_a_server_dying_mid_stream_ends_with_an_error_event() -> None:
 
 async def test_validation_left_to_ours_and_the_servers() -> None:
     async with fleet(OpenAIBackend("a")) as srv:
-        status, _, raw = await _post(srv, "/v1/completions", {"model": "other", "prompt": "x"})
-        assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found"
+        status, _, raw = await _post(srv, "/v1/completions", {"model": "served-name", "prompt": "x"})
+        assert status == 200  # the model name is the server's to check: forwarded unchanged
+        status, _, raw = await _post(srv, "/v1/completions", {"prompt": "x"})
+        assert status == 400 and "model" in json.loads(raw)["error"]["message"]
         status, _, raw = await _post(srv, "/v1/chat/completions", {"model": MODEL})
         assert status == 400 and json.loads(raw)["error"]["param"] == "messages"
         status, _, raw = await _post(srv, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0})
@@ -172,3 +174,17 @@ def test_kv_events_are_refused_for_engine_openai() -> None:
     with pytest.raises(ConfigError, match="cannot share a fleet"):
         parse_config({"execution_group": {"nodes": [
             {"engine": "openai", "endpoints": [{"url": "http://127.0.0.1:1"}]}, {"engine": "simulated"}]}})
+
+
+def test_serve_flags_build_an_openai_fleet() -> None:
+    """``serve --engine openai --worker URL``: servers without events; ``URL=EVENTS`` is refused."""
+    from thunderagent.overrides import build_config
+
+    cfg = build_config(None, None, None, None, None, None, engine="openai",
+                       worker_endpoints=["http://127.0.0.1:8080", "http://127.0.0.1:8081"], block_size=16)
+    (node,) = cfg.execution_group.nodes
+    assert node.engine == "openai" and node.count == 2 and node.block_size == 16
+    assert [e.kv_events for e in node.endpoints] == [None, None]
+    with pytest.raises(ConfigError, match="publishes no KV events"):
+        build_config(None, None, None, None, None, None, engine="openai",
+                     worker_endpoints=["http://127.0.0.1:8080=tcp://127.0.0.1:5571"])

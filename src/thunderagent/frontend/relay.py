@@ -4,7 +4,8 @@ The client's body is forwarded byte for byte to the server the router picks, and
 answer (SSE bytes or JSON) is relayed as it came (``execution/openai_relay.py``): one HTTP hop. What
 this frontend still reads and checks, because routing needs it or because it is ours to answer:
 
-- the body is a JSON object, ``model`` names this fleet's model (404 otherwise, as everywhere);
+- the body is a JSON object with a string ``model`` (the server checks the name: clients send the
+  name the servers serve, which ThunderAgent forwards unchanged);
 - the prompt, to hash it: chat ``messages`` (a non-empty list of ``{role, content}``; content parts
   other than text are forwarded but not hashed) or the completion's ``prompt`` (text, token ids, or a
   one-element list of text), tokenized with ``model``'s tokenizer when one is configured, else with
@@ -121,7 +122,6 @@ class _Frontend(Protocol):
     tokenizer: Tokenizer
     max_tokens_default: int
 
-    def _check_model(self, model: str) -> None: ...
     def _route_key(self, request: web.Request, req: Any) -> str: ...
     @staticmethod
     def _program_id(request: web.Request, req: Any) -> str | None: ...
@@ -139,7 +139,6 @@ class RelayFrontend:
         fe = self.fe
         body = await request.read()
         req = _decode(body)
-        fe._check_model(req.model)
         tok = fe.tokenizer
         if chat:
             if req.messages is None:
