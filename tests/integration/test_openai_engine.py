@@ -6,6 +6,7 @@ ThunderAgent's real HTTP server in front, the official OpenAI client and raw aio
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -165,6 +166,17 @@ async def test_load_comes_from_metrics_when_served_and_in_flight_accounting_othe
         m, n = wid[with_metrics.url], wid[without.url]
         await wait_until(lambda: srv.fleet.registry.loads()[m].waiting == 3, 5, "metrics polled")
         assert srv.fleet.registry.loads()[n].waiting == 0
+
+
+async def test_concurrent_requests_reach_the_server_together() -> None:
+    """A non-streamed answer's first byte is its last: requests in flight count as running (the
+    server's queue is invisible), so the holding queue does not feed the server one at a time."""
+    b = OpenAIBackend("slow", delay_s=0.3)
+    async with fleet(b) as srv:
+        rs = await asyncio.gather(*(srv.client.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=2)
+                                    for i in range(12)))
+        assert all(r.choices[0].text == "xx" for r in rs)
+        assert b.peak == 12
 
 
 def test_kv_events_are_refused_for_engine_openai() -> None:

@@ -30,6 +30,8 @@ class OpenAIBackend:
     metrics: bool = False
     step_s: float = 0.0
     running: int = 0
+    peak: int = 0  # most requests in progress at once
+    delay_s: float = 0.0  # a non-streamed answer takes this long
     bodies: list[dict] = field(default_factory=list)
     url: str = ""
 
@@ -74,6 +76,12 @@ class OpenAIBackend:
         cid, obj = f"{self.name}-{len(self.bodies)}", "chat.completion" if chat else "text_completion"
         usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": n + 7}
         if not body.get("stream"):
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+            try:
+                await asyncio.sleep(self.delay_s)
+            finally:
+                self.running -= 1
             choice: dict = ({"index": 0, "message": {"role": "assistant", "content": "x" * n}} if chat
                             else {"index": 0, "text": "x" * n})
             choice["finish_reason"] = "length"

@@ -23,6 +23,7 @@ from thunderagent.execution.handle import WorkerCallbacks, WorkerFactory, Worker
 from thunderagent.execution.http_transport import HttpTransport
 from thunderagent.execution.openai_relay import Relay
 from thunderagent.execution.vllm import EngineWorker
+from thunderagent.types import LoadReport
 
 __all__ = ["OPENAI", "OpenAIWorker", "openai_factory"]
 
@@ -53,6 +54,18 @@ class OpenAIWorker(EngineWorker):
         super().__init__(worker_id, node, endpoint, callbacks, heartbeat_interval=heartbeat_interval, flavor=OPENAI,
                          connect_timeout=connect_timeout, transport=transport)
         self._requests.relay = Relay(self._requests)
+
+    def load(self) -> LoadReport:
+        """The server's queue is invisible from outside: what was sent to it counts as running up to
+        the node's ``max_batch_size`` and as waiting past it; a server that serves ``/metrics``
+        raises both to its own figures (requests of other clients included)."""
+        s = self._health.stats
+        reqs = self._requests
+        n, cap = len(reqs), self.node.max_batch_size
+        total = s.num_blocks or self.node.kv_blocks
+        assert self._loop is not None, "start() was not called"
+        return LoadReport(self.worker_id, self._loop.time(), max(s.running, min(n, cap)), max(s.waiting, n - cap),
+                          reqs.queued_tokens, reqs.decode_tokens, round(s.kv_usage * total), 0, total)
 
 
 def openai_factory(cfg: Config) -> WorkerFactory:

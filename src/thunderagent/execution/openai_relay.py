@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from thunderagent.execution.http_transport import TransportConnectionError, TransportError
 from thunderagent.types import FinishReason, TokenOutput
 
 if TYPE_CHECKING:
@@ -90,19 +91,33 @@ class Relay:
         s = self._s
         pt = r.req.passthrough
         assert pt is not None, "only passthrough requests are relayed"
-        async with s._transport.stream_post(s.url + pt.path, pt.body) as resp:
-            if resp.status != 200:
-                body = (await resp.text()).encode()
-                log.warning("%s refused request %s: HTTP %d %s", s.worker_id, r.req.request_id, resp.status,
-                            body[:300])
-                reason = FinishReason.UNAVAILABLE if resp.status >= 500 else FinishReason.ERROR
-                self._finish(r, _NO_IDS, reason, 0, body, resp.status)
-                return
-            r.queue.accepted = True
-            if pt.stream:
-                await self._stream(resp.chunks(), r)
+        # No queue of the server's is visible from outside (a non-streamed answer's first byte is its
+        # last): a request sent counts as running at once; OpenAIWorker.load caps that at the node's
+        # max_batch_size and adds what the server's /metrics say waits there.
+        s._progress(r, 0)
+        try:
+            async with s._transport.stream_post(s.url + pt.path, pt.body) as resp:
+                if resp.status != 200:
+                    body = (await resp.text()).encode()
+                    log.warning("%s refused request %s: HTTP %d %s", s.worker_id, r.req.request_id, resp.status,
+                                body[:300])
+                    reason = FinishReason.UNAVAILABLE if resp.status >= 500 else FinishReason.ERROR
+                    self._finish(r, _NO_IDS, reason, 0, body, resp.status)
+                    return
+                r.queue.accepted = True
+                if pt.stream:
+                    await self._stream(resp.chunks(), r)
+                else:
+                    await self._whole(resp.chunks(), r)
+        except (TransportError, TimeoutError) as exc:
+            if r.queue.accepted:
+                raise  # lost after the server took it: the streamer ends it ERROR
+            # not taken (refused, reset, unreachable): UNAVAILABLE, the fleet routes it again
+            if isinstance(exc, TransportConnectionError) and not isinstance(exc, TimeoutError):
+                s._on_lost(f"request {r.req.request_id} failed: {exc!r}")
             else:
-                await self._whole(resp.chunks(), r)
+                log.warning("%s: request %s failed: %r", s.worker_id, r.req.request_id, exc)
+            self._finish(r, _NO_IDS, FinishReason.UNAVAILABLE, 0, None)
 
     def _finish(self, r: Inflight, ids: list[int], reason: FinishReason, cached: int, raw: bytes | None,
                 status: int = 200) -> None:

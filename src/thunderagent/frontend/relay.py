@@ -182,17 +182,14 @@ class RelayFrontend:
                       headers: dict[str, str]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
         try:
-            await resp.prepare(request)
-            while True:
-                if out.finished and _failed(out):
-                    await resp.write(_error_event(worker, out))
-                    break
+            await resp.prepare(request)  # aiohttp holds the headers back until the first bytes
+            while not out.finished:
                 if out.raw:
                     await resp.write(out.raw)
-                if out.finished:
-                    break
                 out = await anext(outputs)
-            await resp.write_eof()
+            # the last bytes go with the end of the chunked body: one send, not two (a stream that
+            # arrived in one read leaves in one write, headers included)
+            await resp.write_eof(_error_event(worker, out) if _failed(out) else out.raw or b"")
         except (ConnectionResetError, ConnectionError) as exc:
             log.info("client went away during a relayed stream: %s", exc)
         return resp
