@@ -113,7 +113,7 @@ def serve_thunderagent(backends: list[str]) -> None:
 
     from thunderagent.config import parse_config  # noqa: PLC0415
     from thunderagent.frontend.app import create_app  # noqa: PLC0415
-    from thunderagent.frontend.server import FrontendRunner, run_loop  # noqa: PLC0415
+    from thunderagent.frontend.server import FrontendRunner  # noqa: PLC0415
 
     cfg = parse_config({
         "model_name": FAKE_MODEL,
@@ -133,10 +133,7 @@ def serve_thunderagent(backends: list[str]) -> None:
             await runner.cleanup()
 
     with contextlib.suppress(KeyboardInterrupt):
-        if os.environ.get("BENCH_NO_UVLOOP"):
-            asyncio.run(main())
-        else:
-            run_loop(main())  # as `thunderagent serve` runs: uvloop when installed
+        asyncio.run(main())  # as `thunderagent serve` runs (uvloop measured no better here: not used)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine
 from typing import Any, cast
 
 from aiohttp import http_exceptions, web
@@ -164,16 +163,4 @@ def run_frontend(app: web.Application, host: str, port: int) -> None:
             await runner.cleanup()
 
     with contextlib.suppress(web.GracefulExit, KeyboardInterrupt):
-        run_loop(main())
-
-
-def run_loop(main: Coroutine[Any, Any, None]) -> None:
-    """``asyncio.run(main)`` on uvloop when it is installed: its loop makes each HTTP hop cheaper
-    (measured by ``bench/proxy_latency.py``); the standard loop otherwise."""
-    try:
-        import uvloop  # noqa: PLC0415
-    except ImportError:
-        asyncio.run(main)
-        return
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(main)
+        asyncio.run(main())
