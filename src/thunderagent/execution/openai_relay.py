@@ -15,8 +15,11 @@ ThunderAgent does not model (tools, logprobs, response formats...) still work en
 - **refused** (non-200): ``UNAVAILABLE`` for a 5xx (routed again to another server), ``ERROR`` for a
   4xx, with the server's body and status in ``raw`` / ``raw_status`` for the frontend to pass on.
 
-The in-flight accounting (:class:`~thunderagent.execution.engine_requests.RequestStreamer`) is the
-same as for token requests: a request counts as queued until its first event, then as decoding.
+The in-flight accounting is the :class:`~thunderagent.execution.engine_requests.RequestStreamer`'s,
+with one difference: a relayed request counts as running from the moment it is sent (the server's
+queue is invisible from outside, and a non-streamed answer's first byte is its last), see
+:meth:`OpenAIWorker.load <thunderagent.execution.openai.OpenAIWorker.load>`. A request the server did
+not take (refused connection, reset, 5xx) ends ``UNAVAILABLE`` and is routed again.
 """
 
 from __future__ import annotations
