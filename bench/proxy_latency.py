@@ -1,27 +1,27 @@
-"""Added proxy latency and streaming throughput: sglang-router vs ThunderAgent, same run.
+"""Added proxy latency and streaming throughput: ThunderAgent vs sglang-router (and vllm-router), same run.
 
-Backends are our own fake OpenAI servers (``bench/fake_backend.py``: answer at once, no model).
-Targets, all on 127.0.0.1, all started by this script and killed at the end:
+Every proxy stands in front of the same two fake OpenAI servers (``bench/fake_backend.py``: answer at
+once, no model), one HTTP hop each; all on 127.0.0.1, started by this script and killed at the end:
 
-- ``direct``: a fake backend, no proxy (the floor).
-- ``sglang-router rr`` / ``sglang-router ca``: ``python -m sglang_router.launch_router`` with
-  ``--policy round_robin`` / ``cache_aware`` in front of 2 fake backends.
-- ``thunderagent*``: ``create_app`` with 2 *in-process simulated* workers at
-  ``simulation.speedup = 1e6`` (engine time ~ 0). ThunderAgent cannot proxy to HTTP backends yet,
-  so this is "frontend + router + in-process engine": it has NO second HTTP hop and NO backend
-  process, but does run its tokenizer, hashing, router, simulated engine and detokenizer. It is NOT
-  the same measurement as an HTTP proxy; read its "added" figure as our own per-request overhead.
+- ``direct``: a fake backend, no proxy (the floor);
+- ``thunderagent``: ``thunderagent serve``'s server (``FrontendRunner``, its connection limits) with
+  ``engine: openai`` (``execution/openai.py``): it tokenizes (byte-level stand-in) and hashes the
+  prompt, routes on its own predictions, forwards the client's body unchanged and relays the
+  server's SSE bytes;
+- ``sglang-router rr`` / ``ca``: ``python -m sglang_router.launch_router`` with ``--policy
+  round_robin`` / ``cache_aware``;
+- ``vllm-router``: the ``vllm-router`` binary (``--policy round_robin``) when the package is installed.
 
-Measured:
-1. latency: N sequential 1-token, non-streaming ``/v1/completions`` per target with one keep-alive
-   aiohttp session per target, interleaved across targets request by request (CPU noise hits all
-   alike); median and p90; "added" = median(target) - median(direct).
-2. streaming throughput: C concurrent clients x R streamed 64-token completions per target (one
-   target at a time), tokens/s counted from ``usage.completion_tokens``.
+Measured, interleaved across targets so CPU noise hits all alike:
+1. latency: N sequential 1-token non-streaming ``/v1/completions`` per target (one keep-alive
+   connection each), request by request in rotating order; median and p99; "added" = the target's
+   figure less the direct one's;
+2. streaming throughput at C concurrent clients (32 and 256 by default): R rounds, each round every
+   target in rotating order, C clients x S streamed 64-token completions; tokens/s counted from the
+   streams' ``usage.completion_tokens``; the median round is reported.
 
-Run: ``python bench/proxy_latency.py [--quick]``. Lower latency / higher tokens/s is better.
-This machine's 2 cores are shared by the client, the proxy and the backends: absolute numbers are
-pessimistic, ratios measured in the same run are what to read.
+Run: ``python bench/proxy_latency.py [--quick]``. Lower latency / higher tokens/s is better. The
+client, the proxies and the backends share this machine's cores: read ratios from one run.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ from _common import median, print_table  # noqa: E402
 SYSTEM = ("You are a careful assistant working on a code base. Read the files you are given, "
           "answer precisely, and say when you are unsure. ") * 3
 FAKE_MODEL = "fake-model"
-TA_MODEL = "thunderagent-sim"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,32 +107,33 @@ def sglang_router_version() -> str | None:
 # ---------------------------------------------------------------------------------------------
 # ThunderAgent server (child mode)
 # ---------------------------------------------------------------------------------------------
-def serve_thunderagent(workers: int) -> None:
+def serve_thunderagent(backends: list[str]) -> None:
+    """``thunderagent serve --engine openai --worker URL ...``, as that command runs it, on a free port."""
     from aiohttp import web  # noqa: PLC0415
 
     from thunderagent.config import parse_config  # noqa: PLC0415
     from thunderagent.frontend.app import create_app  # noqa: PLC0415
+    from thunderagent.frontend.server import FrontendRunner  # noqa: PLC0415
 
     cfg = parse_config({
-        "simulation": {"speedup": 1e6},
-        "execution_group": {"nodes": [{"count": workers}]},
+        "model_name": FAKE_MODEL,
         "routing": {"seed": 1},
-        "model_name": TA_MODEL,
+        "execution_group": {"nodes": [{"engine": "openai", "endpoints": [{"url": u} for u in backends]}]},
     }, "bench")
 
     async def main() -> None:
-        runner = web.AppRunner(create_app(cfg), access_log=None)
+        runner = FrontendRunner(create_app(cfg))
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        print(f"PORT {site._server.sockets[0].getsockname()[1]}", flush=True)  # type: ignore[union-attr]
+        print(f"PORT {runner.addresses[0][1]}", flush=True)
         try:
             await asyncio.Event().wait()
         finally:
             await runner.cleanup()
 
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(main())
+        asyncio.run(main())  # as `thunderagent serve` runs (uvloop measured no better here: not used)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,7 +147,7 @@ class Target:
     note: str = ""
     proc: subprocess.Popen | None = None  # the proxy process, if we started one for this target
     lat_ms: list[float] = field(default_factory=list)
-    prompts: list[str] = field(default_factory=list)  # streaming prompts (64 tokens each)
+    thr: dict[int, list[float]] = field(default_factory=dict)  # clients -> tokens/s of each round
 
 
 def _prompt(i: int) -> str:
@@ -179,20 +179,6 @@ async def _wait_ready(session, t: Target, timeout: float) -> None:
     raise RuntimeError(f"{t.name} not ready after {timeout:.0f} s: {last}")
 
 
-async def _pick_prompts(session, t: Target, n: int, tokens: int) -> None:
-    """Prompts that really yield ``tokens`` tokens on this target (ThunderAgent's simulated text has
-    a per-prompt natural length and may stop earlier; the fake backend always gives max_tokens)."""
-    i = 0
-    while len(t.prompts) < n and i < 20 * n:
-        p = _prompt(100_000 + i)
-        i += 1
-        out = await _complete(session, t.urls[0], t.model, p, tokens)
-        if out["usage"]["completion_tokens"] == tokens:
-            t.prompts.append(p)
-    if not t.prompts:
-        raise RuntimeError(f"{t.name}: no prompt yields {tokens} tokens")
-
-
 async def latency(targets: list[Target], n: int, warmup: int) -> None:
     import aiohttp  # noqa: PLC0415
 
@@ -213,44 +199,50 @@ async def latency(targets: list[Target], n: int, warmup: int) -> None:
             await s.close()
 
 
-async def stream_throughput(t: Target, clients: int, per_client: int, tokens: int) -> dict[str, float]:
+async def stream_throughput(t: Target, clients: int, per_client: int, tokens: int) -> float:
+    """Tokens/s of ``clients`` concurrent clients, each streaming ``per_client`` completions."""
     import aiohttp  # noqa: PLC0415
 
     total_tokens = 0
-    streams = 0
 
     async def client(c: int, session) -> None:
-        nonlocal total_tokens, streams
+        nonlocal total_tokens
         url = t.urls[c % len(t.urls)]
         for r in range(per_client):
-            prompt = t.prompts[(c * per_client + r) % len(t.prompts)] if t.prompts else _prompt(c * 1000 + r)
-            body = {"model": t.model, "prompt": prompt, "max_tokens": tokens, "stream": True,
+            body = {"model": t.model, "prompt": _prompt(c * 1000 + r), "max_tokens": tokens, "stream": True,
                     "stream_options": {"include_usage": True}}
             async with session.post(url + "/v1/completions", json=body) as resp:
                 if resp.status != 200:
-                    raise RuntimeError(f"{t.name}: HTTP {resp.status}")
+                    raise RuntimeError(f"{t.name}: HTTP {resp.status}: {(await resp.read())[:200]!r}")
                 got = 0
                 async for line in resp.content:
                     if line.startswith(b"data: {") and b'"usage"' in line:
                         u = json.loads(line[6:]).get("usage")
                         if u:
                             got = u["completion_tokens"]
+                if got != tokens:
+                    raise RuntimeError(f"{t.name}: a stream gave {got} tokens, not {tokens}")
                 total_tokens += got
-                streams += 1
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as session:
         t0 = time.perf_counter()
         await asyncio.gather(*(client(c, session) for c in range(clients)))
         wall = time.perf_counter() - t0
-    return {"tokens_per_s": total_tokens / wall, "streams_per_s": streams / wall,
-            "tokens": float(total_tokens), "wall_s": wall}
+    return total_tokens / wall
 
 
 # ---------------------------------------------------------------------------------------------
 # orchestration
 # ---------------------------------------------------------------------------------------------
-def run(n_latency: int = 200, clients: int = 32, per_client: int = 10, tokens: int = 64,
-        with_sglang: bool = True, logdir: Path | None = None) -> dict[str, object]:
+def vllm_router_binary() -> str | None:
+    import shutil  # noqa: PLC0415
+
+    exe = Path(sys.executable).parent / "vllm-router"
+    return str(exe) if exe.exists() else shutil.which("vllm-router")
+
+
+def run(n_latency: int = 200, concurrency: tuple[int, ...] = (32, 256), per_client: int = 4, rounds: int = 3,
+        tokens: int = 64, with_sglang: bool = True, logdir: Path | None = None) -> dict[str, object]:
     import tempfile  # noqa: PLC0415
 
     import aiohttp  # noqa: PLC0415
@@ -258,22 +250,22 @@ def run(n_latency: int = 200, clients: int = 32, per_client: int = 10, tokens: i
     logdir = logdir or Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     procs: list[subprocess.Popen] = []
     notes: list[str] = []
+    cmds: dict[str, list[str]] = {}
     try:
         backends = []
         for k in range(2):
             p = _spawn([sys.executable, str(HERE / "fake_backend.py"), "--port", "0"], logdir / f"backend{k}.log")
             procs.append(p)
             backends.append(f"http://127.0.0.1:{_read_port(p)}")
-        ta = _spawn([sys.executable, str(HERE / "proxy_latency.py"), "--serve-thunderagent", "2"],
+        targets = [Target("direct (fake backend)", backends, FAKE_MODEL)]
+        ta = _spawn([sys.executable, str(HERE / "proxy_latency.py"), "--serve-thunderagent", *backends],
                     logdir / "thunderagent.log")
         procs.append(ta)
-        ta_url = f"http://127.0.0.1:{_read_port(ta)}"
-
-        targets = [Target("direct (fake backend)", backends, FAKE_MODEL)]
-        sg_cmds: dict[str, list[str]] = {}
+        targets.append(Target("thunderagent (engine openai)", [f"http://127.0.0.1:{_read_port(ta)}"], FAKE_MODEL,
+                              proc=ta))
         version = sglang_router_version()
         if with_sglang and version is None:
-            notes.append("sglang-router is not installed (pip install sglang-router): only ours is reported")
+            notes.append("sglang-router is not installed (pip install sglang-router): not measured")
         elif with_sglang:
             for short, policy in (("rr", "round_robin"), ("ca", "cache_aware")):
                 port = _free_port()
@@ -281,14 +273,22 @@ def run(n_latency: int = 200, clients: int = 32, per_client: int = 10, tokens: i
                        "--policy", policy, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn",
                        # each router also serves Prometheus metrics (default port 29000: two collide)
                        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]
-                sg_cmds[policy] = cmd
+                cmds[f"sglang-router {short}"] = cmd
                 procs.append(_spawn(cmd, logdir / f"sglang-{short}.log"))
                 targets.append(Target(f"sglang-router {short}", [f"http://127.0.0.1:{port}"], FAKE_MODEL,
                                       proc=procs[-1]))
-        targets.append(Target("thunderagent (in-proc engine)", [ta_url], TA_MODEL,
-                              note="frontend+router+in-process engine, no HTTP hop"))
+        vr = vllm_router_binary()
+        if vr is None:
+            notes.append("vllm-router is not installed (pip install vllm-router): not measured")
+        else:
+            port = _free_port()
+            cmd = [vr, "--worker-urls", *backends, "--policy", "round_robin", "--host", "127.0.0.1",
+                   "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]
+            cmds["vllm-router rr"] = cmd
+            procs.append(_spawn(cmd, logdir / "vllm-router.log"))
+            targets.append(Target("vllm-router rr", [f"http://127.0.0.1:{port}"], FAKE_MODEL, proc=procs[-1]))
 
-        async def drive() -> dict[str, dict[str, float]]:
+        async def drive() -> None:
             async with aiohttp.ClientSession() as s:
                 for t in list(targets):
                     try:
@@ -296,21 +296,20 @@ def run(n_latency: int = 200, clients: int = 32, per_client: int = 10, tokens: i
                     except RuntimeError as exc:
                         notes.append(f"{t.name} failed to start, skipped: {exc}")
                         targets.remove(t)
-                for t in targets:
-                    await _pick_prompts(s, t, 64, tokens)
             await latency(targets, n_latency, warmup=max(5, n_latency // 10))
-            thr = {}
             for t in targets:
-                await stream_throughput(t, min(4, clients), 1, tokens)  # warm connections
-                thr[t.name] = await stream_throughput(t, clients, per_client, tokens)
-            return thr
+                await stream_throughput(t, 4, 1, tokens)  # warm connections
+            for clients in concurrency:
+                for r in range(rounds):
+                    for k in range(len(targets)):
+                        t = targets[(r + k) % len(targets)]
+                        t.thr.setdefault(clients, []).append(await stream_throughput(t, clients, per_client, tokens))
 
-        thr = asyncio.run(drive())
+        asyncio.run(drive())
     finally:
         for p in reversed(procs):
             _stop(p)
-    return {"targets": targets, "throughput": thr, "notes": notes, "sglang_version": version,
-            "sglang_cmds": sg_cmds, "logdir": str(logdir)}
+    return {"targets": targets, "notes": notes, "sglang_version": version, "cmds": cmds, "logdir": str(logdir)}
 
 
 def _p(xs: list[float], q: float) -> float:
@@ -320,59 +319,58 @@ def _p(xs: list[float], q: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="added proxy latency and streaming throughput vs sglang-router")
-    ap.add_argument("--quick", action="store_true", help="fewer requests (~10 s)")
+    ap.add_argument("--quick", action="store_true", help="fewer requests (~30 s)")
     ap.add_argument("--requests", type=int, default=None, help="sequential latency requests per target")
-    ap.add_argument("--clients", type=int, default=32)
-    ap.add_argument("--per-client", type=int, default=None, help="streamed requests per client")
+    ap.add_argument("--clients", type=int, nargs="+", default=[32, 256], help="concurrent streaming clients")
+    ap.add_argument("--per-client", type=int, default=None, help="streamed requests per client per round")
+    ap.add_argument("--rounds", type=int, default=None, help="throughput rounds per target and concurrency")
     ap.add_argument("--no-sglang", action="store_true")
-    ap.add_argument("--serve-thunderagent", type=int, metavar="WORKERS", help=argparse.SUPPRESS)
+    ap.add_argument("--serve-thunderagent", nargs="+", metavar="BACKEND_URL", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_thunderagent:
         serve_thunderagent(args.serve_thunderagent)
         return
-    n = args.requests or (60 if args.quick else 200)
-    per_client = args.per_client or (3 if args.quick else 20)
+    n = args.requests or (100 if args.quick else 400)
+    per_client = args.per_client or (2 if args.quick else 4)
+    rounds = args.rounds or (1 if args.quick else 3)
     t0 = time.perf_counter()
-    r = run(n, args.clients, per_client, 64, with_sglang=not args.no_sglang)
+    r = run(n, tuple(args.clients), per_client, rounds, 64, with_sglang=not args.no_sglang)
     elapsed = time.perf_counter() - t0
     targets: list[Target] = r["targets"]  # type: ignore[assignment]
-    thr: dict[str, dict[str, float]] = r["throughput"]  # type: ignore[assignment]
-    print(f"proxy latency / throughput, 127.0.0.1, 2 fake backends; sglang-router "
-          f"{r['sglang_version'] or 'not installed'}")
-    for policy, cmd in r["sglang_cmds"].items():  # type: ignore[union-attr]
-        print(f"  sglang {policy}: {' '.join(Path(c).name if c == sys.executable else c for c in cmd)}")
+    print(f"proxy latency / throughput, 127.0.0.1, 2 fake backends, one HTTP hop per proxy; sglang-router "
+          f"{r['sglang_version'] or 'not installed'}; {os.cpu_count()} CPUs")
+    for name, cmd in r["cmds"].items():  # type: ignore[union-attr]
+        print(f"  {name}: {' '.join(Path(c).name if c == sys.executable else c for c in cmd)}")
     for note in r["notes"]:  # type: ignore[union-attr]
         print(f"  NOTE: {note}")
-    direct = median(targets[0].lat_ms) if targets else float("nan")
+    if not targets:
+        return
+    d = targets[0]
+    d50, d99 = median(d.lat_ms), _p(d.lat_ms, 0.99)
     rows = []
     for t in targets:
-        m = median(t.lat_ms)
-        rows.append([t.name, m, _p(t.lat_ms, 0.9), (m - direct) * 1e3 if t is not targets[0] else 0.0,
-                     m / direct if direct else float("nan")])
+        m, p99 = median(t.lat_ms), _p(t.lat_ms, 0.99)
+        rows.append([t.name, m, p99, (m - d50) * 1e3, (p99 - d99) * 1e3])
     print_table(f"sequential 1-token completions, keep-alive, {n} per target, interleaved (lower is better)",
-                ["target", "median ms", "p90 ms", "added µs", "x direct"], rows)
-    sg = [t for t in targets if t.name.startswith("sglang-router")]
-    ta = [t for t in targets if t.name.startswith("thunderagent")]
-    if sg and ta:
-        ta_add = median(ta[0].lat_ms) - direct
-        for s in sg:
-            s_add = median(s.lat_ms) - direct
-            print(f"  added latency ours/{s.name}: {ta_add * 1e3:.0f} / {s_add * 1e3:.0f} µs "
-                  f"= {ta_add / s_add:.2f}x" if s_add > 0 else f"  {s.name}: added <= 0 (noise)")
-    rows = []
-    base = thr.get(targets[0].name, {}).get("tokens_per_s", float("nan")) if targets else float("nan")
-    for t in targets:
-        x = thr.get(t.name)
-        if x:
-            rows.append([t.name, x["tokens_per_s"], x["streams_per_s"], x["wall_s"], x["tokens_per_s"] / base])
-    print_table(f"streaming: {args.clients} concurrent clients x {per_client} streams x 64 tokens "
-                "(higher is better)", ["target", "tokens/s", "streams/s", "wall s", "x direct"], rows)
-    if sg and ta:
-        for s in sg:
-            a, b = thr[ta[0].name]["tokens_per_s"], thr[s.name]["tokens_per_s"]
-            print(f"  tokens/s ours/{s.name}: {a / b:.2f}x")
-    print("CAVEAT: thunderagent rows are frontend + router + in-process simulated engine (speedup 1e6),")
-    print("        not an HTTP proxy: no second hop and no backend process; sglang rows include both.")
+                ["target", "median ms", "p99 ms", "added median µs", "added p99 µs"], rows)
+    ours = next((t for t in targets if t.name.startswith("thunderagent")), None)
+    peers = [t for t in targets if t.name.startswith(("sglang", "vllm-router"))]
+    if ours is not None:
+        for s in peers:
+            a50, b50 = median(ours.lat_ms) - d50, median(s.lat_ms) - d50
+            a99, b99 = _p(ours.lat_ms, 0.99) - d99, _p(s.lat_ms, 0.99) - d99
+            print(f"  added latency ours / {s.name}: median {a50 * 1e3:.0f} / {b50 * 1e3:.0f} µs = "
+                  f"{a50 / b50 if b50 > 0 else float('nan'):.2f}x; p99 {a99 * 1e3:.0f} / {b99 * 1e3:.0f} µs = "
+                  f"{a99 / b99 if b99 > 0 else float('nan'):.2f}x (target <= 1.00x)")
+    for clients in args.clients:
+        base = median(d.thr.get(clients, []))
+        rows = [[t.name, median(t.thr.get(clients, [])), median(t.thr.get(clients, [])) / base] for t in targets]
+        print_table(f"streaming: {clients} concurrent clients x {per_client} streams x 64 tokens, median of "
+                    f"{rounds} interleaved rounds (higher is better)", ["target", "tokens/s", "x direct"], rows)
+        if ours is not None:
+            for s in peers:
+                a, b = median(ours.thr.get(clients, [])), median(s.thr.get(clients, []))
+                print(f"  tokens/s ours / {s.name} at {clients} clients: {a / b:.2f}x (target >= 1.00x)")
     print(f"logs: {r['logdir']}; elapsed {elapsed:.1f} s")
 
 

@@ -125,6 +125,18 @@ class EngineRequest:
     # instead of computing it (an engine that cannot falls back to computing it).
     remote_decode: bool = False
     kv_from: KvTransfer | None = None
+    #: the client's own request, relayed unchanged to an OpenAI-compatible server (``engine: openai``)
+    passthrough: Passthrough | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Passthrough:
+    """A client's HTTP request as it arrived: ``body`` is POSTed byte for byte to the server's
+    ``path``; its answer comes back in :attr:`TokenOutput.raw` (``execution/openai_relay.py``)."""
+
+    path: str  # "/v1/chat/completions" or "/v1/completions"
+    body: bytes
+    stream: bool
 
 
 @dataclass(slots=True, frozen=True)
@@ -160,6 +172,11 @@ class TokenOutput:
     text: str | None = None  # engines that return text (real engines over HTTP) set it; else decoded from ids
     #: on the finished output of a ``remote_decode`` request: where the decode worker pulls the KV from
     kv_transfer: KvTransfer | None = None
+    #: a passthrough request's answer bytes, relayed as the server sent them: SSE events (streamed), the
+    #: JSON body (not streamed), or the server's error body on an ``ERROR`` finish (its HTTP status in
+    #: ``raw_status``)
+    raw: bytes | None = None
+    raw_status: int = 200
 
 
 @dataclass(slots=True, frozen=True)

@@ -11,6 +11,7 @@ from thunderagent.bus import wire
 import dataclasses
 
 from thunderagent.types import (
+    Passthrough,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -120,6 +121,7 @@ def _non_default(field: dataclasses.Field, k: int) -> object:
         "sampling": Sampling(temperature=0.25, top_p=0.5, seed=4242), "resumed": 5,
         "check_hashes": [2**64 - 2, 0], "remote_decode": True,
         "kv_from": KvTransfer("w-prefill", 130, (2**64 - 1, 5), '{"remote_engine_id": "e1"}'),
+        "passthrough": Passthrough("/v1/chat/completions", b'{"model": "m", "tools": []}', True),
     }
     assert field.name in values, f"EngineRequest.{field.name} is new: give it a wire test value here and a wire field"
     value = values[field.name]
@@ -140,6 +142,13 @@ def test_every_engine_request_field_crosses_the_wire():
         out = wire.request_from_wire(wire.decode_generate(wire.encode(wire.request_to_wire(
             dataclasses.replace(req, sampling=s)))))
         assert out.sampling == s
+
+
+def test_relayed_bytes_cross_the_wire():
+    """A passthrough request's answer bytes (engine openai) and their HTTP status survive NATS."""
+    out = TokenOutput("r", [], 0.5, 3, 0, True, FinishReason.ERROR, raw=b'{"error": {"message": "bad"}}',
+                      raw_status=400)
+    assert wire.output_from_wire("r", wire.output_to_wire(out)) == out
 
 
 def test_finish_reasons_cross_as_the_enum():

@@ -53,6 +53,7 @@ from thunderagent.types import (
     KvEvent,
     KvTransfer,
     LoadReport,
+    Passthrough,
     Sampling,
     TokenOutput,
 )
@@ -355,6 +356,7 @@ class GenerateRequest(msgspec.Struct, array_like=True, frozen=True):
     check_hashes: bytes | None = None  # packed u64: the double-hash guard's (kv.check), None when off
     remote_decode: bool = False  # a prefill-only job (prefill/decode disaggregation)
     kv_from: WireKvTransfer | None = None  # the decode side: where the prompt's KV is pulled from
+    passthrough: tuple[str, bytes, bool] | None = None  # engine openai: path, body, stream (relayed unchanged)
 
 
 class Abort(msgspec.Struct, array_like=True, frozen=True):
@@ -370,6 +372,8 @@ class WireToken(msgspec.Struct, array_like=True, frozen=True):
     finish_reason: str | None
     text: str | None
     kv_transfer: WireKvTransfer | None = None
+    raw: bytes | None = None  # engine openai: the server's answer bytes, relayed
+    raw_status: int = 200
 
 
 class TokenBatch(msgspec.Struct, array_like=True, frozen=True):
@@ -391,7 +395,8 @@ def request_to_wire(req: EngineRequest) -> GenerateRequest:
                            req.max_tokens, req.ignore_eos, req.priority, req.arrival, req.cache_salt, req.lora_name,
                            sampling, req.resumed,
                            None if req.check_hashes is None else pack_u64(req.check_hashes),
-                           req.remote_decode, _kv_to_wire(req.kv_from))
+                           req.remote_decode, _kv_to_wire(req.kv_from),
+                           None if (p := req.passthrough) is None else (p.path, p.body, p.stream))
 
 
 def request_from_wire(g: GenerateRequest) -> EngineRequest:
@@ -401,18 +406,19 @@ def request_from_wire(g: GenerateRequest) -> EngineRequest:
                          lora_name=g.lora_name, sampling=None if s is None else Sampling(s.temperature, s.top_p, s.seed),
                          resumed=g.resumed,
                          check_hashes=None if g.check_hashes is None else unpack_u64(g.check_hashes),
-                         remote_decode=g.remote_decode, kv_from=_kv_from_wire(g.kv_from))
+                         remote_decode=g.remote_decode, kv_from=_kv_from_wire(g.kv_from),
+                         passthrough=None if g.passthrough is None else Passthrough(*g.passthrough))
 
 
 def output_to_wire(o: TokenOutput) -> WireToken:
     return WireToken(o.token_ids, o.time, o.prompt_tokens, o.cached_tokens, o.finished, o.finish_reason, o.text,
-                     _kv_to_wire(o.kv_transfer))
+                     _kv_to_wire(o.kv_transfer), o.raw, o.raw_status)
 
 
 def output_from_wire(request_id: str, w: WireToken) -> TokenOutput:
     reason = None if w.finish_reason is None else FinishReason(w.finish_reason)
     return TokenOutput(request_id, w.token_ids, w.time, w.prompt_tokens, w.cached_tokens, w.finished, reason, w.text,
-                       _kv_from_wire(w.kv_transfer))
+                       _kv_from_wire(w.kv_transfer), w.raw, w.raw_status)
 
 
 def max_prompt_tokens(max_payload: int, block_size: int) -> int:

@@ -23,7 +23,9 @@ def serve(
     ] = None,
     model: Annotated[Optional[str], typer.Option(
         help="local model directory the engines serve (tokenizer + chat template; needs the engines extra)")] = None,
-    engine: Annotated[Optional[str], typer.Option(help="engine of the --worker servers: vllm (default) or sglang")] = None,
+    engine: Annotated[Optional[str], typer.Option(
+        help="engine of the --worker servers: vllm (default), sglang, or openai (any OpenAI-compatible server, "
+             "no KV events: --worker URL)")] = None,
     worker: Annotated[Optional[list[str]], typer.Option(
         help="an engine server: URL=EVENTS[,REPLAY], e.g. http://127.0.0.1:8101=tcp://127.0.0.1:5571,"
              "tcp://127.0.0.1:5572 (repeat per server)")] = None,
@@ -38,8 +40,8 @@ def serve(
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if engine is not None and engine not in ("vllm", "sglang", "simulated"):
-            raise ConfigError(f"--engine must be vllm or sglang, got {engine!r}")
+        if engine is not None and engine not in ("vllm", "sglang", "openai", "simulated"):
+            raise ConfigError(f"--engine must be vllm, sglang or openai, got {engine!r}")
         cfg = build_config(config, host, port, workers, speedup, policy, model=model, engine=engine,
                            worker_endpoints=worker, block_size=block_size)
         application = create_app(cfg)  # loads the model's tokenizer (before serving)

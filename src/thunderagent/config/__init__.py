@@ -174,7 +174,8 @@ class NodeConfig(_Strict):
 
     role: Role = Role.both
     count: int = Field(1, ge=1)
-    engine: Literal["simulated", "vllm", "sglang"] = "simulated"
+    #: openai: any OpenAI-compatible server, no KV events (requests relayed unchanged: execution/openai.py)
+    engine: Literal["simulated", "vllm", "sglang", "openai"] = "simulated"
     endpoints: list[EndpointConfig] = Field(
         default_factory=list, description="real engines only: one entry per server (count follows)"
     )
@@ -210,6 +211,9 @@ class NodeConfig(_Strict):
             return self
         if not self.endpoints:
             raise ValueError(f"engine {self.engine} needs endpoints: one {{url, kv_events}} per server")
+        if self.engine == "openai" and any(e.kv_events or e.kv_replay for e in self.endpoints):
+            raise ValueError("engine openai publishes no KV events: drop endpoints[].kv_events / kv_replay (routing "
+                             "uses the router's own predictions), or use engine vllm|sglang for a server with events")
         if "count" in self.model_fields_set and self.count != len(self.endpoints):
             raise ValueError(f"count ({self.count}) differs from the number of endpoints ({len(self.endpoints)})")
         object.__setattr__(self, "count", len(self.endpoints))
@@ -422,7 +426,12 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _model_for_real_engines(self) -> Config:
-        real = sorted({n.engine for n in self.execution_group.nodes if n.engine != "simulated"})
+        kinds = {n.engine for n in self.execution_group.nodes}
+        if "openai" in kinds and len(kinds) > 1:
+            raise ValueError(f"execution_group.nodes: engine openai cannot share a fleet with {sorted(kinds - {'openai'})}"
+                             " (its answers are relayed as the server sent them, the others' are formatted here)")
+        # engine openai tokenizes with `model` when it is set, else with the byte-level stand-in
+        real = sorted(kinds - {"simulated", "openai"})
         if real and self.model is None:
             raise ValueError(
                 f"engine {real[0]} needs `model`: the local model directory the engine serves (its tokenizer "

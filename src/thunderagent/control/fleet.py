@@ -46,7 +46,8 @@ from thunderagent.kv.index import KvIndex
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
 from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
 from thunderagent.scheduler.queue import QueueFull
-from thunderagent.types import FinishReason, KvEvent, LoadReport, Sampling, TokenOutput, WorkerInfo, WorkerState
+from thunderagent.types import (FinishReason, KvEvent, LoadReport, Passthrough, Sampling, TokenOutput, WorkerInfo,
+                                WorkerState)
 
 log = logging.getLogger(__name__)
 
@@ -273,6 +274,7 @@ class Fleet:
         sampling: Sampling | None = None,
         route_key: str = "",
         program_id: str | None = None,
+        passthrough: Passthrough | None = None,
     ) -> Generation:
         """Hash once, then route and submit now, or hold the request in the scheduler until a
         worker can start it (the dispatch path). Raises NoWorkerAvailable, or QueueFull when the
@@ -282,6 +284,7 @@ class Fleet:
         rid = secrets.token_hex(12)  # unguessable: ids appear in responses and abort paths
         req = self.dispatcher.prepare(rid, prompt_ids, max_tokens, cache_salt=cache_salt, lora_name=lora_name,
                                       priority=priority, ignore_eos=ignore_eos, sampling=sampling, arrival=received)
+        req.passthrough = passthrough  # engine openai: the client's body, relayed unchanged
         try:
             d = self.dispatcher.submit(req, route_key, self.routable(), received, program=program_id)
         except QueueFull:

@@ -19,6 +19,8 @@ class EngineFlavor:
     cache_info: str | None  # info gauge with block_size / num_gpu_blocks / enable_prefix_caching labels
     return_token_ids: bool  # the completions API streams the generated token ids when asked
     hints: str = ""  # what the engine's command line needs, for log messages
+    #: a server without ``/metrics`` (404) is still healthy: load then comes from in-flight accounting
+    metrics_optional: bool = False
 
     @property
     def wanted(self) -> frozenset[str]:

@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable
 
 from thunderagent.execution.engine_metrics import EngineFlavor, EngineStats, engine_stats
 from thunderagent.execution.handle import KEEPALIVE_S, OutputQueue, WorkerCallbacks
-from thunderagent.execution.http_transport import HttpTransport, TransportConnectionError, TransportError
+from thunderagent.execution.http_transport import (HttpTransport, TransportConnectionError, TransportError,
+                                                   TransportStatusError)
 from thunderagent.types import LoadReport
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class EnginePoller:
         #: reason code while this worker keeps itself out of routing (None: routable)
         self.refused: str | None = None
         self._warned_prefix = False
+        self._no_metrics = False  # a server without /metrics (flavor.metrics_optional): /v1/models answers polls
 
     # -- the served model --------------------------------------------------------------------
     async def served_model(self) -> str:
@@ -85,7 +87,7 @@ class EnginePoller:
         timeout = max(1.0, 2 * self._interval)
         while True:
             try:
-                text = await self._transport.get_text(f"{self.url}/metrics", timeout)
+                text = await self._metrics_text(timeout)
                 if self.model is None:
                     await self.fetch_model()
             except TimeoutError as exc:  # a busy engine answers late: skip this heartbeat
@@ -99,6 +101,19 @@ class EnginePoller:
                 self.last_poll_ok = self._cb.clock()
                 self.on_stats(engine_stats(text, self.flavor))
             await asyncio.sleep(self._interval)
+
+    async def _metrics_text(self, timeout: float) -> str:
+        if self._no_metrics:
+            await self._transport.get_json(f"{self.url}/v1/models", timeout)  # liveness only
+            return ""
+        try:
+            return await self._transport.get_text(f"{self.url}/metrics", timeout)
+        except TransportStatusError as exc:
+            if exc.status != 404 or not self.flavor.metrics_optional:
+                raise
+        log.info("%s: %s has no /metrics: load comes from the requests in flight only", self.worker_id, self.url)
+        self._no_metrics = True
+        return await self._metrics_text(timeout)
 
     async def keepalive_loop(self) -> None:
         """Vouch for the requests in flight while the engine answers its metrics polls: a hung

@@ -111,6 +111,9 @@ class RequestStreamer:
         self._on_lost = on_lost
         self._on_change = on_change
         self._reqs: dict[str, Inflight] = {}
+        #: serves requests that carry the client's own body (``EngineRequest.passthrough``): the
+        #: ``engine: openai`` worker sets it (``execution/openai_relay.py``); None: they are refused
+        self.relay: Callable[[Inflight], Awaitable[None]] | None = None
         self.n_started = 0
         self.queued_tokens = 0  # prompt tokens of requests not started, less their expected hits
         self.decode_tokens = 0  # sequence lengths of started requests
@@ -177,6 +180,14 @@ class RequestStreamer:
     async def _generate(self, r: Inflight) -> None:
         req = r.req
         try:
+            if req.passthrough is not None:
+                if self.relay is None:  # a caller bug: only engine openai fleets relay
+                    log.error("%s cannot relay request %s (engine %s)", self.worker_id, req.request_id,
+                              self.flavor.name)
+                    self._end(r, FinishReason.ERROR)
+                else:
+                    await self.relay(r)
+                return
             model = await self._served_model()
             body = request_body(req, model, self.flavor, send_priority=self.send_priority)
             async with self._transport.stream_post(f"{self.url}/v1/completions", body) as resp:
@@ -211,6 +222,7 @@ class RequestStreamer:
         n_prompt = len(r.req.prompt_tokens)
         final: tuple[list[int], str, str] | None = None
         cached = 0
+        reported: int | None = None  # usage.completion_tokens
         async for line in lines:
             if not line.startswith(b"data:"):
                 continue
@@ -225,6 +237,7 @@ class RequestStreamer:
             usage = chunk.get("usage")
             if usage:
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                reported = usage.get("completion_tokens")
             for choice in chunk.get("choices") or ():
                 text = choice.get("text") or ""
                 ids = choice.get("token_ids")
@@ -240,8 +253,12 @@ class RequestStreamer:
             log.warning("%s: stream of request %s ended without a finish reason", self.worker_id, rid)
             self._end(r, FinishReason.ERROR if r.started else FinishReason.UNAVAILABLE)
             return
-        self._progress(r, len(final[0]))
-        r.queue.put_output(self._final(r, final[0], final[1], final[2], cached), clock())
+        ids = final[0]
+        if not self.flavor.return_token_ids and reported and reported > r.generated + len(ids):
+            # one token per chunk with text undercounts: a detokenizer holds text back (vLLM sends "")
+            ids = [*ids, *[-1] * (reported - r.generated - len(ids))]
+        self._progress(r, len(ids))
+        r.queue.put_output(self._final(r, ids, final[1], final[2], cached), clock())
 
     def _final(self, r: Inflight, ids: list[int], text: str | None, reason: FinishReason,
                cached: int) -> TokenOutput:

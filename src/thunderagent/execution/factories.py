@@ -8,6 +8,7 @@ from thunderagent.engine.preemption import knobs_from
 from thunderagent.engine.simulated import SimulatedEngine
 from thunderagent.execution.handle import WorkerCallbacks, WorkerFactory, WorkerHandle
 from thunderagent.execution.local import LocalWorker, ScaledClock
+from thunderagent.execution.openai import openai_factory
 from thunderagent.execution.sglang import sglang_factory
 from thunderagent.execution.vllm import engine_factory
 
@@ -36,4 +37,5 @@ def worker_factories(cfg: Config, eos_token_id: int | None) -> dict[str, WorkerF
         "simulated": simulated_factory(cfg, eos_token_id),
         "vllm": engine_factory(cfg),
         "sglang": sglang_factory(cfg),
+        "openai": openai_factory(cfg),
     }

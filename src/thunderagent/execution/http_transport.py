@@ -22,6 +22,9 @@ import aiohttp
 
 TransportError = aiohttp.ClientError
 TransportConnectionError = aiohttp.ClientConnectionError
+#: a non-2xx answer to a ``GET`` (its ``status`` says which)
+TransportStatusError = aiohttp.ClientResponseError
+_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class StreamedResponse(Protocol):
@@ -38,10 +41,15 @@ class StreamedResponse(Protocol):
         """The whole body (for error answers)."""
         ...
 
+    def chunks(self) -> AsyncIterable[bytes]:
+        """The body in pieces as they arrive, whatever their boundaries (relayed streams)."""
+        ...
+
 
 class HttpTransport(Protocol):
     def stream_post(self, url: str, json: Any) -> AbstractAsyncContextManager[StreamedResponse]:
-        """POST ``json``; leaving the context closes the connection (an engine aborts the request)."""
+        """POST ``json`` (bytes: already encoded JSON, sent as they are); leaving the context closes
+        the connection (an engine aborts the request)."""
         ...
 
     async def get_text(self, url: str, timeout: float) -> str:
@@ -68,6 +76,9 @@ class _AiohttpStream:
 
     async def text(self) -> str:
         return await self._resp.text()
+
+    def chunks(self) -> AsyncIterable[bytes]:
+        return self._resp.content.iter_any()
 
 
 class AiohttpTransport:
@@ -96,7 +107,11 @@ class AiohttpTransport:
 
     @contextlib.asynccontextmanager
     async def stream_post(self, url: str, json: Any) -> AsyncIterator[StreamedResponse]:
-        async with self._opened().post(url, json=json) as resp:
+        if isinstance(json, bytes):  # a relayed client body (engine openai): byte for byte
+            cm = self._opened().post(url, data=json, headers=_JSON_HEADERS)
+        else:
+            cm = self._opened().post(url, json=json)
+        async with cm as resp:
             yield _AiohttpStream(resp)
 
     async def get_text(self, url: str, timeout: float) -> str:

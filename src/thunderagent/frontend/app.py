@@ -45,6 +45,7 @@ from thunderagent.frontend.protocol import (
     prompt_input,
     stop_list,
 )
+from thunderagent.frontend.relay import RelayFrontend
 from thunderagent.frontend.streaming import TextChunk, stream_text
 from thunderagent.frontend.tokenizer import ChatMessage, Tokenizer
 from thunderagent.types import FinishReason, Sampling
@@ -111,6 +112,8 @@ class Frontend:
         self.tokenizer = tokenizer
         self.max_tokens_default = max_tokens_default
         self.route_key = route_key
+        #: an engine openai fleet: requests and answers pass through unchanged (frontend/relay.py)
+        self.relay: RelayFrontend | None = None
 
     def _text(self, gen: Generation, stops: list[str]) -> AsyncIterator[TextChunk]:
         return stream_text(self.fleet.outputs(gen), self.tokenizer.decoder(), stops)
@@ -279,6 +282,8 @@ class Frontend:
 
     # -- handlers ----------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        if self.relay is not None:
+            return await self.relay.handle(request, chat=True)
         req = decode_request(await request.read(), ChatCompletionRequest)
         assert isinstance(req, ChatCompletionRequest)
         self._check_model(req.model)
@@ -286,6 +291,8 @@ class Frontend:
         return await self._run(request, req, self.tokenizer.apply_chat_template(messages), chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        if self.relay is not None:
+            return await self.relay.handle(request, chat=False)
         req = decode_request(await request.read(), CompletionRequest)
         assert isinstance(req, CompletionRequest)
         self._check_model(req.model)
@@ -357,6 +364,9 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
         app[AUTH_KEY] = ring
     fe = Frontend(fleet, tokenizer, cfg.control_plane.default_max_tokens, cfg.routing.route_key)
     app[FRONTEND_KEY] = fe
+    nodes = cfg.execution_group.nodes
+    if nodes and all(n.engine == "openai" for n in nodes):
+        fe.relay = RelayFrontend(fe)
     access: dict[str | None, Access] = {}  # what a route needs with API keys on (frontend/auth.py)
 
     def route(method: str, path: str, handler: Handler, needs: Access) -> None:

@@ -1,0 +1,207 @@
+"""One hop through ThunderAgent: a client's request relayed unchanged to an OpenAI-compatible server.
+
+A request with :attr:`~thunderagent.types.EngineRequest.passthrough` is ``POST``-ed byte for byte to
+the server's path (``/v1/chat/completions`` or ``/v1/completions``); the answer comes back in
+:attr:`TokenOutput.raw <thunderagent.types.TokenOutput.raw>` as the server sent it, so fields
+ThunderAgent does not model (tools, logprobs, response formats...) still work end to end:
+
+- **streamed**: one output per server-sent event, its bytes unchanged; the event is read only for
+  what the router needs (a token produced, the finish reason, ``usage``); ``data: [DONE]`` is the
+  finished output. Servers stream text, not ids: each chunk with content counts one token (id
+  ``-1``; ``usage.completion_tokens`` at the end tops the count up), and a request whose stream
+  breaks cannot be continued elsewhere (``control.migration`` refuses streams without ids): it ends
+  ``ERROR`` and the client gets an error event;
+- **not streamed**: the whole JSON body in one finished output;
+- **refused** (non-200): ``UNAVAILABLE`` for a 5xx (routed again to another server), ``ERROR`` for a
+  4xx, with the server's body and status in ``raw`` / ``raw_status`` for the frontend to pass on.
+
+The in-flight accounting is the :class:`~thunderagent.execution.engine_requests.RequestStreamer`'s,
+with one difference: a relayed request counts as running from the moment it is sent (the server's
+queue is invisible from outside, and a non-streamed answer's first byte is its last), see
+:meth:`OpenAIWorker.load <thunderagent.execution.openai.OpenAIWorker.load>`. A request the server did
+not take (refused connection, reset, 5xx) ends ``UNAVAILABLE`` and is routed again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from thunderagent.execution.http_transport import TransportConnectionError, TransportError
+from thunderagent.types import FinishReason, TokenOutput
+
+if TYPE_CHECKING:
+    from thunderagent.execution.engine_requests import Inflight, RequestStreamer
+
+log = logging.getLogger(__name__)
+
+_REASONS = frozenset(r.value for r in FinishReason)
+_DONE = b"[DONE]"
+_NO_IDS: list[int] = []  # shared: outputs without tokens never mutate their list (Fleet.outputs reads it)
+_ONE = [-1]  # shared too: one produced token of unknown id (read only, like _NO_IDS)
+
+
+# Typed, lenient decoders: only the fields the router reads; anything else in a chunk is skipped
+# unparsed (msgspec ignores unknown fields of a Struct), which keeps a relayed event cheap.
+class _Delta(msgspec.Struct):
+    content: Any = None
+    reasoning_content: Any = None
+    tool_calls: Any = None
+
+
+class _Choice(msgspec.Struct):
+    text: Any = None
+    delta: _Delta | None = None
+    message: Any = None
+    finish_reason: str | None = None
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int | None = None
+    prompt_tokens_details: _Details | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+    error: Any = None
+
+
+_chunk = msgspec.json.Decoder(_Chunk)
+
+
+def _has_token(c: _Choice) -> bool:
+    d = c.delta
+    if d is not None:
+        return bool(d.content or d.reasoning_content or d.tool_calls)
+    return bool(c.text)
+
+
+class Relay:
+    """The passthrough side of one server's :class:`RequestStreamer` (its ``relay``)."""
+
+    def __init__(self, streamer: RequestStreamer) -> None:
+        self._s = streamer
+
+    async def __call__(self, r: Inflight) -> None:
+        s = self._s
+        pt = r.req.passthrough
+        assert pt is not None, "only passthrough requests are relayed"
+        # No queue of the server's is visible from outside (a non-streamed answer's first byte is its
+        # last): a request sent counts as running at once; OpenAIWorker.load caps that at the node's
+        # max_batch_size and adds what the server's /metrics say waits there.
+        s._progress(r, 0)
+        try:
+            async with s._transport.stream_post(s.url + pt.path, pt.body) as resp:
+                if resp.status != 200:
+                    body = (await resp.text()).encode()
+                    log.warning("%s refused request %s: HTTP %d %s", s.worker_id, r.req.request_id, resp.status,
+                                body[:300])
+                    reason = FinishReason.UNAVAILABLE if resp.status >= 500 else FinishReason.ERROR
+                    self._finish(r, _NO_IDS, reason, 0, body, resp.status)
+                    return
+                r.queue.accepted = True
+                if pt.stream:
+                    await self._stream(resp.chunks(), r)
+                else:
+                    await self._whole(resp.chunks(), r)
+        except (TransportError, TimeoutError) as exc:
+            if r.queue.accepted:
+                raise  # lost after the server took it: the streamer ends it ERROR
+            # not taken (refused, reset, unreachable): UNAVAILABLE, the fleet routes it again
+            if isinstance(exc, TransportConnectionError) and not isinstance(exc, TimeoutError):
+                s._on_lost(f"request {r.req.request_id} failed: {exc!r}")
+            else:
+                log.warning("%s: request %s failed: %r", s.worker_id, r.req.request_id, exc)
+            self._finish(r, _NO_IDS, FinishReason.UNAVAILABLE, 0, None)
+
+    def _finish(self, r: Inflight, ids: list[int], reason: FinishReason, cached: int, raw: bytes | None,
+                status: int = 200) -> None:
+        s = self._s
+        r.queue.put_output(TokenOutput(r.req.request_id, ids, s._loop_time(), len(r.req.prompt_tokens), cached,
+                                       True, reason, "", raw=raw, raw_status=status), s._clock())
+
+    async def _whole(self, chunks: AsyncIterable[bytes], r: Inflight) -> None:
+        body = b"".join([c async for c in chunks])
+        try:
+            chunk = _chunk.decode(body)
+        except msgspec.DecodeError:
+            chunk = _Chunk()  # not ours to judge: the client gets the server's bytes
+        usage = chunk.usage
+        n = (usage.completion_tokens or 0) if usage is not None else 0
+        cached = _cached(usage)
+        reason = FinishReason.STOP
+        if chunk.choices and chunk.choices[0].finish_reason in _REASONS:
+            reason = FinishReason(chunk.choices[0].finish_reason)
+        self._s._progress(r, 0)
+        self._finish(r, [-1] * n, reason, cached, body)
+
+    async def _stream(self, chunks: AsyncIterable[bytes], r: Inflight) -> None:
+        """Relay the server's events; all complete events of one network read go out as one output
+        (fewer queue hops and socket writes when a server writes faster than we relay)."""
+        s = self._s
+        rid, n_prompt, clock, queue = r.req.request_id, len(r.req.prompt_tokens), s._clock, r.queue
+        reason: FinishReason | None = None
+        cached = counted = 0
+        tokens = 0  # of the event being read
+        ready = 0  # of the complete events not relayed yet
+        reported: int | None = None
+        buf = b""
+        scan = 0  # buf is parsed up to here (complete lines)
+        async for piece in chunks:
+            buf = buf + piece if buf else piece
+            cut = 0  # end of the last complete event in buf
+            while (nl := buf.find(b"\n", scan)) >= 0:
+                line = buf[scan:nl]
+                scan = nl + 1
+                if line.startswith(b"data:"):
+                    data = line[5:].strip()
+                    if data == _DONE:  # the event's blank line is not waited for: the socket may stay open
+                        self._done(r, reason, cached, ready + max(tokens, (reported or 0) - counted - ready),
+                                   buf[:scan] + b"\n")
+                        return
+                    chunk = _chunk.decode(data)
+                    if chunk.error is not None:
+                        log.warning("%s: request %s failed in the server: %s", s.worker_id, rid, chunk.error)
+                        self._finish(r, _NO_IDS, FinishReason.ERROR, 0, data, 500)
+                        return
+                    for c in chunk.choices or ():
+                        if _has_token(c):
+                            tokens += 1
+                        if c.finish_reason is not None:
+                            reason = FinishReason(c.finish_reason) if c.finish_reason in _REASONS else FinishReason.STOP
+                    if chunk.usage is not None:
+                        reported = chunk.usage.completion_tokens
+                        cached = _cached(chunk.usage)
+                elif not line.strip():  # a blank line ends an event (comments, "event:", "id:" ride along)
+                    cut = scan
+                    ready += tokens
+                    tokens = 0
+            if cut:
+                s._progress(r, ready)
+                counted += ready
+                ids = _NO_IDS if not ready else _ONE if ready == 1 else [-1] * ready
+                queue.put_output(TokenOutput(rid, ids, s._loop_time(), n_prompt, 0, text="", raw=buf[:cut]), clock())
+                buf, scan, ready = buf[cut:], scan - cut, 0
+        if reason is not None:  # a server that ends its stream without [DONE] (older llama.cpp)
+            self._done(r, reason, cached, max(tokens, (reported or 0) - counted), buf)
+            return
+        log.warning("%s: stream of request %s ended without a finish reason", s.worker_id, rid)
+        s._end(r, FinishReason.ERROR if r.started else FinishReason.UNAVAILABLE)
+
+    def _done(self, r: Inflight, reason: FinishReason | None, cached: int, top_up: int, raw: bytes) -> None:
+        self._s._progress(r, top_up)
+        self._finish(r, [-1] * top_up, reason or FinishReason.STOP, cached, raw)
+
+
+def _cached(usage: _Usage | None) -> int:
+    if usage is None or usage.prompt_tokens_details is None:
+        return 0
+    return usage.prompt_tokens_details.cached_tokens or 0

@@ -1,0 +1,195 @@
+"""The frontend of an ``engine: openai`` fleet: requests and answers pass through unchanged.
+
+The client's body is forwarded byte for byte to the server the router picks, and the server's
+answer (SSE bytes or JSON) is relayed as it came (``execution/openai_relay.py``): one HTTP hop. What
+this frontend still reads and checks, because routing needs it or because it is ours to answer:
+
+- the body is a JSON object with a string ``model`` (the server checks the name: clients send the
+  name the servers serve, which ThunderAgent forwards unchanged);
+- the prompt, to hash it: chat ``messages`` (a non-empty list of ``{role, content}``; content parts
+  other than text are forwarded but not hashed) or the completion's ``prompt`` (text, token ids, or a
+  one-element list of text), tokenized with ``model``'s tokenizer when one is configured, else with
+  the byte-level stand-in;
+- ``stream`` (a boolean), and ``max_tokens`` / ``max_completion_tokens`` when present (≥ 1: the
+  router's load accounting; absent, ``control_plane.default_max_tokens`` is assumed and nothing is
+  added to the body);
+- ThunderAgent's own fields (``program_id``, ``priority``, ``cache_salt``, ``lora_name``,
+  ``explain``, ``user``) are read for scheduling *and* stay in the body: a strict server may refuse
+  them, so prefer the ``x-thunderagent-program-id`` / ``x-thunderagent-explain`` headers there.
+
+Everything else (sampling, stop strings, tools, logprobs, response formats, ``n``...) is the
+server's to validate and apply. API keys, body-size and connection limits apply as for any fleet.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Annotated, Any, Protocol
+
+import msgspec
+from aiohttp import web
+from msgspec import Meta
+
+from thunderagent.frontend.auth import TENANT, tenant_salt
+from thunderagent.frontend.protocol import MaxTokens, Priority, RequestError, prompt_input
+from thunderagent.control.fleet import Fleet
+from thunderagent.frontend.tokenizer import ChatMessage, Tokenizer
+from thunderagent.types import FinishReason, Passthrough, TokenOutput
+
+log = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_FAILED = frozenset({FinishReason.ERROR, FinishReason.UNAVAILABLE, FinishReason.ABORT})
+
+
+def _failed(out: TokenOutput) -> bool:
+    """A finished output that is not the server's own end: failed, or ended by the fleet (a relayed
+    end always carries the server's bytes; one the fleet settled after a loss carries none)."""
+    return out.finish_reason in _FAILED or out.raw is None
+
+
+# Lenient structs (no forbid_unknown_fields): only what routing reads is typed; the rest is the server's.
+class _Message(msgspec.Struct):
+    role: str
+    content: str | list[Any] | None = None
+
+
+class _Request(msgspec.Struct, kw_only=True):
+    model: str
+    stream: bool = False
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    messages: Annotated[list[_Message], Meta(min_length=1)] | None = None
+    prompt: str | list[int | str] | None = None
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    priority: Priority = 0
+    explain: bool = False
+    user: str | None = None
+    program_id: str | None = None
+    extra_body: dict[str, Any] | None = None
+
+
+_decoder = msgspec.json.Decoder(_Request)
+
+
+def _decode(body: bytes) -> _Request:
+    try:
+        return _decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise RequestError(str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise RequestError("request body is nested too deeply", code="nesting_too_deep") from exc
+
+
+def _text(m: _Message) -> str:
+    """What is hashed of a message: its text (other content parts are the server's business)."""
+    c = m.content
+    if c is None or isinstance(c, str):
+        return c or ""
+    return "".join(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
+def upstream_error(worker: str, out: TokenOutput) -> web.Response:
+    """A server's refusal as an OpenAI error: its own body when it is OpenAI-shaped (with its status),
+    else wrapped (502 for a server fault, the server's status for a 4xx)."""
+    raw, status = out.raw or b"", out.raw_status
+    try:
+        shaped = isinstance(json.loads(raw).get("error"), dict)
+    except (ValueError, AttributeError):
+        shaped = False
+    if shaped and 400 <= status:
+        return web.Response(body=raw, status=status, content_type="application/json")
+    why = f"HTTP {status}: {raw[:200].decode(errors='replace')}" if raw else f"the request {out.finish_reason}"
+    err = {"message": f"worker {worker} failed the request ({why})", "type": "server_error", "param": None,
+           "code": "upstream_error"}
+    return web.json_response({"error": err}, status=status if 400 <= status < 500 else 502)
+
+
+def _error_event(worker: str, out: TokenOutput) -> bytes:
+    msg = f"worker {worker} failed while streaming the request ({out.finish_reason}); it cannot be resumed"
+    err = {"message": msg, "type": "server_error", "param": None, "code": "worker_failed"}
+    return b"data: " + json.dumps({"error": err}).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+class _Frontend(Protocol):
+    """What the relay uses of :class:`~thunderagent.frontend.app.Frontend` (no import: app imports us)."""
+
+    fleet: Fleet
+    tokenizer: Tokenizer
+    max_tokens_default: int
+
+    def _route_key(self, request: web.Request, req: Any) -> str: ...
+    @staticmethod
+    def _program_id(request: web.Request, req: Any) -> str | None: ...
+    @staticmethod
+    def _explain(request: web.Request, body_flag: bool) -> bool: ...
+
+
+class RelayFrontend:
+    """``POST /v1/chat/completions`` and ``/v1/completions`` of an ``engine: openai`` fleet."""
+
+    def __init__(self, fe: _Frontend) -> None:
+        self.fe = fe
+
+    async def handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        fe = self.fe
+        body = await request.read()
+        req = _decode(body)
+        tok = fe.tokenizer
+        if chat:
+            if req.messages is None:
+                raise RequestError("`messages` is required", param="messages")
+            ids = tok.apply_chat_template([ChatMessage(m.role, _text(m)) for m in req.messages])
+        else:
+            if req.prompt is None:
+                raise RequestError("`prompt` is required", param="prompt")
+            prompt = prompt_input(req.prompt)
+            ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
+        if not ids:
+            raise RequestError("prompt is empty", param="messages" if chat else "prompt")
+        max_tokens = req.max_completion_tokens or req.max_tokens or fe.max_tokens_default
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        gen = await fe.fleet.start_generation(
+            ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt), lora_name=req.lora_name,
+            priority=req.priority, route_key=fe._route_key(request, req), program_id=fe._program_id(request, req),
+            passthrough=Passthrough(path, body, req.stream),
+        )
+        headers = {"x-thunderagent-worker": gen.decision.worker_id}
+        if fe._explain(request, req.explain):  # the body is the server's: the explanation goes in a header
+            headers["x-thunderagent-explanation"] = json.dumps(gen.decision.explain(), separators=(",", ":"))
+        outputs = fe.fleet.outputs(gen)
+        try:
+            out = await anext(outputs)
+            if out.finished and _failed(out):  # refused before any byte: an error answer
+                return upstream_error(gen.decision.worker_id, out)
+            if not req.stream:
+                while not out.finished:
+                    out = await anext(outputs)
+                if _failed(out):
+                    return upstream_error(gen.decision.worker_id, out)
+                headers["x-thunderagent-worker"] = gen.decision.worker_id  # routed again: the one that served
+                return web.Response(body=out.raw, content_type="application/json", headers=headers)
+            return await self._stream(request, gen.decision.worker_id, out, outputs, headers)
+        finally:
+            await outputs.aclose()  # aborts the server's request if it did not finish
+
+    @staticmethod
+    async def _stream(request: web.Request, worker: str, out: TokenOutput, outputs: Any,
+                      headers: dict[str, str]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
+        try:
+            await resp.prepare(request)  # aiohttp holds the headers back until the first bytes
+            while not out.finished:
+                if out.raw:
+                    await resp.write(out.raw)
+                out = await anext(outputs)
+            # the last bytes go with the end of the chunked body: one send, not two (a stream that
+            # arrived in one read leaves in one write, headers included)
+            await resp.write_eof(_error_event(worker, out) if _failed(out) else out.raw or b"")
+        except (ConnectionResetError, ConnectionError) as exc:
+            log.info("client went away during a relayed stream: %s", exc)
+        return resp

@@ -1,0 +1,202 @@
+"""``engine: openai``: ThunderAgent as a one-hop proxy in front of OpenAI-compatible servers.
+
+Real sockets on 127.0.0.1: two scriptable servers (``support.openai_backend``) started by the test,
+ThunderAgent's real HTTP server in front, the official OpenAI client and raw aiohttp as clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import openai
+import pytest
+
+from support.openai_backend import MODEL, OpenAIBackend
+from support.server import Server, running_server
+from support.waiting import wait_until
+from thunderagent.config import ConfigError, parse_config
+
+
+
+def _config(backends: list[OpenAIBackend], **routing: object):
+    return parse_config({
+        "model_name": MODEL,
+        "control_plane": {"heartbeat_interval": 0.1, "heartbeat_misses": 5},
+        "routing": {"seed": 7, **routing},
+        "execution_group": {"nodes": [{"engine": "openai", "block_size": 16,
+                                       "endpoints": [{"url": b.url} for b in backends]}]},
+    }, "test")
+
+
+@asynccontextmanager
+async def fleet(*backends: OpenAIBackend, **routing: object) -> AsyncIterator[Server]:
+    for b in backends:
+        await b.start()
+    try:
+        async with running_server(_config(list(backends), **routing)) as srv:
+            await wait_until(lambda: len(srv.fleet.routable()) == len(backends), 10, "servers heartbeat")
+            yield srv
+    finally:
+        for b in backends:
+            await b.stop()
+
+
+async def _post(srv: Server, path: str, body: dict) -> tuple[int, dict[str, str], bytes]:
+    async with aiohttp.ClientSession() as s, s.post(srv.base_url + path, json=body) as resp:
+        return resp.status, dict(resp.headers), await resp.read()
+
+
+async def test_the_clients_body_and_the_servers_bytes_pass_unchanged() -> None:
+    """Fields ThunderAgent does not model reach the server; its SSE events reach the client as sent."""
+    b = OpenAIBackend("a")
+    async with fleet(b) as srv:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+                "tools": [{"type": "function", "function": {"name": "f"}}], "logprobs": True, "top_k": 5}
+        status, headers, raw = await _post(srv, "/v1/chat/completions", body)
+        assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+        assert b.bodies == [body]  # byte-for-byte JSON equality of what the client sent
+        events = [e for e in raw.split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]"
+        chunks = [json.loads(e[6:]) for e in events[:-1]]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "xxx"
+        assert all(c.get("served_by", "a") == "a" for c in chunks)  # the server's own fields survive
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("stream", [True, False])
+async def test_openai_client_streaming_and_not(chat: bool, stream: bool) -> None:
+    async with fleet(OpenAIBackend("a"), OpenAIBackend("b")) as srv:
+        c = srv.client
+        if chat:
+            r = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                                                max_tokens=5, stream=stream)
+        else:
+            r = await c.completions.create(model=MODEL, prompt="hello", max_tokens=5, stream=stream)
+        if stream:
+            parts = [ch async for ch in r]  # type: ignore[union-attr]
+            text = "".join((p.choices[0].delta.content or "") if chat else p.choices[0].text
+                           for p in parts if p.choices)
+            assert parts[-1].choices[0].finish_reason == "length"
+        else:
+            text = r.choices[0].message.content if chat else r.choices[0].text  # type: ignore[union-attr]
+            assert r.usage.completion_tokens == 5  # type: ignore[union-attr]
+        assert text == "xxxxx"
+
+
+async def test_a_repeated_prefix_goes_back_to_the_same_server() -> None:
+    """No events: the router's own predictions keep a conversation on the server that has its prefix."""
+    a, b = OpenAIBackend("a"), OpenAIBackend("b")
+    async with fleet(a, b) as srv:
+        system = "You are a careful assistant. " * 20  # 600 bytes: 37 blocks of 16 with the byte tokenizer
+        homes = {}
+        for user in range(4):
+            prompt = f"{system}user {user}: "
+            worker = None
+            for turn in range(3):
+                status, headers, _ = await _post(srv, "/v1/completions", {
+                    "model": MODEL, "prompt": prompt + "more " * turn, "max_tokens": 2})
+                assert status == 200
+                worker = worker or headers["x-thunderagent-worker"]
+                assert headers["x-thunderagent-worker"] == worker, f"user {user} turn {turn} moved"
+            homes[user] = worker
+        assert len(a.bodies) + len(b.bodies) == 12
+
+
+async def test_a_server_error_is_an_openai_error() -> None:
+    async with fleet(OpenAIBackend("a", status=400)) as srv:
+        with pytest.raises(openai.BadRequestError) as exc:
+            await srv.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+        assert exc.value.status_code == 400 and "a refuses" in exc.value.message
+        status, _, raw = await _post(srv, "/v1/completions", {"model": MODEL, "prompt": "x", "stream": True})
+        assert status == 400 and json.loads(raw)["error"]["message"] == "a refuses"
+
+
+async def test_a_5xx_is_routed_to_another_server() -> None:
+    bad, good = OpenAIBackend("bad", status=503), OpenAIBackend("good")
+    async with fleet(bad, good) as srv:
+        for i in range(6):
+            r = await srv.client.completions.create(model=MODEL, prompt=f"p{i}" * 40, max_tokens=2)
+            assert r.choices[0].text == "xx"
+        assert len(good.bodies) == 6
+
+
+async def test_every_server_failing_is_a_clean_error() -> None:
+    async with fleet(OpenAIBackend("a", status=500)) as srv:
+        status, _, raw = await _post(srv, "/v1/completions", {"model": MODEL, "prompt": "x"})
+        assert status >= 500 and "error" in json.loads(raw)
+
+
+async def test_a_server_dying_mid_stream_ends_with_an_error_event() -> None:
+    """A relayed stream carries no token ids, so it cannot be continued elsewhere: the client gets
+    what was streamed, then an error event and [DONE]; the server's request is gone."""
+    dying, other = OpenAIBackend("dying", die_after=3), OpenAIBackend("other", die_after=3)
+    async with fleet(dying, other) as srv:
+        status, _, raw = await _post(srv, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10,
+                                                              "stream": True})
+        assert status == 200
+        events = [e for e in raw.split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["code"] == "worker_failed"
+        assert sum(1 for e in events if b'"text"' in e) == 3
+        r = await srv.client.completions.create(model=MODEL, prompt="y", max_tokens=2)  # still serving
+        assert r.choices[0].text == "xx"
+
+
+async def test_validation_left_to_ours_and_the_servers() -> None:
+    async with fleet(OpenAIBackend("a")) as srv:
+        status, _, raw = await _post(srv, "/v1/completions", {"model": "served-name", "prompt": "x"})
+        assert status == 200  # the model name is the server's to check: forwarded unchanged
+        status, _, raw = await _post(srv, "/v1/completions", {"prompt": "x"})
+        assert status == 400 and "model" in json.loads(raw)["error"]["message"]
+        status, _, raw = await _post(srv, "/v1/chat/completions", {"model": MODEL})
+        assert status == 400 and json.loads(raw)["error"]["param"] == "messages"
+        status, _, raw = await _post(srv, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0})
+        assert status == 400
+
+
+async def test_load_comes_from_metrics_when_served_and_in_flight_accounting_otherwise() -> None:
+    with_metrics, without = OpenAIBackend("m", metrics=True, step_s=0.01), OpenAIBackend("n")
+    async with fleet(with_metrics, without) as srv:
+        wid = {srv.fleet.workers[w].url: w for w in srv.fleet.workers}  # type: ignore[attr-defined]
+        m, n = wid[with_metrics.url], wid[without.url]
+        await wait_until(lambda: srv.fleet.registry.loads()[m].waiting == 3, 5, "metrics polled")
+        assert srv.fleet.registry.loads()[n].waiting == 0
+
+
+async def test_concurrent_requests_reach_the_server_together() -> None:
+    """A non-streamed answer's first byte is its last: requests in flight count as running (the
+    server's queue is invisible), so the holding queue does not feed the server one at a time."""
+    b = OpenAIBackend("slow", delay_s=0.3)
+    async with fleet(b) as srv:
+        rs = await asyncio.gather(*(srv.client.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=2)
+                                    for i in range(12)))
+        assert all(r.choices[0].text == "xx" for r in rs)
+        assert b.peak == 12
+
+
+def test_kv_events_are_refused_for_engine_openai() -> None:
+    with pytest.raises(ConfigError, match="engine openai publishes no KV events"):
+        parse_config({"execution_group": {"nodes": [{"engine": "openai", "endpoints": [
+            {"url": "http://127.0.0.1:1", "kv_events": "tcp://127.0.0.1:2"}]}]}})
+    with pytest.raises(ConfigError, match="cannot share a fleet"):
+        parse_config({"execution_group": {"nodes": [
+            {"engine": "openai", "endpoints": [{"url": "http://127.0.0.1:1"}]}, {"engine": "simulated"}]}})
+
+
+def test_serve_flags_build_an_openai_fleet() -> None:
+    """``serve --engine openai --worker URL``: servers without events; ``URL=EVENTS`` is refused."""
+    from thunderagent.overrides import build_config
+
+    cfg = build_config(None, None, None, None, None, None, engine="openai",
+                       worker_endpoints=["http://127.0.0.1:8080", "http://127.0.0.1:8081"], block_size=16)
+    (node,) = cfg.execution_group.nodes
+    assert node.engine == "openai" and node.count == 2 and node.block_size == 16
+    assert [e.kv_events for e in node.endpoints] == [None, None]
+    with pytest.raises(ConfigError, match="publishes no KV events"):
+        build_config(None, None, None, None, None, None, engine="openai",
+                     worker_endpoints=["http://127.0.0.1:8080=tcp://127.0.0.1:5571"])
