@@ -127,7 +127,7 @@ class Fleet:
         cp = cfg.control_plane
         self.registry = WorkerRegistry(cp.heartbeat_interval, cp.heartbeat_misses)
         self.outliers = OutlierWatch(cp.outlier, self.metrics)  # slow or failing live workers skipped a while
-        self.planner = PlannerHook(cfg.planner, self)  # scaling advice on the health tick (control/planner_hook.py)
+        self.planner = PlannerHook(cfg.planner, self.metrics.registry, self.routable, self.registry)  # scaling advice
         self.stall_timeout = stall_timeout
         #: our loop's lateness: leases and stalls are judged on on-time seconds (control/liveness.py)
         self.loop_lag = LoopLag(2 * max(self.registry.timeout, stall_timeout))

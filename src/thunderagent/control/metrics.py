@@ -49,9 +49,6 @@ class Metrics:
         self.migration_failed = Counter("thunderagent_migration_failed", "Requests lost mid-stream that no "
                                         "worker could take over", registry=r)
         self.routed = Counter("thunderagent_routed", "Routing decisions per worker", ["worker"], registry=r)
-        self.routed_hits = Counter("thunderagent_routed_hits", "Routing decisions per worker that chose it while it "
-                                   "held part of the prompt (the scaling planner's per-worker hit rate)", ["worker"],
-                                   registry=r)
         self.prompt_tokens = Counter("thunderagent_prompt_tokens", "Prompt tokens routed", registry=r)
         self.predicted_hit_tokens = Counter(
             "thunderagent_predicted_hit_tokens", "Prompt tokens the router expected cached on the chosen worker",
@@ -85,7 +82,6 @@ class Metrics:
         prompt_tokens, predicted_hit_tokens = len(d.request.prompt_tokens), d.predicted_tokens
         self.seed.routed(d, now)
         self.routed.labels(d.decision.worker_id).inc()
-        self.routed_hits.labels(d.decision.worker_id).inc(1 if d.predicted_tokens > 0 else 0)
         self.decision_time.observe(seconds)
         self.prompt_tokens.inc(prompt_tokens)
         self.predicted_hit_tokens.inc(predicted_hit_tokens)

@@ -21,16 +21,16 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
-from prometheus_client import Gauge
+from prometheus_client import CollectorRegistry, Gauge
 
 from thunderagent.config.planner import PlannerConfig
 from thunderagent.control.planner import Planner, Recommendation, WorkerSample
-
-if TYPE_CHECKING:
-    from thunderagent.control.fleet import Fleet
+from thunderagent.control.registry import WorkerRegistry
+from thunderagent.types import WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +39,18 @@ _COUNTERS = {"thunderagent_routed_total": "routed", "thunderagent_routed_hits_to
 
 
 class PlannerHook:
-    def __init__(self, cfg: PlannerConfig, fleet: Fleet) -> None:
+    def __init__(self, cfg: PlannerConfig, metrics: CollectorRegistry, routable: Callable[[], list[WorkerState]],
+                 registry: WorkerRegistry) -> None:
+        """``metrics``: the fleet's registry (counters read, gauge added); ``routable``: the fleet's
+        routable workers now; ``registry``: their roles."""
         self.cfg = cfg
         self.planner = Planner(cfg) if cfg.enabled else None
-        self._fleet = fleet
+        self._metrics, self._routable, self._registry = metrics, routable, registry
         self._next = 0.0
         self.actions: deque[dict[str, Any]] = deque(maxlen=20)  # outcomes of the latest actions
         self._tasks: set[asyncio.Task[None]] = set()
         self.gauge = Gauge("thunderagent_planner_recommendation", "The scaling planner's recommendation per worker "
-                           "role: +1 add a worker, -1 remove one, 0 hold", ["role"], registry=fleet.metrics.registry)
+                           "role: +1 add a worker, -1 remove one, 0 hold", ["role"], registry=metrics)
 
     def tick(self, now: float) -> None:
         """The fleet's health tick: a look every ``interval_s`` (nothing while the planner is off)."""
@@ -62,17 +65,16 @@ class PlannerHook:
                 self._act(rec)
 
     def samples(self) -> list[WorkerSample]:
-        fleet = self._fleet
         counters: dict[str, dict[str, float]] = {}
-        for family in fleet.metrics.registry.collect():
+        for family in self._metrics.collect():
             for s in family.samples:
                 field = _COUNTERS.get(s.name)
                 if field is not None and "worker" in s.labels:
                     counters.setdefault(s.labels["worker"], {})[field] = s.value
         out = []
-        for w in fleet.routable():
+        for w in self._routable():
             c = counters.get(w.worker_id, {})
-            out.append(WorkerSample(w.worker_id, fleet.registry.info(w.worker_id).role, w.load.waiting,
+            out.append(WorkerSample(w.worker_id, self._registry.info(w.worker_id).role, w.load.waiting,
                                     w.load.running, w.load.kv_usage, int(c.get("routed", 0)), int(c.get("hits", 0)),
                                     int(c.get("ttft_count", 0)), c.get("ttft_sum", 0.0)))
         return out
