@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--down-kv", type=float, default=0.4)
     ap.add_argument("--up-queue", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reasons", action="store_true", help="print each step's reasons")
     a = ap.parse_args(argv)
     if a.quick:
         a.ramp_up_s, a.hold_s, a.ramp_down_s, a.peak_rate, a.fixed, a.max_workers = 240.0, 60.0, 240.0, 16.0, "2,4", 4
@@ -90,16 +91,22 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for label, r in runs:
         rows.append([label, f"{r.ttft_ms.p50:.0f}", f"{r.ttft_ms.p99:.0f}", f"{r.worker_minutes:.1f}",
-                     f"{r.scale_up_hit_rate:.1%}", f"{r.scale_up_reuse:.1%}", r.peak_workers,
+                     f"{r.scale_up_hit_rate:.1%}", f"{r.scale_up_reuse:.1%}",
+                     "-" if r.join_hit_rate != r.join_hit_rate else f"{r.join_hit_rate:.1%}", r.peak_workers,
                      f"{r.ttft_ms.p99 / best.ttft_ms.p99:.2f}", f"{r.worker_minutes / best.worker_minutes:.2f}"])
     print(f"{len(reqs)} requests, ramp {a.base_rate:g}->{a.peak_rate:g}->{a.base_rate:g} req/s over "
           f"{a.ramp_up_s:.0f}+{a.hold_s:.0f}+{a.ramp_down_s:.0f} s, start-up {a.planner_startup_s:.0f} s; "
           f"best fixed fleet: {best_label}")
     print_table("Scaling through a ramp (simulated)", ["fleet", "TTFT p50", "TTFT p99", "worker-min",
-                "hit (up)", "reuse (up)", "peak", "p99/best", "w-min/best"], rows)
+                "hit (up)", "reuse (up)", "hit (joins)", "peak", "p99/best", "w-min/best"], rows)
     for label, r in runs:
         if r.steps:
-            print(f"{label} steps (t s, delta, workers up): " + ", ".join(f"({t:.0f}, {d:+d}, {n})" for t, d, n in r.steps))
+            steps = ", ".join(f"({t:.0f}, {d:+d}, {n})" for t, d, n in r.steps)
+            print(f"{label} steps (t s, delta, workers up): {steps}")
+    if a.reasons:
+        for label, r in runs:
+            for (t, d, _), why in zip(r.steps, r.reasons):
+                print(f"  {label} {t:.0f}s {d:+d}: {'; '.join(why)}")
     print(f"wall {time.perf_counter() - t0:.1f} s")
     return 0
 

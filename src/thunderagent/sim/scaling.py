@@ -60,8 +60,10 @@ class ScalingResult:
     scale_up_hit_rate: float  # the same, requests that arrived during the scale-up phase
     scale_up_reuse: float  # prompt tokens served from cache / prompt tokens, same requests
     reuse: float  # prompt tokens served from cache / prompt tokens, whole run
+    join_hit_rate: float  # the request hit rate of requests arriving in the ``join_window_s`` after a worker joined
     peak_workers: int
     steps: list[tuple[float, int, int]] = field(default_factory=list)  # (time, delta, workers up after)
+    reasons: list[tuple[str, ...]] = field(default_factory=list)  # each step's reasons
     duration_s: float = 0.0
     outcome: SimOutcome | None = None
 
@@ -92,6 +94,8 @@ class ScalingSim(Simulator):
         self._paid: list[tuple[float, float]] = []  # (from, to) of workers already off
         self.peak = initial  # most workers paid at once
         self.steps: list[tuple[float, int, int]] = []
+        self.reasons: list[tuple[str, ...]] = []
+        self.joins: list[float] = []  # when started workers joined routing
 
     def _dispatch(self, tr: TraceRequest, now: float, tracks: dict[str, _Track]) -> int:
         if tr.request_id.startswith(TICK):
@@ -130,10 +134,12 @@ class ScalingSim(Simulator):
             up = [w for w in self.workers if w.state == "up"]
             if len(up) > 1:
                 # the least loaded goes (ties: the newest), so the fewest requests finish on a leaver
-                w = min(reversed(up), key=lambda w: self._states[w.index].load.running + self._states[w.index].load.waiting)
+                loads = self._states
+                w = min(reversed(up), key=lambda w: loads[w.index].load.running + loads[w.index].load.waiting)
                 w.state = "draining"
                 self.routable.remove(self._states[w.index])
         self.steps.append((now, rec.delta, sum(1 for w in self.workers if w.state == "up")))
+        self.reasons.append(rec.reasons)
         self.peak = max(self.peak, sum(1 for w in self.workers if w.state != "off"))
 
     def _join(self, w: _Worker, now: float) -> None:
@@ -146,6 +152,7 @@ class ScalingSim(Simulator):
         st = self._states[w.index]
         st.load = engine.load(now)
         w.state = "up"
+        self.joins.append(now)
         w.routed = w.hits = w.ttft_count = 0
         w.ttft_sum = 0.0
         self.routable.append(st)
@@ -176,20 +183,27 @@ class ScalingSim(Simulator):
         self._open = keep
 
     # -- a whole run ---------------------------------------------------------------------------
-    def replay(self, requests: Sequence[TraceRequest], scale_up_end_s: float) -> ScalingResult:
-        """Run ``requests`` (open loop) with looks every ``tick_s`` until a minute after the last
-        arrival; ``scale_up_end_s``: the requests arriving before it make the scale-up hit rate."""
-        end = max((r.arrival_s for r in requests), default=0.0) + 60.0
+    def replay(self, requests: Sequence[TraceRequest], scale_up_end_s: float, speedup: float = 1.0,
+               join_window_s: float = 120.0) -> ScalingResult:
+        """Run ``requests`` (open loop, arrivals divided by ``speedup``) with looks every ``tick_s``
+        until a minute after the last arrival; ``scale_up_end_s``: the requests arriving before it (virtual
+        seconds) make the scale-up hit rate. ``result.extra["scaling"]`` gets the fleet's story."""
+        end = max((r.arrival_s for r in requests), default=0.0) / speedup + 60.0
         bs = requests[0].trace_block_size if requests else 64
-        ticks = [TraceRequest(f"{TICK}{k}", k * self.tick_s, 0, 0, [], bs) for k in range(int(end / self.tick_s) + 1)]
-        out = self.run([*requests, *ticks])
+        ticks = [TraceRequest(f"{TICK}{k}", k * self.tick_s * speedup, 0, 0, [], bs)
+                 for k in range(int(end / self.tick_s) + 1)]
+        out = self.run([*requests, *ticks], speedup)
         duration = float(out.result.extra["duration_s"])  # type: ignore[arg-type]
         spans = self._paid + [(w.paid_from, math.inf) for w in self.workers if w.state != "off"]
         paid = sum(max(0.0, min(b, duration) - a) for a, b in spans)  # the run ends at its last output
         done = [t for t in self._all if t.done]
         early = [t for t in done if t.arrival < scale_up_end_s]
+        joined = [t for t in done if any(j <= t.arrival < j + join_window_s for j in self.joins)]
+        out.result.extra["scaling"] = {"mode": self.mode, "worker_minutes": paid / 60.0, "peak_workers": self.peak,
+                                       "steps": [list(x) for x in self.steps]}
         return ScalingResult(self.mode, len(done), out.result.ttft_ms, paid / 60.0, _hit(done), _hit(early),
-                             _reuse(early), _reuse(done), self.peak, list(self.steps), duration, out)
+                             _reuse(early), _reuse(done), _hit(joined), self.peak, list(self.steps),
+                             list(self.reasons), duration, out)
 
 
 def _hit(tracks: list[_Track]) -> float:
