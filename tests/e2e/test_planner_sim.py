@@ -32,3 +32,22 @@ def test_step_wise_and_all_at_once_on_a_short_ramp() -> None:
     assert step.peak_workers <= 4 and every.peak_workers == 4
     assert step.worker_minutes < fixed.worker_minutes and every.worker_minutes < fixed.worker_minutes
     assert fixed.worker_minutes == 4 * fixed.duration_s / 60
+
+
+def test_sim_cli_planner(tmp_path) -> None:
+    from tests.e2e.test_sim_cli import EXCERPT, run_sim
+
+    cfg = tmp_path / "planner.yaml"
+    cfg.write_text("planner:\n  enabled: true\n  interval_s: 1\n  window_s: 10\n  cooldown_s: 10\n")
+    out = tmp_path / "out.json"
+    res = run_sim("--trace", str(EXCERPT), "--workers", "4", "--speedup", "4", "--policy", "kv_aware",
+                  "--config", str(cfg), "--planner", "--planner-startup-s", "5", "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    import json
+
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["policy"] == "kv_aware+planner" and run["requests"] == 200
+    scaling = run["extra"]["scaling"]
+    assert scaling["mode"] == "step" and 1 <= scaling["peak_workers"] <= 4 and scaling["worker_minutes"] > 0
+    res = run_sim("--trace", str(EXCERPT), "--planner")  # no planner in the config
+    assert res.returncode == 2 and "--planner needs a config with planner: enabled: true" in res.stderr
