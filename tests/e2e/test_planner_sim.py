@@ -5,6 +5,8 @@ fixed fleet. Seconds of wall time (a few hundred requests on a 20x slower simula
 
 from __future__ import annotations
 
+import json
+
 from thunderagent.config import NodeConfig, PlannerConfig, Policy, RoutingConfig, TimingConfig
 from thunderagent.sim.generators import ramp
 from thunderagent.sim.scaling import ScalingSim
@@ -43,8 +45,6 @@ def test_sim_cli_planner(tmp_path) -> None:
     res = run_sim("--trace", str(EXCERPT), "--workers", "4", "--speedup", "4", "--policy", "kv_aware",
                   "--config", str(cfg), "--planner", "--planner-startup-s", "5", "--json", str(out))
     assert res.returncode == 0, res.stderr
-    import json
-
     (run,) = json.loads(out.read_text())["runs"]
     assert run["policy"] == "kv_aware+planner" and run["requests"] == 200
     scaling = run["extra"]["scaling"]
