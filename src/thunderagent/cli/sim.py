@@ -72,6 +72,11 @@ def sim(
         help="write every routing decision here as JSON lines (overwritten; the config's control_plane.decision_log "
              "sampling and rotation apply; each line's `run` names its row); summarise with `thunderagent explain "
              "--log`", dir_okay=False)] = None,
+    planner: Annotated[bool, typer.Option(
+        "--planner", help="the config's scaling planner (planner: enabled) acts: start at planner.min_workers, up to "
+        "--workers (README: Scaling planner)")] = False,
+    planner_startup_s: Annotated[float, typer.Option(help="with --planner: seconds a started worker takes to join",
+                                                     min=0)] = 60.0,
 ) -> None:
     """Replay traces through the router, index and simulated engines on a virtual clock."""
     from rich.console import Console
@@ -111,11 +116,28 @@ def sim(
     asked = cfg.scheduler.enabled and "enabled" in cfg.scheduler.model_fields_set
     modes = scheduler or [SchedulerMode.on if asked else SchedulerMode.off]
     pacings = pacing or [PacingMode.ours if cfg.scheduler.pacing.enabled else PacingMode.off]
+    if planner and (not cfg.planner.enabled or closed_loop or horizon is not None or decision_log is not None
+                    or scheduler or pacing):
+        typer.echo("error: --planner needs a config with planner: enabled: true, and runs open loop without "
+                   "--horizon, --decision-log, --scheduler or --pacing", err=True)
+        raise typer.Exit(2)
     dlog = _open_decision_log(cfg, decision_log)
     for pol, mode, pace in ((p, m, g) for p in policies for m in modes for g in pacings):
         sched = _scheduler_config(cfg, mode, pace)
         label = (pol.value + ("+scheduler" if sched.enabled else "")
                  + (f"+pacing:{pace.value}" if pace is not PacingMode.off else ""))
+        if planner:  # the planner sizes the fleet (sim/scaling.py)
+            from thunderagent.sim.scaling import ScalingSim
+
+            outcome = ScalingSim(node, cfg.routing, pol, mode="step", initial=min(cfg.planner.min_workers, workers),
+                                 max_workers=workers, planner=cfg.planner, startup_s=planner_startup_s,
+                                 seed=seed).replay(requests, 0.0, speedup).outcome
+            assert outcome is not None
+            outcome.result.policy = label = label + "+planner"
+            outcomes.append(outcome)
+            results.append(outcome.result)
+            console.print(f"{label}: {outcome.result.extra['scaling']}")
+            continue
         simulator = Simulator(node, cfg.routing, workers, pol, seed=seed, scheduler=sched, decision_log=dlog,
                               run_label=label)
         with Progress(TextColumn(f"thunderagent {label}"), BarColumn(), MofNCompleteColumn(),

@@ -20,6 +20,7 @@ from thunderagent.config.auth import check_key, check_tenant
 from thunderagent.config.nats import NatsAuthConfig, NatsConfig, NatsTlsConfig
 from thunderagent.config.observe import DecisionLogConfig
 from thunderagent.config.outlier import OutlierConfig
+from thunderagent.config.planner import PlannerConfig
 from thunderagent.config.scheduler import (
     GroupingConfig,
     PacingAccounting,
@@ -31,7 +32,7 @@ from thunderagent.config.scheduler import (
 __all__ = [
     "Config", "ConfigError", "ControlPlaneConfig", "CostWeights", "DecisionLogConfig", "EndpointConfig",
     "ExecutionGroupConfig", "GroupingConfig", "KvTransferConfig", "MetricsConfig", "NatsAuthConfig", "NatsConfig",
-    "NatsTlsConfig", "NodeConfig", "OutlierConfig",
+    "NatsTlsConfig", "NodeConfig", "OutlierConfig", "PlannerConfig",
     "PacingAccounting", "PacingConfig", "Policy", "ResumePlacement", "Role", "RoutingConfig", "SchedulerConfig",
     "SimulationConfig", "TimingConfig", "load_config", "parse_config",
 ]
@@ -419,6 +420,7 @@ class Config(_Strict):
     metrics: MetricsConfig = MetricsConfig()
     simulation: SimulationConfig = SimulationConfig()
     nats: NatsConfig = NatsConfig()
+    planner: PlannerConfig = Field(PlannerConfig(), description="step-wise scaling planner (control/planner.py)")
     model_name: str = "thunderagent-sim"
     model: str | None = Field(
         None, description="local model directory (tokenizer + chat template) for real engines; none = byte tokenizer"

@@ -39,6 +39,7 @@ from thunderagent.control.liveness import LoopLag
 from thunderagent.control.metrics import Metrics
 from thunderagent.control.outliers import OutlierWatch
 from thunderagent.control.generation import Generation, HeldCall
+from thunderagent.control.planner_hook import PlannerHook
 from thunderagent.control.registry import Health, WorkerRegistry
 from thunderagent.execution.handle import STALL_TIMEOUT_S, WorkerCallbacks, WorkerHandle
 from thunderagent.kv.feed import KvFeed
@@ -89,6 +90,7 @@ class Fleet:
         cp = cfg.control_plane
         self.registry = WorkerRegistry(cp.heartbeat_interval, cp.heartbeat_misses, cfg.routing)
         self.outliers = OutlierWatch(cp.outlier, self.metrics)  # slow or failing live workers skipped a while
+        self.planner = PlannerHook(cfg.planner, self.metrics.registry, self.routable, self.registry)  # scaling advice
         self.stall_timeout = stall_timeout
         #: our loop's lateness: leases and stalls are judged on on-time seconds (control/liveness.py)
         self.loop_lag = LoopLag(2 * max(self.registry.timeout, stall_timeout))
@@ -227,6 +229,7 @@ class Fleet:
         self.dispatcher.tick(self.routable(), now)  # pacing; grouping's bounds (``_wake`` runs them on time)
         self.decisions.tick()  # buffered decision-log lines reach the file
         self.metrics.observe_fleet(self.registry.loads().values(), now)
+        self.planner.tick(now)
         self._observe_pacing()
         if self._held:
             self._pump()  # requests past max_wait_s (or of resumed programs) go even when no worker has room

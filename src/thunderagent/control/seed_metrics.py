@@ -113,10 +113,15 @@ class SeedMetrics:
                                  "busy_filtered, hit, miss_balance, miss)", ["kind"], registry=r)
         for kind in DECISION_KINDS:
             self.decisions.labels(kind)  # every kind reads 0 from the start
+        self.worker_hits = Counter("thunderagent_routed_hits", "Requests routed to a worker while it held part of "
+                                   "their prompt, per worker (the scaling planner's per-worker hit rate)", ["worker"],
+                                   registry=r)
 
     def routed(self, d: Dispatch, now: float) -> None:
         self.decisions.labels(decision_kind(d)).inc()
         self._routed.add(now, 1.0, 1.0 if d.predicted_tokens > 0 else 0.0)
+        if d.predicted_tokens > 0:
+            self.worker_hits.labels(d.decision.worker_id).inc()
         self.refresh(now)
 
     def ended(self, prompt_tokens: int, cached_tokens: int, recomputed_tokens: int, now: float) -> None:

@@ -309,6 +309,9 @@ class Frontend:
                               "held_requests": pacer.held_count(), "recent": [e.as_dict() for e in pacer.recent]}
         return web.json_response(body)
 
+    async def planner(self, request: web.Request) -> web.Response:
+        return web.json_response(self.fleet.planner.summary())
+
     async def release_program(self, request: web.Request) -> web.Response:
         return self._release(check_program_id(request.match_info["program_id"]))
 
@@ -377,6 +380,7 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     route("POST", "/v1/completions", fe.completions, Access.TENANT)
     route("GET", "/v1/models", fe.models, Access.TENANT)
     route("GET", "/v1/programs", fe.programs, Access.ADMIN)  # lists every tenant's programs
+    route("GET", "/v1/planner", fe.planner, Access.ADMIN)  # scaling advice (control/planner_hook.py)
     route("POST", "/v1/programs/{program_id}/release", fe.release_program, Access.ADMIN)
     route("POST", "/programs/release", fe.release_program_body, Access.ADMIN)
     route("GET", "/health", fe.health, Access.PUBLIC)  # the detail needs an admin key
@@ -390,6 +394,7 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
         await fleet.start()
 
     async def on_cleanup(app: web.Application) -> None:
+        await fleet.planner.stop()  # its actions still running
         await fleet.stop()
 
     app.on_startup.append(on_startup)

@@ -118,6 +118,10 @@ def openapi_document(cfg: Config) -> dict[str, Any]:
                 "schema": {"$ref": "#/components/schemas/ReleaseRequest"}}}},
             "responses": {"200": _json(_RELEASED, "released"), **_errors(400, 404, 408, 413, 415)},
         }},
+        "/v1/planner": get("The scaling planner's recommendation per worker role, with its reasons", {
+            "200": _json({"type": "object", "required": ["enabled", "recommendations", "actions"], "properties": {
+                "enabled": {"type": "boolean"}, "recommendations": {"type": "array"},
+                "actions": {"type": "array"}}}, "recommendations"), **_errors()}),
         "/health": get("Fleet health", {"200": _json({"type": "object"}, "healthy"),
                                          "503": _json({"type": "object"}, "no healthy worker"), **_errors()}),
         PATH: get("This document", {"200": _json({"type": "object"}, "OpenAPI 3.1"), **_errors()}),

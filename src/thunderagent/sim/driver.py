@@ -177,6 +177,8 @@ class Simulator:
             for e in self.engines
         ))
         self._pos = {e.worker_id: i for i, e in enumerate(self.engines)}
+        #: the workers routing sees (all by default; ``sim/scaling.py`` starts and drains engines by editing it)
+        self.routable: list[WorkerState] = self._states
         self.sample_interval = sample_interval
         self.resyncs = 0
         self.decision_log = decision_log
@@ -244,7 +246,7 @@ class Simulator:
                 # a tick with nothing else due before it (pacing; grouping's windows and waiting
                 # bounds): the requests it releases go now
                 tt = max(tick, run.last)
-                if dispatcher.tick(states, tt):
+                if dispatcher.tick(self.routable, tt):
                     for j in self._pump(tt, run.tracks):
                         run.schedule(j)
                 continue
@@ -303,14 +305,14 @@ class Simulator:
                                  priority=tr.priority, arrival=now)
         program = tr.session if dispatcher.pacer is not None else None
         tracks[tr.request_id] = _Track(now, tr.input_length, 0, -1, tr.priority, program=program)
-        d = dispatcher.submit(req, tr.session or "", self._states, now, program=program)
+        d = dispatcher.submit(req, tr.session or "", self.routable, now, program=program)
         return -1 if d is None else self._place(d, now, tracks)
 
     def _pump(self, now: float, tracks: dict[str, _Track]) -> list[int]:
         """Held requests that can go now, placed one at a time (each placement updates its engine's
         load before the next decision, as in the live fleet). Returns the engines given work."""
         placed = []
-        while (d := self.dispatcher.pump(self._states, now)) is not None:
+        while (d := self.dispatcher.pump(self.routable, now)) is not None:
             i = self._place(d, now, tracks)
             tracks[d.request.request_id].queue_wait = d.queue_wait
             placed.append(i)

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 from thunderagent.sim.traces import PAD_BASE, TraceRequest
 
-__all__ = ["agent_programs", "multi_turn_chat", "shared_prefix", "zipf_prefix"]
+__all__ = ["agent_programs", "multi_turn_chat", "ramp", "shared_prefix", "zipf_prefix"]
 
 Length = int | tuple[int, int]
 
@@ -257,4 +257,58 @@ def agent_programs(
             ids = ids + blocks.new(o) + blocks.new(r)
             pause = rng.lognormvariate(mu, tool_pause_sigma)
             t += pause
+    return _finish(out)
+
+
+def ramp(
+    num_groups: int,
+    prefix_tokens: int,
+    suffix_tokens: Length,
+    peak_rate: float,
+    *,
+    base_rate: float,
+    ramp_up_s: float,
+    hold_s: float,
+    ramp_down_s: float,
+    output_tokens: Length = 128,
+    seed: int = 0,
+    block_size: int = 64,
+) -> list[TraceRequest]:
+    """Load that ramps up, holds and ramps down (the scaling planner's workload): requests like
+    :func:`shared_prefix` (one of ``num_groups`` prefixes, drawn uniformly, + a unique suffix), with
+    Poisson arrivals whose rate goes linearly from ``base_rate`` to ``peak_rate`` over ``ramp_up_s``,
+    stays at ``peak_rate`` for ``hold_s``, and goes back to ``base_rate`` over ``ramp_down_s``
+    (thinning of a ``peak_rate`` process). Request ids are ``rp:<i>:g<group>``."""
+    _check(block_size, num_groups=num_groups, prefix_tokens=prefix_tokens, base_rate=base_rate, ramp_up_s=ramp_up_s,
+           hold_s=hold_s, ramp_down_s=ramp_down_s)
+    if num_groups == 0:
+        raise ValueError("num_groups must be > 0")
+    if not 0 < peak_rate or base_rate > peak_rate:
+        raise ValueError(f"need 0 < peak_rate and base_rate <= peak_rate, got {peak_rate} and {base_rate}")
+    rng = random.Random(seed)
+    blocks = _Blocks(block_size)
+    plen = blocks.whole(prefix_tokens)
+    prefixes = [blocks.new(plen) for _ in range(num_groups)]
+    up_end, hold_end = ramp_up_s, ramp_up_s + hold_s
+    end = hold_end + ramp_down_s
+
+    def rate(t: float) -> float:
+        if t < up_end:
+            return base_rate + (peak_rate - base_rate) * t / up_end
+        if t < hold_end:
+            return peak_rate
+        return peak_rate - (peak_rate - base_rate) * (t - hold_end) / ramp_down_s
+
+    out: list[TraceRequest] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(peak_rate)
+        if t >= end:
+            break
+        if rng.random() * peak_rate >= rate(t):
+            continue
+        g = rng.randrange(num_groups)
+        s = _draw(rng, suffix_tokens, "suffix_tokens", 1)
+        o = _draw(rng, output_tokens, "output_tokens")
+        out.append(TraceRequest(f"rp:{len(out)}:g{g}", t, plen + s, o, prefixes[g] + blocks.new(s), block_size, None))
     return _finish(out)

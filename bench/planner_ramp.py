@@ -1,0 +1,115 @@
+"""Scaling a fleet through a load ramp (issue 13, item 5): fixed fleets of several sizes, add-all-at-once,
+and step-wise (the scaling planner, ``control/planner.py``, acting in the simulator, ``sim/scaling.py``).
+
+Workload (``sim.generators.ramp``): shared-prefix requests whose Poisson rate ramps up from ``--base-rate`` to
+``--peak-rate``, holds, and ramps down. Workers start cold after ``--planner-startup-s`` and leave drained.
+
+Columns: TTFT p50/p99 (ms), worker-minutes paid (a started worker is paid from the planner's +1, its start-up
+included, until it drained or the run ended), the request hit rate (requests that reused cached prompt tokens)
+and the token reuse (cached prompt tokens / prompt tokens), both over the requests that arrived during the
+scale-up (the ramp up), and the ratios against the best fixed fleet (the lowest TTFT p99) measured in the
+same run.
+
+    .venv/bin/python bench/planner_ramp.py            # the README's table (a few minutes)
+    .venv/bin/python bench/planner_ramp.py --quick    # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import print_table  # noqa: E402
+
+from thunderagent.config import NodeConfig, PlannerConfig, Policy, RoutingConfig, TimingConfig  # noqa: E402
+from thunderagent.sim.generators import ramp  # noqa: E402
+from thunderagent.sim.scaling import ScalingResult, ScalingSim  # noqa: E402
+
+
+def planner_config(a: argparse.Namespace) -> PlannerConfig:
+    return PlannerConfig(enabled=True, interval_s=a.interval_s, window_s=a.window_s, cooldown_s=a.cooldown_s,
+                         min_workers=a.min_workers, max_workers=a.max_workers, warm_requests=a.warm_requests,
+                         up_ttft_s=a.up_ttft_s, down_ttft_s=a.down_ttft_s, up_kv_usage=a.up_kv,
+                         down_kv_usage=a.down_kv, up_queue_per_worker=a.up_queue)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a short ramp (the e2e test's size)")
+    ap.add_argument("--groups", type=int, default=96)
+    ap.add_argument("--prefix-tokens", type=int, default=2048)
+    ap.add_argument("--suffix-tokens", type=int, default=1024)
+    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--base-rate", type=float, default=0.5)
+    ap.add_argument("--peak-rate", type=float, default=6.0)
+    ap.add_argument("--ramp-up-s", type=float, default=1800.0)
+    ap.add_argument("--hold-s", type=float, default=300.0)
+    ap.add_argument("--ramp-down-s", type=float, default=1800.0)
+    ap.add_argument("--kv-blocks", type=int, default=2048)
+    ap.add_argument("--engine-speed", type=float, default=0.05,
+                    help="the simulated engine's timing.speedup (0.05: 20x slower passes, a big model: few "
+                    "requests fill a worker, so the simulation stays short)")
+    ap.add_argument("--fixed", default="4,6,8", help="fixed fleet sizes, comma-separated")
+    ap.add_argument("--min-workers", type=int, default=1)
+    ap.add_argument("--max-workers", type=int, default=8)
+    ap.add_argument("--planner-startup-s", type=float, default=30.0)
+    ap.add_argument("--interval-s", type=float, default=5.0)
+    ap.add_argument("--window-s", type=float, default=60.0)
+    ap.add_argument("--cooldown-s", type=float, default=60.0)
+    ap.add_argument("--warm-requests", type=int, default=20)
+    ap.add_argument("--up-ttft-s", type=float, default=1.7)
+    ap.add_argument("--down-ttft-s", type=float, default=1.2)
+    ap.add_argument("--up-kv", type=float, default=0.5)
+    ap.add_argument("--down-kv", type=float, default=0.3)
+    ap.add_argument("--up-queue", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reasons", action="store_true", help="print each step's reasons")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.ramp_up_s, a.hold_s, a.ramp_down_s, a.peak_rate, a.fixed, a.max_workers = 240.0, 60.0, 240.0, 3.0, "2,4", 4
+        a.window_s, a.cooldown_s, a.planner_startup_s = 20.0, 30.0, 15.0
+    node = NodeConfig(kv_blocks=a.kv_blocks, timing=TimingConfig(speedup=a.engine_speed))
+    routing = RoutingConfig()
+    reqs = ramp(a.groups, a.prefix_tokens, a.suffix_tokens, a.peak_rate, base_rate=a.base_rate,
+                ramp_up_s=a.ramp_up_s, hold_s=a.hold_s, ramp_down_s=a.ramp_down_s, output_tokens=a.output_tokens,
+                seed=a.seed, block_size=node.block_size)
+    pc = planner_config(a)
+    runs: list[tuple[str, ScalingResult]] = []
+    t0 = time.perf_counter()
+    for n in (int(x) for x in a.fixed.split(",")):
+        sim = ScalingSim(node, routing, Policy.kv_aware, mode="fixed", initial=n, max_workers=n, seed=a.seed)
+        runs.append((f"fixed {n}", sim.replay(reqs, a.ramp_up_s)))
+    for mode, label in (("all", "add-all-at-once"), ("step", "step-wise (planner)")):
+        sim = ScalingSim(node, routing, Policy.kv_aware, mode=mode, initial=a.min_workers, max_workers=a.max_workers,
+                         planner=pc, startup_s=a.planner_startup_s, seed=a.seed)
+        runs.append((label, sim.replay(reqs, a.ramp_up_s)))
+    best_label, best = min((r for r in runs if r[0].startswith("fixed")), key=lambda r: r[1].ttft_ms.p99)
+    rows = []
+    for label, r in runs:
+        rows.append([label, f"{r.ttft_ms.p50:.0f}", f"{r.ttft_ms.p99:.0f}", f"{r.worker_minutes:.1f}",
+                     f"{r.scale_up_hit_rate:.1%}", f"{r.scale_up_reuse:.1%}",
+                     "-" if r.join_hit_rate != r.join_hit_rate else f"{r.join_hit_rate:.1%}", r.peak_workers,
+                     f"{r.ttft_ms.p99 / best.ttft_ms.p99:.2f}", f"{r.worker_minutes / best.worker_minutes:.2f}"])
+    print(f"{len(reqs)} requests, ramp {a.base_rate:g}->{a.peak_rate:g}->{a.base_rate:g} req/s over "
+          f"{a.ramp_up_s:.0f}+{a.hold_s:.0f}+{a.ramp_down_s:.0f} s, start-up {a.planner_startup_s:.0f} s; "
+          f"best fixed fleet: {best_label}")
+    print_table("Scaling through a ramp (simulated)", ["fleet", "TTFT p50", "TTFT p99", "worker-min",
+                "hit (up)", "reuse (up)", "hit (joins)", "peak", "p99/best", "w-min/best"], rows)
+    for label, r in runs:
+        if r.steps:
+            steps = ", ".join(f"({t:.0f}, {d:+d}, {n})" for t, d, n in r.steps)
+            print(f"{label} steps (t s, delta, workers up): {steps}")
+    if a.reasons:
+        for label, r in runs:
+            for (t, d, _), why in zip(r.steps, r.reasons):
+                print(f"  {label} {t:.0f}s {d:+d}: {'; '.join(why)}")
+    print(f"wall {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

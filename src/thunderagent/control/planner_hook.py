@@ -1,0 +1,152 @@
+"""The scaling planner in the live fleet: fed on the health tick, read at ``GET /v1/planner`` and as
+``thunderagent_planner_recommendation{role}`` (-1 / 0 / +1), and acting through the operator's
+command or webhook (``planner:`` config; ``control/planner.py`` decides).
+
+Every ``planner.interval_s`` the fleet's health tick (:meth:`PlannerHook.tick`) hands the planner one
+sample per routable worker: its role, its latest load report (waiting, running, KV use) and four
+cumulative counters read from the fleet's own metrics (requests routed, of them to a holder of
+part of their prompt, and its TTFT histogram's count and sum). A step decided on that look (a
+*fresh* +1 / -1) fires the action once, in a task of its own: the event loop never waits for it.
+
+- ``planner.command``: argv + ``[role, "+1" | "-1"]``, no shell, killed after ``action_timeout_s``;
+- ``planner.webhook_url``: POST ``{"role", "delta", "reasons", "at"}``, given up after the same time.
+
+Each action's outcome (exit status, HTTP status or the error) is kept (the last 20) and shown at
+``GET /v1/planner``; a failed action is logged and does not stop the planner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from prometheus_client import CollectorRegistry, Gauge
+
+from thunderagent.config.planner import PlannerConfig
+from thunderagent.control.planner import Planner, Recommendation, WorkerSample
+from thunderagent.control.registry import WorkerRegistry
+from thunderagent.types import WorkerState
+
+log = logging.getLogger(__name__)
+
+_COUNTERS = {"thunderagent_routed_total": "routed", "thunderagent_routed_hits_total": "hits",
+             "thunderagent_worker_ttft_seconds_count": "ttft_count", "thunderagent_worker_ttft_seconds_sum": "ttft_sum"}
+
+
+class PlannerHook:
+    def __init__(self, cfg: PlannerConfig, metrics: CollectorRegistry, routable: Callable[[], list[WorkerState]],
+                 registry: WorkerRegistry) -> None:
+        """``metrics``: the fleet's registry (counters read, gauge added); ``routable``: the fleet's
+        routable workers now; ``registry``: their roles."""
+        self.cfg = cfg
+        self.planner = Planner(cfg) if cfg.enabled else None
+        self._metrics, self._routable, self._registry = metrics, routable, registry
+        self._next = 0.0
+        self.actions: deque[dict[str, Any]] = deque(maxlen=20)  # outcomes of the latest actions
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.gauge = Gauge("thunderagent_planner_recommendation", "The scaling planner's recommendation per worker "
+                           "role: +1 add a worker, -1 remove one, 0 hold", ["role"], registry=metrics)
+
+    def tick(self, now: float) -> None:
+        """The fleet's health tick: a look every ``interval_s`` (nothing while the planner is off)."""
+        if self.planner is None or now < self._next:
+            return
+        self._next = now + self.cfg.interval_s
+        self.planner.observe(now, self.samples())
+        for role, rec in self.planner.recommend(now).items():
+            self.gauge.labels(role).set(rec.delta)
+            if rec.fresh:
+                log.info("planner: %s %+d (%s)", role, rec.delta, "; ".join(rec.reasons))
+                self._act(rec)
+
+    def samples(self) -> list[WorkerSample]:
+        counters: dict[str, dict[str, float]] = {}
+        for family in self._metrics.collect():
+            for s in family.samples:
+                field = _COUNTERS.get(s.name)
+                if field is not None and "worker" in s.labels:
+                    counters.setdefault(s.labels["worker"], {})[field] = s.value
+        out = []
+        for w in self._routable():
+            c = counters.get(w.worker_id, {})
+            out.append(WorkerSample(w.worker_id, self._registry.info(w.worker_id).role, w.load.waiting,
+                                    w.load.running, w.load.kv_usage, int(c.get("routed", 0)), int(c.get("hits", 0)),
+                                    int(c.get("ttft_count", 0)), c.get("ttft_sum", 0.0)))
+        return out
+
+    # -- actions -------------------------------------------------------------------------------
+    def _act(self, rec: Recommendation) -> None:
+        for coro in ((self._command(rec),) if self.cfg.command else ()) + \
+                ((self._webhook(rec),) if self.cfg.webhook_url else ()):
+            task = asyncio.get_running_loop().create_task(coro)
+            self._tasks.add(task)  # a reference, so the task is not collected mid-run
+            task.add_done_callback(self._tasks.discard)
+
+    async def _command(self, rec: Recommendation) -> None:
+        assert self.cfg.command is not None
+        argv = [*self.cfg.command, rec.role, f"{rec.delta:+d}"]
+        entry: dict[str, Any] = {"kind": "command", "role": rec.role, "delta": rec.delta, "at": rec.at}
+        try:
+            proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
+                                                        stdout=asyncio.subprocess.DEVNULL,
+                                                        stderr=asyncio.subprocess.PIPE)
+        except OSError as exc:
+            entry["error"] = f"cannot run {argv[0]!r}: {exc.strerror}"
+        else:
+            try:
+                _, err = await asyncio.wait_for(proc.communicate(), self.cfg.action_timeout_s)
+                entry["exit_status"] = proc.returncode
+                if proc.returncode:
+                    entry["error"] = err.decode(errors="replace")[-500:]
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+                entry["error"] = f"killed after {self.cfg.action_timeout_s:g}s"
+        self._done(entry)
+
+    async def _webhook(self, rec: Recommendation) -> None:
+        assert self.cfg.webhook_url is not None
+        body = {"role": rec.role, "delta": rec.delta, "reasons": list(rec.reasons), "at": rec.at}
+        entry: dict[str, Any] = {"kind": "webhook", "role": rec.role, "delta": rec.delta, "at": rec.at}
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.cfg.action_timeout_s)
+            async with aiohttp.ClientSession(timeout=timeout) as http, \
+                    http.post(self.cfg.webhook_url, json=body) as resp:
+                entry["status"] = resp.status
+                if resp.status >= 300:
+                    entry["error"] = f"HTTP {resp.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        self._done(entry)
+
+    def _done(self, entry: dict[str, Any]) -> None:
+        if "error" in entry:
+            log.warning("planner action failed: %s", entry)
+        self.actions.append(entry)
+
+    async def stop(self) -> None:
+        """Cancel actions still running (the server is stopping)."""
+        for task in list(self._tasks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def summary(self) -> dict[str, Any]:
+        """The ``GET /v1/planner`` body."""
+        recs = self.planner.latest if self.planner is not None else {}
+        return {
+            "enabled": self.planner is not None,
+            "recommendations": [{
+                "role": r.role, "delta": r.delta, "reasons": list(r.reasons), "at": r.at, "decided_at": r.decided_at,
+                "signals": {"workers": r.signals.workers, "cold": list(r.signals.cold),
+                            "queue_per_worker": r.signals.queue_per_worker, "ttft_s": r.signals.ttft_s,
+                            "hit_rate": r.signals.hit_rate, "kv_usage": r.signals.kv_usage,
+                            "span_s": r.signals.span_s},
+            } for r in recs.values()],
+            "actions": list(self.actions),
+        }

@@ -1,0 +1,136 @@
+"""The step-wise scaling planner (control/planner.py): exact recommendations for hand-made looks."""
+
+from __future__ import annotations
+
+import pytest
+
+from thunderagent.config import ConfigError, PlannerConfig, parse_config
+from thunderagent.control.planner import Planner, WorkerSample
+
+
+def cfg(**kw: object) -> PlannerConfig:
+    base: dict[str, object] = {"enabled": True, "interval_s": 1.0, "window_s": 10.0, "cooldown_s": 30.0,
+                               "min_workers": 1, "max_workers": 4, "warm_requests": 5}
+    base.update(kw)
+    return PlannerConfig(**base)  # type: ignore[arg-type]
+
+
+def look(p: Planner, t: float, n: int, *, waiting: int = 0, kv: float = 0.3, served: int = 0, ttft: float = 0.1,
+         hits: int | None = None, role: str = "both", extra: dict[str, WorkerSample] | None = None) -> None:
+    """``n`` alike workers; each has served ``served`` requests so far at ``ttft`` seconds each."""
+    ws = [WorkerSample(f"w{i}", role, waiting, 1, kv, served, served if hits is None else hits, served, served * ttft)
+          for i in range(n)]
+    p.observe(t, ws + list((extra or {}).values()))
+
+
+def run(p: Planner, t0: float, t1: float, n: int, rate: int = 2, **kw: object) -> None:
+    """Looks every second from t0 to t1, each worker serving ``rate`` requests a second."""
+    t = t0
+    while t <= t1:
+        look(p, t, n, served=int(t * rate), **kw)  # type: ignore[arg-type]
+        t += 1.0
+
+
+def test_overload_gives_plus_one_with_reasons_then_pending_then_cooldown() -> None:
+    p = Planner(cfg(up_ttft_s=0.5, down_ttft_s=0.2))
+    run(p, 0, 4, 2, waiting=3, kv=0.95)
+    r = p.recommend(4.0)["both"]
+    assert (r.delta, r.reasons) == (0, ("watching: 4s of samples, 5s needed",))
+    run(p, 5, 10, 2, waiting=3, ttft=1.4, kv=0.95)
+    r = p.recommend(10.0)["both"]
+    assert r.delta == 1 and r.fresh and r.decided_at == 10.0
+    assert r.reasons == ("queue: 3.00 waiting/worker >= 2", "TTFT: mean 1.400s >= 0.5s", "KV: 95% used >= 90%")
+    assert r.signals.workers == 2 and r.signals.hit_rate == 1.0
+    # not acted on yet: the step stays the answer (not fresh: the action fires once)
+    look(p, 11, 2, waiting=3, served=22)
+    r = p.recommend(11.0)["both"]
+    assert (r.delta, r.fresh, r.reasons[0]) == (1, False, "pending: +1 decided at 10s, still 2 workers")
+    # a worker joins: cooldown from the join, then the newcomer is cold
+    look(p, 12, 3, served=24)
+    r = p.recommend(12.0)["both"]
+    assert (r.delta, r.reasons) == (0, ("cooling down: 0s of 30s since the last worker count change",))
+
+
+def test_cold_worker_holds_until_served_or_hit_rate() -> None:
+    p = Planner(cfg(cooldown_s=0.0))
+    run(p, 0, 10, 2, hits=0)
+    newcomer = {"w9": WorkerSample("w9", "both", 0, 1, 0.3, 2, 0, 2, 0.2)}  # 2 served, no hit
+    look(p, 11, 2, served=22, hits=20, waiting=5, extra=newcomer)
+    look(p, 12, 2, served=24, hits=22, waiting=5, extra={"w9": WorkerSample("w9", "both", 0, 1, 0.3, 4, 0, 4, 0.4)})
+    r = p.recommend(12.0)["both"]
+    assert r.delta == 0 and r.signals.cold == ("w9",)
+    assert r.reasons[0].startswith("cold: w9 still warming up (< 5 served")
+    # served 5 since it joined: warm; the planner now watches the window since the join
+    look(p, 13, 2, served=26, hits=24, waiting=5, extra={"w9": WorkerSample("w9", "both", 5, 1, 0.3, 7, 0, 7, 0.7)})
+    r = p.recommend(13.0)["both"]
+    assert r.signals.cold == () and r.reasons == ("watching: 2s of samples, 5s needed",)
+
+
+def test_cold_ends_when_hit_rate_reaches_the_roles() -> None:
+    p = Planner(cfg(cooldown_s=0.0))
+    run(p, 0, 10, 2, hits=0)  # the role's hit rate is 0 (hits stay 0)
+    look(p, 11, 2, served=22, hits=0, extra={"w9": WorkerSample("w9", "both", 0, 1, 0.3, 0, 0, 0, 0.0)})
+    look(p, 12, 2, served=24, hits=0, extra={"w9": WorkerSample("w9", "both", 0, 1, 0.3, 1, 0, 1, 0.1)})
+    assert p.recommend(12.0)["both"].signals.cold == ()  # routed 1, hit rate 0 >= the role's 0
+
+
+def test_idle_gives_minus_one_and_respects_min_workers() -> None:
+    p = Planner(cfg())
+    run(p, 0, 10, 3, kv=0.2, ttft=0.05)
+    r = p.recommend(10.0)["both"]
+    assert r.delta == -1 and r.fresh
+    assert r.reasons == ("queue on 2 workers: 0.00 waiting/worker <= 0.1", "KV on 2 workers: 30% <= 50%",
+                         "TTFT: mean 0.050s <= 0.5s")
+    q = Planner(cfg())
+    run(q, 0, 10, 1, kv=0.1, ttft=0.05)
+    r = q.recommend(10.0)["both"]
+    assert (r.delta, r.reasons[0]) == (0, "at min_workers (1)")
+
+
+def test_kv_spread_over_one_fewer_blocks_minus_one() -> None:
+    p = Planner(cfg())
+    run(p, 0, 10, 2, kv=0.3, ttft=0.05)  # 30% on 2 workers is 60% on one: above 50%
+    r = p.recommend(10.0)["both"]
+    assert r.delta == 0 and r.reasons[0].startswith("in range:")
+
+
+def test_max_workers_holds_plus_one() -> None:
+    p = Planner(cfg(max_workers=2))
+    run(p, 0, 10, 2, waiting=4)
+    r = p.recommend(10.0)["both"]
+    assert (r.delta, r.reasons) == (0, ("at max_workers (2)", "queue: 4.00 waiting/worker >= 2"))
+
+
+def test_roles_are_judged_apart_and_window_forgets_old_load() -> None:
+    p = Planner(cfg())
+    for t in range(0, 30):
+        ws = [WorkerSample("p0", "prefill", 5 if t < 15 else 0, 1, 0.3),
+              WorkerSample("d0", "decode", 0, 1, 0.3), WorkerSample("d1", "decode", 0, 1, 0.1)]
+        p.observe(float(t), ws)
+    recs = p.recommend(29.0)
+    assert set(recs) == {"decode", "prefill"}
+    assert recs["prefill"].signals.queue_per_worker == 0.0  # the overload before t=15 left the 10 s window
+    assert recs["prefill"].delta == 0 and recs["decode"].delta == -1
+
+
+def test_pending_step_expires_and_is_decided_again() -> None:
+    p = Planner(cfg(cooldown_s=5.0))
+    run(p, 0, 10, 2, waiting=3)
+    assert p.recommend(10.0)["both"].fresh
+    run(p, 11, 16, 2, waiting=3)  # nobody acted
+    r = p.recommend(16.0)["both"]
+    assert (r.delta, r.fresh, r.decided_at) == (1, True, 16.0)
+
+
+def test_config_knobs_need_the_switch_and_bounds() -> None:
+    with pytest.raises(ConfigError, match="planner.cooldown_s.*acts only with planner.enabled"):
+        parse_config({"planner": {"cooldown_s": 10}})
+    with pytest.raises(ConfigError, match="max_workers"):
+        parse_config({"planner": {"enabled": True, "min_workers": 3, "max_workers": 2}})
+    with pytest.raises(ConfigError, match="down_ttft_s must be below up_ttft_s"):
+        parse_config({"planner": {"enabled": True, "down_ttft_s": 3}})
+    with pytest.raises(ConfigError, match="webhook_url"):
+        parse_config({"planner": {"enabled": True, "webhook_url": "ftp://x"}})
+    assert parse_config({"planner": {"enabled": True, "command": ["echo"]}}).planner.command == ["echo"]
+    c = parse_config({})
+    assert parse_config(c.model_dump()).planner == c.planner  # a dumped config loads again
