@@ -196,6 +196,7 @@ class WorkerState:
     max_num_batched_tokens: int
     queue_depth_threshold: int
     load: LoadReport
+    role: str = "both"  # prefill | decode | both: prefill workers only run remote prefill jobs
 
 
 @dataclass(slots=True)  # not frozen: built 8x per request on the hot path, frozen init is ~2x slower
@@ -248,6 +249,7 @@ class Decision:
     candidates: tuple[CandidateScore, ...] = field(default=())
     overlap_blocks: int = 0  # blocks the winner is believed to hold
     hot_prefix: HotPrefixNote | None = None  # set when the winner is a hot prefix's replica
+    pd: PdPlan | None = None  # prefill elsewhere, KV moved here (``scheduler/disagg.py``)
 
     def explain(self) -> dict[str, object]:
         """JSON-ready explanation (returned in the response body when asked)."""
@@ -274,4 +276,9 @@ class Decision:
         if hot is not None:
             out["hot_prefix"] = {"prefix_blocks": hot.prefix_blocks, "holders": list(hot.holders),
                                  "replicas": list(hot.replicas), "added": hot.added}
+        pd = self.pd
+        if pd is not None:
+            out["pd"] = {"prefill_worker": pd.prefill_worker, "decode_worker": self.worker_id,
+                         "transfer_tokens": pd.transfer_tokens, "transfer_bytes": pd.transfer_bytes,
+                         "estimate_s": round(pd.estimate_s, 6), "saved_s": round(pd.saved_s, 6), "reason": pd.reason}
         return out

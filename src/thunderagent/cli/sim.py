@@ -26,6 +26,12 @@ class DynamoQueuePolicy(str, Enum):
     wspt = "wspt"
 
 
+class PdMode(str, Enum):
+    always = "always"
+    conditional = "conditional"
+    never = "never"
+
+
 class PacingMode(str, Enum):
     off = "off"
     paper = "paper"  # the paper's accounting (every program in full), placement (most free), not work-conserving
@@ -72,6 +78,19 @@ def sim(
         help="write every routing decision here as JSON lines (overwritten; the config's control_plane.decision_log "
              "sampling and rotation apply; each line's `run` names its row); summarise with `thunderagent explain "
              "--log`", dir_okay=False)] = None,
+    pd: Annotated[Optional[str], typer.Option(
+        help="prefill/decode disaggregation: P:D = P prefill + D decode workers of the node's size (replaces "
+             "--workers); the transfer plane from the config's role prefill group's kv_cache_transfer, else its "
+             "defaults")] = None,
+    pd_mode: Annotated[Optional[list[PdMode]], typer.Option(
+        help="with --pd: routing.disaggregation.mode; repeat for side-by-side rows (default: the config's)")] = None,
+    pd_slow_link: Annotated[float, typer.Option(
+        help="with --pd, fault injection: transfers take this many times the configured link's time", min=1e-6)] = 1.0,
+    pd_interrupt: Annotated[float, typer.Option(
+        help="with --pd, fault injection: probability that a transfer fails halfway", min=0, max=1)] = 0.0,
+    pd_target_full: Annotated[float, typer.Option(
+        help="with --pd, fault injection: probability that the decode worker looks full when a transfer starts",
+        min=0, max=1)] = 0.0,
 ) -> None:
     """Replay traces through the router, index and simulated engines on a virtual clock."""
     from rich.console import Console
@@ -100,6 +119,9 @@ def sim(
                     for r in requests]
     if compare_dynamo:
         _check_dynamo(trace, limit, closed_loop)
+    pd_setups = _pd_setups(cfg, pd, pd_mode, pd_slow_link, pd_interrupt, pd_target_full, seed)
+    if pd_setups[0] is not None:
+        workers = pd_setups[0].prefill + pd_setups[0].decode
     console.print(f"{len(requests):,} requests, {workers} workers x {kv_blocks} blocks x {block_size} tokens, "
                   f"speedup {speedup}" + (", closed loop" if closed_loop else ""))
     bounds = reuse_bounds(requests, block_size, workers * kv_blocks)
@@ -110,12 +132,13 @@ def sim(
     modes = scheduler or [SchedulerMode.on if asked else SchedulerMode.off]
     pacings = pacing or [PacingMode.ours if cfg.scheduler.pacing.enabled else PacingMode.off]
     dlog = _open_decision_log(cfg, decision_log)
-    for pol, mode, pace in ((p, m, g) for p in policies for m in modes for g in pacings):
+    for pol, mode, pace, pds in ((p, m, g, d) for p in policies for m in modes for g in pacings for d in pd_setups):
         sched = _scheduler_config(cfg, mode, pace)
         label = (pol.value + ("+scheduler" if sched.enabled else "")
-                 + (f"+pacing:{pace.value}" if pace is not PacingMode.off else ""))
+                 + (f"+pacing:{pace.value}" if pace is not PacingMode.off else "")
+                 + (f"+pd{pds.prefill}:{pds.decode}:{pds.disagg.mode}" if pds is not None else ""))
         simulator = Simulator(node, cfg.routing, workers, pol, seed=seed, scheduler=sched, decision_log=dlog,
-                              run_label=label)
+                              run_label=label, pd=pds)
         with Progress(TextColumn(f"thunderagent {label}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console, transient=True) as prog:
             task = prog.add_task("replay", total=len(requests))
@@ -144,6 +167,33 @@ def sim(
             {"traces": [str(t) for t in trace], "workers": workers, "kv_blocks": kv_blocks,
              "block_size": block_size, "speedup": speedup, "seed": seed, "requests": len(requests),
              **({"closed_loop": True} if closed_loop else {})})
+
+
+def _pd_setups(cfg: Config, pd: str | None, modes: list[PdMode] | None, slow: float, interrupt: float,
+               full: float, seed: int) -> list[Any]:
+    """One setup per --pd-mode ([None] without --pd)."""
+    from thunderagent.config import KvTransferConfig, Role
+    from thunderagent.sim.driver import PdSetup
+    from thunderagent.sim.pd import PdFaults
+
+    if pd is None:
+        if modes or slow != 1.0 or interrupt or full:
+            typer.echo("error: --pd-mode and the --pd-* fault options need --pd P:D", err=True)
+            raise typer.Exit(2)
+        return [None]
+    try:
+        p, d = (int(x) for x in pd.split(":"))
+        if p < 1 or d < 1:
+            raise ValueError
+    except ValueError as exc:
+        typer.echo(f"error: --pd takes P:D, two counts >= 1 (prefill:decode workers), got {pd!r}", err=True)
+        raise typer.Exit(2) from exc
+    pre = [n for n in cfg.execution_group.nodes if n.role is Role.prefill]
+    transfer = pre[0].kv_cache_transfer if pre else KvTransferConfig(enabled=True)
+    faults = PdFaults(slow, interrupt, full, seed)
+    base = cfg.routing.disaggregation
+    return [PdSetup(p, d, base.model_copy(update={"mode": m.value}), transfer, faults)
+            for m in (modes or [PdMode(base.mode)])]
 
 
 def _open_decision_log(cfg: Config, path: Path | None) -> Any:

@@ -96,6 +96,7 @@ class WorkerRegistry:
                 max_num_batched_tokens=e.info.max_num_batched_tokens,
                 queue_depth_threshold=e.info.queue_depth_threshold,
                 load=e.load,
+                role=e.info.role,
             )
             for wid, e in self._entries.items()
             if e.health is Health.healthy

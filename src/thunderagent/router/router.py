@@ -46,7 +46,9 @@ class KvRouter:
             if cfg.hot_prefix.enabled and isinstance(self.policy, KvAware) else None
         )
 
-    def route(self, req: RouteRequest, workers: Sequence[WorkerState], now: float) -> Decision:
+    def route(self, req: RouteRequest, workers: Sequence[WorkerState], now: float, *,
+              predict: bool = True) -> Decision:
+        """``predict``: record the request's blocks on the winner (False: the caller decides later)."""
         if not workers:
             raise NoWorkerAvailable("no healthy worker is registered")
         cands = self._candidates(req, workers, now)
@@ -68,7 +70,7 @@ class KvRouter:
             if len(free) < len(cands):
                 prefix = f"{len(cands) - len(free)} busy filtered; "
         wid = chosen.worker.worker_id
-        if req.block_hashes:
+        if predict and req.block_hashes:
             self.index.predict(wid, req.block_hashes, now, req.check_hashes)
         return Decision(
             request_id=req.request_id,
