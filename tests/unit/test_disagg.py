@@ -31,7 +31,8 @@ def dispatcher(mode: str = "conditional", disagg: bool = True, **transfer: objec
     dis = None
     if disagg:
         plane = TransferPlane(KvTransferConfig(enabled=True, **transfer))
-        dis = Disaggregator(DisaggConfig(mode=mode), plane, PolynomialTiming(TimingConfig()), BS)
+        cfg = DisaggConfig(mode=mode, min_uncached_tokens=512, max_prefill_queue_passes=2.0, max_ttft_cost_s=0.05)
+        dis = Disaggregator(cfg, plane, PolynomialTiming(TimingConfig()), BS)
     return Dispatcher(router, BS, None, dis)
 
 

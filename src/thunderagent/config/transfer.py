@@ -21,9 +21,9 @@ class KvTransferConfig(_Strict):
                                   "on a link are measured (EWMA of completed transfers)")
     latency_s: float = Field(0.001, ge=0, description="per-transfer fixed cost (setup, round trip), seconds")
     max_inflight: int = Field(4, ge=1, description="transfers moving at once, fleet-wide; more wait (backpressure)")
-    max_inflight_bytes: int = Field(8 << 30, ge=1, description="bytes moving at once, fleet-wide; more wait")
-    max_transfer_bytes: int = Field(4 << 30, ge=1, description="a cache larger than this is not moved: the "
-                                    "request prefills where it decodes")
+    max_inflight_bytes: int = Field(64 << 30, ge=1, description="bytes moving at once, fleet-wide; more wait")
+    max_transfer_bytes: int = Field(16 << 30, ge=1, description="a cache larger than this is not moved: the "
+                                    "request prefills where it decodes (16 GiB: 128 Ki tokens at 128 KiB each)")
     # Llama-3-8B in fp16: 32 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes = 128 KiB per token.
     bytes_per_token: int = Field(131072, ge=1, description="KV bytes per token (model-dependent)")
     target_watermark: float = Field(0.7, gt=0, le=1, description="a transfer is refused when the decode worker's "
@@ -48,11 +48,18 @@ class DisaggConfig(_Strict):
     fields); ``never``: prefill where it decodes (prefill workers then stay idle)."""
 
     mode: Literal["always", "conditional", "never"] = "conditional"
+    # About one pass (max_num_batched_tokens' default): a prefill that fits one pass delays the decoders
+    # sharing it once; a longer one stalls them pass after pass (the ITL tail), and that is what moving pays for.
     min_uncached_tokens: int = Field(
-        512, ge=0, description="conditional: prefill remotely only when the chosen decode worker lacks more than "
-        "this many prompt tokens (shorter prefills barely disturb its decodes)",
+        8192, ge=0, description="conditional: prefill remotely only when the chosen decode worker lacks more than "
+        "this many prompt tokens (shorter prefills disturb its decodes for one pass at most)",
     )
     max_prefill_queue_passes: float = Field(
-        2.0, gt=0, description="conditional: the chosen prefill worker's queued prefill tokens must stay under "
+        8.0, gt=0, description="conditional: the chosen prefill worker's queued prefill tokens must stay under "
         "this many passes (max_num_batched_tokens), else the request prefills locally",
+    )
+    max_ttft_cost_s: float = Field(
+        1.0, ge=0, description="conditional: the remote path's estimated time to first token (prefill worker's "
+        "backlog + its prefill + the transfer) may exceed the local one (decode worker's backlog + its prefill) by "
+        "at most this many seconds: the TTFT given up to keep a long prefill off the decode worker's passes",
     )

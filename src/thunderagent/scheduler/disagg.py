@@ -15,8 +15,10 @@ Modes (``routing.disaggregation.mode``):
   full plane makes it wait for a slot.
 * ``conditional``: remote only when it pays: the decode worker lacks more than
   ``min_uncached_tokens`` tokens, the plane would start the transfer at once, the chosen prefill
-  worker's queue is under ``max_prefill_queue_passes`` passes, and the transfer's estimate is below
-  the prefill time it saves the decode worker (the engine's timing model on the uncached tokens).
+  worker's queue is under ``max_prefill_queue_passes`` passes, the transfer's estimate is below
+  the prefill time it saves the decode worker (the engine's timing model on the uncached tokens),
+  and the remote path's estimated TTFT (prefill backlog + prefill + transfer) is at most
+  ``max_ttft_cost_s`` above the local one (decode backlog + prefill).
 
 Whatever the decision, its one-line reason joins the routing decision's; a remote plan's numbers
 are in ``Decision.pd`` (``explain()`` shows them).
@@ -43,7 +45,7 @@ class Disaggregator:
         self.timing = timing
         self.block_size = block_size
         #: decisions by outcome: remote, or why local (short, too_large, target_full, plane_full,
-        #: prefill_busy, not_paying, cached, never)
+        #: prefill_busy, not_paying, slower, cached, never)
         self.outcomes: dict[str, int] = {}
 
     def plan(self, router: KvRouter, req: RouteRequest, decision: Decision, decode: WorkerState,
@@ -90,12 +92,23 @@ class Disaggregator:
         if conditional and est >= saved:
             return self._local("not_paying", f"prefill local: transfer {est * 1e3:.1f} ms >= prefill it saves "
                                f"{saved * 1e3:.1f} ms")
+        if conditional:
+            remote = self._backlog_s(p) + self.timing.pass_time(n - pd.overlap_blocks * bs, 0, 1, False) + est
+            local = self._backlog_s(decode) + saved
+            if remote > local + self.cfg.max_ttft_cost_s:
+                return self._local("slower", f"prefill local: TTFT ~{local * 1e3:.0f} ms here, ~{remote * 1e3:.0f} "
+                                   f"ms via {p.worker_id}")
         if req.block_hashes:
             router.index.predict(p.worker_id, req.block_hashes, now, req.check_hashes)
         self.outcomes["remote"] = self.outcomes.get("remote", 0) + 1
         reason = (f"prefill on {p.worker_id} ({pd.overlap_blocks} blocks cached there), {tokens} tokens "
                   f"({nbytes} bytes) moved in ~{est * 1e3:.1f} ms, saving ~{saved * 1e3:.1f} ms of prefill here")
         return PdPlan(p.worker_id, tokens, nbytes, est, saved, reason), reason
+
+    def _backlog_s(self, w: WorkerState) -> float:
+        """Seconds for ``w`` to prefill what it has queued, in full passes (the timing model's)."""
+        q, m = w.load.queued_prefill_tokens, w.max_num_batched_tokens
+        return q / m * self.timing.pass_time(m, 0, 1, False) if q > 0 else 0.0
 
     def _local(self, outcome: str, reason: str) -> tuple[None, str]:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
