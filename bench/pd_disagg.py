@@ -67,7 +67,7 @@ def main() -> None:
             setup = PdSetup(p, d, DisaggConfig(mode=mode), transfer)
             r = run(reqs, args.speedup, setup).result
             rows.append(row(f"{mode} {p}:{d}", r, r.extra["pd"]))  # type: ignore[arg-type]
-            print(f"{mode} {p}:{d}: {r.wall_s:.0f} s", flush=True)
+            print("  ".join(str(c) for c in rows[-1]), r.extra["pd"]["decisions"], flush=True)  # type: ignore[index]
     print_table(f"Mooncake conversation trace, {len(reqs):,} requests, x{args.speedup}, {args.bandwidth_gbps:g} Gbps "
                 "links", ["run", "done", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "ITL p99 gain",
                          "TTFT p50 ratio", "remote", "fallbacks", "wall s"], rows)

@@ -377,6 +377,8 @@ class Simulator:
         e2e = [((t.last if t.last >= 0 else t.first) - t.arrival) * 1e3 for t in done if t.first >= 0]
         prompt = sum(t.input_length for t in done)
         cached = sum(t.cached for t in done)
+        if self.pd is not None:  # KV moved from a prefill worker was computed there: not a cache hit
+            cached -= sum(self.pd.moved.get(rid, 0) for rid, t in tracks.items() if t.done)
         recompute = sum(max(0, t.best_known - t.cached) for t in done)
         duration = max((t.last for t in done), default=0.0)
         return RunResult(

@@ -74,6 +74,9 @@ class PdSim:
         self._n = 0
         self.touched: list[int] = []  # engines given a request since the driver last looked
         self.remote = 0  # requests decoded with a moved KV
+        #: per request decoded with a moved KV: prompt tokens moved (its engine counts them as cached; the
+        #: run's prefix reuse does not)
+        self.moved: dict[str, int] = {}
         self.inflight_trace: list[int] = []  # in-flight transfers after every plane change (tests)
 
     def place(self, d: Dispatch, now: float) -> int:
@@ -149,9 +152,15 @@ class PdSim:
     def _decode(self, jid: str, job: _Job, now: float) -> None:
         self.engines[job.prefill].release_transfer(jid)
         del self.jobs[jid]
-        job.req.kv_from = job.kv
+        kv = job.kv
+        assert kv is not None
+        job.req.kv_from = kv
         self.remote += 1
-        self.engines[job.decode].add_request(job.req, now)
+        dec = self.engines[job.decode]
+        cap = (len(job.req.prompt_tokens) - 1) // dec.block_size  # the engine recomputes the last token
+        have = dec.blocks.match_prefix(kv.block_hashes, cap)[0]
+        self.moved[job.req.request_id] = (min(len(kv.block_hashes), cap) - have) * dec.block_size
+        dec.add_request(job.req, now)
         self.touched.append(job.decode)
 
     def _fallback(self, jid: str, job: _Job, cause: str, now: float) -> None:
