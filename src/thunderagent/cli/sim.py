@@ -147,7 +147,18 @@ def sim(
         outcome.result.policy = label
         outcomes.append(outcome)
         results.append(outcome.result)
-        if compare_dynamo and pol in _DYNAMO_MODE and pace is pacings[0]:
+        if compare_dynamo and pds is not None and pol in _DYNAMO_MODE and pace is pacings[0] and mode is modes[0]:
+            from thunderagent.sim.dynamo import run_dynamo
+
+            # Dynamo's disaggregated replay (always, or its router's conditional disaggregation);
+            # ``never`` has no Dynamo counterpart but aggregated workers
+            if pds.disagg.mode != "never" and (pol is Policy.kv_aware or pds.disagg.mode == "always"):
+                with console.status(f"dynamo {_DYNAMO_MODE[pol]} pd"):
+                    results.append(run_dynamo(trace[0], workers=workers, kv_blocks=kv_blocks, block_size=block_size,
+                                              speedup=speedup, router_mode=_DYNAMO_MODE[pol],
+                                              pd=(pds.prefill, pds.decode),
+                                              pd_conditional=pds.disagg.mode == "conditional"))
+        elif compare_dynamo and pol in _DYNAMO_MODE and pace is pacings[0]:
             from thunderagent.sim.dynamo import run_dynamo
 
             # Dynamo at its defaults once per policy; beside our holding queue's row, Dynamo's
