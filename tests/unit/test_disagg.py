@@ -136,3 +136,15 @@ def test_target_memory_and_size_threshold_refuse_in_every_mode():
         assert out.pd is None and "target_full" in out.decision.reason
         big = go(dispatcher(mode, max_transfer_bytes=1 << 20, **FAST), FLEET, 8192)
         assert big.pd is None and "too_large" in big.decision.reason
+
+
+def test_make_disaggregator_from_the_example_config():
+    from pathlib import Path
+
+    from thunderagent.config import Config, load_config
+    from thunderagent.scheduler.disagg import make_disaggregator
+
+    assert make_disaggregator(Config()) is None  # no prefill group: nothing to decide
+    dis = make_disaggregator(load_config(Path(__file__).resolve().parents[2] / "configs" / "disagg.yaml"))
+    assert dis is not None and dis.cfg.mode == "conditional"
+    assert dis.plane.default_bps == 400e9 / 8 and dis.plane.cfg.max_inflight == 4
