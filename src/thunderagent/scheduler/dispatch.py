@@ -239,7 +239,8 @@ class Dispatcher:
         depth, passes = sched.engine_queue_depth, sched.engine_backlog_passes
         cfg = self.router.cfg
         return any(
-            w.role != "prefill" and w.load.waiting < depth and w.load.queued_prefill_tokens < passes * w.max_num_batched_tokens
+            w.role != "prefill" and w.load.waiting < depth
+            and w.load.queued_prefill_tokens < passes * w.max_num_batched_tokens
             and not is_busy(w, cfg)
             for w in workers
         )

@@ -29,7 +29,8 @@ def render_table(results: Sequence[RunResult], bounds: Bounds | None, console: C
         frac = r.prefix_reuse / bounds.global_lru_reuse if bounds and bounds.global_lru_reuse else math.nan
         t.add_row(
             r.system, r.policy, str(r.requests), _f(r.ttft_ms.mean), _f(r.ttft_ms.p50), _f(r.ttft_ms.p99),
-            _f(r.itl_ms.mean, 2), _f(r.itl_ms.p99, 1), _f(r.e2e_ms.mean), f"{r.prefix_reuse:.2%}", _f(frac * 100, 0) + " %",
+            _f(r.itl_ms.mean, 2), _f(r.itl_ms.p99, 1), _f(r.e2e_ms.mean), f"{r.prefix_reuse:.2%}",
+            _f(frac * 100, 0) + " %",
             "—" if math.isnan(r.prefill_recompute_rate) else f"{r.prefill_recompute_rate:.2%}",
             _f(r.throughput_rps, 2), _f(r.wall_s, 1),
         )

@@ -177,7 +177,8 @@ class TransferPlane:
     def _drain(self, now: float) -> list[Transfer]:
         out: list[Transfer] = []
         q, cfg = self.queue, self.cfg
-        while q and len(self.inflight) < cfg.max_inflight and self.inflight_bytes + q[0].nbytes <= cfg.max_inflight_bytes:
+        while (q and len(self.inflight) < cfg.max_inflight
+               and self.inflight_bytes + q[0].nbytes <= cfg.max_inflight_bytes):
             t = q.popleft()
             self._go(t, now)
             out.append(t)
