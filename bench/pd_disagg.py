@@ -17,14 +17,17 @@ Run: ``cd bench && python pd_disagg.py [--speedup 4] [--splits 1:7 2:6 3:5 4:4] 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
-from _common import print_table
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from thunderagent.config import DisaggConfig, KvTransferConfig, NodeConfig, Policy, RoutingConfig
-from thunderagent.sim.driver import PdSetup, SimOutcome, Simulator
-from thunderagent.sim.traces import load_trace
+from _common import print_table  # noqa: E402
+
+from thunderagent.config import DisaggConfig, KvTransferConfig, NodeConfig, Policy, RoutingConfig  # noqa: E402
+from thunderagent.sim.driver import PdSetup, SimOutcome, Simulator  # noqa: E402
+from thunderagent.sim.traces import load_trace  # noqa: E402
 
 TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 WORKERS = 8
