@@ -90,3 +90,11 @@ def test_burst_of_64_long_prompts_never_exceeds_the_in_flight_cap(cap_bytes, bin
     assert max(pd.inflight_trace) == binding  # the byte cap binds first at 5 GiB, the count cap at 7 GiB
     assert pd.plane.stats.peak_inflight == binding and pd.plane.stats.peak_inflight_bytes == binding * (2 << 30)
     assert pd.plane.stats.waited > 0
+
+
+def test_the_prefill_group_keeps_its_own_batch_limits():
+    pnode = NodeConfig(kv_blocks=16384, block_size=64, max_batch_size=32, queue_depth_threshold=8)
+    sim = Simulator(NODE, RoutingConfig(seed=0), 4, Policy.kv_aware, seed=0,
+                    pd=PdSetup(1, 3, DisaggConfig(mode="always"), FAST, prefill_node=pnode))
+    assert [e.node.max_batch_size for e in sim.engines] == [32, 256, 256, 256]
+    assert [(s.role, s.queue_depth_threshold) for s in sim._states] == [("prefill", 8)] + [("decode", 64)] * 3

@@ -104,7 +104,10 @@ def sim(
     policies = policy or [Policy.round_robin, Policy.kv_aware]
     try:
         cfg = load_config(config) if config else Config()
-        node = cfg.execution_group.nodes[0].model_copy(update={"kv_blocks": kv_blocks, "block_size": block_size})
+        # the node shape: the first group that decodes (a role prefill group shapes --pd's prefill workers)
+        nodes = cfg.execution_group.nodes
+        shape = {"kv_blocks": kv_blocks, "block_size": block_size}
+        node = next((n for n in nodes if n.role.value != "prefill"), nodes[0]).model_copy(update=shape)
         requests = load_traces(trace)
     except (ConfigError, TraceError) as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -119,7 +122,7 @@ def sim(
                     for r in requests]
     if compare_dynamo:
         _check_dynamo(trace, limit, closed_loop)
-    pd_setups = _pd_setups(cfg, pd, pd_mode, pd_slow_link, pd_interrupt, pd_target_full, seed)
+    pd_setups = _pd_setups(cfg, node, pd, pd_mode, pd_slow_link, pd_interrupt, pd_target_full, seed)
     if pd_setups[0] is not None:
         workers = pd_setups[0].prefill + pd_setups[0].decode
     console.print(f"{len(requests):,} requests, {workers} workers x {kv_blocks} blocks x {block_size} tokens, "
@@ -180,7 +183,7 @@ def sim(
              **({"closed_loop": True} if closed_loop else {})})
 
 
-def _pd_setups(cfg: Config, pd: str | None, modes: list[PdMode] | None, slow: float, interrupt: float,
+def _pd_setups(cfg: Config, node: Any, pd: str | None, modes: list[PdMode] | None, slow: float, interrupt: float,
                full: float, seed: int) -> list[Any]:
     """One setup per --pd-mode ([None] without --pd)."""
     from thunderagent.config import KvTransferConfig, Role
@@ -203,7 +206,8 @@ def _pd_setups(cfg: Config, pd: str | None, modes: list[PdMode] | None, slow: fl
     transfer = pre[0].kv_cache_transfer if pre else KvTransferConfig(enabled=True)
     faults = PdFaults(slow, interrupt, full, seed)
     base = cfg.routing.disaggregation
-    return [PdSetup(p, d, base.model_copy(update={"mode": m.value}), transfer, faults)
+    pnode = pre[0].model_copy(update={"kv_blocks": node.kv_blocks, "block_size": node.block_size}) if pre else None
+    return [PdSetup(p, d, base.model_copy(update={"mode": m.value}), transfer, faults, pnode)
             for m in (modes or [PdMode(base.mode)])]
 
 

@@ -46,14 +46,16 @@ from thunderagent.types import WorkerState
 
 @dataclass(slots=True, frozen=True)
 class PdSetup:
-    """A disaggregated fleet: ``prefill`` prefill workers then ``decode`` decode workers, all of the
-    simulator's node shape."""
+    """A disaggregated fleet: ``prefill`` prefill workers then ``decode`` decode workers, of the
+    simulator's node shape (the prefill workers of ``prefill_node``'s when given: a group's own batch
+    limits)."""
 
     prefill: int
     decode: int
     disagg: DisaggConfig
     transfer: KvTransferConfig
     faults: PdFaults = PdFaults()
+    prefill_node: NodeConfig | None = None
 
 
 @dataclass(slots=True)
@@ -189,7 +191,10 @@ class Simulator:
         self.preempt = knobs_from(routing)
         if pd is not None:
             num_workers = pd.prefill + pd.decode
-        self.engines = [SimulatedEngine(f"worker-{i}", node, preempt=self.preempt) for i in range(num_workers)]
+        nodes = [node] * num_workers
+        if pd is not None and pd.prefill_node is not None:
+            nodes[:pd.prefill] = [pd.prefill_node] * pd.prefill
+        self.engines = [SimulatedEngine(f"worker-{i}", n, preempt=self.preempt) for i, n in enumerate(nodes)]
         roles = [Role.both.value] * num_workers if pd is None else \
             [Role.prefill.value] * pd.prefill + [Role.decode.value] * pd.decode
         self.index = KvIndex(prediction_ttl=routing.prediction_ttl, double_hash=routing.double_hash)
@@ -203,7 +208,7 @@ class Simulator:
         self.dispatcher = Dispatcher(KvRouter(routing, self.index, random.Random(seed), policy), node.block_size,
                                      scheduler, disagg)
         self._states = [
-            WorkerState(e.worker_id, node.block_size, node.max_num_batched_tokens, node.queue_depth_threshold,
+            WorkerState(e.worker_id, node.block_size, nodes[i].max_num_batched_tokens, nodes[i].queue_depth_threshold,
                         e.load(0.0), roles[i])
             for i, e in enumerate(self.engines)
         ]
