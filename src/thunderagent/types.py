@@ -217,6 +217,7 @@ class WorkerState:
     max_num_batched_tokens: int
     queue_depth_threshold: int
     load: LoadReport
+    role: str = "both"  # prefill | decode | both: prefill workers only run remote prefill jobs
 
 
 @dataclass(slots=True)  # not frozen: built 8x per request on the hot path, frozen init is ~2x slower
@@ -274,6 +275,7 @@ class Decision:
     best_overlap_blocks: int = 0  # the most blocks any routable worker is believed to hold
     #: workers routing left out because their breaker is open or probing (``control/breaker.py``): (id, why)
     skipped: tuple[tuple[str, str], ...] = ()
+    pd: PdPlan | None = None  # prefill elsewhere, KV moved here (``scheduler/disagg.py``)
 
     def explain(self) -> dict[str, object]:
         """JSON-ready explanation (returned in the response body when asked)."""
@@ -302,4 +304,9 @@ class Decision:
                                  "replicas": list(hot.replicas), "added": hot.added}
         if self.skipped:
             out["skipped"] = {wid: why for wid, why in self.skipped}
+        pd = self.pd
+        if pd is not None:
+            out["pd"] = {"prefill_worker": pd.prefill_worker, "decode_worker": self.worker_id,
+                         "transfer_tokens": pd.transfer_tokens, "transfer_bytes": pd.transfer_bytes,
+                         "estimate_s": round(pd.estimate_s, 6), "saved_s": round(pd.saved_s, 6), "reason": pd.reason}
         return out

@@ -120,3 +120,13 @@ def test_hot_prefix_bench_runs(monkeypatch, capsys) -> None:
     out = capsys.readouterr().out
     assert "TTFT p99 plain/hot" in out and "target >= 1.2x" in out
     assert out.count("\n  0  ") == 2  # one row per arm
+
+
+def test_pd_disagg_runs_on_the_excerpt(capsys, monkeypatch) -> None:
+    pd = _load("pd_disagg")
+    excerpt = BENCH.parent / "tests" / "data" / "mooncake_excerpt.jsonl"
+    monkeypatch.setattr(sys, "argv", ["pd_disagg.py", "--trace", str(excerpt), "--limit", "40", "--splits", "1:3",
+                                      "--modes", "conditional"])
+    pd.main()
+    out = capsys.readouterr().out
+    assert "aggregated kv_aware 8" in out and "conditional 1:3" in out and "ITL p99 gain" in out

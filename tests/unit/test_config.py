@@ -74,9 +74,18 @@ def test_cli_overrides_apply_on_top_of_file():
     ({"model": "/m", "execution_group": {"nodes": [{"engine": "sglang", "scheduling_policy": "priority",
                                                     "endpoints": [{"url": "http://h:1"}]}]}},
      "execution_group.nodes.0.scheduling_policy", "engine sglang does not take it"),
-    ({"routing": {"fallback_to_local": False}}, "routing.fallback_to_local", "disaggregation"),
+    ({"routing": {"fallback_to_local": False}}, "routing.fallback_to_local", "strict disaggregation"),
     ({"execution_group": {"nodes": [{"kv_cache_transfer": {"enabled": True}}]}},
-     "execution_group.nodes.0.kv_cache_transfer.enabled", "not implemented yet"),
+     "<root>", "execution_group.nodes.0.kv_cache_transfer.enabled: the transfer plane is configured on the role: "
+     "prefill group"),
+    ({"execution_group": {"nodes": [{"kv_cache_transfer": {"bandwidth_gbps": 100}}]}},
+     "execution_group.nodes.0.kv_cache_transfer.bandwidth_gbps", "acts only with kv_cache_transfer.enabled: true"),
+    ({"execution_group": {"nodes": [{"role": "prefill"}, {"role": "decode"}]}},
+     "<root>", "execution_group.nodes.0.kv_cache_transfer.enabled must be true on a role: prefill group"),
+    ({"execution_group": {"nodes": [{"role": "prefill", "kv_cache_transfer": {"enabled": True}}]}},
+     "<root>", "role prefill workers need a role decode or both group"),
+    ({"routing": {"disaggregation": {"mode": "always"}}},
+     "<root>", "routing.disaggregation acts only with a role: prefill node group"),
     ({"routing": {"route_key": "cookie:tenant"}}, "routing.route_key", "pattern"),
     ({"scheduler": {"max_wait_s": 0}}, "scheduler.max_wait_s", "greater than 0"),
     ({"routing": {"hot_prefix": {"max_replicas": 3}}}, "routing.hot_prefix.max_replicas",
@@ -92,6 +101,17 @@ def test_fields_that_would_need_unbuilt_features_are_refused_by_name(data, field
     with pytest.raises(ConfigError) as err:
         parse_config(data, "x.yaml")
     assert f"field '{field}'" in str(err.value) and words in str(err.value)
+
+
+def test_a_disaggregated_fleet_is_accepted() -> None:
+    cfg = parse_config({"execution_group": {"nodes": [
+        {"role": "prefill", "count": 2, "max_batch_size": 32,
+         "kv_cache_transfer": {"enabled": True, "bandwidth_gbps": 400, "max_inflight": 8}},
+        {"role": "decode", "count": 6, "max_batch_size": 64}]},
+        "routing": {"disaggregation": {"mode": "always"}}}, "x.yaml")
+    pre, dec = cfg.execution_group.nodes
+    assert pre.kv_cache_transfer.max_inflight == 8 and dec.max_batch_size == 64
+    assert cfg.routing.disaggregation.mode == "always"
 
 
 def test_seed_fields_with_their_working_values_are_accepted() -> None:

@@ -38,3 +38,10 @@ def test_unknown_heartbeat_and_bad_settings():
         reg.heartbeat("x", rep("x", 0), 0)
     with pytest.raises(ValueError):
         WorkerRegistry(0, 1)
+
+
+def test_routable_workers_carry_their_role():
+    reg = WorkerRegistry(heartbeat_interval=1.0, misses=3)
+    reg.register(WorkerInfo("p", "prefill", 64, 8192, 64, 100), 0.0)
+    reg.register(info("b"), 0.0)
+    assert [(w.worker_id, w.role) for w in reg.routable()] == [("p", "prefill"), ("b", "both")]

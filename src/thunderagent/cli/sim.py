@@ -26,6 +26,12 @@ class DynamoQueuePolicy(str, Enum):
     wspt = "wspt"
 
 
+class PdMode(str, Enum):
+    always = "always"
+    conditional = "conditional"
+    never = "never"
+
+
 class PacingMode(str, Enum):
     off = "off"
     paper = "paper"  # the paper's accounting (every program in full), placement (most free), not work-conserving
@@ -77,6 +83,19 @@ def sim(
         "--workers (README: Scaling planner)")] = False,
     planner_startup_s: Annotated[float, typer.Option(help="with --planner: seconds a started worker takes to join",
                                                      min=0)] = 60.0,
+    pd: Annotated[Optional[str], typer.Option(
+        help="prefill/decode disaggregation: P:D = P prefill + D decode workers of the node's size (replaces "
+             "--workers); the transfer plane from the config's role prefill group's kv_cache_transfer, else its "
+             "defaults")] = None,
+    pd_mode: Annotated[Optional[list[PdMode]], typer.Option(
+        help="with --pd: routing.disaggregation.mode; repeat for side-by-side rows (default: the config's)")] = None,
+    pd_slow_link: Annotated[float, typer.Option(
+        help="with --pd, fault injection: transfers take this many times the configured link's time", min=1e-6)] = 1.0,
+    pd_interrupt: Annotated[float, typer.Option(
+        help="with --pd, fault injection: probability that a transfer fails halfway", min=0, max=1)] = 0.0,
+    pd_target_full: Annotated[float, typer.Option(
+        help="with --pd, fault injection: probability that the decode worker looks full when a transfer starts",
+        min=0, max=1)] = 0.0,
 ) -> None:
     """Replay traces through the router, index and simulated engines on a virtual clock."""
     from rich.console import Console
@@ -90,7 +109,10 @@ def sim(
     policies = policy or [Policy.round_robin, Policy.kv_aware]
     try:
         cfg = load_config(config) if config else Config()
-        node = cfg.execution_group.nodes[0].model_copy(update={"kv_blocks": kv_blocks, "block_size": block_size})
+        # the node shape: the first group that decodes (a role prefill group shapes --pd's prefill workers)
+        nodes = cfg.execution_group.nodes
+        shape = {"kv_blocks": kv_blocks, "block_size": block_size}
+        node = next((n for n in nodes if n.role.value != "prefill"), nodes[0]).model_copy(update=shape)
         requests = load_traces(trace)
     except (ConfigError, TraceError) as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -107,6 +129,9 @@ def sim(
         _check_dynamo(trace, limit, closed_loop)
     if plots is not None:
         _check_plots()
+    pd_setups = _pd_setups(cfg, node, pd, pd_mode, pd_slow_link, pd_interrupt, pd_target_full, seed)
+    if pd_setups[0] is not None:
+        workers = pd_setups[0].prefill + pd_setups[0].decode
     console.print(f"{len(requests):,} requests, {workers} workers x {kv_blocks} blocks x {block_size} tokens, "
                   f"speedup {speedup}" + (", closed loop" if closed_loop else ""))
     bounds = reuse_bounds(requests, block_size, workers * kv_blocks)
@@ -117,15 +142,16 @@ def sim(
     modes = scheduler or [SchedulerMode.on if asked else SchedulerMode.off]
     pacings = pacing or [PacingMode.ours if cfg.scheduler.pacing.enabled else PacingMode.off]
     if planner and (not cfg.planner.enabled or closed_loop or horizon is not None or decision_log is not None
-                    or scheduler or pacing):
+                    or scheduler or pacing or pd is not None):
         typer.echo("error: --planner needs a config with planner: enabled: true, and runs open loop without "
-                   "--horizon, --decision-log, --scheduler or --pacing", err=True)
+                   "--horizon, --decision-log, --scheduler, --pacing or --pd", err=True)
         raise typer.Exit(2)
     dlog = _open_decision_log(cfg, decision_log)
-    for pol, mode, pace in ((p, m, g) for p in policies for m in modes for g in pacings):
+    for pol, mode, pace, pds in ((p, m, g, d) for p in policies for m in modes for g in pacings for d in pd_setups):
         sched = _scheduler_config(cfg, mode, pace)
         label = (pol.value + ("+scheduler" if sched.enabled else "")
-                 + (f"+pacing:{pace.value}" if pace is not PacingMode.off else ""))
+                 + (f"+pacing:{pace.value}" if pace is not PacingMode.off else "")
+                 + (f"+pd{pds.prefill}:{pds.decode}:{pds.disagg.mode}" if pds is not None else ""))
         if planner:  # the planner sizes the fleet (sim/scaling.py)
             from thunderagent.sim.scaling import ScalingSim
 
@@ -139,7 +165,7 @@ def sim(
             console.print(f"{label}: {outcome.result.extra['scaling']}")
             continue
         simulator = Simulator(node, cfg.routing, workers, pol, seed=seed, scheduler=sched, decision_log=dlog,
-                              run_label=label)
+                              run_label=label, pd=pds)
         with Progress(TextColumn(f"thunderagent {label}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console, transient=True) as prog:
             task = prog.add_task("replay", total=len(requests))
@@ -148,7 +174,18 @@ def sim(
         outcome.result.policy = label
         outcomes.append(outcome)
         results.append(outcome.result)
-        if compare_dynamo and pol in _DYNAMO_MODE and pace is pacings[0]:
+        if compare_dynamo and pds is not None and pol in _DYNAMO_MODE and pace is pacings[0] and mode is modes[0]:
+            from thunderagent.sim.dynamo import run_dynamo
+
+            # Dynamo's disaggregated replay (always, or its router's conditional disaggregation);
+            # ``never`` has no Dynamo counterpart but aggregated workers
+            if pds.disagg.mode != "never" and (pol is Policy.kv_aware or pds.disagg.mode == "always"):
+                with console.status(f"dynamo {_DYNAMO_MODE[pol]} pd"):
+                    results.append(run_dynamo(trace[0], workers=workers, kv_blocks=kv_blocks, block_size=block_size,
+                                              speedup=speedup, router_mode=_DYNAMO_MODE[pol],
+                                              pd=(pds.prefill, pds.decode),
+                                              pd_conditional=pds.disagg.mode == "conditional"))
+        elif compare_dynamo and pol in _DYNAMO_MODE and pace is pacings[0]:
             from thunderagent.sim.dynamo import run_dynamo
 
             # Dynamo at its defaults once per policy; beside our holding queue's row, Dynamo's
@@ -168,6 +205,34 @@ def sim(
             {"traces": [str(t) for t in trace], "workers": workers, "kv_blocks": kv_blocks,
              "block_size": block_size, "speedup": speedup, "seed": seed, "requests": len(requests),
              **({"closed_loop": True} if closed_loop else {})})
+
+
+def _pd_setups(cfg: Config, node: Any, pd: str | None, modes: list[PdMode] | None, slow: float, interrupt: float,
+               full: float, seed: int) -> list[Any]:
+    """One setup per --pd-mode ([None] without --pd)."""
+    from thunderagent.config import KvTransferConfig, Role
+    from thunderagent.sim.driver import PdSetup
+    from thunderagent.sim.pd import PdFaults
+
+    if pd is None:
+        if modes or slow != 1.0 or interrupt or full:
+            typer.echo("error: --pd-mode and the --pd-* fault options need --pd P:D", err=True)
+            raise typer.Exit(2)
+        return [None]
+    try:
+        p, d = (int(x) for x in pd.split(":"))
+        if p < 1 or d < 1:
+            raise ValueError
+    except ValueError as exc:
+        typer.echo(f"error: --pd takes P:D, two counts >= 1 (prefill:decode workers), got {pd!r}", err=True)
+        raise typer.Exit(2) from exc
+    pre = [n for n in cfg.execution_group.nodes if n.role is Role.prefill]
+    transfer = pre[0].kv_cache_transfer if pre else KvTransferConfig(enabled=True)
+    faults = PdFaults(slow, interrupt, full, seed)
+    base = cfg.routing.disaggregation
+    pnode = pre[0].model_copy(update={"kv_blocks": node.kv_blocks, "block_size": node.block_size}) if pre else None
+    return [PdSetup(p, d, base.model_copy(update={"mode": m.value}), transfer, faults, pnode)
+            for m in (modes or [PdMode(base.mode)])]
 
 
 def _open_decision_log(cfg: Config, path: Path | None) -> Any:

@@ -28,9 +28,11 @@ from thunderagent.config.scheduler import (
     ResumePlacement,
     SchedulerConfig,
 )
+from thunderagent.config.transfer import DisaggConfig, KvTransferConfig
 
 __all__ = [
-    "Config", "ConfigError", "ControlPlaneConfig", "CostWeights", "DecisionLogConfig", "EndpointConfig",
+    "Config", "ConfigError", "ControlPlaneConfig", "CostWeights", "DecisionLogConfig", "DisaggConfig",
+    "EndpointConfig",
     "ExecutionGroupConfig", "GroupingConfig", "KvTransferConfig", "MetricsConfig", "NatsAuthConfig", "NatsConfig",
     "NatsTlsConfig", "NodeConfig", "OutlierConfig", "PlannerConfig",
     "PacingAccounting", "PacingConfig", "Policy", "ResumePlacement", "Role", "RoutingConfig", "SchedulerConfig",
@@ -135,23 +137,6 @@ class TimingConfig(_Strict):
     decode_speedup: float = Field(1.0, gt=0, description="divides decode time only")
 
 
-class KvTransferConfig(_Strict):
-    """KV transfer between workers (prefill -> decode). Not built yet: ``enabled: true`` is refused
-    rather than parsed and ignored; the other fields are the seed's and will size the plane."""
-
-    enabled: bool = False
-    bandwidth_gbps: float = Field(25.0, gt=0)
-    max_inflight: int = Field(4, ge=1)
-
-    @field_validator("enabled")
-    @classmethod
-    def _not_built(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("KV transfer between workers is not implemented yet (prefill/decode disaggregation "
-                             "comes with the transfer plane); leave it false")
-        return v
-
-
 class EndpointConfig(_Strict):
     """A real engine server: its OpenAI HTTP endpoint and its KV-event sockets."""
 
@@ -219,6 +204,28 @@ class NodeConfig(_Strict):
             raise ValueError(f"count ({self.count}) differs from the number of endpoints ({len(self.endpoints)})")
         object.__setattr__(self, "count", len(self.endpoints))
         return self
+
+
+def check_roles(nodes: list[NodeConfig], disagg_set: bool) -> None:
+    """Roles act: a prefill pool needs a pool that decodes and the transfer plane; transfer knobs or a
+    disaggregation section without a prefill pool would not act."""
+    prefill = [k for k, n in enumerate(nodes) if n.role is Role.prefill]
+    for k, n in enumerate(nodes):
+        if n.kv_cache_transfer.enabled and n.role is not Role.prefill:
+            raise ValueError(f"execution_group.nodes.{k}.kv_cache_transfer.enabled: the transfer plane is configured "
+                             f"on the role: prefill group (this one is role {n.role.value})")
+        if n.role is Role.prefill and not n.kv_cache_transfer.enabled:
+            raise ValueError(f"execution_group.nodes.{k}.kv_cache_transfer.enabled must be true on a role: prefill "
+                             "group: its KV moves to the decode workers")
+    if prefill and all(n.role is Role.prefill for n in nodes):
+        raise ValueError("execution_group.nodes: role prefill workers need a role decode or both group to decode "
+                         "their requests")
+    if disagg_set and not prefill:
+        raise ValueError("routing.disaggregation acts only with a role: prefill node group; add one or remove it")
+    planes = {nodes[k].kv_cache_transfer for k in prefill}
+    if len(planes) > 1:
+        raise ValueError("execution_group.nodes.*.kv_cache_transfer: the prefill groups configure one fleet-wide "
+                         "transfer plane and must agree")
 
 
 class ExecutionGroupConfig(_Strict):
@@ -368,7 +375,7 @@ class RoutingConfig(_Strict):
     )
     fallback_to_local: bool = Field(
         True, description="prefill locally on the decode worker when a remote prefill does not pay or fails "
-        "(disaggregation is not built: every request prefills where it decodes, so false is refused)",
+        "(false, strict disaggregation with requests waiting for the prefill pool or failing, is not built)",
     )
     route_key: str = Field(
         "header:x-thunderagent-route-key",
@@ -377,6 +384,8 @@ class RoutingConfig(_Strict):
         "the scheduler shares its queue fairly across keys",
     )
     hot_prefix: HotPrefixConfig = HotPrefixConfig()
+    disaggregation: DisaggConfig = Field(DisaggConfig(), description="prefill/decode split per request (acts "
+                                         "with a role: prefill node group)")
 
     @field_validator("preempt_tier_weight", "preempt_memory_cost_s")
     @classmethod
@@ -395,7 +404,9 @@ class RoutingConfig(_Strict):
     @classmethod
     def _local_prefill_only(cls, v: bool) -> bool:
         if not v:
-            raise ValueError("false needs prefill/decode disaggregation, which is not implemented yet; leave it true")
+            raise ValueError("false (strict disaggregation: never prefill on a decode worker, a failed transfer ends "
+                             "the request) is not implemented; every failed or unprofitable remote prefill falls "
+                             "back to local prefill: leave it true")
         return v
 
 
@@ -444,6 +455,8 @@ class Config(_Strict):
                 "routing.preempt_enabled acts in simulated engines and this config has none; for vLLM set the node's "
                 "scheduling_policy: priority (vLLM preempts by priority itself)"
             )
+        # (defaults accepted: a dumped config, defaults filled in, must load again)
+        check_roles(self.execution_group.nodes, self.routing.disaggregation != DisaggConfig())
         return self
 
 

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from thunderagent.config import ExecutionGroupConfig, Role
+from thunderagent.config import ExecutionGroupConfig
 from thunderagent.execution.handle import WorkerFactory, WorkerHandle
 from thunderagent.types import WorkerInfo
 
@@ -37,9 +37,6 @@ class StaticMembership:
         callbacks = fleet.callbacks()
         n = 0
         for node in self.group.nodes:
-            if node.role is not Role.both:
-                log.warning("role %s: prefill/decode disaggregation is not implemented yet; "
-                            "these workers serve requests end to end", node.role.value)
             factory = self.factories[node.engine]
             for k in range(node.count):
                 wid = f"worker-{n}"

@@ -26,24 +26,14 @@ from collections import deque
 
 from thunderagent.config import NodeConfig
 from thunderagent.engine.blocks import BlockManager
+from thunderagent.engine.kv_handoff import KvHandoff
 from thunderagent.engine.preemption import PreemptKnobs, PriorityPreemption
 from thunderagent.engine.textgen import CorpusText, TextSource
 from thunderagent.engine.timing import TimingModel, make_timing
 from thunderagent.types import EngineRequest, FinishReason, KvEvent, LoadReport, TokenOutput
 
 from thunderagent.engine.sim_state import (  # noqa: F401  (PassInfo is part of this module's API)
-    BLOCKED,
-    BUFFERED,
-    DONE,
-    NEVER,
-    RUNNING,
-    SCHEDULED,
-    SELF_PREEMPTED,
-    WAITING,
-    PassInfo,
-    _Pass,
-    _Seq,
-    extend_hashes,
+    BLOCKED, BUFFERED, DONE, NEVER, RUNNING, SCHEDULED, SELF_PREEMPTED, WAITING, PassInfo, _Pass, _Seq, extend_hashes,
     text_seed,
 )
 
@@ -52,8 +42,8 @@ def _ns(t: float) -> int:
     return round(t * 1e9)
 
 
-class SimulatedEngine:
-    """Engine protocol implementation backed by the mocker model (see module docstring)."""
+class SimulatedEngine(KvHandoff):
+    """Engine protocol implementation backed by the mocker model (see module docstring; handoffs: kv_handoff.py)."""
 
     def __init__(
         self,
@@ -105,6 +95,7 @@ class SimulatedEngine:
         self.busy_ns = 0  # time spent in passes (utilization = busy / elapsed)
         self.prefill_tokens = 0  # prompt tokens computed (cache hits excluded, recomputes included)
         self.last_pass: PassInfo | None = None
+        self._handoff_init()
 
     @property
     def blocks(self) -> BlockManager:
@@ -125,6 +116,8 @@ class SimulatedEngine:
         t = _ns(now)
         self._run_until(t)
         req.arrival = now
+        if req.remote_decode or req.kv_from is not None:
+            self._handoff_arrival(req)
         hashes = req.block_hashes
         seed = text_seed(req, bs)  # a migrated request continues its original completion
         natural = -1 if req.ignore_eos else max(0, self._text.natural_length(seed) - req.resumed)
@@ -165,7 +158,7 @@ class SimulatedEngine:
         self._run_until(_ns(now))
         out = self._outbox
         self._outbox = []
-        return out
+        return self._handoff_outputs(out) if self._remote_jobs else out
 
     def next_wakeup(self) -> float | None:
         while self._pass is None:

@@ -61,12 +61,14 @@ class KvRouter:
         self._bits: list[int] = []  # index bit of each view position
         self._view_mask = 0
 
-    def route(self, req: RouteRequest, workers: Sequence[WorkerState], now: float) -> Decision:
+    def route(self, req: RouteRequest, workers: Sequence[WorkerState], now: float, *,
+              predict: bool = True) -> Decision:
+        """``predict``: record the request's blocks on the winner (False: the caller decides later)."""
         if not workers:
             raise NoWorkerAvailable("no healthy worker is registered")
         if (self._fast and isinstance(workers, FleetView) and workers.free_count
                 and len(workers) > self.cfg.candidate_limit):
-            return self._route_view(req, workers, now)
+            return self._route_view(req, workers, now, predict)
         cands = self._candidates(req, workers, now)
         free = [c for c in cands if not c.score.busy]
         prefix = ""
@@ -86,7 +88,7 @@ class KvRouter:
             if len(free) < len(cands):
                 prefix = f"{len(cands) - len(free)} busy filtered; "
         wid = chosen.worker.worker_id
-        if req.block_hashes:
+        if predict and req.block_hashes:
             self.index.predict(wid, req.block_hashes, now, req.check_hashes)
         return Decision(
             request_id=req.request_id,
@@ -99,7 +101,7 @@ class KvRouter:
             best_overlap_blocks=max((c.score.overlap_blocks for c in cands), default=0),
         )
 
-    def _route_view(self, req: RouteRequest, view: FleetView, now: float) -> Decision:
+    def _route_view(self, req: RouteRequest, view: FleetView, now: float, predict: bool) -> Decision:
         policy = self.policy
         assert isinstance(policy, KvAware)
         index = self.index
@@ -118,7 +120,7 @@ class KvRouter:
         if busy:
             reason = f"{busy} busy filtered; " + reason
         wid = chosen.worker.worker_id
-        if req.block_hashes:
+        if predict and req.block_hashes:
             self.index.predict(wid, req.block_hashes, now, req.check_hashes)
         return Decision(
             request_id=req.request_id,

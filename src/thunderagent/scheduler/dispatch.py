@@ -35,12 +35,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from thunderagent.config import SchedulerConfig
 from thunderagent.kv.hashing import block_hash_pairs, block_hashes, hash_seed
 from thunderagent.router.cost import is_busy
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
+from thunderagent.scheduler.disagg import Disaggregator, split_pools
 from thunderagent.scheduler.grouping import Grouper
 from thunderagent.scheduler.pacing import ProgramPacer
 from thunderagent.scheduler.programs import ProgramTable
@@ -75,8 +76,12 @@ class Dispatch:
 
 
 class Dispatcher:
-    def __init__(self, router: KvRouter, block_size: int, scheduler: SchedulerConfig | None = None) -> None:
+    def __init__(self, router: KvRouter, block_size: int, scheduler: SchedulerConfig | None = None,
+                 disagg: Disaggregator | None = None) -> None:
+        """``disagg``: prefill/decode disaggregation (``scheduler.disagg.make_disaggregator``); without it
+        role prefill workers get nothing (roles act either way: they never serve end to end)."""
         self.router = router
+        self.disagg = disagg
         self.index = router.index
         self.block_size = block_size
         cfg = scheduler if scheduler is not None else SchedulerConfig(enabled=False)  # none: route at once
@@ -240,7 +245,8 @@ class Dispatcher:
         depth, passes = sched.engine_queue_depth, sched.engine_backlog_passes
         cfg = self.router.cfg
         return any(
-            w.load.waiting < depth and w.load.queued_prefill_tokens < passes * w.max_num_batched_tokens
+            w.role != "prefill" and w.load.waiting < depth
+            and w.load.queued_prefill_tokens < passes * w.max_num_batched_tokens
             and not is_busy(w, cfg)
             for w in workers
         )
@@ -260,13 +266,27 @@ class Dispatcher:
         is routable. Raises :class:`~thunderagent.router.router.NoWorkerAvailable`."""
         if exclude:
             workers = [w for w in workers if w.worker_id not in exclude]
+        workers, prefill_pool = split_pools(workers)
+        if not workers:
+            raise NoWorkerAvailable("no decode (or both) worker is routable; role prefill workers only prefill")
         prog = self.programs.get(program) if program is not None else None
         if prog is not None and prog.pinned is not None:
             pin = prog.pinned
         if pin is not None:
             workers = [w for w in workers if w.worker_id == pin] or workers
         n = len(req.prompt_tokens)
-        decision = self.router.route(RouteRequest(req.request_id, n, req.block_hashes, req.priority, req.check_hashes), workers, now)
+        rreq = RouteRequest(req.request_id, n, req.block_hashes, req.priority, req.check_hashes)
+
+        def route(pool: Sequence[WorkerState], predict: bool = True) -> Decision:  # the decode pool, the prefill pool
+            return self.router.route(rreq, pool, now, predict=predict)
+
+        decision = route(workers)
+        plan = None
+        if self.disagg is not None and prefill_pool:
+            decode = next(w for w in workers if w.worker_id == decision.worker_id)
+            plan, why = self.disagg.plan(self.router, rreq, decision, decode, prefill_pool,
+                                         lambda: route(prefill_pool, False), now)
+            decision = replace(decision, pd=plan, reason=f"{decision.reason}; {why}")
         bs = self.block_size
         best = decision.best_overlap_blocks  # not from candidates: those may be built lazily
         best_known = min(best, (n - 1) // bs) * bs
@@ -275,7 +295,7 @@ class Dispatcher:
             self.programs.request_placed(prog.program_id, decision.worker_id)
         if self.grouper is not None:
             self.grouper.placed(req.request_id, req.block_hashes, decision.worker_id, now)
-        return Dispatch(req, decision, best_known, predicted)
+        return Dispatch(req, decision, best_known, predicted, pd=plan)
 
     def retract(self, d: Dispatch) -> int:
         """``d``'s worker could not take the request (nothing ran): forget the blocks the router

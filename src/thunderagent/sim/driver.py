@@ -26,19 +26,37 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from thunderagent.config import NodeConfig, Policy, RoutingConfig, SchedulerConfig
+from thunderagent.config import DisaggConfig, KvTransferConfig, NodeConfig, Policy, Role, RoutingConfig, SchedulerConfig
 from thunderagent.engine.preemption import knobs_from
 from thunderagent.engine.simulated import SimulatedEngine
+from thunderagent.engine.timing import make_timing
 from thunderagent.kv.feed import KvFeed
 from thunderagent.kv.index import KvIndex
 from thunderagent.observe.decision_log import DecisionLog
 from thunderagent.router.router import KvRouter
+from thunderagent.scheduler.disagg import Disaggregator
 from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
 from thunderagent.sim.arrivals import ClosedLoop, OpenLoop, session_stats
+from thunderagent.sim.pd import PdFaults, PdSim
 from thunderagent.sim.results import Dist, RunResult
 from thunderagent.sim.traces import TraceRequest
 from thunderagent.router.candidates import FleetView
+from thunderagent.transfer.plane import TransferPlane
 from thunderagent.types import WorkerState
+
+
+@dataclass(slots=True, frozen=True)
+class PdSetup:
+    """A disaggregated fleet: ``prefill`` prefill workers then ``decode`` decode workers, of the
+    simulator's node shape (the prefill workers of ``prefill_node``'s when given: a group's own batch
+    limits)."""
+
+    prefill: int
+    decode: int
+    disagg: DisaggConfig
+    transfer: KvTransferConfig
+    faults: PdFaults = PdFaults()
+    prefill_node: NodeConfig | None = None
 
 
 @dataclass(slots=True)
@@ -90,8 +108,11 @@ class _Run:
 
     def collect(self, i: int, now: float) -> None:
         """Engine ``i``'s outputs up to ``now`` into the tracks; its KV events into the index."""
-        tracks, itl = self.tracks, self.itl
+        tracks, itl, pd = self.tracks, self.itl, self.sim.pd
         for o in self.sim.engines[i].advance(now):
+            if pd is not None and o.request_id in pd.jobs:
+                pd.job_output(o, now)
+                continue
             tr = tracks[o.request_id]
             ids = o.token_ids
             if ids:
@@ -112,6 +133,13 @@ class _Run:
                     self.sim.dispatcher.finished(tr.program, tr.input_length + tr.tokens, o.time, completed=True)
                 self.src.finished(o.request_id, o.time, now)
         self.sim.apply_events(i, now)
+        if pd is not None and pd.touched:  # requests a prefill job's end sent to decode engines
+            self.land(pd.take_touched(), now)
+
+    def land(self, engines: list[int], now: float) -> None:
+        for j in engines:
+            self.schedule(j)
+            self.sim._states.set_load(j, self.sim.engines[j].load(now))
 
     def schedule(self, i: int) -> None:
         w = self.sim.engines[i].next_wakeup()
@@ -153,6 +181,7 @@ class Simulator:
         scheduler: SchedulerConfig | None = None,
         decision_log: DecisionLog | None = None,
         run_label: str | None = None,
+        pd: PdSetup | None = None,
     ) -> None:
         """``decision_log``: every decision placed is written there (virtual time), its lines
         tagged ``run: run_label``; the caller closes it."""
@@ -161,24 +190,34 @@ class Simulator:
         self.node = node
         self.policy = policy
         self.preempt = knobs_from(routing)
-        self.engines = [SimulatedEngine(f"worker-{i}", node, preempt=self.preempt) for i in range(num_workers)]
+        if pd is not None:
+            num_workers = pd.prefill + pd.decode
+        nodes = [node] * num_workers
+        if pd is not None and pd.prefill_node is not None:
+            nodes[:pd.prefill] = [pd.prefill_node] * pd.prefill
+        self.engines = [SimulatedEngine(f"worker-{i}", n, preempt=self.preempt) for i, n in enumerate(nodes)]
+        roles = [Role.both.value] * num_workers if pd is None else \
+            [Role.prefill.value] * pd.prefill + [Role.decode.value] * pd.decode
         self.index = KvIndex(prediction_ttl=routing.prediction_ttl, double_hash=routing.double_hash)
         self.feed = KvFeed(self.index)
         for e in self.engines:
             self.feed.add_worker(e.worker_id, live=True)
         if scheduler is not None:  # a replay refuses nothing: only the count bounds act (as before the time bound)
             scheduler = scheduler.model_copy(update={"max_queue_delay_s": None})
+        disagg = None if pd is None else Disaggregator(pd.disagg, TransferPlane(pd.transfer), make_timing(node.timing),
+                                                       node.block_size)
         self.dispatcher = Dispatcher(KvRouter(routing, self.index, random.Random(seed), policy), node.block_size,
-                                     scheduler)
+                                     scheduler, disagg)
         # a maintained view (router/candidates.py): every load change below goes through set_load
         self._states = FleetView(routing, (
-            WorkerState(e.worker_id, node.block_size, node.max_num_batched_tokens, node.queue_depth_threshold,
-                        e.load(0.0))
-            for e in self.engines
+            WorkerState(e.worker_id, node.block_size, nodes[i].max_num_batched_tokens, nodes[i].queue_depth_threshold,
+                        e.load(0.0), roles[i])
+            for i, e in enumerate(self.engines)
         ))
         self._pos = {e.worker_id: i for i, e in enumerate(self.engines)}
         #: the workers routing sees (all by default; ``sim/scaling.py`` starts and drains engines by editing it)
         self.routable: list[WorkerState] = self._states
+        self.pd = None if disagg is None or pd is None else PdSim(self.engines, self._pos, disagg, pd.faults)
         self.sample_interval = sample_interval
         self.resyncs = 0
         self.decision_log = decision_log
@@ -235,13 +274,22 @@ class Simulator:
         # 8 engines per arrival was a third of the run time).
         dispatcher = self.dispatcher
         pumping = dispatcher.queue is not None or dispatcher.pacer is not None or dispatcher.grouper is not None
+        pd = self.pd
         while True:
             ta = src.t
             tick = dispatcher.next_wakeup()
-            if ta == math.inf and not heap and (tick == math.inf or not dispatcher.held()):
+            tx = pd.next_time() if pd is not None else math.inf
+            if ta == math.inf and not heap and tx == math.inf and (tick == math.inf or not dispatcher.held()):
                 break  # (requests the holding queue alone still holds stay: ``held_at_end``)
-            if min(ta, heap[0][0] if heap else math.inf, tick) > horizon:
+            if min(ta, heap[0][0] if heap else math.inf, tick, tx) > horizon:
                 break
+            if pd is not None and tx <= ta and tx <= tick and (not heap or tx <= heap[0][0]):
+                # transfers ending: their requests reach the decode engines (after that instant's pass ends)
+                now = run.last = max(tx, run.last)
+                run.land(run.passes_ending_at(now) + pd.complete(now), now)
+                if pumping:
+                    run.land(self._pump(now, run.tracks), now)
+                continue
             if tick < ta and (not heap or tick < heap[0][0]):
                 # a tick with nothing else due before it (pacing; grouping's windows and waiting
                 # bounds): the requests it releases go now
@@ -324,6 +372,10 @@ class Simulator:
         tr.worker, tr.best_known = i, d.best_known_tokens
         if self.decision_log is not None:
             self.decision_log.record(d, now, program=tr.program, run=self.run_label)
+        if d.pd is not None and self.pd is not None:  # prefill elsewhere first; decoded on i once the KV moved
+            j = self.pd.place(d, now)
+            self._states.set_load(j, self.engines[j].load(now))
+            return j
         self.engines[i].add_request(d.request, now)
         self._states.set_load(i, self.engines[i].load(now))
         return i
@@ -334,6 +386,8 @@ class Simulator:
         e2e = [((t.last if t.last >= 0 else t.first) - t.arrival) * 1e3 for t in done if t.first >= 0]
         prompt = sum(t.input_length for t in done)
         cached = sum(t.cached for t in done)
+        if self.pd is not None:  # KV moved from a prefill worker was computed there: not a cache hit
+            cached -= sum(self.pd.moved.get(rid, 0) for rid, t in tracks.items() if t.done)
         recompute = sum(max(0, t.best_known - t.cached) for t in done)
         duration = max((t.last for t in done), default=0.0)
         return RunResult(
@@ -361,6 +415,7 @@ class Simulator:
                                 if duration > 0 else 0.0),
                 **self._scheduler_extra(done),
                 **({"grouping": dict(g.stats)} if (g := self.dispatcher.grouper) is not None else {}),
+                **({"pd": self.pd.stats()} if self.pd is not None else {}),
             },
         )
 

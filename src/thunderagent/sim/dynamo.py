@@ -122,6 +122,8 @@ def run_dynamo(
     trace_block_size: int = 512,
     queue_threshold: float | None = None,
     queue_policy: str = "wspt",
+    pd: tuple[int, int] | None = None,
+    pd_conditional: bool = False,
 ) -> RunResult:
     """Replay a Mooncake JSONL trace through Dynamo's mocker and summarize it.
 
@@ -139,6 +141,13 @@ def run_dynamo(
             worker is past this load), None for off (Dynamo's default).
         queue_policy: the queue's order when on: ``fcfs``, ``lcfs`` or ``wspt`` (shortest uncached
             prefill first, Smith's rule).
+        pd: ``(P, D)``: the replay's disaggregated mode instead (1.6.1: ``prefill_engine_args`` /
+            ``decode_engine_args`` with ``engine.worker_type`` prefill / decode, ``num_prefill_workers``,
+            ``num_decode_workers``; every request prefills on the prefill pool); ``workers`` is then unused.
+        pd_conditional: with ``pd``: the router's conditional disaggregation at Dynamo's defaults
+            (``KvRouterConfig(conditional_disagg_enabled=True)``: policy ``isl_bounding``, a request
+            prefills on its decode worker when its effective ISL is under 2,048 tokens and under 0.7 of
+            its raw ISL); kv_router only.
 
     Returns:
         A ``RunResult`` with ``system="dynamo"`` and ``policy=router_mode``. TTFT, ITL and E2E
@@ -169,6 +178,16 @@ def run_dynamo(
         router_mode=router_mode,
         trace_block_size=trace_block_size,
     )
+    if pd is not None:
+        if queue_threshold is not None or (pd_conditional and router_mode != "kv_router"):
+            raise ValueError("Dynamo's disaggregated replay: no router queue here; conditional needs kv_router")
+        eng = kwargs.pop("extra_engine_args")["engine"]
+        del kwargs["num_workers"]
+        kwargs.update(prefill_engine_args={"engine": {**eng, "worker_type": "prefill"}},
+                      decode_engine_args={"engine": {**eng, "worker_type": "decode"}},
+                      num_prefill_workers=int(pd[0]), num_decode_workers=int(pd[1]))
+        if pd_conditional:
+            kwargs["router_config"] = core.KvRouterConfig(conditional_disagg_enabled=True)
     if queue_threshold is not None:
         if router_mode != "kv_router":
             raise ValueError("Dynamo's router queue needs router_mode='kv_router'")
@@ -189,6 +208,8 @@ def run_dynamo(
     shown = {k: v for k, v in kwargs.items() if k != "router_config"}
     if queue_threshold is not None:
         shown["router_config"] = {"router_queue_threshold": queue_threshold, "router_queue_policy": queue_policy}
+    if pd_conditional:
+        shown["router_config"] = {"conditional_disagg_enabled": True}
     extra.update(
         dynamo_version=dynamo_version(),
         replay_args={"trace_files": [path], **shown},
@@ -198,6 +219,8 @@ def run_dynamo(
     result = _result(summary, router_mode, wall_s, extra)
     if queue_threshold is not None:
         result.policy = f"kv_router+queue({queue_policy}, {queue_threshold:g})"
+    if pd is not None:
+        result.policy = f"{router_mode}+pd{pd[0]}:{pd[1]}:{'conditional' if pd_conditional else 'always'}"
     return result
 
 

@@ -22,14 +22,15 @@ def _f(x: float, nd: int = 1) -> str:
 
 def render_table(results: Sequence[RunResult], bounds: Bounds | None, console: Console, title: str) -> None:
     t = Table(title=title)
-    for col in ("system", "policy", "requests", "TTFT mean", "TTFT p50", "TTFT p99", "ITL mean", "E2E mean",
+    for col in ("system", "policy", "requests", "TTFT mean", "TTFT p50", "TTFT p99", "ITL mean", "ITL p99", "E2E mean",
                 "reuse", "of LRU bound", "recompute", "req/s", "wall s"):
         t.add_column(col, justify="right" if col not in ("system", "policy") else "left")
     for r in results:
         frac = r.prefix_reuse / bounds.global_lru_reuse if bounds and bounds.global_lru_reuse else math.nan
         t.add_row(
             r.system, r.policy, str(r.requests), _f(r.ttft_ms.mean), _f(r.ttft_ms.p50), _f(r.ttft_ms.p99),
-            _f(r.itl_ms.mean, 2), _f(r.e2e_ms.mean), f"{r.prefix_reuse:.2%}", _f(frac * 100, 0) + " %",
+            _f(r.itl_ms.mean, 2), _f(r.itl_ms.p99, 1), _f(r.e2e_ms.mean), f"{r.prefix_reuse:.2%}",
+            _f(frac * 100, 0) + " %",
             "—" if math.isnan(r.prefill_recompute_rate) else f"{r.prefill_recompute_rate:.2%}",
             _f(r.throughput_rps, 2), _f(r.wall_s, 1),
         )

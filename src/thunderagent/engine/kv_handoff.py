@@ -1,0 +1,90 @@
+"""Prefill/decode disaggregation in the simulated engine: both sides of a KV handoff.
+
+Kept apart from the engine's hot loop (``engine/simulated.py`` calls in at two points: an arrival with
+``remote_decode`` or ``kv_from``, and :meth:`advance`'s outputs while remote prefill jobs are in).
+
+* **Prefill side** (``EngineRequest.remote_decode``): the job runs as an ordinary request (the
+  driver asks for one token); its finished output gets a :class:`KvTransfer` with the hashes of the
+  prompt's full blocks, and those blocks stay pinned (referenced, not evictable) until the driver
+  calls :meth:`release_transfer` when the transfer ended, as a real prefill worker keeps them for
+  the decode worker to pull.
+* **Decode side** (``EngineRequest.kv_from``): on arrival the transferred blocks the cache lacks are
+  allocated and registered (a ``BlockStored`` event says so), then released into the prefix cache as
+  its most recently used entries: admission counts them as cache hits, the first token costs one
+  pass over the rest. If the pool is too full to take them the request computes its prompt (the
+  transfer is wasted, counted in ``kv_import_failed``); if they are evicted before admission the
+  same happens, by the ordinary prefix-cache rules.
+"""
+
+from __future__ import annotations
+
+from thunderagent.engine.blocks import BlockManager
+from thunderagent.types import EngineRequest, FinishReason, KvTransfer, TokenOutput
+
+
+class KvHandoff:
+    """Mixin of :class:`~thunderagent.engine.simulated.SimulatedEngine` (state set by ``_handoff_init``)."""
+
+    worker_id: str
+    _bm: BlockManager
+    _bs: int
+    _remote_jobs: dict[str, tuple[int, ...]]  # remote_decode request id -> its prompt's full-block hashes
+    _pinned: dict[str, list[int]]  # finished remote_decode request id -> its pinned block table
+
+    def _handoff_init(self) -> None:
+        self._remote_jobs = {}
+        self._pinned = {}
+        self.kv_imported_blocks = 0  # blocks taken from transfers (not present before)
+        self.kv_import_failed = 0  # kv_from requests whose blocks did not fit
+
+    def _handoff_arrival(self, req: EngineRequest) -> None:
+        if req.remote_decode:  # a prefill-only job: one token, then its KV is handed off
+            req.max_tokens = 1
+            self._remote_jobs[req.request_id] = tuple(req.block_hashes)
+        src = req.kv_from
+        if src is None or not src.block_hashes:
+            return
+        hashes = list(src.block_hashes)
+        bm = self._bm
+        hits = bm.match_prefix(hashes, len(hashes))[0]
+        if hits == len(hashes):
+            return
+        table: list[int] = []
+        if not bm.allocate(table, hashes, hits, len(hashes)):
+            self.kv_import_failed += 1
+            return
+        bm.cache_blocks(table, hashes, hits, len(hashes))
+        self.kv_imported_blocks += len(hashes) - hits
+        bm.release(table)
+
+    def _handoff_outputs(self, out: list[TokenOutput]) -> list[TokenOutput]:
+        """Finished remote prefill jobs get their :class:`KvTransfer`; their blocks are pinned."""
+        jobs, bm = self._remote_jobs, self._bm
+        for o in out:
+            if not o.finished or o.request_id not in jobs:
+                continue
+            hashes = jobs.pop(o.request_id)
+            if o.finish_reason in (FinishReason.ABORT, FinishReason.ERROR, FinishReason.UNAVAILABLE):
+                continue
+            # Released at the pass end just now and nothing allocated since (the next pass is packed
+            # later): the blocks are still cached, and pinning them again is pure bookkeeping.
+            n = bm.match_prefix(hashes, len(hashes))[0]
+            if n:
+                table: list[int] = []
+                bm.allocate(table, hashes, n, n)
+                self._pinned[o.request_id] = table
+            o.kv_transfer = KvTransfer(self.worker_id, n * self._bs, hashes[:n])
+        return out
+
+    def release_transfer(self, request_id: str) -> bool:
+        """The transfer of ``request_id``'s KV ended (or was abandoned): unpin its blocks (they stay
+        cached). False if nothing was pinned for it."""
+        table = self._pinned.pop(request_id, None)
+        if table is None:
+            return False
+        self._bm.release(table)
+        return True
+
+    @property
+    def pinned_transfers(self) -> int:
+        return len(self._pinned)

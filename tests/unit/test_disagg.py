@@ -1,0 +1,150 @@
+"""Roles and the per-request prefill/decode decision (scheduler/disagg.py through the Dispatcher)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from thunderagent.config import DisaggConfig, KvTransferConfig, RoutingConfig, TimingConfig
+from thunderagent.engine.timing import PolynomialTiming
+from thunderagent.kv.index import KvIndex
+from thunderagent.router.router import KvRouter, NoWorkerAvailable
+from thunderagent.scheduler.disagg import Disaggregator
+from thunderagent.scheduler.dispatch import Dispatcher
+from thunderagent.transfer.plane import TransferPlane
+from thunderagent.types import LoadReport, WorkerState
+
+BS = 64
+TOTAL = 16384
+
+
+def worker(wid: str, role: str, *, queued: int = 0, active: int = 0, waiting: int = 0) -> WorkerState:
+    return WorkerState(wid, BS, 8192, 64, LoadReport(wid, 0.0, 0, waiting, queued, 0, active, active, TOTAL), role)
+
+
+def dispatcher(mode: str = "conditional", disagg: bool = True, **transfer: object) -> Dispatcher:
+    index = KvIndex(prediction_ttl=60.0)
+    for wid in ("p0", "p1", "d0", "d1", "b0"):
+        index.add_worker(wid)
+    router = KvRouter(RoutingConfig(seed=1), index, random.Random(1))
+    dis = None
+    if disagg:
+        plane = TransferPlane(KvTransferConfig(enabled=True, **transfer))
+        cfg = DisaggConfig(mode=mode, min_uncached_tokens=512, max_prefill_queue_passes=2.0, max_ttft_cost_s=0.05)
+        dis = Disaggregator(cfg, plane, PolynomialTiming(TimingConfig()), BS)
+    return Dispatcher(router, BS, None, dis)
+
+
+def go(d: Dispatcher, workers: list[WorkerState], n: int, rid: str = "r", base: int = 0):
+    req = d.prepare(rid, list(range(base, base + n)), 16)
+    return d.dispatch(req, workers, 0.0)
+
+
+FLEET = [worker("p0", "prefill"), worker("d0", "decode"), worker("d1", "decode")]
+FAST = {"bandwidth_gbps": 400.0}
+
+
+def test_prefill_workers_never_serve_end_to_end():
+    d = dispatcher(disagg=False)
+    fleet = [worker("p0", "prefill"), worker("d0", "decode", queued=50_000, waiting=10),
+             worker("b0", "both", queued=40_000, waiting=10)]
+    for k in range(10):
+        out = go(d, fleet, 300, f"r{k}", base=1000 * k)
+        assert out.decision.worker_id in ("d0", "b0") and out.pd is None
+    assert all(c.worker_id != "p0" for c in out.decision.candidates)
+
+
+def test_only_prefill_workers_is_no_worker():
+    with pytest.raises(NoWorkerAvailable, match="no decode"):
+        go(dispatcher(), [worker("p0", "prefill")], 300)
+
+
+def test_never_prefills_locally():
+    out = go(dispatcher("never", **FAST), FLEET, 4096)
+    assert out.pd is None and "disaggregation never" in out.decision.reason
+
+
+def test_always_plans_a_remote_prefill_and_predicts_on_both_workers():
+    d = dispatcher("always")  # 25 Gbps default: it does not pay, always goes anyway
+    out = go(d, FLEET, 4100)
+    pd = out.pd
+    assert pd is not None and pd.prefill_worker == "p0" and out.decision.worker_id in ("d0", "d1")
+    assert pd.transfer_tokens == 64 * 64 and pd.transfer_bytes == 4096 * 131072
+    assert pd.estimate_s == pytest.approx(4096 * 131072 / 3.125e9 + 0.001)
+    assert pd.saved_s == pytest.approx((4.209989e-07 * 4100**2 + 1.518344e-02 * 4100 + 16.50142) / 1e3)
+    held = d.index.find_matches(out.request.block_hashes, 0.0, out.request.check_hashes)
+    assert held == {"p0": 64, out.decision.worker_id: 64}
+    ex = out.decision.explain()
+    assert ex["pd"]["prefill_worker"] == "p0" and ex["pd"]["decode_worker"] == out.decision.worker_id
+    assert "prefill on p0" in out.decision.reason
+
+
+def test_conditional_goes_remote_only_when_the_transfer_pays():
+    slow = go(dispatcher("conditional"), FLEET, 4096)  # 172 ms to move, 86 ms of prefill saved
+    assert slow.pd is None and "transfer 172.8 ms >= prefill it saves 85.8 ms" in slow.decision.reason
+    fast = go(dispatcher("conditional", **FAST), FLEET, 4096)  # 11.7 ms to move
+    assert fast.pd is not None and fast.pd.estimate_s == pytest.approx(4096 * 131072 / 50e9 + 0.001)
+
+
+def test_conditional_short_uncached_prompts_stay_local():
+    d = dispatcher("conditional", **FAST)
+    out = go(d, FLEET, 512)
+    assert out.pd is None and "512 uncached tokens <= min_uncached_tokens" in out.decision.reason
+    assert d.disagg is not None and d.disagg.outcomes == {"short": 1}
+
+
+def test_conditional_cached_on_the_decode_worker_stays_local():
+    d = dispatcher("conditional", **FAST)
+    first = go(d, FLEET, 4096, "a")
+    again = go(d, FLEET, 4160, "b")  # the same prompt plus one block: the decode worker holds 64 blocks
+    assert first.pd is not None and again.decision.worker_id == first.decision.worker_id
+    assert again.pd is None and "uncached tokens" in again.decision.reason
+
+
+def test_conditional_busy_prefill_pool_stays_local_always_goes_anyway():
+    fleet = [worker("p0", "prefill", queued=3 * 8192), worker("d0", "decode")]
+    out = go(dispatcher("conditional", **FAST), fleet, 4096)
+    assert out.pd is None and "queued prefill tokens" in out.decision.reason
+    assert go(dispatcher("always", **FAST), fleet, 4096).pd is not None
+
+
+def test_prefill_worker_chosen_cache_aware_on_the_prefill_pool():
+    d = dispatcher("always", **FAST)
+    fleet = [worker("p0", "prefill"), worker("p1", "prefill"), worker("d0", "decode")]
+    req = d.prepare("x", list(range(4096)), 16)
+    d.index.predict("p1", req.block_hashes[:32], 0.0, req.check_hashes[:32] if req.check_hashes else None)
+    assert d.dispatch(req, fleet, 0.0).pd.prefill_worker == "p1"
+
+
+def test_full_plane_conditional_local_always_waits():
+    d = dispatcher("conditional", max_inflight=1, **FAST)
+    assert d.disagg is not None
+    d.disagg.plane.start("other", "p0", "d0", 10, 0.0)
+    out = go(d, FLEET, 4096)
+    assert out.pd is None and "in-flight cap" in out.decision.reason
+    a = dispatcher("always", max_inflight=1, **FAST)
+    assert a.disagg is not None
+    a.disagg.plane.start("other", "p0", "d0", 10, 0.0)
+    assert go(a, FLEET, 4096).pd is not None
+
+
+def test_target_memory_and_size_threshold_refuse_in_every_mode():
+    full = [worker("p0", "prefill"), worker("d0", "decode", active=int(0.695 * TOTAL))]
+    for mode in ("always", "conditional"):
+        out = go(dispatcher(mode, **FAST), full, 8192)
+        assert out.pd is None and "target_full" in out.decision.reason
+        big = go(dispatcher(mode, max_transfer_bytes=1 << 20, **FAST), FLEET, 8192)
+        assert big.pd is None and "too_large" in big.decision.reason
+
+
+def test_make_disaggregator_from_the_example_config():
+    from pathlib import Path
+
+    from thunderagent.config import Config, load_config
+    from thunderagent.scheduler.disagg import make_disaggregator
+
+    assert make_disaggregator(Config()) is None  # no prefill group: nothing to decide
+    dis = make_disaggregator(load_config(Path(__file__).resolve().parents[2] / "configs" / "disagg.yaml"))
+    assert dis is not None and dis.cfg.mode == "conditional"
+    assert dis.plane.default_bps == 400e9 / 8 and dis.plane.cfg.max_inflight == 4

@@ -1,0 +1,100 @@
+"""The simulator with prefill/decode disaggregation: the Mooncake excerpt on 1 prefill + 3 decode
+workers in each mode, injected failures (every request completes, fallbacks counted by cause), and the
+in-flight cap under a burst."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from thunderagent.config import DisaggConfig, KvTransferConfig, NodeConfig, Policy, RoutingConfig
+from thunderagent.sim.driver import PdSetup, Simulator
+from thunderagent.sim.pd import PdFaults
+from thunderagent.sim.traces import TraceRequest, load_trace
+
+EXCERPT = Path(__file__).resolve().parents[1] / "data" / "mooncake_excerpt.jsonl"
+NODE = NodeConfig(kv_blocks=16384, block_size=64)
+FAST = KvTransferConfig(enabled=True, bandwidth_gbps=400.0)
+
+
+def run(mode: str, faults: PdFaults = PdFaults(), transfer: KvTransferConfig = FAST, reqs=None, p: int = 1,
+        d: int = 3, **disagg: object):
+    reqs = reqs if reqs is not None else load_trace(EXCERPT)
+    sim = Simulator(NODE, RoutingConfig(seed=0), 4, Policy.kv_aware, seed=0,
+                    pd=PdSetup(p, d, DisaggConfig(mode=mode, **disagg), transfer, faults))
+    out = sim.run(reqs, 4.0)
+    assert sim.pd is not None
+    return out.result, sim.pd
+
+
+@pytest.mark.parametrize("mode", ["always", "conditional", "never"])
+def test_every_mode_completes_the_excerpt(mode):
+    r, pd = run(mode)
+    assert r.requests == 200 and r.extra["incomplete_requests"] == 0
+    stats = r.extra["pd"]
+    assert stats["remote_prefills"] == pd.remote == stats["plane"]["completed"]
+    assert not pd.jobs and not pd.heap and not pd.plane.inflight and not pd.plane.queue
+    assert all(e.pinned_transfers == 0 for e in pd.engines)  # every prefill side released its blocks
+    if mode == "never":
+        assert pd.remote == 0 and stats["decisions"] == {"never": 200}
+    else:
+        assert pd.remote > 0 and stats["kv_imported_blocks"] > 0
+    if mode == "always":  # 16 prompts over 16 GiB are not moved, the rest are
+        assert stats["decisions"]["remote"] == pd.remote and pd.remote > 150
+    assert r.itl_ms.p99 > 0
+    # moved KV is not a cache hit: reuse stays within what the prompts can share
+    assert r.prefix_reuse < 0.2
+
+
+def test_decode_workers_only_decode_in_always_mode():
+    r, pd = run("always")
+    prefill_engine = pd.engines[0]
+    assert prefill_engine.prefill_tokens > 0
+    # the decode engines computed only the tokens past each moved prompt's last full block, and the
+    # prompts too large to move
+    assert sum(e.prefill_tokens for e in pd.engines[1:]) < prefill_engine.prefill_tokens / 3
+
+
+def test_slow_link_times_out_and_falls_back():
+    r, pd = run("always", PdFaults(slow_link=50.0))
+    fails = pd.plane.stats.failures
+    assert r.requests == 200 and r.extra["incomplete_requests"] == 0
+    assert fails == {"timeout": pd.plane.stats.started} and pd.plane.stats.fallbacks == fails
+    assert pd.remote == 0
+
+
+def test_interrupted_transfers_fall_back():
+    r, pd = run("always", PdFaults(interrupt_p=0.5, seed=3))
+    st = pd.plane.stats
+    assert r.requests == 200 and r.extra["incomplete_requests"] == 0
+    assert st.failures["interrupted"] == st.fallbacks["interrupted"] > 50
+    assert st.completed == pd.remote == st.started - st.failures["interrupted"]
+
+
+def test_full_target_falls_back():
+    r, pd = run("always", PdFaults(target_full_p=1.0))
+    st = pd.plane.stats
+    assert r.requests == 200 and r.extra["incomplete_requests"] == 0
+    assert st.started == 0 and st.fallbacks == {"target_full": r.extra["pd"]["decisions"]["remote"]}
+
+
+@pytest.mark.parametrize(("cap_bytes", "binding"), [(5 << 30, 2), (7 << 30, 3)])
+def test_burst_of_64_long_prompts_never_exceeds_the_in_flight_cap(cap_bytes, binding):
+    """64 prompts of 16,384 tokens (2 GiB of KV each) at once: at most 3 transfers and ``cap_bytes`` move
+    at any step (the plane asserts it at every start; the trace records every change)."""
+    burst = [TraceRequest(f"b{k}", 0.0, 16384, 4, list(range(1000 * k, 1000 * k + 32)), 512) for k in range(64)]
+    cap = KvTransferConfig(enabled=True, bandwidth_gbps=25.0, max_inflight=3, max_inflight_bytes=cap_bytes)
+    r, pd = run("always", transfer=cap, reqs=burst, p=4, d=4)
+    assert r.requests == 64 and r.extra["incomplete_requests"] == 0 and pd.remote == 64
+    assert max(pd.inflight_trace) == binding  # the byte cap binds first at 5 GiB, the count cap at 7 GiB
+    assert pd.plane.stats.peak_inflight == binding and pd.plane.stats.peak_inflight_bytes == binding * (2 << 30)
+    assert pd.plane.stats.waited > 0
+
+
+def test_the_prefill_group_keeps_its_own_batch_limits():
+    pnode = NodeConfig(kv_blocks=16384, block_size=64, max_batch_size=32, queue_depth_threshold=8)
+    sim = Simulator(NODE, RoutingConfig(seed=0), 4, Policy.kv_aware, seed=0,
+                    pd=PdSetup(1, 3, DisaggConfig(mode="always"), FAST, prefill_node=pnode))
+    assert [e.node.max_batch_size for e in sim.engines] == [32, 256, 256, 256]
+    assert [(s.role, s.queue_depth_threshold) for s in sim._states] == [("prefill", 8)] + [("decode", 64)] * 3

@@ -1,0 +1,106 @@
+"""The transfer plane: caps with backpressure, admission, per-link estimates, counters."""
+
+from __future__ import annotations
+
+import pytest
+
+from thunderagent.config import KvTransferConfig
+from thunderagent.transfer.plane import TransferPlane
+
+
+def plane(**kw: object) -> TransferPlane:
+    return TransferPlane(KvTransferConfig(enabled=True, **kw))
+
+
+def test_estimate_is_bytes_over_bandwidth_plus_latency():
+    p = plane(bandwidth_gbps=8.0, latency_s=0.002)  # 1 GB/s
+    assert p.estimate("a", "b", 10**9) == pytest.approx(1.002)
+    assert p.bytes_for(100) == 100 * 131072
+
+
+def test_measured_bandwidth_replaces_the_default_by_ewma():
+    p = plane(bandwidth_gbps=8.0, latency_s=0.0, ewma_alpha=0.5)
+    t = p.start("r", "a", "b", 10**9, 0.0)
+    assert t is not None and t.estimate_s == pytest.approx(1.0)
+    p.finish("r", 2.0, ok=True)  # measured 0.5 GB/s
+    assert p.links[("a", "b")].bandwidth_bps == pytest.approx(0.75e9)
+    assert p.estimate("a", "b", 10**9) == pytest.approx(1 / 0.75)
+    assert p.estimate("b", "a", 10**9) == pytest.approx(1.0)  # another link keeps the default
+    assert p.stats.completed == 1 and p.stats.bytes_moved == 10**9
+
+
+def test_size_threshold_and_target_watermark():
+    p = plane(max_transfer_bytes=1000, target_watermark=0.7)
+    assert p.refusal(1001, 1, 0, 100) == "too_large"
+    assert p.refusal(1000, 10, 60, 100) is None  # 70 active after the move: at the watermark, allowed
+    assert p.refusal(1000, 11, 60, 100) == "target_full"
+    assert p.refusal(1000, 1, 70, 100) == "target_full"
+
+
+def test_cap_in_transfers_queues_and_finish_starts_the_next():
+    p = plane(max_inflight=2)
+    assert p.start("a", "p", "d", 10, 0.0) is not None
+    assert p.start("b", "p", "d", 10, 0.0) is not None
+    assert not p.room(10)
+    assert p.start("c", "p", "d", 10, 0.1) is None  # waits
+    assert p.stats.waited == 1
+    started = p.finish("a", 0.5, ok=True)
+    assert [t.tid for t in started] == ["c"] and started[0].started_at == 0.5 and started[0].queued_at == 0.1
+    assert set(p.inflight) == {"b", "c"}
+
+
+def test_cap_in_bytes():
+    p = plane(max_inflight=8, max_inflight_bytes=100, max_transfer_bytes=100)
+    assert p.start("a", "p", "d", 60, 0.0) is not None
+    assert p.start("b", "p", "d", 50, 0.0) is None  # 110 > 100
+    assert p.start("c", "p", "d", 10, 0.0) is None  # FIFO: nothing overtakes a waiting transfer
+    assert [t.tid for t in p.finish("a", 1.0, ok=True)] == ["b", "c"]
+    assert p.inflight_bytes == 60
+
+
+def test_failures_and_fallbacks_by_cause():
+    p = plane()
+    p.start("a", "p", "d", 10, 0.0)
+    p.start("b", "p", "d", 10, 0.0)
+    p.finish("a", 1.0, ok=False, cause="timeout")
+    p.finish("b", 1.0, ok=False, cause="interrupted")
+    p.fallback("timeout")
+    p.fallback("interrupted")
+    p.fallback("target_full")
+    assert p.stats.failures == {"timeout": 1, "interrupted": 1}
+    assert p.stats.fallbacks == {"timeout": 1, "interrupted": 1, "target_full": 1}
+    assert p.stats.completed == 0 and not p.inflight and p.links == {}  # failures teach the link nothing
+
+
+def test_deadline_is_timeout_factor_times_the_estimate():
+    p = plane(bandwidth_gbps=8.0, latency_s=0.0, timeout_factor=3.0)
+    t = p.start("a", "p", "d", 10**9, 2.0)
+    assert t is not None and t.deadline == pytest.approx(5.0)
+
+
+def test_burst_of_64_long_prompts_never_exceeds_the_caps():
+    cap, cap_bytes = 4, 3 * 2 << 30
+    p = plane(max_inflight=cap, max_inflight_bytes=cap_bytes)
+    size = [(1 + k % 3) << 30 for k in range(64)]  # 1..3 GiB each
+    live: list[str] = []
+    for k in range(64):
+        if p.start(f"r{k}", "p", "d", size[k], 0.0) is not None:
+            live.append(f"r{k}")
+        assert len(p.inflight) <= cap and p.inflight_bytes <= cap_bytes
+    done, now = 0, 0.0
+    while p.inflight:
+        now += 1.0
+        tid = next(iter(p.inflight))
+        p.finish(tid, now, ok=True)
+        done += 1
+        assert len(p.inflight) <= cap and p.inflight_bytes <= cap_bytes
+    assert done == 64 and not p.queue
+    assert p.stats.peak_inflight <= cap and p.stats.peak_inflight_bytes <= cap_bytes
+    assert p.stats.started == 64 and p.stats.waited == 64 - len(live)
+
+
+def test_duplicate_start_is_a_caller_bug():
+    p = plane()
+    p.start("a", "p", "d", 10, 0.0)
+    with pytest.raises(ValueError, match="already started"):
+        p.start("a", "p", "d", 10, 0.0)
