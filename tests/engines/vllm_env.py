@@ -92,6 +92,9 @@ class VllmServer:
     workdir: Path
     cpu: str | None = None  # VLLM_CPU_OMP_THREADS_BIND
     scheduling_policy: str = "fcfs"  # --scheduling-policy (vLLM's default: fcfs)
+    #: NIXL prefill/decode role (``kv_producer`` / ``kv_consumer`` / ``kv_both``): None = no connector
+    kv_role: str | None = None
+    nixl_port: int = field(default_factory=free_port)  # VLLM_NIXL_SIDE_CHANNEL_PORT (with kv_role)
     port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
@@ -127,10 +130,14 @@ class VllmServer:
             "--max-num-seqs", "16", "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv),
             "--scheduling-policy", self.scheduling_policy,
         ]
+        if self.kv_role is not None:
+            cmd += ["--kv-transfer-config", json.dumps(nixl_transfer_config(self.kv_role))]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_HOST_IP": "127.0.0.1"}
         if self.cpu is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu
+        if self.kv_role is not None:
+            env.update(nixl_env(self.nixl_port))
         with self.log.open("ab") as f:
             f.write(f"$ {' '.join(cmd)}\n".encode())
             # own session: the API server's engine-core child is killed with it (killpg)
@@ -185,6 +192,18 @@ class VllmServer:
             self.kill(signal.SIGTERM)
         elif self.proc is not None:
             self.kill(signal.SIGKILL)
+
+
+def nixl_transfer_config(role: str) -> dict[str, str]:
+    """vLLM's ``--kv-transfer-config`` for NixlConnector on the CPU: KV buffers in host memory."""
+    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+
+
+def nixl_env(side_channel_port: int) -> dict[str, str]:
+    """A NIXL server's environment: UCX over TCP only (no RDMA/shared-memory transports here), and
+    its handshake side channel on loopback at its own port (two servers on one host must differ)."""
+    return {"UCX_TLS": "tcp", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port)}
 
 
 def cpu_binding(i: int) -> str | None:

@@ -35,6 +35,7 @@ from typing import Protocol
 from thunderagent.config import Config, Policy
 from thunderagent.control import migration
 from thunderagent.control.decision_hook import DecisionHook
+from thunderagent.control.disagg_flow import DisaggFlow
 from thunderagent.control.health_view import health_summary
 from thunderagent.control.liveness import LoopLag
 from thunderagent.control.metrics import Metrics
@@ -139,6 +140,7 @@ class Fleet:
         self._pump_due = False
         self._wake_at: float | None = None  # when the armed grouping timer fires
         self._health_task: asyncio.Task[None] | None = None
+        self.disagg = DisaggFlow(self.workers, self.metrics, self.now, stall_timeout=stall_timeout)  # Dispatch.pd
 
     # -- lifecycle ---------------------------------------------------------------------------
     def now(self) -> float:
@@ -268,7 +270,7 @@ class Fleet:
                 self._cut(gen, "stalled")
 
     def _generations_on(self, handle: WorkerHandle) -> list[Generation]:
-        return [g for g in self._inflight.values() if g.worker is handle]
+        return [g for g in self._inflight.values() if getattr(g.worker, "decode", g.worker) is handle]
 
     def _cut(self, gen: Generation, why: str) -> None:
         """End a request its worker can no longer serve: aborted there, and finished here with
@@ -349,7 +351,7 @@ class Fleet:
         self.metrics.observe_route(d.decision.worker_id, len(req.prompt_tokens), d.predicted_tokens, route_s)
         self.decisions.record(self, d, program_id)
         worker, received = self.workers[d.decision.worker_id], req.arrival  # before submit: sim engines reset it
-        gen = Generation(req.request_id, d, worker, worker.submit(req), received, program_id=program_id)
+        gen = Generation(req.request_id, d, *self.disagg.submit(d, worker), received, program_id=program_id)
         self._inflight[req.request_id] = gen
         return gen
 
@@ -433,10 +435,9 @@ class Fleet:
 
     def resubmit(self, gen: Generation, d: Dispatch, tried: tuple[str, ...]) -> None:
         """Submit ``gen`` as routed again (``d``), after the workers in ``tried``."""
-        worker = self.workers[d.decision.worker_id]
-        gen.dispatch, gen.worker, gen.tried = d, worker, tried
+        gen.dispatch, gen.tried = d, tried
         self.decisions.record(self, d, gen.program_id, tried)
-        gen.queue = worker.submit(d.request)
+        gen.worker, gen.queue = self.disagg.submit(d, self.workers[d.decision.worker_id])
         self._inflight[gen.request_id] = gen
 
     async def outputs(self, gen: Generation) -> AsyncIterator[TokenOutput]:

@@ -1,0 +1,239 @@
+"""Prefill/decode disaggregation in the live control plane: run a :class:`~thunderagent.types.PdPlan`.
+
+A request routed with ``Dispatch.pd`` set runs in two halves, behind one output queue the fleet reads
+like any other (one normal stream for the client):
+
+1. a copy with ``remote_decode=True`` goes to the plan's prefill worker; its finished output carries
+   the :class:`~thunderagent.types.KvTransfer` (vLLM: the ``kv_transfer_params`` its prefill answer
+   returned);
+2. the original request goes to the decode worker (the decision's) with ``kv_from`` set, and its
+   outputs are relayed to the client.
+
+Any failure of the first half (prefill worker unknown, lost, silent, erroring, not taking it, out
+of time, no ``kv_transfer`` returned) falls back to submitting the original request, without
+``kv_from``, to the decode worker: it prefills there. Nothing is lost; the cause is counted
+(``thunderagent_pd_fallbacks{cause}``). Aborting the request (client gone, the fleet cutting it)
+aborts both halves.
+
+The flow reports each transfer's start and end to a :class:`TransferObserver`, the seam the
+transfer plane's in-flight accounting plugs into. A transfer *ends* when the decode worker produced
+its first output (a real engine cannot produce one before the KV it pulls arrived) or when the
+first half failed; its seconds run from the prefill submission to that point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Protocol
+
+from thunderagent.control.metrics import Metrics
+from thunderagent.execution.handle import KEEPALIVE_S, STALL_TIMEOUT_S, OutputQueue, WorkerHandle
+from thunderagent.scheduler.dispatch import Dispatch
+from thunderagent.types import EngineRequest, FinishReason, KvTransfer, PdPlan, TokenOutput
+
+__all__ = ["DisaggFlow", "PdAttempt", "RelayQueue", "TransferObserver", "PREFILL_TIMEOUT_S"]
+
+log = logging.getLogger(__name__)
+
+#: longest a prefill half may take before the request prefills on its decode worker instead
+PREFILL_TIMEOUT_S = 120.0
+
+# fallback causes (metric labels)
+GONE = "prefill_worker_gone"  # the plan names a worker the fleet no longer has, or it left meanwhile
+SILENT = "prefill_silent"  # the prefill worker stopped touching the job (lost or hung)
+UNAVAILABLE = "prefill_unavailable"  # it could not take the job
+FAILED = "prefill_error"  # the job ended without finishing normally
+TIMEOUT = "prefill_timeout"
+NO_TRANSFER = "no_kv_transfer"  # finished, but the engine returned nothing to pull
+ABORTED = "aborted"  # the client request ended first (a failure, not a fallback)
+
+
+class TransferObserver(Protocol):
+    """Told of each transfer the flow runs (the transfer plane's in-flight accounting)."""
+
+    def on_transfer_start(self, request_id: str, plan: PdPlan, now: float) -> None: ...
+
+    def on_transfer_end(self, request_id: str, plan: PdPlan, ok: bool, cause: str, nbytes: int, seconds: float,
+                        now: float) -> None:
+        """``cause`` is "ok" or a fallback cause; ``nbytes`` the plan's bytes when ok, else 0."""
+
+
+class RelayQueue(OutputQueue):
+    """The queue the fleet reads for a disaggregated request. Its liveness facts follow the queue
+    of the half in progress (``source``); the flow touches it itself while it watches the prefill."""
+
+    def __init__(self, now: float) -> None:
+        self.source: OutputQueue | None = None  # the decode half's queue, once submitted
+        self._heard = now
+        self._accepted = False
+        super().__init__(now)
+
+    @property  # type: ignore[override]
+    def last_heard(self) -> float:
+        src = self.source
+        return self._heard if src is None else max(self._heard, src.last_heard)
+
+    @last_heard.setter
+    def last_heard(self, now: float) -> None:
+        self._heard = now
+
+    @property  # type: ignore[override]
+    def accepted(self) -> bool:
+        # only the decode half counts: a request cut while prefilling elsewhere is routed again
+        return self._accepted or (self.source is not None and self.source.accepted)
+
+    @accepted.setter
+    def accepted(self, value: bool) -> None:
+        self._accepted = value
+
+
+class PdAttempt:
+    """The fleet's handle on a disaggregated request: the decode worker's, with an ``abort`` that
+    also stops the prefill half. ``decode`` is the worker the request belongs to (``Fleet`` finds a
+    worker's requests through it)."""
+
+    def __init__(self, flow: DisaggFlow, request_id: str, plan: PdPlan, decode: WorkerHandle) -> None:
+        self.worker_id = decode.worker_id
+        self.decode = decode
+        self.plan = plan
+        self.request_id = request_id
+        self.prefill: WorkerHandle | None = None
+        self.task: asyncio.Task[None] | None = None
+        self._flow = flow
+
+    def start(self) -> None:  # the decode worker's own lifecycle is the fleet's business
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    def submit(self, req: EngineRequest) -> OutputQueue:
+        return self.decode.submit(req)
+
+    def abort(self, request_id: str) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()  # the task aborts the prefill half and reports the end
+        self.decode.abort(request_id)
+
+    def snapshot(self) -> tuple[list[int], int] | None:
+        return self.decode.snapshot()
+
+
+class DisaggFlow:
+    """Runs plans on the fleet's workers (``workers``: the fleet's live map, read at each step)."""
+
+    def __init__(self, workers: Mapping[str, WorkerHandle], metrics: Metrics, clock: Callable[[], float], *,
+                 observer: TransferObserver | None = None, prefill_timeout: float = PREFILL_TIMEOUT_S,
+                 stall_timeout: float = STALL_TIMEOUT_S) -> None:
+        self.workers = workers
+        self.metrics = metrics
+        self.clock = clock
+        self.observer = observer
+        self.prefill_timeout = prefill_timeout
+        # half the fleet's stall rule: a silent prefill worker falls back here before the fleet
+        # would cut the whole request
+        self.silence_s = stall_timeout / 2
+        self.tick_s = min(KEEPALIVE_S, self.silence_s / 2)
+
+    def submit(self, d: Dispatch, decode: WorkerHandle) -> tuple[WorkerHandle, OutputQueue]:
+        """Start ``d`` on ``decode`` (its decision's worker): as planned when ``d.pd`` is set, else
+        plainly. Returns the handle and queue the fleet keeps for the request."""
+        plan = d.pd
+        if plan is None or plan.prefill_worker == decode.worker_id:
+            return decode, decode.submit(d.request)
+        attempt = PdAttempt(self, d.request.request_id, plan, decode)
+        relay = RelayQueue(self.clock())
+        attempt.task = asyncio.create_task(self._run(attempt, d.request, relay), name=f"pd-{d.request.request_id}")
+        return attempt, relay
+
+    # -- the two halves -------------------------------------------------------------------------
+    async def _run(self, a: PdAttempt, req: EngineRequest, relay: RelayQueue) -> None:
+        t0 = self.clock()
+        self.metrics.pd_started.inc()
+        if self.observer is not None:
+            self.observer.on_transfer_start(a.request_id, a.plan, t0)
+        ended = False
+
+        def end(ok: bool, cause: str) -> None:
+            nonlocal ended
+            ended = True
+            now = self.clock()
+            self.metrics.observe_pd_end(ok, cause, now - t0)
+            if self.observer is not None:
+                self.observer.on_transfer_end(a.request_id, a.plan, ok, cause, a.plan.transfer_bytes if ok else 0,
+                                              now - t0, now)
+
+        try:
+            transfer, cause = await self._prefill(a, req, relay)
+            if transfer is None:
+                log.warning("request %s: remote prefill on %s failed (%s): prefilling on %s", a.request_id,
+                            a.plan.prefill_worker, cause, a.worker_id)
+                end(False, cause)
+                self.metrics.pd_fallbacks.labels(cause).inc()
+                await self._relay(a.decode.submit(req), relay, None)
+            else:
+                await self._relay(a.decode.submit(replace(req, kv_from=transfer)), relay, end)
+        except asyncio.CancelledError:
+            if a.prefill is not None:
+                a.prefill.abort(a.request_id)
+            if not ended:
+                end(False, ABORTED)
+            raise
+
+    async def _prefill(self, a: PdAttempt, req: EngineRequest,
+                       relay: RelayQueue) -> tuple[KvTransfer | None, str]:
+        """Run the prefill half; its transfer, or None and why not."""
+        worker = self.workers.get(a.plan.prefill_worker)
+        if worker is None:
+            return None, GONE
+        a.prefill = worker
+        q = worker.submit(replace(req, remote_decode=True, kv_from=None))
+        deadline = self.clock() + self.prefill_timeout
+        try:
+            while True:
+                try:
+                    out = await asyncio.wait_for(q.get(), self.tick_s)
+                except TimeoutError:
+                    now = self.clock()
+                    relay.touch(now)  # the flow is watching: the fleet's stall rule waits for it
+                    if self.workers.get(a.plan.prefill_worker) is not worker:
+                        return None, GONE
+                    if now - q.last_heard > self.silence_s:
+                        return None, SILENT
+                    if now >= deadline:
+                        return None, TIMEOUT
+                    continue
+                relay.touch(self.clock())
+                if not out.finished:
+                    continue  # an engine streaming its one token before the finished output
+                a.prefill = None  # done there: nothing to abort
+                if out.finish_reason == FinishReason.UNAVAILABLE:
+                    return None, UNAVAILABLE
+                if out.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+                    return None, FAILED
+                if out.kv_transfer is None:
+                    return None, NO_TRANSFER
+                return out.kv_transfer, "ok"
+        finally:
+            if a.prefill is not None:  # failed while it ran: stop it there
+                a.prefill.abort(a.request_id)
+                a.prefill = None
+
+    @staticmethod
+    async def _relay(q: OutputQueue, relay: RelayQueue,
+                     end: Callable[[bool, str], None] | None) -> None:
+        """Copy the decode half's outputs to the fleet's queue; ``end`` reports the transfer at the
+        first output (ok with tokens, failed when the decode half ended without any)."""
+        relay.source = q
+        while True:
+            out: TokenOutput = await q.get()
+            if end is not None:
+                end(bool(out.token_ids), "ok" if out.token_ids else f"decode_{out.finish_reason}")
+                end = None
+            relay.put_output(out, q.last_heard)
+            if out.finished:
+                return
+
