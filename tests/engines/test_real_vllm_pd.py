@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.engines.conftest import Front, front_config, note, thunderagent
+from tests.engines.conftest import Front, front_config, note, thunderagent, wait_until
 from tests.engines.tiny_model import _WORDS
 from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, VllmSetupError, cpu_binding, vllm_python
 from thunderagent.control.fleet import Fleet
@@ -97,12 +97,13 @@ def direct_pd(pre: VllmServer, dec: VllmServer, model: Path, prompt: list[int]) 
     return out["choices"][0]["token_ids"], first["kv_transfer_params"]
 
 
-def local(server: VllmServer, model: Path, prompt: list[int], salt: str) -> list[int]:
-    """A greedy run computed on ``server`` alone (``salt``: none of its cached blocks apply)."""
+def local(server: VllmServer, model: Path, prompt: list[int], salt: str) -> tuple[list[int], str]:
+    """A greedy run computed on ``server`` alone (``salt``: none of its cached blocks apply): its
+    token ids and text."""
     out = post(f"{server.url}/v1/completions", {
         "model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
         "return_token_ids": True, "cache_salt": salt})
-    return out["choices"][0]["token_ids"]  # type: ignore[no-any-return]
+    return out["choices"][0]["token_ids"], out["choices"][0]["text"]
 
 
 _METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.e+-]+)$", re.M)
@@ -165,14 +166,13 @@ async def test_prompt_kv_moves_from_prefill_to_decode_server(pd_pair: tuple[Vllm
         m = front.fleet.metrics
         assert m.pd_started._value.get() == 1 and m.pd_ok._value.get() == 1  # type: ignore[attr-defined]
     assert worker == "worker-1"
-    # one normal stream: text pieces, one finish reason, usage last
+    # one normal stream: one finish reason, usage last, the text of a local greedy run
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    assert finishes in (["length"], ["stop"])
-    assert sum(1 for c in chunks if c["choices"] and c["choices"][0].get("text")) >= 2
+    assert finishes in (["length"], ["stop"]), chunks
     usage = chunks[-1]["usage"]
     assert usage["prompt_tokens"] == len(prompt) and 1 <= usage["completion_tokens"] <= MAX_TOKENS
-    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-    assert text == HfTokenizer(tiny_model_dir).decode(expected[:usage["completion_tokens"]])
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected[1]
+    assert usage["completion_tokens"] == len(expected[0])
     # a real transfer, per the decode server itself
     hits = grown(before, after, "vllm:external_prefix_cache_hits_total")
     moved = grown(before, after, "vllm:nixl_bytes_transferred_sum")
@@ -191,7 +191,7 @@ async def test_greedy_output_equals_a_single_servers(pd_pair: tuple[VllmServer, 
     for seed in (2, 3):
         prompt = text_prompt(tiny_model_dir, seed, 70)
         ids, _ = direct_pd(pre, dec, tiny_model_dir, prompt)
-        assert ids == local(dec, tiny_model_dir, prompt, salt=f"ref-{seed}")
+        assert ids == local(dec, tiny_model_dir, prompt, salt=f"ref-{seed}")[0]
 
 
 async def test_missing_or_garbled_transfer_falls_back_to_local_prefill(pd_pair: tuple[VllmServer, VllmServer],
@@ -200,7 +200,7 @@ async def test_missing_or_garbled_transfer_falls_back_to_local_prefill(pd_pair: 
     itself: same greedy output, no external hits."""
     pre, dec = pd_pair
     prompt = text_prompt(tiny_model_dir, 4, 70)
-    expected = local(dec, tiny_model_dir, prompt, salt="ref-4")
+    expected, _ = local(dec, tiny_model_dir, prompt, salt="ref-4")
     async with thunderagent(front_config(tiny_model_dir, [pre, dec]), [pre, dec]) as front:
         handle = front.fleet.workers["worker-1"]
         for k, params in enumerate((None, "{garbled")):
@@ -225,13 +225,12 @@ async def test_prefill_server_gone_falls_back_and_the_client_sees_one_stream(
     dead = VllmServer("dead", pre.python, tiny_model_dir, pre.workdir)  # never started: refuses connections
     async with thunderagent(front_config(tiny_model_dir, [dead, dec]), [dead, dec], wait_healthy=False) as front:
         plan_every_request(front.fleet)
-        front.fleet.unavailable.pop("worker-1", None)
+        decode = front.fleet.workers["worker-1"]
+        await wait_until(lambda: getattr(decode, "_reachable", None) is True, 30, "decode worker polled")
         chunks, worker = await stream_via(front, prompt)
         m = front.fleet.metrics
         fallbacks = {s.labels["cause"]: s.value for s in m.pd_fallbacks.collect()[0].samples  # type: ignore[attr-defined]
                      if s.name.endswith("_total")}
     assert worker == "worker-1"
     assert fallbacks == {"prefill_unavailable": 1.0}
-    n = chunks[-1]["usage"]["completion_tokens"]
-    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-    assert text == HfTokenizer(tiny_model_dir).decode(expected[:n])
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected[1]

