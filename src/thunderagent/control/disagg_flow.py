@@ -114,8 +114,13 @@ class PdAttempt:
         return self.decode.submit(req)
 
     def abort(self, request_id: str) -> None:
+        # the prefill half is aborted here, not when the task unwinds: the fleet may submit this
+        # request id again at once (routed again), possibly to the prefill worker itself
+        if self.prefill is not None:
+            self.prefill.abort(request_id)
+            self.prefill = None
         if self.task is not None and not self.task.done():
-            self.task.cancel()  # the task aborts the prefill half and reports the end
+            self.task.cancel()  # the task reports the transfer's end
         self.decode.abort(request_id)
 
     def snapshot(self) -> tuple[list[int], int] | None:
@@ -177,8 +182,6 @@ class DisaggFlow:
             else:
                 await self._relay(a.decode.submit(replace(req, kv_from=transfer)), relay, end)
         except asyncio.CancelledError:
-            if a.prefill is not None:
-                a.prefill.abort(a.request_id)
             if not ended:
                 end(False, ABORTED)
             raise
@@ -192,13 +195,15 @@ class DisaggFlow:
         a.prefill = worker
         q = worker.submit(replace(req, remote_decode=True, kv_from=None))
         deadline = self.clock() + self.prefill_timeout
+        # one getter across the watch ticks (a wait_for per tick could drop an output that arrives
+        # just as the tick times out)
+        getter = asyncio.ensure_future(q.get())
         try:
             while True:
-                try:
-                    out = await asyncio.wait_for(q.get(), self.tick_s)
-                except TimeoutError:
-                    now = self.clock()
-                    relay.touch(now)  # the flow is watching: the fleet's stall rule waits for it
+                done, _ = await asyncio.wait((getter,), timeout=self.tick_s)
+                now = self.clock()
+                relay.touch(now)  # the flow is watching: the fleet's stall rule waits for it
+                if not done:
                     if self.workers.get(a.plan.prefill_worker) is not worker:
                         return None, GONE
                     if now - q.last_heard > self.silence_s:
@@ -206,9 +211,10 @@ class DisaggFlow:
                     if now >= deadline:
                         return None, TIMEOUT
                     continue
-                relay.touch(self.clock())
-                if not out.finished:
-                    continue  # an engine streaming its one token before the finished output
+                out = getter.result()
+                if not out.finished:  # an engine streaming its one token before the finished output
+                    getter = asyncio.ensure_future(q.get())
+                    continue
                 a.prefill = None  # done there: nothing to abort
                 if out.finish_reason == FinishReason.UNAVAILABLE:
                     return None, UNAVAILABLE
@@ -218,6 +224,7 @@ class DisaggFlow:
                     return None, NO_TRANSFER
                 return out.kv_transfer, "ok"
         finally:
+            getter.cancel()
             if a.prefill is not None:  # failed while it ran: stop it there
                 a.prefill.abort(a.request_id)
                 a.prefill = None
