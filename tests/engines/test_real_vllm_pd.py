@@ -31,7 +31,7 @@ from tests.engines.tiny_model import _WORDS
 from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, VllmSetupError, cpu_binding, vllm_python
 from thunderagent.control.fleet import Fleet
 from thunderagent.frontend.hf_tokenizer import HfTokenizer
-from thunderagent.types import EngineRequest, KvTransfer, PdPlan
+from thunderagent.types import EngineRequest, KvTransfer, PdPlan, Sampling
 
 pytestmark = pytest.mark.real_engine
 
@@ -206,6 +206,7 @@ async def test_missing_or_garbled_transfer_falls_back_to_local_prefill(pd_pair: 
         for k, params in enumerate((None, "{garbled")):
             before = metrics(dec)
             req = EngineRequest(f"fallback-{k}", prompt, [], 0, MAX_TOKENS, cache_salt=f"fresh-{k}",
+                                sampling=Sampling(temperature=0.0),
                                 kv_from=KvTransfer("worker-0", len(prompt), (), params))
             q = handle.submit(req)
             outs = []
