@@ -95,14 +95,13 @@ class PdAttempt:
     also stops the prefill half. ``decode`` is the worker the request belongs to (``Fleet`` finds a
     worker's requests through it)."""
 
-    def __init__(self, flow: DisaggFlow, request_id: str, plan: PdPlan, decode: WorkerHandle) -> None:
+    def __init__(self, request_id: str, plan: PdPlan, decode: WorkerHandle) -> None:
         self.worker_id = decode.worker_id
         self.decode = decode
         self.plan = plan
         self.request_id = request_id
         self.prefill: WorkerHandle | None = None
         self.task: asyncio.Task[None] | None = None
-        self._flow = flow
 
     def start(self) -> None:  # the decode worker's own lifecycle is the fleet's business
         pass
@@ -149,7 +148,7 @@ class DisaggFlow:
         plan = d.pd
         if plan is None or plan.prefill_worker == decode.worker_id:
             return decode, decode.submit(d.request)
-        attempt = PdAttempt(self, d.request.request_id, plan, decode)
+        attempt = PdAttempt(d.request.request_id, plan, decode)
         relay = RelayQueue(self.clock())
         attempt.task = asyncio.create_task(self._run(attempt, d.request, relay), name=f"pd-{d.request.request_id}")
         return attempt, relay
