@@ -230,8 +230,8 @@ async def test_prefill_server_gone_falls_back_and_the_client_sees_one_stream(
         await wait_until(lambda: getattr(decode, "_reachable", None) is True, 30, "decode worker polled")
         chunks, worker = await stream_via(front, prompt)
         m = front.fleet.metrics
-        fallbacks = {s.labels["cause"]: s.value for s in m.pd_fallbacks.collect()[0].samples  # type: ignore[attr-defined]
-                     if s.name.endswith("_total")}
+        samples = m.pd_fallbacks.collect()[0].samples
+        fallbacks = {s.labels["cause"]: s.value for s in samples if s.name.endswith("_total")}
     assert worker == "worker-1"
     assert fallbacks == {"prefill_unavailable": 1.0}
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected[1]
