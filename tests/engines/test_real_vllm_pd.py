@@ -14,6 +14,7 @@ prompt computed locally on the decode server (a fresh ``cache_salt`` keeps its c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -234,4 +235,36 @@ async def test_prefill_server_gone_falls_back_and_the_client_sees_one_stream(
         fallbacks = {s.labels["cause"]: s.value for s in samples if s.name.endswith("_total")}
     assert worker == "worker-1"
     assert fallbacks == {"prefill_unavailable": 1.0}
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected[1]
+
+
+async def test_mismatched_transfer_is_refused_and_prefilled_on_the_decode_server(
+        pd_pair: tuple[VllmServer, VllmServer], tiny_model_dir: Path) -> None:
+    """A transfer naming an engine the decode server cannot reach: vLLM fails the pull (its failed
+    transfers grow) and answers HTTP 500; ThunderAgent prefills the request on the same decode server,
+    counted as ``decode_refused_transfer``, and the client sees one normal stream with the right text."""
+    pre, dec = pd_pair
+    prompt = text_prompt(tiny_model_dir, 6, 70)
+    expected = local(dec, tiny_model_dir, prompt, salt="ref-6")
+    async with thunderagent(front_config(tiny_model_dir, [pre, dec]), [pre, dec]) as front:
+        plan_every_request(front.fleet)
+        flow = front.fleet.disagg
+        prefill = flow._prefill
+
+        async def mismatched(a, req, relay):  # type: ignore[no-untyped-def]
+            transfer, cause = await prefill(a, req, relay)
+            assert transfer is not None, cause
+            params = json.loads(transfer.engine_params or "")
+            params["remote_engine_id"] = "no-such-engine"
+            return dataclasses.replace(transfer, engine_params=json.dumps(params)), cause
+
+        flow._prefill = mismatched  # type: ignore[method-assign]
+        before = metrics(dec)
+        chunks, worker = await stream_via(front, prompt)
+        after = metrics(dec)
+        samples = front.fleet.metrics.pd_fallbacks.collect()[0].samples
+        fallbacks = {s.labels["cause"]: s.value for s in samples if s.name.endswith("_total")}
+        rerouted = front.fleet.metrics.rerouted._value.get()  # type: ignore[attr-defined]
+    assert worker == "worker-1" and fallbacks == {"decode_refused_transfer": 1.0} and rerouted == 0
+    assert grown(before, after, "vllm:nixl_num_failed_transfers_total") == 1
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected[1]

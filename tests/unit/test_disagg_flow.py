@@ -31,6 +31,7 @@ class PdScripted:
         self.worker_id = wid
         self.cb = cb
         self.prefill = prefill
+        self.refuse_transfers = False  # a decode request with kv_from ends UNAVAILABLE (vLLM: HTTP 500)
         self.submitted: list[EngineRequest] = []
         self.aborted: list[str] = []
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -49,6 +50,10 @@ class PdScripted:
 
     async def _run(self, req: EngineRequest, q: OutputQueue) -> None:
         rid, n, now = req.request_id, len(req.prompt_tokens), self.cb.clock
+        if req.kv_from is not None and self.refuse_transfers:
+            await asyncio.sleep(0.01)
+            q.put_output(TokenOutput(rid, [], now(), n, 0, True, FinishReason.UNAVAILABLE), now())
+            return
         if not req.remote_decode:
             q.accepted = True
             for k, (tok, last) in enumerate(((104, False), (105, True))):
@@ -169,6 +174,18 @@ async def test_a_failed_prefill_falls_back_to_the_decode_worker(mode: str, cause
     assert obs.events == [("start", "worker-0"), ("end", False, cause, 0)]
     assert value(f.metrics.pd_fallbacks, cause=cause) == 1
     assert value(f.metrics.pd_failed, cause=cause) == 1 and value(f.metrics.pd_ok) == 0
+
+
+async def test_decode_worker_refusing_the_transfer_prefills_itself() -> None:
+    f, pre, dec, obs = await pd_fleet("ok")
+    dec.refuse_transfers = True
+    gen = await f.start_generation(list(range(100)), 2)
+    outs = await stream(f, gen)
+    assert [o.token_ids for o in outs] == [[104], [105]] and outs[-1].finish_reason == "length"
+    assert [r.kv_from is not None for r in dec.submitted] == [True, False] and gen.worker.worker_id == "worker-1"
+    assert obs.events == [("start", "worker-0"), ("end", False, "decode_refused_transfer", 0)]
+    assert value(f.metrics.pd_fallbacks, cause="decode_refused_transfer") == 1
+    assert f.metrics.rerouted._value.get() == 0, "no detour through another worker"  # type: ignore[attr-defined]
 
 
 async def test_prefill_worker_leaving_mid_prefill_falls_back() -> None:

@@ -10,8 +10,9 @@ like any other (one normal stream for the client):
    outputs are relayed to the client.
 
 Any failure of the first half (prefill worker unknown, lost, silent, erroring, not taking it, out
-of time, no ``kv_transfer`` returned) falls back to submitting the original request, without
-``kv_from``, to the decode worker: it prefills there. Nothing is lost; the cause is counted
+of time, no ``kv_transfer`` returned), and a decode worker refusing the transfer before any output,
+fall back to submitting the original request, without ``kv_from``, to the decode worker: it
+prefills there. Nothing is lost; the cause is counted
 (``thunderagent_pd_fallbacks{cause}``). Aborting the request (client gone, the fleet cutting it)
 aborts both halves.
 
@@ -48,7 +49,9 @@ UNAVAILABLE = "prefill_unavailable"  # it could not take the job
 FAILED = "prefill_error"  # the job ended without finishing normally
 TIMEOUT = "prefill_timeout"
 NO_TRANSFER = "no_kv_transfer"  # finished, but the engine returned nothing to pull
+DECODE_REFUSED = "decode_refused_transfer"  # the decode worker refused the transfer before any output
 ABORTED = "aborted"  # the client request ended first (a failure, not a fallback)
+_REFUSALS = (FinishReason.UNAVAILABLE, FinishReason.ERROR)
 
 
 class TransferObserver(Protocol):
@@ -178,8 +181,12 @@ class DisaggFlow:
                 end(False, cause)
                 self.metrics.pd_fallbacks.labels(cause).inc()
                 await self._relay(a.decode.submit(req), relay, None)
-            else:
-                await self._relay(a.decode.submit(replace(req, kv_from=transfer)), relay, end)
+            elif not await self._relay(a.decode.submit(replace(req, kv_from=transfer)), relay, end):
+                # the decode worker refused the transfer before any output (vLLM: HTTP 500 for an
+                # engine id it cannot reach): the same worker prefills it itself
+                log.warning("request %s: %s refused the KV transfer: prefilling there", a.request_id, a.worker_id)
+                self.metrics.pd_fallbacks.labels(DECODE_REFUSED).inc()
+                await self._relay(a.decode.submit(req), relay, None)
         except asyncio.CancelledError:
             if not ended:
                 end(False, ABORTED)
@@ -229,17 +236,21 @@ class DisaggFlow:
                 a.prefill = None
 
     @staticmethod
-    async def _relay(q: OutputQueue, relay: RelayQueue,
-                     end: Callable[[bool, str], None] | None) -> None:
-        """Copy the decode half's outputs to the fleet's queue; ``end`` reports the transfer at the
-        first output (ok with tokens, failed when the decode half ended without any)."""
+    async def _relay(q: OutputQueue, relay: RelayQueue, end: Callable[[bool, str], None] | None) -> bool:
+        """Copy the decode half's outputs to the fleet's queue. With ``end`` (a transfer's decode
+        half), the transfer is reported at the first output, and a refusal before any output
+        (``UNAVAILABLE`` / ``ERROR``, no token) is not passed on: False, the caller falls back."""
         relay.source = q
         while True:
             out: TokenOutput = await q.get()
             if end is not None:
-                end(bool(out.token_ids), "ok" if out.token_ids else f"decode_{out.finish_reason}")
+                refused = out.finished and not out.token_ids and out.finish_reason in _REFUSALS
+                end(not refused, DECODE_REFUSED if refused else "ok")
                 end = None
+                if refused:
+                    relay.source = None
+                    return False
             relay.put_output(out, q.last_heard)
             if out.finished:
-                return
+                return True
 
