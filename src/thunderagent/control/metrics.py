@@ -72,8 +72,8 @@ class Metrics:
             "thunderagent_routing_decision_seconds", "Time to hash, match and choose a worker",
             buckets=_DECISION_BUCKETS, registry=r,
         )
-        self._liveness_metrics(r)
-        self._scheduler_metrics(r)
+        for add in (self._liveness_metrics, self._scheduler_metrics, self._pd_metrics):
+            add(r)
         self._tiers: set[str] = set()
         self._paced = (0, 0)  # the pacer's pauses and resumes already counted
         self._prompt = self._predicted = self._recompute = 0
@@ -210,6 +210,32 @@ class Metrics:
         self.program_pauses.inc(pauses - last_pauses)
         self.program_resumes.inc(resumes - last_resumes)
         self._paced = (pauses, resumes)
+
+    def _pd_metrics(self, r: CollectorRegistry) -> None:
+        """Disaggregated requests run by ``control.disagg_flow`` (prefill on one worker, KV moved)."""
+        self.pd_started = Counter("thunderagent_pd_transfers_started", "Remote prefills started (prefill on one "
+                                  "worker, KV pulled by the decode worker)", registry=r)
+        self.pd_ok = Counter("thunderagent_pd_transfers_ok", "Remote prefills whose decode worker produced output "
+                             "from the moved KV", registry=r)
+        self.pd_failed = Counter("thunderagent_pd_transfers_failed", "Remote prefills that failed, by cause",
+                                 ["cause"], registry=r)
+        self.pd_fallbacks = Counter("thunderagent_pd_fallbacks", "Requests prefilled on their decode worker after "
+                                    "their remote prefill failed, by cause", ["cause"], registry=r)
+        self.pd_inflight = Gauge("thunderagent_pd_transfers_inflight", "Remote prefills holding a transfer plane slot "
+                                 "(prefill running or KV on its way)", registry=r)
+        self.pd_bytes = Counter("thunderagent_pd_transfer_bytes", "KV bytes moved by remote prefills (the plans' "
+                                "estimate: full blocks x bytes_per_token)", registry=r)
+        self.pd_seconds = Histogram(
+            "thunderagent_pd_transfer_seconds", "Remote prefill submitted to first decode output (or failure)",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r,
+        )
+
+    def observe_pd_end(self, ok: bool, cause: str, seconds: float) -> None:
+        if ok:
+            self.pd_ok.inc()
+        else:
+            self.pd_failed.labels(cause).inc()
+        self.pd_seconds.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -36,6 +36,11 @@ class KvHandoff:
         self._pinned = {}
         self.kv_imported_blocks = 0  # blocks taken from transfers (not present before)
         self.kv_import_failed = 0  # kv_from requests whose blocks did not fit
+        # The simulator moves a transfer on its virtual clock and unpins the blocks when it ends
+        # (``release_transfer``). Served live, a simulated decode engine takes the blocks as it gets
+        # the request, and nothing would ever unpin them (over NATS the prefill engine is in another
+        # process): live engines leave them in the prefix cache unpinned.
+        self.pin_transfers = False
 
     def _handoff_arrival(self, req: EngineRequest) -> None:
         if req.remote_decode:  # a prefill-only job: one token, then its KV is handed off
@@ -69,7 +74,7 @@ class KvHandoff:
             # Released at the pass end just now and nothing allocated since (the next pass is packed
             # later): the blocks are still cached, and pinning them again is pure bookkeeping.
             n = bm.match_prefix(hashes, len(hashes))[0]
-            if n:
+            if n and self.pin_transfers:
                 table: list[int] = []
                 bm.allocate(table, hashes, n, n)
                 self._pinned[o.request_id] = table

@@ -6,6 +6,14 @@ engine caches), streamed back (SSE) with the engine's text, token ids and, at th
 ``usage.prompt_tokens_details.cached_tokens`` (vLLM: only with ``--enable-prompt-tokens-details``).
 Its outputs go to the request's :class:`~thunderagent.execution.handle.OutputQueue`.
 
+Prefill/decode disaggregation (vLLM's NixlConnector, the protocol of vLLM's own disaggregation
+proxy): a ``remote_decode`` request is sent as the *prefill* request (``stream: false``,
+``max_tokens: 1``, ``kv_transfer_params`` asking for a remote decode); its JSON answer carries the
+engine's ``kv_transfer_params`` (where the decode server pulls the KV from), returned on the finished
+output as a :class:`~thunderagent.types.KvTransfer` with the object as JSON text. A ``kv_from``
+request is the normal streamed request plus those ``kv_transfer_params`` unchanged; when they are
+missing or not a JSON object it goes without them and the engine computes the prompt itself.
+
 A request the engine did not take before any output (connection refused, 5xx) ends
 ``finish_reason="unavailable"``, which the fleet routes again to another worker; one the engine
 rejected (4xx) or that failed after it started ends ``"error"``.
@@ -18,6 +26,7 @@ decision.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,13 +37,19 @@ import msgspec
 from thunderagent.execution.engine_metrics import EngineFlavor
 from thunderagent.execution.handle import OutputQueue
 from thunderagent.execution.http_transport import HttpTransport, TransportConnectionError, TransportError
-from thunderagent.types import EngineRequest, FinishReason, TokenOutput
+from thunderagent.types import EngineRequest, FinishReason, KvTransfer, TokenOutput
 
 log = logging.getLogger(__name__)
 
 _json = msgspec.json.Decoder()
 #: finish reasons an engine may report that we pass on as they are (others count as "stop")
 _REASONS = frozenset(r.value for r in FinishReason)
+#: what a prefill request asks of vLLM: keep the prompt's KV for a decode server to pull (the
+#: remote_* fields are the decode side's, unknown yet)
+REMOTE_DECODE_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+    "remote_host": None, "remote_port": None,
+}
 
 
 @dataclass(slots=True, eq=False)
@@ -75,7 +90,30 @@ def request_body(req: EngineRequest, model: str, flavor: EngineFlavor, *,
             value = getattr(req.sampling, key)
             if value is not None:
                 body[key] = value
+    if req.remote_decode:  # the prefill half: one token, one JSON answer carrying the transfer
+        body["stream"] = False
+        body["max_tokens"] = 1
+        del body["stream_options"]
+        body["kv_transfer_params"] = dict(REMOTE_DECODE_PARAMS)
+    elif req.kv_from is not None:
+        params = engine_params(req.kv_from)
+        if params is not None:
+            body["kv_transfer_params"] = params
     return body
+
+
+def engine_params(t: KvTransfer) -> dict[str, Any] | None:
+    """The engine's transfer object of ``t``, or None (logged) when it is missing or garbled: the
+    decode request then goes without it, and the engine computes the prompt itself."""
+    try:
+        params = json.loads(t.engine_params) if t.engine_params is not None else None
+    except ValueError:
+        params = None
+    if not isinstance(params, dict):
+        log.warning("KV transfer from %s carries no usable kv_transfer_params (%.80r): prefilling locally",
+                    t.source_worker, t.engine_params)
+        return None
+    return params
 
 
 class RequestStreamer:
@@ -198,7 +236,10 @@ class RequestStreamer:
                     self._end(r, FinishReason.UNAVAILABLE if resp.status >= 500 else FinishReason.ERROR)
                     return
                 r.queue.accepted = True
-                await self._read_stream(resp.lines(), r)
+                if req.remote_decode:
+                    self._read_prefill(_json.decode(await resp.text()), r)
+                else:
+                    await self._read_stream(resp.lines(), r)
         except asyncio.CancelledError:
             raise
         except (TransportError, TimeoutError, msgspec.DecodeError) as exc:
@@ -259,6 +300,31 @@ class RequestStreamer:
             ids = [*ids, *[-1] * (reported - r.generated - len(ids))]
         self._progress(r, len(ids))
         r.queue.put_output(self._final(r, ids, final[1], final[2], cached), clock())
+
+    def _read_prefill(self, answer: Any, r: Inflight) -> None:
+        """The JSON answer to a prefill (``remote_decode``) request: one finished output, with the
+        :class:`KvTransfer` when the engine returned its ``kv_transfer_params`` (None otherwise: the
+        decode side then prefills locally)."""
+        if not isinstance(answer, dict) or "error" in answer or not answer.get("choices"):
+            log.warning("%s: prefill %s failed in the engine: %.300r", self.worker_id, r.req.request_id, answer)
+            self._end(r, FinishReason.ERROR)
+            return
+        choice = answer["choices"][0]
+        ids = choice.get("token_ids") or []
+        self._progress(r, len(ids))
+        reason = choice.get("finish_reason")
+        usage = answer.get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        out = self._final(r, ids, choice.get("text") or "",
+                          FinishReason(reason) if reason in _REASONS else FinishReason.LENGTH, cached)
+        params = answer.get("kv_transfer_params")
+        if isinstance(params, dict):
+            out.kv_transfer = KvTransfer(self.worker_id, len(r.req.prompt_tokens), tuple(r.req.block_hashes),
+                                         json.dumps(params))
+        else:
+            log.warning("%s: prefill %s returned no kv_transfer_params (is the server started with a "
+                        "kv_producer NixlConnector?)", self.worker_id, r.req.request_id)
+        r.queue.put_output(out, self._clock())
 
     def _final(self, r: Inflight, ids: list[int], text: str | None, reason: FinishReason,
                cached: int) -> TokenOutput:

@@ -218,6 +218,8 @@ class Simulator:
         #: the workers routing sees (all by default; ``sim/scaling.py`` starts and drains engines by editing it)
         self.routable: list[WorkerState] = self._states
         self.pd = None if disagg is None or pd is None else PdSim(self.engines, self._pos, disagg, pd.faults)
+        for e in self.engines:  # transfers move on the virtual clock: blocks stay pinned until PdSim ends them
+            e.pin_transfers = self.pd is not None
         self.sample_interval = sample_interval
         self.resyncs = 0
         self.decision_log = decision_log

