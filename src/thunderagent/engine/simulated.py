@@ -25,7 +25,9 @@ from __future__ import annotations
 from collections import deque
 
 from thunderagent.config import NodeConfig
+from thunderagent.engine.accounting import TokenAccounting
 from thunderagent.engine.blocks import BlockManager
+from thunderagent.engine.pass_end import PassEnd
 from thunderagent.engine.preemption import PreemptKnobs, PriorityPreemption
 from thunderagent.engine.textgen import CorpusText, TextSource
 from thunderagent.engine.timing import TimingModel, make_timing
@@ -52,7 +54,7 @@ def _ns(t: float) -> int:
     return round(t * 1e9)
 
 
-class SimulatedEngine:
+class SimulatedEngine(PassEnd):
     """Engine protocol implementation backed by the mocker model (see module docstring)."""
 
     def __init__(
@@ -65,6 +67,7 @@ class SimulatedEngine:
         cache_generated: bool = True,
         timing: TimingModel | None = None,
         preempt: PreemptKnobs | None = None,
+        accounting: TokenAccounting | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.block_size = node.block_size
@@ -82,6 +85,7 @@ class SimulatedEngine:
         self._text = text or CorpusText()
         self._tokens = getattr(self._text, "tokens", None)  # optional bulk accessor: faster block hashing
         self._cache_gen = cache_generated
+        self._acct = accounting  # replays: tokens counted, not handed out one by one (engine/pass_end.py)
         self._bm = BlockManager(node.kv_blocks, node.block_size, worker_id)
         self._seqs: dict[str, _Seq] = {}
         self._arrivals: deque[_Seq] = deque()
@@ -158,6 +162,7 @@ class SimulatedEngine:
                 self._dec_tokens -= seq.plen + seq.generated
         self._q_prefill -= seq.plen - min(seq.computed, seq.plen)
         seq.state = DONE
+        self._count_final(seq)
         self._stalled = False
         self._outbox.append(TokenOutput(request_id, [], now, seq.plen, seq.cached, True, FinishReason.ABORT))
 
@@ -453,47 +458,3 @@ class SimulatedEngine:
                 if last <= first:
                     return
         self._bm.cache_blocks(seq.table, hs, first, last)
-
-    # ------------------------------------------------------------------------------ pass end
-    def _end_pass(self) -> None:
-        p = self._pass
-        assert p is not None
-        self._pass = None
-        t = self._pass_end
-        self._last_end = t
-        ts = t / 1e9
-        out = self._outbox
-        self._events.extend(p.events)
-        for seq in p.rejected:
-            out.append(TokenOutput(seq.req.request_id, [], ts, seq.plen, 0, True, FinishReason.ABORT))
-        tok = self._text.token
-        finished = False
-        for seq in p.emit:
-            if seq.state != RUNNING:  # aborted while the pass ran
-                continue
-            req = seq.req
-            g = seq.generated
-            reason = None
-            if g >= req.max_tokens:  # max_tokens == 0: done once the prompt is in
-                ids, reason = [], FinishReason.LENGTH
-            elif g == seq.natural:  # the model samples EOS (not returned as a token)
-                ids, reason = [], FinishReason.STOP
-            else:
-                ids = [tok(seq.seed, g + req.resumed)]
-                g += 1
-                seq.generated = g
-                self._dec_tokens += seq.plen + 1 if g == 1 else 1
-                if g >= req.max_tokens:
-                    reason = FinishReason.LENGTH
-            if reason is None:
-                out.append(TokenOutput(req.request_id, ids, ts, seq.plen, seq.cached))
-                continue
-            out.append(TokenOutput(req.request_id, ids, ts, seq.plen, seq.cached, True, reason))
-            if g:
-                self._dec_tokens -= seq.plen + g
-            seq.state = DONE
-            self._bm.release(seq.table)
-            del self._seqs[req.request_id]
-            finished = True
-        if finished:
-            self._running = [s for s in self._running if s.state == RUNNING]

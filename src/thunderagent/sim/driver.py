@@ -22,11 +22,11 @@ import heapq
 import math
 import random
 import time
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from thunderagent.config import NodeConfig, Policy, RoutingConfig, SchedulerConfig
+from thunderagent.engine.accounting import TokenAccounting
 from thunderagent.engine.preemption import knobs_from
 from thunderagent.engine.simulated import SimulatedEngine
 from thunderagent.kv.feed import KvFeed
@@ -74,36 +74,36 @@ class SimOutcome:
 class _Run:
     """One replay's mutable state: per-request tracks, the engines' wake-up heap, load samples."""
 
-    __slots__ = ("sim", "out", "src", "tracks", "itl", "heap", "wake", "next_sample", "last")
+    __slots__ = ("sim", "out", "src", "tracks", "heap", "wake", "next_sample", "last")
 
     def __init__(self, sim: Simulator, out: SimOutcome, src: OpenLoop | ClosedLoop) -> None:
         self.sim = sim
         self.out = out
         self.src = src
         self.tracks: dict[str, _Track] = {}
-        self.itl = array("d")
         self.heap: list[tuple[float, int]] = []
         self.wake: list[float | None] = [None] * len(sim.engines)
         self.next_sample = 0.0
         self.last = 0.0  # the latest instant processed (virtual seconds)
 
     def collect(self, i: int, now: float) -> None:
-        """Engine ``i``'s outputs up to ``now`` into the tracks; its KV events into the index."""
-        tracks, itl = self.tracks, self.itl
+        """Engine ``i``'s outputs up to ``now`` into the tracks; its KV events into the index. The
+        engines run in accounting mode: outputs are first tokens and finishes, the tokens between
+        them and their latencies are counted by the engine (``engine/accounting.py``)."""
+        tracks = self.tracks
+        finals = self.sim.accounts[i].finals
         for o in self.sim.engines[i].advance(now):
             tr = tracks[o.request_id]
-            ids = o.token_ids
-            if ids:
-                if tr.first < 0:
-                    tr.first = o.time
-                    self.sim.dispatcher.progressed(o.request_id, ok=True)  # a leader's followers go
-                else:
-                    itl.append((o.time - tr.last) * 1e3)
-                tr.last = o.time
-                tr.tokens += len(ids)
+            if o.token_ids and tr.first < 0:
+                tr.first = tr.last = o.time
+                tr.tokens = 1
+                self.sim.dispatcher.progressed(o.request_id, ok=True)  # a leader's followers go
             if o.finished:
                 if tr.first < 0:  # ended without a token (rejected): its followers go on their own
                     self.sim.dispatcher.progressed(o.request_id, ok=False)
+                fin = finals.pop(o.request_id, None)
+                if fin is not None and fin[0]:
+                    tr.tokens, tr.last = fin
                 tr.done = True
                 tr.cached = o.cached_tokens
                 tr.end = o.time
@@ -160,7 +160,9 @@ class Simulator:
         self.node = node
         self.policy = policy
         self.preempt = knobs_from(routing)
-        self.engines = [SimulatedEngine(f"worker-{i}", node, preempt=self.preempt) for i in range(num_workers)]
+        self.accounts = [TokenAccounting() for _ in range(num_workers)]
+        self.engines = [SimulatedEngine(f"worker-{i}", node, preempt=self.preempt, accounting=a)
+                        for i, a in enumerate(self.accounts)]
         self.index = KvIndex(prediction_ttl=routing.prediction_ttl, double_hash=routing.double_hash)
         self.feed = KvFeed(self.index)
         for e in self.engines:
@@ -199,12 +201,15 @@ class Simulator:
         if horizon_s is not None and horizon_s <= 0:
             raise ValueError(f"horizon_s must be > 0, got {horizon_s}")
         wall0 = time.perf_counter()
+        for a in self.accounts:  # a second run counts afresh
+            a.itl.clear()
+            a.finals.clear()
         src = ClosedLoop(requests, speedup) if closed_loop else OpenLoop(requests, speedup)
         run = _Run(self, SimOutcome(RunResult("thunderagent", self.policy.value, 0, *([Dist.of([])] * 3), 0, 0, 0, 0),
                                     []), src)
         self._replay(run, progress, math.inf if horizon_s is None else horizon_s)
         out = run.out
-        out.result = self._summarize(run.tracks, run.itl, time.perf_counter() - wall0)
+        out.result = self._summarize(run.tracks, time.perf_counter() - wall0)
         out.ttft_by_id = {rid: (t.first - t.arrival) * 1e3 for rid, t in run.tracks.items() if t.first >= 0}
         out.ttft_ms = list(out.ttft_by_id.values())
         out.times_by_id = {rid: (t.arrival, t.end) for rid, t in run.tracks.items()}
@@ -324,7 +329,10 @@ class Simulator:
         self._states[i].load = self.engines[i].load(now)
         return i
 
-    def _summarize(self, tracks: dict[str, _Track], itl: array, wall_s: float) -> RunResult:
+    def _summarize(self, tracks: dict[str, _Track], wall_s: float) -> RunResult:
+        itl: dict[float, int] = {}
+        for a in self.accounts:
+            a.merge_into(itl)
         done = [t for t in tracks.values() if t.done]
         ttft = [(t.first - t.arrival) * 1e3 for t in done if t.first >= 0]
         e2e = [((t.last if t.last >= 0 else t.first) - t.arrival) * 1e3 for t in done if t.first >= 0]
@@ -337,7 +345,7 @@ class Simulator:
             policy=self.policy.value,
             requests=len(done),
             ttft_ms=Dist.of(ttft),
-            itl_ms=Dist.of(itl),
+            itl_ms=Dist.of_counts(itl),
             e2e_ms=Dist.of(e2e),
             prefix_reuse=cached / prompt if prompt else 0.0,
             prefill_recompute_rate=recompute / prompt if prompt else 0.0,
