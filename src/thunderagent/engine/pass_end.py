@@ -37,10 +37,20 @@ class PassEnd:
     _seqs: dict[str, _Seq]
     _running: list[_Seq]
     _acct: TokenAccounting | None
+    _plain: _Pass
+
+    if TYPE_CHECKING:  # engine/stretch.py (a stub here would shadow it in the engine's MRO)
+
+        def _end_plain(self) -> None: ...
+
+        def _open_stretch(self, t: int) -> None: ...
 
     def _end_pass(self) -> None:
         p = self._pass
         assert p is not None
+        if p is self._plain:
+            self._end_plain()
+            return
         self._pass = None
         t = self._pass_end
         prev = self._last_end
@@ -50,12 +60,13 @@ class PassEnd:
         self._events.extend(p.events)
         for seq in p.rejected:
             out.append(TokenOutput(seq.req.request_id, [], ts, seq.plen, 0, True, FinishReason.ABORT))
-        if self._acct is not None:
-            finished = self._emit_counted(p, t, ts, prev)
-        else:
-            finished = self._emit_live(p, ts)
-        if finished:
+        if self._acct is None:
+            if self._emit_live(p, ts):
+                self._running = [s for s in self._running if s.state == RUNNING]
+            return
+        if self._emit_counted(p, t, ts, prev):
             self._running = [s for s in self._running if s.state == RUNNING]
+        self._open_stretch(t)
 
     def _emit_live(self, p: _Pass, ts: float) -> bool:
         """Every token as an output (the server streams them)."""

@@ -29,6 +29,7 @@ from thunderagent.engine.accounting import TokenAccounting
 from thunderagent.engine.blocks import BlockManager
 from thunderagent.engine.pass_end import PassEnd
 from thunderagent.engine.preemption import PreemptKnobs, PriorityPreemption
+from thunderagent.engine.stretch import DecodeStretch
 from thunderagent.engine.textgen import CorpusText, TextSource
 from thunderagent.engine.timing import TimingModel, make_timing
 from thunderagent.types import EngineRequest, FinishReason, KvEvent, LoadReport, TokenOutput
@@ -54,7 +55,7 @@ def _ns(t: float) -> int:
     return round(t * 1e9)
 
 
-class SimulatedEngine(PassEnd):
+class SimulatedEngine(PassEnd, DecodeStretch):
     """Engine protocol implementation backed by the mocker model (see module docstring)."""
 
     def __init__(
@@ -86,6 +87,8 @@ class SimulatedEngine(PassEnd):
         self._tokens = getattr(self._text, "tokens", None)  # optional bulk accessor: faster block hashing
         self._cache_gen = cache_generated
         self._acct = accounting  # replays: tokens counted, not handed out one by one (engine/pass_end.py)
+        self._plain = _Pass(0, 0)  # plain decode stretches, accounting mode only (engine/stretch.py)
+        self._plain_left = self._plain_done = self._plain_A = 0
         self._bm = BlockManager(node.kv_blocks, node.block_size, worker_id)
         self._seqs: dict[str, _Seq] = {}
         self._arrivals: deque[_Seq] = deque()
@@ -146,6 +149,7 @@ class SimulatedEngine(PassEnd):
     def abort(self, request_id: str, now: float) -> None:
         t = _ns(now)
         self._run_until(t)
+        self._materialize()
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return
@@ -235,9 +239,14 @@ class SimulatedEngine(PassEnd):
     # ------------------------------------------------------------------------------ packing
     def _begin_pass(self, s: int) -> None:
         """Pack the pass starting at ``s`` (vLLM's scheduler step) and fix its end time."""
+        arr = self._arrivals
+        if self._plain_left or self._plain_done:
+            if self._plain_left and not (arr and arr[0].arrival_ns <= s):
+                self._begin_plain(s)
+                return
+            self._materialize()
         self._pid += 1
         p = _Pass(self._pid, self._max_tokens)
-        arr = self._arrivals
         while arr and arr[0].arrival_ns <= s:
             self._enqueue(arr.popleft())
         self._stalled = False
