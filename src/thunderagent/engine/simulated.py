@@ -89,6 +89,7 @@ class SimulatedEngine(PassEnd, DecodeStretch):
         self._acct = accounting  # replays: tokens counted, not handed out one by one (engine/pass_end.py)
         self._plain = _Pass(0, 0)  # plain decode stretches, accounting mode only (engine/stretch.py)
         self._plain_left = self._plain_done = self._plain_A = 0
+        self._ahead: deque[int] = deque()
         self._bm = BlockManager(node.kv_blocks, node.block_size, worker_id)
         self._seqs: dict[str, _Seq] = {}
         self._arrivals: deque[_Seq] = deque()
@@ -182,6 +183,8 @@ class SimulatedEngine(PassEnd, DecodeStretch):
             if s is None:
                 return None
             self._begin_pass(s)
+        if self._pass is self._plain:  # replays: wake at the stretch's end (engine/stretch.py)
+            return self._plain_horizon() / 1e9
         return self._pass_end / 1e9
 
     def drain_events(self) -> list[KvEvent]:

@@ -60,6 +60,8 @@ class DecodeStretch:
     _plain_left: int  # plain passes still certain
     _plain_done: int  # plain passes ended since the per-request counters were last brought up to date
     _plain_A: int  # decoders' summed length in the next plain pass
+    _ahead: deque[int]  # durations of the plain passes after the one in flight, computed ahead
+    _arrivals: deque[_Seq]
 
     def _open_stretch(self, t: int) -> None:
         """The regular pass ending at ``t`` is over: count the plain passes that follow."""
@@ -117,7 +119,8 @@ class DecodeStretch:
         p = self._plain
         p.pid = self._pid
         A = self._plain_A
-        dur = round(self._timing.pass_time(0, A, self._total_kv, True) * 1e9)
+        ahead = self._ahead
+        dur = ahead.popleft() if ahead else round(self._timing.pass_time(0, A, self._total_kv, True) * 1e9)
         self.busy_ns += dur
         self._stalled = False
         self._pass = p
@@ -146,6 +149,7 @@ class DecodeStretch:
         inflight = self._pass is self._plain
         self._plain_done = 0
         self._plain_left = 0
+        self._ahead.clear()
         if not (d or inflight):
             return
         running = self._running
@@ -166,3 +170,25 @@ class DecodeStretch:
             p.A = self._plain_A
             p.n_dec = len(running)
             self._pass = p
+
+    def _plain_horizon(self) -> int:
+        """With a plain pass in flight: the end of the last pass of the stretch that is certain to
+        run (before the next buffered arrival joins). Nothing observable happens at the ends of
+        the passes before it, so a replay driver need not wake there (``next_wakeup``)."""
+        e = self._pass_end
+        left = self._plain_left - 1
+        if left <= 0:
+            return e
+        arr = self._arrivals
+        due = arr[0].arrival_ns if arr else 1 << 62
+        ahead = self._ahead
+        n = len(self._running)
+        A = self._plain_A
+        for j in range(left):
+            if due <= e:  # that pass starts with an arrival: packed the regular way
+                break
+            A += n
+            if j == len(ahead):
+                ahead.append(round(self._timing.pass_time(0, A, self._total_kv, True) * 1e9))
+            e += ahead[j]
+        return e

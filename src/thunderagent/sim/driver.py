@@ -132,6 +132,14 @@ class _Run:
                 due.append(i)
         return due
 
+    def refresh_loads(self, now: float) -> None:
+        """Every engine's load as of ``now``, before anything reads the fleet's state: an engine
+        in a plain decode stretch is not woken at each pass end (engine/stretch.py), so the report
+        taken at its last wake-up may be behind. ``load(now)`` runs the passes ending by ``now``
+        (none of them has an output) and gives what the per-pass refresh gave."""
+        for s, e in zip(self.sim._states, self.sim.engines):
+            s.load = e.load(now)
+
     def sample(self, now: float) -> None:
         if now >= self.next_sample:
             self.out.load_times.append(now)
@@ -247,6 +255,7 @@ class Simulator:
                 # a tick with nothing else due before it (pacing; grouping's windows and waiting
                 # bounds): the requests it releases go now
                 tt = max(tick, run.last)
+                run.refresh_loads(tt)
                 if dispatcher.tick(states, tt):
                     for j in self._pump(tt, run.tracks):
                         run.schedule(j)
@@ -265,6 +274,7 @@ class Simulator:
                 states[i].load = engines[i].load(tw)
                 run.last = tw
                 if pumping:
+                    run.refresh_loads(tw)
                     for j in self._pump(tw, run.tracks):
                         run.schedule(j)
                 continue
@@ -273,6 +283,7 @@ class Simulator:
             if held:
                 due += held
                 held.clear()
+            run.refresh_loads(now)
             run.sample(now)
             while src.t == now:
                 i = self._dispatch(src.pop(), now, run.tracks)
