@@ -90,6 +90,8 @@ def main() -> None:
                     dc.append(c)
             mw, mc, dmw, dmc = median(ow), median(oc), median(dw), median(dc)
             speed_rows.append([f"x{sp:g} {pol}", mw, dmw, ratio(mw, dmw), mc, dmc, ratio(mc, dmc)])
+            print(f"  x{sp:g} {pol}: ours {mw:.1f} s wall / {mc:.1f} s cpu, dynamo {dmw:.1f} s / {dmc:.1f} s",
+                  flush=True)
             for name, r in (("ours " + pol, ours), ("dynamo " + DYNAMO_MODE[pol], dyn)):
                 if r is not None:
                     result_rows.append([f"x{sp:g} {name}", f"{r.ttft_ms.mean:.1f}", f"{r.ttft_ms.p50:.1f}",

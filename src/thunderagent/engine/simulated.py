@@ -18,6 +18,12 @@ Driver contract: add every arrival of an instant before calling ``next_wakeup()`
 ``advance``/``add_request``/``abort``/``load`` first run the passes ending by ``now``; a pass due to
 *start* exactly at ``now`` is fixed only by ``next_wakeup()`` or a later call, so arrivals of that
 instant still join it.
+
+Accounting mode (``accounting=TokenAccounting()``, the simulator's replays; never the live server,
+which streams every token): only first tokens and finishes become outputs, the tokens between are
+counted (``engine/pass_end.py``), plain decode passes cost O(1) and ``next_wakeup`` gives the end
+of a plain stretch rather than of the pass in flight (``engine/stretch.py``). Same passes, times,
+KV events and loads as the live mode (tests/unit/test_sim_accounting.py).
 """
 
 from __future__ import annotations

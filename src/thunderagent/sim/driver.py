@@ -239,9 +239,9 @@ class Simulator:
         """The event loop: engine pass ends and arrivals, in time order, up to ``horizon``."""
         engines, states, heap, wake, src = self.engines, self._states, run.heap, run.wake, run.src
         held: list[int] = []  # engines whose pass ended at an instant a closed-loop request arrives
-        # An engine's load only changes when it is advanced, scheduled or given a request, so each
-        # report is refreshed right then and reused by every routing decision in between (re-reading
-        # 8 engines per arrival was a third of the run time).
+        # An engine's report is refreshed when it is woken, scheduled or given a request, and every
+        # engine's before the fleet's state is read (``refresh_loads``): an engine in a plain decode
+        # stretch is woken only at its end, and its load grows meanwhile.
         dispatcher = self.dispatcher
         pumping = dispatcher.queue is not None or dispatcher.pacer is not None or dispatcher.grouper is not None
         while True:
