@@ -31,7 +31,8 @@ TRACE = Path(__file__).resolve().parents[1] / "../shared/traces/mooncake/convers
 DYNAMO_MODE = {"round_robin": "round_robin", "kv_aware": "kv_router"}
 
 
-def _ours(requests: list, policy: str, speedup: float, workers: int, kv_blocks: int, block_size: int):  # type: ignore[no-untyped-def]
+def _ours(requests: list, policy: str, speedup: float,  # type: ignore[no-untyped-def]
+          workers: int, kv_blocks: int, block_size: int):
     cfg = Config()
     node = cfg.execution_group.nodes[0].model_copy(update={"kv_blocks": kv_blocks, "block_size": block_size})
     sim = Simulator(node, cfg.routing, workers, Policy(policy), seed=0)
@@ -40,7 +41,8 @@ def _ours(requests: list, policy: str, speedup: float, workers: int, kv_blocks: 
     return time.perf_counter() - w, time.process_time() - c, res
 
 
-def _dynamo(trace: Path, policy: str, speedup: float, workers: int, kv_blocks: int, block_size: int):  # type: ignore[no-untyped-def]
+def _dynamo(trace: Path, policy: str, speedup: float,  # type: ignore[no-untyped-def]
+            workers: int, kv_blocks: int, block_size: int):
     from thunderagent.sim.dynamo import run_dynamo  # noqa: PLC0415
 
     w, c = time.perf_counter(), time.process_time()
