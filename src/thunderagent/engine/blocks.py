@@ -190,20 +190,39 @@ class BlockManager:
             ref[b] = 1
             table.append(b)
             count -= 1
-        nxt, s = self._next, self.num_blocks
-        while count:
-            b = nxt[s]
-            self._unlink(b)
-            h = self._evict_hash(b)
-            if h is not None:
-                if removed is None:
-                    removed = []
-                removed.append(h)
-            ref[b] = 1
-            table.append(b)
-            count -= 1
+        if count:
+            removed = self._evict_head(table, count)
         if removed:
             self._emit(BlockRemoved(self.worker_id, self._seq, tuple(removed)))
+
+    def _evict_head(self, table: list[int], count: int) -> list[int]:
+        """Take ``count`` blocks off the LRU head into ``table``; the hashes that lost their last
+        copy. Unlinking and the common no-duplicate case are inlined: a full replay evicts millions
+        of blocks, one at a time."""
+        nxt, prev, s = self._next, self._prev, self.num_blocks
+        ref, hash_, by_hash, dups = self._ref, self._hash, self._by_hash, self._dups
+        removed: list[int] = []
+        self._lru_len -= count
+        fast = 0
+        for _ in range(count):
+            b = nxt[s]  # the head: prev[b] is the sentinel
+            n = nxt[b]
+            nxt[s] = n
+            prev[n] = s
+            h = hash_[b]
+            if dups:  # some hash has several copies: the general path
+                h = self._evict_hash(b)
+                if h is not None:
+                    removed.append(h)
+            else:  # no copies anywhere: b is h's only (lookup) copy
+                hash_[b] = None
+                del by_hash[h]
+                removed.append(h)
+                fast += 1
+            ref[b] = 1
+            table.append(b)
+        self._cached -= fast
+        return removed
 
     def _evict_hash(self, b: int) -> int | None:
         """Drop block ``b``'s hash; return it if that was the hash's last copy."""

@@ -54,6 +54,7 @@ class _Seq:
     s_pass: int = -1  # pass that last scheduled it, and ``computed`` before that (to undo a preemption)
     s_before: int = 0
     expect: int = 0  # prompt tokens expected from cache while queued (load reporting only)
+    last_ns: int = -1  # when its latest token came out (accounting mode: inter-token latencies)
 
 
 @dataclass(slots=True)

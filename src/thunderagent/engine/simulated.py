@@ -18,6 +18,12 @@ Driver contract: add every arrival of an instant before calling ``next_wakeup()`
 ``advance``/``add_request``/``abort``/``load`` first run the passes ending by ``now``; a pass due to
 *start* exactly at ``now`` is fixed only by ``next_wakeup()`` or a later call, so arrivals of that
 instant still join it.
+
+Accounting mode (``accounting=TokenAccounting()``, the simulator's replays; never the live server,
+which streams every token): only first tokens and finishes become outputs, the tokens between are
+counted (``engine/pass_end.py``), plain decode passes cost O(1) and ``next_wakeup`` gives the end
+of a plain stretch rather than of the pass in flight (``engine/stretch.py``). Same passes, times,
+KV events and loads as the live mode (tests/unit/test_sim_accounting.py).
 """
 
 from __future__ import annotations
@@ -25,9 +31,12 @@ from __future__ import annotations
 from collections import deque
 
 from thunderagent.config import NodeConfig
+from thunderagent.engine.accounting import TokenAccounting
 from thunderagent.engine.blocks import BlockManager
 from thunderagent.engine.kv_handoff import KvHandoff
+from thunderagent.engine.pass_end import PassEnd
 from thunderagent.engine.preemption import PreemptKnobs, PriorityPreemption
+from thunderagent.engine.stretch import DecodeStretch
 from thunderagent.engine.textgen import CorpusText, TextSource
 from thunderagent.engine.timing import TimingModel, make_timing
 from thunderagent.types import EngineRequest, FinishReason, KvEvent, LoadReport, TokenOutput
@@ -42,7 +51,7 @@ def _ns(t: float) -> int:
     return round(t * 1e9)
 
 
-class SimulatedEngine(KvHandoff):
+class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff):
     """Engine protocol implementation backed by the mocker model (see module docstring; handoffs: kv_handoff.py)."""
 
     def __init__(
@@ -55,6 +64,7 @@ class SimulatedEngine(KvHandoff):
         cache_generated: bool = True,
         timing: TimingModel | None = None,
         preempt: PreemptKnobs | None = None,
+        accounting: TokenAccounting | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.block_size = node.block_size
@@ -72,6 +82,10 @@ class SimulatedEngine(KvHandoff):
         self._text = text or CorpusText()
         self._tokens = getattr(self._text, "tokens", None)  # optional bulk accessor: faster block hashing
         self._cache_gen = cache_generated
+        self._acct = accounting  # replays: tokens counted, not handed out one by one (engine/pass_end.py)
+        self._plain = _Pass(0, 0)  # plain decode stretches, accounting mode only (engine/stretch.py)
+        self._plain_left = self._plain_done = self._plain_A = 0
+        self._ahead: deque[int] = deque()
         self._bm = BlockManager(node.kv_blocks, node.block_size, worker_id)
         self._seqs: dict[str, _Seq] = {}
         self._arrivals: deque[_Seq] = deque()
@@ -135,6 +149,7 @@ class SimulatedEngine(KvHandoff):
     def abort(self, request_id: str, now: float) -> None:
         t = _ns(now)
         self._run_until(t)
+        self._materialize()
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return
@@ -151,6 +166,7 @@ class SimulatedEngine(KvHandoff):
                 self._dec_tokens -= seq.plen + seq.generated
         self._q_prefill -= seq.plen - min(seq.computed, seq.plen)
         seq.state = DONE
+        self._count_final(seq)
         self._stalled = False
         self._outbox.append(TokenOutput(request_id, [], now, seq.plen, seq.cached, True, FinishReason.ABORT))
 
@@ -166,6 +182,8 @@ class SimulatedEngine(KvHandoff):
             if s is None:
                 return None
             self._begin_pass(s)
+        if self._pass is self._plain:  # replays: wake at the stretch's end (engine/stretch.py)
+            return self._plain_horizon() / 1e9
         return self._pass_end / 1e9
 
     def drain_events(self) -> list[KvEvent]:
@@ -223,9 +241,14 @@ class SimulatedEngine(KvHandoff):
     # ------------------------------------------------------------------------------ packing
     def _begin_pass(self, s: int) -> None:
         """Pack the pass starting at ``s`` (vLLM's scheduler step) and fix its end time."""
+        arr = self._arrivals
+        if self._plain_left or self._plain_done:
+            if self._plain_left and not (arr and arr[0].arrival_ns <= s):
+                self._begin_plain(s)
+                return
+            self._materialize()
         self._pid += 1
         p = _Pass(self._pid, self._max_tokens)
-        arr = self._arrivals
         while arr and arr[0].arrival_ns <= s:
             self._enqueue(arr.popleft())
         self._stalled = False
@@ -446,47 +469,3 @@ class SimulatedEngine(KvHandoff):
                 if last <= first:
                     return
         self._bm.cache_blocks(seq.table, hs, first, last)
-
-    # ------------------------------------------------------------------------------ pass end
-    def _end_pass(self) -> None:
-        p = self._pass
-        assert p is not None
-        self._pass = None
-        t = self._pass_end
-        self._last_end = t
-        ts = t / 1e9
-        out = self._outbox
-        self._events.extend(p.events)
-        for seq in p.rejected:
-            out.append(TokenOutput(seq.req.request_id, [], ts, seq.plen, 0, True, FinishReason.ABORT))
-        tok = self._text.token
-        finished = False
-        for seq in p.emit:
-            if seq.state != RUNNING:  # aborted while the pass ran
-                continue
-            req = seq.req
-            g = seq.generated
-            reason = None
-            if g >= req.max_tokens:  # max_tokens == 0: done once the prompt is in
-                ids, reason = [], FinishReason.LENGTH
-            elif g == seq.natural:  # the model samples EOS (not returned as a token)
-                ids, reason = [], FinishReason.STOP
-            else:
-                ids = [tok(seq.seed, g + req.resumed)]
-                g += 1
-                seq.generated = g
-                self._dec_tokens += seq.plen + 1 if g == 1 else 1
-                if g >= req.max_tokens:
-                    reason = FinishReason.LENGTH
-            if reason is None:
-                out.append(TokenOutput(req.request_id, ids, ts, seq.plen, seq.cached))
-                continue
-            out.append(TokenOutput(req.request_id, ids, ts, seq.plen, seq.cached, True, reason))
-            if g:
-                self._dec_tokens -= seq.plen + g
-            seq.state = DONE
-            self._bm.release(seq.table)
-            del self._seqs[req.request_id]
-            finished = True
-        if finished:
-            self._running = [s for s in self._running if s.state == RUNNING]

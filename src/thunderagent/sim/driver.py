@@ -22,11 +22,11 @@ import heapq
 import math
 import random
 import time
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from thunderagent.config import DisaggConfig, KvTransferConfig, NodeConfig, Policy, Role, RoutingConfig, SchedulerConfig
+from thunderagent.engine.accounting import TokenAccounting
 from thunderagent.engine.preemption import knobs_from
 from thunderagent.engine.simulated import SimulatedEngine
 from thunderagent.engine.timing import make_timing
@@ -93,39 +93,40 @@ class SimOutcome:
 class _Run:
     """One replay's mutable state: per-request tracks, the engines' wake-up heap, load samples."""
 
-    __slots__ = ("sim", "out", "src", "tracks", "itl", "heap", "wake", "next_sample", "last")
+    __slots__ = ("sim", "out", "src", "tracks", "heap", "wake", "next_sample", "last")
 
     def __init__(self, sim: Simulator, out: SimOutcome, src: OpenLoop | ClosedLoop) -> None:
         self.sim = sim
         self.out = out
         self.src = src
         self.tracks: dict[str, _Track] = {}
-        self.itl = array("d")
         self.heap: list[tuple[float, int]] = []
         self.wake: list[float | None] = [None] * len(sim.engines)
         self.next_sample = 0.0
         self.last = 0.0  # the latest instant processed (virtual seconds)
 
     def collect(self, i: int, now: float) -> None:
-        """Engine ``i``'s outputs up to ``now`` into the tracks; its KV events into the index."""
-        tracks, itl, pd = self.tracks, self.itl, self.sim.pd
+        """Engine ``i``'s outputs up to ``now`` into the tracks; its KV events into the index. The
+        engines run in accounting mode: outputs are first tokens and finishes, the tokens between
+        them and their latencies are counted by the engine (``engine/accounting.py``)."""
+        tracks, pd = self.tracks, self.sim.pd
+        finals = self.sim.accounts[i].finals
         for o in self.sim.engines[i].advance(now):
-            if pd is not None and o.request_id in pd.jobs:
+            if pd is not None and o.request_id in pd.jobs:  # a prefill job (sim/pd.py): not a client's request
+                finals.pop(o.request_id, None)
                 pd.job_output(o, now)
                 continue
             tr = tracks[o.request_id]
-            ids = o.token_ids
-            if ids:
-                if tr.first < 0:
-                    tr.first = o.time
-                    self.sim.dispatcher.progressed(o.request_id, ok=True)  # a leader's followers go
-                else:
-                    itl.append((o.time - tr.last) * 1e3)
-                tr.last = o.time
-                tr.tokens += len(ids)
+            if o.token_ids and tr.first < 0:
+                tr.first = tr.last = o.time
+                tr.tokens = 1
+                self.sim.dispatcher.progressed(o.request_id, ok=True)  # a leader's followers go
             if o.finished:
                 if tr.first < 0:  # ended without a token (rejected): its followers go on their own
                     self.sim.dispatcher.progressed(o.request_id, ok=False)
+                fin = finals.pop(o.request_id, None)
+                if fin is not None and fin[0]:
+                    tr.tokens, tr.last = fin
                 tr.done = True
                 tr.cached = o.cached_tokens
                 tr.end = o.time
@@ -161,6 +162,15 @@ class _Run:
                 due.append(i)
         return due
 
+    def refresh_loads(self, now: float) -> None:
+        """Every engine's load as of ``now``, before anything reads the fleet's state: an engine
+        in a plain decode stretch is not woken at each pass end (engine/stretch.py), so the report
+        taken at its last wake-up may be behind. ``load(now)`` runs the passes ending by ``now``
+        (none of them has an output) and gives what the per-pass refresh gave."""
+        states = self.sim._states
+        for i, e in enumerate(self.sim.engines):
+            states.set_load(i, e.load(now))  # the view re-sorts only a worker whose load changed
+
     def sample(self, now: float) -> None:
         if now >= self.next_sample:
             self.out.load_times.append(now)
@@ -195,7 +205,9 @@ class Simulator:
         nodes = [node] * num_workers
         if pd is not None and pd.prefill_node is not None:
             nodes[:pd.prefill] = [pd.prefill_node] * pd.prefill
-        self.engines = [SimulatedEngine(f"worker-{i}", n, preempt=self.preempt) for i, n in enumerate(nodes)]
+        self.accounts = [TokenAccounting() for _ in range(num_workers)]
+        self.engines = [SimulatedEngine(f"worker-{i}", n, preempt=self.preempt, accounting=a)
+                        for i, (n, a) in enumerate(zip(nodes, self.accounts))]
         roles = [Role.both.value] * num_workers if pd is None else \
             [Role.prefill.value] * pd.prefill + [Role.decode.value] * pd.decode
         self.index = KvIndex(prediction_ttl=routing.prediction_ttl, double_hash=routing.double_hash)
@@ -244,12 +256,15 @@ class Simulator:
         if horizon_s is not None and horizon_s <= 0:
             raise ValueError(f"horizon_s must be > 0, got {horizon_s}")
         wall0 = time.perf_counter()
+        for a in self.accounts:  # a second run counts afresh
+            a.itl.clear()
+            a.finals.clear()
         src = ClosedLoop(requests, speedup) if closed_loop else OpenLoop(requests, speedup)
         run = _Run(self, SimOutcome(RunResult("thunderagent", self.policy.value, 0, *([Dist.of([])] * 3), 0, 0, 0, 0),
                                     []), src)
         self._replay(run, progress, math.inf if horizon_s is None else horizon_s)
         out = run.out
-        out.result = self._summarize(run.tracks, run.itl, time.perf_counter() - wall0)
+        out.result = self._summarize(run.tracks, time.perf_counter() - wall0)
         out.ttft_by_id = {rid: (t.first - t.arrival) * 1e3 for rid, t in run.tracks.items() if t.first >= 0}
         out.ttft_ms = list(out.ttft_by_id.values())
         out.times_by_id = {rid: (t.arrival, t.end) for rid, t in run.tracks.items()}
@@ -271,9 +286,9 @@ class Simulator:
         """The event loop: engine pass ends and arrivals, in time order, up to ``horizon``."""
         engines, states, heap, wake, src = self.engines, self._states, run.heap, run.wake, run.src
         held: list[int] = []  # engines whose pass ended at an instant a closed-loop request arrives
-        # An engine's load only changes when it is advanced, scheduled or given a request, so each
-        # report is refreshed right then and reused by every routing decision in between (re-reading
-        # 8 engines per arrival was a third of the run time).
+        # An engine's report is refreshed when it is woken, scheduled or given a request, and every
+        # engine's before the fleet's state is read (``refresh_loads``): an engine in a plain decode
+        # stretch is woken only at its end, and its load grows meanwhile.
         dispatcher = self.dispatcher
         pumping = dispatcher.queue is not None or dispatcher.pacer is not None or dispatcher.grouper is not None
         pd = self.pd
@@ -296,6 +311,7 @@ class Simulator:
                 # a tick with nothing else due before it (pacing; grouping's windows and waiting
                 # bounds): the requests it releases go now
                 tt = max(tick, run.last)
+                run.refresh_loads(tt)
                 if dispatcher.tick(self.routable, tt):
                     for j in self._pump(tt, run.tracks):
                         run.schedule(j)
@@ -314,6 +330,7 @@ class Simulator:
                 states.set_load(i, engines[i].load(tw))
                 run.last = tw
                 if pumping:
+                    run.refresh_loads(tw)
                     for j in self._pump(tw, run.tracks):
                         run.schedule(j)
                 continue
@@ -322,6 +339,7 @@ class Simulator:
             if held:
                 due += held
                 held.clear()
+            run.refresh_loads(now)
             run.sample(now)
             while src.t == now:
                 i = self._dispatch(src.pop(), now, run.tracks)
@@ -382,7 +400,10 @@ class Simulator:
         self._states.set_load(i, self.engines[i].load(now))
         return i
 
-    def _summarize(self, tracks: dict[str, _Track], itl: array, wall_s: float) -> RunResult:
+    def _summarize(self, tracks: dict[str, _Track], wall_s: float) -> RunResult:
+        itl: dict[float, int] = {}
+        for a in self.accounts:
+            a.merge_into(itl)
         done = [t for t in tracks.values() if t.done]
         ttft = [(t.first - t.arrival) * 1e3 for t in done if t.first >= 0]
         e2e = [((t.last if t.last >= 0 else t.first) - t.arrival) * 1e3 for t in done if t.first >= 0]
@@ -397,7 +418,7 @@ class Simulator:
             policy=self.policy.value,
             requests=len(done),
             ttft_ms=Dist.of(ttft),
-            itl_ms=Dist.of(itl),
+            itl_ms=Dist.of_counts(itl),
             e2e_ms=Dist.of(e2e),
             prefix_reuse=cached / prompt if prompt else 0.0,
             prefill_recompute_rate=recompute / prompt if prompt else 0.0,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 
@@ -21,13 +22,25 @@ class Dist:
         """Exact mean; percentiles by nearest rank ``round((n-1)*q)`` (Dynamo's rank rule)."""
         if not values_ms:
             return Dist(math.nan, math.nan, math.nan, math.nan)
-        xs = sorted(values_ms)
+        return Dist._of_sorted(sorted(values_ms))
+
+    @staticmethod
+    def _of_sorted(xs: list[float]) -> Dist:
         n = len(xs)
 
         def pct(q: float) -> float:
             return xs[min(n - 1, int(math.floor((n - 1) * q + 0.5)))]
 
         return Dist(sum(xs) / n, pct(0.5), pct(0.9), pct(0.99))
+
+    @staticmethod
+    def of_counts(counts: Mapping[float, int]) -> Dist:
+        """:meth:`of` for a value -> multiplicity map: the same sorted list, summed in the same
+        order, so the figures are bit-identical (without sorting one entry per token)."""
+        xs: list[float] = []
+        for v in sorted(counts):
+            xs.extend(itertools.repeat(v, counts[v]))
+        return Dist._of_sorted(xs) if xs else Dist.of(xs)
 
 
 @dataclass(slots=True)

@@ -145,7 +145,7 @@ class ScalingSim(Simulator):
     def _join(self, w: _Worker, now: float) -> None:
         """A started worker joins routing cold: a fresh engine, no index entries."""
         old = self.engines[w.index]
-        engine = SimulatedEngine(old.worker_id, self.node, preempt=self.preempt)
+        engine = SimulatedEngine(old.worker_id, self.node, preempt=self.preempt, accounting=self.accounts[w.index])
         self.engines[w.index] = engine
         self.feed.remove_worker(old.worker_id)
         self.feed.add_worker(old.worker_id, live=True)
