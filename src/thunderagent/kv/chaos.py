@@ -1,7 +1,7 @@
 """Fault injection on a KV-event stream: events dropped, duplicated, reordered and delayed.
 
 A seam for chaos runs and tests (``tests/integration/test_event_chaos.py``,
-``tests/unit/test_event_chaos.py``): it sits where a worker's events (ours, or an engine's frames)
+``tests/unit/test_kv_chaos.py``): it sits where a worker's events (ours, or an engine's frames)
 enter the router and decides, per item, what the router receives and when. Pure: the caller passes
 ``now`` and a seeded ``random.Random``, so a run is reproducible.
 
