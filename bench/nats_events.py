@@ -326,6 +326,7 @@ async def orchestrate(run: Run) -> dict[str, Any]:
         await asyncio.sleep(a.warmup)
         samples: dict[str, list[float]] = {f: [] for f in frontends}
         first = last = await blocks()
+        cpu0 = {f: _cpu_s(run.procs[f].pid) for f in frontends}
         churned = False
         t_end = time.monotonic() + a.seconds
         while time.monotonic() < t_end:
@@ -344,6 +345,7 @@ async def orchestrate(run: Run) -> dict[str, Any]:
                 for w in (f"w{n}", f"w{n + 1}", f"w{n + 2}", live[2]):
                     run.start_worker(w)
                 live = [*live[2:], f"w{n}", f"w{n + 1}", f"w{n + 2}"]
+        busy = {f: (_cpu_s(run.procs[f].pid) - cpu0[f]) / (last[f][0] - first[f][0]) for f in frontends}
         # quiesce: stop publishing, then wait for every replica to agree with every worker
         await nc.publish(f"{CTL}.worker.pause", b"")
         await nc.flush()
@@ -360,7 +362,7 @@ async def orchestrate(run: Run) -> dict[str, Any]:
         total = {f: last[f][1] - first[f][1] for f in frontends}
         window = {f: last[f][0] - first[f][0] for f in frontends}
         published = sum(t["published"] for t in truth.values())
-        return {"samples": samples, "total": total, "window": window, "agreement": agreement,
+        return {"samples": samples, "total": total, "window": window, "busy": busy, "agreement": agreement,
                 "states": states, "truth": {w: t["digest"] for w, t in truth.items()}, "published_live": published}
     finally:
         await nc.close()
@@ -383,6 +385,15 @@ async def _truths(nc: Any, live: list[str]) -> dict[str, dict[str, Any]]:
     finally:
         await sub.unsubscribe()
     return out
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process used so far (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _median(xs: list[float]) -> float:
@@ -441,9 +452,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
           f"churn {'on' if args.churn else 'off'}, {os.cpu_count()} CPUs")
     for f in sorted(res["median_blocks_s"]):
         print(f"  {f}: median {res['median_blocks_s'][f]:>10,.0f} blocks/s  mean {res['mean_blocks_s'][f]:>10,.0f} "
-              f"blocks/s  (target 200,000: {res['median_blocks_s'][f] / 200_000:.2f}x)")
+              f"blocks/s  (target 200,000: {res['median_blocks_s'][f] / 200_000:.2f}x), its CPU busy "
+              f"{res['busy'][f]:.0%} of the window")
     print(f"  offered / received: {args.rate / max(1.0, _median(list(res['median_blocks_s'].values()))):.2f}x")
     print(f"  replicas agree with each other and with all {len(res['truth'])} workers' caches: {res['agreement']}")
+    if not res["agreement"]:
+        for w in sorted(set(res["truth"]) | {w for st in res["states"].values() for w in st}):
+            print(f"    {w}: worker {res['truth'].get(w)}, frontends "
+                  f"{[res['states'][f].get(w) for f in sorted(res['states'])]}")
     return res
 
 
