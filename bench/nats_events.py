@@ -454,6 +454,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         print(f"  {f}: median {res['median_blocks_s'][f]:>10,.0f} blocks/s  mean {res['mean_blocks_s'][f]:>10,.0f} "
               f"blocks/s  (target 200,000: {res['median_blocks_s'][f] / 200_000:.2f}x), its CPU busy "
               f"{res['busy'][f]:.0%} of the window")
+        if res["busy"][f] > 0:  # what one frontend process could take with a core of its own
+            print(f"      {res['busy'][f] * 1e6 / res['mean_blocks_s'][f]:.2f} us of frontend CPU per block: "
+                  f"~{res['mean_blocks_s'][f] / res['busy'][f]:,.0f} blocks/s per core")
     print(f"  offered / received: {args.rate / max(1.0, _median(list(res['median_blocks_s'].values()))):.2f}x")
     print(f"  replicas agree with each other and with all {len(res['truth'])} workers' caches: {res['agreement']}")
     if not res["agreement"]:
