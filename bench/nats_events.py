@@ -7,7 +7,7 @@ frontend processes and ``--workers`` worker processes.
   :class:`~thunderagent.execution.nats_worker.WorkerService` (the class ``thunderagent worker``
   runs) around :class:`SyntheticHandle`, which reports ``BlockStored`` events of
   ``--blocks-per-event`` fresh chained hashes at ``--rate`` blocks/s in total, and ``BlockRemoved``
-  events for the oldest blocks once it holds ``--capacity`` (an LRU cache at steady state). So the
+  events for the oldest blocks once it holds ``--capacity`` (a FIFO cache at steady state). So the
   events go out through ``WorkerService._on_events`` -> ``wire.events_to_wire`` -> msgpack ->
   ``NatsBus.publish`` on ``ta.worker.<id>.kv``, with heartbeats (``last_seq``) and cache dumps
   answered as by any worker.
@@ -40,7 +40,7 @@ import subprocess
 import sys
 import time
 from array import array
-from collections import OrderedDict
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,7 @@ execution_group:
 # worker side: a synthetic engine behind the real WorkerService
 # ---------------------------------------------------------------------------------------------
 class SyntheticHandle:
-    """A WorkerHandle that only caches: ``rate`` blocks/s of fresh hashes, LRU-evicted past
+    """A WorkerHandle that only caches: ``rate`` blocks/s of fresh hashes, oldest evicted first past
     ``capacity``. It serves no requests (``submit`` refuses)."""
 
     def __init__(self, worker_id: str, cb: WorkerCallbacks, *, rate: float, blocks_per_event: int,
@@ -72,7 +72,8 @@ class SyntheticHandle:
         self.capacity = capacity
         self.heartbeat = heartbeat
         self.rng = random.Random(seed)
-        self.cache: OrderedDict[int, None] = OrderedDict()
+        self.cache: deque[tuple[int, ...]] = deque()  # the blocks of each stored event, oldest first
+        self.cached = 0
         self.seq = -1
         self.published = 0  # blocks in events (stored + removed)
         self.paused = False
@@ -92,28 +93,29 @@ class SyntheticHandle:
         pass
 
     def snapshot(self) -> tuple[list[int], int] | None:
-        return list(self.cache), self.seq
+        return [h for ev in self.cache for h in ev], self.seq
 
     def load(self) -> LoadReport:
-        n = len(self.cache)
+        n = self.cached
         return LoadReport(self.worker_id, self.cb.clock(), 0, 0, 0, 0, 0, n, self.capacity, self.seq)
 
     def step(self, n_events: int) -> int:
         """Store ``n_events`` events of fresh blocks (evicting the oldest); returns blocks published."""
         events: list[KvEvent] = []
-        getrandbits, blocks = self.rng.getrandbits, 0
+        blocks = 0
         for _ in range(n_events):
-            hashes = tuple(getrandbits(64) for _ in range(self.bpe))
+            # random 64-bit hashes, 8 random bytes each (cheap: the publishers share the CPUs)
+            hashes = tuple(array("Q", self.rng.randbytes(8 * self.bpe)))
             self.seq += 1
             events.append(BlockStored(self.worker_id, self.seq, hashes, None))
-            for h in hashes:
-                self.cache[h] = None
+            self.cache.append(hashes)
+            self.cached += len(hashes)
             blocks += len(hashes)
-            over = len(self.cache) - self.capacity
-            if over > 0:
-                gone = [self.cache.popitem(last=False)[0] for _ in range(over)]
+            while self.cached > self.capacity:  # the oldest stored event's blocks go, as one event
+                gone = self.cache.popleft()
+                self.cached -= len(gone)
                 self.seq += 1
-                events.append(BlockRemoved(self.worker_id, self.seq, tuple(gone)))
+                events.append(BlockRemoved(self.worker_id, self.seq, gone))
                 blocks += len(gone)
         self.cb.on_events(self.worker_id, events)
         self.published += blocks
@@ -173,7 +175,7 @@ async def worker_main(args: argparse.Namespace) -> None:
             handle.paused = True
             service._on_heartbeat(args.id, handle.load())  # its last seq, at once
         elif what == "truth" and msg.reply:
-            bus.publish(msg.reply, json.dumps({"id": args.id, "digest": digest(list(handle.cache), handle.seq),
+            bus.publish(msg.reply, json.dumps({"id": args.id, "digest": digest(handle.snapshot()[0], handle.seq),
                                                "published": handle.published}).encode())
 
     await bus.subscribe(f"{CTL}.worker.*", on_ctl)
