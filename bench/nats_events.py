@@ -6,7 +6,7 @@ frontend processes and ``--workers`` worker processes.
 - A **worker** here is the real worker publishing path with a synthetic engine: a
   :class:`~thunderagent.execution.nats_worker.WorkerService` (the class ``thunderagent worker``
   runs) around :class:`SyntheticHandle`, which reports ``BlockStored`` events of
-  ``--blocks-per-event`` fresh chained hashes at ``--rate`` blocks/s in total, and ``BlockRemoved``
+  ``--blocks-per-event`` fresh random hashes at ``--rate`` blocks/s in total, and ``BlockRemoved``
   events for the oldest blocks once it holds ``--capacity`` (a FIFO cache at steady state). So the
   events go out through ``WorkerService._on_events`` -> ``wire.events_to_wire`` -> msgpack ->
   ``NatsBus.publish`` on ``ta.worker.<id>.kv``, with heartbeats (``last_seq``) and cache dumps
@@ -193,6 +193,9 @@ async def frontend_main(args: argparse.Namespace) -> None:
     from thunderagent.bus.nats import NatsBus
     from thunderagent.overrides import build_config
 
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1)  # the orchestrator asks for stacks when one stops answering
     cfg = build_config(Path(args.config), nats_servers=args.nats)
     bus = NatsBus(args.nats, f"bench frontend {args.name}")
     fleet = build_nats_fleet(cfg, bus)
@@ -439,6 +442,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             run.start_nats()
             res = asyncio.run(orchestrate(run))
         except BaseException:
+            for name, proc in run.procs.items():
+                if name.startswith("f") and proc.poll() is None:
+                    proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
             for log in sorted(Path(tmp).glob("*.log")):
                 print(f"--- {log.name}\n{log.read_text(errors='replace')[-2000:]}", file=sys.stderr)
             raise
