@@ -162,7 +162,9 @@ async def _scenario(cluster: Cluster) -> None:
     late = [(t - t_kill_wall, n) for t, n in lines if t - t_kill_wall > lease + 0.5]
     assert not late, f"aborted after {late} s (lease {lease} s)"
     aborted = sum(n for _, n in lines)
-    assert aborted >= 1, lines
+    # every stream of A a worker was serving (at least those acknowledged at the kill, less a few
+    # that may have finished on their own in the lease) was aborted by its worker
+    assert aborted >= in_flight * 4 // 5, f"{aborted} requests aborted, {in_flight} of A's streams were running"
 
     # restart A: its index is rebuilt from dumps in <= 2 s, and it routes repeated prompts to their holders
     cluster.start_frontend("fa")
