@@ -123,12 +123,16 @@ class SyntheticHandle:
 
     async def _produce(self) -> None:
         tick = 0.01  # one batch per 10 ms: the events of one engine step of many requests
-        owed = 0.0
+        owed, last = 0.0, self.cb.clock()
         while True:
             await asyncio.sleep(tick)
+            now = self.cb.clock()
             if self.paused:
+                owed, last = 0.0, now
                 continue
-            owed += self.rate * tick
+            # by elapsed time, not by ticks: a publisher starved of CPU catches up (up to 1 s owed)
+            owed = min(owed + self.rate * (now - last), self.rate)
+            last = now
             n = int(owed // (2 * self.bpe))  # a stored event plus (at steady state) a removal
             if n:
                 owed -= self.step(n)
@@ -175,7 +179,8 @@ async def worker_main(args: argparse.Namespace) -> None:
             handle.paused = True
             service._on_heartbeat(args.id, handle.load())  # its last seq, at once
         elif what == "truth" and msg.reply:
-            bus.publish(msg.reply, json.dumps({"id": args.id, "digest": digest(handle.snapshot()[0], handle.seq),
+            bus.publish(msg.reply, json.dumps({"id": args.id, "digest": digest(handle.snapshot()[0], handle.seq), "seq": handle.seq,
+                                               "blocks": handle.cached,
                                                "published": handle.published}).encode())
 
     await bus.subscribe(f"{CTL}.worker.*", on_ctl)
@@ -221,7 +226,8 @@ async def frontend_main(args: argparse.Namespace) -> None:
         if msg.subject.endswith(".state"):
             report["workers"] = {
                 w: {"digest": digest(list(index.confirmed_blocks(w)), index.last_seq(w)),
-                    "stale": index.is_stale(w), "syncing": feed.is_syncing(w)}
+                    "stale": index.is_stale(w), "syncing": feed.is_syncing(w), "seq": index.last_seq(w),
+                    "blocks": len(index.confirmed_blocks(w))}
                 for w in sorted(index.workers())}
         bus.publish(msg.reply, json.dumps(report).encode())
 
@@ -368,7 +374,8 @@ async def orchestrate(run: Run) -> dict[str, Any]:
         window = {f: last[f][0] - first[f][0] for f in frontends}
         published = sum(t["published"] for t in truth.values())
         return {"samples": samples, "total": total, "window": window, "busy": busy, "agreement": agreement,
-                "states": states, "truth": {w: t["digest"] for w, t in truth.items()}, "published_live": published}
+                "states": states, "truth": {w: t["digest"] for w, t in truth.items()},
+                "truth_detail": truth, "published_live": published}
     finally:
         await nc.close()
 
@@ -470,7 +477,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     print(f"  replicas agree with each other and with all {len(res['truth'])} workers' caches: {res['agreement']}")
     if not res["agreement"]:
         for w in sorted(set(res["truth"]) | {w for st in res["states"].values() for w in st}):
-            print(f"    {w}: worker {res['truth'].get(w)}, frontends "
+            print(f"    {w}: worker {res['truth_detail'].get(w)}, frontends "
                   f"{[res['states'][f].get(w) for f in sorted(res['states'])]}")
     return res
 
