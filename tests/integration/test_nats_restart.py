@@ -139,8 +139,8 @@ async def _scenario(cluster: Cluster) -> None:
             await asyncio.sleep(0.05)
         in_flight = streaming("fa")
         assert in_flight and streaming("fb"), f"the load never got under way: {log[:3]} ({len(log)} attempts)"
-        cluster.kill("fa")
         t_kill_wall, t_kill = time.time(), time.monotonic()
+        cluster.kill("fa")
         results = await asyncio.wait_for(asyncio.gather(*tasks), 90)
 
     # nothing hung, every client finished its completion (on B after A died)
