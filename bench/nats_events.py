@@ -180,7 +180,7 @@ async def worker_main(args: argparse.Namespace) -> None:
             service._on_heartbeat(args.id, handle.load())  # its last seq, at once
         elif what == "truth" and msg.reply:
             bus.publish(msg.reply, json.dumps({"id": args.id, "digest": digest(handle.snapshot()[0], handle.seq), "seq": handle.seq,
-                                               "blocks": handle.cached,
+                                               "blocks": handle.cached, "paused": handle.paused,
                                                "published": handle.published}).encode())
 
     await bus.subscribe(f"{CTL}.worker.*", on_ctl)
@@ -358,16 +358,18 @@ async def orchestrate(run: Run) -> dict[str, Any]:
                 live = [*live[2:], f"w{n}", f"w{n + 1}", f"w{n + 2}"]
         busy = {f: (_cpu_s(run.procs[f].pid) - cpu0[f]) / (last[f][0] - first[f][0]) for f in frontends}
         # quiesce: stop publishing, then wait for every replica to agree with every worker
-        await nc.publish(f"{CTL}.worker.pause", b"")
-        await nc.flush()
         agreement, states, truth = False, {}, {}
         deadline = time.monotonic() + a.settle
         while time.monotonic() < deadline:
+            # again every round: a worker still starting (slow on a loaded host) missed the first one
+            await nc.publish(f"{CTL}.worker.pause", b"")
+            await nc.flush()
             await asyncio.sleep(0.5)
             truth = await _truths(nc, live)
             states = {f: (await _ask(nc, f"{CTL}.frontend.{f}.state"))["workers"] for f in frontends}
             want = {w: t["digest"] for w, t in truth.items()}
-            if all({w: s["digest"] for w, s in st.items()} == want for st in states.values()):
+            if all(t["paused"] for t in truth.values()) and all(
+                    {w: s["digest"] for w, s in st.items()} == want for st in states.values()):
                 agreement = True
                 break
         total = {f: last[f][1] - first[f][1] for f in frontends}
