@@ -368,7 +368,7 @@ async def orchestrate(run: Run) -> dict[str, Any]:
             truth = await _truths(nc, live)
             states = {f: (await _ask(nc, f"{CTL}.frontend.{f}.state"))["workers"] for f in frontends}
             want = {w: t["digest"] for w, t in truth.items()}
-            if all(t["paused"] for t in truth.values()) and all(
+            if len(truth) == len(live) and all(t["paused"] for t in truth.values()) and all(
                     {w: s["digest"] for w, s in st.items()} == want for st in states.values()):
                 agreement = True
                 break
