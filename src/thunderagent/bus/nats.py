@@ -158,6 +158,12 @@ class NatsBus:
                 await handler(bm)
             except Exception:  # one bad message must not end the subscription
                 log.exception("handler for %s failed on %s", subject, msg.subject)
+            # nats-py runs a subscription as one task that takes its next message without suspending
+            # while any is pending, and most handlers never suspend: under a backlog (KV events
+            # faster than this process applies them) that task kept the loop to itself, and this
+            # frontend's heartbeat (its requests' lease), HTTP and other subscriptions starved for
+            # seconds (bench/nats_events.py found it). One yield per message; order is unchanged.
+            await asyncio.sleep(0)
 
         await self._nc.subscribe(subject, cb=cb)
         await self._nc.flush(timeout=5)  # the server has the interest before we announce ourselves
