@@ -55,7 +55,9 @@ async def test_full_queue_gives_429_with_retry_after_and_nothing_admitted_is_los
 
 
 async def test_high_priority_overtakes_held_low_priority_requests(server_factory):
-    async with server_factory(execution_group=ONE_AT_A_TIME, simulation={"speedup": 5.0},
+    # an engine 10x slower than the others here: "running" must outlast the setup below on a loaded machine
+    slow = {"nodes": [{"count": 1, "max_batch_size": 1, "timing": {"speedup": 0.1}}]}
+    async with server_factory(execution_group=slow, simulation={"speedup": 5.0},
                               scheduler=scheduler()) as srv:
         finished: list[str] = []
 
@@ -64,7 +66,9 @@ async def test_high_priority_overtakes_held_low_priority_requests(server_factory
                                                 extra_body={"priority": priority})
             finished.append(name)
 
-        first = [asyncio.create_task(run("running", 60)), asyncio.create_task(run("engine-queued", 8))]
+        first = [asyncio.create_task(run("running", 60))]
+        await wait_until(lambda: srv.fleet.registry.loads()["worker-0"].running == 1, 10, "one running")
+        first.append(asyncio.create_task(run("engine-queued", 8)))
         await wait_until(lambda: srv.fleet.registry.loads()["worker-0"].waiting == 1, 10, "one waiting in the engine")
         low = [asyncio.create_task(run(f"low{i}", 8)) for i in range(3)]
         await wait_until(lambda: held(srv) == 3, 10, "low-priority requests held")
