@@ -120,3 +120,24 @@ def test_config_switch_and_validation() -> None:
         RoutingConfig(policy=Policy.round_robin, autotune=_cfg())
     with pytest.raises(ValidationError, match="min_samples"):
         AutotuneConfig(enabled=True, window=4, min_samples=5)
+
+
+def test_live_hook_feeds_exports_and_reports() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from thunderagent.control.autotune_hook import AutotuneHook
+
+    routing = RoutingConfig(autotune=_cfg())
+    router = KvRouter(routing, KvIndex(120.0), random.Random(0), Policy.kv_aware)
+    reg = CollectorRegistry()
+    hook = AutotuneHook(routing, router, reg)
+    assert 'thunderagent_autotune_weight{name="credit_load_scale"} 4.0' in generate_latest(reg).decode()
+    hook.finished(0.0, None, 10, 0, 0, 1.0)  # never produced a token: not a sample
+    for _ in range(4):
+        hook.finished(0.0, 0.5, 10, 0, 0, 1.0)
+    assert router.cfg.weights.credit_load_scale == 8.0
+    assert 'thunderagent_autotune_weight{name="credit_load_scale"} 8.0' in generate_latest(reg).decode()
+    health = hook.health()["autotune"]
+    assert health["weights"] == {"credit_load_scale": 8.0} and health["steps"][0]["action"] == "try"  # type: ignore[index]
+    off = AutotuneHook(RoutingConfig(), router, CollectorRegistry())
+    assert off.health() == {} and off.tuner is None

@@ -81,7 +81,8 @@ class Window:
         return self.recomputed / self.prompt if self.prompt else 0.0
 
     def summary(self) -> str:
-        return f"mean TTFT {self.mean * 1e3:.1f} ms ± {self.se * 1e3:.1f} (n={self.n}, recompute {self.recompute_rate:.1%})"
+        return (f"mean TTFT {self.mean * 1e3:.1f} ms ± {self.se * 1e3:.1f} "
+                f"(n={self.n}, recompute {self.recompute_rate:.1%})")
 
 
 class WeightTuner:
@@ -157,7 +158,8 @@ class WeightTuner:
         self._set(param, old, now)
         self._base = None  # measure afresh: the load may have moved
         self._move = (self._move + 1) % len(self._moves)
-        return [self._log(TuneStep(now, "revert", param, new, old, f"{why}: {w.summary()} vs baseline {base.summary()}"))]
+        why = f"{why}: {w.summary()} vs baseline {base.summary()}"
+        return [self._log(TuneStep(now, "revert", param, new, old, why))]
 
     def _set(self, param: str, value: float, now: float) -> None:
         self.weights = self.weights.model_copy(update={param: value})
