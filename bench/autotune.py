@@ -8,7 +8,8 @@ simulated workers. Two timings: the default (Dynamo mocker's polynomial) and pre
 coefficients x 4), where the hand-set weights are not the best.
 
 The grid: ``credit_load_scale`` x ``contention``. The tuner's arm runs with ``routing.autotune`` on from
-the default weights (knobs ``--window``, ``--z``). The gain recovered = (default - tuner) / (default - best)
+the default weights (knobs ``--window``, ``--switch-every``, ``--z``, ``--step``; the row shows the
+weights it kept at the end). The gain recovered = (default - tuner) / (default - best)
 on mean TTFT.
 
 Run: ``python bench/autotune.py [--requests N] [--rate R] [--window W] [--z Z]`` (a few minutes).
@@ -54,13 +55,16 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--rate", type=float, default=30.0, help="requests per second")
     ap.add_argument("--groups", type=int, default=2)
-    ap.add_argument("--window", type=int, default=300)
-    ap.add_argument("--z", type=float, default=1.0)
+    ap.add_argument("--window", type=int, default=200, help="routing.autotune.window")
+    ap.add_argument("--switch-every", type=int, default=25, help="routing.autotune.switch_every")
+    ap.add_argument("--z", type=float, default=2.0, help="routing.autotune.z")
+    ap.add_argument("--step", type=float, default=2.0, help="routing.autotune.step")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timings", default="4,1", help="prefill slow-down factors to run (comma-separated)")
     args = ap.parse_args()
     reqs = shared_prefix(args.groups, 4096, (256, 1024), args.requests, args.rate, (32, 128), seed=args.seed)
-    tune = AutotuneConfig(enabled=True, window=args.window, min_samples=min(50, args.window), z=args.z)
+    tune = AutotuneConfig(enabled=True, window=args.window, min_samples=min(50, args.window), z=args.z,
+                          switch_every=args.switch_every, step=args.step)
     summary = []
     for prefill_x in (float(x) for x in args.timings.split(",")):
         t0 = time.perf_counter()
@@ -72,7 +76,7 @@ def main() -> None:
         assert tuner is not None
         rows = []
         for name, r in (("default (4, 1)", default), (f"grid best {best_key}", best),
-                        (f"tuner -> ({tuner.weights.credit_load_scale:g}, {tuner.weights.contention:g})", tuned)):
+                        (f"tuner -> ({tuner.kept.credit_load_scale:g}, {tuner.kept.contention:g})", tuned)):
             rows.append([name, f"{r.ttft_ms.mean:.1f}", f"{r.ttft_ms.p50:.1f}", f"{r.ttft_ms.p99:.1f}",
                          f"{r.prefix_reuse:.3f}", f"{default.ttft_ms.mean / r.ttft_ms.mean:.3f}"])
         print_table(f"prefill x{prefill_x:g} ({time.perf_counter() - t0:.0f} s)",

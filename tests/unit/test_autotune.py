@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 from pydantic import ValidationError
@@ -10,21 +11,26 @@ from pydantic import ValidationError
 from thunderagent.config import CostWeights, Policy, RoutingConfig
 from thunderagent.config.autotune import AutotuneConfig
 from thunderagent.kv.index import KvIndex
-from thunderagent.router.autotune import WeightTuner, Window, feed
+from thunderagent.router.autotune import TuneStep, WeightTuner, Window, feed
 from thunderagent.router.router import KvRouter
 
 
 def _cfg(**kw: object) -> AutotuneConfig:
-    base: dict[str, object] = {"enabled": True, "window": 4, "min_samples": 4, "z": 2.0, "max_rel_noise": 0.5,
-                               "params": ("credit_load_scale",)}
+    base: dict[str, object] = {"enabled": True, "window": 4, "min_samples": 4, "switch_every": 2, "z": 2.0,
+                               "max_rel_noise": 0.5, "params": ("credit_load_scale",)}
     base.update(kw)
     return AutotuneConfig(**base)  # type: ignore[arg-type]
 
 
-def _window(t: WeightTuner, values: list[float], at: float) -> list:
-    steps = []
-    for v in values:
-        steps += t.observe(at, v, 100, 0, 0, at)
+JITTER = (0.01, -0.01, 0.02, -0.02)
+
+
+def drive(t: WeightTuner, f: Callable[[CostWeights, int], float], n: int, start: float = 0.0) -> list[TuneStep]:
+    """``n`` requests, the i-th arriving and finishing at ``start + i`` with TTFT ``f(weights in effect, i)``."""
+    steps: list[TuneStep] = []
+    for i in range(n):
+        now = start + i
+        steps += t.observe(now, f(t.weights, i), 100, 0, 0, now)
     return steps
 
 
@@ -37,76 +43,76 @@ def test_window_stats() -> None:
     assert w.recompute_rate == 40 / 300
 
 
-def test_try_keep_and_try_again() -> None:
+def test_the_arms_alternate_and_a_clear_gain_is_kept_then_pushed() -> None:
     t = WeightTuner(_cfg(), CostWeights())
-    assert _window(t, [1.0, 1.1, 0.9, 1.0], 1.0)[0].action == "try"  # baseline measured: credit_load_scale x2
-    assert t.weights.credit_load_scale == 8.0
-    steps = _window(t, [0.5, 0.55, 0.45, 0.5], 2.0)  # clearly better
-    assert [s.action for s in steps] == ["keep", "try"]
-    assert (steps[0].old, steps[0].new) == (4.0, 8.0)
-    assert t.weights.credit_load_scale == 16.0  # the same move again, from the kept point
+    seen: list[float] = []
+
+    def ttft(w: CostWeights, i: int) -> float:
+        seen.append(w.credit_load_scale)
+        return 1.0 / w.credit_load_scale + JITTER[i % 4]
+
+    steps = drive(t, ttft, 10)
+    # request 0 starts the trial (not a sample); then 2 tried, 2 kept, ... until 4 each
+    assert seen == [4.0, 8.0, 8.0, 4.0, 4.0, 8.0, 8.0, 4.0, 4.0, 16.0]
+    assert [(s.action, s.old, s.new) for s in steps] == [("try", 4.0, 8.0), ("keep", 4.0, 8.0), ("try", 8.0, 16.0)]
+    assert t.kept.credit_load_scale == 8.0 and t.weights.credit_load_scale == 16.0
 
 
-def test_worse_reverts_and_tries_the_other_direction() -> None:
+def test_worse_reverts_and_the_other_direction_is_tried() -> None:
     t = WeightTuner(_cfg(), CostWeights())
-    _window(t, [1.0, 1.1, 0.9, 1.0], 1.0)
-    steps = _window(t, [2.0, 2.1, 1.9, 2.0], 2.0)
-    assert [s.action for s in steps] == ["revert"] and "worse" in steps[0].reason
-    assert t.weights.credit_load_scale == 4.0
-    assert _window(t, [1.0, 1.1, 0.9, 1.0], 3.0)[0].action == "try"  # a fresh baseline first
-    assert t.weights.credit_load_scale == 2.0
+    steps = drive(t, lambda w, i: w.credit_load_scale + JITTER[i % 4], 9)
+    assert [(s.action, s.old, s.new) for s in steps] == [("try", 4.0, 8.0), ("revert", 8.0, 4.0), ("try", 4.0, 2.0)]
+    assert "worse" in steps[1].reason
+    assert t.kept == CostWeights() and t.weights.credit_load_scale == 2.0
 
 
-def test_gain_within_noise_reverts() -> None:
+def test_a_gain_within_noise_reverts() -> None:
     t = WeightTuner(_cfg(), CostWeights())
-    _window(t, [1.0, 1.2, 0.8, 1.0], 1.0)
-    steps = _window(t, [0.9, 1.1, 0.7, 0.9], 2.0)  # 0.1 better, se of the difference ~0.12
-    assert [s.action for s in steps] == ["revert"] and "within noise" in steps[0].reason
-    assert t.weights.credit_load_scale == 4.0
+    noise = (0.3, -0.3, 0.1, -0.1)
+    steps = drive(t, lambda w, i: 1.0 - 0.05 * (w.credit_load_scale > 4) + noise[i % 4], 9)
+    assert [s.action for s in steps] == ["try", "revert", "try"] and "within noise" in steps[1].reason
+    assert t.kept == CostWeights()
 
 
-def test_noisy_baseline_holds() -> None:
-    t = WeightTuner(_cfg(max_rel_noise=0.1), CostWeights())
-    steps = _window(t, [0.1, 2.0, 0.1, 2.0], 1.0)
-    assert [s.action for s in steps] == ["hold"] and "too noisy" in steps[0].reason
-    assert t.weights == CostWeights()
+def test_a_noisy_arm_never_decides_a_keep() -> None:
+    t = WeightTuner(_cfg(max_rel_noise=0.001), CostWeights())
+    steps = drive(t, lambda w, i: 1.0 / w.credit_load_scale + JITTER[i % 4], 9)
+    assert [s.action for s in steps] == ["try", "revert", "try"] and "too noisy" in steps[1].reason
+    assert t.kept == CostWeights()
 
 
-def test_samples_routed_under_other_weights_are_dropped() -> None:
-    t = WeightTuner(_cfg(), CostWeights())
-    _window(t, [1.0, 1.1, 0.9, 1.0], 5.0)  # switched at now = 5.0
-    assert t.observe(4.0, 0.1, 100, 0, 0, 6.0) == []  # arrived at 4.0: not counted
-    assert t.samples == 4
+def test_a_request_counts_for_the_weights_in_effect_when_it_arrived() -> None:
+    t = WeightTuner(_cfg(switch_every=100), CostWeights())
+    t.observe(0.0, 1.0, 100, 0, 0, 10.0)  # starts the trial at 10.0 (tried weights in effect)
+    assert t.observe(5.0, 1.0, 100, 0, 0, 11.0) == []  # arrived before the trial: dropped
+    t.observe(10.0, 1.0, 100, 0, 0, 12.0)  # arrived at the switch: the tried weights
+    assert t.samples == 1
+    trying = t.summary()["trying"]
+    assert trying == {"param": "credit_load_scale", "value": 8.0, "samples": [0, 1]}
 
 
 def test_bounds_clamp_and_skip() -> None:
     t = WeightTuner(_cfg(credit_load_scale_bounds=(1.0, 6.0)), CostWeights())
-    _window(t, [1.0, 1.1, 0.9, 1.0], 1.0)
-    assert t.weights.credit_load_scale == 6.0  # 4 x 2 clamped
-    steps = _window(t, [0.5, 0.55, 0.45, 0.5], 2.0)
-    # kept; up is at the bound now, so the next try goes down
-    assert [s.action for s in steps] == ["keep", "try"]
-    assert t.weights.credit_load_scale == 3.0
+    steps = drive(t, lambda w, i: 1.0 / w.credit_load_scale + JITTER[i % 4], 10)
+    assert [(s.action, s.old, s.new) for s in steps] == [("try", 4.0, 6.0), ("keep", 4.0, 6.0), ("try", 6.0, 3.0)]
 
 
 def test_every_weight_at_its_bounds_holds() -> None:
-    cfg = _cfg(credit_load_scale_bounds=(4.0, 4.0))
-    t = WeightTuner(cfg, CostWeights())
-    steps = _window(t, [1.0, 1.1, 0.9, 1.0], 1.0)
-    assert [s.action for s in steps] == ["hold"] and t.weights == CostWeights()
+    t = WeightTuner(_cfg(credit_load_scale_bounds=(4.0, 4.0)), CostWeights())
+    steps = drive(t, lambda w, i: 1.0, 5)
+    assert [s.action for s in steps] == ["hold"] and t.weights == CostWeights() and t.samples == 0
 
 
 def test_feed_swaps_the_router_config() -> None:
     routing = RoutingConfig(autotune=_cfg())
     router = KvRouter(routing, KvIndex(120.0), random.Random(0), Policy.kv_aware)
     t = WeightTuner(routing.autotune, routing.weights)
-    for _ in range(3):
-        feed(t, router, 0.0, 1.0, 10, 0, 0, 1.0)
-    assert router.cfg is routing
-    feed(t, router, 0.0, 1.0, 10, 0, 0, 1.0)
+    feed(t, router, 0.0, 1.0, 10, 0, 0, 1.0)  # the first finished request starts a trial
     assert router.cfg.weights.credit_load_scale == 8.0 and router.cfg.weights is t.weights
     assert router.cfg.temperature == routing.temperature
-    assert t.summary()["trying"] == "credit_load_scale"
+    feed(t, router, 1.0, 1.0, 10, 0, 0, 2.0)
+    feed(t, router, 2.0, 1.0, 10, 0, 0, 3.0)  # switch_every = 2: the kept weights again
+    assert router.cfg.weights is t.kept is routing.weights
 
 
 def test_config_switch_and_validation() -> None:
@@ -133,11 +139,20 @@ def test_live_hook_feeds_exports_and_reports() -> None:
     hook = AutotuneHook(routing, router, reg)
     assert 'thunderagent_autotune_weight{name="credit_load_scale"} 4.0' in generate_latest(reg).decode()
     hook.finished(0.0, None, 10, 0, 0, 1.0)  # never produced a token: not a sample
-    for _ in range(4):
-        hook.finished(0.0, 0.5, 10, 0, 0, 1.0)
+    hook.finished(0.0, 0.5, 10, 0, 0, 1.0)
     assert router.cfg.weights.credit_load_scale == 8.0
     assert 'thunderagent_autotune_weight{name="credit_load_scale"} 8.0' in generate_latest(reg).decode()
     health = hook.health()["autotune"]
-    assert health["weights"] == {"credit_load_scale": 8.0} and health["steps"][0]["action"] == "try"  # type: ignore[index]
+    assert health["weights"] == {"credit_load_scale": 8.0} and health["kept"] == {"credit_load_scale": 4.0}
+    assert health["steps"][0]["action"] == "try"  # type: ignore[index]
     off = AutotuneHook(RoutingConfig(), router, CollectorRegistry())
     assert off.health() == {} and off.tuner is None
+
+
+def test_parse_config_names_the_field() -> None:
+    from thunderagent.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="routing.autotune.window.*acts only with routing.autotune.enabled"):
+        parse_config({"routing": {"autotune": {"window": 10}}})
+    cfg = parse_config({"routing": {"autotune": {"enabled": True, "window": 10, "min_samples": 5}}})
+    assert cfg.routing.autotune.window == 10

@@ -13,19 +13,21 @@ from thunderagent.config._base import _Strict, knob_needs_switch
 #: workers by it), so swapping them never leaves that view's order stale
 TUNABLE = ("credit_load_scale", "contention", "overlap_credit")
 
-_KNOBS = ("params", "window", "min_samples", "step", "z", "max_rel_noise", "credit_load_scale_bounds",
+_KNOBS = ("params", "window", "switch_every", "min_samples", "step", "z", "max_rel_noise", "credit_load_scale_bounds",
           "contention_bounds", "overlap_credit_bounds", "log_steps")
 
 
 class AutotuneConfig(_Strict):
-    """A coordinate-wise hill climb on mean TTFT: measure ``window`` finished requests with the current
-    weights, try one weight one step up or down for the next ``window``, keep the step only if that
-    window's mean TTFT is lower by more than ``z`` standard errors of the difference, else revert."""
+    """A coordinate-wise hill climb on mean TTFT: one weight one step up or down is tried against the kept
+    weights, the two alternating every ``switch_every`` finished requests until each has ``window``; the step
+    is kept only if its mean TTFT is lower by more than ``z`` standard errors of the difference, else reverted."""
 
     enabled: bool = False
     params: tuple[str, ...] = Field(("credit_load_scale", "contention"), description="the weights tuned, in turn "
                                     "(any of credit_load_scale, contention, overlap_credit)")
-    window: int = Field(200, ge=2, description="finished requests per measured window (one per weight setting)")
+    window: int = Field(200, ge=2, description="finished requests a trial needs under each of the two weight settings")
+    switch_every: int = Field(25, ge=1, description="during a trial the tried and the kept weights alternate every "
+                              "this many finished requests (both see the same traffic)")
     min_samples: int = Field(50, ge=2, description="no comparison with fewer finished requests in a window")
     step: float = Field(2.0, gt=1, description="a step multiplies or divides the weight by this (clamped to its "
                         "bounds)")
