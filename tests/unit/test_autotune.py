@@ -156,3 +156,20 @@ def test_parse_config_names_the_field() -> None:
         parse_config({"routing": {"autotune": {"window": 10}}})
     cfg = parse_config({"routing": {"autotune": {"enabled": True, "window": 10, "min_samples": 5}}})
     assert cfg.routing.autotune.window == 10
+
+
+def test_bench_runs_small(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("_bench_autotune", bench / "autotune.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(sys, "argv", ["autotune.py", "--requests", "120", "--timings", "1", "--window", "20"])
+    mod.main()
+    out = capsys.readouterr().out
+    assert "grid best" in out and "tuner ->" in out and "prefill x1:" in out
