@@ -8,7 +8,7 @@ simulated workers. Two timings: the default (Dynamo mocker's polynomial) and pre
 coefficients x 4), where the hand-set weights are not the best.
 
 The grid: ``credit_load_scale`` x ``contention``. The tuner's arm runs with ``routing.autotune`` on from
-the default weights (knobs ``--window``, ``--switch-every``, ``--z``, ``--step``; the row shows the
+the default weights (knobs ``--window``, ``--switch-every``, ``--z``, ``--step``, ``--pool-trials``; the row shows the
 weights it kept at the end). The gain recovered = (default - tuner) / (default - best)
 on mean TTFT.
 
@@ -59,12 +59,14 @@ def main() -> None:
     ap.add_argument("--switch-every", type=int, default=25, help="routing.autotune.switch_every")
     ap.add_argument("--z", type=float, default=2.0, help="routing.autotune.z")
     ap.add_argument("--step", type=float, default=2.0, help="routing.autotune.step")
+    ap.add_argument("--pool-trials", type=int, default=4, help="routing.autotune.pool_trials")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timings", default="4,1", help="prefill slow-down factors to run (comma-separated)")
     args = ap.parse_args()
     reqs = shared_prefix(args.groups, 4096, (256, 1024), args.requests, args.rate, (32, 128), seed=args.seed)
     tune = AutotuneConfig(enabled=True, window=args.window, min_samples=min(50, args.window), z=args.z,
-                          switch_every=args.switch_every, step=args.step)
+                          switch_every=args.switch_every, step=args.step,
+                          pool_trials=args.pool_trials)
     summary = []
     for prefill_x in (float(x) for x in args.timings.split(",")):
         t0 = time.perf_counter()

@@ -173,3 +173,19 @@ def test_bench_runs_small(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
     mod.main()
     out = capsys.readouterr().out
     assert "grid best" in out and "tuner ->" in out and "prefill x1:" in out
+
+
+def test_a_small_gain_shows_once_reverted_trials_are_pooled() -> None:
+    noise = (0.2, -0.1, -0.1)  # period 3 against the arms' period 4: both arms see all of it
+
+    def ttft(w: CostWeights, i: int) -> float:
+        return 1.0 - 0.15 * (w.credit_load_scale > 4) + noise[i % 3]
+
+    # one move only (down is at the bound): the same trial again and again
+    pooled = WeightTuner(_cfg(credit_load_scale_bounds=(4.0, 8.0), pool_trials=4), CostWeights())
+    steps = drive(pooled, ttft, 40)
+    assert [s.action for s in steps][:4] == ["try", "revert", "try", "keep"]
+    assert "within noise" in steps[1].reason and "(n=8," in steps[3].reason  # two trials' samples
+    assert pooled.kept.credit_load_scale == 8.0
+    fresh = WeightTuner(_cfg(credit_load_scale_bounds=(4.0, 8.0), pool_trials=1), CostWeights())
+    assert "keep" not in [s.action for s in drive(fresh, ttft, 40)]  # each trial alone is within noise

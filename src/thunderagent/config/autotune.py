@@ -13,7 +13,7 @@ from thunderagent.config._base import _Strict, knob_needs_switch
 #: workers by it), so swapping them never leaves that view's order stale
 TUNABLE = ("credit_load_scale", "contention", "overlap_credit")
 
-_KNOBS = ("params", "window", "switch_every", "min_samples", "step", "z", "max_rel_noise", "credit_load_scale_bounds",
+_KNOBS = ("params", "window", "switch_every", "pool_trials", "min_samples", "step", "z", "max_rel_noise", "credit_load_scale_bounds",
           "contention_bounds", "overlap_credit_bounds", "log_steps")
 
 
@@ -28,6 +28,8 @@ class AutotuneConfig(_Strict):
     window: int = Field(200, ge=2, description="finished requests a trial needs under each of the two weight settings")
     switch_every: int = Field(25, ge=1, description="during a trial the tried and the kept weights alternate every "
                               "this many finished requests (both see the same traffic)")
+    pool_trials: int = Field(4, ge=1, description="a reverted move's samples count again in its next trial, up to "
+                             "this many windows per arm (1 = every trial starts afresh)")
     min_samples: int = Field(50, ge=2, description="no comparison with fewer finished requests in a window")
     step: float = Field(2.0, gt=1, description="a step multiplies or divides the weight by this (clamped to its "
                         "bounds)")

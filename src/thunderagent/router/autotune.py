@@ -13,7 +13,9 @@ coordinate-wise hill climb on mean TTFT, one weight one step at a time:
    start or a lull, does not pass for a gain, as it would comparing one window with the next);
 3. *judge*: keep the step only if the tried weights' mean TTFT is lower than the kept ones' by more
    than ``z`` standard errors of the difference; otherwise revert and try the next move. A kept move
-   is tried again in the same direction, from where it led.
+   is tried again in the same direction, from where it led. A reverted move's samples are pooled into
+   its next trial (up to ``pool_trials`` windows, and only while the kept weights stay the same): a
+   gain smaller than one trial's noise still shows after a few.
 
 The noise gate: an arm with fewer than ``min_samples`` requests, or whose mean's standard error
 exceeds ``max_rel_noise`` of the mean, never decides a keep (the step is reverted as too noisy).
@@ -100,6 +102,10 @@ class WeightTuner:
         self._trial: tuple[str, float, float] | None = None  # (param, kept value, tried value)
         self._trial_weights = weights
         self._arms = (Window(), Window())  # 0: kept weights, 1: tried weights
+        self._need = 0  # samples each arm must reach before the trial is judged
+        #: reverted moves' arms, by (param, tried value), pooled into the move's next trial while the kept
+        #: weights stay the same (a small gain needs more samples than one trial gives)
+        self._pool: dict[tuple[str, float], tuple[Window, Window]] = {}
         self._switch_at: list[float] = []  # when the arms alternated during the running trial
         self._arm = 1  # the arm in effect now
         self._count = 0  # samples since the latest switch
@@ -119,7 +125,7 @@ class WeightTuner:
         self._arms[arm].add(ttft_s, prompt, cached, best_known)
         self.samples += 1
         a, b = self._arms
-        if a.n >= self.cfg.window and b.n >= self.cfg.window:
+        if a.n >= self._need and b.n >= self._need:
             return self._judge(now)
         self._count += 1
         if self._count >= self.cfg.switch_every:
@@ -146,7 +152,10 @@ class WeightTuner:
                 self._move = i
                 self._trial = (param, old, new)
                 self._trial_weights = self.kept.model_copy(update={param: new})
-                self._arms = (Window(), Window())
+                self._arms = self._pool.pop((param, new), None) or (Window(), Window())
+                if self._arms[1].n >= self.cfg.pool_trials * self.cfg.window:
+                    self._arms = (Window(), Window())  # pooled long enough: start afresh
+                self._need = max(self._arms[0].n, self._arms[1].n) + self.cfg.window
                 self._switch_at = []
                 self._switch(1, now)
                 return [self._log(TuneStep(now, "try", param, old, new,
@@ -167,6 +176,7 @@ class WeightTuner:
         vs = f"{param} = {new:g}: {w.summary()}; {param} = {old:g}: {base.summary()}"
         if not self._noisy(w) and not self._noisy(base) and gain > self.cfg.z * se:
             self.kept = self._trial_weights
+            self._pool.clear()  # measured against other kept weights
             step = TuneStep(now, "keep", param, old, new,
                             f"{gain * 1e3:.1f} ms better > {self.cfg.z:g} x {se * 1e3:.1f} ms ({vs})")
         else:
@@ -174,6 +184,7 @@ class WeightTuner:
                    f"{-gain * 1e3:.1f} ms worse" if gain < 0 else
                    f"{gain * 1e3:.1f} ms better, within noise ({self.cfg.z:g} x {se * 1e3:.1f} ms)")
             self._move = (self._move + 1) % len(self._moves)
+            self._pool[(param, new)] = self._arms
             step = TuneStep(now, "revert", param, new, old, f"{why} ({vs})")
         self.weights = self.kept
         return [self._log(step), *self._try(now)]  # a kept move is tried again, from where it led
