@@ -189,3 +189,27 @@ def test_a_small_gain_shows_once_reverted_trials_are_pooled() -> None:
     assert pooled.kept.credit_load_scale == 8.0
     fresh = WeightTuner(_cfg(credit_load_scale_bounds=(4.0, 8.0), pool_trials=1), CostWeights())
     assert "keep" not in [s.action for s in drive(fresh, ttft, 40)]  # each trial alone is within noise
+
+
+def test_fast_path_explanations_use_the_tuned_weights() -> None:
+    from thunderagent.router.candidates import FleetView
+    from thunderagent.router.cost import score
+    from thunderagent.types import BlockStored, LoadReport, RouteRequest, WorkerState
+
+    def worker(i: int, queued: int) -> WorkerState:
+        return WorkerState(f"w{i}", 16, 1024, 8, LoadReport(f"w{i}", 0.0, 0, 0, queued, 0, 0, 0, 1000))
+
+    routing = RoutingConfig(candidate_limit=2)
+    index = KvIndex(120.0)
+    for i in range(6):
+        index.add_worker(f"w{i}")
+    router = KvRouter(routing, index, random.Random(0), Policy.kv_aware)
+    hashes = list(range(1001, 1009))
+    index.apply_event(BlockStored("w5", 0, tuple(hashes)), 0.0)
+    workers = [worker(i, 100 * i) for i in range(5)] + [worker(5, 2048)]
+    view = FleetView(routing, workers)  # built with the hand-set weights, as the drivers do
+    router.cfg = routing.model_copy(update={"weights": routing.weights.model_copy(update={"credit_load_scale": 0.5})})
+    d = router.route(RouteRequest("r", 128, hashes), view, 1.0)
+    held = d.candidates[5]
+    assert held.cost == score(workers[5], 128, 8, router.cfg, 0, 128).cost
+    assert held.cost != score(workers[5], 128, 8, routing, 0, 128).cost
