@@ -20,6 +20,7 @@ from thunderagent.config.auth import check_key, check_tenant
 from thunderagent.config.nats import NatsAuthConfig, NatsConfig, NatsTlsConfig
 from thunderagent.config.observe import DecisionLogConfig
 from thunderagent.config.outlier import OutlierConfig
+from thunderagent.config.autotune import AutotuneConfig
 from thunderagent.config.planner import PlannerConfig
 from thunderagent.config.scheduler import (
     GroupingConfig,
@@ -386,6 +387,7 @@ class RoutingConfig(_Strict):
     hot_prefix: HotPrefixConfig = HotPrefixConfig()
     disaggregation: DisaggConfig = Field(DisaggConfig(), description="prefill/decode split per request (acts "
                                          "with a role: prefill node group)")
+    autotune: AutotuneConfig = AutotuneConfig()  # online tuning of the cost weights (router/autotune.py)
 
     @field_validator("preempt_tier_weight", "preempt_memory_cost_s")
     @classmethod
@@ -398,6 +400,8 @@ class RoutingConfig(_Strict):
         if self.hot_prefix.enabled and self.policy is not Policy.kv_aware:
             raise ValueError(f"hot_prefix.enabled acts with policy kv_aware only (policy is {self.policy.value}): "
                              "other policies ignore the cache; disable hot_prefix or use kv_aware")
+        if self.autotune.enabled:
+            self.autotune.check_start(self.policy is Policy.kv_aware, self.weights)
         return self
 
     @field_validator("fallback_to_local")

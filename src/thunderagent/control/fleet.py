@@ -41,6 +41,7 @@ from thunderagent.control.liveness import LoopLag
 from thunderagent.control.metrics import Metrics
 from thunderagent.control.outliers import OutlierWatch
 from thunderagent.control.generation import Generation, HeldCall
+from thunderagent.control.autotune_hook import AutotuneHook
 from thunderagent.control.planner_hook import PlannerHook
 from thunderagent.control.registry import Health, WorkerRegistry
 from thunderagent.execution.handle import STALL_TIMEOUT_S, WorkerCallbacks, WorkerHandle
@@ -94,6 +95,7 @@ class Fleet:
         self.registry = WorkerRegistry(cp.heartbeat_interval, cp.heartbeat_misses, cfg.routing)
         self.outliers = OutlierWatch(cp.outlier, self.metrics)  # slow or failing live workers skipped a while
         self.planner = PlannerHook(cfg.planner, self.metrics.registry, self.routable, self.registry)  # scaling advice
+        self.autotune = AutotuneHook(cfg.routing, self.router, self.metrics.registry)  # self-tuning weights
         self.stall_timeout = stall_timeout
         #: our loop's lateness: leases and stalls are judged on on-time seconds (control/liveness.py)
         self.loop_lag = LoopLag(2 * max(self.registry.timeout, stall_timeout))
@@ -455,6 +457,8 @@ class Fleet:
                 self._schedule_pump()
             if last_t is not None:
                 self.metrics.observe_prefill(gen.dispatch, gen.prompt_tokens, cached, self.now())
+                self.autotune.finished(gen.received, first_t, gen.prompt_tokens, cached,
+                                       gen.dispatch.best_known_tokens, self.now())
                 if finished and reason in (FinishReason.STOP, FinishReason.LENGTH):
                     self.outliers.served(gen, first_t, last_t, completion)
             if not gen.produced:  # it never ran there: the blocks predicted on its worker are not there
@@ -468,4 +472,4 @@ class Fleet:
 
     def health_summary(self) -> dict[str, object]:
         return health_summary(self.registry, self.index, self.unavailable, self.dispatcher.queue, self.now(),
-                              self.membership.summary(), self.outliers.breakers)
+                              self.membership.summary(), self.outliers.breakers) | self.autotune.health()

@@ -154,13 +154,14 @@ class LazyScores(Sequence[CandidateScore]):
     __slots__ = ("_states", "_loads", "_args", "_built")
 
     def __init__(self, view: FleetView, num_tokens: int, levels: list[tuple[int, int]], bits: list[int],
-                 min_queued: int, best_cached: int) -> None:
+                 min_queued: int, best_cached: int, cfg: RoutingConfig | None = None) -> None:
         """``levels``: the index's ``match_levels``; ``bits``: each view position's index bit (the
-        caller's list must not change afterwards)."""
+        caller's list must not change afterwards); ``cfg``: the router's (its weights may be tuned,
+        ``router/autotune.py``), else the view's."""
         # WorkerState objects are mutated by drivers after the decision: keep their loads as they were
         self._states = view._states[:]
         self._loads = view.snapshot()
-        self._args = (num_tokens, levels, bits, view.cfg, min_queued, best_cached)
+        self._args = (num_tokens, levels, bits, cfg or view.cfg, min_queued, best_cached)
         self._built: tuple[CandidateScore, ...] | None = None
 
     def _all(self) -> tuple[CandidateScore, ...]:

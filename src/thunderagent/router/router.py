@@ -127,7 +127,8 @@ class KvRouter:
             worker_id=wid,
             policy=policy.name,
             reason=reason,
-            candidates=LazyScores(view, req.num_tokens, sel.levels, self._bits, sel.min_queued, sel.best_cached),
+            candidates=LazyScores(view, req.num_tokens, sel.levels, self._bits, sel.min_queued, sel.best_cached,
+                                  self.cfg),
             overlap_blocks=chosen.score.overlap_blocks,
             best_overlap_blocks=sel.best_overlap,
         )

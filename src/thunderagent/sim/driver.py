@@ -33,6 +33,7 @@ from thunderagent.engine.timing import make_timing
 from thunderagent.kv.feed import KvFeed
 from thunderagent.kv.index import KvIndex
 from thunderagent.observe.decision_log import DecisionLog
+from thunderagent.router.autotune import WeightTuner, feed
 from thunderagent.router.router import KvRouter
 from thunderagent.scheduler.disagg import Disaggregator
 from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
@@ -130,6 +131,9 @@ class _Run:
                 tr.done = True
                 tr.cached = o.cached_tokens
                 tr.end = o.time
+                if self.sim.tuner is not None and tr.first >= 0:  # routing.autotune: the tuner learns from it
+                    feed(self.sim.tuner, self.sim.dispatcher.router, tr.arrival, tr.first - tr.arrival,
+                         tr.input_length, tr.cached, tr.best_known, o.time)
                 if tr.program is not None:
                     self.sim.dispatcher.finished(tr.program, tr.input_length + tr.tokens, o.time, completed=True)
                 self.src.finished(o.request_id, o.time, now)
@@ -236,6 +240,7 @@ class Simulator:
         self.resyncs = 0
         self.decision_log = decision_log
         self.run_label = run_label
+        self.tuner = WeightTuner(routing.autotune, routing.weights) if routing.autotune.enabled else None
 
     def run(
         self,
