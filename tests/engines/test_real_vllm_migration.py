@@ -32,7 +32,9 @@ from thunderagent.frontend.hf_tokenizer import HfTokenizer
 pytestmark = pytest.mark.real_engine
 
 N = 12
-MAX_TOKENS = 256
+# long enough that several streams are mid-way on one server at once even when the tiny model runs
+# fast (~100 tokens/s per stream on a quiet machine): the kill must catch at least three
+MAX_TOKENS = 768
 
 
 def prompts(model: Path) -> list[list[int]]:
