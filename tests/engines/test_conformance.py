@@ -245,7 +245,7 @@ async def test_events_carry_the_routers_hashes(h: Harness) -> None:
     prompt = h.prompt(4 * BS + 3)
     await drain(h.handle.submit(h.request(prompt, 1)))
     want = set(block_hashes(prompt, BS, BASE_SEED))
-    await wait_until(lambda: want <= h.stored(), 10, "BlockStored events for the prompt")
+    await wait_until(lambda: want <= h.stored(), 30, "BlockStored events for the prompt")
     seqs = [e.seq for e in h.rec.events]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "event seqs are contiguous"
     snap = h.handle.snapshot()
