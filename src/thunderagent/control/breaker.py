@@ -70,6 +70,8 @@ class Breakers:
         self.cfg = cfg
         self._workers: dict[str, _Worker] = {}
         self._fleet = 0  # live workers at the last check (the cap's base)
+        #: workers whose breaker is not closed (open or half-open): routing filters only while any is
+        self.out: set[str] = set()
         self.ejections_total = 0  # for the metric
 
     # -- reports -------------------------------------------------------------------------------
@@ -100,6 +102,7 @@ class Breakers:
             if slow:
                 return self._eject(worker_id, w, now, f"probe slow: {slow}")
             w.state, w.reason, w.ejections = BreakerState.closed, "", 0
+            self.out.discard(worker_id)
             return BreakerChange(worker_id, BreakerState.closed, "probe normal")
         if w.state is BreakerState.closed and w.failures >= self.cfg.failure_threshold:
             if self._room() > 0:
@@ -109,6 +112,7 @@ class Breakers:
     def forget(self, worker_id: str) -> None:
         """The worker left the fleet: its history goes with it."""
         self._workers.pop(worker_id, None)
+        self.out.discard(worker_id)
 
     # -- periodic ------------------------------------------------------------------------------
     def check(self, workers: Sequence[str], now: float) -> list[BreakerChange]:
@@ -168,6 +172,7 @@ class Breakers:
     def _eject(self, wid: str, w: _Worker, now: float, why: str) -> BreakerChange:
         length = min(self.cfg.eject_s * 2 ** w.ejections, self.cfg.max_eject_s)
         w.state, w.reason, w.until, w.probes = BreakerState.open, why, now + length, 0
+        self.out.add(wid)
         w.ejections += 1
         self.ejections_total += 1
         return BreakerChange(wid, BreakerState.open, f"{why}; out for {length:g}s")
@@ -176,8 +181,7 @@ class Breakers:
         """Workers that may still be ejected: the cap less those out now."""
         n = max(self._fleet, len(self._workers))
         cap = min(int(self.cfg.max_ejected_fraction * n), n - 1)
-        out = sum(1 for w in self._workers.values() if w.state is not BreakerState.closed)
-        return cap - out
+        return cap - len(self.out)
 
     def _medians(self, w: _Worker) -> _Medians | None:
         if len(w.samples) < self.cfg.min_requests:

@@ -39,8 +39,11 @@ class OutlierWatch:
     def routable(self, workers: Sequence[WorkerState]) -> Sequence[WorkerState]:
         """``workers`` less those the breakers skip now (remembered for the decision's explanation);
         ``workers`` itself when none is skipped (a FleetView stays whole: the router's fast path)."""
+        # Called on every routing decision: with every breaker closed (the usual case) it costs O(1),
+        # not a scan of the fleet (that would undo the fleet view's O(log n) routing).
         blocked = self.breakers.blocked
-        skipped = tuple((w.worker_id, why) for w in workers if (why := blocked(w.worker_id)) is not None)
+        skipped = tuple((w.worker_id, why) for w in workers if (why := blocked(w.worker_id)) is not None) \
+            if self.breakers.out else ()
         self._skipped = skipped
         if not skipped:
             return workers
