@@ -179,6 +179,7 @@ def test_coalesce_identical_short_prefills() -> None:
     assert d.submit(req(d, "sib", [5] * (2 * BS) + [6] * BS), "", busy(), 0.01) is not None  # not identical
     assert d.progressed("lead", ok=True) == 1
     assert drain(d, busy(), 0.02) == [("dup", lead.decision.worker_id)]
+    assert d.grouper is not None and (d.grouper.stats["followers"], d.grouper.stats["coalesced"]) == (1, 1)
     off = dispatcher(enabled=True, coalesce=False)
     assert off.submit(req(off, "lead", prompt), "", busy(), 0.0) is not None
     assert off.submit(req(off, "dup", prompt), "", busy(), 0.01) is not None  # too short to group

@@ -38,8 +38,8 @@ def test_burst_prefills_the_prefix_once_per_worker_used(seed: int) -> None:
     used = sum(1 for c in per_worker if c)
     assert per_worker == [8, 8, 8, 8]  # an idle worker starts its own copy; followers balance across groups
     assert extra["computed_prefill_tokens"] == PREFIX * used + N * SUFFIX  # exactly once per worker
-    assert extra["grouping"] == {"followers": 28, "windows": 0, "stored": 0, "leader": 28, "timeout": 0,
-                                 "leaders": 4}
+    assert extra["grouping"] == {"followers": 28, "coalesced": 0, "windows": 0, "stored": 0, "leader": 28,
+                                 "timeout": 0, "leaders": 4}  # distinct suffixes: none coalesced
     assert sim.dispatcher.held() == 0
 
 

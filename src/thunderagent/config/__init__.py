@@ -26,6 +26,7 @@ from thunderagent.config.scheduler import (
     GroupingConfig,
     PacingAccounting,
     PacingConfig,
+    ResumeOrder,
     ResumePlacement,
     SchedulerConfig,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "NatsTlsConfig", "NodeConfig", "OutlierConfig", "PlannerConfig",
     "PacingAccounting", "PacingConfig", "Policy", "ResumePlacement", "Role", "RoutingConfig", "SchedulerConfig",
     "SimulationConfig", "TimingConfig", "load_config", "parse_config",
+    "ResumeOrder",
 ]
 
 

@@ -19,6 +19,11 @@ class ResumePlacement(str, Enum):
     cached = "cached"
 
 
+class ResumeOrder(str, Enum):
+    arrival = "arrival"
+    smallest = "smallest"
+
+
 class PacingConfig(_Strict):
     """Program-aware pacing (``scheduler/pacing.py``): under KV pressure, agent programs are paused
     between turns so the others keep their cache, and resumed with hysteresis."""
@@ -33,6 +38,12 @@ class PacingConfig(_Strict):
         ResumePlacement.cached,
         description="where a resumed program goes: `most_free` (the paper: most remaining KV) or `cached` (the "
         "worker the index says holds most of its blocks, when it has room; else the most free)",
+    )
+    resume_order: ResumeOrder = Field(
+        ResumeOrder.arrival,
+        description="order of paused and new programs within each class (held request, new, idle): `arrival` "
+        "(oldest pause first, and nobody passes the head: a large program is not starved) or `smallest` (the "
+        "paper's proxy: fewest context tokens first, and a program that does not fit is passed over)",
     )
     work_conserving: bool = Field(
         True, description="resume the next paused program on a worker that has nothing to run, whatever its KV "
@@ -53,7 +64,7 @@ class PacingConfig(_Strict):
         30.0, gt=0, description="on the resume side an idle (acting) program's tokens count half per this many seconds"
     )
 
-    @field_validator("accounting", "placement", "work_conserving", "tick_s", "pause_threshold", "resume_threshold",
+    @field_validator("accounting", "placement", "resume_order", "work_conserving", "tick_s", "pause_threshold", "resume_threshold",
                      "max_pause_s", "min_run_s", "acting_half_life_s")
     @classmethod
     def _knobs_need_pacing(cls, v: object, info: ValidationInfo) -> object:

@@ -387,6 +387,11 @@ class Fleet:
         if pacer is not None:
             self.metrics.observe_pacing(pacer.pauses, pacer.resumes)
             self._observe_programs()
+        grouper, hot = self.dispatcher.grouper, self.dispatcher.router.hot
+        if grouper is not None:
+            self.metrics.observe_grouping(grouper.stats)
+        if hot is not None:
+            self.metrics.observe_hot(hot.live_replicas(self.now()), hot.added, hot.to_replicas)
 
     def release_program(self, program_id: str) -> bool:
         """The client ended the program: forgotten; requests of it still held go now."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -72,7 +72,7 @@ class Metrics:
             "thunderagent_routing_decision_seconds", "Time to hash, match and choose a worker",
             buckets=_DECISION_BUCKETS, registry=r,
         )
-        for add in (self._liveness_metrics, self._scheduler_metrics, self._pd_metrics):
+        for add in (self._liveness_metrics, self._scheduler_metrics, self._grouping_metrics, self._pd_metrics):
             add(r)
         self._tiers: set[str] = set()
         self._paced = (0, 0)  # the pacer's pauses and resumes already counted
@@ -191,7 +191,6 @@ class Metrics:
         self.scheduler_cancelled = Counter(
             "thunderagent_scheduler_cancelled", "Held requests whose client left before dispatch", registry=r,
         )
-
     def observe_queue(self, by_tier: dict[int, int]) -> None:
         now = {str(t): n for t, n in by_tier.items()}
         for t in self._tiers - now.keys():
@@ -210,6 +209,54 @@ class Metrics:
         self.program_pauses.inc(pauses - last_pauses)
         self.program_resumes.inc(resumes - last_resumes)
         self._paced = (pauses, resumes)
+
+    def _grouping_metrics(self, r: CollectorRegistry) -> None:
+        """Prefix grouping (``scheduler.grouping``) and hot-prefix replicas (``routing.hot_prefix``)."""
+        self.grouped = Counter(
+            "thunderagent_grouped_requests", "Requests held as followers of an in-flight leader sharing their "
+            "prefix (scheduler.grouping)", registry=r,
+        )
+        self.coalesced = Counter(
+            "thunderagent_coalesced_requests", "Followers whose every full block was their leader's (identical "
+            "prefills, scheduler.grouping.coalesce)", registry=r,
+        )
+        self.follower_releases = Counter(
+            "thunderagent_follower_releases", "Followers released, by cause: stored (the prefix confirmed on the "
+            "leader's worker), leader (its first token or end), timeout (follower_max_wait_ms)", ["cause"], registry=r,
+        )
+        self.grouping_windows = Counter(
+            "thunderagent_grouping_windows", "New requests held for a window so that siblings can follow them",
+            registry=r,
+        )
+        self.hot_replicas = Gauge(
+            "thunderagent_hot_prefix_replicas", "Live replicas of hot prefixes (routing.hot_prefix)", registry=r,
+        )
+        self.hot_added = Counter(
+            "thunderagent_hot_prefix_replicas_added", "Replicas added for hot prefixes", registry=r,
+        )
+        self.hot_routed = Counter(
+            "thunderagent_hot_prefix_routed", "Requests sent to a hot prefix's replica", registry=r,
+        )
+        self._grouping: dict[str, int] = {}  # the grouper's totals already counted
+        self._hot = (0, 0)  # hot prefixes' replicas added and requests to replicas already counted
+
+    def observe_grouping(self, stats: Mapping[str, int]) -> None:
+        """The grouper's running totals (``Grouper.stats``): counters advance by what is new."""
+        last = self._grouping
+        for name, counter in (("followers", self.grouped), ("coalesced", self.coalesced),
+                              ("windows", self.grouping_windows)):
+            counter.inc(stats[name] - last.get(name, 0))
+        for cause in ("stored", "leader", "timeout"):
+            self.follower_releases.labels(cause).inc(stats[cause] - last.get(cause, 0))
+        self._grouping = dict(stats)
+
+    def observe_hot(self, live_replicas: int, added: int, routed: int) -> None:
+        """Hot prefixes (``HotPrefixes``): live replicas now; running totals of replicas added and
+        of requests sent to a replica."""
+        self.hot_replicas.set(live_replicas)
+        self.hot_added.inc(added - self._hot[0])
+        self.hot_routed.inc(routed - self._hot[1])
+        self._hot = (added, routed)
 
     def _pd_metrics(self, r: CollectorRegistry) -> None:
         """Disaggregated requests run by ``control.disagg_flow`` (prefill on one worker, KV moved)."""

@@ -70,6 +70,10 @@ class HotPrefixes:
         """Prefixes in the table (hot lately, with or without replicas)."""
         return len(self._table)
 
+    def live_replicas(self, now: float) -> int:
+        """Replicas not retired at ``now``, over every tracked prefix (O(``max_prefixes``))."""
+        return sum(len(self._live(e, now)) for e in self._table.values())
+
     def replicas(self, key: int, now: float) -> tuple[str, ...]:
         """The live replica set of the prefix whose last block hashes to ``key`` (oldest first)."""
         e = self._table.get(key)

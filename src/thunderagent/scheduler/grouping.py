@@ -97,7 +97,10 @@ class Grouper:
         self._windows: dict[str, tuple[Held, _Group]] = {}  # leaders waiting in their window
         self._timers: list[tuple[float, int, str, object]] = []  # (due, seq, kind, ref), lazily deleted
         self._seq = itertools.count()
-        self.stats = {"followers": 0, "windows": 0, "stored": 0, "leader": 0, "timeout": 0, "leaders": 0}
+        # followers: held behind a leader; coalesced: of those, identical prefills (every full block is the
+        # leader's); stored / leader / timeout: followers released, by cause
+        self.stats = {"followers": 0, "coalesced": 0, "windows": 0, "stored": 0, "leader": 0, "timeout": 0,
+                      "leaders": 0}
 
     # -- requests in ---------------------------------------------------------------------------
     def keys(self, hashes: Sequence[int]) -> tuple[int, ...]:
@@ -189,6 +192,7 @@ class Grouper:
         self._followers[held.req.request_id] = f
         self._timer(now + self.cfg.follower_max_wait_ms / 1e3, "follower", f)
         self.stats["followers"] += 1
+        self.stats["coalesced"] += n == len(hashes)
 
     # -- releases --------------------------------------------------------------------------------
     def stored(self, worker: str) -> int:

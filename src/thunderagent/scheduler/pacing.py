@@ -9,16 +9,19 @@ keeps the rest's caches whole; the paused ones wait instead of thrashing.
 Each tick (``tick_s``), per worker, its **demand** is the KV tokens of the programs placed there and
 not paused: ``paper`` accounting sums their contexts; ``shared`` accounting counts a prefix several
 of them share once, from their prompts' block hashes (chained hashes: two programs share block ``i``
-only if they share every block before it, so a program's shared prefix is found by bisection).
+only if they share every block before it, so a program's shared prefix is found by bisection). The
+per-worker sums are kept as programs change (:mod:`thunderagent.scheduler.accounts`), so a tick
+costs O(workers + paused programs), not O(programs x blocks).
 
 - **Pause** (demand over ``pause_threshold`` of the worker's KV tokens): ACTING programs smallest
   first; if that is not enough, REASONING programs are marked to pause when their turn ends (a
   running decode is never preempted). A program resumed less than ``min_run_s`` ago is spared.
 - **Resume** (per candidate, while its target worker stays under ``resume_threshold``): programs
   with a request held first, then new programs, then idle ones; oldest pause first within each, and
-  the order is not skipped (a large program is never passed over by smaller ones forever). An idle
-  (ACTING) program's tokens count for less on the resume side, halving every
-  ``acting_half_life_s``: its cache is the first to go anyway. Anything paused ``max_pause_s`` is
+  the order is not skipped (a large program is never passed over by smaller ones forever);
+  ``resume_order: smallest`` is the paper proxy's order instead: fewest tokens first within each
+  class, and one that does not fit is passed over. An idle (ACTING) program's tokens count for less
+  on the resume side, halving every ``acting_half_life_s``: its cache is the first to go anyway. Anything paused ``max_pause_s`` is
   resumed whatever the pressure; with ``work_conserving`` a worker with nothing to run takes the next
   paused program whatever its demand. Placement: ``most_free`` (the paper) or ``cached`` (where the index
   holds most of its blocks, if there is room there). A resumed program is pinned to its worker.
@@ -28,13 +31,13 @@ only if they share every block before it, so a program's shared prefix is found 
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from thunderagent.config import PacingAccounting, PacingConfig, ResumePlacement
+from thunderagent.config import PacingAccounting, PacingConfig, ResumeOrder, ResumePlacement
 from thunderagent.kv.index import KvIndex
+from thunderagent.scheduler.accounts import ProgramAccounts, WorkerAccount, shared_prefix
 from thunderagent.scheduler.programs import Program, ProgramState, ProgramTable
 from thunderagent.scheduler.queue import Held
 from thunderagent.types import WorkerState
@@ -57,30 +60,19 @@ class PacingEvent:
 
 
 class _Load:
-    """One worker's programs at a tick: the blocks they reference (with counts) and the demand."""
+    """One worker at a tick: its account (the programs counted there, kept by
+    :class:`~thunderagent.scheduler.accounts.ProgramAccounts`), the blocks of programs resumed or
+    admitted there since the tick began (``extra``), and the demand as the tick's decisions move it."""
 
-    __slots__ = ("cap", "blocks", "demand", "resume_demand", "idle")
+    __slots__ = ("account", "cap", "demand", "extra", "idle", "resume_demand")
 
-    def __init__(self, cap: int, idle: bool) -> None:
+    def __init__(self, cap: int, idle: bool, account: WorkerAccount, demand: float, resume_demand: float) -> None:
         self.cap = cap
         self.idle = idle  # nothing running or waiting on the worker
-        self.blocks: Counter[int] = Counter()
-        self.demand = 0.0  # full, for pausing
-        self.resume_demand = 0.0  # idle programs decayed, for resuming
-
-
-def _shared_prefix(blocks: Sequence[int], counts: Counter[int], least: int) -> int:
-    """Leading blocks of ``blocks`` counted at least ``least`` times (bisection: counts along a
-    chain never increase)."""
-
-    class _View:  # bisect over "is block i held fewer than `least` times"
-        def __getitem__(self, i: int) -> bool:
-            return counts.get(blocks[i], 0) < least
-
-        def __len__(self) -> int:
-            return len(blocks)
-
-    return bisect_left(_View(), True, 0, len(blocks))  # type: ignore[arg-type]
+        self.account = account
+        self.extra: Counter[int] = Counter()
+        self.demand = demand  # full, for pausing
+        self.resume_demand = resume_demand  # idle programs decayed, for resuming
 
 
 class ProgramPacer:
@@ -97,6 +89,11 @@ class ProgramPacer:
         self.resumes = 0
         self.forced_resumes = 0
         self.recent: deque[PacingEvent] = deque(maxlen=RECENT_EVENTS)
+        # per-worker demand kept as programs change, so a tick is O(workers + paused), not O(all blocks)
+        self.accounts = ProgramAccounts(cfg.accounting is PacingAccounting.shared, block_size, cfg.acting_half_life_s)
+        for prog in table:  # (a table is normally empty here)
+            self.accounts.changed(prog)
+        table.watcher = self.accounts
 
     # -- requests ------------------------------------------------------------------------------
     def must_hold(self, prog: Program, tokens: int, now: float) -> bool:
@@ -114,7 +111,7 @@ class ProgramPacer:
         if self._room[best] >= need[best]:
             self._room[best] -= need[best]
             if self.cfg.accounting is PacingAccounting.shared:
-                self._last[best].blocks.update(prog.blocks)
+                self._last[best].extra.update(prog.blocks)
             return False
         self.table.pause(prog, now)
         prog.pause_cycles -= 1  # waiting for admission is not a pause cycle
@@ -145,14 +142,19 @@ class ProgramPacer:
         """One pacing decision: pauses and resumes. Returns the programs resumed (their held
         requests can go, pinned to ``Program.pinned``)."""
         self.next_tick = now + self.cfg.tick_s
+        self.accounts.start_tick(now)
         loads = self._loads(workers, now)
         if not loads:
             self._last, self._room = {}, {}
             return []
-        for wid, load in loads.items():
-            if load.demand > self.cfg.pause_threshold * load.cap:
-                self._pause_on(wid, load, now)
-        resumed = self._resume(loads, now)
+        self.accounts.defer()  # the decisions below see the accounts as the tick found them
+        try:
+            for wid, load in loads.items():
+                if load.demand > self.cfg.pause_threshold * load.cap:
+                    self._pause_on(wid, load, now)
+            resumed = self._resume(loads, now)
+        finally:
+            self.accounts.flush()
         self._room = {wid: self.cfg.resume_threshold * ld.cap - ld.resume_demand for wid, ld in loads.items()}
         self._last = loads
         return resumed
@@ -162,7 +164,7 @@ class ProgramPacer:
         ``least - 1`` other programs there (shared)."""
         if self.cfg.accounting is PacingAccounting.paper or not prog.blocks:
             return prog.context_tokens
-        shared = _shared_prefix(prog.blocks, load.blocks, least)
+        shared = shared_prefix(prog.blocks, load.account.counts, least, load.extra)
         return max(0, prog.context_tokens - shared * self.block_size)
 
     def _weight(self, prog: Program, now: float) -> float:
@@ -171,40 +173,22 @@ class ProgramPacer:
         return 1.0
 
     def _loads(self, workers: Sequence[WorkerState], now: float) -> dict[str, _Load]:
-        loads = {w.worker_id: _Load(w.load.kv_total_blocks * w.block_size, not w.load.running and not w.load.waiting)
-                 for w in workers if w.load.kv_total_blocks > 0}
-        placed: list[tuple[Program, _Load]] = []
-        for prog in self.table:
-            load = loads.get(prog.pinned or prog.worker or "")
-            if load is None or prog.state is ProgramState.PAUSED:
-                continue
-            if self.cfg.accounting is PacingAccounting.shared:
-                load.blocks.update(prog.blocks)
-            placed.append((prog, load))
-        for prog, load in placed:
-            tokens = self._share(prog, load)
-            load.demand += tokens
-            load.resume_demand += tokens * self._weight(prog, now)
+        loads = {}
+        for w in workers:
+            if w.load.kv_total_blocks > 0:
+                acc = self.accounts.account(w.worker_id)
+                demand, resume_demand = self.accounts.totals(acc, now)
+                loads[w.worker_id] = _Load(w.load.kv_total_blocks * w.block_size,
+                                           not w.load.running and not w.load.waiting, acc, demand, resume_demand)
         return loads
-
-    def _share(self, prog: Program, load: _Load) -> float:
-        """``prog``'s share of ``load`` with every program counted: its blocks held by nobody else,
-        plus ``1/n`` of each block it shares with ``n - 1`` others (a shared prefix counts once;
-        paper accounting shares nothing). One bisection per program per tick."""
-        if self.cfg.accounting is PacingAccounting.paper or not prog.blocks:
-            return prog.context_tokens
-        counts, blocks = load.blocks, prog.blocks
-        shared = _shared_prefix(blocks, counts, 2)
-        own = max(0, prog.context_tokens - shared * self.block_size)
-        return own + sum(1.0 / counts[blocks[i]] for i in range(shared)) * self.block_size
 
     def _pause_on(self, wid: str, load: _Load, now: float) -> None:
         cfg = self.cfg
         limit = cfg.pause_threshold * load.cap
-        mine = [p for p in self.table if (p.pinned or p.worker) == wid and p.state is not ProgramState.PAUSED
-                and not p.pause_after_turn and (p.resumed_at < 0 or now - p.resumed_at >= cfg.min_run_s)]
+        mine = [p for p in load.account.members.values()
+                if not p.pause_after_turn and (p.resumed_at < 0 or now - p.resumed_at >= cfg.min_run_s)]
         sizes = {p.program_id: self._tokens(p, load, 2) for p in mine}
-        mine.sort(key=lambda p: (sizes[p.program_id], -p.first_seen))  # equal sizes: the newest first
+        mine.sort(key=lambda p: (sizes[p.program_id], -p.first_seen, p.seq))  # equal sizes: the newest first
         for state in (ProgramState.ACTING, ProgramState.REASONING):
             for p in mine:
                 if load.demand <= limit:
@@ -225,12 +209,14 @@ class ProgramPacer:
                     self._event(now, p, "pause_after_turn", wid, why)
 
     def _order(self, now: float) -> list[Program]:
-        paused = [p for p in self.table if p.state is ProgramState.PAUSED]
+        paused = list(self.accounts.paused.values())
 
-        def rank(p: Program) -> tuple[int, int, float]:
+        smallest = self.cfg.resume_order is ResumeOrder.smallest
+
+        def rank(p: Program) -> tuple[int, int, int, float, int]:
             forced = now - p.paused_since >= self.cfg.max_pause_s
             cls = 0 if p.program_id in self._held and p.admitted else 1 if not p.admitted else 2
-            return (0 if forced else 1, cls, p.paused_since)
+            return (0 if forced else 1, cls, p.context_tokens if smallest else 0, p.paused_since, p.seq)
 
         paused.sort(key=rank)
         return paused
@@ -243,6 +229,8 @@ class ProgramPacer:
             if target is None and self.cfg.work_conserving:
                 target = self._idle_worker(p, loads, now)
             if target is None and not forced:
+                if self.cfg.resume_order is ResumeOrder.smallest:
+                    continue  # the paper's proxy: a program that does not fit is passed over
                 break  # in order: nobody overtakes the program at the head for good
             if target is None:
                 target = max(loads, key=lambda w: self.cfg.resume_threshold * loads[w].cap - loads[w].resume_demand)
@@ -252,7 +240,7 @@ class ProgramPacer:
             load.demand += need
             load.resume_demand += need
             if self.cfg.accounting is PacingAccounting.shared:
-                load.blocks.update(p.blocks)
+                load.extra.update(p.blocks)
             self.table.resume(p, target, now)
             self.resumes += 1
             self.forced_resumes += forced

@@ -23,6 +23,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
 #: what a program id may be: it appears in URLs and logs
 PROGRAM_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -53,6 +54,7 @@ class Program:
     paused_since: float = -1.0
     pause_cycles: int = 0
     resumed_at: float = -1.0
+    seq: int = 0  # creation order in its table (ties in the pacer's orders go by it)
 
     def as_dict(self, now: float) -> dict[str, object]:
         return {
@@ -63,12 +65,23 @@ class Program:
         }
 
 
+class ProgramWatcher(Protocol):
+    """Told of every change to a program (after it) and of its removal: the pacer's accounts
+    (:class:`~thunderagent.scheduler.accounts.ProgramAccounts`) follow the table this way."""
+
+    def changed(self, prog: Program) -> None: ...
+
+    def removed(self, prog: Program) -> None: ...
+
+
 class ProgramTable:
     def __init__(self, idle_ttl_s: float) -> None:
         if idle_ttl_s <= 0:
             raise ValueError(f"idle_ttl_s must be > 0, got {idle_ttl_s}")
         self.idle_ttl_s = idle_ttl_s
         self._programs: dict[str, Program] = {}
+        self._created = 0
+        self.watcher: ProgramWatcher | None = None
 
     def __len__(self) -> int:
         return len(self._programs)
@@ -85,12 +98,15 @@ class ProgramTable:
         PAUSED (the request is then held until the pacer resumes it)."""
         prog = self._programs.get(program_id)
         if prog is None:
-            prog = self._programs[program_id] = Program(program_id, ProgramState.REASONING, now, now)
+            self._created += 1
+            prog = self._programs[program_id] = Program(program_id, ProgramState.REASONING, now, now,
+                                                        seq=self._created)
         elif prog.state is ProgramState.ACTING:
             prog.state, prog.last_change = ProgramState.REASONING, now
         prog.in_flight += 1
         if prompt_tokens:
             prog.blocks, prog.context_tokens = blocks, prompt_tokens
+        self._changed(prog)
         return prog
 
     def request_placed(self, program_id: str, worker_id: str) -> None:
@@ -98,6 +114,7 @@ class ProgramTable:
         if prog is not None:
             prog.worker = worker_id
             prog.admitted = True
+            self._changed(prog)
 
     def request_finished(self, program_id: str, context_tokens: int, now: float, *, completed: bool) -> None:
         """A request ended; ``completed``: it produced its response (a step). With nothing left in
@@ -111,11 +128,13 @@ class ProgramTable:
             prog.steps += 1
             prog.context_tokens = context_tokens
         if prog.in_flight or prog.state is ProgramState.PAUSED:
+            self._changed(prog)
             return
         if prog.pause_after_turn:
             self.pause(prog, now)
         else:
             prog.state, prog.last_change = ProgramState.ACTING, now
+            self._changed(prog)
 
     def pause(self, prog: Program, now: float) -> None:
         prog.state, prog.last_change = ProgramState.PAUSED, now
@@ -123,16 +142,21 @@ class ProgramTable:
         prog.paused_since = now
         prog.pause_cycles += 1
         prog.pinned = None
+        self._changed(prog)
 
     def resume(self, prog: Program, worker_id: str | None, now: float) -> None:
         prog.state = ProgramState.REASONING if prog.in_flight else ProgramState.ACTING
         prog.last_change = prog.resumed_at = now
         prog.paused_since = -1.0
         prog.pinned = worker_id
+        self._changed(prog)
 
     def release(self, program_id: str) -> bool:
         """The client says the program is done (TERMINATED): forget it. False if unknown."""
-        return self._programs.pop(program_id, None) is not None
+        prog = self._programs.pop(program_id, None)
+        if prog is not None and self.watcher is not None:
+            self.watcher.removed(prog)
+        return prog is not None
 
     def expire(self, now: float) -> list[str]:
         """Programs idle (ACTING, or PAUSED with nothing held) for the TTL or longer are TERMINATED;
@@ -141,8 +165,14 @@ class ProgramTable:
         gone = [p.program_id for p in self._programs.values()
                 if p.state is not ProgramState.REASONING and not p.in_flight and now - p.last_change >= ttl]
         for pid in gone:
-            del self._programs[pid]
+            prog = self._programs.pop(pid)
+            if self.watcher is not None:
+                self.watcher.removed(prog)
         return gone
+
+    def _changed(self, prog: Program) -> None:
+        if self.watcher is not None:
+            self.watcher.changed(prog)
 
     def by_state(self) -> dict[str, int]:
         out = {s.value: 0 for s in (ProgramState.REASONING, ProgramState.ACTING, ProgramState.PAUSED)}
