@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from thunderagent.config import PacingAccounting, PacingConfig, ResumePlacement
+from thunderagent.config import PacingAccounting, PacingConfig, ResumeOrder, ResumePlacement
 from thunderagent.kv.index import KvIndex
 from thunderagent.scheduler.pacing import ProgramPacer
 from thunderagent.scheduler.programs import ProgramState, ProgramTable
@@ -140,11 +140,23 @@ def test_a_new_program_waits_for_room_and_is_admitted_when_it_comes() -> None:
     assert p.must_hold(b, 400, 2.0) and b.state is ProgramState.PAUSED and b.pause_cycles == 0
     p.hold("b", held("rb", "b"))
     c = t.request_started("c", 2.0, [3], 50)
-    assert not p.must_hold(c, 50, 2.0)  # fits in the room left
+    assert p.must_hold(c, 50, 2.0)  # it would fit, but b waits ahead of it: admission in arrival order
+    assert p.recent[-1].reason == "new program: 1 new program(s) wait for room ahead of it"
+    p.hold("c", held("rc", "c"))
     t.request_finished("a", 800, 3.0, completed=True)
     t.release("a")
-    assert p.tick([worker("w0")], 4.0) == ["b"] and p.held_count() == 1
-    assert p.cancel("rb") and p.held_count() == 0 and not p.cancel("rb")
+    assert p.tick([worker("w0")], 4.0) == ["b", "c"] and p.held_count() == 2  # in arrival order
+    assert p.cancel("rb") and p.held_count() == 1 and not p.cancel("rb")
+
+
+def test_smallest_first_admission_lets_a_newcomer_that_fits_pass_a_waiting_program() -> None:
+    p, t, _ = pacer(pause_threshold=0.9, resume_threshold=0.5, resume_order=ResumeOrder.smallest)
+    start(t, "a", [1], 700, "w0", 0.0, finish=False)
+    p.tick([worker("w0")], 1.0)  # room: 800 - 700 = 100 tokens
+    b = t.request_started("b", 2.0, [2], 400)
+    assert p.must_hold(b, 400, 2.0)
+    c = t.request_started("c", 2.0, [3], 50)
+    assert not p.must_hold(c, 50, 2.0)  # the paper's order: a program that fits is not held behind b
 
 
 def test_a_rollout_group_sharing_a_long_prefix_is_admitted_together_with_shared_accounting() -> None:

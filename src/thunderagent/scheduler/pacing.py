@@ -103,6 +103,13 @@ class ProgramPacer:
             return True
         if prog.admitted or prog.in_flight > 1 or not self._last:
             return False
+        if self.cfg.resume_order is not ResumeOrder.smallest:
+            # new programs are admitted in arrival order: a newcomer that fits never passes one
+            # already waiting for room (else small programs arriving together fill every worker and
+            # the large ones wait for whole small programs to end: the starvation issue 9 names)
+            ahead = sum(1 for p in self.accounts.paused.values() if not p.admitted)
+            if ahead:
+                return self._hold_new(prog, now, f"new program: {ahead} new program(s) wait for room ahead of it")
         # the worker with the most room for what this program adds there: with shared accounting a
         # program sharing a long prefix with programs already there (an RL rollout group arriving
         # together) adds only its own tail, so such a group is admitted together
@@ -113,9 +120,12 @@ class ProgramPacer:
             if self.cfg.accounting is PacingAccounting.shared:
                 self._last[best].extra.update(prog.blocks)
             return False
+        return self._hold_new(prog, now, f"new program: no worker has room for {tokens} tokens")
+
+    def _hold_new(self, prog: Program, now: float, reason: str) -> bool:
         self.table.pause(prog, now)
         prog.pause_cycles -= 1  # waiting for admission is not a pause cycle
-        self._event(now, prog, "hold", None, f"new program: no worker has room for {tokens} tokens")
+        self._event(now, prog, "hold", None, reason)
         return True
 
     def hold(self, program_id: str, held: Held) -> None:
