@@ -177,6 +177,20 @@ class TokenOutput:
     #: ``raw_status``)
     raw: bytes | None = None
     raw_status: int = 200
+    #: on the first output of a ``kv_from`` request whose worker pulled the KV bytes itself (simulated
+    #: workers): how the pull went, or why it failed (then the output is a refusal: the flow falls back)
+    kv_pull: KvPull | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class KvPull:
+    """A decode worker's pull of a transfer's KV bytes (``execution/kv_bytes.py``), measured by it:
+    ``seconds`` is the pull alone (connect to last byte verified), not the prefill before it."""
+
+    cause: str  # "ok", or why it failed (kv_timeout, kv_interrupted, kv_checksum, kv_unreachable, target_full)
+    nbytes: int  # payload bytes received (and verified, when ok)
+    blocks: int  # blocks whose checksum was verified
+    seconds: float
 
 
 @dataclass(slots=True, frozen=True)
@@ -185,7 +199,8 @@ class KvTransfer:
 
     ``engine_params`` is the engine's own transfer object, passed through unchanged as JSON text
     (vLLM: the ``kv_transfer_params`` its prefill response returns, which its decode request must
-    carry); simulated engines leave it None and move ``block_hashes`` themselves."""
+    carry); simulated engines move ``block_hashes``, and their workers' byte transport puts its
+    address here (``execution/kv_bytes_worker.py``)."""
 
     source_worker: str
     num_tokens: int  # prompt tokens whose KV the source computed (full blocks only are moved)

@@ -15,10 +15,13 @@ pytestmark = pytest.mark.integration
 MODEL = "thunderagent-sim"
 
 
-def fleet(max_inflight: int) -> dict[str, object]:
-    return {"nodes": [{"role": "prefill", "count": 1,
-                       "kv_cache_transfer": {"enabled": True, "max_inflight": max_inflight}},
-                      {"role": "decode", "count": 2}]}
+def fleet(max_inflight: int, block_bytes: int = 16 << 10, **faults: object) -> dict[str, object]:
+    # the simulated workers move block_bytes of payload per block over TCP (the default, 8 MiB a
+    # block, would spend the test's time copying)
+    plane = {"enabled": True, "max_inflight": max_inflight, "sim_block_bytes": block_bytes}
+    if faults:
+        plane["sim_faults"] = faults
+    return {"nodes": [{"role": "prefill", "count": 1, "kv_cache_transfer": plane}, {"role": "decode", "count": 2}]}
 
 
 async def test_disaggregated_requests_stream_from_the_decode_worker(server_factory):
@@ -37,7 +40,17 @@ async def test_disaggregated_requests_stream_from_the_decode_worker(server_facto
         m = srv.fleet.metrics
         assert m.pd_started._value.get() == 1 and m.pd_ok._value.get() == 1  # type: ignore[attr-defined]
         decode = srv.fleet.workers[explain["worker"]].engine  # type: ignore[attr-defined]
-        assert decode.kv_imported_blocks == explain["pd"]["transfer_tokens"] // 64
+        blocks = explain["pd"]["transfer_tokens"] // 64
+        assert decode.kv_imported_blocks == blocks
+        # the payload bytes crossed a real connection, each block checksummed on arrival
+        stats = srv.fleet.workers["worker-0"].service.stats  # type: ignore[attr-defined]  (one per process)
+        assert (stats.pulls_served, stats.bytes_sent) == (1, blocks * (16 << 10))
+        assert (stats.pulls_ok, stats.bytes_received, stats.checksums_verified) == (1, blocks * (16 << 10), blocks)
+        assert m.pd_pulled_bytes._value.get() == blocks * (16 << 10)  # type: ignore[attr-defined]
+        assert m.pd_pull_checksums._value.get() == blocks  # type: ignore[attr-defined]
+        # the link learnt from the pull's own duration, not the prefill's
+        plane = srv.fleet.dispatcher.disagg.plane  # type: ignore[union-attr]
+        assert plane.links[("worker-0", explain["worker"])].samples == 1
         assert srv.fleet.dispatcher.disagg.plane.inflight == {}  # type: ignore[union-attr]
         # the answer is the same text a plain request gets (the simulated text depends on the prompt only)
         plain = await srv.client.chat.completions.create(
@@ -61,3 +74,29 @@ async def test_the_plane_cap_holds_under_a_burst_and_the_rest_prefill_locally(se
         m = srv.fleet.metrics
         started, full = m.pd_started._value.get(), m.pd_fallbacks.labels("plane_full")._value.get()  # type: ignore[attr-defined]
         assert started >= 1 and full >= 1 and started + full == 16
+
+
+@pytest.mark.parametrize(("faults", "cause"), [
+    ({"corrupt_p": 1.0}, "kv_checksum"),
+    ({"interrupt_p": 1.0}, "kv_interrupted"),
+    ({"target_full_p": 1.0}, "target_full"),
+    ({"slow_link_bps": 20000.0}, "kv_timeout"),  # 320 KiB at 20 KB/s: far past the 2 s pull floor
+])
+async def test_a_failed_pull_prefills_on_the_decode_worker_counted_by_cause(server_factory, faults, cause):
+    async with server_factory(execution_group=fleet(4, 32 << 10, **faults),
+                              routing={"seed": 7, "disaggregation": {"mode": "always"}},
+                              scheduler={"enabled": False}) as srv:
+        prompt = "a long enough prompt for several full blocks " * 12
+        stream = await srv.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=8, stream=True)
+        chunks = [c async for c in stream]
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) != ""
+        m = srv.fleet.metrics
+        assert m.pd_fallbacks.labels(cause)._value.get() == 1  # type: ignore[attr-defined]
+        assert m.pd_failed.labels(cause)._value.get() == 1 and m.pd_ok._value.get() == 0  # type: ignore[attr-defined]
+        assert m.pd_pulled_bytes._value.get() == 0  # type: ignore[attr-defined]
+        stats = srv.fleet.workers["worker-0"].service.stats  # type: ignore[attr-defined]
+        assert stats.failures == {cause: 1} and stats.pulls_ok == 0
+        plane = srv.fleet.dispatcher.disagg.plane  # type: ignore[union-attr]
+        assert plane.inflight == {} and plane.stats.fallbacks == {cause: 1}

@@ -16,7 +16,7 @@ from thunderagent.control.disagg_flow import PdAttempt
 from thunderagent.control.fleet import Fleet, Generation
 from thunderagent.control.membership import StaticMembership
 from thunderagent.execution.handle import OutputQueue, WorkerCallbacks
-from thunderagent.types import EngineRequest, FinishReason, KvTransfer, LoadReport, PdPlan, TokenOutput
+from thunderagent.types import EngineRequest, FinishReason, KvPull, KvTransfer, LoadReport, PdPlan, TokenOutput
 
 PARAMS = {"remote_engine_id": "e1", "remote_block_ids": [3, 4], "remote_host": "127.0.0.1", "remote_port": 5600}
 PLAN = PdPlan("worker-0", 128, 4096, 0.01, 0.05, "test")
@@ -32,6 +32,7 @@ class PdScripted:
         self.cb = cb
         self.prefill = prefill
         self.refuse_transfers = False  # a decode request with kv_from ends UNAVAILABLE (vLLM: HTTP 500)
+        self.pull: KvPull | None = None  # a decode worker that pulls the bytes itself reports this
         self.submitted: list[EngineRequest] = []
         self.aborted: list[str] = []
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -52,14 +53,14 @@ class PdScripted:
         rid, n, now = req.request_id, len(req.prompt_tokens), self.cb.clock
         if req.kv_from is not None and self.refuse_transfers:
             await asyncio.sleep(0.01)
-            q.put_output(TokenOutput(rid, [], now(), n, 0, True, FinishReason.UNAVAILABLE), now())
+            q.put_output(TokenOutput(rid, [], now(), n, 0, True, FinishReason.UNAVAILABLE, kv_pull=self.pull), now())
             return
         if not req.remote_decode:
             q.accepted = True
             for k, (tok, last) in enumerate(((104, False), (105, True))):
                 await asyncio.sleep(0.01)
                 q.put_output(TokenOutput(rid, [tok], now(), n, 0, last, FinishReason.LENGTH if last else None,
-                                         text=chr(tok)), now())
+                                         text=chr(tok), kv_pull=self.pull if req.kv_from and not k else None), now())
             return
         mode = self.prefill
         if mode == "silent":
@@ -96,15 +97,17 @@ class Observer:
     events: list[tuple] = field(default_factory=list)
 
     room: bool = True
+    pulls: list[object] = field(default_factory=list)
 
     def on_transfer_start(self, request_id: str, plan: PdPlan, decode_worker: str, now: float) -> bool:
         self.events.append(("start", plan.prefill_worker, decode_worker))
         return self.room
 
     def on_transfer_end(self, request_id: str, plan: PdPlan, ok: bool, cause: str, nbytes: int, seconds: float,
-                        now: float) -> None:
+                        now: float, pull: object = None) -> None:
         assert seconds >= 0
         self.events.append(("end", ok, cause, nbytes))
+        self.pulls.append(pull)
 
 
 async def pd_fleet(prefill: str, plan: PdPlan = PLAN, *,
@@ -201,6 +204,23 @@ async def test_decode_worker_refusing_the_transfer_prefills_itself() -> None:
     assert obs.events == [("start", "worker-0", "worker-1"), ("end", False, "decode_refused_transfer", 0)]
     assert value(f.metrics.pd_fallbacks, cause="decode_refused_transfer") == 1
     assert f.metrics.rerouted._value.get() == 0, "no detour through another worker"  # type: ignore[attr-defined]
+
+
+async def test_a_decode_workers_pull_is_reported_and_its_failure_counted_by_its_cause() -> None:
+    """Simulated workers pull the bytes themselves: a good pull rides on the first output to the
+    observer (the plane learns the link from it); a failed one is a refusal with the pull's cause."""
+    f, pre, dec, obs = await pd_fleet("ok")
+    dec.pull = good = KvPull("ok", 4096, 2, 0.01)
+    outs = await stream(f, await f.start_generation(list(range(100)), 2))
+    assert [o.token_ids for o in outs] == [[104], [105]] and obs.pulls == [good]
+    assert value(f.metrics.pd_pulled_bytes) == 4096 and value(f.metrics.pd_pull_checksums) == 2
+    dec.refuse_transfers, dec.pull = True, KvPull("kv_checksum", 0, 0, 0.01)
+    outs = await stream(f, await f.start_generation(list(range(100, 200)), 2))
+    assert [o.token_ids for o in outs] == [[104], [105]] and outs[-1].finish_reason == "length"
+    assert obs.events[-1] == ("end", False, "kv_checksum", 0)
+    assert value(f.metrics.pd_fallbacks, cause="kv_checksum") == 1
+    assert value(f.metrics.pd_fallbacks, cause="decode_refused_transfer") == 0
+    assert value(f.metrics.pd_pulled_bytes) == 4096
 
 
 async def test_prefill_worker_leaving_mid_prefill_falls_back() -> None:

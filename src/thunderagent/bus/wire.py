@@ -51,6 +51,7 @@ from thunderagent.types import (
     BlockStored,
     EngineRequest,
     KvEvent,
+    KvPull,
     KvTransfer,
     LoadReport,
     Passthrough,
@@ -374,6 +375,7 @@ class WireToken(msgspec.Struct, array_like=True, frozen=True):
     kv_transfer: WireKvTransfer | None = None
     raw: bytes | None = None  # engine openai: the server's answer bytes, relayed
     raw_status: int = 200
+    kv_pull: KvPull | None = None  # a decode worker's pull of the KV bytes (simulated workers; a map)
 
 
 class TokenBatch(msgspec.Struct, array_like=True, frozen=True):
@@ -412,13 +414,13 @@ def request_from_wire(g: GenerateRequest) -> EngineRequest:
 
 def output_to_wire(o: TokenOutput) -> WireToken:
     return WireToken(o.token_ids, o.time, o.prompt_tokens, o.cached_tokens, o.finished, o.finish_reason, o.text,
-                     _kv_to_wire(o.kv_transfer), o.raw, o.raw_status)
+                     _kv_to_wire(o.kv_transfer), o.raw, o.raw_status, o.kv_pull)
 
 
 def output_from_wire(request_id: str, w: WireToken) -> TokenOutput:
     reason = None if w.finish_reason is None else FinishReason(w.finish_reason)
     return TokenOutput(request_id, w.token_ids, w.time, w.prompt_tokens, w.cached_tokens, w.finished, reason, w.text,
-                       _kv_from_wire(w.kv_transfer), w.raw, w.raw_status)
+                       _kv_from_wire(w.kv_transfer), w.raw, w.raw_status, w.kv_pull)
 
 
 def max_prompt_tokens(max_payload: int, block_size: int) -> int:

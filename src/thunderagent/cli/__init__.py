@@ -1,8 +1,8 @@
-"""Command line: ``thunderagent serve | sim | explain | top | check-config | frontend | worker``.
+"""Command line: ``thunderagent serve | sim | explain | top | check-config | frontend | worker | probe-links``.
 
 One module per command group: :mod:`.serve` (the single-process server and config check),
 :mod:`.sim` (trace replay), :mod:`.explain` (decision logs), :mod:`.top` (a live view of a running
-server), :mod:`.nats` (the multi-process deployment).
+server), :mod:`.nats` (the multi-process deployment), :mod:`.probe` (link measurement).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import typer
 
 from thunderagent.cli import explain as cli_explain
 from thunderagent.cli import nats as cli_nats
+from thunderagent.cli import probe as cli_probe
 from thunderagent.cli import serve as cli_serve
 from thunderagent.cli import sim as cli_sim
 from thunderagent.cli import top as cli_top
@@ -21,6 +22,7 @@ cli_sim.register(app)
 cli_explain.register(app)
 cli_nats.register(app)
 cli_top.register(app)
+cli_probe.register(app)
 
 
 def main() -> None:

@@ -228,6 +228,11 @@ def _pd_setups(cfg: Config, node: Any, pd: str | None, modes: list[PdMode] | Non
         raise typer.Exit(2) from exc
     pre = [n for n in cfg.execution_group.nodes if n.role is Role.prefill]
     transfer = pre[0].kv_cache_transfer if pre else KvTransferConfig(enabled=True)
+    if sim := sorted({"sim_block_bytes", "sim_host", "sim_faults"} & transfer.model_fields_set):
+        typer.echo(f"error: kv_cache_transfer.{sim[0]} acts on a live server's simulated workers; the simulator "
+                   "moves virtual bytes (bytes_per_token) and injects faults with --pd-slow-link/--pd-interrupt/"
+                   "--pd-target-full: remove it", err=True)
+        raise typer.Exit(2)
     faults = PdFaults(slow, interrupt, full, seed)
     base = cfg.routing.disaggregation
     pnode = pre[0].model_copy(update={"kv_blocks": node.kv_blocks, "block_size": node.block_size}) if pre else None

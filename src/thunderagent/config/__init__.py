@@ -30,7 +30,7 @@ from thunderagent.config.scheduler import (
     ResumePlacement,
     SchedulerConfig,
 )
-from thunderagent.config.transfer import DisaggConfig, KvTransferConfig
+from thunderagent.config.transfer import DisaggConfig, KvTransferConfig, check_sim_fields
 
 __all__ = [
     "Config", "ConfigError", "ControlPlaneConfig", "CostWeights", "DecisionLogConfig", "DisaggConfig",
@@ -220,6 +220,7 @@ def check_roles(nodes: list[NodeConfig], disagg_set: bool) -> None:
         if n.role is Role.prefill and not n.kv_cache_transfer.enabled:
             raise ValueError(f"execution_group.nodes.{k}.kv_cache_transfer.enabled must be true on a role: prefill "
                              "group: its KV moves to the decode workers")
+        check_sim_fields(f"execution_group.nodes.{k}.kv_cache_transfer", n.engine, n.kv_cache_transfer)
     if prefill and all(n.role is Role.prefill for n in nodes):
         raise ValueError("execution_group.nodes: role prefill workers need a role decode or both group to decode "
                          "their requests")

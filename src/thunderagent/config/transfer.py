@@ -10,6 +10,33 @@ from pydantic import Field, ValidationInfo, field_validator
 from thunderagent.config._base import _Strict, knob_needs_switch
 
 
+class SimKvFaults(_Strict):
+    """Faults the simulated workers' KV byte transport injects (``execution/kv_bytes.py``): tests and
+    chaos drills. Each is a real failure path: the decode worker's pull fails with a cause and the
+    request prefills on its decode worker (``thunderagent_pd_fallbacks_total{cause}``)."""
+
+    slow_link_bps: float | None = Field(None, gt=0, description="the prefill side sends at most this many "
+                                        "bytes/s; a pull running past its timeout fails (cause kv_timeout)")
+    interrupt_p: float = Field(0.0, ge=0, le=1, description="share of pulls whose connection the prefill side "
+                               "cuts mid-transfer (cause kv_interrupted)")
+    corrupt_p: float = Field(0.0, ge=0, le=1, description="share of pulls with one byte flipped after its "
+                             "block's checksum was taken (cause kv_checksum)")
+    target_full_p: float = Field(0.0, ge=0, le=1, description="share of pulls the decode side refuses as if its "
+                                 "KV pool could not take the blocks (cause target_full; a pool really too full "
+                                 "refuses the same way)")
+    seed: int = Field(0, description="seed of the faults' draws (per worker)")
+
+
+class LinkEstimate(_Strict):
+    """A measured link (``thunderagent probe-links`` writes these): the plane's starting estimate for
+    transfers from ``src`` to ``dst`` instead of the configured default."""
+
+    src: str = Field(min_length=1)
+    dst: str = Field(min_length=1)
+    bandwidth_gbps: float = Field(gt=0)
+    latency_s: float = Field(ge=0)
+
+
 class KvTransferConfig(_Strict):
     """The transfer plane (``transfer/plane.py``) that moves a prefill worker's KV to a decode worker.
     Set it on the ``role: prefill`` node group (required there); the plane is fleet-wide, so one
@@ -33,12 +60,34 @@ class KvTransferConfig(_Strict):
     ewma_alpha: float = Field(0.3, gt=0, le=1, description="weight of a completed transfer in its link's "
                               "measured bandwidth")
 
+    # Simulated workers move real bytes (execution/kv_bytes.py): the prefill worker serves each
+    # handed-off block's payload over TCP, the decode worker pulls and checksums it before admitting.
+    sim_block_bytes: int | None = Field(None, ge=0, description="simulated workers: payload bytes per KV block "
+                                        "moved over TCP from the prefill to the decode worker (None: "
+                                        "bytes_per_token x block_size, what the plane charges; 0: no bytes move, "
+                                        "the block hashes alone)")
+    sim_host: str = Field("127.0.0.1", min_length=1, description="simulated workers: address their KV byte "
+                          "servers bind and advertise to decode workers")
+    sim_faults: SimKvFaults = SimKvFaults()
+    links: tuple[LinkEstimate, ...] = Field((), description="measured links (thunderagent probe-links --yaml): "
+                                            "the plane starts from these estimates instead of bandwidth_gbps / "
+                                            "latency_s")
+
     @field_validator("bandwidth_gbps", "latency_s", "max_inflight", "max_inflight_bytes", "max_transfer_bytes",
-                     "bytes_per_token", "target_watermark", "timeout_factor", "ewma_alpha")
+                     "bytes_per_token", "target_watermark", "timeout_factor", "ewma_alpha", "sim_block_bytes",
+                     "sim_host", "sim_faults", "links")
     @classmethod
     def _knobs_need_switch(cls, v: object, info: ValidationInfo) -> object:
         return knob_needs_switch(cls, v, info.field_name, bool(info.data.get("enabled")),
                                  "kv_cache_transfer.enabled")
+
+
+def check_sim_fields(where: str, engine: str, plane: KvTransferConfig) -> None:
+    """The simulated workers' byte fields act only on a simulated prefill group."""
+    sim = {"sim_block_bytes", "sim_host", "sim_faults"} & plane.model_fields_set
+    if engine != "simulated" and sim:
+        raise ValueError(f"{where}.{sorted(sim)[0]}: simulated workers' KV bytes; engine {engine} moves its own KV "
+                         "(remove it)")
 
 
 class DisaggConfig(_Strict):

@@ -33,7 +33,7 @@ from typing import Protocol
 from thunderagent.control.metrics import Metrics
 from thunderagent.execution.handle import KEEPALIVE_S, STALL_TIMEOUT_S, OutputQueue, WorkerHandle
 from thunderagent.scheduler.dispatch import Dispatch
-from thunderagent.types import EngineRequest, FinishReason, KvTransfer, PdPlan, TokenOutput
+from thunderagent.types import EngineRequest, FinishReason, KvPull, KvTransfer, PdPlan, TokenOutput
 
 __all__ = ["DisaggFlow", "PdAttempt", "RelayQueue", "TransferObserver", "PREFILL_TIMEOUT_S"]
 
@@ -63,8 +63,9 @@ class TransferObserver(Protocol):
         for its transfer now (the request then prefills on its decode worker: backpressure)."""
 
     def on_transfer_end(self, request_id: str, plan: PdPlan, ok: bool, cause: str, nbytes: int, seconds: float,
-                        now: float) -> None:
-        """``cause`` is "ok" or a fallback cause; ``nbytes`` the plan's bytes when ok, else 0."""
+                        now: float, pull: KvPull | None = None) -> None:
+        """``cause`` is "ok" or a fallback cause; ``nbytes`` the plan's bytes when ok, else 0;
+        ``pull`` the decode worker's own measure of its pull, when it moved the bytes itself."""
 
 
 class RelayQueue(OutputQueue):
@@ -169,14 +170,16 @@ class DisaggFlow:
         self.metrics.pd_started.inc()
         ended = False
 
-        def end(ok: bool, cause: str) -> None:
+        def end(ok: bool, cause: str, pull: KvPull | None = None) -> None:
             nonlocal ended
             ended = True
             now = self.clock()
             self.metrics.observe_pd_end(ok, cause, now - t0)
+            if pull is not None and ok:
+                self.metrics.observe_kv_pull(pull)
             if self.observer is not None:
                 self.observer.on_transfer_end(a.request_id, a.plan, ok, cause, a.plan.transfer_bytes if ok else 0,
-                                              now - t0, now)
+                                              now - t0, now, pull)
 
         try:
             transfer, cause = await self._prefill(a, req, relay)
@@ -186,11 +189,13 @@ class DisaggFlow:
                 end(False, cause)
                 self.metrics.pd_fallbacks.labels(cause).inc()
                 await self._relay(a.decode.submit(req), relay, None)
-            elif not await self._relay(a.decode.submit(replace(req, kv_from=transfer)), relay, end):
+            elif (refused := await self._relay(a.decode.submit(replace(req, kv_from=transfer)), relay, end)):
                 # the decode worker refused the transfer before any output (vLLM: HTTP 500 for an
-                # engine id it cannot reach): the same worker prefills it itself
-                log.warning("request %s: %s refused the KV transfer: prefilling there", a.request_id, a.worker_id)
-                self.metrics.pd_fallbacks.labels(DECODE_REFUSED).inc()
+                # engine id it cannot reach; a simulated worker: its pull of the bytes failed): the
+                # same worker prefills it itself
+                log.warning("request %s: %s refused the KV transfer (%s): prefilling there", a.request_id,
+                            a.worker_id, refused)
+                self.metrics.pd_fallbacks.labels(refused).inc()
                 await self._relay(a.decode.submit(req), relay, None)
         except asyncio.CancelledError:
             if not ended:
@@ -241,21 +246,25 @@ class DisaggFlow:
                 a.prefill = None
 
     @staticmethod
-    async def _relay(q: OutputQueue, relay: RelayQueue, end: Callable[[bool, str], None] | None) -> bool:
+    async def _relay(q: OutputQueue, relay: RelayQueue, end: Callable[[bool, str, KvPull | None], None] | None
+                     ) -> str | None:
         """Copy the decode half's outputs to the fleet's queue. With ``end`` (a transfer's decode
         half), the transfer is reported at the first output, and a refusal before any output
-        (``UNAVAILABLE`` / ``ERROR``, no token) is not passed on: False, the caller falls back."""
+        (``UNAVAILABLE`` / ``ERROR``, no token) is not passed on: its cause is returned (the
+        worker's pull's, else ``DECODE_REFUSED``), the caller falls back. None: relayed to the end."""
         relay.source = q
         while True:
             out: TokenOutput = await q.get()
             if end is not None:
                 refused = out.finished and not out.token_ids and out.finish_reason in _REFUSALS
-                end(not refused, DECODE_REFUSED if refused else "ok")
+                pull = out.kv_pull
+                cause = (pull.cause if pull is not None and pull.cause != "ok" else DECODE_REFUSED) if refused else "ok"
+                end(not refused, cause, pull)
                 end = None
                 if refused:
                     relay.source = None
-                    return False
+                    return cause
             relay.put_output(out, q.last_heard)
             if out.finished:
-                return True
+                return None
 

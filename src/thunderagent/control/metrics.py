@@ -9,7 +9,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from thunderagent.control.seed_metrics import Latency, SeedMetrics
 from thunderagent.scheduler.dispatch import Dispatch
-from thunderagent.types import LoadReport
+from thunderagent.types import KvPull, LoadReport
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
@@ -276,6 +276,22 @@ class Metrics:
             "thunderagent_pd_transfer_seconds", "Remote prefill submitted to first decode output (or failure)",
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r,
         )
+        # simulated workers move real bytes (execution/kv_bytes.py); their decode side reports its pull
+        self.pd_pulled_bytes = Counter("thunderagent_pd_kv_pulled_bytes", "KV payload bytes decode workers "
+                                       "pulled and verified themselves (simulated workers)", registry=r)
+        self.pd_pull_checksums = Counter("thunderagent_pd_kv_checksums_verified", "KV blocks whose checksum a "
+                                         "decode worker verified on a pull (simulated workers)", registry=r)
+        self.pd_pull_seconds = Histogram(
+            "thunderagent_pd_kv_pull_seconds", "A decode worker's pull of a transfer's bytes, connect to last "
+            "block verified (the plane's links learn from it)",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r,
+        )
+
+    def observe_kv_pull(self, pull: KvPull) -> None:
+        """A decode worker's own pull of a transfer's bytes (simulated workers)."""
+        self.pd_pulled_bytes.inc(pull.nbytes)
+        self.pd_pull_checksums.inc(pull.blocks)
+        self.pd_pull_seconds.observe(pull.seconds)
 
     def observe_pd_end(self, ok: bool, cause: str, seconds: float) -> None:
         if ok:

@@ -5,14 +5,16 @@ the KV is held from the prefill's end until the decode worker has it) and frees 
 worker's first output shows the KV arrived, or when it failed. A plan that finds the plane at its
 in-flight cap prefills on its decode worker instead (backpressure, counted ``plane_full``). The
 plane's link estimates keep their configured values live: a live duration includes the prefill
-itself, so it would teach the link a wrong bandwidth (``probe-links`` is not built).
+itself, so it would teach the link a wrong bandwidth. A decode worker that moved the bytes itself
+(simulated workers, ``execution/kv_bytes.py``) reports its pull's own duration: that teaches the
+link (``TransferPlane.learn``).
 """
 
 from __future__ import annotations
 
 from thunderagent.control.metrics import Metrics
 from thunderagent.transfer.plane import TransferPlane
-from thunderagent.types import PdPlan
+from thunderagent.types import KvPull, PdPlan
 
 ABORTED = "aborted"
 
@@ -32,11 +34,14 @@ class PlaneObserver:
         return True
 
     def on_transfer_end(self, request_id: str, plan: PdPlan, ok: bool, cause: str, nbytes: int, seconds: float,
-                        now: float) -> None:
+                        now: float, pull: KvPull | None = None) -> None:
         plane = self.plane
         if request_id not in plane.inflight:
             return
+        t = plane.inflight[request_id]
         plane.finish(request_id, now, ok=ok, cause=cause, learn=False)
+        if ok and pull is not None and pull.cause == "ok":
+            plane.learn(t.src, t.dst, pull.nbytes, pull.seconds)
         if ok:
             self.metrics.pd_bytes.inc(nbytes)
         elif cause != ABORTED:

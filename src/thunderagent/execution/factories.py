@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
-from thunderagent.config import Config, NodeConfig
+from thunderagent.config import Config, KvTransferConfig, NodeConfig
 from thunderagent.engine.preemption import knobs_from
 from thunderagent.engine.simulated import SimulatedEngine
 from thunderagent.execution.handle import WorkerCallbacks, WorkerFactory, WorkerHandle
+from thunderagent.execution.kv_bytes import KvByteService
+from thunderagent.execution.kv_bytes_worker import KvBytesWorker
 from thunderagent.execution.local import LocalWorker, ScaledClock
 from thunderagent.execution.openai import openai_factory
 from thunderagent.execution.sglang import sglang_factory
@@ -18,6 +20,10 @@ def simulated_factory(cfg: Config, eos_token_id: int | None) -> WorkerFactory:
     the first worker, inside the running event loop). ``eos_token_id`` None: the engine's default
     (the byte tokenizer's)."""
     clock: ScaledClock | None = None
+    plane = fleet_plane(cfg)
+    block_bytes = 0 if plane is None else sim_block_bytes(plane, cfg.execution_group.nodes[0].block_size)
+    # one KV byte server per process, shared by its simulated workers (offers are keyed by request id)
+    service = None if not block_bytes else KvByteService(plane.sim_host, plane.sim_faults)  # type: ignore[union-attr]
 
     def make(node: NodeConfig, worker_id: str, k: int, callbacks: WorkerCallbacks) -> WorkerHandle:
         nonlocal clock
@@ -26,9 +32,27 @@ def simulated_factory(cfg: Config, eos_token_id: int | None) -> WorkerFactory:
         preempt = knobs_from(cfg.routing)
         engine = (SimulatedEngine(worker_id, node, preempt=preempt) if eos_token_id is None
                   else SimulatedEngine(worker_id, node, eos_token_id=eos_token_id, preempt=preempt))
-        return LocalWorker(engine, clock, callbacks, cfg.control_plane.heartbeat_interval)
+        worker = LocalWorker(engine, clock, callbacks, cfg.control_plane.heartbeat_interval)
+        if service is None:
+            return worker
+        assert plane is not None
+        return KvBytesWorker(worker, service, block_bytes, plane, callbacks.clock)
 
     return make
+
+
+def fleet_plane(cfg: Config) -> KvTransferConfig | None:
+    """The fleet's transfer plane config (its prefill groups', which agree) when simulated workers
+    prefill for others, else None."""
+    for n in cfg.execution_group.nodes:
+        if n.kv_cache_transfer.enabled and n.engine == "simulated":
+            return n.kv_cache_transfer
+    return None
+
+
+def sim_block_bytes(plane: KvTransferConfig, block_size: int) -> int:
+    """Payload bytes per block simulated workers move (0: none; default: what the plane charges)."""
+    return plane.bytes_per_token * block_size if plane.sim_block_bytes is None else plane.sim_block_bytes
 
 
 def worker_factories(cfg: Config, eos_token_id: int | None) -> dict[str, WorkerFactory]:

@@ -76,6 +76,8 @@ class TransferPlane:
         self.inflight_bytes = 0
         self.queue: deque[Transfer] = deque()
         self.stats = PlaneStats()
+        for m in cfg.links:  # measured by ``thunderagent probe-links``: the starting estimates
+            self.links[(m.src, m.dst)] = Link(m.bandwidth_gbps * 1e9 / 8, m.latency_s)
 
     # ------------------------------------------------------------------------------ estimates
     def link(self, src: str, dst: str) -> Link:
@@ -90,6 +92,17 @@ class TransferPlane:
         if ln is None:
             return nbytes / self.default_bps + self.cfg.latency_s
         return nbytes / ln.bandwidth_bps + ln.latency_s
+
+    def learn(self, src: str, dst: str, nbytes: int, seconds: float) -> None:
+        """``nbytes`` moved from ``src`` to ``dst`` in ``seconds`` (latency included): the link's
+        bandwidth estimate takes it in (EWMA). The live fleet calls it with the decode worker's own
+        measure of its pull (a plan's duration there includes the prefill)."""
+        ln = self.link(src, dst)
+        moving = seconds - ln.latency_s
+        if moving > 0 and nbytes:
+            a = self.cfg.ewma_alpha
+            ln.bandwidth_bps = (1 - a) * ln.bandwidth_bps + a * (nbytes / moving)
+            ln.samples += 1
 
     def bytes_for(self, tokens: int) -> int:
         return tokens * self.cfg.bytes_per_token
@@ -135,12 +148,8 @@ class TransferPlane:
         if ok:
             st.completed += 1
             st.bytes_moved += t.nbytes
-            ln = self.link(t.src, t.dst)
-            moving = secs - ln.latency_s
-            if learn and moving > 0 and t.nbytes:
-                a = self.cfg.ewma_alpha
-                ln.bandwidth_bps = (1 - a) * ln.bandwidth_bps + a * (t.nbytes / moving)
-                ln.samples += 1
+            if learn:
+                self.learn(t.src, t.dst, t.nbytes, secs)
             k = 0
             while k < len(DURATION_BUCKETS_S) and secs > DURATION_BUCKETS_S[k]:
                 k += 1
