@@ -122,6 +122,17 @@ def test_hot_prefix_bench_runs(monkeypatch, capsys) -> None:
     assert out.count("\n  0  ") == 2  # one row per arm
 
 
+def test_migration_skew_bench_runs(monkeypatch, capsys) -> None:
+    """bench/migration_skew.py: off and on on the same requests, the ratio line printed."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    mod = _load("migration_skew")
+    monkeypatch.setattr(sys, "argv", ["migration_skew.py", "--shapes", "pileup", "--seeds", "0", "--prefixes", "2",
+                                      "--prefix-tokens", "8192", "--burst-s", "2"])
+    mod.main()
+    out = capsys.readouterr().out
+    assert "pileup: TTFT p99 off/on" in out and out.count("pileup     0") == 2  # one row per arm
+
+
 def test_pd_disagg_runs_on_the_excerpt(capsys, monkeypatch) -> None:
     pd = _load("pd_disagg")
     excerpt = BENCH.parent / "tests" / "data" / "mooncake_excerpt.jsonl"

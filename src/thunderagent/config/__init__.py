@@ -30,13 +30,13 @@ from thunderagent.config.scheduler import (
     ResumePlacement,
     SchedulerConfig,
 )
-from thunderagent.config.transfer import DisaggConfig, KvTransferConfig, check_sim_fields
+from thunderagent.config.transfer import DisaggConfig, KvTransferConfig, MigrationConfig, check_sim_fields
 
 __all__ = [
     "Config", "ConfigError", "ControlPlaneConfig", "CostWeights", "DecisionLogConfig", "DisaggConfig",
     "EndpointConfig",
     "ExecutionGroupConfig", "GroupingConfig", "KvTransferConfig", "MetricsConfig", "NatsAuthConfig", "NatsConfig",
-    "NatsTlsConfig", "NodeConfig", "OutlierConfig", "PlannerConfig",
+    "MigrationConfig", "NatsTlsConfig", "NodeConfig", "OutlierConfig", "PlannerConfig",
     "PacingAccounting", "PacingConfig", "Policy", "ResumePlacement", "Role", "RoutingConfig", "SchedulerConfig",
     "SimulationConfig", "TimingConfig", "load_config", "parse_config",
     "ResumeOrder",
@@ -391,6 +391,7 @@ class RoutingConfig(_Strict):
     disaggregation: DisaggConfig = Field(DisaggConfig(), description="prefill/decode split per request (acts "
                                          "with a role: prefill node group)")
     autotune: AutotuneConfig = AutotuneConfig()  # online tuning of the cost weights (router/autotune.py)
+    migration: MigrationConfig = MigrationConfig()  # cache migration under skew (transfer/migration.py)
 
     @field_validator("preempt_tier_weight", "preempt_memory_cost_s")
     @classmethod

@@ -34,6 +34,7 @@ from typing import Protocol
 from thunderagent.config import Config, Policy
 from thunderagent.control import migration
 from thunderagent.control.decision_hook import DecisionHook
+from thunderagent.control.cache_migration import make_cache_migration
 from thunderagent.control.disagg_flow import DisaggFlow
 from thunderagent.control.pd_plane import PlaneObserver
 from thunderagent.control.health_view import health_summary
@@ -116,6 +117,9 @@ class Fleet:
         self.disagg = DisaggFlow(self.workers, self.metrics, self.now, stall_timeout=stall_timeout)  # Dispatch.pd
         if self.dispatcher.disagg is not None:  # the plans' transfers on the plane (caps, backpressure)
             self.disagg.observer = PlaneObserver(self.dispatcher.disagg.plane, self.metrics)
+        self.cache_migration = make_cache_migration(  # routing.migration: copies on the health tick
+            cfg, None if self.dispatcher.disagg is None else self.dispatcher.disagg.plane, self.workers, self.index,
+            self.now, Policy(self.router.policy.name))
 
     # -- lifecycle ---------------------------------------------------------------------------
     def now(self) -> float:
@@ -139,6 +143,8 @@ class Fleet:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
+        if self.cache_migration is not None:
+            await self.cache_migration.stop()
         await self.membership.stop()
         self.decisions.close()
 
@@ -235,6 +241,8 @@ class Fleet:
                 self.metrics.healthy.labels(wid).set(1)
         self.outliers.tick([w.worker_id for w in self.registry.routable()], now)
         self.dispatcher.tick(self.routable(), now)  # pacing; grouping's bounds (``_wake`` runs them on time)
+        if self.cache_migration is not None:
+            self.cache_migration.tick(self.routable(), now)
         self.decisions.tick()  # buffered decision-log lines reach the file
         self.metrics.observe_fleet(self.registry.loads().values(), now)
         self.planner.tick(now)
@@ -333,6 +341,8 @@ class Fleet:
         self.metrics.observe_route(d, route_s, self.now())
         self.decisions.record(self, d, program_id)
         self.outliers.launched(d)
+        if self.cache_migration is not None:
+            self.cache_migration.observe(d, self.now())
         worker, received = self.workers[d.decision.worker_id], req.arrival  # before submit: sim engines reset it
         gen = Generation(req.request_id, d, *self.disagg.submit(d, worker), received, program_id=program_id,
                          latency=self.metrics.seed.latency(worker.worker_id, d.route_key))
@@ -477,4 +487,5 @@ class Fleet:
 
     def health_summary(self) -> dict[str, object]:
         return health_summary(self.registry, self.index, self.unavailable, self.dispatcher.queue, self.now(),
-                              self.membership.summary(), self.outliers.breakers) | self.autotune.health()
+                              self.membership.summary(), self.outliers.breakers) | self.autotune.health() | (
+                                  {} if self.cache_migration is None else self.cache_migration.health())

@@ -18,6 +18,8 @@ Kept apart from the engine's hot loop (``engine/simulated.py`` calls in at two p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from thunderagent.engine.blocks import BlockManager
 from thunderagent.types import EngineRequest, FinishReason, KvTransfer, TokenOutput
 
@@ -49,18 +51,34 @@ class KvHandoff:
         src = req.kv_from
         if src is None or not src.block_hashes:
             return
-        hashes = list(src.block_hashes)
+        if not self.import_blocks(src.block_hashes):
+            self.kv_import_failed += 1
+
+    def import_blocks(self, block_hashes: Sequence[int]) -> bool:
+        """Take moved blocks into the prefix cache (a ``BlockStored`` says so) as its most recently used
+        entries; those already cached stay. False when the pool is too full to take them."""
+        hashes = list(block_hashes)
         bm = self._bm
         hits = bm.match_prefix(hashes, len(hashes))[0]
         if hits == len(hashes):
-            return
+            return True
         table: list[int] = []
         if not bm.allocate(table, hashes, hits, len(hashes)):
-            self.kv_import_failed += 1
-            return
+            return False
         bm.cache_blocks(table, hashes, hits, len(hashes))
         self.kv_imported_blocks += len(hashes) - hits
         bm.release(table)
+        return True
+
+    def pin_blocks(self, key: str, block_hashes: Sequence[int]) -> int:
+        """Pin the leading cached blocks of ``block_hashes`` (a copy of them is leaving) until
+        :meth:`release_transfer` of ``key``; returns how many were cached (and pinned)."""
+        n = self._bm.match_prefix(block_hashes, len(block_hashes))[0]
+        if n:
+            table: list[int] = []
+            self._bm.allocate(table, block_hashes, n, n)
+            self._pinned[key] = table
+        return n
 
     def _handoff_outputs(self, out: list[TokenOutput]) -> list[TokenOutput]:
         """Finished remote prefill jobs get their :class:`KvTransfer`; their blocks are pinned."""

@@ -38,6 +38,7 @@ from thunderagent.router.router import KvRouter
 from thunderagent.scheduler.disagg import Disaggregator
 from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
 from thunderagent.sim.arrivals import ClosedLoop, OpenLoop, session_stats
+from thunderagent.sim.migrate import sim_migration
 from thunderagent.sim.pd import PdFaults, PdSim
 from thunderagent.sim.results import Dist, RunResult
 from thunderagent.sim.traces import TraceRequest
@@ -236,6 +237,8 @@ class Simulator:
         self.pd = None if disagg is None or pd is None else PdSim(self.engines, self._pos, disagg, pd.faults)
         for e in self.engines:  # transfers move on the virtual clock: blocks stay pinned until PdSim ends them
             e.pin_transfers = self.pd is not None
+        self.mig = sim_migration(routing, node, self.engines, self._pos, self.index, self.pd, self.apply_events,
+                                 1.0 if pd is None else pd.faults.slow_link, policy)
         self.sample_interval = sample_interval
         self.resyncs = 0
         self.decision_log = decision_log
@@ -296,15 +299,20 @@ class Simulator:
         # stretch is woken only at its end, and its load grows meanwhile.
         dispatcher = self.dispatcher
         pumping = dispatcher.queue is not None or dispatcher.pacer is not None or dispatcher.grouper is not None
-        pd = self.pd
+        pd, mg = self.pd, self.mig
         while True:
             ta = src.t
             tick = dispatcher.next_wakeup()
             tx = pd.next_time() if pd is not None else math.inf
-            if ta == math.inf and not heap and tx == math.inf and (tick == math.inf or not dispatcher.held()):
+            tm = mg.next_time() if mg is not None else math.inf  # cache migrations' copies ending
+            if ta == tm == math.inf and not heap and tx == math.inf and (tick == math.inf or not dispatcher.held()):
                 break  # (requests the holding queue alone still holds stay: ``held_at_end``)
-            if min(ta, heap[0][0] if heap else math.inf, tick, tx) > horizon:
+            if min(ta, heap[0][0] if heap else math.inf, tick, tx, tm) > horizon:
                 break
+            if mg is not None and tm <= min(ta, tick, tx) and (not heap or tm <= heap[0][0]):
+                now = run.last = max(tm, run.last)  # copies land (after that instant's pass ends)
+                run.land(run.passes_ending_at(now) + mg.step(now, self.routable, look=False), now)
+                continue
             if pd is not None and tx <= ta and tx <= tick and (not heap or tx <= heap[0][0]):
                 # transfers ending: their requests reach the decode engines (after that instant's pass ends)
                 now = run.last = max(tx, run.last)
@@ -346,6 +354,8 @@ class Simulator:
                 held.clear()
             run.refresh_loads(now)
             run.sample(now)
+            if mg is not None:  # the migrator looks at arrivals (at most every interval_s)
+                due += mg.step(now, self.routable, look=True)
             while src.t == now:
                 i = self._dispatch(src.pop(), now, run.tracks)
                 if i >= 0:
@@ -395,6 +405,8 @@ class Simulator:
         i = self._pos[d.decision.worker_id]
         tr = tracks[d.request.request_id]
         tr.worker, tr.best_known = i, d.best_known_tokens
+        if self.mig is not None:  # demand for the request's known prefix
+            self.mig.migrator.observe(d.request.block_hashes, d.decision.best_overlap_blocks, now)
         if self.decision_log is not None:
             self.decision_log.record(d, now, program=tr.program, run=self.run_label)
         if d.pd is not None and self.pd is not None:  # prefill elsewhere first; decoded on i once the KV moved
@@ -444,6 +456,7 @@ class Simulator:
                 **self._scheduler_extra(done),
                 **({"grouping": dict(g.stats)} if (g := self.dispatcher.grouper) is not None else {}),
                 **({"pd": self.pd.stats()} if self.pd is not None else {}),
+                **({"migration": self.mig.stats()} if self.mig is not None else {}),
             },
         )
 

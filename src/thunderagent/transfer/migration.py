@@ -1,0 +1,243 @@
+"""Cache migration under sustained skew: copy a hot worker's most-demanded prefixes to a worker with room.
+
+Why: the cost function spreads a hot prefix only by *recomputing* it elsewhere (its load-shrunk cache
+credit); when the prefixes are long (8-32 K tokens) and several of them sit on one backlogged worker,
+every spread pays a long prefill on the target, and until then the requests queue behind the hot worker.
+A copy over a fast link costs the target no compute, and lands before the demand does.
+
+Pure and synchronous (``now`` passed in). A driver (the simulator on its virtual clock, the live fleet
+on its health tick) calls:
+
+* :meth:`Migrator.observe` for every routed request: the request's deepest known overlap (its *prefix*,
+  at least ``min_prefix_tokens``) gets one more request of demand (decayed with ``demand_half_life_s``);
+* :meth:`Migrator.tick` with the fleet's workers and the index: at most every ``interval_s`` it looks for
+  **sources** (load at least ``hot_backlog_passes`` passes, or busy, for ``sustain_s`` without a break) and
+  **targets** (neither hot nor busy, and load under ``room_backlog_passes`` passes or at least
+  ``hot_backlog_passes`` passes below the source's: the cost function would then route the prefix's
+  requests there once it holds it; a fleet under load has no idle worker), and plans copies of
+  the sources' prefixes by falling demand (at least ``min_demand``): each to the least-loaded target that
+  lacks it (targets given a copy in this look come last), through the plane's admission (``too_large``,
+  ``target_full``), worth it only when the link's estimate is below the target's recompute time (its timing
+  model, in passes of its batch) (``not_worth_it``), and only when the plane has room at once: a copy
+  never queues in front of a prefill/decode handoff (``plane_busy``). A prefix that some worker with room
+  already holds is not copied (routing already has a place for it). The driver starts each planned copy
+  on the plane (:meth:`TransferPlane.start` returns it started) and pins the prefix on the source;
+* :meth:`Migrator.finished` when the copy ended: the driver then imports the blocks into the target
+  engine and :meth:`landed` predicts them in the index, so kv_aware routes the prefix's requests there.
+
+*Load* is the cost function's own request-independent part (``router/cost.py`` ``base_load``: queued
+prefill, decode weight x decode tokens, memory), in passes of the worker's ``max_num_batched_tokens``: the
+cost function spills a prefix's requests to a worker without it once the holder's load exceeds the
+prefix's length, so the copy is planned on the same measure, well below that point (a 32 K-token prefix
+spills at about 4 passes; a source is hot at 1 by default), and lands before the recompute would start.
+
+Refusals are counted by cause once per (look, prefix), ``no_target`` once per (look, source); counters
+are plain fields (:meth:`stats`). Bounded: ``max_prefixes`` prefixes tracked (least recently requested
+forgotten first), ``max_per_tick`` copies per look, one copy of a prefix in flight at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from thunderagent.config import RoutingConfig
+from thunderagent.engine.timing import TimingModel
+from thunderagent.kv.index import KvIndex
+from thunderagent.router.cost import base_load, is_busy
+from thunderagent.transfer.plane import TransferPlane
+from thunderagent.types import WorkerState
+
+TID_PREFIX = "migrate-"
+
+
+@dataclass(slots=True, frozen=True)
+class Migration:
+    """One planned copy: ``hashes`` are the prefix's blocks the source holds (the target imports those it
+    lacks); ``blocks`` / ``nbytes`` what moves."""
+
+    tid: str
+    src: str
+    dst: str
+    key: int  # the prefix's key (hash of its last block as requested)
+    hashes: tuple[int, ...]
+    blocks: int
+    nbytes: int
+    demand: float
+
+
+class _Prefix:
+    __slots__ = ("hashes", "count", "at")
+
+    def __init__(self, hashes: tuple[int, ...], now: float) -> None:
+        self.hashes = hashes
+        self.count = 0.0  # decayed requests as of ``at``
+        self.at = now
+
+
+class Migrator:
+    """The migration policy; ``plane`` is the fleet's transfer plane, ``timing`` the targets' timing model."""
+
+    def __init__(self, routing: RoutingConfig, plane: TransferPlane, timing: TimingModel, block_size: int) -> None:
+        self.routing = routing
+        self.cfg = routing.migration
+        self.plane = plane
+        self.timing = timing
+        self.block_size = block_size
+        self._demand: dict[int, _Prefix] = {}  # prefix key (its last block's hash) -> demand; LRU order
+        self._since: dict[str, float] = {}  # worker -> since when it is hot without a break
+        self._next = 0.0  # the next look is due at
+        self._active: dict[str, Migration] = {}  # in flight, by tid
+        self._moving: set[int] = set()  # keys of prefixes in flight
+        self._n = 0
+        self.planned = 0
+        self.completed = 0
+        self.failed = 0
+        self.bytes_moved = 0
+        self.blocks_moved = 0
+        self.refusals: dict[str, int] = {}
+
+    # -- demand ----------------------------------------------------------------------------------
+    def observe(self, block_hashes: Sequence[int], depth: int, now: float) -> None:
+        """A request was routed; ``depth``: the most of its leading blocks any worker held."""
+        if depth <= 0 or depth * self.block_size < self.cfg.min_prefix_tokens:
+            return
+        key = block_hashes[depth - 1]
+        table = self._demand
+        p = table.pop(key, None)
+        if p is None:
+            p = _Prefix(tuple(block_hashes[:depth]), now)
+            if len(table) >= self.cfg.max_prefixes:
+                del table[next(iter(table))]  # least recently requested
+        table[key] = p  # most recent last
+        p.count = self._decayed(p, now) + 1.0
+        p.at = now
+
+    def demand(self, key: int, now: float) -> float:
+        p = self._demand.get(key)
+        return 0.0 if p is None else self._decayed(p, now)
+
+    def _decayed(self, p: _Prefix, now: float) -> float:
+        return p.count * 0.5 ** (max(0.0, now - p.at) / self.cfg.demand_half_life_s)
+
+    # -- planning --------------------------------------------------------------------------------
+    def tick(self, workers: Sequence[WorkerState], index: KvIndex, now: float) -> list[Migration]:
+        """Copies to start now (each started on the plane by the caller, which has room for all)."""
+        cfg = self.cfg
+        if now < self._next:
+            return []
+        self._next = now + cfg.interval_s
+        sources: list[tuple[float, WorkerState]] = []
+        others: list[tuple[float, WorkerState]] = []  # neither hot nor busy
+        since: dict[str, float] = {}
+        for w in workers:
+            if w.role == "prefill":  # serves remote prefills only: routing never sends a prefix's requests there
+                continue
+            q = base_load(w, self.routing)
+            if is_busy(w, self.routing) or q >= cfg.hot_backlog_passes * w.max_num_batched_tokens:
+                t0 = since[w.worker_id] = self._since.get(w.worker_id, now)
+                if now - t0 >= cfg.sustain_s:
+                    sources.append((q, w))
+            else:
+                others.append((q, w))
+        self._since = since  # a worker that cooled down (or left) starts afresh
+        if not sources:
+            return []
+        sources.sort(key=lambda x: -x[0])
+        ranked = sorted(((self._decayed(p, now), k, p) for k, p in self._demand.items()), key=lambda x: -x[0])
+        given: dict[str, int] = {}  # target -> copies planned for it in this look
+        out: list[Migration] = []
+        for load, src in sources:
+            # room: under room_backlog_passes, or a hot threshold's worth of passes below this source (the
+            # cost function would route the prefix's requests there once it holds it)
+            batch = src.max_num_batched_tokens
+            targets = [w for q, w in others
+                       if q < cfg.room_backlog_passes * batch or q <= load - cfg.hot_backlog_passes * batch]
+            if not targets:
+                self._refuse("no_target")
+                continue
+            room_ids = {w.worker_id for w in targets}
+            # Work: one index match per tracked prefix at most (max_prefixes, each O(its blocks)), per source.
+            for dem, key, p in ranked:
+                if dem < cfg.min_demand or len(out) >= cfg.max_per_tick:
+                    break
+                if key in self._moving:
+                    continue
+                held = index.find_matches(p.hashes, now)
+                n = held.get(src.worker_id, 0)
+                if n * self.block_size < cfg.min_prefix_tokens:
+                    continue  # not this source's prefix
+                if any(held.get(w, 0) >= n for w in room_ids):
+                    continue  # a worker with room holds it: routing already has a place for it
+                mig = self._plan(src, p, n, dem, held, targets, given, out)
+                if mig is not None:
+                    out.append(mig)
+        return out
+
+    def _plan(self, src: WorkerState, p: _Prefix, n: int, dem: float, held: dict[str, int],
+              targets: list[WorkerState], given: dict[str, int], planned: list[Migration]) -> Migration | None:
+        plane, bs = self.plane, self.block_size
+        dst = min(targets, key=lambda w: (given.get(w.worker_id, 0), base_load(w, self.routing),
+                                          -held.get(w.worker_id, 0)))
+        blocks = n - held.get(dst.worker_id, 0)
+        nbytes = plane.bytes_for(blocks * bs)
+        why = plane.refusal(nbytes, blocks, dst.load.kv_active_blocks, dst.load.kv_total_blocks)
+        if why is None and plane.estimate(src.worker_id, dst.worker_id, nbytes) >= self.recompute_s(
+                blocks * bs, dst.max_num_batched_tokens):
+            why = "not_worth_it"
+        if why is None and not self._room(nbytes, planned):
+            why = "plane_busy"
+        if why is not None:
+            self._refuse(why)
+            return None
+        self._n += 1
+        mig = Migration(f"{TID_PREFIX}{self._n}", src.worker_id, dst.worker_id, p.hashes[-1], p.hashes[:n], blocks,
+                        nbytes, dem)
+        given[dst.worker_id] = given.get(dst.worker_id, 0) + 1
+        self._active[mig.tid] = mig
+        self._moving.add(mig.key)
+        self.planned += 1
+        return mig
+
+    def _room(self, nbytes: int, planned: list[Migration]) -> bool:
+        """The plane would start this copy at once after the ones ``planned`` in this look (never queued
+        in front of a prefill/decode handoff)."""
+        p = self.plane
+        return (not p.queue and len(p.inflight) + len(planned) < p.cfg.max_inflight
+                and p.inflight_bytes + sum(m.nbytes for m in planned) + nbytes <= p.cfg.max_inflight_bytes)
+
+    def recompute_s(self, tokens: int, batch: int) -> float:
+        """Seconds a target needs to prefill ``tokens`` in passes of ``batch`` tokens (its timing model)."""
+        full, rest = divmod(tokens, batch)
+        t = full * self.timing.pass_time(batch, 0, 1, False) if full else 0.0
+        return t + (self.timing.pass_time(rest, 0, 1, False) if rest else 0.0)
+
+    def _refuse(self, cause: str) -> None:
+        self.refusals[cause] = self.refusals.get(cause, 0) + 1
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def finished(self, tid: str, ok: bool) -> Migration:
+        """Copy ``tid`` ended (``ok``: its bytes arrived). The caller imports the blocks on success and
+        calls :meth:`landed`."""
+        mig = self._active.pop(tid)
+        self._moving.discard(mig.key)
+        if ok:
+            self.completed += 1
+            self.bytes_moved += mig.nbytes
+            self.blocks_moved += mig.blocks
+        else:
+            self.failed += 1
+        return mig
+
+    def landed(self, mig: Migration, index: KvIndex, now: float) -> None:
+        """The target holds the prefix now: predicted there until its own events confirm it."""
+        index.predict(mig.dst, mig.hashes, now)
+
+    @property
+    def inflight(self) -> int:
+        return len(self._active)
+
+    def stats(self) -> dict[str, object]:
+        return {"planned": self.planned, "completed": self.completed, "failed": self.failed,
+                "bytes_moved": self.bytes_moved, "blocks_moved": self.blocks_moved,
+                "refusals": dict(self.refusals), "tracked_prefixes": len(self._demand)}

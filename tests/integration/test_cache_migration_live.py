@@ -1,0 +1,54 @@
+"""Cache migration on a live server with simulated workers: under injected skew (the prefix's holder made
+to look busy to the migrator) the health-tick driver copies the prefix to the other worker through the
+simulated engines' hash handoff; the target imports the blocks and the next request of the prefix finds
+them there (routing sees the overlap)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import aiohttp
+import pytest
+
+pytestmark = pytest.mark.integration
+
+MODEL = "thunderagent-sim"
+PREFIX = "shared context " * 150  # 2,250 characters: 35 full blocks of 64 tokens
+
+
+async def ask(s: aiohttp.ClientSession, url: str, prompt: str) -> dict:
+    payload = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "explain": True}
+    async with s.post(url + "/v1/completions", json=payload) as r:
+        assert r.status == 200
+        return (await r.json())["thunderagent"]
+
+
+async def test_a_copy_lands_on_the_target_and_routing_sees_it(server_factory):
+    mig = {"enabled": True, "min_prefix_tokens": 1024, "min_demand": 0.5, "sustain_s": 0.0,
+           "link": {"enabled": True, "bandwidth_gbps": 200.0}}
+    async with server_factory(execution_group={"nodes": [{"count": 2}]}, routing={"migration": mig},
+                              scheduler={"enabled": False}) as srv:
+        fleet = srv.fleet
+        flow = fleet.cache_migration
+        assert flow is not None
+        async with aiohttp.ClientSession() as s:
+            holder = (await ask(s, srv.base_url, PREFIX + "first question"))["worker"]
+            second = await ask(s, srv.base_url, PREFIX + "second question")  # finds the prefix: demand
+            assert second["worker"] == holder and second["overlap_blocks"] >= 32
+            target = next(w for w in fleet.workers if w != holder)
+            # injected skew: the migrator sees the holder busy (its engine queue at the busy threshold)
+            states = [replace(w, load=replace(w.load, waiting=w.queue_depth_threshold)) if w.worker_id == holder
+                      else w for w in fleet.routable()]
+            flow.tick(states, fleet.now() + 1.0)  # past any look the health tick just had
+            tasks = list(flow._tasks.values())
+            assert len(tasks) == 1, flow.migrator.refusals
+            await asyncio.wait_for(asyncio.gather(*tasks), 10.0)
+            assert flow.migrator.completed == 1 and flow.migrator.plane.inflight == {}
+            engine = fleet.workers[target].engine  # type: ignore[attr-defined]
+            assert engine.kv_imported_blocks >= 32
+            third = await ask(s, srv.base_url, PREFIX + "third question")
+            seen = {c["worker"]: c["overlap_blocks"] for c in third["candidates"]}
+            assert seen[target] >= 32  # the index holds the copy on the target: routing may send it there
+            async with s.get(srv.base_url + "/health") as r:
+                assert (await r.json())["cache_migration"]["completed"] == 1
