@@ -93,14 +93,35 @@ def test_two_contents_under_one_primary_poison_it_until_its_last_entry_goes() ->
     assert idx.find_matches(hp, 21.0, cp) == {"a": 3}
 
 
-def test_unverified_entries_match_on_the_primary_alone() -> None:
-    """Documented limit: a source that sends no check hashes (a hash-only dump) does not bind."""
-    idx = make(True, "c")
+@pytest.mark.parametrize(("double_hash", "expected"), [(True, {}), (False, {"c": 3})])
+def test_unverified_dump_never_gives_a_checked_hit(double_hash: bool, expected: dict[str, int]) -> None:
+    """A dump without check hashes holds Q's content under P's primaries: with the guard on its
+    entries are unverified and a checked query does not match through them."""
+    idx = make(double_hash, "c")
     (hp, cp), (hq, _) = pairs(P), pairs(Q)
     idx.resync("c", hq, 0)
-    assert idx.checks is not None and len(idx.checks) == 0
-    assert idx.find_matches(hp, 1.0, cp) == {"c": 3}
+    assert idx.find_matches(hp, 1.0, cp) == expected
+    assert idx.match_levels(hp, 1.0, cp) == ([] if double_hash else [(3, idx.bit_of("c"))])
     assert idx.find_matches(hp, 1.0) == {"c": 3}  # a query without checks is not verified
+
+
+def test_unverified_entries_cut_only_their_worker_and_leave_with_it() -> None:
+    idx = make(True, "a", "c")
+    (hp, cp), (hq, _) = pairs(P), pairs(Q)
+    idx.apply_event(BlockStored("a", 0, tuple(hp), None, tuple(cp)), 0.0)  # "a": P, verified
+    idx.apply_event(BlockStored("c", 0, tuple(hq)), 0.0)  # "c": Q under the same primaries, unverified
+    checks, c = idx.checks, idx.bit_of("c")
+    assert checks is not None and checks.unverified == {c: set(hq)}
+    assert idx.find_matches(hp, 1.0, cp) == {"a": 3}  # "c" ends before its unverified block 0
+    assert idx.match_levels(hp, 1.0, cp) == [(3, idx.bit_of("a"))]
+    idx.apply_event(BlockStored("c", 1, tuple(hp[:1]), None, tuple(cp[:1])), 0.0)  # block 0 (shared) verified
+    assert checks.unverified == {c: set(hq[1:])}
+    assert idx.find_matches(hp, 1.0, cp) == {"a": 3, "c": 1}
+    assert idx.match_levels(hp, 1.0, cp) == [(1, c), (3, idx.bit_of("a"))]
+    assert idx.report_missing("c", [hq[1]]) == 1 and checks.unverified == {c: {hq[2]}}
+    assert idx.report_missing("c", [hq[2]]) == 1 and checks.unverified == {}
+    idx.apply_event(BlockStored("c", 2, tuple(hq[1:])), 0.0)
+    assert idx.remove_worker("c") == 3 and checks.unverified == {}
 
 
 def test_guard_off_ignores_check_hashes() -> None:

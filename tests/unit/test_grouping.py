@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from thunderagent.config import GroupingConfig, RoutingConfig, SchedulerConfig
-from thunderagent.kv.hashing import block_hashes, hash_seed
+from thunderagent.kv.hashing import block_hash_pairs, hash_seed
 from thunderagent.kv.index import KvIndex
 from thunderagent.router.router import KvRouter
 from thunderagent.scheduler.dispatch import Dispatcher
@@ -41,8 +41,9 @@ def busy() -> list[WorkerState]:
 
 
 def stored(d: Dispatcher, wid: str, prompt: list[int], seq: int) -> None:
-    hashes = block_hashes(prompt, BS, hash_seed(None, None))
-    d.index.apply_event(BlockStored(wid, seq, tuple(hashes), None), 0.0)
+    """The engine's event, with the check hashes engines send while the double-hash guard is on."""
+    hashes, checks = block_hash_pairs(prompt, BS, hash_seed(None, None))
+    d.index.apply_event(BlockStored(wid, seq, tuple(hashes), None, tuple(checks)), 0.0)
 
 
 def drain(d: Dispatcher, workers: list[WorkerState], now: float) -> list[tuple[str, str]]:

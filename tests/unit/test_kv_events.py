@@ -119,7 +119,7 @@ def test_sglang_envelope_one_block_per_page(enc):
     step = stream.on_live(encode_batch(1, [removed([1002, 1003])], rank=3))
     assert step.events == [BlockRemoved("w", 3, (OURS[1], OURS[2]))]
     step = stream.on_live(encode_batch(2, [cleared], rank=None))  # rank null
-    assert step.events == [AllBlocksCleared("w", 4)] and stream.snapshot() == ([], 4)
+    assert step.events == [AllBlocksCleared("w", 4)] and stream.snapshot() == ([], 4, [])
 
 
 def test_envelope_without_rank():
@@ -322,7 +322,7 @@ def test_gap_without_replay_endpoint_resyncs():
     step = stream.on_live(b2)
     assert step.replay_from is None
     assert [type(e) for e in step.events] == [AllBlocksCleared]  # 13's parent lost with batch 1
-    assert stream.snapshot() == ([], 1)
+    assert stream.snapshot() == ([], 1, [])
 
 
 def test_join_without_replay_adopts_the_first_seq():
@@ -372,7 +372,7 @@ def test_engine_restart_reported_by_the_adapter():
     for b in (b0, b1, b2):
         stream.on_live(b)
     step = stream.engine_restarted()
-    assert step.events == [AllBlocksCleared("w", 3)] and stream.snapshot() == ([], 3)
+    assert step.events == [AllBlocksCleared("w", 3)] and stream.snapshot() == ([], 3, [])
     # the new process's batch 5 arrives first: its 0..4 are replayed
     assert stream.on_live(encode_batch(5, [])).replay_from == 0
 

@@ -22,7 +22,7 @@ class FakeHandle:
         self.cb = cb
         self.queues: dict[str, asyncio.Queue[TokenOutput]] = {}
         self.aborted: list[str] = []
-        self.snap: tuple[list[int], int] | None = ([5, 6], 3)
+        self.snap: tuple[list[int], int] | tuple[list[int], int, list[int]] | None = ([5, 6], 3)
         self.started = self.stopped = False
 
     def start(self) -> None:
@@ -44,7 +44,7 @@ class FakeHandle:
     def load(self) -> LoadReport:
         return LoadReport("w1", 0.0, 1, 2, 3, 4, 5, 6, 100)
 
-    def snapshot(self) -> tuple[list[int], int] | None:
+    def snapshot(self):  # type: ignore[no-untyped-def]
         return self.snap
 
 
@@ -135,6 +135,10 @@ async def test_dump_replies_with_snapshot_or_unavailable(svc):
     await svc.bus.subs["ta.rpc.w1.*"](BusMsg("ta.rpc.w1.dump", b"", "ta.reply.w1.f.call.d1"))
     chunks = [wire.decode_dump_chunk(d) for s, d, _ in svc.bus.published if s == "ta.reply.w1.f.call.d1"]
     assert wire.join_dump(chunks) == wire.Dump(svc.instance, 3, [5, 6])
+    svc.fake.snap = ([5, 6], 4, [7, 8])  # with the double-hash guard's check hashes
+    await svc.bus.subs["ta.rpc.w1.*"](BusMsg("ta.rpc.w1.dump", b"", "ta.reply.w1.f.call.d3"))
+    chunks = [wire.decode_dump_chunk(d) for s, d, _ in svc.bus.published if s == "ta.reply.w1.f.call.d3"]
+    assert wire.join_dump(chunks) == wire.Dump(svc.instance, 4, [5, 6], [7, 8])
     svc.fake.snap = None
     await svc.bus.subs["ta.rpc.w1.*"](BusMsg("ta.rpc.w1.dump", b"", "ta.reply.w1.f.call.d2"))
     chunks = [wire.decode_dump_chunk(d) for s, d, _ in svc.bus.published if s == "ta.reply.w1.f.call.d2"]

@@ -2,8 +2,8 @@
 
 Pure (no I/O, no clock). Every message is a ``msgspec.Struct`` encoded as a msgpack *array*
 (``array_like``: no field names on the wire, no per-message dict). Hash and token lists travel as
-packed little-endian integer bytes: 8 bytes per block hash (a msgpack uint64 costs 9) and 4 per
-token, decoded with one ``array.frombytes`` instead of a Python loop.
+packed little-endian integer bytes (``bus.packing``). The KV event batches and cache dumps live in
+``bus.wire_kv`` and are re-exported here.
 
 Subjects (``<p>`` is the deployment prefix, ``ta`` by default; ``<id>`` a worker id)::
 
@@ -37,20 +37,31 @@ subscription, so an abort is never handled before the generate it cancels.
 from __future__ import annotations
 
 import re
-import sys
-from array import array
-from collections.abc import Sequence
 
 import msgspec
+
+from thunderagent.bus.packing import pack_u32, pack_u64, unpack_u32, unpack_u64  # noqa: F401  (re-exported)
+from thunderagent.bus.wire_kv import (  # noqa: F401  (re-exported: the wire's KV-index messages)
+    DUMP_CHUNK_HASHES,
+    Dump,
+    DumpChunk,
+    KvBatch,
+    WireCleared,
+    WireEvent,
+    WireRemoved,
+    WireStored,
+    decode_dump_chunk,
+    decode_kv,
+    dump_chunks,
+    events_from_wire,
+    events_to_wire,
+    join_dump,
+)
 
 from thunderagent.types import (
     FinishReason,
     WorkerInfo,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     EngineRequest,
-    KvEvent,
     KvPull,
     KvTransfer,
     LoadReport,
@@ -60,20 +71,17 @@ from thunderagent.types import (
 )
 
 #: bumped on any incompatible change; a frontend ignores workers speaking another version
-WIRE_VERSION = 4  # 2: GenerateRequest carries arrival and sampling; 3: replies under <p>.reply.<id>, ping;
-# 4: requests and outputs carry prefill/decode transfer fields
+WIRE_VERSION = 5  # 2: GenerateRequest carries arrival and sampling; 3: replies under <p>.reply.<id>, ping;
+# 4: requests and outputs carry prefill/decode transfer fields; 5: stored events and dumps carry check hashes
 #: a worker sends an empty TokenBatch for a request that produced nothing for this long ...
 KEEPALIVE_S = 2.0
 #: ... so a frontend that hears nothing about a request for this long knows it is lost
 STALL_TIMEOUT_S = 4 * KEEPALIVE_S
-#: hashes per DumpChunk: 64 Ki hashes = 512 KiB, under NATS's default 1 MiB max_payload
-DUMP_CHUNK_HASHES = 65536
 #: bytes of a GenerateRequest besides its prompt and hashes: ids, numbers, and room for the
 #: client's cache_salt and lora_name (a longer one is caught when the request is encoded)
 _REQUEST_OVERHEAD = 4096
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
-_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def check_token(value: str, what: str) -> str:
@@ -151,43 +159,6 @@ class Subjects:
 
 
 # ---------------------------------------------------------------------------------------------
-# packed integer lists
-# ---------------------------------------------------------------------------------------------
-def pack_u64(values: Sequence[int]) -> bytes:
-    a = array("Q", values)
-    if _BIG_ENDIAN:  # pragma: no cover - the wire is little-endian
-        a.byteswap()
-    return a.tobytes()
-
-
-def unpack_u64(data: bytes) -> list[int]:
-    if len(data) % 8:
-        raise ValueError(f"packed uint64 list has {len(data)} bytes, not a multiple of 8")
-    a = array("Q")
-    a.frombytes(data)
-    if _BIG_ENDIAN:  # pragma: no cover
-        a.byteswap()
-    return a.tolist()
-
-
-def pack_u32(values: Sequence[int]) -> bytes:
-    a = array("I", values)
-    if _BIG_ENDIAN:  # pragma: no cover
-        a.byteswap()
-    return a.tobytes()
-
-
-def unpack_u32(data: bytes) -> list[int]:
-    if len(data) % 4:
-        raise ValueError(f"packed uint32 list has {len(data)} bytes, not a multiple of 4")
-    a = array("I")
-    a.frombytes(data)
-    if _BIG_ENDIAN:  # pragma: no cover
-        a.byteswap()
-    return a.tolist()
-
-
-# ---------------------------------------------------------------------------------------------
 # discovery and load
 # ---------------------------------------------------------------------------------------------
 class WireInfo(msgspec.Struct, array_like=True, frozen=True):
@@ -261,58 +232,6 @@ def load_to_wire(r: LoadReport) -> WireLoad:
 def load_from_wire(w: WireLoad, worker_id: str) -> LoadReport:
     return LoadReport(worker_id, w.time, w.running, w.waiting, w.queued_prefill_tokens, w.decode_tokens,
                       w.kv_active_blocks, w.kv_cached_blocks, w.kv_total_blocks)
-
-
-# ---------------------------------------------------------------------------------------------
-# KV events
-# ---------------------------------------------------------------------------------------------
-class WireStored(msgspec.Struct, array_like=True, frozen=True, tag=0):
-    seq: int
-    hashes: bytes  # packed u64
-    parent: int | None = None
-
-
-class WireRemoved(msgspec.Struct, array_like=True, frozen=True, tag=1):
-    seq: int
-    hashes: bytes
-
-
-class WireCleared(msgspec.Struct, array_like=True, frozen=True, tag=2):
-    seq: int
-
-
-WireEvent = WireStored | WireRemoved | WireCleared
-
-
-class KvBatch(msgspec.Struct, array_like=True, frozen=True):
-    instance: str
-    events: list[WireEvent]
-
-
-def events_to_wire(events: Sequence[KvEvent]) -> list[WireEvent]:
-    out: list[WireEvent] = []
-    for ev in events:
-        if isinstance(ev, BlockStored):
-            out.append(WireStored(ev.seq, pack_u64(ev.block_hashes), ev.parent_hash))
-        elif isinstance(ev, BlockRemoved):
-            out.append(WireRemoved(ev.seq, pack_u64(ev.block_hashes)))
-        elif isinstance(ev, AllBlocksCleared):
-            out.append(WireCleared(ev.seq))
-        else:  # pragma: no cover - caller bug
-            raise TypeError(f"not a KV event: {ev!r}")
-    return out
-
-
-def events_from_wire(worker_id: str, events: Sequence[WireEvent]) -> list[KvEvent]:
-    out: list[KvEvent] = []
-    for ev in events:
-        if isinstance(ev, WireStored):
-            out.append(BlockStored(worker_id, ev.seq, tuple(unpack_u64(ev.hashes)), ev.parent))
-        elif isinstance(ev, WireRemoved):
-            out.append(BlockRemoved(worker_id, ev.seq, tuple(unpack_u64(ev.hashes))))
-        else:
-            out.append(AllBlocksCleared(worker_id, ev.seq))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,68 +352,15 @@ def max_prompt_tokens(max_payload: int, block_size: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# cache dumps
-# ---------------------------------------------------------------------------------------------
-class DumpChunk(msgspec.Struct, array_like=True, frozen=True):
-    """Part ``part`` of a worker's cache dump; the last one has ``final``. ``available`` False: the
-    worker cannot dump its cache (the frontend then relies on events alone)."""
-
-    instance: str
-    last_seq: int
-    available: bool
-    part: int
-    final: bool
-    hashes: bytes  # packed u64
-
-
-def dump_chunks(instance: str, hashes: Sequence[int] | None, last_seq: int,
-                chunk: int = DUMP_CHUNK_HASHES) -> list[DumpChunk]:
-    """Split a snapshot into chunks (always at least one)."""
-    if hashes is None:
-        return [DumpChunk(instance, last_seq, False, 0, True, b"")]
-    n = max(1, -(-len(hashes) // chunk))
-    return [
-        DumpChunk(instance, last_seq, True, i, i == n - 1, pack_u64(hashes[i * chunk:(i + 1) * chunk]))
-        for i in range(n)
-    ]
-
-
-class Dump(msgspec.Struct, frozen=True):
-    instance: str
-    last_seq: int
-    hashes: list[int] | None  # None: not available
-
-
-def join_dump(chunks: Sequence[DumpChunk]) -> Dump:
-    """Reassemble chunks (any arrival order). Raises ValueError if parts are missing or mixed."""
-    if not chunks:
-        raise ValueError("empty dump")
-    ordered = sorted(chunks, key=lambda c: c.part)
-    first = ordered[0]
-    if [c.part for c in ordered] != list(range(len(ordered))) or not ordered[-1].final:
-        raise ValueError(f"dump parts incomplete: {[c.part for c in ordered]}")
-    if any(c.instance != first.instance or c.last_seq != first.last_seq for c in ordered):
-        raise ValueError("dump chunks from different snapshots")
-    if not first.available:
-        return Dump(first.instance, first.last_seq, None)
-    hashes: list[int] = []
-    for c in ordered:
-        hashes.extend(unpack_u64(c.hashes))
-    return Dump(first.instance, first.last_seq, hashes)
-
-
-# ---------------------------------------------------------------------------------------------
 # codecs (one encoder; one decoder per type, reused)
 # ---------------------------------------------------------------------------------------------
 _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode
 
 decode_heartbeat = msgspec.msgpack.Decoder(Heartbeat).decode
-decode_kv = msgspec.msgpack.Decoder(KvBatch).decode
 decode_bye = msgspec.msgpack.Decoder(Bye).decode
 decode_pong = msgspec.msgpack.Decoder(Pong).decode
 decode_unavailable = msgspec.msgpack.Decoder(Unavailable).decode
 decode_generate = msgspec.msgpack.Decoder(GenerateRequest).decode
 decode_abort = msgspec.msgpack.Decoder(Abort).decode
 decode_tokens = msgspec.msgpack.Decoder(TokenBatch).decode
-decode_dump_chunk = msgspec.msgpack.Decoder(DumpChunk).decode

@@ -47,7 +47,7 @@ class CacheMigrationFlow:
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def observe(self, d: Dispatch, now: float) -> None:
-        self.migrator.observe(d.request.block_hashes, d.decision.best_overlap_blocks, now)
+        self.migrator.observe(d.request.block_hashes, d.decision.best_overlap_blocks, now, d.request.check_hashes)
 
     def tick(self, workers: Sequence[WorkerState], now: float) -> None:
         plane = self.migrator.plane
@@ -69,7 +69,8 @@ class CacheMigrationFlow:
                 n = len(m.hashes)
                 # the prompt's tokens do not matter to a simulated engine (it caches by the hashes given)
                 req = EngineRequest(m.tid, [0] * (n * bs + 1), list(m.hashes), BASE_SEED, 1, True,
-                                    kv_from=KvTransfer(m.src, n * bs, m.hashes))
+                                    kv_from=KvTransfer(m.src, n * bs, m.hashes),
+                                    check_hashes=None if m.checks is None else list(m.checks))
                 q = dst.submit(req)
                 cause = "timeout"
                 async with asyncio.timeout(timeout_s):

@@ -31,7 +31,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from thunderagent.control.metrics import Metrics
-from thunderagent.execution.handle import KEEPALIVE_S, STALL_TIMEOUT_S, OutputQueue, WorkerHandle
+from thunderagent.execution.handle import KEEPALIVE_S, STALL_TIMEOUT_S, OutputQueue, Snapshot, WorkerHandle
 from thunderagent.scheduler.dispatch import Dispatch
 from thunderagent.types import EngineRequest, FinishReason, KvPull, KvTransfer, PdPlan, TokenOutput
 
@@ -129,7 +129,7 @@ class PdAttempt:
             self.task.cancel()  # the task reports the transfer's end
         self.decode.abort(request_id)
 
-    def snapshot(self) -> tuple[list[int], int] | None:
+    def snapshot(self) -> Snapshot | None:
         return self.decode.snapshot()
 
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from thunderagent.config import ExecutionGroupConfig
-from thunderagent.execution.handle import WorkerFactory, WorkerHandle
+from thunderagent.execution.handle import WorkerFactory, WorkerHandle, snapshot_checks
 from thunderagent.types import WorkerInfo
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class StaticMembership:
         now = fleet.now()
         if snap is None:
             fleet.feed.abandon_sync(worker_id, now)
-        elif fleet.feed.apply_dump(worker_id, snap[0], snap[1], now):
+        elif fleet.feed.apply_dump(worker_id, snap[0], snap[1], now, snapshot_checks(snap)):
             log.warning("worker %s: events lost during its resync; the index waits for its next events", worker_id)
 
     def lease_expired(self, worker_id: str) -> None:

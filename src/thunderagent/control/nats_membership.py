@@ -318,7 +318,7 @@ class NatsMembership:
                 if dump.hashes is None:
                     again = feed.abandon_sync(wid, now)
                 else:
-                    again = feed.apply_dump(wid, dump.hashes, dump.last_seq, now)
+                    again = feed.apply_dump(wid, dump.hashes, dump.last_seq, now, dump.checks)
                     self.dumps_applied += 1
                 if not again:
                     return

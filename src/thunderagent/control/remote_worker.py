@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from thunderagent.bus.nats import Bus, BusMsg
 from thunderagent.bus.wire import Abort, Subjects, decode_tokens, encode, output_from_wire, request_to_wire
-from thunderagent.execution.handle import OutputQueue, WorkerCallbacks, with_pending
+from thunderagent.execution.handle import OutputQueue, Snapshot, WorkerCallbacks, with_pending
 from thunderagent.types import EngineRequest, FinishReason, LoadReport, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class RemoteWorker:
         if self.detach(request_id) is not None:
             self.send_abort(request_id)
 
-    def snapshot(self) -> tuple[list[int], int] | None:
+    def snapshot(self) -> Snapshot | None:
         return None  # dumps are asynchronous: the membership requests them itself
 
     # -- membership side ---------------------------------------------------------------------

@@ -12,7 +12,8 @@ Lifecycle (all calls synchronous, driven by one owner, never concurrently):
    call ``advance`` again;
 5. ``drain_events()`` hands over the KV events produced since the last call, in sequence order;
 6. ``load(now)`` reports running / waiting requests, queued prefill tokens and KV usage;
-7. ``cache_snapshot()`` lists the hashes the engine holds, for an index resync.
+7. ``cache_snapshot()`` lists the hashes the engine holds, for an index resync, and
+   ``cache_checks()`` their double-hash check hashes in the same order (None: it has none).
 
 An engine never reads a clock: ``now`` always comes from the driver (wall clock in the server,
 virtual clock in the simulator).
@@ -42,3 +43,5 @@ class Engine(Protocol):
     def load(self, now: float) -> LoadReport: ...
 
     def cache_snapshot(self) -> list[int]: ...
+
+    def cache_checks(self) -> list[int] | None: ...

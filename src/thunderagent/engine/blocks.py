@@ -37,6 +37,7 @@ class BlockManager:
         "block_size",
         "_ref",
         "_hash",
+        "_check",
         "_prev",
         "_next",
         "_clean",
@@ -58,6 +59,9 @@ class BlockManager:
         n = num_blocks
         self._ref = [0] * n
         self._hash: list[int | None] = [None] * n
+        # The double-hash guard's check hash of each block's content (``kv.check``), set with its hash
+        # when the request carried check hashes; read only while the block holds a hash.
+        self._check: list[int | None] = [None] * n
         # LRU of free cached blocks; node n is the sentinel (head = _next[n], tail = _prev[n]).
         self._prev = [n] * (n + 1)
         self._next = [n] * (n + 1)
@@ -110,6 +114,13 @@ class BlockManager:
     def cached_hashes(self) -> list[int]:
         """Every hash the cache holds (one entry per hash, whatever its copy count)."""
         return list(self._by_hash)
+
+    def cached_checks(self) -> list[int] | None:
+        """The check hashes of :meth:`cached_hashes`, in the same order; None if some block was
+        cached without one (a request without check hashes: the guard is off)."""
+        check = self._check
+        out = [check[b] for b in self._by_hash.values()]
+        return None if None in out else out  # type: ignore[return-value]
 
     def contains(self, block_hash: int) -> bool:
         return block_hash in self._by_hash
@@ -245,24 +256,28 @@ class BlockManager:
         return None
 
     # ------------------------------------------------------------------------------ caching
-    def cache_blocks(self, table: Sequence[int], hashes: Sequence[int], start: int, end: int) -> None:
-        """Register the now-full blocks ``start..end-1`` of ``table`` under ``hashes[pos]``.
+    def cache_blocks(self, table: Sequence[int], hashes: Sequence[int], start: int, end: int,
+                     checks: Sequence[int] | None = None) -> None:
+        """Register the now-full blocks ``start..end-1`` of ``table`` under ``hashes[pos]``
+        (``checks[pos]``: their check hashes, double-hash guard on; they go out with the events).
 
         Blocks that became visible consecutively go out as ONE ``BlockStored`` (its ``parent_hash``
         is the hash before the first one), which keeps the event stream short.
         """
-        hash_, by_hash = self._hash, self._by_hash
+        hash_, by_hash, check = self._hash, self._by_hash, self._check
         group: list[int] | None = None
         parent: int | None = None
+        first = 0  # position of the group's first block
         for pos in range(start, end):
             b = table[pos]
             if hash_[b] is not None:  # already cached (a prefix hit): nothing new to announce
                 if group:
-                    self._flush(group, parent)
+                    self._flush(group, parent, checks, first)
                     group = None
                 continue
             h = hashes[pos]
             hash_[b] = h
+            check[b] = None if checks is None else checks[pos]
             self._cached += 1
             if h in by_hash:  # another copy already visible: no event, and it ends a group
                 dups = self._dups.get(h)
@@ -271,20 +286,22 @@ class BlockManager:
                 else:
                     dups.append(b)
                 if group:
-                    self._flush(group, parent)
+                    self._flush(group, parent, checks, first)
                     group = None
                 continue
             by_hash[h] = b
             if group is None:
                 group = [h]
                 parent = hashes[pos - 1] if pos > 0 else None
+                first = pos
             else:
                 group.append(h)
         if group:
-            self._flush(group, parent)
+            self._flush(group, parent, checks, first)
 
-    def _flush(self, group: list[int], parent: int | None) -> None:
-        self._emit(BlockStored(self.worker_id, self._seq, tuple(group), parent))
+    def _flush(self, group: list[int], parent: int | None, checks: Sequence[int] | None, first: int) -> None:
+        ck = None if checks is None else tuple(checks[first : first + len(group)])
+        self._emit(BlockStored(self.worker_id, self._seq, tuple(group), parent, ck))
 
     # ------------------------------------------------------------------------------ release
     def release(self, table: list[int]) -> None:

@@ -51,12 +51,17 @@ class KvHandoff:
         src = req.kv_from
         if src is None or not src.block_hashes:
             return
-        if not self.import_blocks(src.block_hashes):
+        # The imported blocks are the prompt's leading ones: their check hashes are the request's.
+        hashes, checks = src.block_hashes, req.check_hashes
+        if checks is not None and tuple(hashes) != tuple(req.block_hashes[:len(hashes)]):
+            checks = None
+        if not self.import_blocks(hashes, checks):
             self.kv_import_failed += 1
 
-    def import_blocks(self, block_hashes: Sequence[int]) -> bool:
-        """Take moved blocks into the prefix cache (a ``BlockStored`` says so) as its most recently used
-        entries; those already cached stay. False when the pool is too full to take them."""
+    def import_blocks(self, block_hashes: Sequence[int], check_hashes: Sequence[int] | None = None) -> bool:
+        """Take moved blocks into the prefix cache (a ``BlockStored`` says so, with ``check_hashes``:
+        their double-hash guard's check hashes, None when unknown) as its most recently used entries;
+        those already cached stay. False when the pool is too full to take them."""
         hashes = list(block_hashes)
         bm = self._bm
         hits = bm.match_prefix(hashes, len(hashes))[0]
@@ -65,7 +70,8 @@ class KvHandoff:
         table: list[int] = []
         if not bm.allocate(table, hashes, hits, len(hashes)):
             return False
-        bm.cache_blocks(table, hashes, hits, len(hashes))
+        ok = check_hashes is not None and len(check_hashes) >= len(hashes)
+        bm.cache_blocks(table, hashes, hits, len(hashes), check_hashes if ok else None)
         self.kv_imported_blocks += len(hashes) - hits
         bm.release(table)
         return True

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from thunderagent.engine.textgen import TextSource
-from thunderagent.kv.hashing import hash_block
+from thunderagent.kv.hashing import check_block, check_seed, hash_block
 from thunderagent.types import EngineRequest, KvEvent
 
 
@@ -46,6 +46,8 @@ class _Seq:
     natural: int  # index of the EOS token, -1 with ignore_eos
     arrival_ns: int
     own_hashes: bool = False  # ``hashes`` is our copy (the prompt's list is shared with the frontend)
+    #: check hashes of ``hashes`` (double-hash guard on: the request carried them), extended alongside
+    checks: list[int] | None = None
     generated: int = 0
     computed: int = 0  # tokens whose KV is computed (or reused from cache)
     table: list[int] = field(default_factory=list)  # physical block ids, in sequence order
@@ -111,15 +113,20 @@ def extend_hashes(seq: _Seq, upto: int, bs: int, text: TextSource,
     ``many`` is the text source's optional bulk token accessor (faster than one call per token)."""
     if not seq.own_hashes:  # copy on first write: the prompt's list belongs to the frontend
         seq.hashes = list(seq.hashes)
+        if seq.checks is not None:
+            seq.checks = list(seq.checks)
         seq.own_hashes = True
-    hs = seq.hashes
+    hs, cs = seq.hashes, seq.checks
     P, prompt, seed, r = seq.plen, seq.req.prompt_tokens, seq.seed, seq.req.resumed
     for j in range(len(hs), upto):
         lo, hi = j * bs, (j + 1) * bs
         g0 = (lo - P if lo > P else 0) + r
         gen = many(seed, g0, hi - P + r) if many else [text.token(seed, k) for k in range(g0, hi - P + r)]
         # prompt may be a list or an array('I') (the simulator's synthetic prompts): concatenate generically
-        hs.append(hash_block([*prompt[lo:P], *gen] if lo < P else gen, hs[j - 1] if j else seq.req.hash_seed))
+        block = [*prompt[lo:P], *gen] if lo < P else gen
+        hs.append(hash_block(block, hs[j - 1] if j else seq.req.hash_seed))
+        if cs is not None:  # the check chain over the same tokens, as the next turn's frontend hashes them
+            cs.append(check_block(block, cs[j - 1] if j else check_seed(seq.req.hash_seed)))
     return hs
 
 

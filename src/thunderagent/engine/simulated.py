@@ -136,6 +136,8 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff):
         seed = text_seed(req, bs)  # a migrated request continues its original completion
         natural = -1 if req.ignore_eos else max(0, self._text.natural_length(seed) - req.resumed)
         seq = _Seq(req, plen, hashes, seed, natural, t)
+        if req.check_hashes is not None and len(req.check_hashes) == len(hashes):
+            seq.checks = req.check_hashes
         seq.expect = self._bm.match_prefix(hashes, (plen - 1) // bs)[0] * bs
         self._seqs[rid] = seq
         self._q_prefill += plen
@@ -206,6 +208,10 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff):
 
     def cache_snapshot(self) -> list[int]:
         return self._bm.cached_hashes()
+
+    def cache_checks(self) -> list[int] | None:
+        """Check hashes of :meth:`cache_snapshot`'s hashes, same order (None: some block has none)."""
+        return self._bm.cached_checks()
 
     def reset(self) -> None:
         """Drop the prefix cache (emits ``AllBlocksCleared``); running requests keep their blocks."""
@@ -468,4 +474,5 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff):
                 last = len(hs)
                 if last <= first:
                     return
-        self._bm.cache_blocks(seq.table, hs, first, last)
+        cs = seq.checks
+        self._bm.cache_blocks(seq.table, hs, first, last, cs if cs is not None and len(cs) >= last else None)

@@ -97,9 +97,20 @@ class WorkerHandle(Protocol):
     def abort(self, request_id: str) -> None:
         """Cancel a request (client gone, stop sequence hit). Unknown ids are ignored."""
 
-    def snapshot(self) -> tuple[list[int], int] | None:
-        """Cached block hashes and the last event seq they include, for an index resync; None if
-        the worker cannot dump its cache synchronously (the fleet's membership asks it otherwise)."""
+    def snapshot(self) -> Snapshot | None:
+        """Cached block hashes and the last event seq they include, for an index resync, then
+        (optional third item) their double-hash check hashes; None if the worker cannot dump its
+        cache synchronously (the fleet's membership asks it otherwise)."""
+
+
+#: a handle's cache dump: (hashes, last seq) or (hashes, last seq, check hashes or None). Without
+#: check hashes, the dumped entries are unverified for the double-hash guard (``kv.check``).
+Snapshot = tuple[list[int], int] | tuple[list[int], int, list[int] | None]
+
+
+def snapshot_checks(snap: Snapshot) -> list[int] | None:
+    """The check hashes of a snapshot (None: it has none)."""
+    return snap[2] if len(snap) > 2 else None  # type: ignore[misc]
 
 
 def with_pending(report: LoadReport, pending_requests: int, pending_tokens: int) -> LoadReport:

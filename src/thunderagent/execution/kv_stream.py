@@ -74,9 +74,10 @@ class KvEventStream:
     resolved here).
     """
 
-    def __init__(self, worker_id: str, block_size: int, *, can_replay: bool, max_pending: int = 10_000) -> None:
+    def __init__(self, worker_id: str, block_size: int, *, can_replay: bool, max_pending: int = 10_000,
+                 checks: bool = True) -> None:
         self.worker_id = worker_id
-        self.translator = BlockTranslator(block_size)
+        self.translator = BlockTranslator(block_size, checks)  # checks: the double-hash guard's (kv.check)
         self.can_replay = can_replay
         self.max_pending = max_pending
         self.next_seq = 0
@@ -173,8 +174,9 @@ class KvEventStream:
         """Seq of the last event of ours handed out (-1: none yet)."""
         return self._our_seq
 
-    def snapshot(self) -> tuple[list[int], int]:
-        return self.translator.cached(), self._our_seq
+    def snapshot(self) -> tuple[list[int], int, list[int] | None]:
+        hashes, checks = self.translator.cached_pairs()
+        return hashes, self._our_seq, checks
 
     @property
     def mismatch(self) -> tuple[int, int] | None:
@@ -228,7 +230,9 @@ class KvEventStream:
                 return
             if ours:
                 self._our_seq += 1
-                out.append(BlockStored(wid, self._our_seq, tuple(ours), parent))
+                checks = self.translator.checks_of(ev.block_hashes)
+                out.append(BlockStored(wid, self._our_seq, tuple(ours), parent,
+                                       None if checks is None else tuple(checks)))
         elif isinstance(ev, EngineBlockRemoved):
             gone = self.translator.removed(ev)
             if gone:

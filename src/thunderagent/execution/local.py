@@ -99,10 +99,11 @@ class LocalWorker:
             self._push_load(self.engine.load(now))
             self._wake.set()
 
-    def snapshot(self) -> tuple[list[int], int] | None:
-        """The engine's cached hashes and the last event seq they include (index resync)."""
+    def snapshot(self) -> tuple[list[int], int, list[int] | None] | None:
+        """The engine's cached hashes, the last event seq they include and their check hashes
+        (index resync)."""
         self._flush_events()
-        return self.engine.cache_snapshot(), self.last_seq
+        return self.engine.cache_snapshot(), self.last_seq, self.engine.cache_checks()
 
     # -- loops -------------------------------------------------------------------------------
     def _push_load(self, report: LoadReport) -> None:

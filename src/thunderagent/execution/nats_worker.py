@@ -58,7 +58,7 @@ from thunderagent.bus.wire import (
     output_to_wire,
     request_from_wire,
 )
-from thunderagent.execution.handle import OutputQueue, WorkerCallbacks, WorkerHandle
+from thunderagent.execution.handle import OutputQueue, WorkerCallbacks, WorkerHandle, snapshot_checks
 from thunderagent.types import FinishReason, KvEvent, LoadReport, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -258,8 +258,8 @@ class WorkerService:
         if not msg.reply:
             return
         snap = self.handle.snapshot()  # publishes pending events first: they precede the dump
-        hashes, seq = (None, self.last_seq) if snap is None else snap
-        for chunk in dump_chunks(self.instance, hashes, seq):
+        hashes, seq = (None, self.last_seq) if snap is None else snap[:2]
+        for chunk in dump_chunks(self.instance, hashes, seq, None if snap is None else snapshot_checks(snap)):
             self.bus.publish(msg.reply, encode(chunk))
 
     # -- output streams ----------------------------------------------------------------------

@@ -62,13 +62,15 @@ class EngineWorker:
         replay_timeout: float = 5.0,
         connect_timeout: float = 5.0,
         transport: HttpTransport | None = None,
+        double_hash: bool = True,
     ) -> None:
         self.worker_id = worker_id
         self.node = node
         self.endpoint = endpoint
         self.flavor = flavor
         self.url = endpoint.url.rstrip("/")
-        self.stream = KvEventStream(worker_id, node.block_size, can_replay=endpoint.kv_replay is not None)
+        self.stream = KvEventStream(worker_id, node.block_size, can_replay=endpoint.kv_replay is not None,
+                                    checks=double_hash)  # events carry check hashes for the guard (kv.check)
         self._cb = callbacks
         self._own_transport: AiohttpTransport | None = None
         if transport is None:
@@ -157,7 +159,7 @@ class EngineWorker:
             round(s.kv_usage * total), len(self.stream.translator), total,
         )
 
-    def snapshot(self) -> tuple[list[int], int] | None:
+    def snapshot(self) -> tuple[list[int], int, list[int] | None] | None:
         return self.stream.snapshot()
 
     # -- glue between the parts --------------------------------------------------------------
@@ -186,6 +188,7 @@ def engine_factory(cfg: Config, flavor: EngineFlavor = VLLM) -> WorkerFactory:
 
     def make(node: NodeConfig, worker_id: str, k: int, callbacks: WorkerCallbacks) -> WorkerHandle:
         return EngineWorker(worker_id, node, node.endpoints[k], callbacks,
-                            heartbeat_interval=cfg.control_plane.heartbeat_interval, flavor=flavor)
+                            heartbeat_interval=cfg.control_plane.heartbeat_interval, flavor=flavor,
+                            double_hash=cfg.routing.double_hash)
 
     return make

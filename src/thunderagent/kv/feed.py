@@ -85,11 +85,14 @@ class KvFeed:
         if st is not None and not st.syncing:
             st.syncing, st.buffer, st.overflow = True, [], False
 
-    def apply_dump(self, worker_id: str, hashes: Iterable[int], last_seq: int, now: float) -> bool:
+    def apply_dump(self, worker_id: str, hashes: Sequence[int], last_seq: int, now: float,
+                   checks: Sequence[int] | None = None) -> bool:
+        """``checks``: the dumped blocks' check hashes (double-hash guard); without them, with the
+        guard on, the dumped entries are unverified (``kv.check``)."""
         st = self._st.get(worker_id)
         if st is None:
             return False
-        self.index.resync(worker_id, hashes, last_seq)
+        self.index.resync(worker_id, hashes, last_seq, checks)
         return self._finish(st, now)
 
     def abandon_sync(self, worker_id: str, now: float) -> bool:

@@ -43,7 +43,8 @@ import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from thunderagent.kv.check import CheckMap
+from thunderagent.kv.check import CheckMap, cut_levels, cut_unverified
+from thunderagent.kv.predictions import Predictions as _Predictions
 from thunderagent.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 _NEVER = math.inf
@@ -70,29 +71,6 @@ class _Worker:
         self.blocks: set[int] = set()  # hashes this worker has an entry for (either map)
         self.last_seq = -1
         self.stale = False
-
-
-class _Predictions:
-    """Predicted holders of one hash, with a cached "live set" so queries on a predicted-only prefix (approximate
-    mode: engines without KV events) stay O(1) per block.
-
-    Cache invariant: for any ``now`` with ``checked_at <= now < live_until``, the holders whose prediction is valid
-    at ``now`` are exactly ``live_mask``. It holds because every bit in ``live_mask`` has ``expiry >= live_until``,
-    and every other bit was already expired at ``checked_at`` (inserts and refreshes add their bit and lower
-    ``live_until`` if needed; removals clear their bit). Outside that window ``find_matches`` rescans and re-anchors.
-    """
-
-    __slots__ = ("expiry", "live_mask", "live_until", "checked_at")
-
-    def __init__(self, bit: int, expiry: float, now: float) -> None:
-        self.expiry: dict[int, float] = {bit: expiry}
-        self.live_mask = bit
-        self.live_until = expiry
-        self.checked_at = now
-
-    def remove(self, bit: int) -> None:
-        del self.expiry[bit]
-        self.live_mask &= ~bit
 
 
 class KvIndex:
@@ -203,8 +181,8 @@ class KvIndex:
         if isinstance(event, BlockStored):
             # parent_hash is not needed: a chained hash already names its whole prefix.
             self._confirm(w, event.block_hashes)
-            if event.check_hashes is not None and self.checks is not None:
-                self.checks.bind(event.block_hashes, event.check_hashes)
+            if self.checks is not None:
+                self.checks.confirm(w.bit, event.block_hashes, event.check_hashes)
         elif isinstance(event, BlockRemoved):
             self._drop(w, event.block_hashes)
         elif isinstance(event, AllBlocksCleared):
@@ -213,14 +191,18 @@ class KvIndex:
             raise TypeError(f"not a KV event: {event!r}")
         return result
 
-    def resync(self, worker_id: str, block_hashes: Iterable[int], last_seq: int) -> None:
+    def resync(self, worker_id: str, block_hashes: Sequence[int], last_seq: int,
+               check_hashes: Sequence[int] | None = None) -> None:
         """Replace the worker's entries by a snapshot (all confirmed; its predictions are dropped
-        too), clear its stale mark and set its last seq (the next expected event is last_seq+1)."""
+        too), clear its stale mark and set its last seq (the next expected event is last_seq+1).
+        ``check_hashes``: the blocks' (guard on); without them the entries are unverified."""
         w = self._workers.get(worker_id)
         if w is None:
             return
         self._purge(w)
         self._confirm(w, block_hashes)
+        if self.checks is not None:
+            self.checks.confirm(w.bit, block_hashes, check_hashes)
         w.last_seq = last_seq
         w.stale = False
         self._stale_mask &= ~w.bit
@@ -324,7 +306,9 @@ class KvIndex:
         # more); a failed block cuts the query there, which is rare: match again on the cut query.
         n_max = max(result.values())
         n_ok = checks.verified_prefix(block_hashes, check_hashes, n_max)
-        return result if n_ok == n_max else self._match(block_hashes[:n_ok], now)
+        if n_ok < n_max:
+            result = self._match(block_hashes[:n_ok], now)
+        return cut_unverified(result, block_hashes, checks.unverified, self.bit_of) if checks.unverified else result
 
     def match_levels(
         self, block_hashes: Sequence[int], now: float, check_hashes: Sequence[int] | None = None
@@ -339,7 +323,8 @@ class KvIndex:
         if n_ok < levels[-1][0]:
             levels = []
             self._match(block_hashes[:n_ok], now, levels)
-        return levels
+        unverified = self.checks.unverified
+        return cut_levels(levels, block_hashes, unverified) if unverified and levels else levels
 
     def bit_of(self, worker_id: str) -> int:
         w = self._workers.get(worker_id)  # 0: unknown (bits of removed workers are reused)
@@ -460,11 +445,16 @@ class KvIndex:
     def _drop(self, w: _Worker, block_hashes: Iterable[int]) -> int:
         mine = w.blocks
         dropped = 0
+        unverified = self.checks.unverified.get(w.bit) if self.checks is not None else None
         for h in block_hashes:
             if h in mine:
                 mine.discard(h)
                 self._remove_entry(w.bit, h)
                 dropped += 1
+                if unverified is not None:
+                    unverified.discard(h)
+        if unverified is not None and not unverified:
+            del self.checks.unverified[w.bit]  # type: ignore[union-attr]  # (unverified: guard on)
         return dropped
 
     def _purge(self, w: _Worker) -> None:
@@ -473,6 +463,8 @@ class KvIndex:
         for h in w.blocks:
             self._remove_entry(bit, h)
         w.blocks = set()
+        if self.checks is not None:
+            self.checks.unverified.pop(bit, None)
 
     def _sweep(self, now: float, budget: int) -> int:
         """Pop up to ``budget`` expired queue items (``budget < 0``: no limit); delete the entries

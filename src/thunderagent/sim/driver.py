@@ -377,7 +377,7 @@ class Simulator:
         if events and self.feed.events(e.worker_id, events, now):
             self.resyncs += 1
             self.feed.begin_sync(e.worker_id)
-            self.feed.apply_dump(e.worker_id, e.cache_snapshot(), events[-1].seq, now)
+            self.feed.apply_dump(e.worker_id, e.cache_snapshot(), events[-1].seq, now, e.cache_checks())
         if events:
             self.dispatcher.kv_stored(e.worker_id)  # followers whose prefix is now stored there go
 
@@ -406,7 +406,8 @@ class Simulator:
         tr = tracks[d.request.request_id]
         tr.worker, tr.best_known = i, d.best_known_tokens
         if self.mig is not None:  # demand for the request's known prefix
-            self.mig.migrator.observe(d.request.block_hashes, d.decision.best_overlap_blocks, now)
+            self.mig.migrator.observe(d.request.block_hashes, d.decision.best_overlap_blocks, now,
+                                         d.request.check_hashes)
         if self.decision_log is not None:
             self.decision_log.record(d, now, program=tr.program, run=self.run_label)
         if d.pd is not None and self.pd is not None:  # prefill elsewhere first; decoded on i once the KV moved

@@ -71,7 +71,7 @@ class MigrationSim:
             if not ok:
                 continue
             j = self.pos[m.dst]
-            if engines[j].import_blocks(m.hashes):
+            if engines[j].import_blocks(m.hashes, m.checks):
                 mig.landed(m, self.index, now)
                 self.landed += 1
                 self.on_import(j, now)

@@ -64,13 +64,15 @@ class Migration:
     blocks: int
     nbytes: int
     demand: float
+    checks: tuple[int, ...] | None = None  # the blocks' check hashes (double-hash guard), None if unknown
 
 
 class _Prefix:
-    __slots__ = ("hashes", "count", "at")
+    __slots__ = ("hashes", "checks", "count", "at")
 
-    def __init__(self, hashes: tuple[int, ...], now: float) -> None:
+    def __init__(self, hashes: tuple[int, ...], checks: tuple[int, ...] | None, now: float) -> None:
         self.hashes = hashes
+        self.checks = checks  # carried with a copy: imported blocks must verify like computed ones
         self.count = 0.0  # decayed requests as of ``at``
         self.at = now
 
@@ -98,15 +100,18 @@ class Migrator:
         self.refusals: dict[str, int] = {}
 
     # -- demand ----------------------------------------------------------------------------------
-    def observe(self, block_hashes: Sequence[int], depth: int, now: float) -> None:
-        """A request was routed; ``depth``: the most of its leading blocks any worker held."""
+    def observe(self, block_hashes: Sequence[int], depth: int, now: float,
+                check_hashes: Sequence[int] | None = None) -> None:
+        """A request was routed; ``depth``: the most of its leading blocks any worker held;
+        ``check_hashes``: its blocks' check hashes (double-hash guard on)."""
         if depth <= 0 or depth * self.block_size < self.cfg.min_prefix_tokens:
             return
         key = block_hashes[depth - 1]
         table = self._demand
         p = table.pop(key, None)
         if p is None:
-            p = _Prefix(tuple(block_hashes[:depth]), now)
+            checks = tuple(check_hashes[:depth]) if check_hashes is not None and len(check_hashes) >= depth else None
+            p = _Prefix(tuple(block_hashes[:depth]), checks, now)
             if len(table) >= self.cfg.max_prefixes:
                 del table[next(iter(table))]  # least recently requested
         table[key] = p  # most recent last
@@ -192,7 +197,7 @@ class Migrator:
             return None
         self._n += 1
         mig = Migration(f"{TID_PREFIX}{self._n}", src.worker_id, dst.worker_id, p.hashes[-1], p.hashes[:n], blocks,
-                        nbytes, dem)
+                        nbytes, dem, None if p.checks is None else p.checks[:n])
         given[dst.worker_id] = given.get(dst.worker_id, 0) + 1
         self._active[mig.tid] = mig
         self._moving.add(mig.key)
@@ -231,7 +236,7 @@ class Migrator:
 
     def landed(self, mig: Migration, index: KvIndex, now: float) -> None:
         """The target holds the prefix now: predicted there until its own events confirm it."""
-        index.predict(mig.dst, mig.hashes, now)
+        index.predict(mig.dst, mig.hashes, now, mig.checks)
 
     @property
     def inflight(self) -> int:
