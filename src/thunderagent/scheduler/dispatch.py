@@ -208,7 +208,7 @@ class Dispatcher:
         then it goes anyway). None when nothing can go now. The driver submits it and calls again."""
         if self._ready and workers:
             held = self._ready.popleft()
-            d = self.dispatch(held.req, workers, now, program=held.program, pin=held.pin)
+            d = self.dispatch(held.req, workers, now, program=held.program, pin=held.pin, backlog=self._backlog())
             d.queue_wait, d.route_key, d.grouped = now - held.enqueued, held.key, held.pin is not None
             return d
         queue = self.queue
@@ -220,7 +220,7 @@ class Dispatcher:
         assert self.scheduler is not None
         if now - held.enqueued < self.scheduler.max_wait_s and not self.can_start(workers):
             return None
-        d = self.dispatch(held.req, workers, now, program=held.program)
+        d = self.dispatch(held.req, workers, now, program=held.program, backlog=self._backlog() - 1)
         queue.take(held, now)
         d.queue_wait, d.route_key = now - held.enqueued, held.key
         return d
@@ -236,6 +236,10 @@ class Dispatcher:
                 del self._ready[k]
                 return True
         return self.pacer is not None and self.pacer.cancel(request_id)
+
+    def _backlog(self) -> int:
+        """Requests held here that wait for the fleet's capacity (released and queued ones)."""
+        return len(self._ready) + (len(self.queue) if self.queue is not None else 0)
 
     def can_start(self, workers: Sequence[WorkerState]) -> bool:
         """Some worker can start a request now: its engine queue is short, its prefill backlog would
@@ -259,11 +263,15 @@ class Dispatcher:
         return n - min(best * self.block_size, n)
 
     def dispatch(self, req: EngineRequest, workers: Sequence[WorkerState], now: float,
-                 exclude: tuple[str, ...] = (), program: str | None = None, pin: str | None = None) -> Dispatch:
+                 exclude: tuple[str, ...] = (), program: str | None = None, pin: str | None = None,
+                 backlog: int = 0) -> Dispatch:
         """Route ``req`` among ``workers`` (less ``exclude``: workers that already could not take
         it, or that a sibling should not wait on); a request of a program the pacer pinned, or
         pinned by ``pin`` (a follower released to its leader's worker), goes to that worker while it
-        is routable. Raises :class:`~thunderagent.router.router.NoWorkerAvailable`."""
+        is routable. ``backlog``: other requests held in the scheduler, waiting for this fleet: the
+        router's contention charge counts each worker's share of them (``RouteRequest.held``), so a
+        fleet whose overload sits in our queue rather than in the engines' still counts as saturated
+        and keeps cache hits. Raises :class:`~thunderagent.router.router.NoWorkerAvailable`."""
         if exclude:
             workers = [w for w in workers if w.worker_id not in exclude]
         workers, prefill_pool = split_pools(workers)
@@ -275,7 +283,8 @@ class Dispatcher:
         if pin is not None:
             workers = [w for w in workers if w.worker_id == pin] or workers
         n = len(req.prompt_tokens)
-        rreq = RouteRequest(req.request_id, n, req.block_hashes, req.priority, req.check_hashes)
+        held = -(-backlog // len(workers)) if backlog > 0 else 0  # per routable worker, rounded up
+        rreq = RouteRequest(req.request_id, n, req.block_hashes, req.priority, req.check_hashes, held)
 
         def route(pool: Sequence[WorkerState], predict: bool = True) -> Decision:  # the decode pool, the prefill pool
             return self.router.route(rreq, pool, now, predict=predict)
