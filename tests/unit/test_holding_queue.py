@@ -143,3 +143,43 @@ def test_a_worker_with_a_pass_of_prefill_backlog_cannot_start_more() -> None:
     assert d.can_start(w(8191)) and not d.can_start(w(8192))  # a full pass of prefill ahead: hold
     assert not d.can_start(w(0, waiting=4))  # engine_queue_depth
     assert not d.can_start(w(0, kv=990))  # busy: KV usage 0.99 >= busy_kv_usage 0.98
+
+
+def test_contention_counts_requests_held_in_the_scheduler() -> None:
+    from thunderagent.router.cost import score
+
+    cfg = RoutingConfig()
+    w = WorkerState("w0", 16, 8192, 64, LoadReport("w0", 0.0, 1, 1, 0, 0, 0, 0, 1000))
+    # 640 tokens of this 1,000-token prompt sit on another worker: each request waiting for this one
+    # (the engine's 1, plus 3 held in the scheduler) pays for recomputing them
+    plain, held = score(w, 1000, 0, cfg, 0, 640), score(w, 1000, 0, cfg, 0, 640, held=3)
+    assert plain.cost == 1000 + 1 * 640 and held.cost == 1000 + (1 + 3) * 640
+    assert not held.busy  # the busy filter still reads the engine's own queue
+    assert score(w, 1000, 40, cfg, 0, 640, held=3).cost == 1000 - 640  # the holder: nothing avoidable
+
+
+def _cache_test(others: int) -> str:
+    """Where a held request whose 640-token prefix w0 holds goes, with ``others`` held behind it."""
+    index = KvIndex(prediction_ttl=60.0)
+    for wid in ("w0", "w1"):
+        index.add_worker(wid)
+    d = Dispatcher(KvRouter(RoutingConfig(seed=1), index, random.Random(1)), 16,
+                   SchedulerConfig(enabled=True, engine_queue_depth=1, aging_tokens_per_s=0.0))
+    full = [_worker("w0", waiting=1), _worker("w1", waiting=1)]
+    req = d.prepare("r", list(range(1000)), 4)
+    index.predict("w0", req.block_hashes[:40], 0.0)
+    assert d.submit(req, "", full, 0.0) is None
+    for k in range(others):  # longer, uncached: they go after "r"
+        assert d.submit(d.prepare(f"o{k}", [10_000 + k] * 2000, 4), "", full, 0.0) is None
+    # w0 has a quarter pass of prefill queued, w1 nothing: alone, "r" goes to the idle worker
+    # (1,000 tokens there against 1,000 - 640/1.0625 + 2,048 on w0); behind 8 held requests
+    # (4 per worker) recomputing its 640 cached tokens on w1 costs 4 x 640 more and w0 wins
+    ready = [WorkerState("w0", 16, 8192, 64, LoadReport("w0", 0.0, 1, 0, 2048, 0, 0, 0, 1000)), _worker("w1")]
+    d_ = d.pump(ready, 1.0)
+    assert d_ is not None and d_.request.request_id == "r"
+    return d_.decision.worker_id
+
+
+def test_held_backlog_keeps_a_held_request_on_its_cache() -> None:
+    assert _cache_test(0) == "w1"
+    assert _cache_test(8) == "w0"
