@@ -183,3 +183,44 @@ def _cache_test(others: int) -> str:
 def test_held_backlog_keeps_a_held_request_on_its_cache() -> None:
     assert _cache_test(0) == "w1"
     assert _cache_test(8) == "w0"
+
+
+def _overdue_mix(share: float) -> tuple[list[str], HoldingQueue]:
+    cfg = SchedulerConfig(enabled=True, max_wait_s=10.0, aging_tokens_per_s=0.0, overdue_share=share)
+    q = HoldingQueue(cfg)
+    q.push(held("old1", 100, at=0.0), 0.0)
+    q.push(held("old2", 90, at=0.5), 0.5)
+    for k, n in enumerate((5, 6, 7)):
+        q.push(held(f"s{k + 1}", n, at=20.0), 20.0)
+    return drain(q, 20.0), q
+
+
+def test_overdue_share_interleaves_overdue_requests_with_the_short_first_order() -> None:
+    assert _overdue_mix(1.0)[0] == ["old1", "old2", "s1", "s2", "s3"]  # every overdue one first: FIFO
+    assert _overdue_mix(0.5)[0] == ["s1", "old1", "s2", "old2", "s3"]  # one in two, oldest first
+    cfg = SchedulerConfig(enabled=True, max_wait_s=10.0, aging_tokens_per_s=0.0, overdue_share=0.25)
+    q = HoldingQueue(cfg)
+    q.push(held("old", 100, at=0.0), 0.0)
+    for k in range(5):
+        q.push(held(f"s{k}", 10 + k, at=20.0), 20.0)
+    assert drain(q, 20.0) == ["s0", "s1", "s2", "old", "s3", "s4"]  # one in four
+
+
+def test_only_an_overdue_requests_turn_bypasses_the_gate() -> None:
+    cfg = SchedulerConfig(enabled=True, max_wait_s=10.0, aging_tokens_per_s=0.0, overdue_share=0.5)
+    q = HoldingQueue(cfg)
+    q.push(held("a", 50, at=0.0), 0.0)
+    q.push(held("b", 60, at=0.0), 0.0)
+    first = q.next(20.0)
+    # both overdue, no overdue turn: the short-first pick waits for a worker like any other (a
+    # sustained overload is not dumped into the engines), and its dispatch is an overdue one
+    assert first.req.request_id == "a" and not q.forced(first, 20.0)
+    q.take(first, 20.0)
+    q.push(held("s", 10, at=19.0), 19.0)
+    assert q.next(20.0).req.request_id == "s" and not q.forced(q.next(20.0), 20.0)
+    q.take(q.next(20.0), 20.0)
+    second = q.next(20.0)
+    assert second.req.request_id == "b" and q.forced(second, 20.0)  # its turn: it goes even without room
+    legacy = HoldingQueue(SchedulerConfig(enabled=True, max_wait_s=10.0))
+    legacy.push(held("c", 50, at=0.0), 0.0)
+    assert legacy.forced(legacy.next(20.0), 20.0) and not legacy.forced(legacy.next(5.0), 5.0)

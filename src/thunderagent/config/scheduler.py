@@ -161,3 +161,9 @@ class SchedulerConfig(_Strict):
     )
     pacing: PacingConfig = PacingConfig()
     grouping: GroupingConfig = GroupingConfig()
+    overdue_share: float = Field(
+        1.0, gt=0, le=1,
+        description="share of dispatches that go to requests held `max_wait_s` or longer while any are held (the "
+        "rest keep the priority / short-first order); 1: every overdue request goes first. Below 1, a sustained "
+        "overload no longer turns the queue into FIFO, and overdue requests still drain at this share of the rate",
+    )

@@ -218,7 +218,7 @@ class Dispatcher:
         if held is None:
             return None
         assert self.scheduler is not None
-        if now - held.enqueued < self.scheduler.max_wait_s and not self.can_start(workers):
+        if not queue.forced(held, now) and not self.can_start(workers):
             return None
         d = self.dispatch(held.req, workers, now, program=held.program, backlog=self._backlog() - 1)
         queue.take(held, now)
