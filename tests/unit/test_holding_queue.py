@@ -224,3 +224,28 @@ def test_only_an_overdue_requests_turn_bypasses_the_gate() -> None:
     legacy = HoldingQueue(SchedulerConfig(enabled=True, max_wait_s=10.0))
     legacy.push(held("c", 50, at=0.0), 0.0)
     assert legacy.forced(legacy.next(20.0), 20.0) and not legacy.forced(legacy.next(5.0), 5.0)
+
+
+def test_tracked_prefill_gate_counts_what_was_sent_until_its_first_token() -> None:
+    index = KvIndex(prediction_ttl=60.0)
+    index.add_worker("w0")
+    d = Dispatcher(KvRouter(RoutingConfig(seed=1), index, random.Random(1)), 16,
+                   SchedulerConfig(enabled=True, tracked_prefill_passes=0.5, aging_tokens_per_s=0.0))
+    # the engine reports a long queue: the tracked gate does not read it (only the busy filter does)
+    w = [WorkerState("w0", 16, 100, 64, LoadReport("w0", 0.0, 1, 5, 10_000, 0, 0, 0, 1000))]
+    a = d.submit(d.prepare("a", list(range(40)), 4), "", w, 0.0)
+    assert a is not None and a.predicted_tokens == 0  # 40 uncached tokens sent: 40 <= 0.5 x 100
+    assert d.can_start(w)
+    b = d.submit(d.prepare("b", list(range(40)), 4), "", w, 0.0)  # a's 2 full blocks predicted there
+    assert b is not None and b.predicted_tokens == 32  # 8 more: 48 sent
+    assert d.can_start(w)
+    assert d.submit(d.prepare("c", [7] * 60, 4), "", w, 0.0) is not None  # 108 > 50: full
+    assert not d.can_start(w)
+    assert d.submit(d.prepare("x", [9] * 20, 4), "", w, 0.1) is None  # held
+    d.progressed("c", ok=True)  # c's first token: its 60 tokens are prefilled, 48 left
+    d.progressed("c", ok=False)  # its end: counted once
+    assert d.can_start(w)
+    x = d.pump(w, 0.2)
+    assert x is not None and x.request.request_id == "x" and not d.can_start(w)  # 68 sent
+    d.retract(x)  # the worker could not take it: nothing of it is pending there
+    assert d.can_start(w)

@@ -90,6 +90,10 @@ class Dispatcher:
         self.programs = ProgramTable(cfg.program_idle_ttl_s)
         self.pacer = (ProgramPacer(cfg.pacing, self.programs, self.index, block_size)
                       if cfg.pacing.enabled else None)
+        # with scheduler.tracked_prefill_passes: uncached prompt tokens sent per worker and not
+        # prefilled yet (no first token), and each such request's (worker, tokens)
+        self._sent: dict[str, int] = {}
+        self._unprefilled: dict[str, tuple[str, int]] = {}
         self._ready: deque[Held] = deque()  # released requests (resumed programs, followers), to dispatch first
         self.grouper = (Grouper(cfg.grouping, self.index, block_size, self._ready, cfg.max_queued)
                         if cfg.grouping.active else None)
@@ -180,7 +184,17 @@ class Dispatcher:
     def progressed(self, request_id: str, *, ok: bool) -> int:
         """A dispatched request produced its first token or ended (``ok``: without an error): if it
         leads a group, its followers are released. Returns how many."""
+        self._prefilled(request_id)
         return self.grouper.progressed(request_id, ok) if self.grouper is not None else 0
+
+    def _prefilled(self, request_id: str) -> None:
+        sent = self._unprefilled.pop(request_id, None)
+        if sent is not None:
+            left = self._sent[sent[0]] - sent[1]
+            if left:
+                self._sent[sent[0]] = left
+            else:
+                del self._sent[sent[0]]
 
     def release(self, program: str) -> bool:
         """The client ended ``program`` (TERMINATED): forgotten; requests of it still held go now.
@@ -242,12 +256,19 @@ class Dispatcher:
         return len(self._ready) + (len(self.queue) if self.queue is not None else 0)
 
     def can_start(self, workers: Sequence[WorkerState]) -> bool:
-        """Some worker can start a request now: its engine queue is short, its prefill backlog would
-        be done within ``engine_backlog_passes`` passes, and it is not busy."""
+        """Some worker can start a request now: it is not busy and, with ``tracked_prefill_passes``,
+        the uncached prompt tokens we sent it that have no first token yet are at most that many
+        passes (the router's own count: exact at once, where an engine's report lags its requests);
+        else its engine queue is short and its reported prefill backlog would be done within
+        ``engine_backlog_passes`` passes."""
         sched = self.scheduler
         assert sched is not None
-        depth, passes = sched.engine_queue_depth, sched.engine_backlog_passes
         cfg = self.router.cfg
+        if sched.tracked_prefill_passes is not None:  # what we sent, not what the engines reported
+            sent, passes = self._sent, sched.tracked_prefill_passes
+            return any(w.role != "prefill" and sent.get(w.worker_id, 0) <= passes * w.max_num_batched_tokens
+                       and not is_busy(w, cfg) for w in workers)
+        depth, passes = sched.engine_queue_depth, sched.engine_backlog_passes
         return any(
             w.role != "prefill" and w.load.waiting < depth
             and w.load.queued_prefill_tokens < passes * w.max_num_batched_tokens
@@ -304,12 +325,18 @@ class Dispatcher:
             self.programs.request_placed(prog.program_id, decision.worker_id)
         if self.grouper is not None:
             self.grouper.placed(req.request_id, req.block_hashes, decision.worker_id, now)
+        if self.scheduler is not None and self.scheduler.tracked_prefill_passes is not None:
+            self._prefilled(req.request_id)  # (a retried request is counted once)
+            wid = decision.worker_id
+            self._unprefilled[req.request_id] = (wid, n - predicted)
+            self._sent[wid] = self._sent.get(wid, 0) + n - predicted
         return Dispatch(req, decision, best_known, predicted, pd=plan)
 
     def retract(self, d: Dispatch) -> int:
         """``d``'s worker could not take the request (nothing ran): forget the blocks the router
         predicted there, so the next request is not drawn to a cache that was never filled.
         Returns how many index entries were dropped."""
+        self._prefilled(d.request.request_id)
         return self.index.report_missing(d.decision.worker_id, d.request.block_hashes, predicted_only=True)
 
     def settle(self, now: float) -> None:
