@@ -7,7 +7,7 @@ Per trace, on 8 simulated workers (16,384 blocks of 64 tokens), the same request
   ``wspt``), in Dynamo's mocker replay (``ai-dynamo-runtime``, the ``compare`` extra).
 
 Traces (``--traces``): ``full`` (``../shared`` Mooncake conversation trace, x8), ``half2`` (its second
-half, requests 6,001-12,031, at x6: another slice and speed), ``chat`` (3,000 requests of the simulator's
+half, requests 6,001-12,031, at x10: another slice and speed), ``chat`` (3,000 requests of the simulator's
 ``multi_turn_chat`` generator, 600 five-turn conversations with a shared 1,024-token system prompt, written
 as Mooncake JSONL with 512-token blocks, x4). Prints TTFT mean / p99 and reuse, and our ratios to both
 Dynamo arms (targets: mean <= 0.5x Dynamo's defaults and <= 0.8x its queue; p99 <= Dynamo's defaults).
@@ -65,7 +65,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         make = {"full": lambda: (MOONCAKE, 8.0),
-                "half2": lambda: (_slice(MOONCAKE, Path(tmp) / "half2.jsonl", 6001, 12031), 6.0),
+                "half2": lambda: (_slice(MOONCAKE, Path(tmp) / "half2.jsonl", 6001, 12031), 10.0),
                 "chat": lambda: (_chat(Path(tmp) / "chat.jsonl"), 4.0)}
         for name in args.traces.split(","):
             path, speed = make[name]()
