@@ -242,8 +242,8 @@ def test_tracked_prefill_gate_counts_what_was_sent_until_its_first_token() -> No
     assert d.submit(d.prepare("c", [7] * 60, 4), "", w, 0.0) is not None  # 108 > 50: full
     assert not d.can_start(w)
     assert d.submit(d.prepare("x", [9] * 20, 4), "", w, 0.1) is None  # held
-    d.progressed("c", ok=True)  # c's first token: its 60 tokens are prefilled, 48 left
-    d.progressed("c", ok=False)  # its end: counted once
+    assert d.progressed("c", ok=True) == 1  # c's first token: 48 left, and "x" is held: pump
+    assert d.progressed("c", ok=False) == 0  # its end: counted once
     assert d.can_start(w)
     x = d.pump(w, 0.2)
     assert x is not None and x.request.request_id == "x" and not d.can_start(w)  # 68 sent

@@ -183,11 +183,14 @@ class Dispatcher:
 
     def progressed(self, request_id: str, *, ok: bool) -> int:
         """A dispatched request produced its first token or ended (``ok``: without an error): if it
-        leads a group, its followers are released. Returns how many."""
-        self._prefilled(request_id)
-        return self.grouper.progressed(request_id, ok) if self.grouper is not None else 0
+        leads a group, its followers are released. Returns how many, plus 1 when the tracked gate
+        (``scheduler.tracked_prefill_passes``) may have opened while requests are held: non-zero
+        means the driver should pump."""
+        freed = self._prefilled(request_id) and self.queue is not None and len(self.queue) > 0
+        return (self.grouper.progressed(request_id, ok) if self.grouper is not None else 0) + freed
 
-    def _prefilled(self, request_id: str) -> None:
+    def _prefilled(self, request_id: str) -> bool:
+        """Forget what ``request_id`` was sent with (tracked gate); True if it was counted."""
         sent = self._unprefilled.pop(request_id, None)
         if sent is not None:
             left = self._sent[sent[0]] - sent[1]
@@ -195,6 +198,7 @@ class Dispatcher:
                 self._sent[sent[0]] = left
             else:
                 del self._sent[sent[0]]
+        return sent is not None
 
     def release(self, program: str) -> bool:
         """The client ended ``program`` (TERMINATED): forgotten; requests of it still held go now.
