@@ -220,6 +220,9 @@ class RouteRequest:
     block_hashes: list[int]
     priority: int = 0
     check_hashes: list[int] | None = None  # the double-hash guard's (None: guard off)
+    #: requests the scheduler holds behind this one, per routable worker (its holding queue's
+    #: backlog, which waits for the fleet without showing in any engine's ``waiting``)
+    held: int = 0
 
 
 @dataclass(slots=True)

@@ -143,3 +143,109 @@ def test_a_worker_with_a_pass_of_prefill_backlog_cannot_start_more() -> None:
     assert d.can_start(w(8191)) and not d.can_start(w(8192))  # a full pass of prefill ahead: hold
     assert not d.can_start(w(0, waiting=4))  # engine_queue_depth
     assert not d.can_start(w(0, kv=990))  # busy: KV usage 0.99 >= busy_kv_usage 0.98
+
+
+def test_contention_counts_requests_held_in_the_scheduler() -> None:
+    from thunderagent.router.cost import score
+
+    cfg = RoutingConfig()
+    w = WorkerState("w0", 16, 8192, 64, LoadReport("w0", 0.0, 1, 1, 0, 0, 0, 0, 1000))
+    # 640 tokens of this 1,000-token prompt sit on another worker: each request waiting for this one
+    # (the engine's 1, plus 3 held in the scheduler) pays for recomputing them
+    plain, held = score(w, 1000, 0, cfg, 0, 640), score(w, 1000, 0, cfg, 0, 640, held=3)
+    assert plain.cost == 1000 + 1 * 640 and held.cost == 1000 + (1 + 3) * 640
+    assert not held.busy  # the busy filter still reads the engine's own queue
+    assert score(w, 1000, 40, cfg, 0, 640, held=3).cost == 1000 - 640  # the holder: nothing avoidable
+
+
+def _cache_test(others: int) -> str:
+    """Where a held request whose 640-token prefix w0 holds goes, with ``others`` held behind it."""
+    index = KvIndex(prediction_ttl=60.0)
+    for wid in ("w0", "w1"):
+        index.add_worker(wid)
+    d = Dispatcher(KvRouter(RoutingConfig(seed=1), index, random.Random(1)), 16,
+                   SchedulerConfig(enabled=True, engine_queue_depth=1, aging_tokens_per_s=0.0))
+    full = [_worker("w0", waiting=1), _worker("w1", waiting=1)]
+    req = d.prepare("r", list(range(1000)), 4)
+    index.predict("w0", req.block_hashes[:40], 0.0)
+    assert d.submit(req, "", full, 0.0) is None
+    for k in range(others):  # longer, uncached: they go after "r"
+        assert d.submit(d.prepare(f"o{k}", [10_000 + k] * 2000, 4), "", full, 0.0) is None
+    # w0 has a quarter pass of prefill queued, w1 nothing: alone, "r" goes to the idle worker
+    # (1,000 tokens there against 1,000 - 640/1.0625 + 2,048 on w0); behind 8 held requests
+    # (4 per worker) recomputing its 640 cached tokens on w1 costs 4 x 640 more and w0 wins
+    ready = [WorkerState("w0", 16, 8192, 64, LoadReport("w0", 0.0, 1, 0, 2048, 0, 0, 0, 1000)), _worker("w1")]
+    d_ = d.pump(ready, 1.0)
+    assert d_ is not None and d_.request.request_id == "r"
+    return d_.decision.worker_id
+
+
+def test_held_backlog_keeps_a_held_request_on_its_cache() -> None:
+    assert _cache_test(0) == "w1"
+    assert _cache_test(8) == "w0"
+
+
+def _overdue_mix(share: float) -> tuple[list[str], HoldingQueue]:
+    cfg = SchedulerConfig(enabled=True, max_wait_s=10.0, aging_tokens_per_s=0.0, overdue_share=share)
+    q = HoldingQueue(cfg)
+    q.push(held("old1", 100, at=0.0), 0.0)
+    q.push(held("old2", 90, at=0.5), 0.5)
+    for k, n in enumerate((5, 6, 7)):
+        q.push(held(f"s{k + 1}", n, at=20.0), 20.0)
+    return drain(q, 20.0), q
+
+
+def test_overdue_share_interleaves_overdue_requests_with_the_short_first_order() -> None:
+    assert _overdue_mix(1.0)[0] == ["old1", "old2", "s1", "s2", "s3"]  # every overdue one first: FIFO
+    assert _overdue_mix(0.5)[0] == ["s1", "old1", "s2", "old2", "s3"]  # one in two, oldest first
+    cfg = SchedulerConfig(enabled=True, max_wait_s=10.0, aging_tokens_per_s=0.0, overdue_share=0.25)
+    q = HoldingQueue(cfg)
+    q.push(held("old", 100, at=0.0), 0.0)
+    for k in range(5):
+        q.push(held(f"s{k}", 10 + k, at=20.0), 20.0)
+    assert drain(q, 20.0) == ["s0", "s1", "s2", "old", "s3", "s4"]  # one in four
+
+
+def test_only_an_overdue_requests_turn_bypasses_the_gate() -> None:
+    cfg = SchedulerConfig(enabled=True, max_wait_s=10.0, aging_tokens_per_s=0.0, overdue_share=0.5)
+    q = HoldingQueue(cfg)
+    q.push(held("a", 50, at=0.0), 0.0)
+    q.push(held("b", 60, at=0.0), 0.0)
+    first = q.next(20.0)
+    # both overdue, no overdue turn: the short-first pick waits for a worker like any other (a
+    # sustained overload is not dumped into the engines), and its dispatch is an overdue one
+    assert first.req.request_id == "a" and not q.forced(first, 20.0)
+    q.take(first, 20.0)
+    q.push(held("s", 10, at=19.0), 19.0)
+    assert q.next(20.0).req.request_id == "s" and not q.forced(q.next(20.0), 20.0)
+    q.take(q.next(20.0), 20.0)
+    second = q.next(20.0)
+    assert second.req.request_id == "b" and q.forced(second, 20.0)  # its turn: it goes even without room
+    legacy = HoldingQueue(SchedulerConfig(enabled=True, max_wait_s=10.0))
+    legacy.push(held("c", 50, at=0.0), 0.0)
+    assert legacy.forced(legacy.next(20.0), 20.0) and not legacy.forced(legacy.next(5.0), 5.0)
+
+
+def test_tracked_prefill_gate_counts_what_was_sent_until_its_first_token() -> None:
+    index = KvIndex(prediction_ttl=60.0)
+    index.add_worker("w0")
+    d = Dispatcher(KvRouter(RoutingConfig(seed=1), index, random.Random(1)), 16,
+                   SchedulerConfig(enabled=True, tracked_prefill_passes=0.5, aging_tokens_per_s=0.0))
+    # the engine reports a long queue: the tracked gate does not read it (only the busy filter does)
+    w = [WorkerState("w0", 16, 100, 64, LoadReport("w0", 0.0, 1, 5, 10_000, 0, 0, 0, 1000))]
+    a = d.submit(d.prepare("a", list(range(40)), 4), "", w, 0.0)
+    assert a is not None and a.predicted_tokens == 0  # 40 uncached tokens sent: 40 <= 0.5 x 100
+    assert d.can_start(w)
+    b = d.submit(d.prepare("b", list(range(40)), 4), "", w, 0.0)  # a's 2 full blocks predicted there
+    assert b is not None and b.predicted_tokens == 32  # 8 more: 48 sent
+    assert d.can_start(w)
+    assert d.submit(d.prepare("c", [7] * 60, 4), "", w, 0.0) is not None  # 108 > 50: full
+    assert not d.can_start(w)
+    assert d.submit(d.prepare("x", [9] * 20, 4), "", w, 0.1) is None  # held
+    assert d.progressed("c", ok=True) == 1  # c's first token: 48 left, and "x" is held: pump
+    assert d.progressed("c", ok=False) == 0  # its end: counted once
+    assert d.can_start(w)
+    x = d.pump(w, 0.2)
+    assert x is not None and x.request.request_id == "x" and not d.can_start(w)  # 68 sent
+    d.retract(x)  # the worker could not take it: nothing of it is pending there
+    assert d.can_start(w)

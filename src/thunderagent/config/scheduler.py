@@ -172,3 +172,16 @@ class SchedulerConfig(_Strict):
     )
     pacing: PacingConfig = PacingConfig()
     grouping: GroupingConfig = GroupingConfig()
+    overdue_share: float = Field(
+        1.0, gt=0, le=1,
+        description="share of dispatches that go to requests held `max_wait_s` or longer while any are held (the "
+        "rest keep the priority / short-first order); 1: every overdue request goes first. Below 1, a sustained "
+        "overload no longer turns the queue into FIFO, and overdue requests still drain at this share of the rate",
+    )
+    tracked_prefill_passes: float | None = Field(
+        None, gt=0,
+        description="dispatch gate on the router's own count instead of the engines' reports: a worker can start a "
+        "request while the uncached prompt tokens the scheduler sent it and that have not produced a first token "
+        "are at most this many passes (max_num_batched_tokens), and it is not busy (Dynamo's router_queue_threshold "
+        "rule); null: the engine-reported gate (`engine_queue_depth`, `engine_backlog_passes`)",
+    )

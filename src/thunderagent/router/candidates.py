@@ -154,23 +154,23 @@ class LazyScores(Sequence[CandidateScore]):
     __slots__ = ("_states", "_loads", "_args", "_built")
 
     def __init__(self, view: FleetView, num_tokens: int, levels: list[tuple[int, int]], bits: list[int],
-                 min_queued: int, best_cached: int, cfg: RoutingConfig | None = None) -> None:
+                 min_queued: int, best_cached: int, cfg: RoutingConfig | None = None, held: int = 0) -> None:
         """``levels``: the index's ``match_levels``; ``bits``: each view position's index bit (the
         caller's list must not change afterwards); ``cfg``: the router's (its weights may be tuned,
         ``router/autotune.py``), else the view's."""
         # WorkerState objects are mutated by drivers after the decision: keep their loads as they were
         self._states = view._states[:]
         self._loads = view.snapshot()
-        self._args = (num_tokens, levels, bits, cfg or view.cfg, min_queued, best_cached)
+        self._args = (num_tokens, levels, bits, cfg or view.cfg, min_queued, best_cached, held)
         self._built: tuple[CandidateScore, ...] | None = None
 
     def _all(self) -> tuple[CandidateScore, ...]:
         built = self._built
         if built is None:
-            n, levels, bits, cfg, min_queued, best_cached = self._args
+            n, levels, bits, cfg, min_queued, best_cached, held = self._args
             built = self._built = tuple(
                 score(WorkerState(w.worker_id, w.block_size, w.max_num_batched_tokens, w.queue_depth_threshold, load),
-                      n, depth(levels, bit), cfg, min_queued, best_cached)
+                      n, depth(levels, bit), cfg, min_queued, best_cached, held)
                 for w, load, bit in zip(self._states, self._loads, bits)
             )
         return built

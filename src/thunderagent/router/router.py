@@ -112,7 +112,8 @@ class KvRouter:
             self._view_mask = sum(self._bits)
             self._tracked = (id(view), view.version, index.epoch)
         levels = index.match_levels(req.block_hashes, now, req.check_hashes) if req.block_hashes else []
-        sel = select(req.num_tokens, levels, view, self._bits, self._view_mask, index, policy, self.cfg, now)
+        sel = select(req.num_tokens, levels, view, self._bits, self._view_mask, index, policy, self.cfg, now,
+                     req.held)
         free = [c for c in sel.cands if not c.score.busy]
         i, reason = policy.choose(free, self.rng, req.num_tokens, now)
         chosen = free[i]
@@ -128,7 +129,7 @@ class KvRouter:
             policy=policy.name,
             reason=reason,
             candidates=LazyScores(view, req.num_tokens, sel.levels, self._bits, sel.min_queued, sel.best_cached,
-                                  self.cfg),
+                                  self.cfg, req.held),
             overlap_blocks=chosen.score.overlap_blocks,
             best_overlap_blocks=sel.best_overlap,
         )
@@ -140,7 +141,7 @@ class KvRouter:
         return [
             Candidate(
                 w,
-                score(w, req.num_tokens, overlaps.get(w.worker_id, 0), self.cfg, min_queued, best_cached),
+                score(w, req.num_tokens, overlaps.get(w.worker_id, 0), self.cfg, min_queued, best_cached, req.held),
                 self.index.num_blocks(w.worker_id),
             )
             for w in workers

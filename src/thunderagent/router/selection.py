@@ -53,8 +53,8 @@ class _Selector:
     """One decision's selection (see the module docstring); ``run`` returns it."""
 
     def __init__(self, num_tokens: int, levels: list[tuple[int, int]], view: FleetView, bits: list[int],
-                 index: KvIndex, policy: KvAware, cfg: RoutingConfig) -> None:
-        self.n, self.levels, self.view, self.bits = num_tokens, levels, view, bits
+                 index: KvIndex, policy: KvAware, cfg: RoutingConfig, held: int = 0) -> None:
+        self.n, self.levels, self.view, self.bits, self.held = num_tokens, levels, view, bits, held
         self.index, self.policy, self.cfg = index, policy, cfg
         self.min_queued = view.min_queued()
         self.best_overlap = levels[-1][0] if levels else 0
@@ -70,7 +70,8 @@ class _Selector:
 
     def add(self, i: int, blocks: int) -> None:
         w = self.view[i]
-        c = self.picked[i] = Candidate(w, score(w, self.n, blocks, self.cfg, self.min_queued, self.best_cached),
+        c = self.picked[i] = Candidate(w, score(w, self.n, blocks, self.cfg, self.min_queued, self.best_cached,
+                                                   self.held),
                                        self.index.num_blocks(w.worker_id))
         if c.score.cost < self.best:
             self.best = c.score.cost
@@ -161,12 +162,13 @@ class _Selector:
 
 
 def select(num_tokens: int, levels: list[tuple[int, int]], view: FleetView, bits: list[int], view_mask: int,
-           index: KvIndex, policy: KvAware, cfg: RoutingConfig, now: float) -> Selection:
+           index: KvIndex, policy: KvAware, cfg: RoutingConfig, now: float, held: int = 0) -> Selection:
     """``levels``: ``index.match_levels`` of the request; ``bits``: the index bit of each view position
-    (0 for a worker the index does not know); ``view_mask``: their union."""
+    (0 for a worker the index does not know); ``view_mask``: their union; ``held``: the scheduler's
+    backlog per worker (``RouteRequest.held``)."""
     busy_mask = 0
     for i in view.busy_positions:
         busy_mask |= bits[i]
     # restrict to the view's workers (an index may know workers the driver does not route to)
     levels = [(b, m) for b, m in ((b, m & view_mask) for b, m in levels) if m]
-    return _Selector(num_tokens, levels, view, bits, index, policy, cfg).run(busy_mask, now)
+    return _Selector(num_tokens, levels, view, bits, index, policy, cfg, held).run(busy_mask, now)

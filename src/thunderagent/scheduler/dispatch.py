@@ -90,6 +90,10 @@ class Dispatcher:
         self.programs = ProgramTable(cfg.program_idle_ttl_s)
         self.pacer = (ProgramPacer(cfg.pacing, self.programs, self.index, block_size)
                       if cfg.pacing.enabled else None)
+        # with scheduler.tracked_prefill_passes: uncached prompt tokens sent per worker and not
+        # prefilled yet (no first token), and each such request's (worker, tokens)
+        self._sent: dict[str, int] = {}
+        self._unprefilled: dict[str, tuple[str, int]] = {}
         self._ready: deque[Held] = deque()  # released requests (resumed programs, followers), to dispatch first
         self.grouper = (Grouper(cfg.grouping, self.index, block_size, self._ready, cfg.max_queued)
                         if cfg.grouping.active else None)
@@ -179,8 +183,22 @@ class Dispatcher:
 
     def progressed(self, request_id: str, *, ok: bool) -> int:
         """A dispatched request produced its first token or ended (``ok``: without an error): if it
-        leads a group, its followers are released. Returns how many."""
-        return self.grouper.progressed(request_id, ok) if self.grouper is not None else 0
+        leads a group, its followers are released. Returns how many, plus 1 when the tracked gate
+        (``scheduler.tracked_prefill_passes``) may have opened while requests are held: non-zero
+        means the driver should pump."""
+        freed = self._prefilled(request_id) and self.queue is not None and len(self.queue) > 0
+        return (self.grouper.progressed(request_id, ok) if self.grouper is not None else 0) + freed
+
+    def _prefilled(self, request_id: str) -> bool:
+        """Forget what ``request_id`` was sent with (tracked gate); True if it was counted."""
+        sent = self._unprefilled.pop(request_id, None)
+        if sent is not None:
+            left = self._sent[sent[0]] - sent[1]
+            if left:
+                self._sent[sent[0]] = left
+            else:
+                del self._sent[sent[0]]
+        return sent is not None
 
     def release(self, program: str) -> bool:
         """The client ended ``program`` (TERMINATED): forgotten; requests of it still held go now.
@@ -208,7 +226,7 @@ class Dispatcher:
         then it goes anyway). None when nothing can go now. The driver submits it and calls again."""
         if self._ready and workers:
             held = self._ready.popleft()
-            d = self.dispatch(held.req, workers, now, program=held.program, pin=held.pin)
+            d = self.dispatch(held.req, workers, now, program=held.program, pin=held.pin, backlog=self._backlog())
             d.queue_wait, d.route_key, d.grouped = now - held.enqueued, held.key, held.pin is not None
             return d
         queue = self.queue
@@ -218,9 +236,9 @@ class Dispatcher:
         if held is None:
             return None
         assert self.scheduler is not None
-        if now - held.enqueued < self.scheduler.max_wait_s and not self.can_start(workers):
+        if not queue.forced(held, now) and not self.can_start(workers):
             return None
-        d = self.dispatch(held.req, workers, now, program=held.program)
+        d = self.dispatch(held.req, workers, now, program=held.program, backlog=self._backlog() - 1)
         queue.take(held, now)
         d.queue_wait, d.route_key = now - held.enqueued, held.key
         return d
@@ -237,13 +255,24 @@ class Dispatcher:
                 return True
         return self.pacer is not None and self.pacer.cancel(request_id)
 
+    def _backlog(self) -> int:
+        """Requests held here that wait for the fleet's capacity (released and queued ones)."""
+        return len(self._ready) + (len(self.queue) if self.queue is not None else 0)
+
     def can_start(self, workers: Sequence[WorkerState]) -> bool:
-        """Some worker can start a request now: its engine queue is short, its prefill backlog would
-        be done within ``engine_backlog_passes`` passes, and it is not busy."""
+        """Some worker can start a request now: it is not busy and, with ``tracked_prefill_passes``,
+        the uncached prompt tokens we sent it that have no first token yet are at most that many
+        passes (the router's own count: exact at once, where an engine's report lags its requests);
+        else its engine queue is short and its reported prefill backlog would be done within
+        ``engine_backlog_passes`` passes."""
         sched = self.scheduler
         assert sched is not None
-        depth, passes = sched.engine_queue_depth, sched.engine_backlog_passes
         cfg = self.router.cfg
+        if sched.tracked_prefill_passes is not None:  # what we sent, not what the engines reported
+            sent, passes = self._sent, sched.tracked_prefill_passes
+            return any(w.role != "prefill" and sent.get(w.worker_id, 0) <= passes * w.max_num_batched_tokens
+                       and not is_busy(w, cfg) for w in workers)
+        depth, passes = sched.engine_queue_depth, sched.engine_backlog_passes
         return any(
             w.role != "prefill" and w.load.waiting < depth
             and w.load.queued_prefill_tokens < passes * w.max_num_batched_tokens
@@ -259,11 +288,15 @@ class Dispatcher:
         return n - min(best * self.block_size, n)
 
     def dispatch(self, req: EngineRequest, workers: Sequence[WorkerState], now: float,
-                 exclude: tuple[str, ...] = (), program: str | None = None, pin: str | None = None) -> Dispatch:
+                 exclude: tuple[str, ...] = (), program: str | None = None, pin: str | None = None,
+                 backlog: int = 0) -> Dispatch:
         """Route ``req`` among ``workers`` (less ``exclude``: workers that already could not take
         it, or that a sibling should not wait on); a request of a program the pacer pinned, or
         pinned by ``pin`` (a follower released to its leader's worker), goes to that worker while it
-        is routable. Raises :class:`~thunderagent.router.router.NoWorkerAvailable`."""
+        is routable. ``backlog``: other requests held in the scheduler, waiting for this fleet: the
+        router's contention charge counts each worker's share of them (``RouteRequest.held``), so a
+        fleet whose overload sits in our queue rather than in the engines' still counts as saturated
+        and keeps cache hits. Raises :class:`~thunderagent.router.router.NoWorkerAvailable`."""
         if exclude:
             workers = [w for w in workers if w.worker_id not in exclude]
         workers, prefill_pool = split_pools(workers)
@@ -275,7 +308,8 @@ class Dispatcher:
         if pin is not None:
             workers = [w for w in workers if w.worker_id == pin] or workers
         n = len(req.prompt_tokens)
-        rreq = RouteRequest(req.request_id, n, req.block_hashes, req.priority, req.check_hashes)
+        held = -(-backlog // len(workers)) if backlog > 0 else 0  # per routable worker, rounded up
+        rreq = RouteRequest(req.request_id, n, req.block_hashes, req.priority, req.check_hashes, held)
 
         def route(pool: Sequence[WorkerState], predict: bool = True) -> Decision:  # the decode pool, the prefill pool
             return self.router.route(rreq, pool, now, predict=predict)
@@ -295,12 +329,18 @@ class Dispatcher:
             self.programs.request_placed(prog.program_id, decision.worker_id)
         if self.grouper is not None:
             self.grouper.placed(req.request_id, req.block_hashes, decision.worker_id, now)
+        if self.scheduler is not None and self.scheduler.tracked_prefill_passes is not None:
+            self._prefilled(req.request_id)  # (a retried request is counted once)
+            wid = decision.worker_id
+            self._unprefilled[req.request_id] = (wid, n - predicted)
+            self._sent[wid] = self._sent.get(wid, 0) + n - predicted
         return Dispatch(req, decision, best_known, predicted, pd=plan)
 
     def retract(self, d: Dispatch) -> int:
         """``d``'s worker could not take the request (nothing ran): forget the blocks the router
         predicted there, so the next request is not drawn to a cache that was never filled.
         Returns how many index entries were dropped."""
+        self._prefilled(d.request.request_id)
         return self.index.report_missing(d.decision.worker_id, d.request.block_hashes, predicted_only=True)
 
     def settle(self, now: float) -> None:

@@ -3,7 +3,10 @@
 Pure and clock-free (``now`` is passed in). Which request goes next, when a worker frees up:
 
 1. **deadline**: a request held ``max_wait_s`` or longer goes first (the oldest such), whatever its
-   tier and size: nobody starves;
+   tier and size: nobody starves. With ``overdue_share`` below 1 overdue requests take only that
+   share of the dispatches (one in every ``1 / share``, the others keep the order below): in a
+   sustained overload every request becomes overdue, and "overdue first" would be plain FIFO, the
+   order with the worst mean; a fixed share still drains the overdue ones at a bounded rate;
 2. **strict priority tiers**: the highest ``priority`` with a request held;
 3. **fairness across route keys** inside the tier: deficit round robin (as llm-d's flow control
    does): each key in turn earns ``drr_quantum_tokens`` of credit and spends it on its requests'
@@ -85,6 +88,7 @@ class HoldingQueue:
         self._seq = itertools.count()
         self._gap = 0.0  # smoothed seconds between dispatches from the queue (0: not measured yet)
         self._last_pop: float | None = None
+        self._since_overdue = 0.0  # dispatches (weighted by overdue_share) since an overdue one went
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -160,16 +164,33 @@ class HoldingQueue:
         if not self._by_id:
             return None
         overdue = self.peek_overdue(now)
-        if overdue is not None:
+        if overdue is not None and self._overdue_turn():
             return overdue
         tier = self._tiers[max(t for t, tier in self._tiers.items() if tier.order)]
         return self._drr_pick(tier, now)
+
+    def _overdue_turn(self) -> bool:
+        """An overdue request's turn: always with ``overdue_share`` 1, else once ``1 / share - 1``
+        others went since the last overdue one (``share`` is added per dispatch: exact in floats for
+        the shares 1/2, 1/4 ...; 1 - 1e-9 absorbs rounding of the others)."""
+        share = self.cfg.overdue_share
+        return share >= 1.0 or self._since_overdue >= 1.0 - share - 1e-9
+
+    def forced(self, held: Held, now: float) -> bool:
+        """``held`` goes even if no worker can start it: it is overdue and it is an overdue request's
+        turn (with ``overdue_share`` below 1, an overdue request picked by the normal order when all
+        are overdue waits for the gate like any other: a sustained overload is not dumped into the
+        engines' FIFO queues)."""
+        return now - held.enqueued >= self.cfg.max_wait_s and self._overdue_turn()
 
     def take(self, held: Held, now: float) -> None:
         """``held`` was dispatched: remove it, charge its key's deficit, measure the drain rate."""
         tier = self._tiers[held.tier]
         key = tier.keys[held.key]
         key.deficit = max(0.0, key.deficit - max(1, held.uncached))
+        share = self.cfg.overdue_share
+        if share < 1.0:
+            self._since_overdue = 0.0 if now - held.enqueued >= self.cfg.max_wait_s else self._since_overdue + share
         self._remove(held)
         if self._last_pop is not None:
             gap = max(0.0, now - self._last_pop)
