@@ -75,6 +75,16 @@ class Dispatch:
     grouped: bool = False
 
 
+def _has_slot(w: WorkerState, depth: int) -> bool:
+    # Slots known: a request sent now starts at the engine's next pass unless every sequence slot is
+    # taken, and then it would wait in the engine for one, unseen by the scheduler's admission bound
+    # (its wait is the time until some running request ends): only ``depth`` may. Unknown: the
+    # engine queue's length is all there is to go by, and at least one may wait there.
+    if w.max_num_seqs:
+        return w.load.running + w.load.waiting < w.max_num_seqs + depth
+    return w.load.waiting < max(1, depth)
+
+
 class Dispatcher:
     def __init__(self, router: KvRouter, block_size: int, scheduler: SchedulerConfig | None = None,
                  disagg: Disaggregator | None = None) -> None:
@@ -177,6 +187,12 @@ class Dispatcher:
         there are released (cheap when none wait on it). Returns how many."""
         return self.grouper.stored(worker_id) if self.grouper is not None else 0
 
+    def first_token(self, service_s: float) -> None:
+        """A dispatched request produced its first token ``service_s`` after it was dispatched (its
+        holding-queue wait left out): the service time ``scheduler.admit_ttft_factor`` bounds against."""
+        if self.queue is not None:
+            self.queue.observe_service(service_s)
+
     def progressed(self, request_id: str, *, ok: bool) -> int:
         """A dispatched request produced its first token or ended (``ok``: without an error): if it
         leads a group, its followers are released. Returns how many."""
@@ -238,14 +254,15 @@ class Dispatcher:
         return self.pacer is not None and self.pacer.cancel(request_id)
 
     def can_start(self, workers: Sequence[WorkerState]) -> bool:
-        """Some worker can start a request now: its engine queue is short, its prefill backlog would
-        be done within ``engine_backlog_passes`` passes, and it is not busy."""
+        """Some worker can start a request now: it has a free sequence slot (or fewer than
+        ``engine_queue_depth`` would wait in its engine for one), its prefill backlog would be done
+        within ``engine_backlog_passes`` passes, and it is not busy."""
         sched = self.scheduler
         assert sched is not None
         depth, passes = sched.engine_queue_depth, sched.engine_backlog_passes
         cfg = self.router.cfg
         return any(
-            w.role != "prefill" and w.load.waiting < depth
+            w.role != "prefill" and _has_slot(w, depth)
             and w.load.queued_prefill_tokens < passes * w.max_num_batched_tokens
             and not is_busy(w, cfg)
             for w in workers
