@@ -216,9 +216,11 @@ class ServeProcess:
         """Sums of the liveness counters over their labels (0 when never incremented)."""
         async with session.get(self.base + "/metrics") as r:
             text = await r.text()
-        out = {"lease_expired": 0.0, "index_purged": 0.0, "loop_lag_max": 0.0}
+        out = {"lease_expired": 0.0, "index_purged": 0.0, "loop_lag_max": 0.0, "held_s": 0.0, "held_n": 0.0}
         for name, key in (("thunderagent_worker_lease_expired_total", "lease_expired"),
-                          ("thunderagent_index_purged_entries_total", "index_purged")):
+                          ("thunderagent_index_purged_entries_total", "index_purged"),
+                          ("thunderagent_scheduler_queue_wait_seconds_sum", "held_s"),
+                          ("thunderagent_scheduler_queue_wait_seconds_count", "held_n")):
             for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M):
                 out[key] += float(m.group(1))
         m = re.search(r"^thunderagent_loop_lag_max_seconds (\S+)$", text, re.M)
@@ -251,6 +253,8 @@ class Report:
     counters: dict[str, float]
     served_after: int  # status of a request sent right after the load
     unhealthy_seen: int  # /health samples during the load that showed a worker not healthy
+    #: requests that waited in the scheduler's holding queue during the overload, and their seconds there
+    held: tuple[float, float] = (0.0, 0.0)
 
     @property
     def ttft_ratio_p99(self) -> float:
@@ -269,7 +273,9 @@ class Report:
             f"overload: {len(ov.shots)} sent, {ov.count(200)} x 200, {ov.count(429)} x 429 "
             f"(Retry-After {', '.join(ra) or '-'}), {ov.count(503)} x 503, other {sorted(other) or '-'}",
             f"admitted TTFT: p50 {ov.ttft_p(0.5) * 1e3:.0f} ms  p99 {ov.ttft_p(0.99) * 1e3:.0f} ms  "
-            f"= {self.ttft_ratio_p99:.2f}x unloaded p99 ({ov.ttft_p(0.99) / idle.ttft_p(0.99):.2f}x idle p99)",
+            f"= {self.ttft_ratio_p99:.2f}x unloaded p99 ({ov.ttft_p(0.99) / idle.ttft_p(0.99):.2f}x idle p99); "
+            f"{self.held[0]:.0f} of them held in the scheduler first (mean "
+            f"{self.held[1] / max(1.0, self.held[0]) * 1e3:.0f} ms)",
             f"server RSS: {self.rss_base_mb:.0f} MB before, {self.rss_peak_mb:.0f} MB peak, "
             f"{self.rss_after_mb:.0f} MB after ({self.rss_after_mb / self.rss_base_mb:.2f}x baseline)",
             f"liveness: {self.counters['lease_expired']:.0f} leases expired, {self.counters['index_purged']:.0f} "
@@ -297,7 +303,9 @@ async def run(duration: float = 60.0, factor: float = 3.0, *, slots: int = 4, en
             idle = await unloaded(session, base, unloaded_s, max_tokens)
             cap, _ = await capacity(session, base, capacity_s, clients=4 * slots * 2, max_tokens=max_tokens)
             await asyncio.sleep(settle_s)
-            un = await open_loop(session, base, cap / 4, unloaded_s * 2, max_tokens, lambda: None, first_id=5_000_000)
+            # the baseline's p99 needs samples: at least 2 x unloaded_s, a third of the overload's length
+            un = await open_loop(session, base, cap / 4, max(unloaded_s * 2, duration / 3), max_tokens, lambda: None,
+                                 first_id=5_000_000)
             rss_base = srv.rss_mb()
             rate = factor * cap
             peak = [rss_base]
@@ -316,14 +324,16 @@ async def run(duration: float = 60.0, factor: float = 3.0, *, slots: int = 4, en
                 polls.add(t)
                 t.add_done_callback(polls.discard)
 
+            before = await srv.counters(session)
             ov = await open_loop(session, base, rate, duration, max_tokens, sample)
+            during = await srv.counters(session)
             health_after = await srv.health(session)
             served_after = (await shoot(session, base, 4_000_000, max_tokens)).status
             await asyncio.sleep(settle_s)
             rss_after = srv.rss_mb()
             counters = await srv.counters(session)
             return Report(cap, rate, idle, un, ov, rss_base, peak[0], rss_after, health_after, counters, served_after,
-                          unhealthy[0])
+                          unhealthy[0], (during["held_n"] - before["held_n"], during["held_s"] - before["held_s"]))
     finally:
         srv.stop()
 
@@ -333,8 +343,10 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of overload (default 60)")
     ap.add_argument("--factor", type=float, default=3.0, help="offered load / measured capacity (default 3)")
     ap.add_argument("--log", type=Path, default=None, help="server log file (default: $TMPDIR/overload-serve.log)")
+    ap.add_argument("--config", default="", help="YAML appended to the server's config, e.g. "
+                    "'scheduler: {admit_ttft_factor: null}' to see the run without the admission bound")
     args = ap.parse_args()
-    rep = asyncio.run(run(args.duration, args.factor, log_path=args.log))
+    rep = asyncio.run(run(args.duration, args.factor, log_path=args.log, extra_config=args.config))
     print("\n".join(rep.lines()))
 
 
