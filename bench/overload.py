@@ -258,7 +258,11 @@ class Report:
 
     @property
     def ttft_ratio_p99(self) -> float:
-        return self.overload.ttft_p(0.99) / self.unloaded.ttft_p(0.99)
+        return self.ttft_ratio(0.99)
+
+    def ttft_ratio(self, q: float) -> float:
+        """Admitted requests' TTFT quantile ``q`` over the unloaded run's."""
+        return self.overload.ttft_p(q) / self.unloaded.ttft_p(q)
 
     def lines(self) -> list[str]:
         ov, un, idle = self.overload, self.unloaded, self.idle
@@ -268,11 +272,14 @@ class Report:
             f"capacity (closed loop): {self.capacity_rps:.1f} completions/s; offered {self.rate_rps:.1f} req/s "
             f"for {ov.seconds:.0f} s ({self.rate_rps / self.capacity_rps:.1f}x)",
             f"idle TTFT (one at a time): p50 {idle.ttft_p(0.5) * 1e3:.0f} ms  p99 {idle.ttft_p(0.99) * 1e3:.0f} ms",
-            f"unloaded TTFT (0.25x capacity): p50 {un.ttft_p(0.5) * 1e3:.0f} ms  p99 {un.ttft_p(0.99) * 1e3:.0f} ms "
+            f"unloaded TTFT (0.25x capacity): p50 {un.ttft_p(0.5) * 1e3:.0f} ms  p90 {un.ttft_p(0.9) * 1e3:.0f} ms  "
+            f"p99 {un.ttft_p(0.99) * 1e3:.0f} ms "
             f"({len(un.ok())} requests)",
             f"overload: {len(ov.shots)} sent, {ov.count(200)} x 200, {ov.count(429)} x 429 "
             f"(Retry-After {', '.join(ra) or '-'}), {ov.count(503)} x 503, other {sorted(other) or '-'}",
-            f"admitted TTFT: p50 {ov.ttft_p(0.5) * 1e3:.0f} ms  p99 {ov.ttft_p(0.99) * 1e3:.0f} ms  "
+            f"admitted TTFT: p50 {ov.ttft_p(0.5) * 1e3:.0f} ms  p90 {ov.ttft_p(0.9) * 1e3:.0f} ms  "
+            f"p99 {ov.ttft_p(0.99) * 1e3:.0f} ms  (ratios to unloaded: p50 {self.ttft_ratio(0.5):.2f}x  "
+            f"p90 {self.ttft_ratio(0.9):.2f}x)  p99 "
             f"= {self.ttft_ratio_p99:.2f}x unloaded p99 ({ov.ttft_p(0.99) / idle.ttft_p(0.99):.2f}x idle p99); "
             f"{self.held[0]:.0f} of them held in the scheduler first (mean "
             f"{self.held[1] / max(1.0, self.held[0]) * 1e3:.0f} ms)",

