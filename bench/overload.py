@@ -195,6 +195,11 @@ class ServeProcess:
                 return int(line.split()[1]) / 1024
         return float("nan")
 
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the server process has used."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     async def ready(self, session: aiohttp.ClientSession, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while True:
@@ -255,6 +260,9 @@ class Report:
     unhealthy_seen: int  # /health samples during the load that showed a worker not healthy
     #: requests that waited in the scheduler's holding queue during the overload, and their seconds there
     held: tuple[float, float] = (0.0, 0.0)
+    #: the server's CPU seconds during the overload, and the machine's 1-minute load average after it
+    cpu_s: float = 0.0
+    loadavg: float = 0.0
 
     @property
     def ttft_ratio_p99(self) -> float:
@@ -284,7 +292,9 @@ class Report:
             f"{self.held[0]:.0f} of them held in the scheduler first (mean "
             f"{self.held[1] / max(1.0, self.held[0]) * 1e3:.0f} ms)",
             f"server RSS: {self.rss_base_mb:.0f} MB before, {self.rss_peak_mb:.0f} MB peak, "
-            f"{self.rss_after_mb:.0f} MB after ({self.rss_after_mb / self.rss_base_mb:.2f}x baseline)",
+            f"{self.rss_after_mb:.0f} MB after ({self.rss_after_mb / self.rss_base_mb:.2f}x baseline); server CPU "
+            f"{self.cpu_s / ov.seconds * 100:.0f} % of a core during the overload; machine load average "
+            f"{self.loadavg:.1f} ({os.cpu_count()} CPUs)",
             f"liveness: {self.counters['lease_expired']:.0f} leases expired, {self.counters['index_purged']:.0f} "
             f"index entries purged, {self.unhealthy_seen} /health samples with a worker down; "
             f"loop lag max {self.counters['loop_lag_max'] * 1e3:.0f} ms",
@@ -331,16 +341,18 @@ async def run(duration: float = 60.0, factor: float = 3.0, *, slots: int = 4, en
                 polls.add(t)
                 t.add_done_callback(polls.discard)
 
-            before = await srv.counters(session)
+            before, cpu0 = await srv.counters(session), srv.cpu_s()
             ov = await open_loop(session, base, rate, duration, max_tokens, sample)
-            during = await srv.counters(session)
+            during, cpu = await srv.counters(session), srv.cpu_s() - cpu0
+            loadavg = os.getloadavg()[0]
             health_after = await srv.health(session)
             served_after = (await shoot(session, base, 4_000_000, max_tokens)).status
             await asyncio.sleep(settle_s)
             rss_after = srv.rss_mb()
             counters = await srv.counters(session)
             return Report(cap, rate, idle, un, ov, rss_base, peak[0], rss_after, health_after, counters, served_after,
-                          unhealthy[0], (during["held_n"] - before["held_n"], during["held_s"] - before["held_s"]))
+                          unhealthy[0], (during["held_n"] - before["held_n"], during["held_s"] - before["held_s"]), cpu,
+                          loadavg)
     finally:
         srv.stop()
 

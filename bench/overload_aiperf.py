@@ -129,6 +129,7 @@ class Report:
     health_after: tuple[int, dict]
     counters: dict[str, float]
     served_after: int
+    held: tuple[float, float] = (0.0, 0.0)  # requests held in the scheduler during the overload, their seconds there
 
     @property
     def ttft_ratio_p99(self) -> float:
@@ -149,7 +150,8 @@ class Report:
             f"aiperf overload: {o.sent} answered, {o.ok} x 200 ({o.ok / o.seconds:.1f}/s), errors by code "
             f"{errs or '-'} ({o.metric('request_error_rate'):.0f} % of requests)",
             f"aiperf admitted TTFT: {ttft(o)} = {self.ttft_ratio_p99:.2f}x unloaded p99 "
-            f"(p50 {o.metric('time_to_first_token', 'p50') / un.metric('time_to_first_token', 'p50'):.2f}x)",
+            f"(p50 {o.metric('time_to_first_token', 'p50') / un.metric('time_to_first_token', 'p50'):.2f}x); "
+            f"{self.held[0]:.0f} held in the scheduler first (mean {self.held[1] / max(1.0, self.held[0]) * 1e3:.0f} ms)",
             f"server RSS: {self.rss_base_mb:.0f} MB before, {self.rss_peak_mb:.0f} MB peak, {self.rss_after_mb:.0f} MB "
             f"after; liveness: {self.counters['lease_expired']:.0f} leases expired, "
             f"{self.counters['index_purged']:.0f} index entries purged",
@@ -177,17 +179,19 @@ async def run(duration: float, factor: float, aiperf: Path, tokenizer: Path | No
                 aiperf, tok, srv.base, cap / 4, max(8.0, duration / 3), work / "unloaded", isl=isl, osl=osl, seed=1))
             rss_base = srv.rss_mb()
             peak = [rss_base]
+            before = await srv.counters(session)
             fut = loop.run_in_executor(None, lambda: run_aiperf(
                 aiperf, tok, srv.base, factor * cap, duration, work / "overload", isl=isl, osl=osl, seed=2))
             while not fut.done():
                 peak[0] = max(peak[0], srv.rss_mb())
                 await asyncio.wait([fut], timeout=0.5)
             o = fut.result()
+            during = await srv.counters(session)
             health_after = await srv.health(session)
             served_after = (await ov.shoot(session, srv.base, 4_000_000, osl)).status
             await asyncio.sleep(3.0)
             return Report(cap, un, o, rss_base, peak[0], srv.rss_mb(), health_after, await srv.counters(session),
-                          served_after)
+                          served_after, (during["held_n"] - before["held_n"], during["held_s"] - before["held_s"]))
     finally:
         srv.stop()
 

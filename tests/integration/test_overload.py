@@ -7,9 +7,7 @@ unhealthy, nothing purged from the index, the excess refused with 429 + Retry-Af
 requests' TTFT p99 near an unloaded run's, the server's RSS bounded and back near its baseline,
 healthy and serving right after.
 
-The TTFT check has a margin for a loaded 2-core CI machine (3x, where the 60 s bench measures about
-2x, see README "Overload"); with the admission bound off the same run gives 30-70x (the 5 s time bound
-alone), and with the one-per-pass engine gate and a 0.1 s bound about 5.5x."""
+The TTFT check has a margin for a loaded 2-core CI machine (see the asserts and README "Overload")."""
 
 from __future__ import annotations
 
@@ -56,10 +54,11 @@ async def test_three_times_capacity_is_refused_not_fatal(tmp_path):
     assert rep.health_after[0] == 200 and rep.health_after[1]["healthy_workers"] == 2, report
     assert rep.served_after == 200, report
     # admitted requests' TTFT stays near an unloaded fleet's: they go into free slots, none waits long.
-    # p90 carries the tight check: on a shared 2-core machine a single stall of the event loop lands
-    # in a p99 of a few hundred samples; p99 gets the looser one (off, both are 30x and more)
+    # p90 carries the tight check (on: 2-2.5x; the admission bound off: ~11x, the one-per-pass engine
+    # gate instead of free slots: ~6x); on a shared 2-core machine one stall of the event loop lands
+    # in the p99 of a few hundred samples, so p99 gets a loose bound (off: 6-12x)
     assert rep.ttft_ratio(0.9) < 3.0, report
-    assert rep.ttft_ratio_p99 < 5.0, report
+    assert rep.ttft_ratio_p99 < 8.0, report
 
 
 @pytest.mark.parametrize("speedup", [1.0, 0.5])

@@ -110,3 +110,11 @@ def test_admit_ttft_factor_is_validated_with_its_name() -> None:
         SchedulerConfig(enabled=False, admit_ttft_factor=3.0)
     assert SchedulerConfig(enabled=False).admit_ttft_factor == 2.0  # the default loads either way
     assert SchedulerConfig(admit_ttft_factor=None).admit_ttft_factor is None
+
+
+def test_max_queue_delay_uses_the_calibrated_wait_too() -> None:
+    q = HoldingQueue(SchedulerConfig(enabled=True, admit_ttft_factor=None, max_queue_delay_s=0.3))
+    q.push(held("a", 0.0), 0.0)
+    q.take(q.next(0.5), 0.5)  # type: ignore[arg-type]  no gap measured (one dispatch), 0.5 s waited at place 1
+    with pytest.raises(QueueFull, match="max_queue_delay_s"):
+        q.push(held("b", 1.0), 1.0)

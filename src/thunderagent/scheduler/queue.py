@@ -122,15 +122,9 @@ class HoldingQueue:
             raise QueueFull(f"a new request would wait about {wait:.2f}s here, over scheduler.max_queue_delay_s "
                             f"({cfg.max_queue_delay_s}s)", self.retry_after(now))
         bound = self.admit_bound()
-        if bound is not None:
-            # The drain gap is a mean: when engines free their slots in waves (requests of one shape
-            # end together) a request held just after a wave waits for the next one, far longer
-            # than the mean says. What held requests really waited per place calibrates it.
-            slo_wait = (len(self._by_id) + 1) * max(self._gap, self._per_place)
-            if slo_wait > bound:
-                raise QueueFull(f"a new request would wait about {slo_wait:.3f}s here, over "
-                                f"(scheduler.admit_ttft_factor - 1) x the measured service TTFT ({bound:.3f}s)",
-                                max(1.0, min(60.0, math.ceil(slo_wait))))
+        if bound is not None and wait > bound:
+            raise QueueFull(f"a new request would wait about {wait:.3f}s here, over (scheduler.admit_ttft_factor - 1) "
+                            f"x the measured service TTFT ({bound:.3f}s)", self.retry_after(now))
         held.ahead = len(self._by_id)
         if not self._by_id:
             self._last_pop = None  # a busy period starts: the idle time before it is no drain gap
@@ -149,8 +143,12 @@ class HoldingQueue:
 
     def expected_wait(self) -> float:
         """Seconds a request pushed now would wait: the requests held ahead of it, and itself, times
-        the measured gap between dispatches (0 until a gap was measured: the count bounds act alone)."""
-        return (len(self._by_id) + 1) * self._gap
+        the measured gap between dispatches or, when longer, what held requests really waited per
+        place (0 until either was measured: the count bounds act alone)."""
+        # The drain gap is a mean: when engines free their slots in waves (requests of one shape end
+        # together) a request held just after a wave waits for the next one, far longer than the
+        # mean says; the waits held requests really had calibrate it.
+        return (len(self._by_id) + 1) * max(self._gap, self._per_place)
 
     def admit_bound(self) -> float | None:
         """Seconds a new request may be predicted to wait here under ``admit_ttft_factor``: (factor - 1)
