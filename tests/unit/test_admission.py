@@ -112,9 +112,17 @@ def test_admit_ttft_factor_is_validated_with_its_name() -> None:
     assert SchedulerConfig(admit_ttft_factor=None).admit_ttft_factor is None
 
 
-def test_max_queue_delay_uses_the_calibrated_wait_too() -> None:
-    q = HoldingQueue(SchedulerConfig(enabled=True, admit_ttft_factor=None, max_queue_delay_s=0.3))
-    q.push(held("a", 0.0), 0.0)
-    q.take(q.next(0.5), 0.5)  # type: ignore[arg-type]  no gap measured (one dispatch), 0.5 s waited at place 1
-    with pytest.raises(QueueFull, match="max_queue_delay_s"):
-        q.push(held("b", 1.0), 1.0)
+
+def test_the_calibration_counts_the_dispatches_a_request_waited_for_not_its_place() -> None:
+    # whatever order the queue picks (priorities, short first), a request's wait is divided by the
+    # dispatches that happened while it was held, itself included: here 0.1 s each
+    q = HoldingQueue(SchedulerConfig(enabled=True, admit_ttft_factor=2.0, max_queue_delay_s=None))
+    for rid in ("a", "b", "c"):
+        q.push(held(rid, 0.0), 0.0)
+    for t in (0.1, 0.2, 0.3):
+        q.take(q.next(t), t)  # type: ignore[arg-type]
+    q.observe_service(0.25)
+    q.push(held("d", 1.0), 1.0)  # 1 x 0.1 s
+    q.push(held("e", 1.0), 1.0)  # 2 x 0.1 s
+    with pytest.raises(QueueFull):
+        q.push(held("f", 1.0), 1.0)  # 3 x 0.1 s > 0.25 s

@@ -59,7 +59,7 @@ class Held:
     program: str | None = None  # the agent program it belongs to
     pin: str | None = None  # the worker it must go to while routable (a released follower: its leader's)
     gone: bool = field(default=False, repr=False)  # dispatched or cancelled (lazy heap deletion)
-    ahead: int = field(default=0, repr=False)  # requests held when it was pushed (the admission bound's calibration)
+    pops_at_push: int = field(default=0, repr=False)  # the queue's dispatch count when pushed (admission's calibration)
 
 
 class _Key:
@@ -93,7 +93,8 @@ class HoldingQueue:
         self._gap = 0.0  # smoothed seconds between dispatches from the queue (0: not measured yet)
         self._last_pop: float | None = None
         self._service = 0.0  # smoothed seconds from dispatch to first token (0: not measured yet)
-        self._per_place = 0.0  # smoothed seconds a held request waited per place in the queue (itself included)
+        self._per_place = 0.0  # smoothed seconds a held request waited per dispatch while held (its own included)
+        self._pops = 0  # dispatches from the queue so far
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -122,10 +123,17 @@ class HoldingQueue:
             raise QueueFull(f"a new request would wait about {wait:.2f}s here, over scheduler.max_queue_delay_s "
                             f"({cfg.max_queue_delay_s}s)", self.retry_after(now))
         bound = self.admit_bound()
-        if bound is not None and wait > bound:
-            raise QueueFull(f"a new request would wait about {wait:.3f}s here, over (scheduler.admit_ttft_factor - 1) "
-                            f"x the measured service TTFT ({bound:.3f}s)", self.retry_after(now))
-        held.ahead = len(self._by_id)
+        if bound is not None:
+            # The drain gap is a mean over busy periods' dispatches: when engines free their slots in
+            # waves (requests of one shape end together) a request held just after a wave waits for
+            # the next one, far longer than that mean says, and a request held alone measures no gap
+            # at all. What held requests really waited per dispatch calibrates it.
+            slo_wait = (len(self._by_id) + 1) * max(self._gap, self._per_place)
+            if slo_wait > bound:
+                raise QueueFull(f"a new request would wait about {slo_wait:.3f}s here, over "
+                                f"(scheduler.admit_ttft_factor - 1) x the measured service TTFT ({bound:.3f}s)",
+                                self.retry_after(now))
+        held.pops_at_push = self._pops
         if not self._by_id:
             self._last_pop = None  # a busy period starts: the idle time before it is no drain gap
         tier = self._tiers.get(held.tier)
@@ -143,12 +151,8 @@ class HoldingQueue:
 
     def expected_wait(self) -> float:
         """Seconds a request pushed now would wait: the requests held ahead of it, and itself, times
-        the measured gap between dispatches or, when longer, what held requests really waited per
-        place (0 until either was measured: the count bounds act alone)."""
-        # The drain gap is a mean: when engines free their slots in waves (requests of one shape end
-        # together) a request held just after a wave waits for the next one, far longer than the
-        # mean says; the waits held requests really had calibrate it.
-        return (len(self._by_id) + 1) * max(self._gap, self._per_place)
+        the measured gap between dispatches (0 until a gap was measured: the count bounds act alone)."""
+        return (len(self._by_id) + 1) * self._gap
 
     def admit_bound(self) -> float | None:
         """Seconds a new request may be predicted to wait here under ``admit_ttft_factor``: (factor - 1)
@@ -202,9 +206,10 @@ class HoldingQueue:
         key = tier.keys[held.key]
         key.deficit = max(0.0, key.deficit - max(1, held.uncached))
         self._remove(held)
-        per_place = (now - held.enqueued) / (held.ahead + 1)
+        per = (now - held.enqueued) / (self._pops - held.pops_at_push + 1)  # the dispatches it waited for
         a = _RATE_ALPHA
-        self._per_place = per_place if self._per_place <= 0 else (1 - a) * self._per_place + a * per_place
+        self._per_place = per if self._per_place <= 0 else (1 - a) * self._per_place + a * per
+        self._pops += 1
         if self._last_pop is not None:
             gap = max(0.0, now - self._last_pop)
             self._gap = gap if self._gap <= 0 else (1 - _RATE_ALPHA) * self._gap + _RATE_ALPHA * gap
