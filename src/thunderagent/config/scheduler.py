@@ -166,9 +166,10 @@ class SchedulerConfig(_Strict):
     admit_ttft_factor: float | None = Field(
         2.0, gt=1,
         description="SLO-style admission: a request no worker can start now is held only while its predicted wait "
-        "(requests held ahead and itself x measured dispatch gap) stays within (factor - 1) x the measured service "
-        "TTFT (dispatch to first token, smoothed), so what is admitted gets a TTFT within about factor x a lightly "
-        "loaded fleet's; past it 429 with Retry-After. Acts once both are measured, with max_queue_delay_s as the "
+        "(requests held ahead and itself x the measured seconds per dispatch: what held requests really waited over "
+        "the dispatches made meanwhile, or the mean drain gap if longer) stays within (factor - 1) x the measured "
+        "service TTFT (dispatch to first token, smoothed), so what is admitted gets a TTFT within about factor x a "
+        "lightly loaded fleet's; past it 429 with Retry-After. Acts once measured, with max_queue_delay_s as the "
         "hard cap; null: off (the simulator's replays use null)",
     )
 

@@ -93,7 +93,7 @@ class HoldingQueue:
         self._gap = 0.0  # smoothed seconds between dispatches from the queue (0: not measured yet)
         self._last_pop: float | None = None
         self._service = 0.0  # smoothed seconds from dispatch to first token (0: not measured yet)
-        self._per_place = 0.0  # smoothed seconds a held request waited per dispatch while held (its own included)
+        self._per_dispatch = 0.0  # smoothed seconds a held request waited per dispatch while held (its own included)
         self._pops = 0  # dispatches from the queue so far
 
     def __len__(self) -> int:
@@ -128,7 +128,7 @@ class HoldingQueue:
             # waves (requests of one shape end together) a request held just after a wave waits for
             # the next one, far longer than that mean says, and a request held alone measures no gap
             # at all. What held requests really waited per dispatch calibrates it.
-            slo_wait = (len(self._by_id) + 1) * max(self._gap, self._per_place)
+            slo_wait = (len(self._by_id) + 1) * max(self._gap, self._per_dispatch)
             if slo_wait > bound:
                 raise QueueFull(f"a new request would wait about {slo_wait:.3f}s here, over "
                                 f"(scheduler.admit_ttft_factor - 1) x the measured service TTFT ({bound:.3f}s)",
@@ -208,7 +208,7 @@ class HoldingQueue:
         self._remove(held)
         per = (now - held.enqueued) / (self._pops - held.pops_at_push + 1)  # the dispatches it waited for
         a = _RATE_ALPHA
-        self._per_place = per if self._per_place <= 0 else (1 - a) * self._per_place + a * per
+        self._per_dispatch = per if self._per_dispatch <= 0 else (1 - a) * self._per_dispatch + a * per
         self._pops += 1
         if self._last_pop is not None:
             gap = max(0.0, now - self._last_pop)
