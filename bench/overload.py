@@ -195,6 +195,11 @@ class ServeProcess:
                 return int(line.split()[1]) / 1024
         return float("nan")
 
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the server process has used."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     async def ready(self, session: aiohttp.ClientSession, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while True:
@@ -216,9 +221,11 @@ class ServeProcess:
         """Sums of the liveness counters over their labels (0 when never incremented)."""
         async with session.get(self.base + "/metrics") as r:
             text = await r.text()
-        out = {"lease_expired": 0.0, "index_purged": 0.0, "loop_lag_max": 0.0}
+        out = {"lease_expired": 0.0, "index_purged": 0.0, "loop_lag_max": 0.0, "held_s": 0.0, "held_n": 0.0}
         for name, key in (("thunderagent_worker_lease_expired_total", "lease_expired"),
-                          ("thunderagent_index_purged_entries_total", "index_purged")):
+                          ("thunderagent_index_purged_entries_total", "index_purged"),
+                          ("thunderagent_scheduler_queue_wait_seconds_sum", "held_s"),
+                          ("thunderagent_scheduler_queue_wait_seconds_count", "held_n")):
             for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M):
                 out[key] += float(m.group(1))
         m = re.search(r"^thunderagent_loop_lag_max_seconds (\S+)$", text, re.M)
@@ -251,10 +258,19 @@ class Report:
     counters: dict[str, float]
     served_after: int  # status of a request sent right after the load
     unhealthy_seen: int  # /health samples during the load that showed a worker not healthy
+    #: requests that waited in the scheduler's holding queue during the overload, and their seconds there
+    held: tuple[float, float] = (0.0, 0.0)
+    #: the server's CPU seconds during the overload, and the machine's 1-minute load average after it
+    cpu_s: float = 0.0
+    loadavg: float = 0.0
 
     @property
     def ttft_ratio_p99(self) -> float:
-        return self.overload.ttft_p(0.99) / self.unloaded.ttft_p(0.99)
+        return self.ttft_ratio(0.99)
+
+    def ttft_ratio(self, q: float) -> float:
+        """Admitted requests' TTFT quantile ``q`` over the unloaded run's."""
+        return self.overload.ttft_p(q) / self.unloaded.ttft_p(q)
 
     def lines(self) -> list[str]:
         ov, un, idle = self.overload, self.unloaded, self.idle
@@ -264,14 +280,21 @@ class Report:
             f"capacity (closed loop): {self.capacity_rps:.1f} completions/s; offered {self.rate_rps:.1f} req/s "
             f"for {ov.seconds:.0f} s ({self.rate_rps / self.capacity_rps:.1f}x)",
             f"idle TTFT (one at a time): p50 {idle.ttft_p(0.5) * 1e3:.0f} ms  p99 {idle.ttft_p(0.99) * 1e3:.0f} ms",
-            f"unloaded TTFT (0.25x capacity): p50 {un.ttft_p(0.5) * 1e3:.0f} ms  p99 {un.ttft_p(0.99) * 1e3:.0f} ms "
+            f"unloaded TTFT (0.25x capacity): p50 {un.ttft_p(0.5) * 1e3:.0f} ms  p90 {un.ttft_p(0.9) * 1e3:.0f} ms  "
+            f"p99 {un.ttft_p(0.99) * 1e3:.0f} ms "
             f"({len(un.ok())} requests)",
             f"overload: {len(ov.shots)} sent, {ov.count(200)} x 200, {ov.count(429)} x 429 "
             f"(Retry-After {', '.join(ra) or '-'}), {ov.count(503)} x 503, other {sorted(other) or '-'}",
-            f"admitted TTFT: p50 {ov.ttft_p(0.5) * 1e3:.0f} ms  p99 {ov.ttft_p(0.99) * 1e3:.0f} ms  "
-            f"= {self.ttft_ratio_p99:.2f}x unloaded p99 ({ov.ttft_p(0.99) / idle.ttft_p(0.99):.2f}x idle p99)",
+            f"admitted TTFT: p50 {ov.ttft_p(0.5) * 1e3:.0f} ms  p90 {ov.ttft_p(0.9) * 1e3:.0f} ms  "
+            f"p99 {ov.ttft_p(0.99) * 1e3:.0f} ms  (ratios to unloaded: p50 {self.ttft_ratio(0.5):.2f}x  "
+            f"p90 {self.ttft_ratio(0.9):.2f}x)  p99 "
+            f"= {self.ttft_ratio_p99:.2f}x unloaded p99 ({ov.ttft_p(0.99) / idle.ttft_p(0.99):.2f}x idle p99); "
+            f"{self.held[0]:.0f} of them held in the scheduler first (mean "
+            f"{self.held[1] / max(1.0, self.held[0]) * 1e3:.0f} ms)",
             f"server RSS: {self.rss_base_mb:.0f} MB before, {self.rss_peak_mb:.0f} MB peak, "
-            f"{self.rss_after_mb:.0f} MB after ({self.rss_after_mb / self.rss_base_mb:.2f}x baseline)",
+            f"{self.rss_after_mb:.0f} MB after ({self.rss_after_mb / self.rss_base_mb:.2f}x baseline); server CPU "
+            f"{self.cpu_s / ov.seconds * 100:.0f} % of a core during the overload; machine load average "
+            f"{self.loadavg:.1f} ({os.cpu_count()} CPUs)",
             f"liveness: {self.counters['lease_expired']:.0f} leases expired, {self.counters['index_purged']:.0f} "
             f"index entries purged, {self.unhealthy_seen} /health samples with a worker down; "
             f"loop lag max {self.counters['loop_lag_max'] * 1e3:.0f} ms",
@@ -297,7 +320,9 @@ async def run(duration: float = 60.0, factor: float = 3.0, *, slots: int = 4, en
             idle = await unloaded(session, base, unloaded_s, max_tokens)
             cap, _ = await capacity(session, base, capacity_s, clients=4 * slots * 2, max_tokens=max_tokens)
             await asyncio.sleep(settle_s)
-            un = await open_loop(session, base, cap / 4, unloaded_s * 2, max_tokens, lambda: None, first_id=5_000_000)
+            # the baseline's p99 needs samples: at least 2 x unloaded_s, a third of the overload's length
+            un = await open_loop(session, base, cap / 4, max(unloaded_s * 2, duration / 3), max_tokens, lambda: None,
+                                 first_id=5_000_000)
             rss_base = srv.rss_mb()
             rate = factor * cap
             peak = [rss_base]
@@ -316,14 +341,18 @@ async def run(duration: float = 60.0, factor: float = 3.0, *, slots: int = 4, en
                 polls.add(t)
                 t.add_done_callback(polls.discard)
 
+            before, cpu0 = await srv.counters(session), srv.cpu_s()
             ov = await open_loop(session, base, rate, duration, max_tokens, sample)
+            during, cpu = await srv.counters(session), srv.cpu_s() - cpu0
+            loadavg = os.getloadavg()[0]
             health_after = await srv.health(session)
             served_after = (await shoot(session, base, 4_000_000, max_tokens)).status
             await asyncio.sleep(settle_s)
             rss_after = srv.rss_mb()
             counters = await srv.counters(session)
             return Report(cap, rate, idle, un, ov, rss_base, peak[0], rss_after, health_after, counters, served_after,
-                          unhealthy[0])
+                          unhealthy[0], (during["held_n"] - before["held_n"], during["held_s"] - before["held_s"]), cpu,
+                          loadavg)
     finally:
         srv.stop()
 
@@ -333,8 +362,10 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of overload (default 60)")
     ap.add_argument("--factor", type=float, default=3.0, help="offered load / measured capacity (default 3)")
     ap.add_argument("--log", type=Path, default=None, help="server log file (default: $TMPDIR/overload-serve.log)")
+    ap.add_argument("--config", default="", help="YAML appended to the server's config, e.g. "
+                    "'scheduler: {admit_ttft_factor: null}' to see the run without the admission bound")
     args = ap.parse_args()
-    rep = asyncio.run(run(args.duration, args.factor, log_path=args.log))
+    rep = asyncio.run(run(args.duration, args.factor, log_path=args.log, extra_config=args.config))
     print("\n".join(rep.lines()))
 
 

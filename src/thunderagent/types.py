@@ -62,6 +62,8 @@ class WorkerInfo:
     max_num_batched_tokens: int
     queue_depth_threshold: int
     kv_total_blocks: int
+    #: sequences its engine runs at once (max_num_seqs / max_batch_size; 0: not said)
+    max_num_seqs: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,6 +238,8 @@ class WorkerState:
     queue_depth_threshold: int
     load: LoadReport
     role: str = "both"  # prefill | decode | both: prefill workers only run remote prefill jobs
+    #: sequences its engine runs at once (0: not said): the scheduler dispatches only into free slots
+    max_num_seqs: int = 0
 
 
 @dataclass(slots=True)  # not frozen: built 8x per request on the hot path, frozen init is ~2x slower

@@ -2,9 +2,12 @@
 
 Runs ``bench/overload.py``'s code for a short window (``THUNDERAGENT_OVERLOAD_S``, default 8 s; the
 bench runs 60 s) against a real server process with the default admission (the scheduler's bounded
-holding queue): no worker falsely marked unhealthy, nothing purged from the index, the excess refused
-with 429 + Retry-After, the server's RSS bounded and back near its baseline, healthy and serving
-right after."""
+holding queue, dispatching into free sequence slots, ``admit_ttft_factor`` 2): no worker falsely marked
+unhealthy, nothing purged from the index, the excess refused with 429 + Retry-After, admitted
+requests' TTFT p99 near an unloaded run's, the server's RSS bounded and back near its baseline,
+healthy and serving right after.
+
+The TTFT check has a margin for a loaded 2-core CI machine (see the asserts and README "Overload")."""
 
 from __future__ import annotations
 
@@ -50,6 +53,40 @@ async def test_three_times_capacity_is_refused_not_fatal(tmp_path):
     # healthy and serving right after
     assert rep.health_after[0] == 200 and rep.health_after[1]["healthy_workers"] == 2, report
     assert rep.served_after == 200, report
-    if rep.ttft_ratio_p99 > 2.0:
-        pytest.xfail(f"admitted TTFT p99 is {rep.ttft_ratio_p99:.2f}x unloaded (target 2x): not met yet, see README "
-                     f"'Overload'\n{report}")
+    # admitted requests' TTFT stays near an unloaded fleet's: they go into free slots, none waits long.
+    # p90 carries the tight check (on: 2-2.5x; the admission bound off: ~11x, the one-per-pass engine
+    # gate instead of free slots: ~6x); on a shared 2-core machine one stall of the event loop lands
+    # in the p99 of a few hundred samples, so p99 gets a loose bound (off: 6-12x)
+    assert rep.ttft_ratio(0.9) < 3.0, report
+    assert rep.ttft_ratio_p99 < 8.0, report
+
+
+@pytest.mark.parametrize("speedup", [1.0, 0.5])
+async def test_a_burst_of_100_streams_on_3_workers_is_all_admitted(server_factory, speedup):
+    """An ordinary burst is not overload: 100 concurrent streams on 3 workers (256 sequence slots each)
+    with the default admission all get 200, on workers at real speed and slowed down (a previous tight
+    time bound refused some of these with 429)."""
+    import asyncio
+
+    import aiohttp
+
+    body = {"model": "thunderagent-sim", "max_tokens": 120, "stream": True}
+
+    async def stream(s: aiohttp.ClientSession, base: str, i: int) -> tuple[int, int]:
+        async with s.post(base + "/v1/completions",
+                          json={**body, "prompt": f"request {i}: tell me about the river. " * 4}) as r:
+            events = 0
+            async for line in r.content:
+                events += line.startswith(b"data: {")
+            return r.status, events
+
+    cfg = {"execution_group": {"nodes": [{"count": 3}]}, "simulation": {"speedup": speedup}}
+    async with server_factory(**cfg) as srv:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            # two bursts back to back (as the migration tests send them): the first measures the
+            # service time and the dispatch gap the second is judged by
+            for burst in range(2):
+                got = await asyncio.wait_for(
+                    asyncio.gather(*(stream(s, srv.base_url, 100 * burst + i) for i in range(100))), 90)
+                assert [st for st, _ in got] == [200] * 100, f"burst {burst}"
+                assert all(n >= 1 for _, n in got)

@@ -169,6 +169,7 @@ class WireInfo(msgspec.Struct, array_like=True, frozen=True):
     max_num_batched_tokens: int
     queue_depth_threshold: int
     kv_total_blocks: int
+    max_num_seqs: int = 0  # trailing with a default: an older worker's message still decodes
 
 
 class WireLoad(msgspec.Struct, array_like=True, frozen=True):
@@ -216,12 +217,12 @@ class Unavailable(msgspec.Struct, array_like=True, frozen=True):
 
 def info_to_wire(info: WorkerInfo, engine: str) -> WireInfo:
     return WireInfo(info.worker_id, info.role, engine, info.block_size, info.max_num_batched_tokens,
-                    info.queue_depth_threshold, info.kv_total_blocks)
+                    info.queue_depth_threshold, info.kv_total_blocks, info.max_num_seqs)
 
 
 def info_from_wire(w: WireInfo) -> WorkerInfo:
     return WorkerInfo(w.worker_id, w.role, w.block_size, w.max_num_batched_tokens, w.queue_depth_threshold,
-                      w.kv_total_blocks)
+                      w.kv_total_blocks, w.max_num_seqs)
 
 
 def load_to_wire(r: LoadReport) -> WireLoad:

@@ -140,10 +140,12 @@ class SchedulerConfig(_Strict):
         "into the engines' own queues, without bound (no 429 under overload)",
     )
     engine_queue_depth: int = Field(
-        1, ge=0,
-        description="a worker can start a request while fewer than this many wait in its engine, its prefill "
-        "backlog is under `engine_backlog_passes` passes and it is not busy; when none can, requests wait in the "
-        "scheduler, ordered by priority",
+        0, ge=0,
+        description="requests that may wait in an engine beyond its free sequence slots: a worker can start a "
+        "request while running + waiting < its max_batch_size + this, its prefill backlog is under "
+        "`engine_backlog_passes` passes and it is not busy (a worker that does not report its slots: while fewer "
+        "than max(1, this) wait in its engine); when none can, requests wait in the scheduler, ordered by priority. "
+        "0: nothing waits in an engine for a slot, so the scheduler's admission bound sees every wait",
     )
     engine_backlog_passes: float = Field(
         1.0, gt=0,
@@ -185,3 +187,20 @@ class SchedulerConfig(_Strict):
         "are at most this many passes (max_num_batched_tokens), and it is not busy (Dynamo's router_queue_threshold "
         "rule); null: the engine-reported gate (`engine_queue_depth`, `engine_backlog_passes`)",
     )
+    admit_ttft_factor: float | None = Field(
+        2.0, gt=1,
+        description="SLO-style admission: a request no worker can start now is held only while its predicted wait "
+        "(requests held ahead and itself x the measured seconds per dispatch: what held requests really waited over "
+        "the dispatches made meanwhile, or the mean drain gap if longer) stays within (factor - 1) x the measured "
+        "service TTFT (dispatch to first token, smoothed), so what is admitted gets a TTFT within about factor x a "
+        "lightly loaded fleet's; past it 429 with Retry-After. Acts once measured, with max_queue_delay_s as the "
+        "hard cap; null: off (the simulator's replays use null)",
+    )
+
+    @field_validator("admit_ttft_factor")
+    @classmethod
+    def _admission_needs_queue(cls, v: object, info: ValidationInfo) -> object:
+        if not info.data.get("enabled", True) and v is not None and v != cls.model_fields["admit_ttft_factor"].default:
+            raise ValueError("scheduler.admit_ttft_factor acts only with scheduler.enabled: true; enable the holding "
+                             "queue or remove the field")
+        return v

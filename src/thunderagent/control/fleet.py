@@ -455,6 +455,8 @@ class Fleet:
                     first_t = now
                     if out.token_ids or out.finished:
                         self.metrics.observe_ttft(gen.latency, now - gen.received)
+                        if out.token_ids:  # the admission bound's service time (a rejection is none)
+                            self.dispatcher.first_token(now - gen.received - gen.dispatch.queue_wait)
                         if self.dispatcher.progressed(gen.request_id, ok=bool(out.token_ids)):
                             self._schedule_pump()  # a leader's followers go
                 else:

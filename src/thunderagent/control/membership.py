@@ -43,7 +43,7 @@ class StaticMembership:
                 n += 1
                 handle = factory(node, wid, k, callbacks)
                 info = WorkerInfo(wid, node.role.value, node.block_size, node.max_num_batched_tokens,
-                                  node.queue_depth_threshold, node.kv_blocks)
+                                  node.queue_depth_threshold, node.kv_blocks, node.max_batch_size)
                 fleet.join(handle, info, synced=True)  # a new handle: its cache is empty or replayed
                 self.handles[wid] = handle
                 handle.start()

@@ -81,7 +81,7 @@ class WorkerRegistry:
     @staticmethod
     def _state(wid: str, e: _Entry) -> WorkerState:
         return WorkerState(wid, e.info.block_size, e.info.max_num_batched_tokens, e.info.queue_depth_threshold, e.load,
-                           e.info.role)
+                           e.info.role, e.info.max_num_seqs)
 
     def check(self, now: float, silent_for: Callable[[float, float], float] | None = None) -> list[HealthChange]:
         """Health changes at ``now``. ``silent_for(since, now)`` measures a worker's silence (default:
@@ -124,6 +124,7 @@ class WorkerRegistry:
                 queue_depth_threshold=e.info.queue_depth_threshold,
                 load=e.load,
                 role=e.info.role,
+                max_num_seqs=e.info.max_num_seqs,
             )
             for wid, e in self._entries.items()
             if e.health is Health.healthy

@@ -75,6 +75,16 @@ class Dispatch:
     grouped: bool = False
 
 
+def _has_slot(w: WorkerState, depth: int) -> bool:
+    # Slots known: a request sent now starts at the engine's next pass unless every sequence slot is
+    # taken, and then it would wait in the engine for one, unseen by the scheduler's admission bound
+    # (its wait is the time until some running request ends): only ``depth`` may. Unknown: the
+    # engine queue's length is all there is to go by, and at least one may wait there.
+    if w.max_num_seqs:
+        return w.load.running + w.load.waiting < w.max_num_seqs + depth
+    return w.load.waiting < max(1, depth)
+
+
 class Dispatcher:
     def __init__(self, router: KvRouter, block_size: int, scheduler: SchedulerConfig | None = None,
                  disagg: Disaggregator | None = None) -> None:
@@ -181,6 +191,12 @@ class Dispatcher:
         there are released (cheap when none wait on it). Returns how many."""
         return self.grouper.stored(worker_id) if self.grouper is not None else 0
 
+    def first_token(self, service_s: float) -> None:
+        """A dispatched request produced its first token ``service_s`` after it was dispatched (its
+        holding-queue wait left out): the service time ``scheduler.admit_ttft_factor`` bounds against."""
+        if self.queue is not None:
+            self.queue.observe_service(service_s)
+
     def progressed(self, request_id: str, *, ok: bool) -> int:
         """A dispatched request produced its first token or ended (``ok``: without an error): if it
         leads a group, its followers are released. Returns how many, plus 1 when the tracked gate
@@ -263,7 +279,8 @@ class Dispatcher:
         """Some worker can start a request now: it is not busy and, with ``tracked_prefill_passes``,
         the uncached prompt tokens we sent it that have no first token yet are at most that many
         passes (the router's own count: exact at once, where an engine's report lags its requests);
-        else its engine queue is short and its reported prefill backlog would be done within
+        else it has a free sequence slot (or fewer than ``engine_queue_depth`` would wait in its
+        engine for one) and its reported prefill backlog would be done within
         ``engine_backlog_passes`` passes."""
         sched = self.scheduler
         assert sched is not None
@@ -274,7 +291,7 @@ class Dispatcher:
                        and not is_busy(w, cfg) for w in workers)
         depth, passes = sched.engine_queue_depth, sched.engine_backlog_passes
         return any(
-            w.role != "prefill" and w.load.waiting < depth
+            w.role != "prefill" and _has_slot(w, depth)
             and w.load.queued_prefill_tokens < passes * w.max_num_batched_tokens
             and not is_busy(w, cfg)
             for w in workers

@@ -16,7 +16,11 @@ Pure and clock-free (``now`` is passed in). Which request goes next, when a work
 
 The queue is bounded in total and per route key, and in time: a request that would wait longer than
 ``max_queue_delay_s`` (the requests ahead of it times the measured drain gap) is refused at once, so
-under sustained overload the excess gets 429 instead of a TTFT that grows with the backlog. Past a
+under sustained overload the excess gets 429 instead of a TTFT that grows with the backlog. With
+``admit_ttft_factor`` (SLO-style admission) the time bound follows the fleet's own speed: a request
+is held only while its predicted wait stays within (factor - 1) x the measured service TTFT (from
+leaving this queue to the first token, fed by the driver through :meth:`HoldingQueue.observe_service`),
+so an admitted request's TTFT stays within about factor x what a lightly loaded fleet gives. Past a
 bound :meth:`HoldingQueue.push` raises :class:`QueueFull` with a ``retry_after`` computed from the
 measured drain rate. A cancelled
 request leaves at once (:meth:`HoldingQueue.cancel`). Work per pick is linear in the requests of one
@@ -36,6 +40,8 @@ from thunderagent.types import EngineRequest
 
 #: drain-rate smoothing: weight of the newest inter-dispatch gap
 _RATE_ALPHA = 0.2
+#: service-TTFT smoothing (``admit_ttft_factor``): weight of the newest dispatch-to-first-token time
+_SERVICE_ALPHA = 0.1
 
 
 class QueueFull(Exception):
@@ -56,6 +62,7 @@ class Held:
     program: str | None = None  # the agent program it belongs to
     pin: str | None = None  # the worker it must go to while routable (a released follower: its leader's)
     gone: bool = field(default=False, repr=False)  # dispatched or cancelled (lazy heap deletion)
+    pops_at_push: int = field(default=0, repr=False)  # the queue's dispatch count when pushed (admission's calibration)
 
 
 class _Key:
@@ -89,6 +96,9 @@ class HoldingQueue:
         self._gap = 0.0  # smoothed seconds between dispatches from the queue (0: not measured yet)
         self._last_pop: float | None = None
         self._since_overdue = 0.0  # dispatches (weighted by overdue_share) since an overdue one went
+        self._service = 0.0  # smoothed seconds from dispatch to first token (0: not measured yet)
+        self._per_dispatch = 0.0  # smoothed seconds a held request waited per dispatch while held (its own included)
+        self._pops = 0  # dispatches from the queue so far
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -116,6 +126,18 @@ class HoldingQueue:
         if cfg.max_queue_delay_s is not None and wait > cfg.max_queue_delay_s:
             raise QueueFull(f"a new request would wait about {wait:.2f}s here, over scheduler.max_queue_delay_s "
                             f"({cfg.max_queue_delay_s}s)", self.retry_after(now))
+        bound = self.admit_bound()
+        if bound is not None:
+            # The drain gap is a mean over busy periods' dispatches: when engines free their slots in
+            # waves (requests of one shape end together) a request held just after a wave waits for
+            # the next one, far longer than that mean says, and a request held alone measures no gap
+            # at all. What held requests really waited per dispatch calibrates it.
+            slo_wait = (len(self._by_id) + 1) * max(self._gap, self._per_dispatch)
+            if slo_wait > bound:
+                raise QueueFull(f"a new request would wait about {slo_wait:.3f}s here, over "
+                                f"(scheduler.admit_ttft_factor - 1) x the measured service TTFT ({bound:.3f}s)",
+                                self.retry_after(now))
+        held.pops_at_push = self._pops
         if not self._by_id:
             self._last_pop = None  # a busy period starts: the idle time before it is no drain gap
         tier = self._tiers.get(held.tier)
@@ -135,6 +157,19 @@ class HoldingQueue:
         """Seconds a request pushed now would wait: the requests held ahead of it, and itself, times
         the measured gap between dispatches (0 until a gap was measured: the count bounds act alone)."""
         return (len(self._by_id) + 1) * self._gap
+
+    def admit_bound(self) -> float | None:
+        """Seconds a new request may be predicted to wait here under ``admit_ttft_factor``: (factor - 1)
+        x the smoothed service TTFT; None while off or not measured yet."""
+        f = self.cfg.admit_ttft_factor
+        return None if f is None or self._service <= 0 else (f - 1) * self._service
+
+    def observe_service(self, seconds: float) -> None:
+        """A dispatched request's first token came ``seconds`` after it left this queue (or after it
+        was routed at once): routing, the engine's start and its prefill. ``admit_ttft_factor``'s
+        measure."""
+        s = max(0.0, seconds)
+        self._service = s if self._service <= 0 else (1 - _SERVICE_ALPHA) * self._service + _SERVICE_ALPHA * s
 
     def retry_after(self, now: float, key: str | None = None) -> float:
         """Seconds until the queue (or ``key``'s share) has drained enough to take one more request,
@@ -192,6 +227,10 @@ class HoldingQueue:
         if share < 1.0:
             self._since_overdue = 0.0 if now - held.enqueued >= self.cfg.max_wait_s else self._since_overdue + share
         self._remove(held)
+        per = (now - held.enqueued) / (self._pops - held.pops_at_push + 1)  # the dispatches it waited for
+        a = _RATE_ALPHA
+        self._per_dispatch = per if self._per_dispatch <= 0 else (1 - a) * self._per_dispatch + a * per
+        self._pops += 1
         if self._last_pop is not None:
             gap = max(0.0, now - self._last_pop)
             self._gap = gap if self._gap <= 0 else (1 - _RATE_ALPHA) * self._gap + _RATE_ALPHA * gap

@@ -122,6 +122,7 @@ class _Run:
             if o.token_ids and tr.first < 0:
                 tr.first = tr.last = o.time
                 tr.tokens = 1
+                self.sim.dispatcher.first_token(o.time - tr.arrival - tr.queue_wait)  # as the live fleet does
                 self.sim.dispatcher.progressed(o.request_id, ok=True)  # a leader's followers go
             if o.finished:
                 if tr.first < 0:  # ended without a token (rejected): its followers go on their own
@@ -220,7 +221,7 @@ class Simulator:
         for e in self.engines:
             self.feed.add_worker(e.worker_id, live=True)
         if scheduler is not None:  # a replay refuses nothing: only the count bounds act (as before the time bound)
-            scheduler = scheduler.model_copy(update={"max_queue_delay_s": None})
+            scheduler = scheduler.model_copy(update={"max_queue_delay_s": None, "admit_ttft_factor": None})
         disagg = None if pd is None else Disaggregator(pd.disagg, TransferPlane(pd.transfer), make_timing(node.timing),
                                                        node.block_size)
         self.dispatcher = Dispatcher(KvRouter(routing, self.index, random.Random(seed), policy), node.block_size,
@@ -228,7 +229,7 @@ class Simulator:
         # a maintained view (router/candidates.py): every load change below goes through set_load
         self._states = FleetView(routing, (
             WorkerState(e.worker_id, node.block_size, nodes[i].max_num_batched_tokens, nodes[i].queue_depth_threshold,
-                        e.load(0.0), roles[i])
+                        e.load(0.0), roles[i], nodes[i].max_batch_size)
             for i, e in enumerate(self.engines)
         ))
         self._pos = {e.worker_id: i for i, e in enumerate(self.engines)}
