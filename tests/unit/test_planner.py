@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from thunderagent.config import ConfigError, PlannerConfig, parse_config
-from thunderagent.control.planner import Planner, WorkerSample
+from thunderagent.control.planner import Forecast, Planner, WorkerSample
 
 
 def cfg(**kw: object) -> PlannerConfig:
@@ -134,3 +134,80 @@ def test_config_knobs_need_the_switch_and_bounds() -> None:
     assert parse_config({"planner": {"enabled": True, "command": ["echo"]}}).planner.command == ["echo"]
     c = parse_config({})
     assert parse_config(c.model_dump()).planner == c.planner  # a dumped config loads again
+
+
+def fc(**kw: object) -> PlannerConfig:
+    """Forecast sizing on: a 4 s window, a 2 s trend (two one-second intervals), 1.5 s ahead."""
+    base: dict[str, object] = {"window_s": 4.0, "trend_window_s": 2.0, "forecast_lead_s": 1.5,
+                               "target_utilization": 0.5, "max_workers": 16}
+    base.update(kw)
+    return cfg(**base)
+
+
+def busy_looks(p: Planner, counts: list[int], n: int = 2, waiting: int = 1) -> None:
+    """Looks at t = 0, 1, ...: each of ``n`` workers has produced ``counts[t]`` first tokens (0.1 s each)."""
+    for t, c in enumerate(counts):
+        p.observe(float(t), [WorkerSample(f"w{i}", "both", waiting, 1, 0.3, c, c, c, c * 0.1) for i in range(n)])
+
+
+def test_forecast_adds_a_worker_ahead_of_a_rising_arrival_rate() -> None:
+    p = Planner(fc())
+    busy_looks(p, [0, 1, 3])  # 2 workers busy (a request waiting at every look): 2 then 4 arrivals/s
+    r = p.recommend(2.0)["both"]
+    # the line through 2 req/s at 0.5 s and 4 at 1.5 s: 5 req/s now, 8 in 1.5 s; 6 first tokens in 4 busy
+    # worker-seconds: 1.5 req/s each, 0.75 at 50 %: 8 / 0.75 = 10.7 -> 11 workers
+    assert r.signals.forecast == Forecast(5.0, 2.0, 8.0, 1.5, 11, 11)
+    assert (r.delta, r.fresh) == (1, True)
+    assert r.reasons == ("forecast: arrivals 5.00 req/s (+120.00 per minute) -> 8.00 req/s in 1.5s needs 11 "
+                         "workers at 50% of 1.50 req/s each",)
+
+
+def test_forecast_needs_a_measured_service_rate_and_enough_history() -> None:
+    p = Planner(fc())
+    busy_looks(p, [0, 1, 3], waiting=0)  # never busy: the service rate is unknown, no forecast rule
+    r = p.recommend(2.0)["both"]
+    assert r.signals.forecast == Forecast(5.0, 2.0, 8.0, None, None, None)
+    assert r.delta == 0 and r.reasons[0].startswith("in range:")
+    q = Planner(fc(trend_window_s=4.0))
+    busy_looks(q, [0, 1])  # 1 s of arrivals, 2 s needed
+    assert q.recommend(1.0)["both"].signals.forecast is None
+    off = Planner(cfg())  # target_utilization unset: no forecast at all
+    busy_looks(off, [0, 1, 3])
+    assert off.recommend(2.0)["both"].signals.forecast is None
+
+
+def idle_after_busy(p: Planner) -> None:
+    """3 workers: busy 2 s serving 2 req/s each (service rate 2), then idle serving 1 req/s each to t = 8."""
+    for t in range(9):
+        c = 2 * t if t <= 2 else 4 + (t - 2)
+        p.observe(float(t), [WorkerSample(f"w{i}", "both", 1 if t <= 2 else 0, 1, 0.2, c, c, c, c * 0.05)
+                             for i in range(3)])
+
+
+def test_forecast_blocks_minus_one_while_one_worker_fewer_would_not_carry_the_load() -> None:
+    p = Planner(fc(target_utilization=0.5))
+    idle_after_busy(p)
+    r = p.recommend(8.0)["both"]
+    # 3 req/s at 50 % of 2 req/s needs 3 workers: the idle-looking fleet keeps its 3
+    assert r.signals.forecast == Forecast(3.0, 0.0, 3.0, 2.0, 3, 3)
+    assert r.delta == 0 and r.reasons[0].startswith("in range:")
+    q = Planner(fc(target_utilization=1.0))
+    idle_after_busy(q)
+    r = q.recommend(8.0)["both"]
+    assert (r.delta, r.fresh) == (-1, True)
+    assert r.reasons == ("queue on 2 workers: 0.00 waiting/worker <= 0.1", "KV on 2 workers: 30% <= 50%",
+                         "TTFT: mean 0.050s <= 0.5s", "forecast: arrivals 3.00 req/s (+0.00 per minute), 3.00 "
+                         "req/s in 1.5s needs 2 workers at 100% of 2.00 req/s each")
+
+
+def test_forecast_knobs_are_validated() -> None:
+    with pytest.raises(ConfigError, match="forecast_lead_s acts only with target_utilization"):
+        parse_config({"planner": {"enabled": True, "forecast_lead_s": 30}})
+    with pytest.raises(ConfigError, match="trend_window_s acts only with target_utilization"):
+        parse_config({"planner": {"enabled": True, "trend_window_s": 60}})
+    with pytest.raises(ConfigError, match=r"trend_window_s \(8\) must cover at least two looks"):
+        parse_config({"planner": {"enabled": True, "target_utilization": 0.8, "trend_window_s": 8}})
+    with pytest.raises(ConfigError, match="target_utilization"):
+        parse_config({"planner": {"enabled": True, "target_utilization": 1.5}})
+    with pytest.raises(ConfigError, match="planner.target_utilization.*acts only with planner.enabled"):
+        parse_config({"planner": {"target_utilization": 0.8}})
