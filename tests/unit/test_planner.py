@@ -162,6 +162,24 @@ def test_forecast_adds_a_worker_ahead_of_a_rising_arrival_rate() -> None:
                          "workers at 50% of 1.50 req/s each",)
 
 
+def test_forecast_steps_once_the_last_joined_without_cooldown_or_cold_hold() -> None:
+    p = Planner(fc())
+    busy_looks(p, [0, 1, 3])
+    assert p.recommend(2.0)["both"].fresh  # +1 (the test above)
+    ws = [WorkerSample(f"w{i}", "both", 1, 1, 0.3, 5, 5, 5, 0.5) for i in range(2)]
+    p.observe(3.0, [*ws, WorkerSample("w2", "both", 1, 1, 0.3, 0, 0, 0, 0.0)])  # the new worker joined, cold
+    r = p.recommend(3.0)["both"]
+    # 4 arrivals/s steady; 10 first tokens in 6 busy worker-seconds: 5 workers needed, 3 up. Without the
+    # forecast this look would cool down (0 s since the join) and then wait for the cold w2.
+    assert r.signals.cold == ("w2",) and r.signals.forecast == Forecast(4.0, 0.0, 4.0, 10 / 6, 5, 5)
+    assert (r.delta, r.fresh, r.reasons) == (1, True, ("forecast: arrivals 4.00 req/s (+0.00 per minute) -> 4.00 "
+                                                       "req/s in 1.5s needs 5 workers at 50% of 1.67 req/s each",))
+    ws = [WorkerSample(f"w{i}", "both", 1, 1, 0.3, 7, 7, 7, 0.7) for i in range(2)]
+    p.observe(4.0, [*ws, WorkerSample("w2", "both", 1, 1, 0.3, 1, 0, 1, 0.1)])
+    r = p.recommend(4.0)["both"]  # not seen yet: pending, not a second step
+    assert (r.delta, r.fresh, r.reasons[0]) == (1, False, "pending: +1 decided at 3s, still 3 workers")
+
+
 def test_forecast_needs_a_measured_service_rate_and_enough_history() -> None:
     p = Planner(fc())
     busy_looks(p, [0, 1, 3], waiting=0)  # never busy: the service rate is unknown, no forecast rule

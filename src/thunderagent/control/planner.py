@@ -16,13 +16,14 @@ Rules, in order (the first that applies gives the answer):
 
 1. a step decided and not yet seen (the role's worker count has not changed) stays the answer for
    ``cooldown_s``: it is *pending*, and the actor acts once, on the look that decided it (``fresh``);
+1b. +1 when (with ``target_utilization``) the **forecast** needs more workers than the role has (below
+   ``max_workers``): it reads the traffic, not the fleet's TTFT, so rules 2-4 do not hold it;
 2. for ``cooldown_s`` after a step or a change of the role's worker count: hold (watching);
 3. while a worker that joined after the planner's first look is **cold** (served fewer than
    ``warm_requests`` requests and its hit rate below its role's, for at most ``max_cold_s``): hold;
 4. fewer than ``window_s / 2`` seconds of samples since the last change: hold (not enough seen);
 5. +1 when any of queue depth >= ``up_queue_per_worker``, TTFT >= ``up_ttft_s``, KV use >=
-   ``up_kv_usage`` or (with ``target_utilization``) the **forecast** needs more workers than the role has
-   (held at ``max_workers``);
+   ``up_kv_usage`` or the forecast needs more workers (held at ``max_workers``);
 6. -1 when all of queue depth and KV use, spread over one worker fewer, stay at or below
    ``down_queue_per_worker`` / ``down_kv_usage``, TTFT at or below ``down_ttft_s`` and (with
    ``target_utilization``) one worker fewer still carries the larger of the current and the forecast
@@ -235,9 +236,16 @@ class Planner:
         def hold(*why: str) -> Recommendation:
             return Recommendation(role, 0, why, sig, now, decided_at=step.at if step is not None else None)
 
-        if step is not None and step.delta and now - step.at < cfg.cooldown_s and changed < step.at:
+        # changed == step.at: the count changed on the look that decided the step (before it): not this step
+        if step is not None and step.delta and now - step.at < cfg.cooldown_s and changed <= step.at:
             return Recommendation(role, step.delta, (f"pending: {step.delta:+d} decided at {step.at:.0f}s, still "
                                                      f"{n} workers", *step.reasons), sig, now, decided_at=step.at)
+        ahead = self._forecast_up(sig)
+        if ahead is not None and n < cfg.max_workers:
+            # the forecast reads the traffic and a worker's measured service rate, not the fleet's TTFT: it
+            # needs no watching after a step (cooldown, window) nor a warm newcomer (cold), only its last
+            # step seen (the pending rule above): one worker at a time, each started once the last joined
+            return self._decide(role, +1, (ahead,), sig, now)
         if now - since < cfg.cooldown_s:
             what = "step" if step is not None and step.at >= changed else "worker count change"
             return hold(f"cooling down: {now - since:.0f}s of {cfg.cooldown_s:.0f}s since the last {what}")
@@ -272,11 +280,18 @@ class Planner:
             out.append(f"TTFT: mean {sig.ttft_s:.3f}s >= {cfg.up_ttft_s:g}s")
         if sig.kv_usage >= cfg.up_kv_usage:
             out.append(f"KV: {sig.kv_usage:.0%} used >= {cfg.up_kv_usage:.0%}")
-        f = sig.forecast
-        if f is not None and f.needed is not None and f.needed > sig.workers:
-            out.append(f"forecast: {_rate(f)} -> {f.ahead:.2f} req/s in {cfg.forecast_lead_s:g}s needs {f.needed} "
-                       f"workers at {cfg.target_utilization:.0%} of {f.service_rate:.2f} req/s each")
+        ahead = self._forecast_up(sig)
+        if ahead is not None:
+            out.append(ahead)
         return tuple(out)
+
+    def _forecast_up(self, sig: RoleSignals) -> str | None:
+        """The forecast's reason for +1 (None: off, unknown, or the role has the workers it needs)."""
+        f, cfg = sig.forecast, self.cfg
+        if f is None or f.needed is None or f.needed <= sig.workers:
+            return None
+        return (f"forecast: {_rate(f)} -> {f.ahead:.2f} req/s in {cfg.forecast_lead_s:g}s needs {f.needed} "
+                f"workers at {cfg.target_utilization:.0%} of {f.service_rate:.2f} req/s each")
 
     def _down_reasons(self, sig: RoleSignals) -> tuple[str, ...] | None:
         """The reasons for -1 when every one holds, else None."""
