@@ -215,7 +215,24 @@ def test_forecast_blocks_minus_one_while_one_worker_fewer_would_not_carry_the_lo
     assert (r.delta, r.fresh) == (-1, True)
     assert r.reasons == ("queue on 2 workers: 0.00 waiting/worker <= 0.1", "KV on 2 workers: 30% <= 50%",
                          "TTFT: mean 0.050s <= 0.5s", "forecast: arrivals 3.00 req/s (+0.00 per minute), 3.00 "
-                         "req/s in 1.5s needs 2 workers at 100% of 2.00 req/s each")
+                         "req/s in 1.5s: at most 2 workers needed over 4s at 100% of 2.00 req/s each")
+
+
+def test_forecast_minus_one_waits_for_a_window_of_looks_needing_one_fewer() -> None:
+    """Scale-down stabilisation: a look that needed 3 workers blocks -1 until it left the 4 s window."""
+    p = Planner(fc(target_utilization=1.0))
+    seen = []
+    for t in range(10):  # busy 2 req/s each to t = 2 (service rate 2), idle at 2 req/s each to 5, then 1
+        c = 2 * t if t <= 5 else 10 + (t - 5)
+        p.observe(float(t), [WorkerSample(f"w{i}", "both", 1 if t <= 2 else 0, 1, 0.2, c, c, c, c * 0.05)
+                             for i in range(3)])
+        if t >= 5:
+            r = p.recommend(float(t))["both"]
+            f = r.signals.forecast
+            assert f is not None
+            seen.append((t, f.needed_now, r.delta))
+    # 6 req/s needs 3 at t = 5; from t = 6 the line says 1-2, but -1 waits until the t = 5 look is 4 s old
+    assert seen == [(5, 3, 0), (6, 1, 0), (7, 2, 0), (8, 2, 0), (9, 2, -1)]
 
 
 def test_forecast_knobs_are_validated() -> None:

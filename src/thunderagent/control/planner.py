@@ -147,6 +147,7 @@ class Planner:
         # worker-seconds] of the intervals in which a worker stayed busy (its service rate)
         self._arrivals: dict[str, deque[tuple[float, float, int]]] = {}
         self._busy: dict[str, list[float]] = {}
+        self._needs: dict[str, deque[tuple[float, int]]] = {}  # role -> (look, forecast.needed_now) over window_s
 
     def observe(self, now: float, samples: Sequence[WorkerSample]) -> None:
         """One look at the fleet: every routable worker's sample."""
@@ -232,6 +233,11 @@ class Planner:
         since = max(changed, step.at if step is not None else -math.inf)
         sig = self.signals(role, now, max(now - cfg.window_s, since))
         n = sig.workers
+        if sig.forecast is not None and sig.forecast.needed_now is not None:
+            needs = self._needs.setdefault(role, deque())
+            needs.append((now, sig.forecast.needed_now))
+            while needs[0][0] <= now - cfg.window_s:
+                needs.popleft()
 
         def hold(*why: str) -> Recommendation:
             return Recommendation(role, 0, why, sig, now, decided_at=step.at if step is not None else None)
@@ -259,7 +265,7 @@ class Planner:
             if n >= cfg.max_workers:
                 return hold(f"at max_workers ({cfg.max_workers})", *up)
             return self._decide(role, +1, up, sig, now)
-        down = self._down_reasons(sig)
+        down = self._down_reasons(role, sig)
         if down is not None:
             if n <= cfg.min_workers:
                 return hold(f"at min_workers ({cfg.min_workers})", *down)
@@ -293,7 +299,7 @@ class Planner:
         return (f"forecast: {_rate(f)} -> {f.ahead:.2f} req/s in {cfg.forecast_lead_s:g}s needs {f.needed} "
                 f"workers at {cfg.target_utilization:.0%} of {f.service_rate:.2f} req/s each")
 
-    def _down_reasons(self, sig: RoleSignals) -> tuple[str, ...] | None:
+    def _down_reasons(self, role: str, sig: RoleSignals) -> tuple[str, ...] | None:
         """The reasons for -1 when every one holds, else None."""
         cfg = self.cfg
         n = sig.workers
@@ -304,14 +310,18 @@ class Planner:
         if sig.ttft_s is not None and sig.ttft_s > cfg.down_ttft_s:
             return None
         f = sig.forecast
-        if f is not None and f.needed_now is not None and f.needed_now > n - 1:
+        # scale-down stabilisation (as Kubernetes' HPA does): the most workers the forecast asked for at any
+        # look of the last window_s, so that noise in the trend does not drain a worker the next look re-adds
+        most = max((k for _, k in self._needs.get(role, ())), default=None) if f is not None else None
+        if most is not None and most > n - 1:
             return None
         out = (f"queue on {n - 1} workers: {queue:.2f} waiting/worker <= {cfg.down_queue_per_worker:g}",
                f"KV on {n - 1} workers: {kv:.0%} <= {cfg.down_kv_usage:.0%}",
                f"TTFT: mean {_secs(sig.ttft_s)} <= {cfg.down_ttft_s:g}s")
-        if f is not None and f.needed_now is not None:
-            out += (f"forecast: {_rate(f)}, {f.ahead:.2f} req/s in {cfg.forecast_lead_s:g}s needs {f.needed_now} "
-                    f"workers at {cfg.target_utilization:.0%} of {f.service_rate:.2f} req/s each",)
+        if most is not None and f is not None:
+            out += (f"forecast: {_rate(f)}, {f.ahead:.2f} req/s in {cfg.forecast_lead_s:g}s: at most {most} "
+                    f"workers needed over {cfg.window_s:g}s at {cfg.target_utilization:.0%} of "
+                    f"{f.service_rate:.2f} req/s each",)
         return out
 
     def signals(self, role: str, now: float, start: float) -> RoleSignals:
