@@ -189,6 +189,10 @@ def test_forecast_needs_a_measured_service_rate_and_enough_history() -> None:
     q = Planner(fc(trend_window_s=4.0))
     busy_looks(q, [0, 1])  # 1 s of arrivals, 2 s needed
     assert q.recommend(1.0)["both"].signals.forecast is None
+    lv = Planner(fc(trend_window_s=8.0))  # 2 s of arrivals: enough for the level (window_s / 2), not the slope
+    busy_looks(lv, [0, 1, 3])
+    r = lv.recommend(2.0)["both"]
+    assert r.signals.forecast == Forecast(3.0, 0.0, 3.0, 1.5, 4, 4) and r.delta == 1
     off = Planner(cfg())  # target_utilization unset: no forecast at all
     busy_looks(off, [0, 1, 3])
     assert off.recommend(2.0)["both"].signals.forecast is None

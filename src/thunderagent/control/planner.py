@@ -44,8 +44,9 @@ waiting for TTFT to rise (Little's law: workers needed = arrival rate / what one
   waiting at both looks (it was busy throughout: what one worker serves at full load), over the
   planner's whole history (a worker's capacity does not change with the load);
 - workers needed = ceil(forecast rate / (``target_utilization`` x service rate)); unknown (no rule)
-  until the role has been saturated for ``window_s / 2`` worker-seconds and the arrival history covers
-  ``trend_window_s / 2``.
+  until the role has been busy for ``window_s / 2`` worker-seconds and the arrival history covers
+  ``window_s / 2``; until it covers ``trend_window_s / 2`` the slope is taken as 0 (the level only: a
+  fleet started under load is sized on its load before its trend is known).
 """
 
 from __future__ import annotations
@@ -194,7 +195,8 @@ class Planner:
         """The role's arrival trend (None: forecast off or less than ``trend_window_s / 2`` of history)."""
         cfg = self.cfg
         dq = self._arrivals.get(role)
-        if cfg.target_utilization is None or not dq or dq[-1][1] - dq[0][0] < cfg.trend_window_s / 2:
+        span = dq[-1][1] - dq[0][0] if dq else 0.0
+        if cfg.target_utilization is None or not dq or span < min(cfg.window_s, cfg.trend_window_s) / 2:
             return None
         # weighted least squares of the interval rates (weight: the interval's length) against its midpoint
         w = [b - a for a, b, _ in dq]
@@ -204,7 +206,9 @@ class Planner:
         mx = sum(wi * xi for wi, xi in zip(w, x)) / sw
         my = sum(wi * yi for wi, yi in zip(w, y)) / sw
         sxx = sum(wi * (xi - mx) ** 2 for wi, xi in zip(w, x))
-        slope = sum(wi * (xi - mx) * (yi - my) for wi, xi, yi in zip(w, x, y)) / sxx if sxx > 0 else 0.0
+        # a slope fitted on less than half the trend window is mostly noise: until then, the level only
+        trend = span >= cfg.trend_window_s / 2 and sxx > 0
+        slope = sum(wi * (xi - mx) * (yi - my) for wi, xi, yi in zip(w, x, y)) / sxx if trend else 0.0
         t_last = dq[-1][1]
         rate = max(0.0, my + slope * (t_last - mx))
         ahead = max(0.0, my + slope * (t_last + cfg.forecast_lead_s - mx))
