@@ -34,7 +34,8 @@ def planner_config(a: argparse.Namespace, forecast: bool) -> PlannerConfig:
     fc: dict[str, float] = {}
     if forecast:
         lead = a.planner_startup_s + a.interval_s if a.lead_s is None else a.lead_s
-        fc = {"target_utilization": a.target_util, "forecast_lead_s": lead, "trend_window_s": a.trend_window_s}
+        fc = {"target_utilization": a.target_util, "forecast_lead_s": lead, "trend_window_s": a.trend_window_s,
+              "service_rate_per_worker": a.service_rate}
     return PlannerConfig(enabled=True, interval_s=a.interval_s, window_s=a.window_s, cooldown_s=a.cooldown_s,
                          min_workers=a.min_workers, max_workers=a.max_workers, warm_requests=a.warm_requests,
                          up_ttft_s=a.up_ttft_s, down_ttft_s=a.down_ttft_s, up_kv_usage=a.up_kv,
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lead-s", type=float, default=None, help="planner.forecast_lead_s (default: start-up + "
                     "one look interval)")
     ap.add_argument("--trend-window-s", type=float, default=300.0)
+    ap.add_argument("--service-rate", type=float, default=None, help="planner.service_rate_per_worker (req/s a "
+                    "worker serves at full load, used until measured)")
     ap.add_argument("--no-plain", action="store_true", help="skip the step-wise planner without forecast")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reasons", action="store_true", help="print each step's reasons")

@@ -186,6 +186,10 @@ def test_forecast_needs_a_measured_service_rate_and_enough_history() -> None:
     r = p.recommend(2.0)["both"]
     assert r.signals.forecast == Forecast(5.0, 2.0, 8.0, None, None, None)
     assert r.delta == 0 and r.reasons[0].startswith("in range:")
+    pr = Planner(fc(service_rate_per_worker=2.0))  # not measured yet: the operator's figure
+    busy_looks(pr, [0, 1, 3], waiting=0)
+    r = pr.recommend(2.0)["both"]
+    assert r.signals.forecast == Forecast(5.0, 2.0, 8.0, 2.0, 8, 8) and r.delta == 1
     q = Planner(fc(trend_window_s=4.0))
     busy_looks(q, [0, 1])  # 1 s of arrivals, 2 s needed
     assert q.recommend(1.0)["both"].signals.forecast is None
@@ -244,6 +248,8 @@ def test_forecast_knobs_are_validated() -> None:
         parse_config({"planner": {"enabled": True, "forecast_lead_s": 30}})
     with pytest.raises(ConfigError, match="trend_window_s acts only with target_utilization"):
         parse_config({"planner": {"enabled": True, "trend_window_s": 60}})
+    with pytest.raises(ConfigError, match="service_rate_per_worker acts only with target_utilization"):
+        parse_config({"planner": {"enabled": True, "service_rate_per_worker": 0.75}})
     with pytest.raises(ConfigError, match=r"trend_window_s \(8\) must cover at least two looks"):
         parse_config({"planner": {"enabled": True, "target_utilization": 0.8, "trend_window_s": 8}})
     with pytest.raises(ConfigError, match="target_utilization"):

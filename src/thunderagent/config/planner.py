@@ -10,7 +10,7 @@ from thunderagent.config._base import _Strict, knob_needs_switch
 
 _KNOBS = ("interval_s", "window_s", "cooldown_s", "min_workers", "max_workers", "warm_requests", "max_cold_s",
           "up_queue_per_worker", "up_ttft_s", "up_kv_usage", "down_queue_per_worker", "down_ttft_s",
-          "down_kv_usage", "target_utilization", "forecast_lead_s", "trend_window_s", "command", "webhook_url", "action_timeout_s")
+          "down_kv_usage", "target_utilization", "forecast_lead_s", "trend_window_s", "service_rate_per_worker", "command", "webhook_url", "action_timeout_s")
 
 
 class PlannerConfig(_Strict):
@@ -47,6 +47,9 @@ class PlannerConfig(_Strict):
                                    "a new worker takes to start); needs target_utilization")
     trend_window_s: float = Field(300.0, gt=0, description="seconds of arrivals the trend line is fitted on "
                                   "(kept across steps); needs target_utilization")
+    service_rate_per_worker: float | None = Field(None, gt=0, description="requests/s one worker serves at full "
+                                                  "load (from a load test), used until the planner measured it; "
+                                                  "needs target_utilization")
     command: list[str] | None = Field(None, description="argv run on every step, with the role and the delta "
                                       "(+1 / -1) appended; not through a shell")
     webhook_url: str | None = Field(None, description="POSTed a JSON body {role, delta, reasons, at} on every step")
@@ -80,7 +83,7 @@ class PlannerConfig(_Strict):
         if self.down_ttft_s >= self.up_ttft_s:
             raise ValueError("down_ttft_s must be below up_ttft_s (else the planner flaps)")
         if self.target_utilization is None:
-            for name in ("forecast_lead_s", "trend_window_s"):
+            for name in ("forecast_lead_s", "trend_window_s", "service_rate_per_worker"):
                 if getattr(self, name) != type(self).model_fields[name].default:
                     raise ValueError(f"{name} acts only with target_utilization set; set it or remove {name}")
         elif self.trend_window_s < 2 * self.interval_s:

@@ -42,9 +42,10 @@ waiting for TTFT to rise (Little's law: workers needed = arrival rate / what one
   ``forecast_lead_s`` ahead (set it to the time a new worker takes to start);
 - **service rate**: first tokens per worker-second over the intervals in which a worker had requests
   waiting at both looks (it was busy throughout: what one worker serves at full load), over the
-  planner's whole history (a worker's capacity does not change with the load);
+  planner's whole history (a worker's capacity does not change with the load); until the role has
+  been busy for ``window_s / 2`` worker-seconds, ``service_rate_per_worker`` (if set);
 - workers needed = ceil(forecast rate / (``target_utilization`` x service rate)); unknown (no rule)
-  until the role has been busy for ``window_s / 2`` worker-seconds and the arrival history covers
+  until the service rate is known and the arrival history covers
   ``window_s / 2``; until it covers ``trend_window_s / 2`` the slope is taken as 0 (the level only: a
   fleet started under load is sized on its load before its trend is known).
 """
@@ -214,6 +215,8 @@ class Planner:
         ahead = max(0.0, my + slope * (t_last + cfg.forecast_lead_s - mx))
         busy = self._busy.get(role)
         mu = busy[0] / busy[1] if busy is not None and busy[1] >= cfg.window_s / 2 and busy[0] > 0 else None
+        if mu is None:
+            mu = cfg.service_rate_per_worker  # the operator's capacity figure, until measured
         if mu is None:
             return Forecast(rate, slope, ahead, None, None, None)
         per = cfg.target_utilization * mu
