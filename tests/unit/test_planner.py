@@ -139,20 +139,21 @@ def test_config_knobs_need_the_switch_and_bounds() -> None:
 def fc(**kw: object) -> PlannerConfig:
     """Forecast sizing on: a 4 s window, a 2 s trend (two one-second intervals), 1.5 s ahead."""
     base: dict[str, object] = {"window_s": 4.0, "trend_window_s": 2.0, "forecast_lead_s": 1.5,
-                               "target_utilization": 0.5, "max_workers": 16}
+                               "target_utilization": 0.5, "max_workers": 16, "up_queue_per_worker": 3.0}
     base.update(kw)
     return cfg(**base)
 
 
-def busy_looks(p: Planner, counts: list[int], n: int = 2, waiting: int = 1) -> None:
-    """Looks at t = 0, 1, ...: each of ``n`` workers has produced ``counts[t]`` first tokens (0.1 s each)."""
+def busy_looks(p: Planner, counts: list[int], n: int = 2, waiting: int = 2) -> None:
+    """Looks at t = 0, 1, ...: each of ``n`` workers has produced ``counts[t]`` first tokens (0.1 s each);
+    ``waiting`` 2: a queue at every look (busy: the service rate is measured)."""
     for t, c in enumerate(counts):
         p.observe(float(t), [WorkerSample(f"w{i}", "both", waiting, 1, 0.3, c, c, c, c * 0.1) for i in range(n)])
 
 
 def test_forecast_adds_a_worker_ahead_of_a_rising_arrival_rate() -> None:
     p = Planner(fc())
-    busy_looks(p, [0, 1, 3])  # 2 workers busy (a request waiting at every look): 2 then 4 arrivals/s
+    busy_looks(p, [0, 1, 3])  # 2 workers busy (a queue at every look): 2 then 4 arrivals/s
     r = p.recommend(2.0)["both"]
     # the line through 2 req/s at 0.5 s and 4 at 1.5 s: 5 req/s now, 8 in 1.5 s; 6 first tokens in 4 busy
     # worker-seconds: 1.5 req/s each, 0.75 at 50 %: 8 / 0.75 = 10.7 -> 11 workers
@@ -166,16 +167,16 @@ def test_forecast_steps_once_the_last_joined_without_cooldown_or_cold_hold() -> 
     p = Planner(fc())
     busy_looks(p, [0, 1, 3])
     assert p.recommend(2.0)["both"].fresh  # +1 (the test above)
-    ws = [WorkerSample(f"w{i}", "both", 1, 1, 0.3, 5, 5, 5, 0.5) for i in range(2)]
-    p.observe(3.0, [*ws, WorkerSample("w2", "both", 1, 1, 0.3, 0, 0, 0, 0.0)])  # the new worker joined, cold
+    ws = [WorkerSample(f"w{i}", "both", 2, 1, 0.3, 5, 5, 5, 0.5) for i in range(2)]
+    p.observe(3.0, [*ws, WorkerSample("w2", "both", 2, 1, 0.3, 0, 0, 0, 0.0)])  # the new worker joined, cold
     r = p.recommend(3.0)["both"]
     # 4 arrivals/s steady; 10 first tokens in 6 busy worker-seconds: 5 workers needed, 3 up. Without the
     # forecast this look would cool down (0 s since the join) and then wait for the cold w2.
     assert r.signals.cold == ("w2",) and r.signals.forecast == Forecast(4.0, 0.0, 4.0, 10 / 6, 5, 5)
     assert (r.delta, r.fresh, r.reasons) == (1, True, ("forecast: arrivals 4.00 req/s (+0.00 per minute) -> 4.00 "
                                                        "req/s in 1.5s needs 5 workers at 50% of 1.67 req/s each",))
-    ws = [WorkerSample(f"w{i}", "both", 1, 1, 0.3, 7, 7, 7, 0.7) for i in range(2)]
-    p.observe(4.0, [*ws, WorkerSample("w2", "both", 1, 1, 0.3, 1, 0, 1, 0.1)])
+    ws = [WorkerSample(f"w{i}", "both", 2, 1, 0.3, 7, 7, 7, 0.7) for i in range(2)]
+    p.observe(4.0, [*ws, WorkerSample("w2", "both", 2, 1, 0.3, 1, 0, 1, 0.1)])
     r = p.recommend(4.0)["both"]  # not seen yet: pending, not a second step
     assert (r.delta, r.fresh, r.reasons[0]) == (1, False, "pending: +1 decided at 3s, still 3 workers")
 
@@ -206,7 +207,7 @@ def idle_after_busy(p: Planner) -> None:
     """3 workers: busy 2 s serving 2 req/s each (service rate 2), then idle serving 1 req/s each to t = 8."""
     for t in range(9):
         c = 2 * t if t <= 2 else 4 + (t - 2)
-        p.observe(float(t), [WorkerSample(f"w{i}", "both", 1 if t <= 2 else 0, 1, 0.2, c, c, c, c * 0.05)
+        p.observe(float(t), [WorkerSample(f"w{i}", "both", 2 if t <= 2 else 0, 1, 0.2, c, c, c, c * 0.05)
                              for i in range(3)])
 
 
@@ -232,7 +233,7 @@ def test_forecast_minus_one_waits_for_a_window_of_looks_needing_one_fewer() -> N
     seen = []
     for t in range(10):  # busy 2 req/s each to t = 2 (service rate 2), idle at 2 req/s each to 5, then 1
         c = 2 * t if t <= 5 else 10 + (t - 5)
-        p.observe(float(t), [WorkerSample(f"w{i}", "both", 1 if t <= 2 else 0, 1, 0.2, c, c, c, c * 0.05)
+        p.observe(float(t), [WorkerSample(f"w{i}", "both", 2 if t <= 2 else 0, 1, 0.2, c, c, c, c * 0.05)
                              for i in range(3)])
         if t >= 5:
             r = p.recommend(float(t))["both"]

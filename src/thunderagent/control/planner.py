@@ -40,8 +40,9 @@ waiting for TTFT to rise (Little's law: workers needed = arrival rate / what one
   is a property of the traffic, not of the fleet, so its history (``trend_window_s``) is kept across
   steps. A weighted least-squares line through it gives the rate now and its slope, and the rate
   ``forecast_lead_s`` ahead (set it to the time a new worker takes to start);
-- **service rate**: first tokens per worker-second over the intervals in which a worker had requests
-  waiting at both looks (it was busy throughout: what one worker serves at full load), over the
+- **service rate**: first tokens per worker-second over the intervals in which a worker had at least
+  two requests waiting at both looks (it was busy throughout: what one worker serves at full load; one
+  waiting request is often just an arrival between two engine passes, which biased the figure low), over the
   planner's whole history (a worker's capacity does not change with the load); until the role has
   been busy for ``window_s / 2`` worker-seconds, ``service_rate_per_worker`` (if set);
 - workers needed = ceil(forecast rate / (``target_utilization`` x service rate)); unknown (no rule)
@@ -182,7 +183,7 @@ class Planner:
                 continue
             served = c.ttft_count - p.ttft_count
             arrived[c.role] = arrived.get(c.role, 0) + served + c.waiting - p.waiting
-            if p.waiting > 0 and c.waiting > 0:  # busy the whole interval: it served at full speed
+            if p.waiting > 1 and c.waiting > 1:  # a queue at both looks: busy the whole interval, at full speed
                 busy = self._busy.setdefault(c.role, [0.0, 0.0])
                 busy[0] += served
                 busy[1] += now - t0
