@@ -10,13 +10,15 @@ from thunderagent.config._base import _Strict, knob_needs_switch
 
 _KNOBS = ("interval_s", "window_s", "cooldown_s", "min_workers", "max_workers", "warm_requests", "max_cold_s",
           "up_queue_per_worker", "up_ttft_s", "up_kv_usage", "down_queue_per_worker", "down_ttft_s",
-          "down_kv_usage", "target_utilization", "forecast_lead_s", "trend_window_s", "service_rate_per_worker", "command", "webhook_url", "action_timeout_s")
+          "down_kv_usage", "target_utilization", "forecast_lead_s", "trend_window_s", "service_rate_per_worker",
+          "command", "webhook_url", "action_timeout_s")
 
 
 class PlannerConfig(_Strict):
     """Recommends +1 / -1 / hold per worker role from queue depth, TTFT (queue waits included), hit
     rate and KV water level averaged over ``window_s``; one step at a time, then ``cooldown_s`` of
-    watching, and no step while a freshly added worker is still cold."""
+    watching, and no step while a freshly added worker is still cold. With ``target_utilization``, also
+    from the arrival trend and a worker's measured service rate (forecast sizing)."""
 
     enabled: bool = False
     interval_s: float = Field(5.0, gt=0, description="seconds between the planner's looks at the fleet")
