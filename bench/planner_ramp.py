@@ -12,6 +12,7 @@ same run.
 
     .venv/bin/python bench/planner_ramp.py            # the README's table (a few minutes)
     .venv/bin/python bench/planner_ramp.py --quick    # seconds
+    .venv/bin/python bench/planner_ramp.py --target-util 0.8 --service-rate 0.75   # + forecast sizing rows
 """
 
 from __future__ import annotations

@@ -31,9 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     reqs = ramp(a.groups, a.prefix_tokens, a.suffix_tokens, a.rate, base_rate=a.rate, ramp_up_s=1.0,
                 hold_s=a.seconds, ramp_down_s=1.0, output_tokens=a.output_tokens, block_size=node.block_size)
     sim = ScalingSim(node, RoutingConfig(), Policy.kv_aware, mode="fixed", initial=1, max_workers=1)
-    sim.replay(reqs, 0.0)
+    out = sim.replay(reqs, 0.0).outcome
+    assert out is not None
     start = a.seconds / 4
-    firsts = sorted(t.first for t in sim._all if t.first >= 0)
+    firsts = sorted(out.times_by_id[rid][0] + ms / 1000.0 for rid, ms in out.ttft_by_id.items())
     last = max(firsts)
     served = sum(1 for f in firsts if f >= start)
     print(f"{len(reqs)} requests offered at {a.rate:g} req/s; one worker served {served / (last - start):.3f} req/s "
