@@ -12,6 +12,7 @@ same run.
 
     .venv/bin/python bench/planner_ramp.py            # the README's table (a few minutes)
     .venv/bin/python bench/planner_ramp.py --quick    # seconds
+    .venv/bin/python bench/planner_ramp.py --target-util 0.8 --service-rate 0.75   # + forecast sizing rows
 """
 
 from __future__ import annotations
@@ -30,11 +31,16 @@ from thunderagent.sim.generators import ramp  # noqa: E402
 from thunderagent.sim.scaling import ScalingResult, ScalingSim  # noqa: E402
 
 
-def planner_config(a: argparse.Namespace) -> PlannerConfig:
+def planner_config(a: argparse.Namespace, forecast: bool) -> PlannerConfig:
+    fc: dict[str, float] = {}
+    if forecast:
+        lead = a.planner_startup_s + a.interval_s if a.lead_s is None else a.lead_s
+        fc = {"target_utilization": a.target_util, "forecast_lead_s": lead, "trend_window_s": a.trend_window_s,
+              "service_rate_per_worker": a.service_rate}
     return PlannerConfig(enabled=True, interval_s=a.interval_s, window_s=a.window_s, cooldown_s=a.cooldown_s,
                          min_workers=a.min_workers, max_workers=a.max_workers, warm_requests=a.warm_requests,
                          up_ttft_s=a.up_ttft_s, down_ttft_s=a.down_ttft_s, up_kv_usage=a.up_kv,
-                         down_kv_usage=a.down_kv, up_queue_per_worker=a.up_queue)
+                         down_kv_usage=a.down_kv, up_queue_per_worker=a.up_queue, **fc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--up-kv", type=float, default=0.5)
     ap.add_argument("--down-kv", type=float, default=0.3)
     ap.add_argument("--up-queue", type=float, default=1.0)
+    ap.add_argument("--target-util", type=float, default=0.0,
+                    help="> 0: also run the planner with forecast sizing at this target utilization "
+                    "(planner.target_utilization); add-all-at-once then uses it too")
+    ap.add_argument("--lead-s", type=float, default=None, help="planner.forecast_lead_s (default: start-up + "
+                    "one look interval)")
+    ap.add_argument("--trend-window-s", type=float, default=300.0)
+    ap.add_argument("--service-rate", type=float, default=None, help="planner.service_rate_per_worker (req/s a "
+                    "worker serves at full load, used until measured)")
+    ap.add_argument("--no-plain", action="store_true", help="skip the step-wise planner without forecast")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reasons", action="store_true", help="print each step's reasons")
     a = ap.parse_args(argv)
@@ -77,15 +92,21 @@ def main(argv: list[str] | None = None) -> int:
     reqs = ramp(a.groups, a.prefix_tokens, a.suffix_tokens, a.peak_rate, base_rate=a.base_rate,
                 ramp_up_s=a.ramp_up_s, hold_s=a.hold_s, ramp_down_s=a.ramp_down_s, output_tokens=a.output_tokens,
                 seed=a.seed, block_size=node.block_size)
-    pc = planner_config(a)
+    forecast = a.target_util > 0
+    pc, fc = planner_config(a, False), planner_config(a, True)
     runs: list[tuple[str, ScalingResult]] = []
     t0 = time.perf_counter()
     for n in (int(x) for x in a.fixed.split(",")):
         sim = ScalingSim(node, routing, Policy.kv_aware, mode="fixed", initial=n, max_workers=n, seed=a.seed)
         runs.append((f"fixed {n}", sim.replay(reqs, a.ramp_up_s)))
-    for mode, label in (("all", "add-all-at-once"), ("step", "step-wise (planner)")):
+    variants = [("all", "add-all-at-once", fc)]
+    if not (forecast and a.no_plain):
+        variants.append(("step", "step-wise (planner)", pc))
+    if forecast:
+        variants.append(("step", "step-wise + forecast", fc))
+    for mode, label, cfg in variants:
         sim = ScalingSim(node, routing, Policy.kv_aware, mode=mode, initial=a.min_workers, max_workers=a.max_workers,
-                         planner=pc, startup_s=a.planner_startup_s, seed=a.seed)
+                         planner=cfg, startup_s=a.planner_startup_s, seed=a.seed)
         runs.append((label, sim.replay(reqs, a.ramp_up_s)))
     best_label, best = min((r for r in runs if r[0].startswith("fixed")), key=lambda r: r[1].ttft_ms.p99)
     rows = []

@@ -51,3 +51,20 @@ def test_sim_cli_planner(tmp_path) -> None:
     assert scaling["mode"] == "step" and 1 <= scaling["peak_workers"] <= 4 and scaling["worker_minutes"] > 0
     res = run_sim("--trace", str(EXCERPT), "--planner")  # no planner in the config
     assert res.returncode == 2 and "--planner needs a config with planner: enabled: true" in res.stderr
+
+
+def test_forecast_sizing_acts_in_the_simulator() -> None:
+    """planner.target_utilization in the simulator: steps whose reason is the arrival forecast, every request
+    served, up while the load rises and down after."""
+    node = NodeConfig(kv_blocks=1024, timing=TimingConfig(speedup=0.05))
+    reqs = ramp(8, 1024, 512, 3.0, base_rate=0.2, ramp_up_s=120, hold_s=60, ramp_down_s=120, output_tokens=16)
+    pc = PlannerConfig(enabled=True, interval_s=2.0, window_s=10.0, cooldown_s=15.0, max_workers=4, warm_requests=5,
+                       up_ttft_s=2.0, down_ttft_s=1.0, up_kv_usage=0.5, down_kv_usage=0.3, up_queue_per_worker=1.0,
+                       target_utilization=0.8, forecast_lead_s=12.0, trend_window_s=30.0)
+    r = ScalingSim(node, RoutingConfig(), Policy.kv_aware, mode="step", initial=1, max_workers=4, planner=pc,
+                   startup_s=10.0).replay(reqs, 120)
+    assert r.requests == len(reqs)
+    assert any(why[0].startswith("forecast: ") for why in r.reasons)
+    ups = [t for t, d, _ in r.steps if d > 0]
+    downs = [t for t, d, _ in r.steps if d < 0]
+    assert ups and downs and min(ups) < min(downs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from thunderagent.config import ConfigError, PlannerConfig, parse_config
-from thunderagent.control.planner import Planner, WorkerSample
+from thunderagent.control.planner import Forecast, Planner, WorkerSample
 
 
 def cfg(**kw: object) -> PlannerConfig:
@@ -134,3 +134,126 @@ def test_config_knobs_need_the_switch_and_bounds() -> None:
     assert parse_config({"planner": {"enabled": True, "command": ["echo"]}}).planner.command == ["echo"]
     c = parse_config({})
     assert parse_config(c.model_dump()).planner == c.planner  # a dumped config loads again
+
+
+def fc(**kw: object) -> PlannerConfig:
+    """Forecast sizing on: a 4 s window, a 2 s trend (two one-second intervals), 1.5 s ahead."""
+    base: dict[str, object] = {"window_s": 4.0, "trend_window_s": 2.0, "forecast_lead_s": 1.5,
+                               "target_utilization": 0.5, "max_workers": 16, "up_queue_per_worker": 3.0}
+    base.update(kw)
+    return cfg(**base)
+
+
+def busy_looks(p: Planner, counts: list[int], n: int = 2, waiting: int = 2) -> None:
+    """Looks at t = 0, 1, ...: each of ``n`` workers has produced ``counts[t]`` first tokens (0.1 s each);
+    ``waiting`` 2: a queue at every look (busy: the service rate is measured)."""
+    for t, c in enumerate(counts):
+        p.observe(float(t), [WorkerSample(f"w{i}", "both", waiting, 1, 0.3, c, c, c, c * 0.1) for i in range(n)])
+
+
+def test_forecast_adds_a_worker_ahead_of_a_rising_arrival_rate() -> None:
+    p = Planner(fc())
+    busy_looks(p, [0, 1, 3])  # 2 workers busy (a queue at every look): 2 then 4 arrivals/s
+    r = p.recommend(2.0)["both"]
+    # the line through 2 req/s at 0.5 s and 4 at 1.5 s: 5 req/s now, 8 in 1.5 s; 6 first tokens in 4 busy
+    # worker-seconds: 1.5 req/s each, 0.75 at 50 %: 8 / 0.75 = 10.7 -> 11 workers
+    assert r.signals.forecast == Forecast(5.0, 2.0, 8.0, 1.5, 11, 11)
+    assert (r.delta, r.fresh) == (1, True)
+    assert r.reasons == ("forecast: arrivals 5.00 req/s (+120.00 per minute) -> 8.00 req/s in 1.5s needs 11 "
+                         "workers at 50% of 1.50 req/s each",)
+
+
+def test_forecast_steps_once_the_last_joined_without_cooldown_or_cold_hold() -> None:
+    p = Planner(fc())
+    busy_looks(p, [0, 1, 3])
+    assert p.recommend(2.0)["both"].fresh  # +1 (the test above)
+    ws = [WorkerSample(f"w{i}", "both", 2, 1, 0.3, 5, 5, 5, 0.5) for i in range(2)]
+    p.observe(3.0, [*ws, WorkerSample("w2", "both", 2, 1, 0.3, 0, 0, 0, 0.0)])  # the new worker joined, cold
+    r = p.recommend(3.0)["both"]
+    # 4 arrivals/s steady; 10 first tokens in 6 busy worker-seconds: 5 workers needed, 3 up. Without the
+    # forecast this look would cool down (0 s since the join) and then wait for the cold w2.
+    assert r.signals.cold == ("w2",) and r.signals.forecast == Forecast(4.0, 0.0, 4.0, 10 / 6, 5, 5)
+    assert (r.delta, r.fresh, r.reasons) == (1, True, ("forecast: arrivals 4.00 req/s (+0.00 per minute) -> 4.00 "
+                                                       "req/s in 1.5s needs 5 workers at 50% of 1.67 req/s each",))
+    ws = [WorkerSample(f"w{i}", "both", 2, 1, 0.3, 7, 7, 7, 0.7) for i in range(2)]
+    p.observe(4.0, [*ws, WorkerSample("w2", "both", 2, 1, 0.3, 1, 0, 1, 0.1)])
+    r = p.recommend(4.0)["both"]  # not seen yet: pending, not a second step
+    assert (r.delta, r.fresh, r.reasons[0]) == (1, False, "pending: +1 decided at 3s, still 3 workers")
+
+
+def test_forecast_needs_a_measured_service_rate_and_enough_history() -> None:
+    p = Planner(fc())
+    busy_looks(p, [0, 1, 3], waiting=0)  # never busy: the service rate is unknown, no forecast rule
+    r = p.recommend(2.0)["both"]
+    assert r.signals.forecast == Forecast(5.0, 2.0, 8.0, None, None, None)
+    assert r.delta == 0 and r.reasons[0].startswith("in range:")
+    pr = Planner(fc(service_rate_per_worker=2.0))  # not measured yet: the operator's figure
+    busy_looks(pr, [0, 1, 3], waiting=0)
+    r = pr.recommend(2.0)["both"]
+    assert r.signals.forecast == Forecast(5.0, 2.0, 8.0, 2.0, 8, 8) and r.delta == 1
+    q = Planner(fc(trend_window_s=4.0))
+    busy_looks(q, [0, 1])  # 1 s of arrivals, 2 s needed
+    assert q.recommend(1.0)["both"].signals.forecast is None
+    lv = Planner(fc(trend_window_s=8.0))  # 2 s of arrivals: enough for the level (window_s / 2), not the slope
+    busy_looks(lv, [0, 1, 3])
+    r = lv.recommend(2.0)["both"]
+    assert r.signals.forecast == Forecast(3.0, 0.0, 3.0, 1.5, 4, 4) and r.delta == 1
+    off = Planner(cfg())  # target_utilization unset: no forecast at all
+    busy_looks(off, [0, 1, 3])
+    assert off.recommend(2.0)["both"].signals.forecast is None
+
+
+def idle_after_busy(p: Planner) -> None:
+    """3 workers: busy 2 s serving 2 req/s each (service rate 2), then idle serving 1 req/s each to t = 8."""
+    for t in range(9):
+        c = 2 * t if t <= 2 else 4 + (t - 2)
+        p.observe(float(t), [WorkerSample(f"w{i}", "both", 2 if t <= 2 else 0, 1, 0.2, c, c, c, c * 0.05)
+                             for i in range(3)])
+
+
+def test_forecast_blocks_minus_one_while_one_worker_fewer_would_not_carry_the_load() -> None:
+    p = Planner(fc(target_utilization=0.5))
+    idle_after_busy(p)
+    r = p.recommend(8.0)["both"]
+    # 3 req/s at 50 % of 2 req/s needs 3 workers: the idle-looking fleet keeps its 3
+    assert r.signals.forecast == Forecast(3.0, 0.0, 3.0, 2.0, 3, 3)
+    assert r.delta == 0 and r.reasons[0].startswith("in range:")
+    q = Planner(fc(target_utilization=1.0))
+    idle_after_busy(q)
+    r = q.recommend(8.0)["both"]
+    assert (r.delta, r.fresh) == (-1, True)
+    assert r.reasons == ("queue on 2 workers: 0.00 waiting/worker <= 0.1", "KV on 2 workers: 30% <= 50%",
+                         "TTFT: mean 0.050s <= 0.5s", "forecast: arrivals 3.00 req/s (+0.00 per minute), 3.00 "
+                         "req/s in 1.5s: at most 2 workers needed over 4s at 100% of 2.00 req/s each")
+
+
+def test_forecast_minus_one_waits_for_a_window_of_looks_needing_one_fewer() -> None:
+    """Scale-down stabilisation: a look that needed 3 workers blocks -1 until it left the 4 s window."""
+    p = Planner(fc(target_utilization=1.0))
+    seen = []
+    for t in range(10):  # busy 2 req/s each to t = 2 (service rate 2), idle at 2 req/s each to 5, then 1
+        c = 2 * t if t <= 5 else 10 + (t - 5)
+        p.observe(float(t), [WorkerSample(f"w{i}", "both", 2 if t <= 2 else 0, 1, 0.2, c, c, c, c * 0.05)
+                             for i in range(3)])
+        if t >= 5:
+            r = p.recommend(float(t))["both"]
+            f = r.signals.forecast
+            assert f is not None
+            seen.append((t, f.needed_now, r.delta))
+    # 6 req/s needs 3 at t = 5; from t = 6 the line says 1-2, but -1 waits until the t = 5 look is 4 s old
+    assert seen == [(5, 3, 0), (6, 1, 0), (7, 2, 0), (8, 2, 0), (9, 2, -1)]
+
+
+def test_forecast_knobs_are_validated() -> None:
+    with pytest.raises(ConfigError, match="forecast_lead_s acts only with target_utilization"):
+        parse_config({"planner": {"enabled": True, "forecast_lead_s": 30}})
+    with pytest.raises(ConfigError, match="trend_window_s acts only with target_utilization"):
+        parse_config({"planner": {"enabled": True, "trend_window_s": 60}})
+    with pytest.raises(ConfigError, match="service_rate_per_worker acts only with target_utilization"):
+        parse_config({"planner": {"enabled": True, "service_rate_per_worker": 0.75}})
+    with pytest.raises(ConfigError, match=r"trend_window_s \(8\) must cover at least two looks"):
+        parse_config({"planner": {"enabled": True, "target_utilization": 0.8, "trend_window_s": 8}})
+    with pytest.raises(ConfigError, match="target_utilization"):
+        parse_config({"planner": {"enabled": True, "target_utilization": 1.5}})
+    with pytest.raises(ConfigError, match="planner.target_utilization.*acts only with planner.enabled"):
+        parse_config({"planner": {"target_utilization": 0.8}})

@@ -10,13 +10,15 @@ from thunderagent.config._base import _Strict, knob_needs_switch
 
 _KNOBS = ("interval_s", "window_s", "cooldown_s", "min_workers", "max_workers", "warm_requests", "max_cold_s",
           "up_queue_per_worker", "up_ttft_s", "up_kv_usage", "down_queue_per_worker", "down_ttft_s",
-          "down_kv_usage", "command", "webhook_url", "action_timeout_s")
+          "down_kv_usage", "target_utilization", "forecast_lead_s", "trend_window_s", "service_rate_per_worker",
+          "command", "webhook_url", "action_timeout_s")
 
 
 class PlannerConfig(_Strict):
     """Recommends +1 / -1 / hold per worker role from queue depth, TTFT (queue waits included), hit
     rate and KV water level averaged over ``window_s``; one step at a time, then ``cooldown_s`` of
-    watching, and no step while a freshly added worker is still cold."""
+    watching, and no step while a freshly added worker is still cold. With ``target_utilization``, also
+    from the arrival trend and a worker's measured service rate (forecast sizing)."""
 
     enabled: bool = False
     interval_s: float = Field(5.0, gt=0, description="seconds between the planner's looks at the fleet")
@@ -39,6 +41,17 @@ class PlannerConfig(_Strict):
                                "below this")
     down_kv_usage: float = Field(0.5, ge=0, le=1, description="-1 only if the KV use, spread over one worker "
                                  "fewer, stays at or below this")
+    target_utilization: float | None = Field(None, gt=0, le=1, description="forecast sizing (off: null): +1 when "
+                                             "the arrival rate forecast_lead_s ahead needs more workers at this "
+                                             "share of a worker's measured service rate; -1 only if one fewer "
+                                             "still suffices")
+    forecast_lead_s: float = Field(0.0, ge=0, description="how far ahead the arrival trend is projected (the time "
+                                   "a new worker takes to start); needs target_utilization")
+    trend_window_s: float = Field(300.0, gt=0, description="seconds of arrivals the trend line is fitted on "
+                                  "(kept across steps); needs target_utilization")
+    service_rate_per_worker: float | None = Field(None, gt=0, description="requests/s one worker serves at full "
+                                                  "load (from a load test), used until the planner measured it; "
+                                                  "needs target_utilization")
     command: list[str] | None = Field(None, description="argv run on every step, with the role and the delta "
                                       "(+1 / -1) appended; not through a shell")
     webhook_url: str | None = Field(None, description="POSTed a JSON body {role, delta, reasons, at} on every step")
@@ -71,6 +84,13 @@ class PlannerConfig(_Strict):
             raise ValueError("down_queue_per_worker must be below up_queue_per_worker (else the planner flaps)")
         if self.down_ttft_s >= self.up_ttft_s:
             raise ValueError("down_ttft_s must be below up_ttft_s (else the planner flaps)")
+        if self.target_utilization is None:
+            for name in ("forecast_lead_s", "trend_window_s", "service_rate_per_worker"):
+                if getattr(self, name) != type(self).model_fields[name].default:
+                    raise ValueError(f"{name} acts only with target_utilization set; set it or remove {name}")
+        elif self.trend_window_s < 2 * self.interval_s:
+            raise ValueError(f"trend_window_s ({self.trend_window_s:g}) must cover at least two looks "
+                             f"(2 x interval_s = {2 * self.interval_s:g})")
         if self.down_kv_usage >= self.up_kv_usage:
             raise ValueError("down_kv_usage must be below up_kv_usage (else the planner flaps)")
         return self

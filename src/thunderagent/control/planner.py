@@ -16,18 +16,39 @@ Rules, in order (the first that applies gives the answer):
 
 1. a step decided and not yet seen (the role's worker count has not changed) stays the answer for
    ``cooldown_s``: it is *pending*, and the actor acts once, on the look that decided it (``fresh``);
+1b. +1 when (with ``target_utilization``) the **forecast** needs more workers than the role has (below
+   ``max_workers``): it reads the traffic, not the fleet's TTFT, so rules 2-4 do not hold it;
 2. for ``cooldown_s`` after a step or a change of the role's worker count: hold (watching);
 3. while a worker that joined after the planner's first look is **cold** (served fewer than
    ``warm_requests`` requests and its hit rate below its role's, for at most ``max_cold_s``): hold;
 4. fewer than ``window_s / 2`` seconds of samples since the last change: hold (not enough seen);
 5. +1 when any of queue depth >= ``up_queue_per_worker``, TTFT >= ``up_ttft_s``, KV use >=
-   ``up_kv_usage`` (held at ``max_workers``);
+   ``up_kv_usage`` or the forecast needs more workers (held at ``max_workers``);
 6. -1 when all of queue depth and KV use, spread over one worker fewer, stay at or below
-   ``down_queue_per_worker`` / ``down_kv_usage`` and TTFT at or below ``down_ttft_s`` (held at
-   ``min_workers``);
+   ``down_queue_per_worker`` / ``down_kv_usage``, TTFT at or below ``down_ttft_s`` and (with
+   ``target_utilization``) one worker fewer still carries the larger of the current and the forecast
+   arrival rate (held at ``min_workers``);
 7. else hold.
 
 The workers present at the first look count as warm: the planner cannot know their history.
+
+The forecast (``target_utilization`` set; off by default) sizes the role ahead of its load instead of
+waiting for TTFT to rise (Little's law: workers needed = arrival rate / what one worker serves):
+
+- **arrival rate**: per look interval, a role's first tokens plus the growth of its waiting queues
+  (requests that arrived, whether served yet or not), summed over the workers seen at both looks; it
+  is a property of the traffic, not of the fleet, so its history (``trend_window_s``) is kept across
+  steps. A weighted least-squares line through it gives the rate now and its slope, and the rate
+  ``forecast_lead_s`` ahead (set it to the time a new worker takes to start);
+- **service rate**: first tokens per worker-second over the intervals in which a worker had at least
+  two requests waiting at both looks (it was busy throughout: what one worker serves at full load; one
+  waiting request is often just an arrival between two engine passes, which biased the figure low), over the
+  planner's whole history (a worker's capacity does not change with the load); until the role has
+  been busy for ``window_s / 2`` worker-seconds, ``service_rate_per_worker`` (if set);
+- workers needed = ceil(forecast rate / (``target_utilization`` x service rate)); unknown (no rule)
+  until the service rate is known and the arrival history covers
+  ``window_s / 2``; until it covers ``trend_window_s / 2`` the slope is taken as 0 (the level only: a
+  fleet started under load is sized on its load before its trend is known).
 """
 
 from __future__ import annotations
@@ -39,7 +60,7 @@ from dataclasses import dataclass
 
 from thunderagent.config.planner import PlannerConfig
 
-__all__ = ["Planner", "Recommendation", "RoleSignals", "WorkerSample"]
+__all__ = ["Forecast", "Planner", "Recommendation", "RoleSignals", "WorkerSample"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,6 +80,18 @@ class WorkerSample:
 
 
 @dataclass(slots=True, frozen=True)
+class Forecast:
+    """The role's arrival trend and the workers it needs (``target_utilization`` set)."""
+
+    rate: float  # arrivals/s at the latest look (the trend line's value)
+    slope: float  # its change, req/s per second
+    ahead: float  # the trend line ``forecast_lead_s`` ahead (>= 0)
+    service_rate: float | None  # first tokens per busy worker-second (None: not measured enough yet)
+    needed: int | None  # workers for ``ahead`` at ``target_utilization`` (None: service rate unknown)
+    needed_now: int | None  # workers for the larger of ``rate`` and ``ahead`` (the -1 check)
+
+
+@dataclass(slots=True, frozen=True)
 class RoleSignals:
     """What the planner saw of one role over its window."""
 
@@ -69,6 +102,7 @@ class RoleSignals:
     hit_rate: float | None  # hits / routed (None: nothing routed in the window)
     kv_usage: float  # mean KV use of its workers
     span_s: float  # seconds the samples cover
+    forecast: Forecast | None = None  # None: forecast off, or too little arrival history yet
 
 
 @dataclass(slots=True, frozen=True)
@@ -112,6 +146,11 @@ class Planner:
         self._changed: dict[str, float] = {}  # role -> when its worker count last changed
         self._steps: dict[str, _Step] = {}  # role -> the latest step decided
         self.latest: dict[str, Recommendation] = {}  # role -> the latest recommendation
+        # forecast inputs, per role: (interval start, end, arrivals) over trend_window_s; [first tokens,
+        # worker-seconds] of the intervals in which a worker stayed busy (its service rate)
+        self._arrivals: dict[str, deque[tuple[float, float, int]]] = {}
+        self._busy: dict[str, list[float]] = {}
+        self._needs: dict[str, deque[tuple[float, int]]] = {}  # role -> (look, forecast.needed_now) over window_s
 
     def observe(self, now: float, samples: Sequence[WorkerSample]) -> None:
         """One look at the fleet: every routable worker's sample."""
@@ -126,10 +165,65 @@ class Planner:
             for role in {s.role for s in samples} | {s.role for s in prev.values()}:
                 if _count(cur, role) != _count(prev, role):
                     self._changed[role] = now
+            if self.cfg.target_utilization is not None:
+                self._observe_load(self._snaps[-1].t, now, prev, cur)
         self._snaps.append(_Snap(now, cur))
         horizon = now - self.cfg.window_s
         while len(self._snaps) > 1 and self._snaps[1].t <= horizon:
             self._snaps.popleft()
+
+    def _observe_load(self, t0: float, now: float, prev: dict[str, WorkerSample],
+                      cur: dict[str, WorkerSample]) -> None:
+        if now <= t0:
+            return
+        arrived: dict[str, int] = {}
+        for wid, c in cur.items():
+            p = prev.get(wid)
+            if p is None or p.role != c.role:
+                continue
+            served = c.ttft_count - p.ttft_count
+            arrived[c.role] = arrived.get(c.role, 0) + served + c.waiting - p.waiting
+            if p.waiting > 1 and c.waiting > 1:  # a queue at both looks: busy the whole interval, at full speed
+                busy = self._busy.setdefault(c.role, [0.0, 0.0])
+                busy[0] += served
+                busy[1] += now - t0
+        for role, n in arrived.items():
+            dq = self._arrivals.setdefault(role, deque())
+            dq.append((t0, now, n))
+            while dq and dq[0][0] < now - self.cfg.trend_window_s:
+                dq.popleft()
+
+    def forecast(self, role: str, now: float) -> Forecast | None:
+        """The role's arrival trend (None: forecast off or less than ``trend_window_s / 2`` of history)."""
+        cfg = self.cfg
+        dq = self._arrivals.get(role)
+        span = dq[-1][1] - dq[0][0] if dq else 0.0
+        if cfg.target_utilization is None or not dq or span < min(cfg.window_s, cfg.trend_window_s) / 2:
+            return None
+        # weighted least squares of the interval rates (weight: the interval's length) against its midpoint
+        w = [b - a for a, b, _ in dq]
+        x = [(a + b) / 2 for a, b, _ in dq]
+        y = [n / (b - a) for a, b, n in dq]
+        sw = sum(w)
+        mx = sum(wi * xi for wi, xi in zip(w, x)) / sw
+        my = sum(wi * yi for wi, yi in zip(w, y)) / sw
+        sxx = sum(wi * (xi - mx) ** 2 for wi, xi in zip(w, x))
+        # a slope fitted on less than half the trend window is mostly noise: until then, the level only
+        trend = span >= cfg.trend_window_s / 2 and sxx > 0
+        slope = sum(wi * (xi - mx) * (yi - my) for wi, xi, yi in zip(w, x, y)) / sxx if trend else 0.0
+        t_last = dq[-1][1]
+        rate = max(0.0, my + slope * (t_last - mx))
+        ahead = max(0.0, my + slope * (t_last + cfg.forecast_lead_s - mx))
+        busy = self._busy.get(role)
+        mu = busy[0] / busy[1] if busy is not None and busy[1] >= cfg.window_s / 2 and busy[0] > 0 else None
+        if mu is None:
+            mu = cfg.service_rate_per_worker  # the operator's capacity figure, until measured
+        if mu is None:
+            return Forecast(rate, slope, ahead, None, None, None)
+        per = cfg.target_utilization * mu
+        # 1e-9: a rate that is exactly a whole number of workers' share needs that many, not one more
+        return Forecast(rate, slope, ahead, mu, max(1, math.ceil(ahead / per - 1e-9)),
+                        max(1, math.ceil(max(rate, ahead) / per - 1e-9)))
 
     def recommend(self, now: float) -> dict[str, Recommendation]:
         """A recommendation per role present at the latest look (also kept in :attr:`latest`)."""
@@ -147,13 +241,25 @@ class Planner:
         since = max(changed, step.at if step is not None else -math.inf)
         sig = self.signals(role, now, max(now - cfg.window_s, since))
         n = sig.workers
+        if sig.forecast is not None and sig.forecast.needed_now is not None:
+            needs = self._needs.setdefault(role, deque())
+            needs.append((now, sig.forecast.needed_now))
+            while needs[0][0] <= now - cfg.window_s:
+                needs.popleft()
 
         def hold(*why: str) -> Recommendation:
             return Recommendation(role, 0, why, sig, now, decided_at=step.at if step is not None else None)
 
-        if step is not None and step.delta and now - step.at < cfg.cooldown_s and changed < step.at:
+        # changed == step.at: the count changed on the look that decided the step (before it): not this step
+        if step is not None and step.delta and now - step.at < cfg.cooldown_s and changed <= step.at:
             return Recommendation(role, step.delta, (f"pending: {step.delta:+d} decided at {step.at:.0f}s, still "
                                                      f"{n} workers", *step.reasons), sig, now, decided_at=step.at)
+        ahead = self._forecast_up(sig)
+        if ahead is not None and n < cfg.max_workers:
+            # the forecast reads the traffic and a worker's measured service rate, not the fleet's TTFT: it
+            # needs no watching after a step (cooldown, window) nor a warm newcomer (cold), only its last
+            # step seen (the pending rule above): one worker at a time, each started once the last joined
+            return self._decide(role, +1, (ahead,), sig, now)
         if now - since < cfg.cooldown_s:
             what = "step" if step is not None and step.at >= changed else "worker count change"
             return hold(f"cooling down: {now - since:.0f}s of {cfg.cooldown_s:.0f}s since the last {what}")
@@ -167,7 +273,7 @@ class Planner:
             if n >= cfg.max_workers:
                 return hold(f"at max_workers ({cfg.max_workers})", *up)
             return self._decide(role, +1, up, sig, now)
-        down = self._down_reasons(sig)
+        down = self._down_reasons(role, sig)
         if down is not None:
             if n <= cfg.min_workers:
                 return hold(f"at min_workers ({cfg.min_workers})", *down)
@@ -188,9 +294,20 @@ class Planner:
             out.append(f"TTFT: mean {sig.ttft_s:.3f}s >= {cfg.up_ttft_s:g}s")
         if sig.kv_usage >= cfg.up_kv_usage:
             out.append(f"KV: {sig.kv_usage:.0%} used >= {cfg.up_kv_usage:.0%}")
+        ahead = self._forecast_up(sig)
+        if ahead is not None:
+            out.append(ahead)
         return tuple(out)
 
-    def _down_reasons(self, sig: RoleSignals) -> tuple[str, ...] | None:
+    def _forecast_up(self, sig: RoleSignals) -> str | None:
+        """The forecast's reason for +1 (None: off, unknown, or the role has the workers it needs)."""
+        f, cfg = sig.forecast, self.cfg
+        if f is None or f.needed is None or f.needed <= sig.workers:
+            return None
+        return (f"forecast: {_rate(f)} -> {f.ahead:.2f} req/s in {cfg.forecast_lead_s:g}s needs {f.needed} "
+                f"workers at {cfg.target_utilization:.0%} of {f.service_rate:.2f} req/s each")
+
+    def _down_reasons(self, role: str, sig: RoleSignals) -> tuple[str, ...] | None:
         """The reasons for -1 when every one holds, else None."""
         cfg = self.cfg
         n = sig.workers
@@ -200,9 +317,20 @@ class Planner:
             return None
         if sig.ttft_s is not None and sig.ttft_s > cfg.down_ttft_s:
             return None
-        return (f"queue on {n - 1} workers: {queue:.2f} waiting/worker <= {cfg.down_queue_per_worker:g}",
-                f"KV on {n - 1} workers: {kv:.0%} <= {cfg.down_kv_usage:.0%}",
-                f"TTFT: mean {_secs(sig.ttft_s)} <= {cfg.down_ttft_s:g}s")
+        f = sig.forecast
+        # scale-down stabilisation (as Kubernetes' HPA does): the most workers the forecast asked for at any
+        # look of the last window_s, so that noise in the trend does not drain a worker the next look re-adds
+        most = max((k for _, k in self._needs.get(role, ())), default=None) if f is not None else None
+        if most is not None and most > n - 1:
+            return None
+        out = (f"queue on {n - 1} workers: {queue:.2f} waiting/worker <= {cfg.down_queue_per_worker:g}",
+               f"KV on {n - 1} workers: {kv:.0%} <= {cfg.down_kv_usage:.0%}",
+               f"TTFT: mean {_secs(sig.ttft_s)} <= {cfg.down_ttft_s:g}s")
+        if most is not None and f is not None:
+            out += (f"forecast: {_rate(f)}, {f.ahead:.2f} req/s in {cfg.forecast_lead_s:g}s: at most {most} "
+                    f"workers needed over {cfg.window_s:g}s at {cfg.target_utilization:.0%} of "
+                    f"{f.service_rate:.2f} req/s each",)
+        return out
 
     def signals(self, role: str, now: float, start: float) -> RoleSignals:
         """The role's signals over the looks from ``start`` to ``now`` (at least the latest one)."""
@@ -226,7 +354,7 @@ class Planner:
         hit_rate = hits / routed if routed else None
         cold = tuple(sorted(w for w in latest if self._cold(latest[w], hit_rate, now)))
         return RoleSignals(n, cold, queue / len(snaps), ttft / count if count else None, hit_rate,
-                           kv / len(snaps), snaps[-1].t - snaps[0].t)
+                           kv / len(snaps), snaps[-1].t - snaps[0].t, self.forecast(role, now))
 
     def _cold(self, s: WorkerSample, role_hit_rate: float | None, now: float) -> bool:
         j = self._joined.get(s.worker_id)
@@ -242,6 +370,10 @@ def _count(workers: dict[str, WorkerSample], role: str) -> int:
 
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.0%}"
+
+
+def _rate(f: Forecast) -> str:
+    return f"arrivals {f.rate:.2f} req/s ({f.slope * 60:+.2f} per minute)"
 
 
 def _secs(x: float | None) -> str:

@@ -22,6 +22,7 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import aiohttp
@@ -146,7 +147,8 @@ class PlannerHook:
                 "signals": {"workers": r.signals.workers, "cold": list(r.signals.cold),
                             "queue_per_worker": r.signals.queue_per_worker, "ttft_s": r.signals.ttft_s,
                             "hit_rate": r.signals.hit_rate, "kv_usage": r.signals.kv_usage,
-                            "span_s": r.signals.span_s},
+                            "span_s": r.signals.span_s,
+                            "forecast": None if r.signals.forecast is None else asdict(r.signals.forecast)},
             } for r in recs.values()],
             "actions": list(self.actions),
         }
