@@ -2,7 +2,7 @@
 them killed (``kill -9`` of its process group) mid-stream; every stream goes on on the other server
 and ends with exactly the token ids and text of an unbroken greedy run of its prompt.
 
-Two cases: 12 long streams (256 tokens), and 100 concurrent short ones (64 tokens) with the kill
+Two cases: 12 long streams (256 tokens), and 100 concurrent short ones (96 tokens) with the kill
 waiting until at least 10 of them are mid-way on the victim. The kill is triggered by the tokens
 ThunderAgent has streamed, never by a sleep.
 
@@ -54,11 +54,11 @@ CASES = [
     # the tiny model streams ~100 tokens/s on a quiet machine and the holding queue staggers
     # admissions, so with 12 streams three mid-way at once is a race: two is reliable
     Case(12, 256, midway=2, tail=64),
-    # 100 streams: each server runs MAX_NUM_SEQS at once and the holding queue keeps the rest; it
-    # starts one request per worker at a time (the next once the last has its first token), so the 16
-    # on the victim are spread evenly over the stream's length and about 16 x (80 - 8) / 96 = 12 are
-    # in the window at any time (64 tokens gave 16 x 40 / 64 = 10: a wait of seconds, the trigger
-    # came near the run's end). Short streams keep the run well under 2 minutes on 2 loaded cores
+    # 100 streams: each server runs MAX_NUM_SEQS at once and the holding queue keeps most of the rest;
+    # it starts a request on a worker once the last one there has its first token and refills as
+    # streams end, so the victim's 16 are spread over the stream's length (in waves): with the window
+    # 8..80 of 96 tokens, 10 were mid-way at once 3.6-8.7 s into every run (64 tokens, window 8..48:
+    # only near the run's end). Short streams keep the run well under 2 minutes on 2 loaded cores
     # and leave fewer decode steps where a numerical near-tie could flip between decode and a
     # continuation's prefill (768-token streams did flip)
     Case(100, 96, midway=10, tail=16),
