@@ -2,6 +2,10 @@
 them killed (``kill -9`` of its process group) mid-stream; every stream goes on on the other server
 and ends with exactly the token ids and text of an unbroken greedy run of its prompt.
 
+Two cases: 12 long streams (256 tokens), and 100 concurrent short ones (96 tokens) with the kill
+waiting until at least 10 of them are mid-way on the victim. The kill is triggered by the tokens
+ThunderAgent has streamed, never by a sleep.
+
 The references are taken first, straight from both servers (no ThunderAgent): they must agree with
 each other, or greedy decoding on this model is not reproducible across servers and nothing below
 could be exact. Both servers then hold every prompt's blocks, so the router spreads the streams by
@@ -9,7 +13,8 @@ load, not by cache.
 
 What is checked on the wire (the bodies ThunderAgent posts to vLLM): a continuation's prompt is the
 original token ids plus exactly the tokens streamed before the kill (no BOS added, none missing, none
-twice) and its ``max_tokens`` is what is left.
+twice), at least as many as the stream had when the kill was decided, and its ``max_tokens`` is what
+is left.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import asyncio
 import json
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,45 +32,73 @@ import pytest
 
 from tests.engines.conftest import front_config, note, thunderagent, wait_until
 from tests.engines.tiny_model import _WORDS
-from tests.engines.vllm_env import BLOCK_SIZE, VllmServer
+from tests.engines.vllm_env import BLOCK_SIZE, MAX_NUM_SEQS, VllmServer
 from thunderagent.frontend.hf_tokenizer import HfTokenizer
 
 pytestmark = pytest.mark.real_engine
 
-N = 12
-MAX_TOKENS = 256
-#: streams mid-way on the victim when it is killed; the tiny model streams ~100 tokens/s on a quiet
-#: machine and the holding queue staggers admissions, so three at once is a race: two is reliable
-MIDWAY = 2
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    n: int  #: concurrent streams
+    max_tokens: int
+    #: streams mid-way on the victim when it is killed: at least 8 tokens streamed and ``tail`` still to come
+    midway: int
+    tail: int
+
+    def __str__(self) -> str:
+        return f"{self.n}x{self.max_tokens}"
 
 
-def prompts(model: Path) -> list[list[int]]:
-    """Text prompts, each a few blocks long. Not random ids: a prompt that ends inside a UTF-8
-    character makes vLLM's own first text repeat part of the prompt (its detokenizer is primed with
-    the prompt), a reference no stream could equal."""
+CASES = [
+    # the tiny model streams ~100 tokens/s on a quiet machine and the holding queue staggers
+    # admissions, so with 12 streams three mid-way at once is a race: two is reliable
+    Case(12, 256, midway=2, tail=64),
+    # 100 streams: each server runs MAX_NUM_SEQS at once and the holding queue keeps most of the rest;
+    # it starts a request on a worker once the last one there has its first token and refills as
+    # streams end, so the victim's 16 are spread over the stream's length (in waves): with the window
+    # 8..80 of 96 tokens, 10 were mid-way at once 3.6-8.7 s into every run (64 tokens, window 8..48:
+    # only near the run's end). Short streams keep the run well under 2 minutes on 2 loaded cores
+    # and leave fewer decode steps where a numerical near-tie could flip between decode and a
+    # continuation's prefill (768-token streams did flip)
+    Case(100, 96, midway=10, tail=16),
+]
+
+
+def prompts(model: Path, n: int) -> list[list[int]]:
+    """Text prompts, each a few blocks long (the first 12 the same in every case). Not random ids: a
+    prompt that ends inside a UTF-8 character makes vLLM's own first text repeat part of the prompt
+    (its detokenizer is primed with the prompt), a reference no stream could equal."""
     tok = HfTokenizer(model)
     rng = random.Random(11)
-    return [tok.encode(f"{i}: " + " ".join(rng.choice(_WORDS) for _ in range(60 + 4 * i))) for i in range(N)]
+    return [tok.encode(f"{i}: " + " ".join(rng.choice(_WORDS) for _ in range(60 + 4 * (i % 12)))) for i in range(n)]
 
 
-async def reference(s: aiohttp.ClientSession, server: VllmServer, model: Path, prompt: list[int]) -> dict[str, Any]:
-    """An unbroken greedy run of ``prompt`` straight on ``server``."""
-    async with s.post(f"{server.url}/v1/completions", json={
-        "model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "return_token_ids": True,
-    }) as r:
-        body = await r.json()
-        assert r.status == 200, body
-    choice = body["choices"][0]
-    return {"ids": list(choice["token_ids"]), "text": choice["text"], "finish": choice["finish_reason"],
-            "usage": body["usage"]}
+async def references(s: aiohttp.ClientSession, server: VllmServer, model: Path, ps: list[list[int]],
+                     max_tokens: int) -> list[dict[str, Any]]:
+    """Unbroken greedy runs of ``ps`` straight on ``server``, ``MAX_NUM_SEQS`` at a time (what it runs
+    at once: more would only wait in its queue, where a slow machine could time them out)."""
+    gate = asyncio.Semaphore(MAX_NUM_SEQS)
+
+    async def one(prompt: list[int]) -> dict[str, Any]:
+        async with gate, s.post(f"{server.url}/v1/completions", json={
+            "model": str(model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True,
+        }) as r:
+            body = await r.json()
+            assert r.status == 200, body
+        choice = body["choices"][0]
+        return {"ids": list(choice["token_ids"]), "text": choice["text"], "finish": choice["finish_reason"],
+                "usage": body["usage"]}
+
+    return list(await asyncio.gather(*(one(p) for p in ps)))
 
 
-async def stream(s: aiohttp.ClientSession, base: str, model: str, prompt: list[int]) -> dict[str, Any]:
+async def stream(s: aiohttp.ClientSession, base: str, model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     text: list[str] = []
     finish, usage = None, {}
     async with s.post(f"{base}/v1/completions", json={
-        "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
         "stream_options": {"include_usage": True},
     }) as r:
         assert r.status == 200, await r.text()
@@ -82,27 +116,43 @@ async def stream(s: aiohttp.ClientSession, base: str, model: str, prompt: list[i
     return {"text": "".join(text), "finish": finish, "usage": usage, "worker": worker, "end": time.monotonic()}
 
 
+@pytest.mark.parametrize("case", CASES, ids=str)
 async def test_streams_on_a_killed_vllm_server_continue_exactly(
-    vllm_servers: list[VllmServer], tiny_model_dir: Path
+    case: Case, vllm_servers: list[VllmServer], tiny_model_dir: Path
 ) -> None:
-    ps = prompts(tiny_model_dir)
+    n, max_tokens = case.n, case.max_tokens
+    ps = prompts(tiny_model_dir, n)
     assert all(len(p) > 2 * BLOCK_SIZE for p in ps)
+    by_prompt = {tuple(p): i for i, p in enumerate(ps)}
+    assert len(by_prompt) == n and not any(
+        p[:len(q)] == q for p in ps for q in ps if len(q) < len(p)), "a prompt is a prefix of another"
     survivor, victim = vllm_servers
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
-        refs = [await asyncio.gather(*(reference(s, srv, tiny_model_dir, p) for p in ps)) for srv in vllm_servers]
-        differ = [i for i in range(N) if refs[0][i]["ids"] != refs[1][i]["ids"]]
+        t_refs = time.monotonic()
+        refs = await asyncio.gather(*(references(s, srv, tiny_model_dir, ps, max_tokens) for srv in vllm_servers))
+        t_refs = time.monotonic() - t_refs
+        differ = [i for i in range(n) if refs[0][i]["ids"] != refs[1][i]["ids"]]
         assert not differ, f"greedy runs differ between the two servers for prompts {differ}: not reproducible"
         want = refs[0]
 
-        async with thunderagent(front_config(tiny_model_dir, vllm_servers), vllm_servers) as front:
+        cfg = front_config(tiny_model_dir, vllm_servers)
+        # 100 requests at once on two tiny CPU servers are a backlog of tens of seconds by design: the
+        # holding queue keeps them all (no 429 for a wait over max_queue_delay_s), this test is about
+        # migration, not overload refusal
+        cfg = cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"max_queue_delay_s": None})})
+        async with thunderagent(cfg, vllm_servers) as front:
             fleet = front.fleet
-            # the token ids each client request received, in order (the frontend returns text only)
+            # the token ids each client request received, in order (the frontend returns text only),
+            # and its generation (its migration count)
             got_ids: dict[tuple[int, ...], list[int]] = {}
+            gens: dict[tuple[int, ...], Any] = {}
             outputs = fleet.outputs
 
             async def spy_outputs(gen: Any):  # type: ignore[no-untyped-def]
-                ids = got_ids.setdefault(tuple((gen.origin or gen.request).prompt_tokens), [])
+                key = tuple((gen.origin or gen.request).prompt_tokens)
+                ids = got_ids.setdefault(key, [])
+                gens[key] = gen
                 async for out in outputs(gen):
                     ids.extend(out.token_ids)
                     yield out
@@ -120,14 +170,16 @@ async def test_streams_on_a_killed_vllm_server_continue_exactly(
 
                 transport.stream_post = spy_post
 
-            tasks = [asyncio.create_task(stream(s, front.base_url, front.model, p)) for p in ps]
+            t_start = time.monotonic()
+            tasks = [asyncio.create_task(stream(s, front.base_url, front.model, p, max_tokens)) for p in ps]
             on_victim = fleet.workers["worker-1"]
 
             def midway() -> int:
-                return sum(8 <= len(g.produced) <= MAX_TOKENS - 64 for g in fleet._generations_on(on_victim))
+                return sum(8 <= len(g.produced) <= max_tokens - case.tail for g in fleet._generations_on(on_victim))
 
-            await wait_until(lambda: midway() >= MIDWAY, 120, f"{MIDWAY} streams mid-way on worker-1")
-            cut_at = {tuple(g.request.prompt_tokens): len(g.produced) for g in fleet._generations_on(on_victim)}
+            await wait_until(lambda: midway() >= case.midway, 120, f"{case.midway} streams mid-way on worker-1")
+            cut_at = {by_prompt[tuple(g.request.prompt_tokens)]: len(g.produced)
+                      for g in fleet._generations_on(on_victim)}
             t_kill = time.monotonic()
             await asyncio.to_thread(victim.kill)  # SIGKILL to the server's process group
             got = await asyncio.gather(*tasks)
@@ -135,21 +187,37 @@ async def test_streams_on_a_killed_vllm_server_continue_exactly(
             failed = fleet.metrics.migration_failed._value.get()  # type: ignore[attr-defined]
 
     assert failed == 0
-    assert moved >= MIDWAY and moved >= len([k for k, n in cut_at.items() if 0 < n < MAX_TOKENS])
-    # every continuation: the original prompt + exactly the tokens streamed before the cut, the rest asked
-    by_prompt = {tuple(p): i for i, p in enumerate(ps)}
-    continued = []
+    # mid-way when the kill was decided (``tail`` tokens from the end: none finishes before the kill lands)
+    mid = [i for i, k in cut_at.items() if 8 <= k <= max_tokens - case.tail]
+    assert len(mid) >= case.midway, cut_at
+    # every post to the victim is a client's prompt (nothing is ever continued on the server that lost it)
+    victims = {by_prompt[tuple(b["prompt"])] for b in sent.get("worker-1", [])}
+    # every continuation on the survivor: the original prompt + exactly the tokens streamed before the
+    # cut (at least those it had when the kill was decided), the rest asked
+    resumed: dict[int, list[int]] = {}
+    redone: dict[int, int] = {}  # a victim's stream posted again from its prompt (it had streamed nothing)
     for body in sent.get("worker-0", []):
         prompt = body["prompt"]
-        i = next((j for j, p in enumerate(ps) if len(p) < len(prompt) and prompt[:len(p)] == p), None)
-        if i is None:
-            assert tuple(prompt) in by_prompt, "a prompt that is neither a client's nor a continuation"
+        if tuple(prompt) in by_prompt:
+            i = by_prompt[tuple(prompt)]
+            if i in victims:
+                redone[i] = redone.get(i, 0) + 1
             continue
+        i = next((j for j, p in enumerate(ps) if len(p) < len(prompt) and prompt[:len(p)] == p), None)
+        assert i is not None, "a prompt that is neither a client's nor a continuation"
+        assert i in victims, f"stream {i} continued on worker-0 but never ran on worker-1"
         k = len(prompt) - len(ps[i])
-        continued.append((i, k))
+        resumed.setdefault(i, []).append(k)
         assert prompt[len(ps[i]):] == want[i]["ids"][:k], f"stream {i}: continuation prompt != prompt + first {k}"
-        assert body["max_tokens"] == MAX_TOKENS - k
-    assert len(continued) == moved, (continued, moved)
+        assert body["max_tokens"] == max_tokens - k
+        assert k >= cut_at.get(i, 0), f"stream {i}: continued after {k} tokens, had {cut_at[i]} at the kill"
+    assert all(len(ks) == 1 for ks in resumed.values()), f"a stream continued twice: {resumed}"
+    assert set(mid) <= set(resumed), f"mid-way streams not continued: {set(mid) - set(resumed)}"
+    assert moved >= len(resumed) >= case.midway
+    for i in range(n):
+        m = gens[tuple(ps[i])].migrations
+        assert len(resumed.get(i, [])) <= m <= len(resumed.get(i, [])) + redone.get(i, 0), (i, m, resumed.get(i))
+    assert moved == sum(g.migrations for g in gens.values())
     detect = max(b["_t"] for b in sent["worker-0"] if tuple(b["prompt"]) not in by_prompt) - t_kill
 
     mismatches = []
@@ -157,12 +225,15 @@ async def test_streams_on_a_killed_vllm_server_continue_exactly(
         ids = got_ids[tuple(ps[i])]
         if ids != w["ids"] or g["text"] != w["text"]:
             first = next((j for j, (a, b) in enumerate(zip(ids, w["ids"])) if a != b), min(len(ids), len(w["ids"])))
-            mismatches.append(f"stream {i} (cut after {cut_at.get(tuple(ps[i]))}): ids differ from token {first} "
+            mismatches.append(f"stream {i} (cut after {resumed.get(i)}): ids differ from token {first} "
                               f"({len(ids)} vs {len(w['ids'])}), text equal: {g['text'] == w['text']}")
         assert g["finish"] == w["finish"], (i, g["finish"], w["finish"])
         assert g["usage"]["prompt_tokens"] == len(ps[i])
         assert g["usage"]["completion_tokens"] == len(w["ids"]) == w["usage"]["completion_tokens"]
     assert not mismatches, "\n".join(mismatches)
     last = max(g["end"] for g in got) - t_kill
-    note(f"migration on vLLM: {int(moved)} of {N} streams moved (cut after {sorted(n for n in cut_at.values())} tokens), "
-         f"all {N} equal to unbroken greedy runs; the last continuation sent {detect:.2f}s after the kill, the last stream done {last:.1f}s after the kill")
+    note(f"migration on vLLM, {n} streams of {max_tokens} tokens: killed with {len(mid)} of the {len(cut_at)} streams "
+         f"on the victim mid-way, {int(moved)} moved (cut after "
+         f"{sorted(k for ks in resumed.values() for k in ks)} tokens), 0 failed, all {n} equal to unbroken greedy "
+         f"runs; references {t_refs:.1f}s, killed {t_kill - t_start:.1f}s after the first request, the last "
+         f"continuation sent {detect:.2f}s and the last stream done {last:.1f}s after the kill")

@@ -42,6 +42,7 @@ _READY = f"{VLLM_VERSION} nixl {NIXL_VERSION}"  # what the marker says once ever
 INSTALL_TIMEOUT_S = 40 * 60
 START_TIMEOUT_S = 600  # seen: 60-110 s on 2 cores; two servers starting together share them
 BLOCK_SIZE = 32  # the CPU build wants a multiple of 32
+MAX_NUM_SEQS = 16  # --max-num-seqs: sequences a server runs at once
 
 
 class VllmSetupError(RuntimeError):
@@ -137,7 +138,7 @@ class VllmServer:
             str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
             "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048",
-            "--max-num-seqs", "16", "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv),
+            "--max-num-seqs", str(MAX_NUM_SEQS), "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv),
             "--scheduling-policy", self.scheduling_policy,
         ]
         if self.kv_role is not None:

@@ -87,19 +87,27 @@ class AiohttpTransport:
     def __init__(self, connect_timeout: float) -> None:
         self._connect_timeout = connect_timeout
         self._session: aiohttp.ClientSession | None = None
+        self._posts: aiohttp.ClientSession | None = None
 
     def open(self) -> None:
-        # limit=0: one connection per streaming request, no cap (the router bounds the load). No read
-        # timeout on the session: a request may wait in the engine's queue for long; a hung engine is
-        # caught by the liveness rule instead (no keepalives once its metrics stop answering).
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
-        )
+        # limit=0: no cap (the router bounds the load). No read timeout: a request may wait in the
+        # engine's queue for long; a hung engine is caught by the liveness rule instead (no keepalives
+        # once its metrics stop answering).
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout)
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
+        # Streamed POSTs each open their own connection (force_close: never a pooled one). A server
+        # closes an idle keep-alive connection after a while (uvicorn, vLLM's server: 5 s); a POST
+        # sent on one just as it closes fails ("Can not write request body"), and aiohttp retries only
+        # idempotent methods. Seen under load with 100 streams on vLLM: the failed request took a
+        # healthy worker out of routing. A connect on the engine's network costs far less than a
+        # generation; the GETs (metrics every heartbeat) keep their pool, retried by aiohttp.
+        self._posts = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                            timeout=timeout)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._posts):
+            if session is not None:
+                await session.close()
 
     def _opened(self) -> aiohttp.ClientSession:
         assert self._session is not None, "open() was not called"
@@ -107,10 +115,11 @@ class AiohttpTransport:
 
     @contextlib.asynccontextmanager
     async def stream_post(self, url: str, json: Any) -> AsyncIterator[StreamedResponse]:
+        assert self._posts is not None, "open() was not called"
         if isinstance(json, bytes):  # a relayed client body (engine openai): byte for byte
-            cm = self._opened().post(url, data=json, headers=_JSON_HEADERS)
+            cm = self._posts.post(url, data=json, headers=_JSON_HEADERS)
         else:
-            cm = self._opened().post(url, json=json)
+            cm = self._posts.post(url, json=json)
         async with cm as resp:
             yield _AiohttpStream(resp)
 

@@ -79,9 +79,15 @@ class _HfStreamDecoder:
         self._read = 0  # tokens before this are already emitted
 
     def feed(self, token_ids: Sequence[int]) -> str:
-        if not token_ids:
-            return ""
-        self._ids.extend(token_ids)
+        # One token at a time, as vLLM's detokenizer (``tokenizers``' DecodeStream) steps: a chunk of
+        # several tokens whose last one ends inside a character would otherwise hold back the text of
+        # all of them, and at the end of a stream, where the incomplete character is dropped, lose it.
+        if len(token_ids) == 1:
+            return self._step(token_ids[0])
+        return "".join([self._step(t) for t in token_ids])
+
+    def _step(self, token_id: int) -> str:
+        self._ids.append(token_id)
         done = self._tok.decode(self._ids[self._prefix : self._read])
         text = self._tok.decode(self._ids[self._prefix :])
         if len(text) > len(done) and not text.endswith("\ufffd"):

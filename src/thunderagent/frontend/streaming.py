@@ -27,30 +27,36 @@ async def stream_text(
     matcher = StopMatcher(stops)
     completion = 0
     cached = 0
-    # While the engine's text is used: the ids of the last step that emitted text (the engine
-    # detokenizer's window) and those after it, whose text it holds back (an incomplete character).
-    # Should its text stop mid-stream (a migrated request: ``control.migration.settle``), the decoder
-    # goes on from there, so no character is lost or repeated at the cut.
+    # While the engine's text is used: every completion id so far and how many characters of text
+    # the engine sent for them. Should its text stop mid-stream (a migrated request:
+    # ``control.migration.settle``), the decoder decodes the completion again from its first id
+    # (once, at the cut) and the first ``skip`` characters it yields, the engine's, are dropped: what
+    # the engine held back (an incomplete character) comes out, nothing is lost or repeated. Only the
+    # whole completion is a safe start: one engine chunk can carry several tokens, its text ending
+    # before its last token's bytes (held back) or starting inside a character, so no chunk boundary
+    # is known to be a character boundary (priming with the last chunk repeated its text: seen on vLLM
+    # under load, in about one cut in three when replayed offline with chunks of 1-5 tokens).
     engine_text = False
-    window: list[int] = []
-    held: list[int] = []
+    replay: list[int] | None = []  # None once the frontend decodes
+    skip = 0
     try:
         async for out in outputs:
             cached = max(cached, out.cached_tokens)
             completion += len(out.token_ids)
-            if out.text is not None:
+            if out.text is not None and replay is not None:
                 engine_text = True
-                held += out.token_ids
-                if out.text:
-                    window, held = held, []
+                replay += out.token_ids
+                skip += len(out.text)
                 raw = out.text
             else:
-                raw = ""
-                if window or held:
-                    decoder.feed(window)
-                    raw = decoder.feed(held)  # "" unless the engine held back more than needed
-                    window, held = [], []
-                raw += decoder.feed(out.token_ids)
+                if replay:
+                    raw = decoder.feed(replay + out.token_ids)
+                else:
+                    raw = decoder.feed(out.token_ids)
+                replay = None
+                if skip:
+                    n = min(skip, len(raw))
+                    raw, skip = raw[n:], skip - n
             text = matcher.feed(raw)
             if matcher.stopped:
                 yield TextChunk(text, FinishReason.STOP, completion, cached)
