@@ -138,9 +138,10 @@ async def test_streams_on_a_killed_vllm_server_continue_exactly(
 
         cfg = front_config(tiny_model_dir, vllm_servers)
         # 100 requests at once on two tiny CPU servers are a backlog of tens of seconds by design: the
-        # holding queue keeps them all (no 429 for a wait over max_queue_delay_s), this test is about
-        # migration, not overload refusal
-        cfg = cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"max_queue_delay_s": None})})
+        # holding queue keeps them all (no 429 for a wait over max_queue_delay_s or past the
+        # admit_ttft_factor bound), this test is about migration, not overload refusal
+        cfg = cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(
+            update={"max_queue_delay_s": None, "admit_ttft_factor": None})})
         async with thunderagent(cfg, vllm_servers) as front:
             fleet = front.fleet
             # the token ids each client request received, in order (the frontend returns text only),
