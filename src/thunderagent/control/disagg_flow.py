@@ -31,7 +31,8 @@ from dataclasses import replace
 from typing import Protocol
 
 from thunderagent.control.metrics import Metrics
-from thunderagent.execution.handle import KEEPALIVE_S, STALL_TIMEOUT_S, OutputQueue, Snapshot, WorkerHandle
+from thunderagent.execution.handle import (KEEPALIVE_S, STALL_TIMEOUT_S, FollowingQueue, OutputQueue, Snapshot,
+                                           WorkerHandle)
 from thunderagent.scheduler.dispatch import Dispatch
 from thunderagent.types import EngineRequest, FinishReason, KvPull, KvTransfer, PdPlan, TokenOutput
 
@@ -68,24 +69,13 @@ class TransferObserver(Protocol):
         ``pull`` the decode worker's own measure of its pull, when it moved the bytes itself."""
 
 
-class RelayQueue(OutputQueue):
+class RelayQueue(FollowingQueue):
     """The queue the fleet reads for a disaggregated request. Its liveness facts follow the queue
     of the half in progress (``source``); the flow touches it itself while it watches the prefill."""
 
     def __init__(self, now: float) -> None:
-        self.source: OutputQueue | None = None  # the decode half's queue, once submitted
-        self._heard = now
         self._accepted = False
-        super().__init__(now)
-
-    @property  # type: ignore[override]
-    def last_heard(self) -> float:
-        src = self.source
-        return self._heard if src is None else max(self._heard, src.last_heard)
-
-    @last_heard.setter
-    def last_heard(self, now: float) -> None:
-        self._heard = now
+        super().__init__(now)  # ``source``: the decode half's queue, once submitted
 
     @property  # type: ignore[override]
     def accepted(self) -> bool:

@@ -62,6 +62,25 @@ class OutputQueue(asyncio.Queue[TokenOutput]):
         self.last_heard = now
 
 
+class FollowingQueue(OutputQueue):
+    """An output queue standing in for another one (``source``, once there is one): its liveness
+    follows whichever heard last, the source (its keepalives) or this queue's own touches."""
+
+    def __init__(self, now: float) -> None:
+        self.source: OutputQueue | None = None
+        self._heard = now
+        super().__init__(now)
+
+    @property  # type: ignore[override]
+    def last_heard(self) -> float:
+        src = self.source
+        return self._heard if src is None else max(self._heard, src.last_heard)
+
+    @last_heard.setter
+    def last_heard(self, now: float) -> None:
+        self._heard = now
+
+
 @dataclass(slots=True, frozen=True)
 class WorkerCallbacks:
     """How a worker reports to the control plane.

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from thunderagent.config import KvTransferConfig
-from thunderagent.execution.handle import OutputQueue
+from thunderagent.execution.handle import FollowingQueue, OutputQueue
 from thunderagent.execution.kv_bytes import KvByteService, pull
 from thunderagent.execution.local import LocalWorker
 from thunderagent.types import EngineRequest, FinishReason, KvPull, KvTransfer, TokenOutput
@@ -37,23 +37,9 @@ log = logging.getLogger(__name__)
 MIN_PULL_TIMEOUT_S = 2.0
 
 
-class _Tap(OutputQueue):
+class _Tap(FollowingQueue):
     """The queue handed to the fleet while this wrapper feeds it: liveness follows the engine's own
     queue once there is one (its keepalives)."""
-
-    def __init__(self, now: float) -> None:
-        self.source: OutputQueue | None = None
-        self._heard = now
-        super().__init__(now)
-
-    @property  # type: ignore[override]
-    def last_heard(self) -> float:
-        src = self.source
-        return self._heard if src is None else max(self._heard, src.last_heard)
-
-    @last_heard.setter
-    def last_heard(self, now: float) -> None:
-        self._heard = now
 
 
 def byte_source(t: KvTransfer | None) -> tuple[str, int, int] | None:

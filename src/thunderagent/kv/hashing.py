@@ -113,3 +113,18 @@ def block_hash_pairs(
 def check_block(tokens: Sequence[int], parent_check: int) -> int:
     """Check hash of one block given its parent's check hash (or ``check_seed(seed)``)."""
     return _xxh64(array("I", tokens).tobytes(), seed=parent_check)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Leading blocks ``a`` and ``b`` share (chained hashes: equal at ``i`` means equal before it,
+    so bisection finds the first difference)."""
+    if a is b:
+        return len(a)
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

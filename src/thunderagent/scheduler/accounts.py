@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from thunderagent.kv.hashing import common_prefix
 from thunderagent.scheduler.programs import Program, ProgramState
 
 #: half-lives between rebases of the decay's reference time (2 ** 64 is far from overflow)
@@ -252,7 +253,7 @@ class ProgramAccounts:
         acc.short.pop(pid, None)
         if len(new.blocks) * self.block_size > new.tokens:
             acc.short[pid] = new
-        k = _common(old.blocks, new.blocks)
+        k = common_prefix(old.blocks, new.blocks)
         if k < len(old.blocks):
             self._count(acc, old.blocks[k:], -1, 0, 0.0)
         if k < len(new.blocks):
@@ -309,18 +310,3 @@ class ProgramAccounts:
             s_n += n1 * f1 - n0 * f0
             s_a += a1 * f1 - a0 * f0
         acc.s_n, acc.s_a = s_n, s_a
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    """Leading blocks ``a`` and ``b`` share (chained hashes: equal at ``i`` means equal before it,
-    so bisection finds the first difference)."""
-    if a is b:
-        return len(a)
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[mid - 1] == b[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

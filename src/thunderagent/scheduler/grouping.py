@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from thunderagent.config import GroupingConfig
+from thunderagent.kv.hashing import common_prefix
 from thunderagent.kv.index import KvIndex
 from thunderagent.scheduler.queue import Held
 from thunderagent.types import WorkerState
@@ -67,19 +68,6 @@ class _Follower:
     need: int  # hash of the last block shared with the leader: released once stored on the worker
     tokens: int
     gone: bool = False
-
-
-def _shared(a: Sequence[int], b: Sequence[int]) -> int:
-    """Leading blocks ``a`` and ``b`` share (chained hashes: equal at ``i`` means equal before it,
-    so bisection finds the first difference)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[mid - 1] == b[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class Grouper:
@@ -121,7 +109,7 @@ class Grouper:
             return ()
         groups = [g for k in keys for g in self._by_key.get(k, ())]
         for g in groups:
-            if g.worker is not None and self.index.is_confirmed(g.worker, hashes[_shared(hashes, g.hashes) - 1]):
+            if g.worker is not None and self.index.is_confirmed(g.worker, hashes[common_prefix(hashes, g.hashes) - 1]):
                 return ()  # stored there already: the router finds it
         if groups:
             leading = {g.worker for g in groups if g.worker is not None}
@@ -129,7 +117,7 @@ class Grouper:
             # a conversation's next turn goes where its history is, not behind a shared system prompt
             elsewhere = max((n for w, n in self.index.find_matches(hashes, now).items() if w not in leading),
                             default=0)
-            groups = [g for g in groups if _shared(hashes, g.hashes) > elsewhere]
+            groups = [g for g in groups if common_prefix(hashes, g.hashes) > elsewhere]
             if not groups:
                 return ()
             if any(_idle(w) and w.worker_id not in leading for w in workers):
@@ -183,7 +171,7 @@ class Grouper:
 
     def _follow(self, held: Held, group: _Group, now: float) -> None:
         hashes = held.req.block_hashes
-        n = _shared(hashes, group.hashes)
+        n = common_prefix(hashes, group.hashes)
         f = _Follower(held, group, hashes[n - 1], max(0, len(held.req.prompt_tokens) - n * self.block_size))
         group.followers.append(f)
         group.tokens += f.tokens
