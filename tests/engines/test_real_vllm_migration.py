@@ -33,6 +33,7 @@ import pytest
 from tests.engines.conftest import front_config, note, thunderagent, wait_until
 from tests.engines.tiny_model import _WORDS
 from tests.engines.vllm_env import BLOCK_SIZE, MAX_NUM_SEQS, VllmServer
+from thunderagent.config import Policy
 from thunderagent.frontend.hf_tokenizer import HfTokenizer
 
 pytestmark = pytest.mark.real_engine
@@ -141,7 +142,11 @@ async def test_streams_on_a_killed_vllm_server_continue_exactly(
         # this test is about migration, not admission: no holding queue (it would refuse some with 429
         # and hand the servers only what their sequence slots take, so a short stream could end
         # between the kill's decision and its landing); every request goes to a server at once
-        cfg = cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"enabled": False})})
+        # Round robin: half the streams on each server whatever the timing (both servers hold every
+        # prompt, so kv_aware's choice rests on load reports that a burst outruns); the continuations
+        # still go only to the server that did not lose them
+        cfg = cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"enabled": False}),
+                                     "routing": cfg.routing.model_copy(update={"policy": Policy.round_robin})})
         async with thunderagent(cfg, vllm_servers) as front:
             fleet = front.fleet
             # the token ids each client request received, in order (the frontend returns text only),

@@ -111,3 +111,12 @@ def test_cli_refuses_bad_endpoints_and_live_only_fields_in_the_simulator(tmp_pat
     trace.write_text('{"timestamp": 0, "input_length": 128, "output_length": 4, "hash_ids": [1]}\n')
     res = run(app, ["sim", "--trace", str(trace), "--config", str(cfg), "--pd", "1:1"])
     assert res.exit_code == 2 and "kv_cache_transfer.sim_faults acts on a live server" in res.output
+
+
+def test_a_real_engine_config_dumped_and_read_again_is_accepted() -> None:
+    """A deployment file written from a Config names every field at its default: the simulated byte
+    fields must not count as set then (the NATS tests write their workers' config that way)."""
+    cfg = parse_config({"model": "/tmp/m", "execution_group": {"nodes": [{
+        "engine": "vllm", "endpoints": [{"url": "http://127.0.0.1:1", "kv_events": "tcp://127.0.0.1:2"}]}]}})
+    again = parse_config(cfg.model_dump(mode="json"))
+    assert again.execution_group.nodes[0].kv_cache_transfer == cfg.execution_group.nodes[0].kv_cache_transfer

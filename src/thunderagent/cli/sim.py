@@ -10,6 +10,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from thunderagent.config import Config, ConfigError, PacingAccounting, Policy, ResumePlacement, load_config
+from thunderagent.config.transfer import sim_fields_set
 
 
 _DYNAMO_MODE = {Policy.round_robin: "round_robin", Policy.kv_aware: "kv_router"}
@@ -228,7 +229,7 @@ def _pd_setups(cfg: Config, node: Any, pd: str | None, modes: list[PdMode] | Non
         raise typer.Exit(2) from exc
     pre = [n for n in cfg.execution_group.nodes if n.role is Role.prefill]
     transfer = pre[0].kv_cache_transfer if pre else KvTransferConfig(enabled=True)
-    if sim := sorted({"sim_block_bytes", "sim_host", "sim_faults"} & transfer.model_fields_set):
+    if sim := sim_fields_set(transfer):
         typer.echo(f"error: kv_cache_transfer.{sim[0]} acts on a live server's simulated workers; the simulator "
                    "moves virtual bytes (bytes_per_token) and injects faults with --pd-slow-link/--pd-interrupt/"
                    "--pd-target-full: remove it", err=True)

@@ -82,9 +82,18 @@ class KvTransferConfig(_Strict):
                                  "kv_cache_transfer.enabled")
 
 
+def sim_fields_set(plane: KvTransferConfig) -> list[str]:
+    """The simulated workers' byte fields ``plane`` sets to other than their defaults: by value, not by
+    ``model_fields_set`` (a config dumped and read again, as a deployment file written from a Config,
+    names every field at its default)."""
+    fields = type(plane).model_fields
+    return sorted(f for f in ("sim_block_bytes", "sim_host", "sim_faults")
+                  if getattr(plane, f) != fields[f].get_default(call_default_factory=True))
+
+
 def check_sim_fields(where: str, engine: str, plane: KvTransferConfig) -> None:
     """The simulated workers' byte fields act only on a simulated prefill group."""
-    sim = {"sim_block_bytes", "sim_host", "sim_faults"} & plane.model_fields_set
+    sim = sim_fields_set(plane)
     if engine != "simulated" and sim:
         raise ValueError(f"{where}.{sorted(sim)[0]}: simulated workers' KV bytes; engine {engine} moves its own KV "
                          "(remove it)")
