@@ -265,6 +265,10 @@ async def test_mismatched_transfer_is_refused_and_prefilled_on_the_decode_server
         samples = front.fleet.metrics.pd_fallbacks.collect()[0].samples
         fallbacks = {s.labels["cause"]: s.value for s in samples if s.name.endswith("_total")}
         rerouted = front.fleet.metrics.rerouted._value.get()  # type: ignore[attr-defined]
-    assert worker == "worker-1" and fallbacks == {"decode_refused_transfer": 1.0} and rerouted == 0
+    # vLLM either answers 500 (ThunderAgent prefills on the same server: counted) or, seen once under
+    # CI load, recovers the failed pull itself and computes the prompt (nothing for us to count); either
+    # way the pull failed on the decode server and the client got one normal stream with the right text
+    assert worker == "worker-1" and rerouted == 0
+    assert fallbacks in ({"decode_refused_transfer": 1.0}, {}), fallbacks
     assert grown(before, after, "vllm:nixl_num_failed_transfers_total") == 1
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected[1]
