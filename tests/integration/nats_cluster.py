@@ -12,7 +12,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,3 +129,15 @@ class Cluster:
     def client(self, name: str) -> OpenAI:
         return OpenAI(base_url=f"http://127.0.0.1:{self.ports[name]}/v1", api_key="unused", max_retries=0,
                       timeout=30)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """A :class:`Cluster` in the test's tmp dir, closed afterwards; its logs printed (pytest shows them
+    only when the test failed)."""
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.close()
+        print(c.logs())

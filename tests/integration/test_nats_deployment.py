@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("nats", reason="the NATS deployment needs the nats extra")
 
-from nats_cluster import Cluster, wait_until  # noqa: E402  (tests/integration is on sys.path)
+from nats_cluster import Cluster, cluster, wait_until  # noqa: E402, F401  (on sys.path; cluster: a fixture)
 
 pytestmark = [pytest.mark.nats, pytest.mark.integration]
 
@@ -21,16 +21,6 @@ WORKER = "x-thunderagent-worker"
 TEXT = ("The router keeps a map of which worker holds which block of every prompt it has seen, "
         "and it sends each new request where the longest prefix already sits, unless that worker "
         "is drowning. ") * 6
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
-        print(c.logs())  # captured: pytest shows it only when the test failed
 
 
 def complete(client, prompt: str, max_tokens: int = 8):

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("nats", reason="the NATS deployment needs the nats extra")
 
-from nats_cluster import Cluster, executable, wait_until  # noqa: E402  (tests/integration is on sys.path)
+from nats_cluster import Cluster, cluster, executable, wait_until  # noqa: E402, F401  (on sys.path; cluster: a fixture)
 
 pytestmark = [pytest.mark.nats, pytest.mark.integration]
 
@@ -48,16 +48,6 @@ def metric(cluster: Cluster, name: str, labels: str = "") -> float:
 
 def log(cluster: Cluster, name: str) -> str:
     return (cluster.tmp / f"{name}.log").read_text(errors="replace")
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
-        print(c.logs())  # captured: pytest shows it only when the test failed
 
 
 def test_checksummed_kv_bytes_cross_between_worker_processes(cluster: Cluster):

@@ -10,7 +10,9 @@ are real failure paths:
 * the **decode side** :func:`pull`s them before its engine admits the request: per block a header
   (hash, xxh3-64 checksum of the payload) then the payload; every block's hash must be the one the
   transfer names and its checksum must match the bytes received. Any failure is a cause
-  (:data:`CAUSES`), and the request prefills on its decode worker instead.
+  (``kv_timeout``, ``kv_interrupted``, ``kv_checksum``, ``kv_unreachable``, ``kv_missing``,
+  ``target_full``: ``thunderagent_pd_fallbacks_total{cause}``), and the request prefills on its
+  decode worker instead.
 
 Why TCP on 127.0.0.1 (``kv_cache_transfer.sim_host``) rather than NATS request/reply: it is the one
 transport that works the same in ``serve`` (one process, no bus) and between NATS worker processes,
@@ -48,8 +50,6 @@ OFFER_TTL_S = 120.0
 _CHUNK = 64 << 10
 _LEN = struct.Struct(">I")
 _BLOCK_HEAD = struct.Struct(">QQ")
-#: failure causes of a pull (metric labels, ``thunderagent_pd_fallbacks_total{cause}``)
-CAUSES = ("kv_timeout", "kv_interrupted", "kv_checksum", "kv_unreachable", "kv_missing", "target_full")
 _MAX_HEADER = 1 << 20
 #: the reader's buffer limit (asyncio's default, 64 KiB, pauses and resumes the socket every 128 KiB:
 #: half the throughput on loopback) and the pieces a block is read and hashed in
