@@ -19,7 +19,8 @@ import pytest
 from openai import AsyncOpenAI
 
 from tests.engines.tiny_model import build_tiny_llama
-from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, VllmSetupError, cpu_binding, vllm_python
+from tests.engines.vllm_env import (BLOCK_SIZE, VllmServer, VllmSetupError, cpu_binding, start_ready,
+                                    vllm_python)
 from support.server import running_server
 from support.waiting import wait_until
 from thunderagent.config import Config, parse_config
@@ -70,10 +71,7 @@ class VllmCluster:
 
     def start(self) -> None:
         t0 = time.monotonic()
-        for s in self.servers:
-            s.start()
-        for s in self.servers:
-            s.wait_ready()
+        start_ready(self.servers)
         note(f"{len(self.servers)} vLLM servers ready in {time.monotonic() - t0:.0f}s "
               f"({', '.join(f'{s.name} {s.ready_after_s:.0f}s' for s in self.servers)})")
 
@@ -81,9 +79,8 @@ class VllmCluster:
         dead = [s for s in self.servers if not s.alive()]
         for s in dead:
             s.kill()
-            s.start()
+        start_ready(dead)
         for s in dead:
-            s.wait_ready()
             note(f"{s.name} restarted, ready in {s.ready_after_s:.0f}s")
 
     def stop(self) -> None:
@@ -131,11 +128,11 @@ class Front:
     model: str
 
 
-def front_config(model_dir: Path, servers: list[VllmServer], **node: Any) -> Config:
+def front_config(model_dir: Path, servers: list[VllmServer], *, heartbeat_misses: int = 10, **node: Any) -> Config:
     return parse_config({
         "model": str(model_dir),
         "model_name": "tiny",
-        "control_plane": {"heartbeat_interval": 0.5, "heartbeat_misses": 10},
+        "control_plane": {"heartbeat_interval": 0.5, "heartbeat_misses": heartbeat_misses},
         "routing": {"seed": 7},
         "execution_group": {"nodes": [{
             "engine": "vllm", "block_size": BLOCK_SIZE, "endpoints": [s.endpoint() for s in servers], **node,

@@ -20,7 +20,7 @@ from openai import OpenAI
 
 from tests.e2e.test_serve_cli import thunderagent_cmd
 from tests.engines.conftest import Front, front_config, note, thunderagent, wait_until
-from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, free_port
+from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, free_port, start_ready
 from thunderagent.control.registry import Health
 from thunderagent.kv.hashing import block_hashes
 
@@ -249,8 +249,7 @@ async def test_server_lost_mid_run_then_restarted(vllm_servers: list[VllmServer]
         await wait_until(lambda: "worker-1" in front.fleet.unavailable, 5, "worker-1 out of routing")
 
         # -- restart: the same endpoints, a new process with an empty cache -----------------------
-        await asyncio.to_thread(lost.start)
-        await asyncio.to_thread(lost.wait_ready)
+        await asyncio.to_thread(start_ready, [lost], keep_ports=True)
         note(f"{lost.name} restarted by the test, ready in {lost.ready_after_s:.0f}s")
         await wait_until(lambda: "worker-1" not in front.fleet.unavailable, 30, "worker-1 back in routing")
         await wait_until(lambda: front.fleet.registry.health("worker-1") is Health.healthy

@@ -29,7 +29,9 @@ import pytest
 
 from tests.engines.conftest import Front, front_config, note, thunderagent, wait_until
 from tests.engines.tiny_model import _WORDS
-from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, VllmSetupError, cpu_binding, vllm_python
+from tests.engines.vllm_env import (BLOCK_SIZE, VllmServer, VllmSetupError, cpu_binding, start_ready,
+                                    vllm_python)
+from thunderagent.config import Config
 from thunderagent.control.fleet import Fleet
 from thunderagent.frontend.hf_tokenizer import HfTokenizer
 from thunderagent.types import EngineRequest, KvTransfer, PdPlan, Sampling
@@ -54,10 +56,7 @@ def pd_pair(engine_tmp: Path, tiny_model_dir: Path) -> Iterator[tuple[VllmServer
     dec = VllmServer("decode", python, tiny_model_dir, workdir, cpu=cpu_binding(1), kv_role="kv_consumer")
     try:
         t0 = time.monotonic()
-        for s in (pre, dec):
-            s.start()
-        for s in (pre, dec):
-            s.wait_ready()
+        start_ready([pre, dec])
         ready = time.monotonic() - t0
         t0 = time.monotonic()
         warm = text_prompt(tiny_model_dir, 99, 40)  # pays the handshake once, outside the tests' timing
@@ -71,6 +70,13 @@ def pd_pair(engine_tmp: Path, tiny_model_dir: Path) -> Iterator[tuple[VllmServer
     finally:
         pre.stop()
         dec.stop()
+
+
+def pd_config(model: Path, servers: list[VllmServer]) -> Config:
+    """A 30 s lease instead of 5 s: a NIXL pull on 2 shared cores (CI) kept the decode server's
+    ``/metrics`` silent for over 10 s of on-time loop, the lease expired mid-transfer and the request
+    was rerouted, which is right for a fleet but not what these tests look at."""
+    return front_config(model, servers, heartbeat_misses=60)
 
 
 def text_prompt(model: Path, seed: int, words: int) -> list[int]:
@@ -159,7 +165,7 @@ async def test_prompt_kv_moves_from_prefill_to_decode_server(pd_pair: tuple[Vllm
     full = len(prompt) // BLOCK_SIZE * BLOCK_SIZE
     assert full >= 3 * BLOCK_SIZE
     expected = local(dec, tiny_model_dir, prompt, salt="reference")
-    async with thunderagent(front_config(tiny_model_dir, [pre, dec]), [pre, dec]) as front:
+    async with thunderagent(pd_config(tiny_model_dir, [pre, dec]), [pre, dec]) as front:
         plan_every_request(front.fleet)
         before = metrics(dec)
         chunks, worker = await stream_via(front, prompt)
@@ -202,7 +208,7 @@ async def test_missing_or_garbled_transfer_falls_back_to_local_prefill(pd_pair: 
     pre, dec = pd_pair
     prompt = text_prompt(tiny_model_dir, 4, 70)
     expected, _ = local(dec, tiny_model_dir, prompt, salt="ref-4")
-    async with thunderagent(front_config(tiny_model_dir, [pre, dec]), [pre, dec]) as front:
+    async with thunderagent(pd_config(tiny_model_dir, [pre, dec]), [pre, dec]) as front:
         handle = front.fleet.workers["worker-1"]
         for k, params in enumerate((None, "{garbled")):
             before = metrics(dec)
@@ -225,7 +231,7 @@ async def test_prefill_server_gone_falls_back_and_the_client_sees_one_stream(
     prompt = text_prompt(tiny_model_dir, 5, 60)
     expected = local(dec, tiny_model_dir, prompt, salt="ref-5")
     dead = VllmServer("dead", pre.python, tiny_model_dir, pre.workdir)  # never started: refuses connections
-    async with thunderagent(front_config(tiny_model_dir, [dead, dec]), [dead, dec], wait_healthy=False) as front:
+    async with thunderagent(pd_config(tiny_model_dir, [dead, dec]), [dead, dec], wait_healthy=False) as front:
         plan_every_request(front.fleet)
         decode = front.fleet.workers["worker-1"]
         await wait_until(lambda: getattr(decode, "_reachable", None) is True, 30, "decode worker polled")
@@ -246,7 +252,7 @@ async def test_mismatched_transfer_is_refused_and_prefilled_on_the_decode_server
     pre, dec = pd_pair
     prompt = text_prompt(tiny_model_dir, 6, 70)
     expected = local(dec, tiny_model_dir, prompt, salt="ref-6")
-    async with thunderagent(front_config(tiny_model_dir, [pre, dec]), [pre, dec]) as front:
+    async with thunderagent(pd_config(tiny_model_dir, [pre, dec]), [pre, dec]) as front:
         plan_every_request(front.fleet)
         flow = front.fleet.disagg
         prefill = flow._prefill

@@ -53,3 +53,18 @@ def test_a_venv_from_before_nixl_gets_only_nixl(venv: tuple[Path, list[list[str]
     (root / ".thunderagent-ready").write_text("0.32.0")
     vllm_env.vllm_python(tmp_path)
     assert installs(ran) == ["nixl-cu12==1.5.1", "nixl==1.5.1"] and len(ran) == 2
+
+
+def test_a_lost_port_is_read_from_this_start_only(tmp_path: Path) -> None:
+    """A server whose bind lost the race (the engine core dies, the API server waits on it) is told
+    apart from one that is only slow; an earlier start's clash in the same log does not count."""
+    server = vllm_env.VllmServer("s", Path("python"), tmp_path, tmp_path)
+    server.log.write_text("zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:5')\n")
+    server._log_from = server.log.stat().st_size
+    assert not server.lost_a_port()
+    with server.log.open("a") as f:
+        f.write("INFO starting\nzmq.error.ZMQError: Address already in use\n")
+    assert server.lost_a_port()
+    ports = (server.port, server.replay_port, server.nixl_port)
+    server.new_ports()
+    assert (server.port, server.replay_port, server.nixl_port) != ports

