@@ -471,18 +471,33 @@ class KvIndex:
             self.checks.forget(h)
 
     def _drop(self, w: _Worker, block_hashes: Iterable[int]) -> int:
+        # Hot path (every BlockRemoved): ``_remove_entry`` and ``_unbind`` inlined for the confirmed case.
         mine = w.blocks
+        bit = w.bit
+        confirmed = self._confirmed
+        predicted = self._predicted
+        checks = self.checks
+        forget = checks.forget if checks is not None else None
         dropped = 0
-        unverified = self.checks.unverified.get(w.bit) if self.checks is not None else None
+        unverified = checks.unverified.get(bit) if checks is not None else None
         for h in block_hashes:
             if h in mine:
                 mine.discard(h)
-                self._remove_entry(w.bit, h)
                 dropped += 1
+                mask = confirmed.get(h, 0)
+                if mask & bit:
+                    if mask ^ bit:
+                        confirmed[h] = mask ^ bit
+                    else:
+                        del confirmed[h]
+                        if forget is not None and h not in predicted:
+                            forget(h)  # no entry of h is left: its check binding goes
+                else:
+                    self._remove_entry(bit, h)
                 if unverified is not None:
                     unverified.discard(h)
         if unverified is not None and not unverified:
-            del self.checks.unverified[w.bit]  # type: ignore[union-attr]  # (unverified: guard on)
+            del self.checks.unverified[bit]  # type: ignore[union-attr]  # (unverified: guard on)
         return dropped
 
     def _purge(self, w: _Worker) -> None:
