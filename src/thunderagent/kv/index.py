@@ -247,7 +247,7 @@ class KvIndex:
             preds = predicted.get(h)
             if preds is None:
                 predicted[h] = batch
-            elif type(preds) is _PredBatch:
+            elif isinstance(preds, _PredBatch):
                 if preds.bit == bit:
                     if preds.expiry >= expiry:
                         continue  # already valid at least as long
@@ -369,7 +369,7 @@ class KvIndex:
             if held != alive:
                 preds = predicted.get(h)
                 if preds is not None:
-                    if type(preds) is _PredBatch:  # one predicted holder
+                    if isinstance(preds, _PredBatch):  # one predicted holder
                         if preds.expiry > now:
                             held |= preds.bit
                     elif preds.checked_at <= now < preds.live_until:
@@ -437,7 +437,7 @@ class KvIndex:
                 preds = predicted.get(h)
                 if preds is None:
                     continue
-                if type(preds) is _PredBatch:
+                if isinstance(preds, _PredBatch):
                     if preds.bit == bit:
                         del predicted[h]
                 elif bit in preds.expiry:
@@ -458,7 +458,7 @@ class KvIndex:
             del self._confirmed[h]
         else:
             preds = self._predicted[h]
-            if type(preds) is not _PredBatch:  # (a batch: ``bit`` is its one holder)
+            if not isinstance(preds, _PredBatch):  # (a batch: ``bit`` is its one holder)
                 preds.remove(bit)
                 if preds.expiry:
                     return
@@ -537,7 +537,7 @@ class KvIndex:
                 preds = predicted.get(h)
                 if preds is None:
                     continue
-                if type(preds) is _PredBatch:
+                if isinstance(preds, _PredBatch):
                     if preds.bit != bit or preds.expiry != expiry:
                         continue  # confirmed, refreshed, removed, or the worker is gone
                     del predicted[h]
