@@ -47,6 +47,8 @@ from collections.abc import Iterable, Sequence
 from thunderagent.kv.check import CheckMap, cut_levels, cut_unverified
 from thunderagent.kv.predictions import PredBatch as _PredBatch
 from thunderagent.kv.predictions import Predictions as _Predictions
+from thunderagent.kv.predictions import record as _record
+from thunderagent.kv.predictions import sweep as _sweep
 from thunderagent.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 _NEVER = math.inf
@@ -231,46 +233,10 @@ class KvIndex:
             return
         if check_hashes is not None and self.checks is not None:
             self.checks.bind(block_hashes, check_hashes)
-        expiry = now + self._ttl
-        bit = w.bit
-        confirmed = self._confirmed
-        predicted = self._predicted
-        mine = w.blocks
-        # One batch for the whole call (see ``kv.predictions``): a block nobody else predicted maps to it,
-        # which costs one dict store, and the batch is the call's single expiry-queue item.
-        batch = _PredBatch(bit, expiry)
-        pushed = batch.hashes
-        push = pushed.append
-        for h in block_hashes:
-            if confirmed.get(h, 0) & bit:
-                continue  # never downgrade a confirmed entry
-            preds = predicted.get(h)
-            if preds is None:
-                predicted[h] = batch
-            elif isinstance(preds, _PredBatch):
-                if preds.bit == bit:
-                    if preds.expiry >= expiry:
-                        continue  # already valid at least as long
-                    predicted[h] = batch  # refreshed
-                else:  # a second holder
-                    preds = predicted[h] = _Predictions.of(preds, now)
-                    preds.expiry[bit] = expiry
-                    preds.live_mask |= bit
-                    if expiry < preds.live_until:
-                        preds.live_until = expiry
-            else:
-                old = preds.expiry.get(bit)
-                if old is not None and old >= expiry:
-                    continue  # already valid at least as long
-                preds.expiry[bit] = expiry
-                preds.live_mask |= bit
-                if expiry < preds.live_until:  # live set was empty (inf), or clock went back
-                    preds.live_until = expiry
-            mine.add(h)
-            push(h)
-        if pushed:
+        batch = _record(self._confirmed, self._predicted, w.blocks, w.bit, now + self._ttl, now, block_hashes)
+        if batch.hashes:
             self._expiry_queue.append(batch)
-            self._sweep(now, _SWEEP_PER_PREDICTION * len(pushed))
+            self._sweep(now, _SWEEP_PER_PREDICTION * len(batch.hashes))
 
     def report_missing(self, worker_id: str, block_hashes: Iterable[int], *, predicted_only: bool = False) -> int:
         """Lazy verification: the worker found these blocks missing (predicted or even confirmed,
@@ -515,42 +481,4 @@ class KvIndex:
         ttl and a non-decreasing clock the queue is in expiry order. (If the driver's clock ever
         went backwards, some expired items could sit behind an unexpired one and be swept late;
         ``find_matches`` ignores them meanwhile, so results stay correct.)"""
-        q = self._expiry_queue
-        predicted = self._predicted
-        by_bit = self._by_bit
-        removed = 0
-        while q and budget != 0:
-            batch = q[0]
-            expiry = batch.expiry
-            if expiry > now:
-                break
-            bit, hashes, start = batch.bit, batch.hashes, batch.swept
-            end = len(hashes) if budget < 0 or budget >= len(hashes) - start else start + budget
-            if budget > 0:
-                budget -= end - start
-            if end == len(hashes):
-                q.popleft()
-            else:
-                batch.swept = end
-            for k in range(start, end):
-                h = hashes[k]
-                preds = predicted.get(h)
-                if preds is None:
-                    continue
-                if isinstance(preds, _PredBatch):
-                    if preds.bit != bit or preds.expiry != expiry:
-                        continue  # confirmed, refreshed, removed, or the worker is gone
-                    del predicted[h]
-                    self._unbind(h)
-                else:
-                    if preds.expiry.get(bit) != expiry:
-                        continue
-                    preds.remove(bit)
-                    if not preds.expiry:
-                        del predicted[h]
-                        self._unbind(h)
-                # An entry existed, so ``bit`` belongs to a live worker (bits are reused only after a
-                # purge; a re-added worker's own prediction with this exact expiry is expired too).
-                by_bit[bit].blocks.discard(h)
-                removed += 1
-        return removed
+        return _sweep(self._expiry_queue, self._predicted, self._by_bit, self._unbind, now, budget)
