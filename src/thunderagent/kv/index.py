@@ -12,7 +12,8 @@ worker)`` lives in exactly one of two maps:
 
 - ``_confirmed: hash -> int``: bitmask of the workers whose entry is confirmed (``BlockStored`` or a
   resync). Confirmed entries never expire.
-- ``_predicted: hash -> _Predictions``: the router's own predictions, valid while ``now < expiry``.
+- ``_predicted: hash -> PredBatch | Predictions``: the router's own predictions, valid while ``now < expiry``
+  (``kv.predictions``: a hash predicted on one worker maps to the predicting call's batch).
 
 Why bitmasks: ``find_matches`` runs once per routed request. With masks, "which of the workers still matching also
 hold block i" is one dict lookup and one ``&`` per block, whatever the number of workers, instead of one lookup per
@@ -44,7 +45,10 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 
 from thunderagent.kv.check import CheckMap, cut_levels, cut_unverified
+from thunderagent.kv.predictions import PredBatch as _PredBatch
 from thunderagent.kv.predictions import Predictions as _Predictions
+from thunderagent.kv.predictions import record as _record
+from thunderagent.kv.predictions import sweep as _sweep
 from thunderagent.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 _NEVER = math.inf
@@ -103,7 +107,9 @@ class KvIndex:
             )
         self._ttl = float(prediction_ttl)
         self._confirmed: dict[int, int] = {}  # hash -> bitmask of confirmed holders (never 0)
-        self._predicted: dict[int, _Predictions] = {}  # never holds an empty _Predictions
+        # hash -> its predicted holders: the predicting call's batch (one holder) or a _Predictions (several;
+        # never empty)
+        self._predicted: dict[int, _PredBatch | _Predictions] = {}
         self._workers: dict[str, _Worker] = {}
         self._by_bit: dict[int, _Worker] = {}
         # Bits of removed workers are reused (after their entries are purged, no mask holds them),
@@ -111,11 +117,12 @@ class KvIndex:
         self._free_bits: list[int] = []
         self._next_slot = 0
         self._stale_mask = 0
-        # (expiry, bit, hash) in push order. ttl is constant, so with a non-decreasing ``now`` push
-        # order is expiry order and sweeping pops from the left only. An item is a *candidate*: the
-        # entry may since have been confirmed, refreshed (a later item exists) or removed; the
-        # sweep deletes it only if the stored expiry is still exactly this one.
-        self._expiry_queue: deque[tuple[float, int, int]] = deque()
+        # One item per (expiry, bit, hash) in push order, grouped by predict call: a _PredBatch holds its
+        # call's hashes in order and how many the sweep has passed. ttl is constant, so with a
+        # non-decreasing ``now`` push order is expiry order and sweeping pops from the left only. An
+        # item is a *candidate*: the entry may since have been confirmed, refreshed (a later item
+        # exists) or removed; the sweep deletes it only if the stored expiry is still exactly this one.
+        self._expiry_queue: deque[_PredBatch] = deque()
         #: the double-hash guard (None: off; check hashes passed in are then ignored)
         self.checks: CheckMap | None = CheckMap() if double_hash else None
         self.epoch = 0  #: bumped by add_worker / remove_worker (workers' bits may change)
@@ -226,32 +233,10 @@ class KvIndex:
             return
         if check_hashes is not None and self.checks is not None:
             self.checks.bind(block_hashes, check_hashes)
-        expiry = now + self._ttl
-        bit = w.bit
-        confirmed = self._confirmed
-        predicted = self._predicted
-        mine = w.blocks
-        push = self._expiry_queue.append
-        pushed = 0
-        for h in block_hashes:
-            if confirmed.get(h, 0) & bit:
-                continue  # never downgrade a confirmed entry
-            preds = predicted.get(h)
-            if preds is None:
-                predicted[h] = _Predictions(bit, expiry, now)
-            else:
-                old = preds.expiry.get(bit)
-                if old is not None and old >= expiry:
-                    continue  # already valid at least as long
-                preds.expiry[bit] = expiry
-                preds.live_mask |= bit
-                if expiry < preds.live_until:  # live set was empty (inf), or clock went back
-                    preds.live_until = expiry
-            mine.add(h)
-            push((expiry, bit, h))
-            pushed += 1
-        if pushed:
-            self._sweep(now, _SWEEP_PER_PREDICTION * pushed)
+        batch = _record(self._confirmed, self._predicted, w.blocks, w.bit, now + self._ttl, now, block_hashes)
+        if batch.hashes:
+            self._expiry_queue.append(batch)
+            self._sweep(now, _SWEEP_PER_PREDICTION * len(batch.hashes))
 
     def report_missing(self, worker_id: str, block_hashes: Iterable[int], *, predicted_only: bool = False) -> int:
         """Lazy verification: the worker found these blocks missing (predicted or even confirmed,
@@ -350,7 +335,10 @@ class KvIndex:
             if held != alive:
                 preds = predicted.get(h)
                 if preds is not None:
-                    if preds.checked_at <= now < preds.live_until:
+                    if isinstance(preds, _PredBatch):  # one predicted holder
+                        if preds.expiry > now:
+                            held |= preds.bit
+                    elif preds.checked_at <= now < preds.live_until:
                         held |= preds.live_mask  # cached live set (see _Predictions)
                     else:
                         live = 0
@@ -413,7 +401,12 @@ class KvIndex:
             confirmed[h] = bit if old is None else old | bit
             if h in mine:  # only then can a prediction of ours exist for h
                 preds = predicted.get(h)
-                if preds is not None and bit in preds.expiry:
+                if preds is None:
+                    continue
+                if isinstance(preds, _PredBatch):
+                    if preds.bit == bit:
+                        del predicted[h]
+                elif bit in preds.expiry:
                     preds.remove(bit)
                     if not preds.expiry:
                         del predicted[h]
@@ -431,9 +424,10 @@ class KvIndex:
             del self._confirmed[h]
         else:
             preds = self._predicted[h]
-            preds.remove(bit)
-            if preds.expiry:
-                return
+            if not isinstance(preds, _PredBatch):  # (a batch: ``bit`` is its one holder)
+                preds.remove(bit)
+                if preds.expiry:
+                    return
             del self._predicted[h]
         self._unbind(h)
 
@@ -443,18 +437,33 @@ class KvIndex:
             self.checks.forget(h)
 
     def _drop(self, w: _Worker, block_hashes: Iterable[int]) -> int:
+        # Hot path (every BlockRemoved): ``_remove_entry`` and ``_unbind`` inlined for the confirmed case.
         mine = w.blocks
+        bit = w.bit
+        confirmed = self._confirmed
+        predicted = self._predicted
+        checks = self.checks
+        forget = checks.forget if checks is not None else None
         dropped = 0
-        unverified = self.checks.unverified.get(w.bit) if self.checks is not None else None
+        unverified = checks.unverified.get(bit) if checks is not None else None
         for h in block_hashes:
             if h in mine:
                 mine.discard(h)
-                self._remove_entry(w.bit, h)
                 dropped += 1
+                mask = confirmed.get(h, 0)
+                if mask & bit:
+                    if mask ^ bit:
+                        confirmed[h] = mask ^ bit
+                    else:
+                        del confirmed[h]
+                        if forget is not None and h not in predicted:
+                            forget(h)  # no entry of h is left: its check binding goes
+                else:
+                    self._remove_entry(bit, h)
                 if unverified is not None:
                     unverified.discard(h)
         if unverified is not None and not unverified:
-            del self.checks.unverified[w.bit]  # type: ignore[union-attr]  # (unverified: guard on)
+            del self.checks.unverified[bit]  # type: ignore[union-attr]  # (unverified: guard on)
         return dropped
 
     def _purge(self, w: _Worker) -> None:
@@ -472,21 +481,4 @@ class KvIndex:
         ttl and a non-decreasing clock the queue is in expiry order. (If the driver's clock ever
         went backwards, some expired items could sit behind an unexpired one and be swept late;
         ``find_matches`` ignores them meanwhile, so results stay correct.)"""
-        q = self._expiry_queue
-        predicted = self._predicted
-        removed = 0
-        while q and budget != 0 and q[0][0] <= now:
-            expiry, bit, h = q.popleft()
-            budget -= 1
-            preds = predicted.get(h)
-            if preds is None or preds.expiry.get(bit) != expiry:
-                continue  # confirmed, refreshed, removed, or the worker is gone
-            preds.remove(bit)
-            if not preds.expiry:
-                del predicted[h]
-                self._unbind(h)
-            # An entry exists, so ``bit`` belongs to a live worker (bits are reused only after a
-            # purge; a re-added worker's own prediction with this exact expiry is expired too).
-            self._by_bit[bit].blocks.discard(h)
-            removed += 1
-        return removed
+        return _sweep(self._expiry_queue, self._predicted, self._by_bit, self._unbind, now, budget)

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import overload
 
 from thunderagent.config import RoutingConfig
-from thunderagent.router.cost import base_load, is_busy, score
+from thunderagent.router.cost import base_load, cost_terms, is_busy, score_terms
 from thunderagent.types import CandidateScore, LoadReport, WorkerState
 
 
@@ -59,6 +59,11 @@ class FleetView(Sequence[WorkerState]):
 
     def __iter__(self) -> Iterator[WorkerState]:
         return iter(self._states)
+
+    @property
+    def states(self) -> list[WorkerState]:
+        """The workers in the driver's order (``view[i]`` without the method call, for hot loops). Read only."""
+        return self._states
 
     # -- maintenance (drivers) ------------------------------------------------------------------
     def add(self, w: WorkerState) -> None:
@@ -168,9 +173,11 @@ class LazyScores(Sequence[CandidateScore]):
         built = self._built
         if built is None:
             n, levels, bits, cfg, min_queued, best_cached, held = self._args
+            terms = cost_terms(cfg)
             built = self._built = tuple(
-                score(WorkerState(w.worker_id, w.block_size, w.max_num_batched_tokens, w.queue_depth_threshold, load),
-                      n, depth(levels, bit), cfg, min_queued, best_cached, held)
+                score_terms(WorkerState(w.worker_id, w.block_size, w.max_num_batched_tokens, w.queue_depth_threshold,
+                                        load),
+                            n, depth(levels, bit), terms, min_queued, best_cached, held)
                 for w, load, bit in zip(self._states, self._loads, bits)
             )
         return built

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from thunderagent.config import Policy, RoutingConfig
 from thunderagent.kv.index import KvIndex
 from thunderagent.router.candidates import FleetView, LazyScores
-from thunderagent.router.cost import load_key, queued_prefill, score
+from thunderagent.router.cost import cost_terms, load_key, queued_prefill, score_terms
 from thunderagent.router.hot import HotPrefixes
 from thunderagent.router.policies import Candidate, KvAware, make_policy
 from thunderagent.router.selection import select
@@ -138,10 +138,12 @@ class KvRouter:
         overlaps = self.index.find_matches(req.block_hashes, now, req.check_hashes) if req.block_hashes else {}
         min_queued = min(queued_prefill(w) for w in workers)
         best_cached = max((overlaps.get(w.worker_id, 0) * w.block_size for w in workers), default=0)
+        terms = cost_terms(self.cfg)
         return [
             Candidate(
                 w,
-                score(w, req.num_tokens, overlaps.get(w.worker_id, 0), self.cfg, min_queued, best_cached, req.held),
+                score_terms(w, req.num_tokens, overlaps.get(w.worker_id, 0), terms, min_queued, best_cached,
+                            req.held),
                 self.index.num_blocks(w.worker_id),
             )
             for w in workers

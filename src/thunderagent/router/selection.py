@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from thunderagent.config import RoutingConfig
 from thunderagent.kv.index import KvIndex
 from thunderagent.router.candidates import FleetView, depth
-from thunderagent.router.cost import score
+from thunderagent.router.cost import cost_terms, score_terms
 from thunderagent.router.policies import Candidate, KvAware
 
 #: scans score at most this many times ``candidate_limit`` workers (and enumerate sparse levels up to it)
@@ -50,31 +50,38 @@ class Selection:
 
 
 class _Selector:
-    """One decision's selection (see the module docstring); ``run`` returns it."""
+    """One decision's selection (see the module docstring); ``run`` returns it.
+
+    Hot path (once per routed request): slots, the view's state list read directly, and the cost's
+    request-wide arguments bound once, so scoring a worker is one ``score`` call and one ``Candidate``."""
+
+    __slots__ = ("n", "levels", "view", "states", "bits", "held", "index", "policy", "cfg", "min_queued",
+                 "best_overlap", "best_cached", "picked", "best", "k", "cap", "terms")
 
     def __init__(self, num_tokens: int, levels: list[tuple[int, int]], view: FleetView, bits: list[int],
                  index: KvIndex, policy: KvAware, cfg: RoutingConfig, held: int = 0) -> None:
         self.n, self.levels, self.view, self.bits, self.held = num_tokens, levels, view, bits, held
+        self.states = view.states
         self.index, self.policy, self.cfg = index, policy, cfg
+        self.terms = cost_terms(cfg)
         self.min_queued = view.min_queued()
         self.best_overlap = levels[-1][0] if levels else 0
         self.best_cached = 0
         if levels:  # one block size per fleet (the dispatcher's): read it off a deepest holder
             deepest = view.position(index.worker_of(levels[-1][1] & -levels[-1][1]))
             assert deepest is not None
-            self.best_cached = self.best_overlap * view[deepest].block_size
+            self.best_cached = self.best_overlap * self.states[deepest].block_size
         self.picked: dict[int, Candidate] = {}
         self.best = float("inf")
         self.k = cfg.candidate_limit
         self.cap = SCAN_FACTOR * self.k
 
     def add(self, i: int, blocks: int) -> None:
-        w = self.view[i]
-        c = self.picked[i] = Candidate(w, score(w, self.n, blocks, self.cfg, self.min_queued, self.best_cached,
-                                                   self.held),
-                                       self.index.num_blocks(w.worker_id))
-        if c.score.cost < self.best:
-            self.best = c.score.cost
+        w = self.states[i]
+        s = score_terms(w, self.n, blocks, self.terms, self.min_queued, self.best_cached, self.held)
+        self.picked[i] = Candidate(w, s, self.index.num_blocks(w.worker_id))
+        if s.cost < self.best:
+            self.best = s.cost
 
     def floor(self, blocks: int, block_size: int) -> float:
         """Lowest possible cost of a worker holding ``blocks`` leading blocks, less its base load."""
@@ -82,23 +89,25 @@ class _Selector:
         return w.prefill * (self.n - w.overlap_credit * min(blocks * block_size, self.n))
 
     def run(self, busy_mask: int, now: float) -> Selection:
-        view, bits, levels = self.view, self.bits, self.levels
-        position = view.position
+        levels = self.levels
         # sparse levels: every free holder scored
         dense: list[tuple[int, int]] = []
         sparse = 0
+        cap = self.cap
         for blocks, mask in levels:
-            if mask.bit_count() > self.cap:
+            if mask.bit_count() > cap:
                 dense.append((blocks, mask))
                 continue
             sparse |= mask
             free = mask & ~busy_mask
-            while free:
-                low = free & -free
-                free ^= low
-                i = position(self.index.worker_of(low))
-                if i is not None:
-                    self.add(i, blocks)
+            if free:
+                position, worker_of, add = self.view.position, self.index.worker_of, self.add
+                while free:
+                    low = free & -free
+                    free ^= low
+                    i = position(worker_of(low))
+                    if i is not None:
+                        add(i, blocks)
         self._scan(sparse, dense)
         if self._is_miss(busy_mask):
             self._scan_recent(now)
@@ -108,21 +117,26 @@ class _Selector:
 
     def _scan(self, sparse: int, dense: list[tuple[int, int]]) -> None:
         """The free workers outside the sparse levels, least base load first, while one could win."""
-        view, bits, picked = self.view, self.bits, self.picked
-        bs = view[0].block_size
-        lowest = min([self.floor(b, bs) for b, _ in dense] + [self.floor(0, bs)])
+        bits, picked, add = self.bits, self.picked, self.add
+        bs = self.states[0].block_size
+        lowest = self.floor(0, bs)
+        for b, _ in dense:
+            f = self.floor(b, bs)
+            if f < lowest:
+                lowest = f
         slack = 1e-9 * max(1.0, abs(lowest))
         window = self.policy.window
+        k, cap, limit = self.k, self.cap, VISIT_FACTOR * self.cap
         scored = visited = 0
-        for base, i in view.free_order:
+        for base, i in self.view.free_order:
             visited += 1
-            if scored >= self.k and (scored >= self.cap or visited > VISIT_FACTOR * self.cap
-                                     or lowest + base > self.best + window(self.best) + slack):
+            if scored >= k and (scored >= cap or visited > limit
+                                or lowest + base > self.best + window(self.best) + slack):
                 break
             bit = bits[i]
             if bit & sparse or i in picked:
                 continue
-            self.add(i, depth(dense, bit))
+            add(i, depth(dense, bit) if dense else 0)
             scored += 1
 
     def _is_miss(self, busy_mask: int) -> bool:
@@ -131,27 +145,29 @@ class _Selector:
         free_levels = [(b, m & ~busy_mask) for b, m in self.levels if m & ~busy_mask]
         if not free_levels:
             return True  # every free worker holds nothing
-        bs = self.view[0].block_size
+        bs = self.states[0].block_size
         holders = sum(m.bit_count() for _, m in free_levels)
         lo = 0 if self.view.free_count > holders else free_levels[0][0] * bs
         return free_levels[-1][0] * bs - lo <= self.policy.miss_fraction * self.n
 
     def _scan_recent(self, now: float) -> None:
         """A miss: the free workers ready within a pass with the least recent traffic (and its ties)."""
-        view, recent, picked = self.view, self.policy.recent, self.picked
+        view, recent, picked, states = self.view, self.policy.recent, self.picked, self.states
+        position, is_free, rate = view.position, view.is_free, recent.rate
+        limit = VISIT_FACTOR * self.cap
         low = -1.0
         found = visited = 0
         for _key, wid in recent.order:
             visited += 1
-            if visited > VISIT_FACTOR * self.cap:
+            if visited > limit:
                 break
-            i = view.position(wid)
-            if i is None or not view.is_free(i):
+            i = position(wid)
+            if i is None or not is_free(i):
                 continue
-            w = view[i]
+            w = states[i]
             if w.load.queued_prefill_tokens >= w.max_num_batched_tokens:
                 continue  # not ready within a pass
-            r = recent.rate(wid, now)
+            r = rate(wid, now)
             if low < 0:
                 low = r
             elif r - low >= 1e-9 or found >= self.cap:
