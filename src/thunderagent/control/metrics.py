@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -77,17 +78,33 @@ class Metrics:
         self._tiers: set[str] = set()
         self._paced = (0, 0)  # the pacer's pauses and resumes already counted
         self._prompt = self._predicted = self._recompute = 0
+        # labelled children of the per-request counters, looked up once: prometheus-client's labels()
+        # validates and joins the label values on every call. Keys are bounded: workers, and the
+        # (route, status) pairs the app answers with
+        self._routed_by: dict[str, Any] = {}
+        self._requests_by: dict[tuple[str, int], Any] = {}
 
     def observe_route(self, d: Dispatch, seconds: float, now: float) -> None:
         prompt_tokens, predicted_hit_tokens = len(d.request.prompt_tokens), d.predicted_tokens
         self.seed.routed(d, now)
-        self.routed.labels(d.decision.worker_id).inc()
+        w = d.decision.worker_id
+        routed = self._routed_by.get(w)
+        if routed is None:
+            routed = self._routed_by[w] = self.routed.labels(w)
+        routed.inc()
         self.decision_time.observe(seconds)
         self.prompt_tokens.inc(prompt_tokens)
         self.predicted_hit_tokens.inc(predicted_hit_tokens)
         self._prompt += prompt_tokens
         self._predicted += predicted_hit_tokens
         self.predicted_hit_rate.set(self._predicted / self._prompt if self._prompt else 0.0)
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        """``thunderagent_requests_total{endpoint,status}``: one answered request."""
+        child = self._requests_by.get((endpoint, status))
+        if child is None:
+            child = self._requests_by[(endpoint, status)] = self.requests.labels(endpoint, str(status))
+        child.inc()
 
     def observe_prefill(self, d: Dispatch, prompt_tokens: int, cached_tokens: int, now: float) -> None:
         """Once per request, when it ends (real engines report cached tokens with the last output):
