@@ -16,6 +16,24 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
 
 
+class _Children:
+    """A labelled metric's children, each looked up once: prometheus-client's ``labels()`` validates and
+    joins the values on every call, a cost per request on the hot path. The label values used here are
+    bounded (workers; the routes and statuses the app answers with)."""
+
+    __slots__ = ("_metric", "_by")
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._by: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> Any:
+        child = self._by.get(values)
+        if child is None:
+            child = self._by[values] = self._metric.labels(*values)
+        return child
+
+
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
@@ -78,20 +96,12 @@ class Metrics:
         self._tiers: set[str] = set()
         self._paced = (0, 0)  # the pacer's pauses and resumes already counted
         self._prompt = self._predicted = self._recompute = 0
-        # labelled children of the per-request counters, looked up once: prometheus-client's labels()
-        # validates and joins the label values on every call. Keys are bounded: workers, and the
-        # (route, status) pairs the app answers with
-        self._routed_by: dict[str, Any] = {}
-        self._requests_by: dict[tuple[str, int], Any] = {}
+        self._routed_by, self._requests_by = _Children(self.routed), _Children(self.requests)
 
     def observe_route(self, d: Dispatch, seconds: float, now: float) -> None:
         prompt_tokens, predicted_hit_tokens = len(d.request.prompt_tokens), d.predicted_tokens
         self.seed.routed(d, now)
-        w = d.decision.worker_id
-        routed = self._routed_by.get(w)
-        if routed is None:
-            routed = self._routed_by[w] = self.routed.labels(w)
-        routed.inc()
+        self._routed_by(d.decision.worker_id).inc()
         self.decision_time.observe(seconds)
         self.prompt_tokens.inc(prompt_tokens)
         self.predicted_hit_tokens.inc(predicted_hit_tokens)
@@ -101,10 +111,7 @@ class Metrics:
 
     def count_request(self, endpoint: str, status: int) -> None:
         """``thunderagent_requests_total{endpoint,status}``: one answered request."""
-        child = self._requests_by.get((endpoint, status))
-        if child is None:
-            child = self._requests_by[(endpoint, status)] = self.requests.labels(endpoint, str(status))
-        child.inc()
+        self._requests_by(endpoint, str(status)).inc()
 
     def observe_prefill(self, d: Dispatch, prompt_tokens: int, cached_tokens: int, now: float) -> None:
         """Once per request, when it ends (real engines report cached tokens with the last output):

@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from thunderagent.execution.openai_http import RelayClient
+
 TransportError = aiohttp.ClientError
 TransportConnectionError = aiohttp.ClientConnectionError
 #: a non-2xx answer to a ``GET`` (its ``status`` says which)
@@ -92,6 +94,7 @@ class AiohttpTransport:
         self._session: aiohttp.ClientSession | None = None
         self._posts: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None
+        self._relay: RelayClient | None = None
 
     def open(self) -> None:
         # limit=0: no cap (the router bounds the load). No read timeout: a request may wait in the
@@ -112,11 +115,16 @@ class AiohttpTransport:
         )
         self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
                                             timeout=timeout)
+        # relayed client bodies (engine openai) go through a lean client of their own: the same pool
+        # rules, a fraction of aiohttp's CPU per request (execution/openai_http.py)
+        self._relay = RelayClient(self._connect_timeout, _POOL_IDLE_S)
 
     async def close(self) -> None:
         for session in (self._session, self._posts, self._fresh):
             if session is not None:
                 await session.close()
+        if self._relay is not None:
+            await self._relay.close()
 
     def _opened(self) -> aiohttp.ClientSession:
         assert self._session is not None, "open() was not called"
@@ -124,8 +132,12 @@ class AiohttpTransport:
 
     @contextlib.asynccontextmanager
     async def stream_post(self, url: str, json: Any) -> AsyncIterator[StreamedResponse]:
-        assert self._posts is not None and self._fresh is not None, "open() was not called"
-        if isinstance(json, bytes):  # a relayed client body (engine openai): byte for byte
+        assert self._posts is not None and self._fresh is not None and self._relay is not None, "open() was not called"
+        if isinstance(json, bytes) and url.startswith("http://"):  # a relayed client body (engine openai)
+            async with self._relay.post(url, json) as relayed:
+                yield relayed
+            return
+        if isinstance(json, bytes):  # byte for byte (https: aiohttp's client)
             kw: dict[str, Any] = {"data": json, "headers": _JSON_HEADERS}
         else:
             kw = {"json": json}
