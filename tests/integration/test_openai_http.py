@@ -176,7 +176,7 @@ async def test_the_keep_alive_race_is_retried_once_on_a_new_connection() -> None
 
 async def test_an_answer_cut_short_raises_a_payload_error_and_leaving_early_closes() -> None:
     async def answer(w: asyncio.StreamWriter, body: bytes) -> bool:
-        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel")
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nhel\r\n5\r\nhel")
         await w.drain()
         return body == b"wait"  # "cut": hang up mid-chunk; "wait": keep the stream open
 
@@ -184,9 +184,12 @@ async def test_an_answer_cut_short_raises_a_payload_error_and_leaving_early_clos
     server, url = await _server(answer, log)
     client = RelayClient(connect_timeout=5, idle_s=2)
     try:
+        got: list[bytes] = []
         with pytest.raises(TransportError):
             async with client.post(url, b"cut") as resp:
-                await resp.text()
+                async for piece in resp.chunks():
+                    got.append(piece)
+        assert got == [b"hel"]  # the whole chunk was handed on, then the error
         async with client.post(url, b"wait") as resp:
             async for piece in resp.chunks():
                 assert piece == b"hel"

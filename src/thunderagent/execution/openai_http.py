@@ -35,6 +35,7 @@ import aiohttp
 
 _MAX_HEAD = 64 * 1024  # an answer's head past this is refused (aiohttp's own limits are of this order)
 _HIGH_WATER = 256 * 1024  # body bytes buffered before reading from the socket pauses
+_MAX_CHUNK = 64 * 1024 * 1024  # one chunk of a chunked body is held whole: refused past this
 _NO_BODY = frozenset((204, 304))
 
 
@@ -85,7 +86,7 @@ class RelayResponse:
         self.status = 0
         self.keep_alive = True
         self._chunked = False
-        self._left = -1  # body bytes (or bytes of the current chunk) still to come; -1: until the end
+        self._left = -1  # body bytes still to come (-1: until the end); chunked: 0, -3 after the last chunk
         self._pieces: deque[bytes] = deque()
         self._buffered = 0
         self._waiter: asyncio.Future[None] | None = None
@@ -162,43 +163,42 @@ class RelayResponse:
             if self._left == 0:
                 self._end()
             return
+        # chunked: whole chunks only (a chunk's data is handed on once its CRLF is in). Servers write
+        # one chunk per event, so one network read holds many: a tight loop per chunk, no state
+        # machine per byte range. _left is -3 once the last (zero) chunk was read.
         buf = self._tail + data if self._tail else data
-        pos, out = 0, []
-        while pos < len(buf):
-            if self._left > 0:  # inside a chunk's data
-                take = buf[pos:pos + self._left]
-                out.append(take)
-                pos += len(take)
-                self._left -= len(take)
-                if self._left == 0:
-                    self._left = -2  # its CRLF is next
-                continue
-            if self._left == -2:  # the CRLF after a chunk's data
-                if len(buf) - pos < 2:
-                    break
-                pos += 2
-                self._left = 0
-                continue
-            if self._left == -3:  # after the last chunk: trailers (rare), then an empty line
+        pos, n, out = 0, len(buf), []
+        while self._left != -3:
+            nl = buf.find(b"\r\n", pos)
+            if nl < 0:
+                break
+            line = buf[pos:nl]
+            size = int(line if b";" not in line else line.split(b";", 1)[0], 16)
+            if size == 0:
+                pos = nl + 2
+                self._left = -3
+                break
+            end = nl + 2 + size
+            if end + 2 > n:
+                break  # the chunk is not all in yet
+            out.append(buf[nl + 2:end])
+            pos = end + 2
+        if self._left == -3:  # after the last chunk: trailers (rare), then an empty line
+            end = buf.find(b"\r\n", pos)
+            while end > pos:
+                pos = end + 2
                 end = buf.find(b"\r\n", pos)
-                while end > pos:
-                    pos = end + 2
-                    end = buf.find(b"\r\n", pos)
-                if end < 0:
-                    break  # its last line is not in yet: wait for it (servers send it with the last chunk)
-                if end + 2 < len(buf):  # bytes past the answer: the connection is not reused
+            if end >= 0:
+                if end + 2 < n:  # bytes past the answer: the connection is not reused
                     self.keep_alive = False
                 if out:
                     self._push(b"".join(out))
                 self._end()
                 return
-            nl = buf.find(b"\r\n", pos)
-            if nl < 0:
-                break
-            size = int(buf[pos:nl].split(b";", 1)[0], 16)
-            pos = nl + 2
-            self._left = size if size else -3
+            # its last line is not in yet: wait for it (servers send it with the last chunk)
         self._tail = buf[pos:]
+        if len(self._tail) > _MAX_CHUNK:
+            raise ValueError(f"a chunk of more than {_MAX_CHUNK} bytes")
         if out:
             self._push(b"".join(out) if len(out) > 1 else out[0])
 
