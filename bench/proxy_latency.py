@@ -7,7 +7,9 @@ once, no model), one HTTP hop each; all on 127.0.0.1, started by this script and
 - ``thunderagent``: ``thunderagent serve``'s server (``FrontendRunner``, its connection limits) with
   ``engine: openai`` (``execution/openai.py``): it tokenizes (byte-level stand-in) and hashes the
   prompt, routes on its own predictions, forwards the client's body unchanged and relays the
-  server's SSE bytes;
+  server's SSE bytes. The holding queue is off (``--ta-config``, default ``TA_CONFIG``), as the
+  routers compared have none; ``--base-src DIR`` adds the same server run from another checkout's
+  ``src/`` (before vs after in one run);
 - ``sglang-router rr`` / ``ca``: ``python -m sglang_router.launch_router`` with ``--policy
   round_robin`` / ``cache_aware``;
 - ``vllm-router``: the ``vllm-router`` binary (``--policy round_robin``) when the package is installed.
@@ -18,7 +20,11 @@ Measured, interleaved across targets so CPU noise hits all alike:
    figure less the direct one's;
 2. streaming throughput at C concurrent clients (32 and 256 by default): R rounds, each round every
    target in rotating order, C clients x S streamed 64-token completions; tokens/s counted from the
-   streams' ``usage.completion_tokens``; the median round is reported.
+   streams' ``usage.completion_tokens``; the median round is reported;
+3. each proxy process's CPU per request (per stream), user + system time from ``/proc`` over the
+   phase: a busy machine stretches latencies, much less the CPU a request costs.
+
+``--profile FILE`` writes a cProfile (CPU time) of the ThunderAgent process.
 
 Run: ``python bench/proxy_latency.py [--quick]``. Lower latency / higher tokens/s is better. The
 client, the proxies and the backends share this machine's cores: read ratios from one run.
