@@ -21,7 +21,7 @@ class _Children:
     joins the values on every call, a cost per request on the hot path. The label values used here are
     bounded (workers; the routes and statuses the app answers with)."""
 
-    __slots__ = ("_metric", "_by")
+    __slots__ = ("_by", "_metric")
 
     def __init__(self, metric: Any) -> None:
         self._metric = metric

@@ -42,7 +42,7 @@ _NO_BODY = frozenset((204, 304))
 class _Conn(asyncio.Protocol):
     """One connection: feeds the answer being read (at most one: no pipelining)."""
 
-    __slots__ = ("transport", "resp", "closed", "paused")
+    __slots__ = ("closed", "paused", "resp", "transport")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -76,8 +76,22 @@ class _Conn(asyncio.Protocol):
 class RelayResponse:
     """An answer being read (the transport's ``StreamedResponse``): status, then the body in pieces."""
 
-    __slots__ = ("_conn", "_head", "_head_done", "status", "keep_alive", "_chunked", "_left", "_pieces",
-                 "_buffered", "_waiter", "_eof", "_error", "_any", "_tail")
+    __slots__ = (
+        "_any",
+        "_buffered",
+        "_chunked",
+        "_conn",
+        "_eof",
+        "_error",
+        "_head",
+        "_head_done",
+        "_left",
+        "_pieces",
+        "_tail",
+        "_waiter",
+        "keep_alive",
+        "status",
+    )
 
     def __init__(self, conn: _Conn) -> None:
         self._conn = conn
