@@ -215,3 +215,26 @@ async def test_an_unreachable_server_is_a_connection_error() -> None:
         async with client.post("https://example.invalid/v1/completions", b"{}"):
             pass
     assert issubclass(aiohttp.ConnectionTimeoutError, TimeoutError)  # what a connect timeout raises
+
+
+async def test_the_request_head_names_the_host_and_credentials_in_the_url() -> None:
+    heads: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = RelayClient(connect_timeout=5, idle_s=2)
+    try:
+        async with client.post(f"http://u%40x:pw@127.0.0.1:{port}/base/v1/completions?a=1", b"{}") as resp:
+            assert resp.status == 200 and await resp.text() == ""
+    finally:
+        await client.close()
+        server.close()
+    assert heads == [b"POST /base/v1/completions?a=1 HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n"
+                     b"Authorization: Basic dUB4OnB3\r\nContent-Type: application/json\r\nAccept: */*\r\n"
+                     b"Content-Length: 2\r\n\r\n" % port]

@@ -25,11 +25,12 @@ that cannot be reached or hangs up before answering raises ``ClientConnectionErr
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import aiohttp
 
@@ -318,7 +319,12 @@ class RelayClient:
                 raise ValueError(f"the relay client speaks plain http only, got {url!r}")
             port = u.port or 80
             path = (u.path or "/") + (f"?{u.query}" if u.query else "")
-            head = (f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+            auth = ""  # user:password@ in the URL: HTTP basic authentication, as aiohttp sends it
+            if u.username is not None:
+                cred = f"{unquote(u.username)}:{unquote(u.password or '')}".encode()
+                auth = f"Authorization: Basic {base64.b64encode(cred).decode()}\r\n"
+            host = u.netloc.rpartition("@")[2]
+            head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\n"
                     "Accept: */*\r\nContent-Length: ").encode()
             got = self._heads[url] = ((u.hostname, port), head)
         return got
