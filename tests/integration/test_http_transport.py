@@ -1,10 +1,13 @@
-"""The engine transport's streamed POSTs never ride on a pooled connection.
+"""The engine transport's streamed POSTs: pooled keep-alive connections, safe against a server's
+keep-alive timer.
 
 A server closes an idle keep-alive connection after a while (vLLM's uvicorn: 5 s); a POST written on
 one as it closes fails ("Can not write request body") and aiohttp does not retry a POST. Seen with
-100 streams on real vLLM under load: the failed request took the surviving worker out of routing.
-The server here makes that race certain: it answers the first request on a connection and hangs up
-on any second one without answering.
+100 streams on real vLLM under load: the failed request took the surviving worker out of routing. The
+transport therefore drops pooled connections idle for ``_POOL_IDLE_S`` (under those servers' 5 s) and
+sends a POST whose pooled connection is hung up before any answer once more on a new connection. The
+first server here makes that race certain: it answers the first request on a connection and hangs up
+on any second one without answering; the second keeps connections alive, as servers do.
 """
 
 from __future__ import annotations
@@ -12,23 +15,27 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
+from thunderagent.execution import http_transport
 from thunderagent.execution.http_transport import AiohttpTransport
 
 BODY = b'data: {"ok": true}\n\ndata: [DONE]\n\n'
 
 
-async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seen: list[int]) -> None:
+async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seen: list[int],
+                 answered: list[int], keep_alive: bool) -> None:
     n = 0
     try:
         while True:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
             n += 1
             seen.append(n)
-            if n > 1:  # a reused connection: hang up, as a server whose keep-alive timer just fired
+            if n > 1 and not keep_alive:  # a reused connection: hang up, as a server whose keep-alive timer fired
                 return
             length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                           if line.lower().startswith(b"content-length:"))
-            json.loads(await reader.readexactly(length))
+            answered.append(json.loads(await reader.readexactly(length))["i"])
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
             await writer.drain()
@@ -38,9 +45,10 @@ async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, see
         writer.close()
 
 
-async def test_each_streamed_post_opens_its_own_connection() -> None:
-    seen: list[int] = []
-    server = await asyncio.start_server(lambda r, w: _serve(r, w, seen), "127.0.0.1", 0)
+async def _post_five(keep_alive: bool, pause: float) -> tuple[list[int], list[int]]:
+    seen: list[int] = []  # per request received: its rank on its connection
+    answered: list[int] = []
+    server = await asyncio.start_server(lambda r, w: _serve(r, w, seen, answered, keep_alive), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     transport = AiohttpTransport(connect_timeout=5)
     transport.open()
@@ -49,9 +57,28 @@ async def test_each_streamed_post_opens_its_own_connection() -> None:
             async with transport.stream_post(f"http://127.0.0.1:{port}/v1/completions", {"i": i}) as resp:
                 assert resp.status == 200
                 assert [line async for line in resp.lines()] == BODY.splitlines(keepends=True)
-            await asyncio.sleep(0.01)  # the response is done: a pooled connection would be idle now
-        assert seen == [1] * 5, f"requests per connection: {seen}"
+            await asyncio.sleep(pause)  # the response is done: its pooled connection is idle now
     finally:
         await transport.close()
         server.close()
         await server.wait_closed()
+    return seen, answered
+
+
+async def test_a_post_on_a_connection_the_server_hangs_up_is_sent_again_on_a_new_one() -> None:
+    seen, answered = await _post_five(keep_alive=False, pause=0.01)
+    assert answered == [0, 1, 2, 3, 4]  # every request answered, once, in order: none failed
+    assert seen.count(1) == 5  # each was answered on a connection's first request
+
+
+async def test_streamed_posts_reuse_a_kept_alive_connection() -> None:
+    seen, answered = await _post_five(keep_alive=True, pause=0.01)
+    assert answered == [0, 1, 2, 3, 4]
+    assert seen == [1, 2, 3, 4, 5]  # one connection: no connect per request
+
+
+async def test_a_connection_idle_past_the_pool_limit_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http_transport, "_POOL_IDLE_S", 0.05)
+    seen, answered = await _post_five(keep_alive=True, pause=0.2)
+    assert answered == [0, 1, 2, 3, 4]
+    assert seen == [1] * 5  # dropped by us before the server's timer could close it under a request

@@ -20,11 +20,16 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from thunderagent.execution.openai_http import RelayClient
+
 TransportError = aiohttp.ClientError
 TransportConnectionError = aiohttp.ClientConnectionError
 #: a non-2xx answer to a ``GET`` (its ``status`` says which)
 TransportStatusError = aiohttp.ClientResponseError
 _JSON_HEADERS = {"Content-Type": "application/json"}
+#: seconds a pooled POST connection may idle before it is dropped: below the 5 s keep-alive of the
+#: servers we front (uvicorn, llama.cpp), so ours closes first (see AiohttpTransport.open)
+_POOL_IDLE_S = 2.0
 
 
 class StreamedResponse(Protocol):
@@ -88,6 +93,8 @@ class AiohttpTransport:
         self._connect_timeout = connect_timeout
         self._session: aiohttp.ClientSession | None = None
         self._posts: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None
+        self._relay: RelayClient | None = None
 
     def open(self) -> None:
         # limit=0: no cap (the router bounds the load). No read timeout: a request may wait in the
@@ -95,19 +102,29 @@ class AiohttpTransport:
         # once its metrics stop answering).
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout)
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
-        # Streamed POSTs each open their own connection (force_close: never a pooled one). A server
-        # closes an idle keep-alive connection after a while (uvicorn, vLLM's server: 5 s); a POST
-        # sent on one just as it closes fails ("Can not write request body"), and aiohttp retries only
-        # idempotent methods. Seen under load with 100 streams on vLLM: the failed request took a
-        # healthy worker out of routing. A connect on the engine's network costs far less than a
-        # generation; the GETs (metrics every heartbeat) keep their pool, retried by aiohttp.
-        self._posts = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+        # Streamed POSTs reuse pooled keep-alive connections: a connect (and the server's accept and
+        # close) per request was most of a relayed request's cost. A server closes an idle keep-alive
+        # connection after a while (uvicorn, vLLM's and SGLang's servers, llama.cpp: 5 s); a POST sent
+        # on one just as it closes fails ("Can not write request body", or disconnected), and aiohttp
+        # retries only idempotent methods (seen under load with 100 streams on vLLM: the failed request
+        # took a healthy worker out of routing). Two guards: the pool drops a connection idle for
+        # _POOL_IDLE_S, well under those servers' timeouts, so ours closes first; and a POST that still
+        # fails that way before any answer is sent once more on a new connection (stream_post).
+        self._posts = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_POOL_IDLE_S), timeout=timeout
+        )
+        self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
                                             timeout=timeout)
+        # relayed client bodies (engine openai) go through a lean client of their own: the same pool
+        # rules, a fraction of aiohttp's CPU per request (execution/openai_http.py)
+        self._relay = RelayClient(self._connect_timeout, _POOL_IDLE_S)
 
     async def close(self) -> None:
-        for session in (self._session, self._posts):
+        for session in (self._session, self._posts, self._fresh):
             if session is not None:
                 await session.close()
+        if self._relay is not None:
+            await self._relay.close()
 
     def _opened(self) -> aiohttp.ClientSession:
         assert self._session is not None, "open() was not called"
@@ -115,13 +132,30 @@ class AiohttpTransport:
 
     @contextlib.asynccontextmanager
     async def stream_post(self, url: str, json: Any) -> AsyncIterator[StreamedResponse]:
-        assert self._posts is not None, "open() was not called"
-        if isinstance(json, bytes):  # a relayed client body (engine openai): byte for byte
-            cm = self._posts.post(url, data=json, headers=_JSON_HEADERS)
+        assert self._posts is not None and self._fresh is not None and self._relay is not None, "open() was not called"
+        if isinstance(json, bytes) and url.startswith("http://"):  # a relayed client body (engine openai)
+            async with self._relay.post(url, json) as relayed:
+                yield relayed
+            return
+        if isinstance(json, bytes):  # byte for byte (https: aiohttp's client)
+            kw: dict[str, Any] = {"data": json, "headers": _JSON_HEADERS}
         else:
-            cm = self._posts.post(url, json=json)
-        async with cm as resp:
+            kw = {"json": json}
+        try:
+            resp = await self._posts.post(url, **kw)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                raise  # could not connect at all: nothing to retry here (the fleet routes it again)
+            # the server closed a pooled connection as this request went out (no answer came): once
+            # more on a connection of its own; a server that really went away refuses that one
+            resp = await self._fresh.post(url, **kw)
+        try:
             yield _AiohttpStream(resp)
+        finally:
+            # an answer read to its end leaves its connection in the pool; one left early (a client that
+            # went away) is closed, which makes the engine abort the request
+            resp.release()
+            await resp.wait_for_close()
 
     async def get_text(self, url: str, timeout: float) -> str:
         async with self._opened().get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:

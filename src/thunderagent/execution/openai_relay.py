@@ -158,9 +158,12 @@ class Relay:
         async for piece in chunks:
             buf = buf + piece if buf else piece
             cut = 0  # end of the last complete event in buf
-            while (nl := buf.find(b"\n", scan)) >= 0:
-                line = buf[scan:nl]
-                scan = nl + 1
+            last = buf.rfind(b"\n")
+            if last < scan:
+                continue
+            # the complete lines, split at once (one C call, not a find per line); scan follows them
+            for line in buf[scan:last].split(b"\n"):
+                scan += len(line) + 1
                 if line.startswith(b"data:"):
                     data = line[5:].strip()
                     if data == _DONE:  # the event's blank line is not waited for: the socket may stay open

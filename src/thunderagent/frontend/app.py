@@ -102,7 +102,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except Exception as exc:  # logged once per cause per interval: a flood of one bug is one line
         request.app[ERROR_LOG_KEY].exception(exc, "internal error on %s %s", request.method, request.path)
         resp = _error(RequestError("internal server error", status=500, type_="server_error"))
-    fleet.metrics.requests.labels(endpoint, str(resp.status)).inc()
+    fleet.metrics.count_request(endpoint, resp.status)
     return resp
 
 
