@@ -78,6 +78,28 @@ def test_a_request_predicted_to_wait_past_the_bound_gets_429_with_retry_after() 
     assert len(q) == 2
 
 
+def test_a_millisecond_service_ttft_does_not_refuse_a_wait_of_a_few_ms() -> None:
+    """In front of servers that answer in ~1 ms, (factor - 1) x the service TTFT would refuse any
+    request that waits a millisecond for a slot; the bound has a floor, ``admit_min_wait_s``."""
+    q = HoldingQueue(SchedulerConfig(enabled=True, admit_ttft_factor=2.0, max_queue_delay_s=None))
+    q.push(held("a", 0.0), 0.0)
+    q.take(q.next(0.004), 0.004)  # type: ignore[arg-type]  4 ms per place
+    q.observe_service(0.001)
+    assert q.admit_bound() == pytest.approx(0.05)  # not 0.001
+    for i in range(12):  # up to 12 places x 4 ms = 48 ms: admitted
+        q.push(held(f"b{i}", 1.0), 1.0)
+    with pytest.raises(QueueFull, match=r"service TTFT \(0\.050s\)"):
+        q.push(held("c", 1.0), 1.0)  # 13 x 4 ms = 52 ms
+    strict = HoldingQueue(SchedulerConfig(enabled=True, admit_ttft_factor=2.0, admit_min_wait_s=0,
+                                          max_queue_delay_s=None))
+    strict.observe_service(0.001)
+    assert strict.admit_bound() == pytest.approx(0.001)
+    with pytest.raises(ValidationError, match="admit_min_wait_s"):
+        SchedulerConfig(admit_min_wait_s=-1)
+    with pytest.raises(ValidationError, match=r"admit_min_wait_s acts only with"):
+        SchedulerConfig(enabled=True, admit_ttft_factor=None, admit_min_wait_s=0.2)
+
+
 def test_what_held_requests_really_waited_calibrates_the_prediction() -> None:
     # slots freed in waves: dispatches come in quick runs (a small mean gap), but a request held just
     # after a wave waited for the next one; its wait per place is what the bound goes by

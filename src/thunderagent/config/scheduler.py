@@ -197,10 +197,26 @@ class SchedulerConfig(_Strict):
         "hard cap; null: off (the simulator's replays use null)",
     )
 
+    admit_min_wait_s: float = Field(
+        0.05, ge=0,
+        description="the least predicted wait admit_ttft_factor refuses: its bound is max(this, (factor - 1) x the "
+        "service TTFT), so in front of servers that answer in a millisecond (engine: openai on a cache hit, a fake "
+        "backend) a burst that waits a few ms for a slot is not turned away with 429s",
+    )
+
     @field_validator("admit_ttft_factor")
     @classmethod
     def _admission_needs_queue(cls, v: object, info: ValidationInfo) -> object:
         if not info.data.get("enabled", True) and v is not None and v != cls.model_fields["admit_ttft_factor"].default:
             raise ValueError("scheduler.admit_ttft_factor acts only with scheduler.enabled: true; enable the holding "
                              "queue or remove the field")
+        return v
+
+    @field_validator("admit_min_wait_s")
+    @classmethod
+    def _floor_needs_the_bound(cls, v: float, info: ValidationInfo) -> float:
+        if v != cls.model_fields["admit_min_wait_s"].default and (
+                not info.data.get("enabled", True) or info.data.get("admit_ttft_factor") is None):
+            raise ValueError("scheduler.admit_min_wait_s acts only with scheduler.enabled: true and "
+                             "scheduler.admit_ttft_factor set; remove the field or turn them on")
         return v

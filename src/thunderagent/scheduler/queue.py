@@ -160,9 +160,11 @@ class HoldingQueue:
 
     def admit_bound(self) -> float | None:
         """Seconds a new request may be predicted to wait here under ``admit_ttft_factor``: (factor - 1)
-        x the smoothed service TTFT; None while off or not measured yet."""
+        x the smoothed service TTFT, at least ``admit_min_wait_s``; None while off or not measured yet."""
         f = self.cfg.admit_ttft_factor
-        return None if f is None or self._service <= 0 else (f - 1) * self._service
+        if f is None or self._service <= 0:
+            return None
+        return max(self.cfg.admit_min_wait_s, (f - 1) * self._service)
 
     def observe_service(self, seconds: float) -> None:
         """A dispatched request's first token came ``seconds`` after it left this queue (or after it
