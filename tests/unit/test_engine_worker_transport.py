@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -187,3 +188,34 @@ async def test_decode_request_carries_the_transfer_params_unchanged_and_streams(
     bodies = [b for _, b in transport.posted]
     assert bodies[0]["kv_transfer_params"] == KV_PARAMS and bodies[0]["stream"] is True
     assert all("kv_transfer_params" not in b and b["stream"] is True for b in bodies[1:])
+
+
+async def test_load_changes_are_marked_stale_not_pushed_when_the_receiver_reads_lazily():
+    """With ``on_load_stale`` (the fleet's callbacks) a request's three load changes (submitted,
+    started, ended) build no report: the receiver reads the load when it needs it."""
+    rec = Recorder()
+    marks: list[str] = []
+    readers = []
+
+    def stale(wid: str, read) -> None:
+        marks.append(wid)
+        readers.append(read)
+
+    cb = dataclasses.replace(rec.callbacks(), on_load_stale=stale)
+    node = NodeConfig(engine="vllm", block_size=4, endpoints=[EndpointConfig(url="http://engine:8000/")])
+    transport = FakeTransport(lines=sse({"choices": [{"text": "a", "token_ids": [7], "finish_reason": "length"}]}))
+    w = EngineWorker("w0", node, node.endpoints[0], cb, heartbeat_interval=0.01, transport=transport)
+    w.start()
+    try:
+        await wait_until(lambda: rec.heartbeats, 2.0, "first heartbeat")
+        pushed = len(rec.loads) - len(rec.heartbeats)
+        q = w.submit(request())
+        assert marks == ["w0"] and readers[-1]().waiting + readers[-1]().running == 1  # counted at once
+        await drain(q)
+        await wait_until(lambda: len(marks) >= 3, 2.0, "started and ended")
+        assert marks == ["w0"] * 3
+        assert len(rec.loads) - len(rec.heartbeats) == pushed  # no pushed report
+        last = readers[-1]()
+        assert (last.running, last.waiting, last.queued_prefill_tokens, last.decode_tokens) == (0, 0, 0, 0)
+    finally:
+        await w.stop()

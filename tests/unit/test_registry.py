@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from thunderagent.config import RoutingConfig
 from thunderagent.control.registry import Health, WorkerRegistry
 from thunderagent.types import WorkerInfo
 from thunderagent.types import LoadReport
@@ -45,3 +46,34 @@ def test_routable_workers_carry_their_role():
     reg.register(WorkerInfo("p", "prefill", 64, 8192, 64, 100), 0.0)
     reg.register(info("b"), 0.0)
     assert [(w.worker_id, w.role) for w in reg.routable()] == [("p", "prefill"), ("b", "both")]
+
+
+@pytest.mark.parametrize("routing", [None, RoutingConfig()])
+def test_a_stale_load_is_read_once_at_the_next_read(routing):
+    reg = WorkerRegistry(1.0, 3, routing)
+    reg.register(info("a"), 0.0)
+    reg.register(info("b"), 0.0)
+    reads: list[int] = []
+
+    def reader(waiting: int):
+        def read() -> LoadReport:
+            reads.append(waiting)
+            return rep("a", 1.0, waiting)
+        return read
+
+    # submitted, started, ended: three changes before anyone reads, one report built
+    for waiting in (1, 2, 3):
+        reg.stale("a", reader(waiting))
+    assert reads == []
+    assert [w.load.waiting for w in reg.routable()] == [3, 0]  # the read sees the latest load
+    assert reads == [3]
+    assert [w.load.waiting for w in reg.routable()] == [3, 0] and reads == [3]  # not read again
+    reg.stale("a", reader(5))
+    assert reg.loads()["a"].waiting == 5 and reads == [3, 5]
+    reg.stale("a", reader(6))
+    reg.heartbeat("a", rep("a", 2.0, 7), 2.0)  # a report as fresh as the reader's: the reader is dropped
+    assert reg.loads()["a"].waiting == 7 and reads == [3, 5]
+    reg.stale("b", reader(8))
+    reg.deregister("b")
+    reg.stale("b", reader(9))  # unknown worker: ignored
+    assert list(reg.loads()) == ["a"] and reads == [3, 5]

@@ -129,7 +129,8 @@ class Fleet:
 
     def callbacks(self) -> WorkerCallbacks:
         """What a handle reports to (its membership passes these when it builds the handle)."""
-        return WorkerCallbacks(self.on_events, self.on_heartbeat, self.on_load, self.on_unavailable, self.now)
+        return WorkerCallbacks(self.on_events, self.on_heartbeat, self.on_load, self.on_unavailable, self.now,
+                               self.on_load_stale)
 
     async def start(self) -> None:
         self.now()  # bind the loop's clock while a loop runs
@@ -207,6 +208,11 @@ class Fleet:
         self.registry.update_load(worker_id, load)
         if self._held:
             self._schedule_pump()  # capacity may have freed up
+
+    def on_load_stale(self, worker_id: str, read: Callable[[], LoadReport]) -> None:  # on_load, read lazily
+        self.registry.stale(worker_id, read)
+        if self._held:
+            self._schedule_pump()
 
     def on_unavailable(self, worker_id: str, reason: str) -> None:
         old = self.unavailable.get(worker_id)

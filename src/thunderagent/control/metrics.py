@@ -81,21 +81,15 @@ class Metrics:
             "Prompt tokens prefilled although some worker held them (per the index at routing time)",
             registry=r,
         )
-        self.predicted_hit_rate = Gauge(
-            "thunderagent_router_predicted_hit_rate", "predicted_hit_tokens / prompt_tokens", registry=r
-        )
-        self.recompute_rate = Gauge(
-            "thunderagent_prefill_recompute_rate", "prefill_recompute_tokens / prompt_tokens", registry=r
-        )
         self.decision_time = Histogram(
             "thunderagent_routing_decision_seconds", "Time to hash, match and choose a worker",
             buckets=_DECISION_BUCKETS, registry=r,
         )
-        for add in (self._liveness_metrics, self._scheduler_metrics, self._grouping_metrics, self._pd_metrics):
+        for add in (self._rate_metrics, self._liveness_metrics, self._scheduler_metrics, self._grouping_metrics,
+                    self._pd_metrics):
             add(r)
         self._tiers: set[str] = set()
         self._paced = (0, 0)  # the pacer's pauses and resumes already counted
-        self._prompt = self._predicted = self._recompute = 0
         self._routed_by, self._requests_by = _Children(self.routed), _Children(self.requests)
 
     def observe_route(self, d: Dispatch, seconds: float, now: float) -> None:
@@ -107,7 +101,6 @@ class Metrics:
         self.predicted_hit_tokens.inc(predicted_hit_tokens)
         self._prompt += prompt_tokens
         self._predicted += predicted_hit_tokens
-        self.predicted_hit_rate.set(self._predicted / self._prompt if self._prompt else 0.0)
 
     def count_request(self, endpoint: str, status: int) -> None:
         """``thunderagent_requests_total{endpoint,status}``: one answered request."""
@@ -124,7 +117,7 @@ class Metrics:
         self.seed.ended(prompt_tokens, cached_tokens, recompute, now)
         self.recompute_tokens.inc(recompute)
         self._recompute += recompute
-        self.recompute_rate.set(self._recompute / self._prompt if self._prompt else 0.0)
+        self._recompute_prompt = self._prompt
 
     def observe_correction(self, wrong: int) -> None:
         """Lazy verification found the index wrong about a request's worker (``wrong`` > 0)."""
@@ -152,6 +145,22 @@ class Metrics:
         self.running.labels(w).set(load.running)
         self.kv_usage.labels(w).set(load.kv_usage)
         self.healthy.labels(w).set(1 if healthy else 0)
+
+    def _rate_metrics(self, r: CollectorRegistry) -> None:
+        self._prompt = self._predicted = self._recompute = 0
+        self._recompute_prompt = 0  # _prompt when the recompute rate was last observed (its denominator)
+        self.predicted_hit_rate = Gauge(
+            "thunderagent_router_predicted_hit_rate", "predicted_hit_tokens / prompt_tokens", registry=r
+        )
+        self.recompute_rate = Gauge(
+            "thunderagent_prefill_recompute_rate", "prefill_recompute_tokens / prompt_tokens", registry=r
+        )
+        # Both are ratios of the totals above, computed when scraped (on the loop, like every
+        # observation) rather than set on every request; the recompute rate keeps the denominator of
+        # its last observation, exactly what a set() there would have left.
+        self.predicted_hit_rate.set_function(lambda: self._predicted / self._prompt if self._prompt else 0.0)
+        self.recompute_rate.set_function(
+            lambda: self._recompute / self._recompute_prompt if self._recompute_prompt else 0.0)
 
     def _liveness_metrics(self, r: CollectorRegistry) -> None:
         self.lease_expired = Counter(

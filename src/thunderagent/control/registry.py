@@ -1,6 +1,8 @@
 """Worker registry and health, pure and clock-free.
 
-Workers register with their static facts, then heartbeat with a :class:`LoadReport`. ``check(now)``
+Workers register with their static facts, then heartbeat with a :class:`LoadReport` (between
+heartbeats: a pushed report, or a reader of it registered with :meth:`WorkerRegistry.stale`, called
+before the registry's loads are next read). ``check(now)``
 turns a worker that missed ``misses`` heartbeat intervals into *unhealthy* (it leaves routing; the
 caller purges its index entries) and back into *healthy* when heartbeats resume. Drivers (the server,
 NATS listeners, the simulator) call these methods; nothing here reads a clock.
@@ -46,8 +48,11 @@ class WorkerRegistry:
         self.timeout = heartbeat_interval * misses
         self._entries: dict[str, _Entry] = {}
         self._view = FleetView(routing) if routing is not None else None
+        #: workers whose load changed since their last report: a reader of it each, called on the next read
+        self._stale: dict[str, Callable[[], LoadReport]] = {}
 
     def register(self, info: WorkerInfo, now: float) -> None:
+        self._stale.pop(info.worker_id, None)
         empty = LoadReport(info.worker_id, now, 0, 0, 0, 0, 0, 0, info.kv_total_blocks)
         self._entries[info.worker_id] = _Entry(info, empty, now)
         if self._view is not None:  # its static facts may have changed: enter it afresh
@@ -55,6 +60,7 @@ class WorkerRegistry:
             self._view.add(self._state(info.worker_id, self._entries[info.worker_id]))
 
     def deregister(self, worker_id: str) -> bool:
+        self._stale.pop(worker_id, None)
         if self._view is not None:
             self._view.remove(worker_id)
         return self._entries.pop(worker_id, None) is not None
@@ -72,7 +78,27 @@ class WorkerRegistry:
         if e is not None:
             self._set_load(worker_id, e, load)
 
+    def stale(self, worker_id: str, read: Callable[[], LoadReport]) -> None:
+        """``worker_id``'s load changed; ``read()`` returns it. Called before the registry's loads are
+        next read (:meth:`routable`, :meth:`loads`, :meth:`check`), not now: a worker whose load
+        changes several times between two reads (submitted, started, ended) reports once, and every
+        read still sees the load as of that read, never an older one. ``read`` must not call back
+        into the registry."""
+        if worker_id in self._entries:
+            self._stale[worker_id] = read
+
+    def _flush(self) -> None:
+        stale = self._stale
+        if stale:
+            self._stale = {}
+            entries = self._entries
+            for wid, read in stale.items():
+                e = entries.get(wid)
+                if e is not None:
+                    self._set_load(wid, e, read())
+
     def _set_load(self, worker_id: str, e: _Entry, load: LoadReport) -> None:
+        self._stale.pop(worker_id, None)  # a report at least as fresh as the one the reader would give
         e.load = load
         i = self._view.position(worker_id) if self._view is not None else None
         if i is not None:
@@ -86,6 +112,7 @@ class WorkerRegistry:
     def check(self, now: float, silent_for: Callable[[float, float], float] | None = None) -> list[HealthChange]:
         """Health changes at ``now``. ``silent_for(since, now)`` measures a worker's silence (default:
         wall time; the fleet passes :meth:`LoopLag.silent_for`, which leaves out its own loop's lag)."""
+        self._flush()  # a worker back in routing enters the view with its current load
         changes = []
         for wid, e in self._entries.items():
             silent = silent_for(e.last_heartbeat, now) if silent_for is not None else now - e.last_heartbeat
@@ -114,6 +141,8 @@ class WorkerRegistry:
 
     def routable(self) -> Sequence[WorkerState]:
         """Healthy workers as the router sees them (the maintained view, when kept: do not mutate)."""
+        if self._stale:
+            self._flush()
         if self._view is not None:
             return self._view
         return [
@@ -131,4 +160,5 @@ class WorkerRegistry:
         ]
 
     def loads(self) -> dict[str, LoadReport]:
+        self._flush()
         return {wid: e.load for wid, e in self._entries.items()}

@@ -2,8 +2,8 @@
 (``metrics.window_s``), the hot worker and its skew, the fleet's KV water level, TTFT and ITL per
 worker and per route key, and decisions by kind.
 
-Rates over the window (gauges, recomputed on every observation and on the health tick, so a quiet
-fleet's rates decay to 0 instead of freezing):
+Rates over the window (gauges, as of the latest observation or health tick, so a quiet fleet's
+rates decay to 0 instead of freezing; computed when scraped, see :meth:`SeedMetrics.refresh`):
 
 - ``thunderagent_cache_hit_rate``: share of the requests routed in the window that went to a worker
   the index believed held part of their prompt;
@@ -89,6 +89,15 @@ class SeedMetrics:
         self._ended = WindowSums(window_s, 3)  # prompt tokens, cached tokens, recomputed tokens
         self.max_route_keys = max_route_keys
         self._keys: set[str] = set()
+        #: the ``now`` of the latest observation or tick whose rates were not computed yet (None: current)
+        self._due: float | None = None
+        self._rates = (0.0, 0.0, 0.0)  # hit, reuse, recompute, as of the latest observation or tick
+        # labelled children and Latency records, each built once: ``labels()`` validates and joins its
+        # values on every call, four per request here. Label values are bounded (workers, kinds, at most
+        # max_route_keys + 1 route keys) and no child is ever removed, so a kept child stays exported.
+        self._latency: dict[tuple[str, str], Latency] = {}
+        self._kind: dict[str, Counter] = {}
+        self._hits: dict[str, Counter] = {}
         self.hit_rate = Gauge("thunderagent_cache_hit_rate", "Requests routed to a worker holding part of their "
                               "prompt / requests routed, over the window", registry=r)
         self.reuse_rate = Gauge("thunderagent_cache_reuse_rate", "Prompt tokens engines served from cache / prompt "
@@ -112,31 +121,55 @@ class SeedMetrics:
         self.decisions = Counter("thunderagent_decisions", "Routing decisions by kind (grouped, held, fallback, "
                                  "busy_filtered, hit, miss_balance, miss)", ["kind"], registry=r)
         for kind in DECISION_KINDS:
-            self.decisions.labels(kind)  # every kind reads 0 from the start
+            self._kind[kind] = self.decisions.labels(kind)  # every kind reads 0 from the start
         self.worker_hits = Counter("thunderagent_routed_hits", "Requests routed to a worker while it held part of "
                                    "their prompt, per worker (the scaling planner's per-worker hit rate)", ["worker"],
                                    registry=r)
+        # the rates are read when scraped (generate_latest, on the event loop's thread like every
+        # observation: /metrics renders there), not recomputed on every request
+        self.hit_rate.set_function(lambda: self._rate(0))
+        self.reuse_rate.set_function(lambda: self._rate(1))
+        self.recompute_rate.set_function(lambda: self._rate(2))
 
     def routed(self, d: Dispatch, now: float) -> None:
-        self.decisions.labels(decision_kind(d)).inc()
+        kind = decision_kind(d)
+        child = self._kind.get(kind)
+        if child is None:
+            child = self._kind[kind] = self.decisions.labels(kind)
+        child.inc()
         self._routed.add(now, 1.0, 1.0 if d.predicted_tokens > 0 else 0.0)
         if d.predicted_tokens > 0:
-            self.worker_hits.labels(d.decision.worker_id).inc()
-        self.refresh(now)
+            wid = d.decision.worker_id
+            hits = self._hits.get(wid)
+            if hits is None:
+                hits = self._hits[wid] = self.worker_hits.labels(wid)
+            hits.inc()
+        self._due = now
 
     def ended(self, prompt_tokens: int, cached_tokens: int, recomputed_tokens: int, now: float) -> None:
         """A request that reached its engine ended: its prompt, what its engine reused, and what
         was recomputed although some worker held it."""
         self._ended.add(now, prompt_tokens, cached_tokens, recomputed_tokens)
-        self.refresh(now)
+        self._due = now
 
     def refresh(self, now: float) -> None:
-        """Recompute the window rates (the health tick calls it: quiet windows decay)."""
-        n, hits = self._routed.totals(now)
-        self.hit_rate.set(hits / n if n else 0.0)
-        prompt, cached, recomputed = self._ended.totals(now)
-        self.reuse_rate.set(cached / prompt if prompt else 0.0)
-        self.recompute_rate.set(recomputed / prompt if prompt else 0.0)
+        """The window rates are as of ``now`` (the health tick calls it: quiet windows decay).
+
+        Lazy: the rates are computed when read (a scrape), at the ``now`` of the latest observation or
+        tick. That is exactly the value the eager recompute of every call would have left: nothing was
+        added to the windows after that call, and a window read at a given ``now`` is the same whenever
+        it is read (``WindowSums`` clears slices by ``now``, never by the clock)."""
+        self._due = now
+
+    def _rate(self, i: int) -> float:
+        at = self._due
+        if at is not None:
+            self._due = None
+            n, hits = self._routed.totals(at)
+            prompt, cached, recomputed = self._ended.totals(at)
+            self._rates = (hits / n if n else 0.0, cached / prompt if prompt else 0.0,
+                           recomputed / prompt if prompt else 0.0)
+        return self._rates[i]
 
     def route_key(self, key: str) -> str:
         """The label for ``key``: itself while fewer than ``max_route_keys`` were seen, else ``_other``."""
@@ -150,8 +183,12 @@ class SeedMetrics:
     def latency(self, worker_id: str, key: str) -> Latency:
         """The histograms one request's TTFT and ITL go to (looked up once per request, not per token)."""
         label = self.route_key(key)
-        return Latency(self.worker_ttft.labels(worker_id), self.worker_itl.labels(worker_id),
-                       self.key_ttft.labels(label), self.key_itl.labels(label))
+        lat = self._latency.get((worker_id, label))
+        if lat is None:  # the histograms only record: one Latency serves every request of the pair
+            lat = self._latency[(worker_id, label)] = Latency(
+                self.worker_ttft.labels(worker_id), self.worker_itl.labels(worker_id),
+                self.key_ttft.labels(label), self.key_itl.labels(label))
+        return lat
 
     def loads(self, loads: Iterable[LoadReport]) -> None:
         """The fleet's latest load reports (routable workers): hot worker, skew, KV water level."""

@@ -18,7 +18,9 @@ The contract every handle keeps (``tests/engines/test_conformance.py`` checks it
   touched for :data:`STALL_TIMEOUT_S`, the same rule for every kind of worker.
 - **Load is pushed**: after every engine step, poll, submission or abort the handle calls
   ``on_load`` with a report that already counts the requests it was given but its engine has not
-  reported yet; routing reads the registry, never the handle.
+  reported yet; routing reads the registry, never the handle. A handle may instead call
+  ``on_load_stale`` (when given) with a reader of its load: the registry calls it before it is next
+  read, so several changes between two reads cost one report (see ``WorkerRegistry.stale``).
 - ``abort`` of an unknown or finished request is ignored; after ``abort`` nothing more arrives.
 """
 
@@ -99,6 +101,9 @@ class WorkerCallbacks:
     on_unavailable: Callable[[str, str], None]
     #: the control plane's clock (seconds): queue liveness times are on it
     clock: Callable[[], float]
+    #: ``on_load`` deferred to the next read: the handle's load changed, ``read`` returns it then
+    #: (None: the receiver takes only pushed reports, call ``on_load``)
+    on_load_stale: Callable[[str, Callable[[], LoadReport]], None] | None = None
 
 
 class WorkerHandle(Protocol):

@@ -170,8 +170,16 @@ class EngineWorker:
         return self._loop.time() if self._loop is not None else 0.0
 
     def _push_load(self) -> None:
+        # Called on every submission, first output and end of a request (three times per request).
+        # With ``on_load_stale`` the report is built once, when the registry is next read (a routing
+        # decision, the health tick): that read sees load() at that moment, every field current,
+        # never older than the report an eager push here would have left.
         if self.refused is None:
-            self._cb.on_load(self.worker_id, self.load())
+            stale = self._cb.on_load_stale
+            if stale is not None:
+                stale(self.worker_id, self.load)
+            else:
+                self._cb.on_load(self.worker_id, self.load())
 
     def _publish(self, step: StreamStep) -> None:
         if step.events:
