@@ -271,28 +271,8 @@ class BlockManager:
         is the hash before the first one), which keeps the event stream short.
         """
         hash_, by_hash, check = self._hash, self._by_hash, self._check
-        if end - start > 1:
-            # The common case, whole: fresh blocks (no hash yet) under hashes no copy holds and
-            # that are distinct, so they all become visible as one group. Checked and applied with
-            # C-level bulk calls instead of the per-block loop below; same state, same one event.
-            blocks = table[start:end]
-            hs = hashes[start:end]
-            if (hash_[blocks[0]] is None and by_hash.keys().isdisjoint(hs)
-                    and [hash_[b] for b in blocks].count(None) == len(blocks) and len(set(hs)) == len(hs)):
-                ck = None if checks is None else checks[start:end]
-                for b, h in zip(blocks, hs):
-                    hash_[b] = h
-                if ck is None:
-                    for b in blocks:
-                        check[b] = None
-                else:
-                    for b, c in zip(blocks, ck):
-                        check[b] = c
-                by_hash.update(zip(hs, blocks))
-                self._cached += len(blocks)
-                self._emit(BlockStored(self.worker_id, self._seq, tuple(hs), hashes[start - 1] if start > 0 else None,
-                                       None if ck is None else tuple(ck)))
-                return
+        if end - start > 1 and self._cache_fresh(table, hashes, start, end, checks):
+            return
         group: list[int] | None = None
         parent: int | None = None
         first = 0  # position of the group's first block
@@ -326,6 +306,33 @@ class BlockManager:
                 group.append(h)
         if group:
             self._flush(group, parent, checks, first)
+
+    def _cache_fresh(self, table: Sequence[int], hashes: Sequence[int], start: int, end: int,
+                     checks: Sequence[int] | None) -> bool:
+        """``cache_blocks``'s common case, whole: fresh blocks (no hash yet) under distinct hashes
+        no copy holds, so they all become visible as one group. Checked and applied with C-level
+        bulk calls instead of the per-block loop; same state, same one event. False (nothing
+        changed) when it does not apply."""
+        hash_, by_hash, check = self._hash, self._by_hash, self._check
+        blocks = table[start:end]
+        hs = hashes[start:end]
+        if not (hash_[blocks[0]] is None and by_hash.keys().isdisjoint(hs)
+                and [hash_[b] for b in blocks].count(None) == len(blocks) and len(set(hs)) == len(hs)):
+            return False
+        ck = None if checks is None else checks[start:end]
+        for b, h in zip(blocks, hs):
+            hash_[b] = h
+        if ck is None:
+            for b in blocks:
+                check[b] = None
+        else:
+            for b, c in zip(blocks, ck):
+                check[b] = c
+        by_hash.update(zip(hs, blocks))
+        self._cached += len(blocks)
+        self._emit(BlockStored(self.worker_id, self._seq, tuple(hs), hashes[start - 1] if start > 0 else None,
+                               None if ck is None else tuple(ck)))
+        return True
 
     def _flush(self, group: list[int], parent: int | None, checks: Sequence[int] | None, first: int) -> None:
         ck = None if checks is None else tuple(checks[first : first + len(group)])
