@@ -211,28 +211,34 @@ class BlockManager:
         copy. Unlinking and the common no-duplicate case are inlined: a full replay evicts millions
         of blocks, one at a time."""
         nxt, prev, s = self._next, self._prev, self.num_blocks
-        ref, hash_, by_hash, dups = self._ref, self._hash, self._by_hash, self._dups
-        removed: list[int] = []
+        ref, hash_, by_hash = self._ref, self._hash, self._by_hash
         self._lru_len -= count
-        fast = 0
+        # Walk the head's ``count`` blocks, then cut them off the list once (their own links go
+        # stale: ``release`` rewrites them when they rejoin the LRU).
+        taken = []
+        b = nxt[s]
         for _ in range(count):
-            b = nxt[s]  # the head: prev[b] is the sentinel
-            n = nxt[b]
-            nxt[s] = n
-            prev[n] = s
-            h = hash_[b]
-            if dups:  # some hash has several copies: the general path
+            taken.append(b)
+            b = nxt[b]
+        nxt[s] = b
+        prev[b] = s
+        removed: list[int]
+        if self._dups:  # some hash has several copies: the general path, block by block in LRU order
+            removed = []
+            for b in taken:
                 h = self._evict_hash(b)
                 if h is not None:
                     removed.append(h)
-            else:  # no copies anywhere: b is h's only (lookup) copy
-                hash_[b] = None
+        else:  # no copies anywhere: each block is its hash's only (lookup) copy
+            removed = [hash_[b] for b in taken]
+            for h in removed:
                 del by_hash[h]
-                removed.append(h)
-                fast += 1
+            for b in taken:
+                hash_[b] = None
+            self._cached -= count
+        for b in taken:
             ref[b] = 1
-            table.append(b)
-        self._cached -= fast
+        table.extend(taken)
         return removed
 
     def _evict_hash(self, b: int) -> int | None:
@@ -265,6 +271,8 @@ class BlockManager:
         is the hash before the first one), which keeps the event stream short.
         """
         hash_, by_hash, check = self._hash, self._by_hash, self._check
+        if end - start > 1 and self._cache_fresh(table, hashes, start, end, checks):
+            return
         group: list[int] | None = None
         parent: int | None = None
         first = 0  # position of the group's first block
@@ -299,6 +307,33 @@ class BlockManager:
         if group:
             self._flush(group, parent, checks, first)
 
+    def _cache_fresh(self, table: Sequence[int], hashes: Sequence[int], start: int, end: int,
+                     checks: Sequence[int] | None) -> bool:
+        """``cache_blocks``'s common case, whole: fresh blocks (no hash yet) under distinct hashes
+        no copy holds, so they all become visible as one group. Checked and applied with C-level
+        bulk calls instead of the per-block loop; same state, same one event. False (nothing
+        changed) when it does not apply."""
+        hash_, by_hash, check = self._hash, self._by_hash, self._check
+        blocks = table[start:end]
+        hs = hashes[start:end]
+        if not (hash_[blocks[0]] is None and by_hash.keys().isdisjoint(hs)
+                and [hash_[b] for b in blocks].count(None) == len(blocks) and len(set(hs)) == len(hs)):
+            return False
+        ck = None if checks is None else checks[start:end]
+        for b, h in zip(blocks, hs):
+            hash_[b] = h
+        if ck is None:
+            for b in blocks:
+                check[b] = None
+        else:
+            for b, c in zip(blocks, ck):
+                check[b] = c
+        by_hash.update(zip(hs, blocks))
+        self._cached += len(blocks)
+        self._emit(BlockStored(self.worker_id, self._seq, tuple(hs), hashes[start - 1] if start > 0 else None,
+                               None if ck is None else tuple(ck)))
+        return True
+
     def _flush(self, group: list[int], parent: int | None, checks: Sequence[int] | None, first: int) -> None:
         ck = None if checks is None else tuple(checks[first : first + len(group)])
         self._emit(BlockStored(self.worker_id, self._seq, tuple(group), parent, ck))
@@ -312,22 +347,27 @@ class BlockManager:
         """
         ref, hash_, clean = self._ref, self._hash, self._clean
         prev, nxt, s = self._prev, self._next, self.num_blocks
-        for i in range(len(table) - 1, -1, -1):
-            b = table[i]
+        # The freed cached blocks are chained onto the LRU tail one after another and the
+        # sentinel is closed once at the end (counters too): fewer stores per block.
+        t = prev[s]
+        freed = linked = 0
+        for b in reversed(table):
             r = ref[b] - 1
             ref[b] = r
             if r:
                 continue
-            self._active -= 1
+            freed += 1
             if hash_[b] is None:
                 clean.append(b)
             else:  # append to the LRU tail
-                t = prev[s]
                 nxt[t] = b
                 prev[b] = t
-                nxt[b] = s
-                prev[s] = b
-                self._lru_len += 1
+                t = b
+                linked += 1
+        nxt[t] = s
+        prev[s] = t
+        self._active -= freed
+        self._lru_len += linked
         table.clear()
 
     def _unlink(self, b: int) -> None:

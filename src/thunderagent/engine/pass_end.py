@@ -107,36 +107,40 @@ class PassEnd:
         tok = self._text.token
         finished = False
         same = 0
+        dec = 0  # added to ``_dec_tokens`` once at the end (``_finish`` subtracts; integer sums commute)
         for seq in p.emit:
             if seq.state != RUNNING:  # aborted while the pass ran
                 continue
             req = seq.req
             g = seq.generated
-            if g >= req.max_tokens:  # max_tokens == 0: done once the prompt is in
+            mt = req.max_tokens
+            if g >= mt:  # max_tokens == 0: done once the prompt is in
                 ids, reason = [], FinishReason.LENGTH
             elif g == seq.natural:  # the model samples EOS (not returned as a token)
                 ids, reason = [], FinishReason.STOP
             else:
+                last = seq.last_ns
+                seq.last_ns = t
+                seq.generated = g + 1
                 if g:  # not its first token: an inter-token latency
-                    last = seq.last_ns
                     if last == prev:
                         same += 1
                     else:
                         acct.add_itl((ts - last / 1e9) * 1e3, 1)
-                    self._dec_tokens += 1
+                    dec += 1
+                    if g + 1 < mt:
+                        continue
                 else:
-                    self._dec_tokens += seq.plen + 1
-                seq.last_ns = t
-                seq.generated = g + 1
-                if g + 1 < req.max_tokens:
-                    if not g:
+                    dec += seq.plen + 1
+                    if 1 < mt:
                         out.append(TokenOutput(req.request_id, [tok(seq.seed, req.resumed)], ts, seq.plen,
                                                seq.cached))
-                    continue
+                        continue
                 ids, reason = [tok(seq.seed, g + req.resumed)], FinishReason.LENGTH
             out.append(TokenOutput(req.request_id, ids, ts, seq.plen, seq.cached, True, reason))
             self._finish(seq)
             finished = True
+        self._dec_tokens += dec
         if same:
             acct.add_itl((ts - prev / 1e9) * 1e3, same)
         return finished

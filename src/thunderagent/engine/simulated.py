@@ -282,30 +282,46 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff):
         running = self._running
         emit = p.emit
         pid = p.pid
+        # The fast path's accumulators live in locals (a pass visits every running request) and
+        # are written back to ``p`` before anything else reads or changes it (``_schedule``, which
+        # may undo earlier entries of this pass when it preempts). Integer sums: same totals.
+        budget = p.budget
+        A = nd = 0
+        n = len(running)
         i = 0
-        while i < len(running) and p.budget > 0:
+        while i < n and budget > 0:
             seq = running[i]
-            L = seq.plen + seq.generated
+            g = seq.generated
+            L = seq.plen + g
             c = seq.computed
             # Fast path, the common case: a decoder computes its last sampled token.
-            if seq.generated and c == L - 1 and (L <= len(seq.table) * bs or bm.append_fresh(seq.table)):
+            if g and c == L - 1 and (L <= len(seq.table) * bs or bm.append_fresh(seq.table)):
                 seq.computed = L
                 seq.s_pass = pid
                 seq.s_before = c
-                p.budget -= 1
-                p.A += L
-                p.n_dec += 1
+                budget -= 1
+                A += L
+                nd += 1
                 emit.append(seq)
                 if L % bs == 0:  # the decode filled a block: cache it
                     self._cache(seq, c // bs, L // bs)
                 i += 1
                 continue
+            p.budget = budget
+            p.A += A
+            p.n_dec += nd
+            A = nd = 0
             r = self._schedule(seq, p, False, 0)
+            budget = p.budget
+            n = len(running)
             if r == SCHEDULED:
                 i += 1
             elif r == BLOCKED:
                 break
             # SELF_PREEMPTED: it left ``running``; the next one moved into slot i
+        p.budget = budget
+        p.A += A
+        p.n_dec += nd
 
     def _admit_waiting(self, p: _Pass) -> None:
         """(b) Admissions from the waiting queue (FIFO / priority), with head-of-line blocking."""
