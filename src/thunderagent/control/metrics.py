@@ -3,35 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from thunderagent.control.metric_children import LabelledChildren
 from thunderagent.control.seed_metrics import Latency, SeedMetrics
 from thunderagent.scheduler.dispatch import Dispatch
 from thunderagent.types import KvPull, LoadReport
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
-
-
-class _Children:
-    """A labelled metric's children, each looked up once: prometheus-client's ``labels()`` validates and
-    joins the values on every call, a cost per request on the hot path. The label values used here are
-    bounded (workers; the routes and statuses the app answers with)."""
-
-    __slots__ = ("_by", "_metric")
-
-    def __init__(self, metric: Any) -> None:
-        self._metric = metric
-        self._by: dict[tuple[str, ...], Any] = {}
-
-    def __call__(self, *values: str) -> Any:
-        child = self._by.get(values)
-        if child is None:
-            child = self._by[values] = self._metric.labels(*values)
-        return child
 
 
 class Metrics:
@@ -90,7 +71,7 @@ class Metrics:
             add(r)
         self._tiers: set[str] = set()
         self._paced = (0, 0)  # the pacer's pauses and resumes already counted
-        self._routed_by, self._requests_by = _Children(self.routed), _Children(self.requests)
+        self._routed_by, self._requests_by = LabelledChildren(self.routed), LabelledChildren(self.requests)
 
     def observe_route(self, d: Dispatch, seconds: float, now: float) -> None:
         prompt_tokens, predicted_hit_tokens = len(d.request.prompt_tokens), d.predicted_tokens

@@ -30,6 +30,7 @@ from statistics import median
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from thunderagent.control.metric_children import LabelledChildren
 from thunderagent.control.window import WindowSums
 from thunderagent.scheduler.dispatch import Dispatch
 from thunderagent.types import LoadReport
@@ -92,12 +93,9 @@ class SeedMetrics:
         #: the ``now`` of the latest observation or tick whose rates were not computed yet (None: current)
         self._due: float | None = None
         self._rates = (0.0, 0.0, 0.0)  # hit, reuse, recompute, as of the latest observation or tick
-        # labelled children and Latency records, each built once: ``labels()`` validates and joins its
-        # values on every call, four per request here. Label values are bounded (workers, kinds, at most
-        # max_route_keys + 1 route keys) and no child is ever removed, so a kept child stays exported.
+        # Latency records, each built once per (worker, route key) (four ``labels()`` calls each: see
+        # control/metric_children.py; at most max_route_keys + 1 route keys)
         self._latency: dict[tuple[str, str], Latency] = {}
-        self._kind: dict[str, Counter] = {}
-        self._hits: dict[str, Counter] = {}
         self.hit_rate = Gauge("thunderagent_cache_hit_rate", "Requests routed to a worker holding part of their "
                               "prompt / requests routed, over the window", registry=r)
         self.reuse_rate = Gauge("thunderagent_cache_reuse_rate", "Prompt tokens engines served from cache / prompt "
@@ -120,11 +118,13 @@ class SeedMetrics:
                                  ["route_key"], buckets=_LATENCY_BUCKETS, registry=r)
         self.decisions = Counter("thunderagent_decisions", "Routing decisions by kind (grouped, held, fallback, "
                                  "busy_filtered, hit, miss_balance, miss)", ["kind"], registry=r)
+        self._kind = LabelledChildren(self.decisions)
         for kind in DECISION_KINDS:
-            self._kind[kind] = self.decisions.labels(kind)  # every kind reads 0 from the start
+            self._kind(kind)  # every kind reads 0 from the start
         self.worker_hits = Counter("thunderagent_routed_hits", "Requests routed to a worker while it held part of "
                                    "their prompt, per worker (the scaling planner's per-worker hit rate)", ["worker"],
                                    registry=r)
+        self._hits = LabelledChildren(self.worker_hits)
         # the rates are read when scraped (generate_latest, on the event loop's thread like every
         # observation: /metrics renders there), not recomputed on every request
         self.hit_rate.set_function(lambda: self._rate(0))
@@ -132,18 +132,10 @@ class SeedMetrics:
         self.recompute_rate.set_function(lambda: self._rate(2))
 
     def routed(self, d: Dispatch, now: float) -> None:
-        kind = decision_kind(d)
-        child = self._kind.get(kind)
-        if child is None:
-            child = self._kind[kind] = self.decisions.labels(kind)
-        child.inc()
+        self._kind(decision_kind(d)).inc()
         self._routed.add(now, 1.0, 1.0 if d.predicted_tokens > 0 else 0.0)
         if d.predicted_tokens > 0:
-            wid = d.decision.worker_id
-            hits = self._hits.get(wid)
-            if hits is None:
-                hits = self._hits[wid] = self.worker_hits.labels(wid)
-            hits.inc()
+            self._hits(d.decision.worker_id).inc()
         self._due = now
 
     def ended(self, prompt_tokens: int, cached_tokens: int, recomputed_tokens: int, now: float) -> None:
