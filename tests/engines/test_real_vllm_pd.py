@@ -276,5 +276,7 @@ async def test_mismatched_transfer_is_refused_and_prefilled_on_the_decode_server
     # way the pull failed on the decode server and the client got one normal stream with the right text
     assert worker == "worker-1" and rerouted == 0
     assert fallbacks in ({"decode_refused_transfer": 1.0}, {}), fallbacks
-    assert grown(before, after, "vllm:nixl_num_failed_transfers_total") == 1
+    # vLLM's own count of the failed pull: 1, or 2 when it counted the failed handshake and the read
+    # apart (seen once in CI); 0 would mean no pull was tried
+    assert grown(before, after, "vllm:nixl_num_failed_transfers_total") >= 1
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected[1]
