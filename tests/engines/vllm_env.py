@@ -226,6 +226,16 @@ class VllmServer:
         except ProcessLookupError:
             pass
 
+    def pause(self) -> None:
+        """Freeze the server's whole process group (SIGSTOP): it produces nothing until ``resume``, and
+        what it already wrote to its sockets still reaches the reader."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.kill(signal.SIGTERM)
