@@ -139,7 +139,9 @@ async def test_streams_on_a_killed_vllm_server_continue_exactly(
         assert not differ, f"greedy runs differ between the two servers for prompts {differ}: not reproducible"
         want = refs[0]
 
-        cfg = front_config(tiny_model_dir, vllm_servers)
+        # a 20 s lease: the victim is frozen (SIGSTOP) for up to 3 s at a time before the kill, and a
+        # worker whose lease ran out in a freeze would be taken out of routing for it
+        cfg = front_config(tiny_model_dir, vllm_servers, heartbeat_misses=40)
         # 100 requests at once on two tiny CPU servers are a backlog of tens of seconds by design, and
         # this test is about migration, not admission: no holding queue (it would refuse some with 429
         # and hand the servers only what their sequence slots take, so a short stream could end
@@ -151,6 +153,9 @@ async def test_streams_on_a_killed_vllm_server_continue_exactly(
                                      "routing": cfg.routing.model_copy(update={"policy": Policy.round_robin})})
         async with thunderagent(cfg, vllm_servers) as front:
             fleet = front.fleet
+            # nor may its requests be cut as stalled in the freezes (8 s of silence, counted across
+            # freezes when a short thaw brings no keepalive): the kill, not a stall, moves them
+            fleet.stall_timeout = 60.0
             # the token ids each client request received, in order (the frontend returns text only),
             # and its generation (its migration count)
             got_ids: dict[tuple[int, ...], list[int]] = {}
@@ -193,22 +198,34 @@ async def test_streams_on_a_killed_vllm_server_continue_exactly(
             # cores (a CI run saw 14 of 16 streams counted mid-way end before the kill landed). So the
             # victim is frozen first (SIGSTOP), what it already sent drains, the cut is read from what
             # ThunderAgent then holds, and the frozen server is killed: no stream ends in between. Too
-            # few still mid-way after the drain: thaw it and wait for the next ones. The freeze stays
-            # well inside the 5 s lease, so the worker is not taken out of routing for it.
-            deadline = time.monotonic() + 120
+            # few mid-way after the drain: thaw it for a moment and look again (too early: they move on;
+            # too late: the next ones start). Each freeze stays well inside the 5 s lease, and every thaw
+            # lets the server answer the poll that waited, so the worker is never taken out of routing.
+            deadline = time.monotonic() + 150
+            looks: list[str] = []
             while True:
                 await wait_until(lambda: midway() >= case.midway, max(1.0, deadline - time.monotonic()),
-                                 f"{case.midway} streams mid-way on worker-1")
-                await asyncio.to_thread(victim.pause)
-                cut_at, stable_since, frozen_at = on_victim_now(), time.monotonic(), time.monotonic()
-                while time.monotonic() - stable_since < 0.5 and time.monotonic() - frozen_at < 3.0:
-                    await asyncio.sleep(0.05)
-                    now = on_victim_now()
-                    if now != cut_at:
-                        cut_at, stable_since = now, time.monotonic()
-                if sum(8 <= k < max_tokens for k in cut_at.values()) >= case.midway or time.monotonic() > deadline:
+                                 f"{case.midway} streams mid-way on worker-1 (looks while frozen: {looks})")
+                while True:
+                    await asyncio.to_thread(victim.pause)
+                    cut_at, stable_since, frozen_at = on_victim_now(), time.monotonic(), time.monotonic()
+                    while time.monotonic() - stable_since < 0.5 and time.monotonic() - frozen_at < 3.0:
+                        await asyncio.sleep(0.05)
+                        now = on_victim_now()
+                        if now != cut_at:
+                            cut_at, stable_since = now, time.monotonic()
+                    ks = sorted(cut_at.values())
+                    n_mid = sum(8 <= k < max_tokens for k in ks)
+                    looks.append(f"{time.monotonic() - t_start:.1f}s: {n_mid} mid-way of {ks}")
+                    if n_mid >= case.midway:
+                        break
+                    await asyncio.to_thread(victim.resume)
+                    assert time.monotonic() < deadline, f"never {case.midway} streams mid-way on worker-1: {looks}"
+                    if sum(k < 8 for k in ks) < case.midway - n_mid:
+                        break  # too late for these: wait for the next ones
+                    await asyncio.sleep(0.3)  # too early: let them stream a few tokens
+                if n_mid >= case.midway:
                     break
-                await asyncio.to_thread(victim.resume)
             t_kill = time.monotonic()
             await asyncio.to_thread(victim.kill)  # SIGKILL to the server's process group
             got = await asyncio.gather(*tasks)
@@ -261,7 +278,8 @@ async def test_streams_on_a_killed_vllm_server_continue_exactly(
         assert g["usage"]["completion_tokens"] == len(w["ids"]) == w["usage"]["completion_tokens"]
     assert not mismatches, "\n".join(mismatches)
     last = max(g["end"] for g in got) - t_kill
-    note(f"migration on vLLM, {n} streams of {max_tokens} tokens: killed with {len(mid)} of the {len(cut_at)} streams "
+    note(f"migration on vLLM, {n} streams of {max_tokens} tokens ({len(looks)} look(s) while frozen): killed with "
+         f"{len(mid)} of the {len(cut_at)} streams "
          f"on the victim mid-way, {int(moved)} moved (cut after "
          f"{sorted(k for ks in resumed.values() for k in ks)} tokens), 0 failed, all {n} equal to unbroken greedy "
          f"runs; references {t_refs:.1f}s, killed {t_kill - t_start:.1f}s after the first request, the last "
