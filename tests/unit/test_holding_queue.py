@@ -249,3 +249,37 @@ def test_tracked_prefill_gate_counts_what_was_sent_until_its_first_token() -> No
     assert x is not None and x.request.request_id == "x" and not d.can_start(w)  # 68 sent
     d.retract(x)  # the worker could not take it: nothing of it is pending there
     assert d.can_start(w)
+
+
+def test_prefills_in_flight_gate_sends_only_to_a_worker_without_a_pending_prefill() -> None:
+    index = KvIndex(prediction_ttl=60.0)
+    for wid in ("w0", "w1"):
+        index.add_worker(wid)
+    d = Dispatcher(KvRouter(RoutingConfig(seed=1), index, random.Random(1)), 16,
+                   SchedulerConfig(enabled=True, prefills_in_flight=1, aging_tokens_per_s=0.0))
+    w = [_worker("w0"), _worker("w1")]
+    a = d.submit(d.prepare("a", list(range(40)), 4), "", w, 0.0)
+    assert a is not None
+    other = "w1" if a.decision.worker_id == "w0" else "w0"
+    # a's blocks are predicted on its worker, but that worker is mid-prefill: b goes to the other one
+    b = d.submit(d.prepare("b", list(range(40)), 4), "", w, 0.0)
+    assert b is not None and b.decision.worker_id == other and b.predicted_tokens == 0
+    assert not d.can_start(w)
+    assert d.submit(d.prepare("c", list(range(40)), 4), "", w, 0.1) is None  # held: both mid-prefill
+    assert d.progressed("b", ok=True) == 1  # b's first token on the other worker: pump
+    c = d.pump(w, 0.2)
+    assert c is not None and c.request.request_id == "c" and c.decision.worker_id == other
+    assert c.queue_wait == pytest.approx(0.1)
+    assert d.progressed("a", ok=True) == 0  # nothing held any more
+    assert d.can_start(w)
+    # the slot rule still applies besides the gate: a worker with every slot taken cannot start
+    full = LoadReport("w0", 0.0, 8, 0, 0, 0, 0, 0, 1000)  # 8 running
+    assert not d.can_start([WorkerState("w0", 16, 8192, 64, full, max_num_seqs=8)])
+    assert d.can_start([WorkerState("w0", 16, 8192, 64, full, max_num_seqs=9)])
+
+
+def test_prefills_in_flight_needs_the_holding_queue() -> None:
+    with pytest.raises(ValueError, match="prefills_in_flight acts only with scheduler.enabled"):
+        SchedulerConfig(enabled=False, prefills_in_flight=1)
+    with pytest.raises(ValueError):
+        SchedulerConfig(enabled=True, prefills_in_flight=0)

@@ -187,6 +187,14 @@ class SchedulerConfig(_Strict):
         "are at most this many passes (max_num_batched_tokens), and it is not busy (Dynamo's router_queue_threshold "
         "rule); null: the engine-reported gate (`engine_queue_depth`, `engine_backlog_passes`)",
     )
+    prefills_in_flight: int | None = Field(
+        None, ge=1,
+        description="latency gate: a worker starts a request only while fewer than this many requests the scheduler "
+        "sent it have no first token yet (besides the slot rule), and a request goes only to a worker that can "
+        "start it now. With 1, an admitted request waits in the engine for at most a decode pass before its own "
+        "prefill, never for another request's prefill; the engine admits new prompts one per prefill, so a fleet "
+        "whose arrivals outpace that holds or refuses more. null: off",
+    )
     admit_ttft_factor: float | None = Field(
         2.0, gt=1,
         description="SLO-style admission: a request no worker can start now is held only while its predicted wait "
@@ -210,6 +218,14 @@ class SchedulerConfig(_Strict):
         if not info.data.get("enabled", True) and v is not None and v != cls.model_fields["admit_ttft_factor"].default:
             raise ValueError("scheduler.admit_ttft_factor acts only with scheduler.enabled: true; enable the holding "
                              "queue or remove the field")
+        return v
+
+    @field_validator("prefills_in_flight")
+    @classmethod
+    def _gate_needs_queue(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("enabled", True):
+            raise ValueError("scheduler.prefills_in_flight acts only with scheduler.enabled: true (the gate holds "
+                             "requests in the holding queue); enable it or remove the field")
         return v
 
     @field_validator("admit_min_wait_s")

@@ -100,9 +100,13 @@ class Dispatcher:
         self.programs = ProgramTable(cfg.program_idle_ttl_s)
         self.pacer = (ProgramPacer(cfg.pacing, self.programs, self.index, block_size)
                       if cfg.pacing.enabled else None)
-        # with scheduler.tracked_prefill_passes: uncached prompt tokens sent per worker and not
-        # prefilled yet (no first token), and each such request's (worker, tokens)
+        # with scheduler.tracked_prefill_passes or prefills_in_flight: uncached prompt tokens and
+        # requests sent per worker and not prefilled yet (no first token), and each such request's
+        # (worker, tokens)
+        self._track = self.scheduler is not None and (
+            cfg.tracked_prefill_passes is not None or cfg.prefills_in_flight is not None)
         self._sent: dict[str, int] = {}
+        self._pending: dict[str, int] = {}
         self._unprefilled: dict[str, tuple[str, int]] = {}
         self._ready: deque[Held] = deque()  # released requests (resumed programs, followers), to dispatch first
         self.grouper = (Grouper(cfg.grouping, self.index, block_size, self._ready, cfg.max_queued)
@@ -157,9 +161,13 @@ class Dispatcher:
             avoid = offered
         try:
             if queue is None or (not len(queue) and self.can_start(workers)):
-                d = self.dispatch(req, workers, now, exclude=avoid, program=program)
-                d.route_key = key
-                return d
+                pool = self._gated(workers)
+                # (gated, the workers that can start it may all be ones a sibling should not wait on:
+                # then it is held like any request no worker can start)
+                if pool is workers or any(w.role != "prefill" and w.worker_id not in avoid for w in pool):
+                    d = self.dispatch(req, pool, now, exclude=avoid, program=program)
+                    d.route_key = key
+                    return d
             queue.push(Held(req, key, req.priority, now, self._uncached(req, now), program), now)
         except (QueueFull, NoWorkerAvailable):
             if program is not None:  # refused: not a step of the program
@@ -209,11 +217,17 @@ class Dispatcher:
         """Forget what ``request_id`` was sent with (tracked gate); True if it was counted."""
         sent = self._unprefilled.pop(request_id, None)
         if sent is not None:
-            left = self._sent[sent[0]] - sent[1]
+            wid = sent[0]
+            left = self._sent[wid] - sent[1]
             if left:
-                self._sent[sent[0]] = left
+                self._sent[wid] = left
             else:
-                del self._sent[sent[0]]
+                del self._sent[wid]
+            n = self._pending[wid] - 1
+            if n:
+                self._pending[wid] = n
+            else:
+                del self._pending[wid]
         return sent is not None
 
     def release(self, program: str) -> bool:
@@ -252,9 +266,11 @@ class Dispatcher:
         if held is None:
             return None
         assert self.scheduler is not None
-        if not queue.forced(held, now) and not self.can_start(workers):
+        forced = queue.forced(held, now)
+        if not forced and not self.can_start(workers):
             return None
-        d = self.dispatch(held.req, workers, now, program=held.program, backlog=self._backlog() - 1)
+        d = self.dispatch(held.req, workers if forced else self._gated(workers), now, program=held.program,
+                          backlog=self._backlog() - 1)
         queue.take(held, now)
         d.queue_wait, d.route_key = now - held.enqueued, held.key
         return d
@@ -276,26 +292,36 @@ class Dispatcher:
         return len(self._ready) + (len(self.queue) if self.queue is not None else 0)
 
     def can_start(self, workers: Sequence[WorkerState]) -> bool:
-        """Some worker can start a request now: it is not busy and, with ``tracked_prefill_passes``,
-        the uncached prompt tokens we sent it that have no first token yet are at most that many
-        passes (the router's own count: exact at once, where an engine's report lags its requests);
-        else it has a free sequence slot (or fewer than ``engine_queue_depth`` would wait in its
-        engine for one) and its reported prefill backlog would be done within
-        ``engine_backlog_passes`` passes."""
+        """Some worker can start a request now (:meth:`_startable`)."""
+        return any(self._startable(w) for w in workers)
+
+    def _startable(self, w: WorkerState) -> bool:
+        """``w`` can start a request now: it is not busy and, with ``tracked_prefill_passes``, the
+        uncached prompt tokens we sent it that have no first token yet are at most that many passes
+        (the router's own count: exact at once, where an engine's report lags its requests); else it
+        has a free sequence slot (or fewer than ``engine_queue_depth`` would wait in its engine for
+        one) and its reported prefill backlog would be done within ``engine_backlog_passes`` passes.
+        With ``prefills_in_flight``, also fewer than that many requests we sent it are before their
+        first token."""
         sched = self.scheduler
         assert sched is not None
-        cfg = self.router.cfg
+        if w.role == "prefill" or is_busy(w, self.router.cfg):
+            return False
+        wid = w.worker_id
+        if sched.prefills_in_flight is not None and self._pending.get(wid, 0) >= sched.prefills_in_flight:
+            return False
         if sched.tracked_prefill_passes is not None:  # what we sent, not what the engines reported
-            sent, passes = self._sent, sched.tracked_prefill_passes
-            return any(w.role != "prefill" and sent.get(w.worker_id, 0) <= passes * w.max_num_batched_tokens
-                       and not is_busy(w, cfg) for w in workers)
-        depth, passes = sched.engine_queue_depth, sched.engine_backlog_passes
-        return any(
-            w.role != "prefill" and _has_slot(w, depth)
-            and w.load.queued_prefill_tokens < passes * w.max_num_batched_tokens
-            and not is_busy(w, cfg)
-            for w in workers
-        )
+            return self._sent.get(wid, 0) <= sched.tracked_prefill_passes * w.max_num_batched_tokens
+        return (_has_slot(w, sched.engine_queue_depth)
+                and w.load.queued_prefill_tokens < sched.engine_backlog_passes * w.max_num_batched_tokens)
+
+    def _gated(self, workers: Sequence[WorkerState]) -> Sequence[WorkerState]:
+        """With ``prefills_in_flight``, the request goes only to a worker that can start it now (the
+        gate is about where it lands: a worker mid-prefill would make it wait for that prefill)."""
+        sched = self.scheduler
+        if sched is None or sched.prefills_in_flight is None:
+            return workers
+        return [w for w in workers if w.role == "prefill" or self._startable(w)]
 
     def _uncached(self, req: EngineRequest, now: float) -> int:
         n = len(req.prompt_tokens)
@@ -346,11 +372,12 @@ class Dispatcher:
             self.programs.request_placed(prog.program_id, decision.worker_id)
         if self.grouper is not None:
             self.grouper.placed(req.request_id, req.block_hashes, decision.worker_id, now)
-        if self.scheduler is not None and self.scheduler.tracked_prefill_passes is not None:
+        if self._track:
             self._prefilled(req.request_id)  # (a retried request is counted once)
             wid = decision.worker_id
             self._unprefilled[req.request_id] = (wid, n - predicted)
             self._sent[wid] = self._sent.get(wid, 0) + n - predicted
+            self._pending[wid] = self._pending.get(wid, 0) + 1
         return Dispatch(req, decision, best_known, predicted, pd=plan)
 
     def retract(self, d: Dispatch) -> int:
