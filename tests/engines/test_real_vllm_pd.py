@@ -130,7 +130,11 @@ def grown(before: dict[str, float], after: dict[str, float], name: str) -> float
 
 
 def plan_every_request(fleet: Fleet) -> None:
-    """Force the plan the disaggregation decision would make: prefill on worker-0, decode on worker-1."""
+    """Force the plan the disaggregation decision would make: prefill on worker-0, decode on worker-1.
+    A remote prefill may be silent 30 s instead of 4 s (half the stall bound): one on CI's 2 loaded
+    cores was silent longer, and ThunderAgent prefilled on the decode server instead (``prefill_silent``),
+    which is right for a fleet but not what these tests look at."""
+    fleet.disagg.silence_s = 30.0
     submit = fleet.dispatcher.submit
 
     def planned(req, key, workers, now, program=None):  # type: ignore[no-untyped-def]

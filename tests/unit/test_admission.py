@@ -148,3 +148,57 @@ def test_the_calibration_counts_the_dispatches_a_request_waited_for_not_its_plac
     q.push(held("e", 1.0), 1.0)  # 2 x 0.1 s
     with pytest.raises(QueueFull):
         q.push(held("f", 1.0), 1.0)  # 3 x 0.1 s > 0.25 s
+
+
+def test_the_overload_gate_engages_on_a_refusal_for_the_wait_and_releases_after_the_hold() -> None:
+    # two workers with free slots; the bound measured tight (a request held waited 0.05 s per place,
+    # service 0.1 s) so a third held request is refused
+    ws = [worker("w0", slots=8), worker("w1", slots=8)]
+    d = dispatcher(["w0", "w1"], overload_hold_s=5.0)
+    q = d.queue
+    assert q is not None and d.gate() is None
+    q.push(held("x", 0.0), 0.0)
+    q.take(q.next(0.05), 0.05)  # type: ignore[arg-type]
+    q.observe_service(0.1)
+    # not engaged: a worker may take any number of prompts in one pass (into free slots)
+    a = d.submit(d.prepare("a", [1] * 40, 4), "", ws, 1.0)
+    b = d.submit(d.prepare("b", [2] * 40, 4), "", ws, 1.0)
+    c = d.submit(d.prepare("c", [3] * 40, 4), "", ws, 1.0)
+    assert a is not None and b is not None and c is not None and d.gate() is None
+    # a full fleet: two held, the third refused for its wait -> engaged
+    full = [worker("w0", running=8, slots=8), worker("w1", running=8, slots=8)]
+    assert d.submit(d.prepare("h1", [4] * 40, 4), "", full, 1.1) is None
+    assert d.submit(d.prepare("h2", [5] * 40, 4), "", full, 1.1) is None
+    with pytest.raises(QueueFull, match="admit_ttft_factor"):
+        d.submit(d.prepare("h3", [6] * 40, 4), "", full, 1.1)
+    assert d.gate() == 1
+    # engaged: a, b, c have no first token yet, so neither worker can start another, slots or not
+    assert not d.can_start(ws)
+    assert d.pump(ws, 1.2) is None
+    d.progressed("a", ok=True)
+    d.progressed("b", ok=True)
+    d.progressed("c", ok=True)
+    first = d.pump(ws, 1.3)
+    assert first is not None and first.request.request_id == "h1"
+    second = d.pump(ws, 1.3)  # the other worker: the gate sends it where nothing is pending
+    assert second is not None and second.decision.worker_id != first.decision.worker_id
+    assert d.pump(ws, 1.3) is None and not d.can_start(ws)
+    # released 5 s after the last refusal for the wait: free slots take anything again
+    assert d.submit(d.prepare("late", [7] * 40, 4), "", ws, 6.2) is not None
+    assert d.gate() is None
+
+
+def test_the_overload_gate_settings_are_validated_with_their_names() -> None:
+    with pytest.raises(ValidationError, match="overload_prefills_in_flight acts only with scheduler.enabled"):
+        SchedulerConfig(enabled=False, overload_prefills_in_flight=2)
+    with pytest.raises(ValidationError, match="overload_hold_s acts only"):
+        SchedulerConfig(enabled=True, overload_prefills_in_flight=None, overload_hold_s=3.0)
+    assert SchedulerConfig(enabled=False).overload_prefills_in_flight == 1  # the default is no error
+
+
+def test_only_a_refusal_for_the_wait_counts_as_the_fleets_overload() -> None:
+    q = HoldingQueue(SchedulerConfig(enabled=True, max_queued_per_key=1))
+    q.push(held("k1", 0.0), 0.0)
+    with pytest.raises(QueueFull, match="max_queued_per_key") as err:
+        q.push(held("k2", 0.0), 0.0)  # one route key's quota: the fleet may be idle
+    assert not err.value.wait

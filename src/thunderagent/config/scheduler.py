@@ -195,6 +195,17 @@ class SchedulerConfig(_Strict):
         "prefill, never for another request's prefill; the engine admits new prompts one per prefill, so a fleet "
         "whose arrivals outpace that holds or refuses more. null: off",
     )
+    overload_prefills_in_flight: int | None = Field(
+        1, ge=1,
+        description="the same latency gate as prefills_in_flight, engaged only while the fleet is overloaded: from "
+        "a request refused with 429 for the wait it would have (max_queue_delay_s or admit_ttft_factor; not a count "
+        "bound or a route key's quota) until overload_hold_s without one. Under sustained overload what is admitted then starts at once instead of behind another prefill "
+        "(bench/overload.py: admitted TTFT p99 1.5x unloaded, 1.9-2.5x without); bursts the engines' free slots "
+        "take are never refused, so they never engage it. Ignored while prefills_in_flight is set; null: off",
+    )
+    overload_hold_s: float = Field(
+        10.0, gt=0, description="overload_prefills_in_flight stays engaged this long after the last 429 for load",
+    )
     admit_ttft_factor: float | None = Field(
         2.0, gt=1,
         description="SLO-style admission: a request no worker can start now is held only while its predicted wait "
@@ -226,6 +237,24 @@ class SchedulerConfig(_Strict):
         if v is not None and not info.data.get("enabled", True):
             raise ValueError("scheduler.prefills_in_flight acts only with scheduler.enabled: true (the gate holds "
                              "requests in the holding queue); enable it or remove the field")
+        return v
+
+    @field_validator("overload_prefills_in_flight")
+    @classmethod
+    def _overload_gate_needs_queue(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if (v is not None and v != cls.model_fields["overload_prefills_in_flight"].default
+                and not info.data.get("enabled", True)):
+            raise ValueError("scheduler.overload_prefills_in_flight acts only with scheduler.enabled: true; enable "
+                             "it or remove the field")
+        return v
+
+    @field_validator("overload_hold_s")
+    @classmethod
+    def _hold_needs_the_gate(cls, v: float, info: ValidationInfo) -> float:
+        if v != cls.model_fields["overload_hold_s"].default and (
+                not info.data.get("enabled", True) or info.data.get("overload_prefills_in_flight") is None):
+            raise ValueError("scheduler.overload_hold_s acts only with scheduler.enabled: true and "
+                             "scheduler.overload_prefills_in_flight set; remove the field or turn them on")
         return v
 
     @field_validator("admit_min_wait_s")

@@ -32,6 +32,7 @@ After the requests of one instant are dispatched the driver calls :meth:`Dispatc
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -47,6 +48,8 @@ from thunderagent.scheduler.pacing import ProgramPacer
 from thunderagent.scheduler.programs import ProgramTable
 from thunderagent.scheduler.queue import Held, HoldingQueue, QueueFull
 from thunderagent.types import Decision, EngineRequest, PdPlan, RouteRequest, Sampling, WorkerState
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Dispatch", "Dispatcher", "QueueFull"]
 
@@ -103,8 +106,13 @@ class Dispatcher:
         # with scheduler.tracked_prefill_passes or prefills_in_flight: uncached prompt tokens and
         # requests sent per worker and not prefilled yet (no first token), and each such request's
         # (worker, tokens)
-        self._track = self.scheduler is not None and (
-            cfg.tracked_prefill_passes is not None or cfg.prefills_in_flight is not None)
+        self._track = self.scheduler is not None and (cfg.tracked_prefill_passes is not None
+                                                      or cfg.prefills_in_flight is not None
+                                                      or cfg.overload_prefills_in_flight is not None)
+        # the latency gate in effect (prefills_in_flight, or overload_prefills_in_flight until
+        # overload_hold_s after the last refusal for the wait): set on each submit and pump
+        self._gate: int | None = cfg.prefills_in_flight if self.scheduler is not None else None
+        self._overloaded_at = -math.inf
         self._sent: dict[str, int] = {}
         self._pending: dict[str, int] = {}
         self._unprefilled: dict[str, tuple[str, int]] = {}
@@ -145,6 +153,7 @@ class Dispatcher:
         queue, pacer = self.queue, self.pacer
         if queue is not None and not workers:
             raise NoWorkerAvailable("no healthy worker is registered")
+        self._gate_at(now)
         if program is not None:
             prog = self.programs.request_started(program, now, req.block_hashes, len(req.prompt_tokens))
             if pacer is not None:
@@ -169,9 +178,12 @@ class Dispatcher:
                     d.route_key = key
                     return d
             queue.push(Held(req, key, req.priority, now, self._uncached(req, now), program), now)
-        except (QueueFull, NoWorkerAvailable):
+        except (QueueFull, NoWorkerAvailable) as e:
             if program is not None:  # refused: not a step of the program
                 self.programs.request_finished(program, 0, now, completed=False)
+            if isinstance(e, QueueFull) and e.wait:
+                self._overloaded_at = now
+                self._gate_at(now)
             raise
         return None
 
@@ -262,6 +274,7 @@ class Dispatcher:
         queue = self.queue
         if queue is None or not workers:
             return None
+        self._gate_at(now)
         held = queue.next(now)
         if held is None:
             return None
@@ -291,6 +304,22 @@ class Dispatcher:
         """Requests held here that wait for the fleet's capacity (released and queued ones)."""
         return len(self._ready) + (len(self.queue) if self.queue is not None else 0)
 
+    def _gate_at(self, now: float) -> None:
+        sched = self.scheduler
+        if sched is None or sched.prefills_in_flight is not None or sched.overload_prefills_in_flight is None:
+            return
+        gate = sched.overload_prefills_in_flight if now - self._overloaded_at < sched.overload_hold_s else None
+        if gate != self._gate:
+            log.info("latency gate %s: %s", "engaged (a request was refused for its wait)" if gate is not None
+                     else f"released ({sched.overload_hold_s:g}s without a refusal for the wait)",
+                     f"at most {gate} request(s) before their first token per worker" if gate is not None
+                     else "workers take requests into any free slot")
+            self._gate = gate
+
+    def gate(self) -> int | None:
+        """The latency gate in effect: requests before their first token a worker may have (None: off)."""
+        return self._gate
+
     def can_start(self, workers: Sequence[WorkerState]) -> bool:
         """Some worker can start a request now (:meth:`_startable`)."""
         return any(self._startable(w) for w in workers)
@@ -308,7 +337,7 @@ class Dispatcher:
         if w.role == "prefill" or is_busy(w, self.router.cfg):
             return False
         wid = w.worker_id
-        if sched.prefills_in_flight is not None and self._pending.get(wid, 0) >= sched.prefills_in_flight:
+        if self._gate is not None and self._pending.get(wid, 0) >= self._gate:
             return False
         if sched.tracked_prefill_passes is not None:  # what we sent, not what the engines reported
             return self._sent.get(wid, 0) <= sched.tracked_prefill_passes * w.max_num_batched_tokens
@@ -318,8 +347,7 @@ class Dispatcher:
     def _gated(self, workers: Sequence[WorkerState]) -> Sequence[WorkerState]:
         """With ``prefills_in_flight``, the request goes only to a worker that can start it now (the
         gate is about where it lands: a worker mid-prefill would make it wait for that prefill)."""
-        sched = self.scheduler
-        if sched is None or sched.prefills_in_flight is None:
+        if self._gate is None:
             return workers
         return [w for w in workers if w.role == "prefill" or self._startable(w)]
 

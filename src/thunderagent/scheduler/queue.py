@@ -47,9 +47,12 @@ _SERVICE_ALPHA = 0.1
 class QueueFull(Exception):
     """The holding queue (or one route key's share of it) is full: the client retries later."""
 
-    def __init__(self, message: str, retry_after: float) -> None:
+    def __init__(self, message: str, retry_after: float, *, wait: bool = False) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        #: refused for the wait it would have (``max_queue_delay_s``, ``admit_ttft_factor``): the
+        #: fleet is overloaded, as opposed to a count bound (memory) or one route key's quota
+        self.wait = wait
 
 
 @dataclass(slots=True, eq=False)
@@ -125,7 +128,7 @@ class HoldingQueue:
         wait = self.expected_wait()
         if cfg.max_queue_delay_s is not None and wait > cfg.max_queue_delay_s:
             raise QueueFull(f"a new request would wait about {wait:.2f}s here, over scheduler.max_queue_delay_s "
-                            f"({cfg.max_queue_delay_s}s)", self.retry_after(now))
+                            f"({cfg.max_queue_delay_s}s)", self.retry_after(now), wait=True)
         bound = self.admit_bound()
         if bound is not None:
             # The drain gap is a mean over busy periods' dispatches: when engines free their slots in
@@ -136,7 +139,7 @@ class HoldingQueue:
             if slo_wait > bound:
                 raise QueueFull(f"a new request would wait about {slo_wait:.3f}s here, over "
                                 f"(scheduler.admit_ttft_factor - 1) x the measured service TTFT ({bound:.3f}s)",
-                                self.retry_after(now))
+                                self.retry_after(now), wait=True)
         held.pops_at_push = self._pops
         if not self._by_id:
             self._last_pop = None  # a busy period starts: the idle time before it is no drain gap
