@@ -57,9 +57,10 @@ async def test_three_times_capacity_is_refused_not_fatal(tmp_path, gate):
     assert rep.health_after[0] == 200 and rep.health_after[1]["healthy_workers"] == 2, report
     assert rep.served_after == 200, report
     # admitted requests' TTFT stays near an unloaded fleet's: they go into free slots, none waits long.
-    # p90 carries the tight check (on: 2-2.5x; the admission bound off: ~11x, the one-per-pass engine
-    # gate instead of free slots: ~6x); on a shared 2-core machine one stall of the event loop lands
-    # in the p99 of a few hundred samples, so p99 gets a loose bound (off: 6-12x)
+    # p90 carries the tight check (defaults, the gate engaged by the refusals: ~1.5x; before that gate
+    # 2-2.5x; the admission bound off: ~11x, the one-per-pass engine gate instead of free slots: ~6x;
+    # the margin is for a loaded CI machine); on a shared 2-core machine one stall of the event loop
+    # lands in the p99 of a few hundred samples, so p99 gets a loose bound (off: 6-12x)
     # With the latency gate (``scheduler.prefills_in_flight: 1``) a request is sent only to a worker
     # with no prefill of ours in flight: it waits at most for a decode pass, never for another's
     # prefill (60 s bench: p90 1.5x, p99 1.5x; defaults 2.3x / 1.9-2.5x)
