@@ -272,6 +272,12 @@ def test_prefills_in_flight_gate_sends_only_to_a_worker_without_a_pending_prefil
     assert c.queue_wait == pytest.approx(0.1)
     assert d.progressed("a", ok=True) == 0  # nothing held any more
     assert d.can_start(w)
+    # a migrated stream's continuation (its first token long reported) is not counted as pending
+    cont = d.prepare("a", list(range(48)), 4)
+    cont.resumed = 8
+    dc = d.dispatch(cont, w, 0.3)
+    assert dc.decision.worker_id == a.decision.worker_id  # where its blocks are
+    assert d.can_start(w) and d.progressed("a", ok=False) == 0
     # the slot rule still applies besides the gate: a worker with every slot taken cannot start
     full = LoadReport("w0", 0.0, 8, 0, 0, 0, 0, 0, 1000)  # 8 running
     assert not d.can_start([WorkerState("w0", 16, 8192, 64, full, max_num_seqs=8)])
