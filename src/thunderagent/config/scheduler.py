@@ -231,21 +231,14 @@ class SchedulerConfig(_Strict):
                              "queue or remove the field")
         return v
 
-    @field_validator("prefills_in_flight")
+    @field_validator("prefills_in_flight", "overload_prefills_in_flight")
     @classmethod
     def _gate_needs_queue(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v is not None and not info.data.get("enabled", True):
-            raise ValueError("scheduler.prefills_in_flight acts only with scheduler.enabled: true (the gate holds "
-                             "requests in the holding queue); enable it or remove the field")
-        return v
-
-    @field_validator("overload_prefills_in_flight")
-    @classmethod
-    def _overload_gate_needs_queue(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if (v is not None and v != cls.model_fields["overload_prefills_in_flight"].default
-                and not info.data.get("enabled", True)):
-            raise ValueError("scheduler.overload_prefills_in_flight acts only with scheduler.enabled: true; enable "
-                             "it or remove the field")
+        name = info.field_name
+        assert name is not None
+        if v is not None and v != cls.model_fields[name].default and not info.data.get("enabled", True):
+            raise ValueError(f"scheduler.{name} acts only with scheduler.enabled: true (the gate holds requests in "
+                             "the holding queue); enable it or remove the field")
         return v
 
     @field_validator("overload_hold_s")

@@ -169,11 +169,12 @@ class Dispatcher:
                 return None
             avoid = offered
         try:
-            if queue is None or (not len(queue) and self.can_start(workers)):
-                pool = self._gated(workers)
-                # (gated, the workers that can start it may all be ones a sibling should not wait on:
-                # then it is held like any request no worker can start)
-                if pool is workers or any(w.role != "prefill" and w.worker_id not in avoid for w in pool):
+            if queue is None or not len(queue):
+                pool = workers if queue is None else self._gated(workers)
+                # gated, the pool's decode workers are exactly those that can start it now, and they
+                # may all be ones a sibling should not wait on: then it is held like the rest
+                if queue is None or (self.can_start(workers) if pool is workers else
+                                     any(w.role != "prefill" and w.worker_id not in avoid for w in pool)):
                     d = self.dispatch(req, pool, now, exclude=avoid, program=program)
                     d.route_key = key
                     return d
@@ -330,8 +331,8 @@ class Dispatcher:
         (the router's own count: exact at once, where an engine's report lags its requests); else it
         has a free sequence slot (or fewer than ``engine_queue_depth`` would wait in its engine for
         one) and its reported prefill backlog would be done within ``engine_backlog_passes`` passes.
-        With ``prefills_in_flight``, also fewer than that many requests we sent it are before their
-        first token."""
+        With the latency gate in effect (:meth:`gate`), also fewer than that many requests we sent it
+        are before their first token."""
         sched = self.scheduler
         assert sched is not None
         if w.role == "prefill" or is_busy(w, self.router.cfg):
@@ -345,8 +346,9 @@ class Dispatcher:
                 and w.load.queued_prefill_tokens < sched.engine_backlog_passes * w.max_num_batched_tokens)
 
     def _gated(self, workers: Sequence[WorkerState]) -> Sequence[WorkerState]:
-        """With ``prefills_in_flight``, the request goes only to a worker that can start it now (the
-        gate is about where it lands: a worker mid-prefill would make it wait for that prefill)."""
+        """With the latency gate in effect, the request goes only to a worker that can start it now
+        (the gate is about where it lands: a worker mid-prefill would make it wait for that prefill);
+        prefill-role workers stay (the disaggregation plan's pool)."""
         if self._gate is None:
             return workers
         return [w for w in workers if w.role == "prefill" or self._startable(w)]
