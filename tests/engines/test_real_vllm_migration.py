@@ -3,8 +3,9 @@ them killed (``kill -9`` of its process group) mid-stream; every stream goes on 
 and ends with exactly the token ids and text of an unbroken greedy run of its prompt.
 
 Two cases: 12 long streams (256 tokens), and 100 concurrent short ones (96 tokens) with the kill
-waiting until at least 10 of them are mid-way on the victim. The kill is triggered by the tokens
-ThunderAgent has streamed, never by a sleep: the victim is frozen (SIGSTOP), what it already sent
+waiting until at least 10 of them are mid-way on the victim. The victim is frozen (SIGSTOP) while the
+requests are posted, so it starts a batch of them together. The kill is triggered by the tokens
+ThunderAgent has streamed, never by a sleep: the victim is frozen again, what it already sent
 drains, the cut is read, and the frozen server is killed.
 
 The references are taken first, straight from both servers (no ThunderAgent): they must agree with
@@ -54,16 +55,13 @@ class Case:
 
 
 CASES = [
-    # the tiny model streams ~100 tokens/s on a quiet machine and the holding queue staggers
-    # admissions, so with 12 streams three mid-way at once is a race: two is reliable
+    # 12 long streams, 6 on the victim (round robin), started together after the thaw; 2 mid-way
+    # is asked (all 6 usually are)
     Case(12, 256, midway=2, tail=64),
-    # 100 streams: each server runs MAX_NUM_SEQS at once and the holding queue keeps most of the rest;
-    # it starts a request on a worker once the last one there has its first token and refills as
-    # streams end, so the victim's 16 are spread over the stream's length (in waves): with the window
-    # 8..80 of 96 tokens, 10 were mid-way at once 3.6-8.7 s into every run (64 tokens, window 8..48:
-    # only near the run's end). Short streams keep the run well under 2 minutes on 2 loaded cores
-    # and leave fewer decode steps where a numerical near-tie could flip between decode and a
-    # continuation's prefill (768-token streams did flip)
+    # 100 streams, round robin: 50 on the victim, which runs MAX_NUM_SEQS (16) at once, started
+    # together after the thaw, then the rest as those end. Short streams keep the run well under 2
+    # minutes on 2 loaded cores and leave fewer decode steps where a numerical near-tie could flip
+    # between decode and a continuation's prefill (768-token streams did flip)
     Case(100, 96, midway=10, tail=16),
 ]
 
@@ -183,9 +181,21 @@ async def test_streams_on_a_killed_vllm_server_continue_exactly(
 
                 transport.stream_post = spy_post
 
+            # The victim is frozen while every request is posted, so that it starts a full batch of
+            # streams in lockstep when thawed. Otherwise its streams start as ThunderAgent posts them,
+            # and that pace (one event loop streaming tens of responses on 2 cores) could spread them
+            # wider than a 96-token stream lasts on a fast machine: a CI run never had 10 mid-way at
+            # once. Posts to a frozen server wait in its listen backlog; the 20 s lease outlasts this.
+            await asyncio.to_thread(victim.pause)
             t_start = time.monotonic()
             tasks = [asyncio.create_task(stream(s, front.base_url, front.model, p, max_tokens)) for p in ps]
             on_victim = fleet.workers["worker-1"]
+            try:
+                await wait_until(lambda: sum(map(len, sent.values())) >= n, 60, f"{n} requests posted to the servers")
+                await asyncio.sleep(0.5)  # the last posts' bytes reach the frozen server's socket
+            finally:
+                await asyncio.to_thread(victim.resume)
+            held = len(sent.get("worker-1", []))
 
             def midway() -> int:
                 return sum(8 <= len(g.produced) <= max_tokens - case.tail for g in fleet._generations_on(on_victim))
@@ -203,9 +213,28 @@ async def test_streams_on_a_killed_vllm_server_continue_exactly(
             # lets the server answer the poll that waited, so the worker is never taken out of routing.
             deadline = time.monotonic() + 150
             looks: list[str] = []
+            # what the victim held over time (streams on it, mid-way, done, failed), for the failure message
+            seen: list[str] = []
+
+            def trajectory() -> str:
+                done = [t for t in tasks if t.done()]
+                errs = [repr(t.exception())[:200] for t in done if t.exception() is not None]
+                return (f"{held} posted to worker-1 while frozen; looks while frozen: {looks}; on worker-1 over time (s: streams, mid-way, max tokens): "
+                        f"{seen[:60]}; {len(done)} of {n} streams done, {len(errs)} failed {errs[:3]}")
+
+            async def sample() -> None:
+                last = None
+                while True:  # a line each time what it holds changes
+                    ks = list(on_victim_now().values())
+                    if (len(ks), midway()) != last:
+                        last = (len(ks), midway())
+                        seen.append(f"{time.monotonic() - t_start:.1f}: {len(ks)}, {midway()}, {max(ks, default=0)}")
+                    await asyncio.sleep(0.1)
+
+            sampler = asyncio.create_task(sample())
             while True:
                 await wait_until(lambda: midway() >= case.midway, max(1.0, deadline - time.monotonic()),
-                                 f"{case.midway} streams mid-way on worker-1 (looks while frozen: {looks})")
+                                 f"{case.midway} streams mid-way on worker-1 ({trajectory()})")
                 while True:
                     await asyncio.to_thread(victim.pause)
                     cut_at, stable_since, frozen_at = on_victim_now(), time.monotonic(), time.monotonic()
@@ -220,12 +249,13 @@ async def test_streams_on_a_killed_vllm_server_continue_exactly(
                     if n_mid >= case.midway:
                         break
                     await asyncio.to_thread(victim.resume)
-                    assert time.monotonic() < deadline, f"never {case.midway} streams mid-way on worker-1: {looks}"
+                    assert time.monotonic() < deadline, f"never {case.midway} streams mid-way on worker-1: {trajectory()}"
                     if sum(k < 8 for k in ks) < case.midway - n_mid:
                         break  # too late for these: wait for the next ones
                     await asyncio.sleep(0.3)  # too early: let them stream a few tokens
                 if n_mid >= case.midway:
                     break
+            sampler.cancel()
             t_kill = time.monotonic()
             await asyncio.to_thread(victim.kill)  # SIGKILL to the server's process group
             got = await asyncio.gather(*tasks)
@@ -278,7 +308,8 @@ async def test_streams_on_a_killed_vllm_server_continue_exactly(
         assert g["usage"]["completion_tokens"] == len(w["ids"]) == w["usage"]["completion_tokens"]
     assert not mismatches, "\n".join(mismatches)
     last = max(g["end"] for g in got) - t_kill
-    note(f"migration on vLLM, {n} streams of {max_tokens} tokens ({len(looks)} look(s) while frozen): killed with "
+    note(f"migration on vLLM, {n} streams of {max_tokens} tokens ({held} posted to the frozen victim, "
+         f"{len(looks)} look(s) while frozen): killed with "
          f"{len(mid)} of the {len(cut_at)} streams "
          f"on the victim mid-way, {int(moved)} moved (cut after "
          f"{sorted(k for ks in resumed.values() for k in ks)} tokens), 0 failed, all {n} equal to unbroken greedy "
