@@ -3,10 +3,11 @@ them killed (``kill -9`` of its process group) mid-stream; every stream goes on 
 and ends with exactly the token ids and text of an unbroken greedy run of its prompt.
 
 Two cases: 12 long streams (256 tokens), and 100 concurrent short ones (96 tokens) with the kill
-waiting until at least 10 of them are mid-way on the victim. The victim is frozen (SIGSTOP) while the
-requests are posted, so it starts a batch of them together. The kill is triggered by the tokens
-ThunderAgent has streamed, never by a sleep: the victim is frozen again, what it already sent
-drains, the cut is read, and the frozen server is killed.
+waiting until at least 10 of them are mid-way on the victim. The victim is frozen (SIGSTOP) before
+the requests are posted (so it starts a batch of them together) and then runs only in short thaws:
+after each, what it sent drains into ThunderAgent and the cut is read from the tokens ThunderAgent
+has streamed. Once enough streams are mid-way the frozen server is killed, so none can end between
+the cut and the kill.
 
 The references are taken first, straight from both servers (no ThunderAgent): they must agree with
 each other, or greedy decoding on this model is not reproducible across servers and nothing below
@@ -27,6 +28,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -47,8 +49,6 @@ class Case:
     max_tokens: int
     #: streams mid-way on the victim when it is killed: at least 8 tokens streamed, not finished
     midway: int
-    #: the freeze is tried once ``midway`` streams have 8 tokens and ``tail`` still to come in ThunderAgent
-    tail: int
 
     def __str__(self) -> str:
         return f"{self.n}x{self.max_tokens}"
@@ -57,12 +57,12 @@ class Case:
 CASES = [
     # 12 long streams, 6 on the victim (round robin), started together after the thaw; 2 mid-way
     # is asked (all 6 usually are)
-    Case(12, 256, midway=2, tail=64),
+    Case(12, 256, midway=2),
     # 100 streams, round robin: 50 on the victim, which runs MAX_NUM_SEQS (16) at once, started
     # together after the thaw, then the rest as those end. Short streams keep the run well under 2
     # minutes on 2 loaded cores and leave fewer decode steps where a numerical near-tie could flip
     # between decode and a continuation's prefill (768-token streams did flip)
-    Case(100, 96, midway=10, tail=16),
+    Case(100, 96, midway=10),
 ]
 
 
@@ -115,6 +115,36 @@ async def stream(s: aiohttp.ClientSession, base: str, model: str, prompt: list[i
                 text.append(c["text"])
                 finish = c["finish_reason"] or finish
     return {"text": "".join(text), "finish": finish, "usage": usage, "worker": worker, "end": time.monotonic()}
+
+
+async def advance_to_cut(victim: VllmServer, on_victim: Callable[[], dict[int, int]], case: Case,
+                         t_start: float) -> tuple[dict[int, int], list[str]]:
+    """Run the frozen ``victim`` in short thaws until at least ``case.midway`` of its streams are
+    mid-way in what ThunderAgent holds once the thaw's output drained; it is left frozen. Returns
+    that cut (stream -> tokens) and the looks taken."""
+    max_tokens = case.max_tokens
+    deadline = time.monotonic() + 150
+    looks: list[str] = []  # each look: time, step, the victim's streams' token counts
+    step, top = 0.2, 0
+    while True:
+        assert time.monotonic() < deadline, f"never {case.midway} streams mid-way on worker-1: {looks}"
+        took = await asyncio.to_thread(victim.thaw, step)
+        cut_at, stable_since, frozen_at = on_victim(), time.monotonic(), time.monotonic()
+        while time.monotonic() - stable_since < 0.5 and time.monotonic() - frozen_at < 10.0:
+            await asyncio.sleep(0.05)
+            now = on_victim()
+            if now != cut_at:
+                cut_at, stable_since = now, time.monotonic()
+        ks = sorted(cut_at.values())
+        n_mid = sum(8 <= k < max_tokens for k in ks)
+        looks.append(f"{time.monotonic() - t_start:.1f}s, thawed {step:.2f}s ({took:.2f}s): {n_mid} mid-way of {ks}")
+        if n_mid >= case.midway:
+            break
+        # a step that moved the leading stream by few tokens is lengthened, one that moved it by
+        # many is shortened (the window is 8..max_tokens: no step may jump a stream across it)
+        gain, top = max(ks, default=0) - top, max(ks, default=0)
+        step = min(0.4, 2 * step) if gain < 4 else max(0.05, step / 2) if gain > 24 else step
+    return cut_at, looks
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -181,81 +211,34 @@ async def test_streams_on_a_killed_vllm_server_continue_exactly(
 
                 transport.stream_post = spy_post
 
-            # The victim is frozen while every request is posted, so that it starts a full batch of
-            # streams in lockstep when thawed. Otherwise its streams start as ThunderAgent posts them,
-            # and that pace (one event loop streaming tens of responses on 2 cores) could spread them
-            # wider than a 96-token stream lasts on a fast machine: a CI run never had 10 mid-way at
-            # once. Posts to a frozen server wait in its listen backlog; the 20 s lease outlasts this.
+            # The victim is frozen (SIGSTOP) before the first request and stays frozen but for short thaws
+            # until the kill. What ThunderAgent has streamed can lag the server by a whole stream on 2
+            # loaded cores (CI runs saw 14 of 16 streams counted mid-way end before the kill landed, and
+            # a loaded run here saw every stream on the victim end in the drain after the freeze). So
+            # the server runs only in steps: thaw it for ``step`` seconds (one thread call: the loop's
+            # lateness does not stretch it), let what it sent drain into ThunderAgent, read the cut. Few
+            # tokens come per step, so a look is never too late; it is repeated until enough streams are
+            # mid-way, and then the frozen server is killed: no stream ends between the cut and the kill.
+            # Posts to the frozen server wait in its listen backlog, so it starts a batch in lockstep
+            # (posted as ThunderAgent's loop gets to them, streams could spread wider than one lasts).
+            # The 20 s lease and the 60 s stall bound outlast the freezes.
             await asyncio.to_thread(victim.pause)
             t_start = time.monotonic()
             tasks = [asyncio.create_task(stream(s, front.base_url, front.model, p, max_tokens)) for p in ps]
             on_victim = fleet.workers["worker-1"]
-            try:
-                await wait_until(lambda: sum(map(len, sent.values())) >= n, 60, f"{n} requests posted to the servers")
-                await asyncio.sleep(0.5)  # the last posts' bytes reach the frozen server's socket
-            finally:
-                await asyncio.to_thread(victim.resume)
-            held = len(sent.get("worker-1", []))
-
-            def midway() -> int:
-                return sum(8 <= len(g.produced) <= max_tokens - case.tail for g in fleet._generations_on(on_victim))
 
             def on_victim_now() -> dict[int, int]:
                 return {by_prompt[tuple(g.request.prompt_tokens)]: len(g.produced)
                         for g in fleet._generations_on(on_victim)}
 
-            # What ThunderAgent has streamed can lag the server by more than ``tail`` tokens on 2 loaded
-            # cores (a CI run saw 14 of 16 streams counted mid-way end before the kill landed). So the
-            # victim is frozen first (SIGSTOP), what it already sent drains, the cut is read from what
-            # ThunderAgent then holds, and the frozen server is killed: no stream ends in between. Too
-            # few mid-way after the drain: thaw it for a moment and look again (too early: they move on;
-            # too late: the next ones start). Each freeze stays well inside the 5 s lease, and every thaw
-            # lets the server answer the poll that waited, so the worker is never taken out of routing.
-            deadline = time.monotonic() + 150
-            looks: list[str] = []
-            # what the victim held over time (streams on it, mid-way, done, failed), for the failure message
-            seen: list[str] = []
-
-            def trajectory() -> str:
-                done = [t for t in tasks if t.done()]
-                errs = [repr(t.exception())[:200] for t in done if t.exception() is not None]
-                return (f"{held} posted to worker-1 while frozen; looks while frozen: {looks}; on worker-1 over time (s: streams, mid-way, max tokens): "
-                        f"{seen[:60]}; {len(done)} of {n} streams done, {len(errs)} failed {errs[:3]}")
-
-            async def sample() -> None:
-                last = None
-                while True:  # a line each time what it holds changes
-                    ks = list(on_victim_now().values())
-                    if (len(ks), midway()) != last:
-                        last = (len(ks), midway())
-                        seen.append(f"{time.monotonic() - t_start:.1f}: {len(ks)}, {midway()}, {max(ks, default=0)}")
-                    await asyncio.sleep(0.1)
-
-            sampler = asyncio.create_task(sample())
-            while True:
-                await wait_until(lambda: midway() >= case.midway, max(1.0, deadline - time.monotonic()),
-                                 f"{case.midway} streams mid-way on worker-1 ({trajectory()})")
-                while True:
-                    await asyncio.to_thread(victim.pause)
-                    cut_at, stable_since, frozen_at = on_victim_now(), time.monotonic(), time.monotonic()
-                    while time.monotonic() - stable_since < 0.5 and time.monotonic() - frozen_at < 3.0:
-                        await asyncio.sleep(0.05)
-                        now = on_victim_now()
-                        if now != cut_at:
-                            cut_at, stable_since = now, time.monotonic()
-                    ks = sorted(cut_at.values())
-                    n_mid = sum(8 <= k < max_tokens for k in ks)
-                    looks.append(f"{time.monotonic() - t_start:.1f}s: {n_mid} mid-way of {ks}")
-                    if n_mid >= case.midway:
-                        break
-                    await asyncio.to_thread(victim.resume)
-                    assert time.monotonic() < deadline, f"never {case.midway} streams mid-way on worker-1: {trajectory()}"
-                    if sum(k < 8 for k in ks) < case.midway - n_mid:
-                        break  # too late for these: wait for the next ones
-                    await asyncio.sleep(0.3)  # too early: let them stream a few tokens
-                if n_mid >= case.midway:
-                    break
-            sampler.cancel()
+            try:
+                await wait_until(lambda: sum(map(len, sent.values())) >= n, 60, f"{n} requests posted to the servers")
+                await asyncio.sleep(0.5)  # the last posts' bytes reach the frozen server's socket
+                held = len(sent.get("worker-1", []))
+                cut_at, looks = await advance_to_cut(victim, on_victim_now, case, t_start)
+            except BaseException:
+                await asyncio.to_thread(victim.resume)  # not left frozen for the next test
+                raise
             t_kill = time.monotonic()
             await asyncio.to_thread(victim.kill)  # SIGKILL to the server's process group
             got = await asyncio.gather(*tasks)
@@ -309,7 +292,7 @@ async def test_streams_on_a_killed_vllm_server_continue_exactly(
     assert not mismatches, "\n".join(mismatches)
     last = max(g["end"] for g in got) - t_kill
     note(f"migration on vLLM, {n} streams of {max_tokens} tokens ({held} posted to the frozen victim, "
-         f"{len(looks)} look(s) while frozen): killed with "
+         f"{len(looks)} thaw(s) and look(s): {[x.split(':')[0] for x in looks]}): killed with "
          f"{len(mid)} of the {len(cut_at)} streams "
          f"on the victim mid-way, {int(moved)} moved (cut after "
          f"{sorted(k for ks in resumed.values() for k in ks)} tokens), 0 failed, all {n} equal to unbroken greedy "

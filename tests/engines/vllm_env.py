@@ -236,6 +236,19 @@ class VllmServer:
         if self.proc is not None:
             os.killpg(self.proc.pid, signal.SIGCONT)
 
+    def thaw(self, seconds: float) -> float:
+        """Let a frozen server run for about ``seconds``, then freeze it again; returns the wall time
+        the call took (at least the thaw). Blocking: call it in a thread. A shell of its own times it:
+        a thread of the test's process could wait for the GIL after its sleep while the event loop
+        works through the server's burst, and the thaw would stretch (a loaded run saw 1.3 s)."""
+        if self.proc is None:
+            return 0.0
+        pg = self.proc.pid
+        t0 = time.monotonic()
+        subprocess.run(["/bin/sh", "-c", f"kill -s CONT -- -{pg}; sleep {seconds:.3f}; kill -s STOP -- -{pg}"],
+                       check=True, timeout=30)
+        return time.monotonic() - t0
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.kill(signal.SIGTERM)
