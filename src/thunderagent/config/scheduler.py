@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
+from types import MappingProxyType
+from typing import Final
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from thunderagent.config._base import _Strict, knob_needs_switch
+
+#: a scheduler knob that acts only while the holding queue is on and the field it tunes is set
+_KNOB_NEEDS: Final[Mapping[str, str]] = MappingProxyType({
+    "overload_hold_s": "overload_prefills_in_flight",  # how long the overload gate stays engaged
+    "admit_min_wait_s": "admit_ttft_factor",  # the least wait the SLO-style admission refuses
+})
 
 
 class PacingAccounting(str, Enum):
@@ -199,7 +208,8 @@ class SchedulerConfig(_Strict):
         1, ge=1,
         description="the same latency gate as prefills_in_flight, engaged only while the fleet is overloaded: from "
         "a request refused with 429 for the wait it would have (max_queue_delay_s or admit_ttft_factor; not a count "
-        "bound or a route key's quota) until overload_hold_s without one. Under sustained overload what is admitted then starts at once instead of behind another prefill "
+        "bound or a route key's quota) until overload_hold_s without one. Under sustained overload what is admitted "
+        "then starts at once instead of behind another prefill "
         "(bench/overload.py: admitted TTFT p99 1.5x unloaded, 1.9-2.5x without); bursts the engines' free slots "
         "take are never refused, so they never engage it. Ignored while prefills_in_flight is set; null: off",
     )
@@ -241,20 +251,14 @@ class SchedulerConfig(_Strict):
                              "the holding queue); enable it or remove the field")
         return v
 
-    @field_validator("overload_hold_s")
+    @field_validator(*_KNOB_NEEDS)
     @classmethod
-    def _hold_needs_the_gate(cls, v: float, info: ValidationInfo) -> float:
-        if v != cls.model_fields["overload_hold_s"].default and (
-                not info.data.get("enabled", True) or info.data.get("overload_prefills_in_flight") is None):
-            raise ValueError("scheduler.overload_hold_s acts only with scheduler.enabled: true and "
-                             "scheduler.overload_prefills_in_flight set; remove the field or turn them on")
-        return v
-
-    @field_validator("admit_min_wait_s")
-    @classmethod
-    def _floor_needs_the_bound(cls, v: float, info: ValidationInfo) -> float:
-        if v != cls.model_fields["admit_min_wait_s"].default and (
-                not info.data.get("enabled", True) or info.data.get("admit_ttft_factor") is None):
-            raise ValueError("scheduler.admit_min_wait_s acts only with scheduler.enabled: true and "
-                             "scheduler.admit_ttft_factor set; remove the field or turn them on")
+    def _knob_needs_its_feature(cls, v: float, info: ValidationInfo) -> float:
+        name = info.field_name
+        assert name is not None
+        feature = _KNOB_NEEDS[name]
+        if v != cls.model_fields[name].default and (
+                not info.data.get("enabled", True) or info.data.get(feature) is None):
+            raise ValueError(f"scheduler.{name} acts only with scheduler.enabled: true and scheduler.{feature} set; "
+                             "remove the field or turn them on")
         return v

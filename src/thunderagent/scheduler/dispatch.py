@@ -404,13 +404,13 @@ class Dispatcher:
             self.grouper.placed(req.request_id, req.block_hashes, decision.worker_id, now)
         if self._track:
             self._prefilled(req.request_id)  # (a retried request is counted once)
-        # a migrated stream's continuation is not counted: its stream had its first token already, so
-        # no first token of it is reported again and it would count as pending until the stream ends
-        if self._track and not req.resumed:
-            wid = decision.worker_id
-            self._unprefilled[req.request_id] = (wid, n - predicted)
-            self._sent[wid] = self._sent.get(wid, 0) + n - predicted
-            self._pending[wid] = self._pending.get(wid, 0) + 1
+            # a migrated stream's continuation is not counted: its stream had its first token already,
+            # so no first token of it is reported again and it would count as pending until it ends
+            if not req.resumed:
+                wid = decision.worker_id
+                self._unprefilled[req.request_id] = (wid, n - predicted)
+                self._sent[wid] = self._sent.get(wid, 0) + n - predicted
+                self._pending[wid] = self._pending.get(wid, 0) + 1
         return Dispatch(req, decision, best_known, predicted, pd=plan)
 
     def retract(self, d: Dispatch) -> int:
