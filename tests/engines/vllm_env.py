@@ -42,6 +42,10 @@ _READY = f"{VLLM_VERSION} nixl {NIXL_VERSION}"  # what the marker says once ever
 INSTALL_TIMEOUT_S = 40 * 60
 START_TIMEOUT_S = 600  # seen: 60-110 s on 2 cores; two servers starting together share them
 BLOCK_SIZE = 32  # the CPU build wants a multiple of 32
+#: ``VllmServer.thaw``'s helper: per line read (seconds), SIGCONT the process group, sleep, SIGSTOP it
+_THAWER = ("import os, signal, sys, time\npg = int(sys.argv[1])\nfor line in sys.stdin:\n"
+           "    os.killpg(pg, signal.SIGCONT)\n    time.sleep(float(line))\n    os.killpg(pg, signal.SIGSTOP)\n"
+           "    print('ok', flush=True)\n")
 MAX_NUM_SEQS = 16  # --max-num-seqs: sequences a server runs at once
 
 
@@ -119,6 +123,7 @@ class VllmServer:
     port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    _thawer: subprocess.Popen[str] | None = None  # ``thaw``'s helper process
     started_at: float = 0.0
     ready_after_s: float | None = None
     _log_from: int = 0  # where this start's lines begin in the (appended) log
@@ -209,6 +214,10 @@ class VllmServer:
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the server's whole process group and wait for the leader."""
+        if self._thawer is not None:  # bound to this process group: a restart gets a new one
+            self._thawer.kill()
+            self._thawer.wait()
+            self._thawer = None
         if self.proc is None:
             return
         try:
@@ -238,15 +247,20 @@ class VllmServer:
 
     def thaw(self, seconds: float) -> float:
         """Let a frozen server run for about ``seconds``, then freeze it again; returns the wall time
-        the call took (at least the thaw). Blocking: call it in a thread. A shell of its own times it:
-        a thread of the test's process could wait for the GIL after its sleep while the event loop
-        works through the server's burst, and the thaw would stretch (a loaded run saw 1.3 s)."""
+        the call took (at least the thaw). Blocking: call it in a thread. A helper process started
+        once (before its first SIGCONT) times it: a thread of the test's process could wait for the
+        GIL after its sleep, and a shell per thaw execs ``sleep`` while the server runs (a CI run saw
+        a 0.2 s thaw last 2.5 s and every stream end in it)."""
         if self.proc is None:
             return 0.0
-        pg = self.proc.pid
+        if self._thawer is None or self._thawer.poll() is not None:
+            self._thawer = subprocess.Popen([sys.executable, "-c", _THAWER, str(self.proc.pid)],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         t0 = time.monotonic()
-        subprocess.run(["/bin/sh", "-c", f"kill -s CONT -- -{pg}; sleep {seconds:.3f}; kill -s STOP -- -{pg}"],
-                       check=True, timeout=30)
+        assert self._thawer.stdin is not None and self._thawer.stdout is not None
+        self._thawer.stdin.write(f"{seconds}\n")
+        self._thawer.stdin.flush()
+        assert self._thawer.stdout.readline().strip() == "ok", "the thaw helper failed"
         return time.monotonic() - t0
 
     def stop(self) -> None:
