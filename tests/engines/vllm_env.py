@@ -119,6 +119,9 @@ class VllmServer:
     scheduling_policy: str = "fcfs"  # --scheduling-policy (vLLM's default: fcfs)
     #: NIXL prefill/decode role (``kv_producer`` / ``kv_consumer`` / ``kv_both``): None = no connector
     kv_role: str | None = None
+    #: more server flags (a later flag wins over the defaults above: vLLM's argparse keeps the last)
+    extra_args: tuple[str, ...] = ()
+    extra_env: dict[str, str] = field(default_factory=dict)  # more environment for the server
     nixl_port: int = field(default_factory=free_port)  # VLLM_NIXL_SIDE_CHANNEL_PORT (with kv_role)
     port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
@@ -162,8 +165,10 @@ class VllmServer:
         ]
         if self.kv_role is not None:
             cmd += ["--kv-transfer-config", json.dumps(nixl_transfer_config(self.kv_role))]
+        cmd += list(self.extra_args)
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_HOST_IP": "127.0.0.1"}
+        env.update(self.extra_env)
         if self.cpu is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu
         if self.kv_role is not None:
