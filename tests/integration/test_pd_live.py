@@ -50,7 +50,11 @@ async def test_disaggregated_requests_stream_from_the_decode_worker(server_facto
         assert m.pd_pull_checksums._value.get() == blocks  # type: ignore[attr-defined]
         # the link learnt from the pull's own duration, not the prefill's
         plane = srv.fleet.dispatcher.disagg.plane  # type: ignore[union-attr]
-        assert plane.links[("worker-0", explain["worker"])].samples == 1
+        # (a pull that took less than the link's assumed latency carries no bandwidth: then no sample;
+        # on loopback that happens about one run in four)
+        link = plane.links[("worker-0", explain["worker"])]
+        pulled_s = m.pd_pull_seconds._sum.get()  # type: ignore[attr-defined]
+        assert link.samples == (1 if pulled_s > link.latency_s else 0), (pulled_s, link)
         assert srv.fleet.dispatcher.disagg.plane.inflight == {}  # type: ignore[union-attr]
         # the answer is the same text a plain request gets (the simulated text depends on the prompt only)
         plain = await srv.client.chat.completions.create(

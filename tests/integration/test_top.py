@@ -143,6 +143,9 @@ async def test_live_view_refreshes_until_interrupted(skewed):
             try:
                 screen = _read_until(master, lambda s: s.count("TTFT") >= 3 and "hot worker worker-2" in s, 30)
                 proc.send_signal(signal.SIGINT)
+                # keep draining the pty until it closes: leaving the live view writes the last frame and
+                # the screen's restore, and a full pty would block that write (the process never exits)
+                _read_until(master, lambda s: False, 10)
                 return screen, proc.wait(10)
             finally:
                 if proc.poll() is None:

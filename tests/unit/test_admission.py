@@ -202,3 +202,34 @@ def test_only_a_refusal_for_the_wait_counts_as_the_fleets_overload() -> None:
     with pytest.raises(QueueFull, match="max_queued_per_key") as err:
         q.push(held("k2", 0.0), 0.0)  # one route key's quota: the fleet may be idle
     assert not err.value.wait
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_the_wait_bounds_refuse_a_programs_first_request_but_hold_its_later_steps(hold: bool) -> None:
+    # one worker with two slots; the bound measured tight (0.05 s per place, service 0.1 s): a second
+    # held request is over it
+    d = dispatcher(["w0"], hold_admitted_programs=hold)
+    q = d.queue
+    assert q is not None
+    q.push(held("x", 0.0), 0.0)
+    q.take(q.next(0.05), 0.05)  # type: ignore[arg-type]
+    q.observe_service(0.1)
+    free, full = [worker("w0", slots=2)], [worker("w0", running=2, slots=2)]
+    step1 = d.submit(d.prepare("p1-a", [1] * 40, 4), "", free, 1.0, program="p1")
+    assert step1 is not None and d.programs.get("p1").admitted  # type: ignore[union-attr]
+    d.finished("p1", 44, 1.5, completed=True)
+    for k in range(2):  # held: 1 and 2 places (0.1 s), within the bound
+        assert d.submit(d.prepare(f"other{k}", [2 + k] * 40, 4), "", full, 2.0) is None
+    with pytest.raises(QueueFull, match="admit_ttft_factor"):  # a new program's first request: refused
+        d.submit(d.prepare("p2-a", [5] * 40, 4), "", full, 2.0, program="p2")
+    assert d.programs.get("p2").in_flight == 0  # type: ignore[union-attr]  refused: no step of p2 in flight
+    if hold:  # p1's next step waits for a slot instead of a 429 (the count bounds still apply)
+        assert d.submit(d.prepare("p1-b", [1] * 48, 4), "", full, 2.0, program="p1") is None
+        assert "p1-b" in q and len(q) == 3
+        d.progressed("p1-a", ok=True)  # (the refusal engaged the overload gate: one prefill at a time)
+        first = d.pump(free, 3.0)
+        assert first is not None and first.request.request_id in ("other0", "other1", "p1-b")
+    else:
+        with pytest.raises(QueueFull, match="admit_ttft_factor"):
+            d.submit(d.prepare("p1-b", [1] * 48, 4), "", full, 2.0, program="p1")
+        assert "p1-b" not in q

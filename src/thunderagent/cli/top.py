@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -65,6 +66,10 @@ def top(
 
     base = url.rstrip("/")
     console = Console()
+    # Ctrl-C (SIGINT) ends the live view even when we were started from a script that runs its jobs
+    # in the background: such a shell starts them with SIGINT ignored, and Python keeps an ignored
+    # SIGINT, so the view would never end
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def frame(prev: Scrape | None) -> tuple[Scrape, Group]:
         cur = scrape(base, api_key, metrics_path)

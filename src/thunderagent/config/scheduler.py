@@ -167,6 +167,13 @@ class SchedulerConfig(_Strict):
         "gets 429 with Retry-After at once: under sustained overload the excess is refused and admitted requests' "
         "TTFT stays near a lightly loaded fleet's; null: only the count bounds (the simulator's replays use null)",
     )
+    hold_admitted_programs: bool = Field(
+        True,
+        description="the wait bounds (max_queue_delay_s, admit_ttft_factor) refuse an agent program's first request "
+        "only: once a request of a program was dispatched, its later steps are held, not refused with 429 (an agent "
+        "mid-task that is refused retries or fails; under overload new programs are turned away instead). The count "
+        "bounds (max_queued, max_queued_per_key) still refuse. false: every request alike",
+    )
     max_queued_per_key: int = Field(1024, ge=1, description="requests held at most per route key (tenant)")
     max_wait_s: float = Field(
         30.0, gt=0, description="a request held this long goes next, whatever its tier and size"

@@ -178,7 +178,9 @@ class Dispatcher:
                     d = self.dispatch(req, pool, now, exclude=avoid, program=program)
                     d.route_key = key
                     return d
-            queue.push(Held(req, key, req.priority, now, self._uncached(req, now), program), now)
+            held = Held(req, key, req.priority, now, self._uncached(req, now), program)
+            held.admitted = program is not None and prog.admitted
+            queue.push(held, now)
         except (QueueFull, NoWorkerAvailable) as e:
             if program is not None:  # refused: not a step of the program
                 self.programs.request_finished(program, 0, now, completed=False)

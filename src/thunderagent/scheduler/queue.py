@@ -66,6 +66,9 @@ class Held:
     pin: str | None = None  # the worker it must go to while routable (a released follower: its leader's)
     gone: bool = field(default=False, repr=False)  # dispatched or cancelled (lazy heap deletion)
     pops_at_push: int = field(default=0, repr=False)  # the queue's dispatch count when pushed (admission's calibration)
+    #: a later step of an agent program already served: with ``hold_admitted_programs`` the wait
+    #: bounds do not refuse it (the count bounds still do)
+    admitted: bool = False
 
 
 class _Key:
@@ -125,11 +128,12 @@ class HoldingQueue:
         if self._per_key.get(held.key, 0) >= cfg.max_queued_per_key:
             raise QueueFull(f"route key {held.key!r} has {cfg.max_queued_per_key} requests waiting "
                             "(scheduler.max_queued_per_key)", self.retry_after(now, held.key))
+        exempt = held.admitted and cfg.hold_admitted_programs
         wait = self.expected_wait()
-        if cfg.max_queue_delay_s is not None and wait > cfg.max_queue_delay_s:
+        if cfg.max_queue_delay_s is not None and wait > cfg.max_queue_delay_s and not exempt:
             raise QueueFull(f"a new request would wait about {wait:.2f}s here, over scheduler.max_queue_delay_s "
                             f"({cfg.max_queue_delay_s}s)", self.retry_after(now), wait=True)
-        bound = self.admit_bound()
+        bound = None if exempt else self.admit_bound()
         if bound is not None:
             # The drain gap is a mean over busy periods' dispatches: when engines free their slots in
             # waves (requests of one shape end together) a request held just after a wave waits for
