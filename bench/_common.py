@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 import statistics
 from collections.abc import Sequence
 from types import ModuleType
@@ -59,3 +61,22 @@ def _fmt(x: object) -> str:
             return f"{x:.1f}"
         return f"{x:.2f}"
     return str(x)
+
+
+def jain(xs: Sequence[int]) -> float:
+    """Jain's fairness index of ``xs`` (steps per program): 1 = all equal; 0 when nothing was done."""
+    s = sum(xs)
+    return s * s / (len(xs) * sum(x * x for x in xs)) if s else 0.0
+
+
+def pct(xs: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (nearest rank); NaN when empty."""
+    if not xs:
+        return math.nan
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(q * len(ys)))]
+
+
+def counter(metrics: str, name: str) -> float:
+    """The sum over labels of Prometheus sample ``name`` in a /metrics text."""
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", metrics, re.MULTILINE))

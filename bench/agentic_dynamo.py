@@ -44,7 +44,6 @@ import asyncio
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -62,7 +61,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
 
-from _common import print_table
+from _common import counter, jain, pct, print_table
 from agentic_pacing import DEFAULT_TRACES, programs
 from support.waiting import free_port
 
@@ -331,22 +330,6 @@ def start_ours(arm: str, a: argparse.Namespace, model: Path, work: Path) -> tupl
         stop(procs)
         raise
     return procs, url
-
-
-def counter(metrics: str, name: str) -> float:
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", metrics, re.MULTILINE))
-
-
-def jain(xs: list[int]) -> float:
-    s = sum(xs)
-    return s * s / (len(xs) * sum(x * x for x in xs)) if s else 0.0
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return math.nan
-    ys = sorted(xs)
-    return ys[min(len(ys) - 1, int(q * len(ys)))]
 
 
 def main() -> None:

@@ -52,7 +52,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT), str(ROOT / "tests")]
 
-from _common import print_table  # noqa: E402
+from _common import counter, jain, pct, print_table  # noqa: E402
 
 from tests.engines.tiny_model import _WORDS, build_tiny_llama  # noqa: E402
 from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, cpu_binding, start_ready, vllm_python  # noqa: E402
@@ -203,27 +203,11 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def counter(metrics: str, name: str) -> float:
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", metrics, re.M))
-
-
 def reset_cache(servers: list[VllmServer]) -> None:
     for s in servers:
         req = urllib.request.Request(f"{s.url}/reset_prefix_cache", method="POST")
         with urllib.request.urlopen(req, timeout=30) as r:
             r.read()
-
-
-def jain(xs: list[int]) -> float:
-    s = sum(xs)
-    return s * s / (len(xs) * sum(x * x for x in xs)) if s else 0.0
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return math.nan
-    ys = sorted(xs)
-    return ys[min(len(ys) - 1, int(q * len(ys)))]
 
 
 def main() -> None:
