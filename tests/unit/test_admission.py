@@ -233,3 +233,12 @@ def test_the_wait_bounds_refuse_a_programs_first_request_but_hold_its_later_step
         with pytest.raises(QueueFull, match="admit_ttft_factor"):
             d.submit(d.prepare("p1-b", [1] * 48, 4), "", full, 2.0, program="p1")
         assert "p1-b" not in q
+
+
+def test_hold_admitted_programs_is_refused_where_it_would_not_act() -> None:
+    with pytest.raises(ValidationError, match="hold_admitted_programs: false acts only with scheduler.enabled"):
+        SchedulerConfig(enabled=False, hold_admitted_programs=False)
+    with pytest.raises(ValidationError, match="a wait bound"):
+        SchedulerConfig(enabled=True, hold_admitted_programs=False, max_queue_delay_s=None, admit_ttft_factor=None)
+    assert not SchedulerConfig(enabled=True, hold_admitted_programs=False).hold_admitted_programs
+    assert SchedulerConfig(enabled=False).hold_admitted_programs  # the default (on) is no error

@@ -258,6 +258,14 @@ class SchedulerConfig(_Strict):
                              "the holding queue); enable it or remove the field")
         return v
 
+    @model_validator(mode="after")
+    def _program_hold_needs_a_wait_bound(self) -> SchedulerConfig:
+        if not self.hold_admitted_programs and (not self.enabled or (self.max_queue_delay_s is None
+                                                                     and self.admit_ttft_factor is None)):
+            raise ValueError("scheduler.hold_admitted_programs: false acts only with scheduler.enabled: true and a "
+                             "wait bound (max_queue_delay_s or admit_ttft_factor); remove the field or set them")
+        return self
+
     @field_validator(*_KNOB_NEEDS)
     @classmethod
     def _knob_needs_its_feature(cls, v: float, info: ValidationInfo) -> float:
