@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import statistics
+import time
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -80,3 +82,24 @@ def pct(xs: Sequence[float], q: float) -> float:
 def counter(metrics: str, name: str) -> float:
     """The sum over labels of Prometheus sample ``name`` in a /metrics text."""
     return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", metrics, re.MULTILINE))
+
+
+async def read_chat_stream(resp: object, t0: float) -> tuple[float | None, str, dict | None]:
+    """A streamed chat completion's SSE body (an aiohttp response): seconds from ``t0`` to the
+    first content, the content, and the usage chunk (``stream_options.include_usage``)."""
+    first: float | None = None
+    text: list[str] = []
+    usage = None
+    async for line in resp.content:  # type: ignore[attr-defined]
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for c in chunk.get("choices") or ():
+            piece = (c.get("delta") or {}).get("content")
+            if piece:
+                if first is None:
+                    first = time.monotonic() - t0
+                text.append(piece)
+    return first, "".join(text), usage

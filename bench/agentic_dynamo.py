@@ -61,7 +61,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
 
-from _common import counter, jain, pct, print_table
+from _common import counter, jain, pct, print_table, read_chat_stream
 from agentic_pacing import DEFAULT_TRACES, programs
 from support.waiting import free_port
 
@@ -152,7 +152,8 @@ def program_id(r: TraceRequest) -> str:
     return (r.session or r.request_id).replace("/", ":")
 
 
-async def run_program(reqs: list[TraceRequest], a: argparse.Namespace, url: str, ours: bool, http: aiohttp.ClientSession,
+async def run_program(reqs: list[TraceRequest], a: argparse.Namespace, url: str, ours: bool,
+                      http: aiohttp.ClientSession,
                       prompts: Prompts, stats: Stats, t0: float, end: float) -> None:
     pid = program_id(reqs[0])
     kv_tokens = a.kv_blocks * BLOCK
@@ -178,29 +179,20 @@ async def run_program(reqs: list[TraceRequest], a: argparse.Namespace, url: str,
             headers["x-dynamo-session-final"] = "true"
         body = {"model": "mock", "messages": [{"role": "user", "content": prompts.prompt(r)}], "max_tokens": n_out,
                 "stream": True, "stream_options": {"include_usage": True}}
-        first = None
-        usage = None
         try:
             while True:  # a 429 is retried after its Retry-After, as the openai client does; TTFT counts the wait
                 resp = await http.post(f"{url}/v1/chat/completions", json=body, headers=headers)
                 if resp.status != 429 or time.monotonic() >= end:
                     break
                 stats.retried += 1
-                await asyncio.sleep(min(5.0, float(resp.headers.get("Retry-After") or 1.0)))
                 resp.release()
+                await asyncio.sleep(min(5.0, float(resp.headers.get("Retry-After") or 1.0)))
             async with resp:
                 if resp.status != 200:
                     stats.errors.append(f"{resp.status}: {(await resp.text())[:200]}")
                     finished = time.monotonic()
                     continue
-                async for line in resp.content:
-                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    if first is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()):
-                        first = time.monotonic() - issued
+                first, _, usage = await read_chat_stream(resp, issued)
         except aiohttp.ClientError as exc:
             stats.errors.append(repr(exc))
             finished = time.monotonic()
@@ -273,7 +265,8 @@ def wait_until(ready, procs: list[subprocess.Popen], what: str, timeout: float =
     raise SystemExit(f"{what}: not ready after {timeout:g} s")
 
 
-def start_dynamo(arm: str, a: argparse.Namespace, py: Path, model: Path, work: Path) -> tuple[list[subprocess.Popen], str]:
+def start_dynamo(arm: str, a: argparse.Namespace, py: Path, model: Path,
+                 work: Path) -> tuple[list[subprocess.Popen], str]:
     kv = work / f"dyn-{arm.replace(' ', '_')}"
     shutil.rmtree(kv, ignore_errors=True)
     kv.mkdir()
@@ -281,8 +274,9 @@ def start_dynamo(arm: str, a: argparse.Namespace, py: Path, model: Path, work: P
            "DYN_EVENT_PLANE": "zmq"}
     port = free_port()
     plain = arm == "dynamo kv"
-    mocker = [str(py), "-m", "dynamo.mocker", "--model-path", str(model), "--model-name", "mock" if plain else "internal",
-              "--num-workers", str(a.workers), "--num-gpu-blocks-override", str(a.kv_blocks), "--block-size", str(BLOCK),
+    mocker = [str(py), "-m", "dynamo.mocker", "--model-path", str(model),
+              "--model-name", "mock" if plain else "internal", "--num-workers", str(a.workers),
+              "--num-gpu-blocks-override", str(a.kv_blocks), "--block-size", str(BLOCK),
               "--speedup-ratio", str(a.speedup)]
     front = [str(py), "-m", "dynamo.frontend", "--router-mode", "kv" if plain else "round-robin",
              "--kv-cache-block-size", str(BLOCK), "--http-host", "127.0.0.1", "--http-port", str(port)]
@@ -358,7 +352,8 @@ def main() -> None:
     live = sum(statistics.mean(len(r.block_ids) * a.words_per_block for r in s) for s in sessions)
     a.kv_blocks = math.ceil(live / a.ratio / a.workers / BLOCK)
     longest = max(len(r.block_ids) for r in reqs) * a.words_per_block
-    print(f"{len(sessions)} programs, {len(reqs):,} requests; live context {live:,.0f} tokens = {a.ratio:g}x the fleet's "
+    print(f"{len(sessions)} programs, {len(reqs):,} requests; live context {live:,.0f} tokens = {a.ratio:g}x the "
+          "fleet's "
           f"KV ({a.workers} workers x {a.kv_blocks:,} blocks x {BLOCK}); longest prompt {longest:,}; speedup "
           f"{a.speedup:g}: {a.duration:g} wall s = {a.duration * a.speedup:g} virtual s per arm", flush=True)
     dyn = dynamo_python(a.dynamo_python) if any(x.startswith("dynamo") for x in a.arms) else None
@@ -397,8 +392,9 @@ def main() -> None:
 def report(a: argparse.Namespace, results: dict[str, dict[str, float]]) -> None:
     dyn = [results[x]["steps"] for x in results if x.startswith("dynamo")]
     best = max(dyn) if dyn else math.nan
-    rows = [(arm, f"{r['steps']:.1f}", f"{r['steps'] / best:.2f}x" if dyn else "-", f"{r['hit']:.1%}", f"{r['p50']:.1f}",
-             f"{r['p99']:.1f}", f"{r['jain']:.2f}", r["unserved"], "-" if math.isnan(r["pauses"]) else f"{r['pauses']:.0f}",
+    rows = [(arm, f"{r['steps']:.1f}", f"{r['steps'] / best:.2f}x" if dyn else "-", f"{r['hit']:.1%}",
+             f"{r['p50']:.1f}", f"{r['p99']:.1f}", f"{r['jain']:.2f}", r["unserved"],
+             "-" if math.isnan(r["pauses"]) else f"{r['pauses']:.0f}",
              r["retried"], r["too_long"], r["errors"]) for arm, r in results.items()]
     print_table(f"{a.workers} workers x {a.kv_blocks:,} blocks x {BLOCK} tokens, live context {a.ratio:g}x the fleet's "
                 f"KV, speedup {a.speedup:g}, {a.duration * a.speedup:g} virtual s per arm (steps/min and TTFT in "

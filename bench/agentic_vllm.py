@@ -52,11 +52,11 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT), str(ROOT / "tests")]
 
-from _common import counter, jain, pct, print_table  # noqa: E402
+from _common import counter, jain, pct, print_table, read_chat_stream
+from support.waiting import free_port
 
-from tests.engines.tiny_model import _WORDS, build_tiny_llama  # noqa: E402
-from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, cpu_binding, start_ready, vllm_python  # noqa: E402
-from support.waiting import free_port  # noqa: E402
+from tests.engines.tiny_model import _WORDS, build_tiny_llama
+from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, cpu_binding, start_ready, vllm_python
 
 ARMS = ("kv_aware", "pacing ours", "pacing paper")
 
@@ -113,9 +113,6 @@ async def program_slot(slot: int, a: argparse.Namespace, url: str, model: str, s
                 t0 = time.monotonic()
                 body = {"model": model, "messages": messages, "max_tokens": a.max_tokens, "stream": True,
                         "temperature": 0, "stream_options": {"include_usage": True}}
-                first = None
-                text: list[str] = []
-                usage = None
                 try:
                     async with http.post(f"{url}/v1/chat/completions", json=body,
                                          headers={"x-thunderagent-program-id": pid}) as r:
@@ -123,18 +120,7 @@ async def program_slot(slot: int, a: argparse.Namespace, url: str, model: str, s
                             stats.errors.append(f"{r.status}: {(await r.text())[:200]}")
                             await asyncio.sleep(1.0)
                             continue
-                        async for line in r.content:
-                            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                                continue
-                            chunk = json.loads(line[6:])
-                            if chunk.get("usage"):
-                                usage = chunk["usage"]
-                            for c in chunk.get("choices") or ():
-                                piece = (c.get("delta") or {}).get("content")
-                                if piece:
-                                    if first is None:
-                                        first = time.monotonic() - t0
-                                    text.append(piece)
+                        first, text, usage = await read_chat_stream(r, t0)
                 except aiohttp.ClientError as exc:
                     stats.errors.append(repr(exc))
                     await asyncio.sleep(1.0)
@@ -151,7 +137,7 @@ async def program_slot(slot: int, a: argparse.Namespace, url: str, model: str, s
                     if usage["prompt_tokens"] > a.max_context:
                         break
                 await asyncio.sleep(rng.uniform(*a.tool_s))  # the tool runs
-                messages += [{"role": "assistant", "content": "".join(text)},
+                messages += [{"role": "assistant", "content": text},
                              {"role": "user", "content": words(rng, rng.randint(*a.tool_words))}]
             async with http.post(f"{url}/v1/programs/{pid}/release") as r:
                 await r.read()
@@ -175,7 +161,8 @@ def start_front(cfg: dict, work: Path, name: str) -> tuple[subprocess.Popen, str
     path = work / f"{name}.json"
     path.write_text(json.dumps(cfg))
     log = (work / f"{name}.log").open("wb")
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "thunderagent"), "serve", "--config", str(path), "--port", str(port)],
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "thunderagent"), "serve", "--config", str(path),
+                             "--port", str(port)],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -297,7 +284,8 @@ def report(a: argparse.Namespace, results: dict[str, list[dict]], blocks: int) -
                      f"{med(arm, 'p99'):.2f} ({med(arm, 'p99') / med(base, 'p99'):.2f}x)", f"{med(arm, 'jain'):.2f}",
                      f"{med(arm, 'pauses'):.0f}", f"{med(arm, 'unserved'):.0f}", f"{med(arm, 'ctx'):.0f}"))
     live = a.programs * statistics.median(r["ctx"] for rs in results.values() for r in rs)
-    print_table(f"{a.programs} programs on 2 vLLM servers x {blocks} blocks ({2 * blocks * BLOCK_SIZE:,} KV tokens; measured "
+    print_table(f"{a.programs} programs on 2 vLLM servers x {blocks} blocks ({2 * blocks * BLOCK_SIZE:,} KV tokens; "
+                "measured "
                 f"live context {live / (2 * blocks * BLOCK_SIZE):.1f}x), {a.duration:g} s per arm, median of "
                 f"{a.rounds} round(s)",
                 ("arm", "steps/min", "prefix hit", "recomputed", "TTFT p50 s", "TTFT p99 s", "Jain", "pauses",

@@ -178,9 +178,8 @@ class Dispatcher:
                     d = self.dispatch(req, pool, now, exclude=avoid, program=program)
                     d.route_key = key
                     return d
-            held = Held(req, key, req.priority, now, self._uncached(req, now), program)
-            held.admitted = program is not None and prog.admitted
-            queue.push(held, now)
+            queue.push(Held(req, key, req.priority, now, self._uncached(req, now), program,
+                            admitted=program is not None and prog.admitted), now)
         except (QueueFull, NoWorkerAvailable) as e:
             if program is not None:  # refused: not a step of the program
                 self.programs.request_finished(program, 0, now, completed=False)

@@ -128,22 +128,22 @@ class HoldingQueue:
         if self._per_key.get(held.key, 0) >= cfg.max_queued_per_key:
             raise QueueFull(f"route key {held.key!r} has {cfg.max_queued_per_key} requests waiting "
                             "(scheduler.max_queued_per_key)", self.retry_after(now, held.key))
-        exempt = held.admitted and cfg.hold_admitted_programs
-        wait = self.expected_wait()
-        if cfg.max_queue_delay_s is not None and wait > cfg.max_queue_delay_s and not exempt:
-            raise QueueFull(f"a new request would wait about {wait:.2f}s here, over scheduler.max_queue_delay_s "
-                            f"({cfg.max_queue_delay_s}s)", self.retry_after(now), wait=True)
-        bound = None if exempt else self.admit_bound()
-        if bound is not None:
-            # The drain gap is a mean over busy periods' dispatches: when engines free their slots in
-            # waves (requests of one shape end together) a request held just after a wave waits for
-            # the next one, far longer than that mean says, and a request held alone measures no gap
-            # at all. What held requests really waited per dispatch calibrates it.
-            slo_wait = (len(self._by_id) + 1) * max(self._gap, self._per_dispatch)
-            if slo_wait > bound:
-                raise QueueFull(f"a new request would wait about {slo_wait:.3f}s here, over "
-                                f"(scheduler.admit_ttft_factor - 1) x the measured service TTFT ({bound:.3f}s)",
-                                self.retry_after(now), wait=True)
+        if not (held.admitted and cfg.hold_admitted_programs):  # a program's later step: only the counts bound it
+            wait = self.expected_wait()
+            if cfg.max_queue_delay_s is not None and wait > cfg.max_queue_delay_s:
+                raise QueueFull(f"a new request would wait about {wait:.2f}s here, over scheduler.max_queue_delay_s "
+                                f"({cfg.max_queue_delay_s}s)", self.retry_after(now), wait=True)
+            bound = self.admit_bound()
+            if bound is not None:
+                # The drain gap is a mean over busy periods' dispatches: when engines free their slots in
+                # waves (requests of one shape end together) a request held just after a wave waits for
+                # the next one, far longer than that mean says, and a request held alone measures no gap
+                # at all. What held requests really waited per dispatch calibrates it.
+                slo_wait = (len(self._by_id) + 1) * max(self._gap, self._per_dispatch)
+                if slo_wait > bound:
+                    raise QueueFull(f"a new request would wait about {slo_wait:.3f}s here, over "
+                                    f"(scheduler.admit_ttft_factor - 1) x the measured service TTFT ({bound:.3f}s)",
+                                    self.retry_after(now), wait=True)
         held.pops_at_push = self._pops
         if not self._by_id:
             self._last_pop = None  # a busy period starts: the idle time before it is no drain gap
