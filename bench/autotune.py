@@ -8,9 +8,10 @@ simulated workers. Two timings: the default (Dynamo mocker's polynomial) and pre
 coefficients x 4), where the hand-set weights are not the best.
 
 The grid: ``credit_load_scale`` x ``contention``. The tuner's arm runs with ``routing.autotune`` on from
-the default weights (knobs ``--window``, ``--switch-every``, ``--z``, ``--step``, ``--pool-trials``; the row shows the
-weights it kept at the end). The gain recovered = (default - tuner) / (default - best)
-on mean TTFT.
+the default weights (knobs ``--window``, ``--switch-every``, ``--z``, ``--step``, ``--pool-trials``,
+``--settle-requests``; the row shows the weights it kept at the end); a second tuner arm runs without rests
+between rounds of trials (``settle_requests`` 0), as the tuner did before rests existed. The gain
+recovered = (default - tuner) / (default - best) on mean TTFT.
 
 Run: ``python bench/autotune.py [--requests N] [--rate R] [--window W] [--z Z]`` (a few minutes).
 """
@@ -60,13 +61,17 @@ def main() -> None:
     ap.add_argument("--z", type=float, default=2.0, help="routing.autotune.z")
     ap.add_argument("--step", type=float, default=2.0, help="routing.autotune.step")
     ap.add_argument("--pool-trials", type=int, default=4, help="routing.autotune.pool_trials")
+    ap.add_argument("--settle-requests", type=int, default=1000, help="routing.autotune.settle_requests (the "
+                    "tuner also runs once with 0: trials without rests)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timings", default="4,1", help="prefill slow-down factors to run (comma-separated)")
     args = ap.parse_args()
     reqs = shared_prefix(args.groups, 4096, (256, 1024), args.requests, args.rate, (32, 128), seed=args.seed)
     tune = AutotuneConfig(enabled=True, window=args.window, min_samples=min(50, args.window), z=args.z,
                           switch_every=args.switch_every, step=args.step,
-                          pool_trials=args.pool_trials)
+                          pool_trials=args.pool_trials, settle_requests=args.settle_requests,
+                          settle_max_requests=max(32000, args.settle_requests))
+    restless = tune.model_copy(update={"settle_requests": 0})
     summary = []
     for prefill_x in (float(x) for x in args.timings.split(",")):
         t0 = time.perf_counter()
@@ -76,9 +81,15 @@ def main() -> None:
         best = grid[best_key]
         tuned, tuner = run(reqs, prefill_x, 4.0, 1.0, tune)
         assert tuner is not None
+        arms = [("default (4, 1)", default), (f"grid best {best_key}", best),
+                (f"tuner -> ({tuner.kept.credit_load_scale:g}, {tuner.kept.contention:g})", tuned)]
+        if args.settle_requests:
+            plain, plain_tuner = run(reqs, prefill_x, 4.0, 1.0, restless)
+            assert plain_tuner is not None
+            arms.append((f"tuner, no rests -> ({plain_tuner.kept.credit_load_scale:g}, "
+                         f"{plain_tuner.kept.contention:g})", plain))
         rows = []
-        for name, r in (("default (4, 1)", default), (f"grid best {best_key}", best),
-                        (f"tuner -> ({tuner.kept.credit_load_scale:g}, {tuner.kept.contention:g})", tuned)):
+        for name, r in arms:
             rows.append([name, f"{r.ttft_ms.mean:.1f}", f"{r.ttft_ms.p50:.1f}", f"{r.ttft_ms.p99:.1f}",
                          f"{r.prefix_reuse:.3f}", f"{default.ttft_ms.mean / r.ttft_ms.mean:.3f}"])
         print_table(f"prefill x{prefill_x:g} ({time.perf_counter() - t0:.0f} s)",

@@ -182,13 +182,59 @@ def test_a_small_gain_shows_once_reverted_trials_are_pooled() -> None:
         return 1.0 - 0.15 * (w.credit_load_scale > 4) + noise[i % 3]
 
     # one move only (down is at the bound): the same trial again and again
-    pooled = WeightTuner(_cfg(credit_load_scale_bounds=(4.0, 8.0), pool_trials=4), CostWeights())
+    # (no rests between rounds: settling is tested on its own below)
+    pooled = WeightTuner(_cfg(credit_load_scale_bounds=(4.0, 8.0), pool_trials=4, settle_requests=0), CostWeights())
     steps = drive(pooled, ttft, 40)
     assert [s.action for s in steps][:4] == ["try", "revert", "try", "keep"]
     assert "within noise" in steps[1].reason and "(n=8," in steps[3].reason  # two trials' samples
     assert pooled.kept.credit_load_scale == 8.0
-    fresh = WeightTuner(_cfg(credit_load_scale_bounds=(4.0, 8.0), pool_trials=1), CostWeights())
+    fresh = WeightTuner(_cfg(credit_load_scale_bounds=(4.0, 8.0), pool_trials=1, settle_requests=0), CostWeights())
     assert "keep" not in [s.action for s in drive(fresh, ttft, 40)]  # each trial alone is within noise
+
+
+def test_a_round_without_a_keep_rests_on_the_kept_weights_longer_each_time() -> None:
+    # the defaults are best: both moves (x2, /2) revert, then the kept weights run alone
+    t = WeightTuner(_cfg(settle_requests=6, settle_max_requests=12), CostWeights())
+    seen: list[float] = []
+
+    def ttft(w: CostWeights, i: int) -> float:
+        seen.append(w.credit_load_scale)
+        return abs(w.credit_load_scale - 4.0) + 1.0 + JITTER[i % 4]
+
+    steps = drive(t, ttft, 17)
+    assert [(s.action, s.old, s.new) for s in steps] == [
+        ("try", 4.0, 8.0), ("revert", 8.0, 4.0), ("try", 4.0, 2.0), ("revert", 2.0, 4.0), ("hold", 0.0, 0.0)]
+    assert "run alone for the next 6 requests" in steps[-1].reason
+    # request 16 ended the second trial; the next 6 run on the kept weights alone, then trials resume
+    steps = drive(t, ttft, 7, start=17)
+    assert seen[17:23] == [4.0] * 6 and t.summary()["resting"] == 0
+    assert [(s.action, s.new) for s in steps] == [("try", 8.0)] and t.weights.credit_load_scale == 8.0
+    # the second fruitless round rests twice as long, the third as long as settle_max_requests allows
+    steps = drive(t, ttft, 16, start=24)
+    assert [s.action for s in steps][-1] == "hold" and "next 12 requests" in steps[-1].reason
+    assert t._rest == 12  # capped
+
+
+def test_a_keep_resets_the_rest() -> None:
+    t = WeightTuner(_cfg(settle_requests=6, settle_max_requests=48), CostWeights())
+    # best at 4 (the kept weights): two rounds fail (17 and 16 requests; rests of 6, then 12) ...
+    best = [4.0]
+
+    def ttft(w: CostWeights, i: int) -> float:
+        return abs(w.credit_load_scale - best[0]) + 1.0 + JITTER[i % 4]
+
+    steps = drive(t, ttft, 17 + 7 + 16)
+    assert [s.action for s in steps].count("hold") == 2 and t._rest == 24
+    # ... then the load drifts: 8 wins, is kept, and the next fruitless round rests 6 again
+    best[0] = 8.0
+    steps = drive(t, ttft, 200, start=40)
+    acts = [(s.action, s.new) for s in steps]
+    assert ("keep", 8.0) in acts and t.kept.credit_load_scale == 8.0
+    # (two more rounds at 4 first: the pool still held their older samples, where 8 was worse)
+    assert [a for a, _ in acts[:acts.index(("keep", 8.0))]].count("hold") == 2
+    after = steps[acts.index(("keep", 8.0)):]
+    holds = [s for s in after if s.action == "hold"]
+    assert holds and "next 6 requests" in holds[0].reason
 
 
 def test_fast_path_explanations_use_the_tuned_weights() -> None:

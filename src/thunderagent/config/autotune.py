@@ -14,7 +14,7 @@ from thunderagent.config._base import _Strict, knob_needs_switch
 TUNABLE = ("credit_load_scale", "contention", "overlap_credit")
 
 _KNOBS = ("params", "window", "switch_every", "pool_trials", "min_samples", "step", "z", "max_rel_noise", "credit_load_scale_bounds",
-          "contention_bounds", "overlap_credit_bounds", "log_steps")
+          "contention_bounds", "overlap_credit_bounds", "log_steps", "settle_requests", "settle_max_requests")
 
 
 class AutotuneConfig(_Strict):
@@ -41,6 +41,12 @@ class AutotuneConfig(_Strict):
     contention_bounds: tuple[float, float] = Field((0.0625, 16.0), description="safe range of contention")
     overlap_credit_bounds: tuple[float, float] = Field((0.25, 1.0), description="safe range of overlap_credit")
     log_steps: int = Field(32, ge=1, description="steps kept for /health (the newest)")
+    settle_requests: int = Field(1000, ge=0, description="once every move from the kept weights was tried and "
+                                 "reverted, the kept weights run alone (no trial) for this many finished requests "
+                                 "before the moves are tried again; each further round without a keep doubles it, up "
+                                 "to settle_max_requests, and a keep resets it (a converged tuner stops spending half "
+                                 "its traffic on worse weights, and still re-checks for drift). 0: trials never rest")
+    settle_max_requests: int = Field(32000, ge=0, description="the longest rest between rounds of trials")
 
     @field_validator(*_KNOBS)
     @classmethod
@@ -64,6 +70,9 @@ class AutotuneConfig(_Strict):
                 raise ValueError(f"{p}_bounds: 0 < low <= high is needed, got {(lo, hi)}")
         if self.overlap_credit_bounds[1] > 1:
             raise ValueError("overlap_credit_bounds: the credit is a share, at most 1")
+        if self.settle_max_requests < self.settle_requests:
+            raise ValueError(f"settle_max_requests ({self.settle_max_requests}) must not be below settle_requests "
+                             f"({self.settle_requests})")
         if self.min_samples > self.window:
             raise ValueError(f"min_samples ({self.min_samples}) must not exceed window ({self.window})")
         return self

@@ -17,6 +17,12 @@ coordinate-wise hill climb on mean TTFT, one weight one step at a time:
    its next trial (up to ``pool_trials`` windows, and only while the kept weights stay the same): a
    gain smaller than one trial's noise still shows after a few.
 
+Settling: once every move from the kept weights was tried and reverted (a round without a keep),
+the kept weights run alone for ``settle_requests`` finished requests before the next round; each
+further fruitless round doubles that rest (up to ``settle_max_requests``) and a keep resets it. A
+tuner that found its best weights would otherwise go on sending half its traffic to a worse setting
+for good; resting, it still re-checks now and then (the load may drift to where other weights win).
+
 The noise gate: an arm with fewer than ``min_samples`` requests, or whose mean's standard error
 exceeds ``max_rel_noise`` of the mean, never decides a keep (the step is reverted as too noisy).
 A request counts for the weights in effect when it arrived. Every try / keep / revert / hold is
@@ -110,6 +116,9 @@ class WeightTuner:
         self._arm = 1  # the arm in effect now
         self._count = 0  # samples since the latest switch
         self._held = False  # every weight at its bounds: nothing left to try
+        self._fruitless: set[int] = set()  # moves reverted since the latest keep or rest
+        self._rest = cfg.settle_requests  # the next rest's length (finished requests)
+        self._resting = 0  # finished requests left in the running rest
         self.samples = 0  # samples counted (attributed to an arm)
 
     def observe(self, arrival: float, ttft_s: float, prompt: int, cached: int, best_known: int,
@@ -117,6 +126,9 @@ class WeightTuner:
         """One finished request. Returns the steps this sample caused (empty almost always). The
         weights in effect (``self.weights``) change with a step and every ``switch_every`` samples."""
         if self._trial is None:
+            if self._resting:
+                self._resting -= 1
+                return []
             return [] if self._held else self._try(now)
         k = bisect_right(self._switch_at, arrival)
         if k == 0:
@@ -144,6 +156,8 @@ class WeightTuner:
         """The next move that changes a weight (a weight at its bound in that direction is skipped)."""
         for k in range(len(self._moves)):
             i = (self._move + k) % len(self._moves)
+            if i in self._fruitless and self._rest:  # a whole round reverted: rest on the kept weights
+                return self._settle(now)
             param, d = self._moves[i]
             old = getattr(self.kept, param)
             lo, hi = self.cfg.bounds(param)
@@ -165,6 +179,14 @@ class WeightTuner:
         self.weights = self.kept
         return [self._log(TuneStep(now, "hold", "", 0.0, 0.0, "every weight at its bounds"))]
 
+    def _settle(self, now: float) -> list[TuneStep]:
+        self._fruitless.clear()
+        self._resting, self._rest = self._rest, min(self.cfg.settle_max_requests, 2 * self._rest)
+        self.weights = self.kept
+        return [self._log(TuneStep(now, "hold", "", 0.0, 0.0,
+                                   f"every move from the kept weights reverted: they run alone for the next "
+                                   f"{self._resting} requests"))]
+
     def _judge(self, now: float) -> list[TuneStep]:
         trial = self._trial
         assert trial is not None
@@ -177,12 +199,15 @@ class WeightTuner:
         if not self._noisy(w) and not self._noisy(base) and gain > self.cfg.z * se:
             self.kept = self._trial_weights
             self._pool.clear()  # measured against other kept weights
+            self._fruitless.clear()
+            self._rest = self.cfg.settle_requests
             step = TuneStep(now, "keep", param, old, new,
                             f"{gain * 1e3:.1f} ms better > {self.cfg.z:g} x {se * 1e3:.1f} ms ({vs})")
         else:
             why = ("too noisy" if self._noisy(w) or self._noisy(base) else
                    f"{-gain * 1e3:.1f} ms worse" if gain < 0 else
                    f"{gain * 1e3:.1f} ms better, within noise ({self.cfg.z:g} x {se * 1e3:.1f} ms)")
+            self._fruitless.add(self._move)
             self._move = (self._move + 1) % len(self._moves)
             self._pool[(param, new)] = self._arms
             step = TuneStep(now, "revert", param, new, old, f"{why} ({vs})")
@@ -201,6 +226,7 @@ class WeightTuner:
             "start": {p: getattr(self.start, p) for p in self.cfg.params},
             "trying": None if self._trial is None else {"param": self._trial[0], "value": self._trial[2],
                                                         "samples": [self._arms[0].n, self._arms[1].n]},
+            "resting": self._resting,
             "samples": self.samples,
             "steps": [{"at": s.at, "action": s.action, "param": s.param, "old": s.old, "new": s.new,
                        "reason": s.reason} for s in self.steps],
