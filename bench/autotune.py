@@ -8,10 +8,10 @@ simulated workers. Two timings: the default (Dynamo mocker's polynomial) and pre
 coefficients x 4), where the hand-set weights are not the best.
 
 The grid: ``credit_load_scale`` x ``contention``. The tuner's arm runs with ``routing.autotune`` on from
-the default weights (knobs ``--window``, ``--switch-every``, ``--z``, ``--step``, ``--pool-trials``,
-``--settle-requests``; the row shows the weights it kept at the end); a second tuner arm runs without rests
-between rounds of trials (``settle_requests`` 0), as the tuner did before rests existed. The gain
-recovered = (default - tuner) / (default - best) on mean TTFT.
+the default weights (knobs ``--window``, ``--switch-every``, ``--z``, ``--step``, ``--min-step``,
+``--pool-trials``, ``--settle-requests``; the row shows the weights it kept at the end); a second tuner
+arm runs without rests between rounds of trials (``settle_requests`` 0). The gain recovered =
+(default - tuner) / (default - best) on mean TTFT.
 
 Run: ``python bench/autotune.py [--requests N] [--rate R] [--window W] [--z Z]`` (a few minutes).
 """
@@ -59,18 +59,21 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=200, help="routing.autotune.window")
     ap.add_argument("--switch-every", type=int, default=25, help="routing.autotune.switch_every")
     ap.add_argument("--z", type=float, default=2.0, help="routing.autotune.z")
-    ap.add_argument("--step", type=float, default=2.0, help="routing.autotune.step")
+    ap.add_argument("--step", type=float, default=8.0, help="routing.autotune.step (the first, coarse step)")
+    ap.add_argument("--min-step", type=float, default=2.0, help="routing.autotune.min_step")
     ap.add_argument("--pool-trials", type=int, default=4, help="routing.autotune.pool_trials")
     ap.add_argument("--settle-requests", type=int, default=1000, help="routing.autotune.settle_requests (the "
                     "tuner also runs once with 0: trials without rests)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--verbose", action="store_true", help="print every revert too, not only the keeps")
     ap.add_argument("--timings", default="4,1", help="prefill slow-down factors to run (comma-separated)")
     args = ap.parse_args()
     reqs = shared_prefix(args.groups, 4096, (256, 1024), args.requests, args.rate, (32, 128), seed=args.seed)
     tune = AutotuneConfig(enabled=True, window=args.window, min_samples=min(50, args.window), z=args.z,
-                          switch_every=args.switch_every, step=args.step,
+                          switch_every=args.switch_every, step=args.step, min_step=args.min_step,
                           pool_trials=args.pool_trials, settle_requests=args.settle_requests,
-                          settle_max_requests=max(32000, args.settle_requests))
+                          settle_max_requests=max(32000, args.settle_requests),
+                          log_steps=100_000)  # every step, for the summary below (a server keeps the newest 32)
     restless = tune.model_copy(update={"settle_requests": 0})
     summary = []
     for prefill_x in (float(x) for x in args.timings.split(",")):
@@ -101,13 +104,16 @@ def main() -> None:
         print(f"tuner steps: {len(acts)} (try {acts.count('try')}, keep {acts.count('keep')}, "
               f"revert {acts.count('revert')}, hold {acts.count('hold')})")
         for s in tuner.steps:
-            if s.action in ("keep", "revert"):
-                print(f"  {s.action} {s.param} {s.old:g}->{s.new:g}: {s.reason}")
-        summary.append((prefill_x, gain, got))
-    for prefill_x, gain, got in summary:
+            if s.action == "keep" or (s.action == "revert" and args.verbose):
+                print(f"  at {s.at:.0f} s: {s.action} {s.param} {s.old:g}->{s.new:g}: {s.reason}")
+        plain_got = default.ttft_ms.mean - plain.ttft_ms.mean if args.settle_requests else None
+        summary.append((prefill_x, gain, got, plain_got))
+    for prefill_x, gain, got, plain_got in summary:
         share = f"{got / gain:.0%} of it" if gain > 0 else "(grid gains nothing)"
+        restless = "" if plain_got is None else f" (without rests {plain_got:.1f} ms" + (
+            f", {plain_got / gain:.0%})" if gain > 0 else ")")
         print(f"prefill x{prefill_x:g}: grid best gains {gain:.1f} ms mean TTFT over default; tuner gains "
-              f"{got:.1f} ms, {share}")
+              f"{got:.1f} ms, {share}{restless}")
 
 if __name__ == "__main__":
     main()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 
@@ -17,7 +18,8 @@ from thunderagent.router.router import KvRouter
 
 def _cfg(**kw: object) -> AutotuneConfig:
     base: dict[str, object] = {"enabled": True, "window": 4, "min_samples": 4, "switch_every": 2, "z": 2.0,
-                               "max_rel_noise": 0.5, "params": ("credit_load_scale",)}
+                               "max_rel_noise": 0.5, "params": ("credit_load_scale",), "step": 2.0,
+                               "min_step": 2.0}
     base.update(kw)
     return AutotuneConfig(**base)  # type: ignore[arg-type]
 
@@ -41,6 +43,28 @@ def test_window_stats() -> None:
     assert w.mean == 2.0
     assert w.se == pytest.approx((1.0 / 3) ** 0.5)
     assert w.recompute_rate == 40 / 300
+
+
+def test_window_noise_counts_blocks_of_correlated_requests() -> None:
+    # 8 blocks of 10 requests, each block's TTFT its own (requests of a block share its queues)
+    w = Window()
+    for b in range(8):
+        for _ in range(10):
+            w.add(float(b), 100, 0, 0, block=b)
+    per_request = (sum((b - 3.5) ** 2 for b in range(8)) * 10 / 79 / 80) ** 0.5  # 0.258
+    assert w.se == pytest.approx((6.0 / 8) ** 0.5) and w.se > 3 * per_request  # the blocks' means: var 6
+    # under MIN_BLOCKS blocks the per-request estimate stands alone
+    few = Window()
+    for b in range(7):
+        for _ in range(10):
+            few.add(float(b), 100, 0, 0, block=b)
+    assert few.se == pytest.approx((sum((b - 3.0) ** 2 for b in range(7)) * 10 / 69 / 70) ** 0.5)
+    # blocks that agree add nothing: the per-request estimate is the larger
+    flat = Window()
+    for b in range(8):
+        for x in (1.0, 3.0):
+            flat.add(x, 100, 0, 0, block=b)
+    assert flat.se == pytest.approx((16 / 15 / 16) ** 0.5)
 
 
 def test_the_arms_alternate_and_a_clear_gain_is_kept_then_pushed() -> None:
@@ -126,6 +150,13 @@ def test_config_switch_and_validation() -> None:
         RoutingConfig(policy=Policy.round_robin, autotune=_cfg())
     with pytest.raises(ValidationError, match="min_samples"):
         AutotuneConfig(enabled=True, window=4, min_samples=5)
+    with pytest.raises(ValidationError, match=r"min_step \(4.0\) must not exceed step \(2.0\)"):
+        AutotuneConfig(enabled=True, step=2.0, min_step=4.0)
+    with pytest.raises(ValidationError, match=r"settle_max_requests \(10\) must not be below"):
+        AutotuneConfig(enabled=True, settle_requests=20, settle_max_requests=10)
+    for knob in ("min_step", "settle_requests", "settle_max_requests"):
+        with pytest.raises(ValidationError, match="routing.autotune.enabled"):
+            AutotuneConfig(**{knob: 3})
 
 
 def test_live_hook_feeds_exports_and_reports() -> None:
@@ -213,6 +244,28 @@ def test_a_round_without_a_keep_rests_on_the_kept_weights_longer_each_time() -> 
     steps = drive(t, ttft, 16, start=24)
     assert [s.action for s in steps][-1] == "hold" and "next 12 requests" in steps[-1].reason
     assert t._rest == 12  # capped
+
+
+def test_a_coarse_step_that_finds_nothing_is_refined_down_to_min_step() -> None:
+    # the best weight is 2 (TTFT grows with |log2 w - 1|): x8 and /8 from 4 are both worse, x2.83 then /2.83
+    # is better; at the finest step (2) nothing is, and the tuner rests
+    t = WeightTuner(_cfg(step=8.0, min_step=2.0, settle_requests=10), CostWeights())
+
+    def ttft(w: CostWeights, i: int) -> float:
+        return abs(math.log2(w.credit_load_scale) - 1.0) + 1.0 + JITTER[i % 4]
+
+    steps = drive(t, ttft, 200)
+    r = 2 ** 0.5
+    assert [(s.action, round(s.old, 3), round(s.new, 3)) for s in steps][:14] == [
+        ("try", 4.0, 32.0), ("revert", 32.0, 4.0), ("try", 4.0, 0.5), ("revert", 0.5, 4.0),
+        ("refine", 8.0, round(8 ** 0.5, 3)),
+        ("try", 4.0, round(4 * 8 ** 0.5, 3)), ("revert", round(4 * 8 ** 0.5, 3), 4.0),
+        ("try", 4.0, round(r, 3)), ("keep", 4.0, round(r, 3)),
+        ("try", round(r, 3), 0.5), ("revert", 0.5, round(r, 3)),
+        ("try", round(r, 3), 4.0), ("revert", 4.0, round(r, 3)),
+        ("refine", round(8 ** 0.5, 3), 2.0)]
+    assert t.kept.credit_load_scale == pytest.approx(r) and t.step == 2.0
+    assert "hold" in [s.action for s in steps] and "refine" not in [s.action for s in steps[14:]]
 
 
 def test_a_keep_resets_the_rest() -> None:

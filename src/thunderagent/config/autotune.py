@@ -13,8 +13,9 @@ from thunderagent.config._base import _Strict, knob_needs_switch
 #: workers by it), so swapping them never leaves that view's order stale
 TUNABLE = ("credit_load_scale", "contention", "overlap_credit")
 
-_KNOBS = ("params", "window", "switch_every", "pool_trials", "min_samples", "step", "z", "max_rel_noise", "credit_load_scale_bounds",
-          "contention_bounds", "overlap_credit_bounds", "log_steps", "settle_requests", "settle_max_requests")
+_KNOBS = ("params", "window", "switch_every", "pool_trials", "min_samples", "step", "min_step", "z", "max_rel_noise",
+          "credit_load_scale_bounds", "contention_bounds", "overlap_credit_bounds", "log_steps", "settle_requests",
+          "settle_max_requests")
 
 
 class AutotuneConfig(_Strict):
@@ -31,8 +32,12 @@ class AutotuneConfig(_Strict):
     pool_trials: int = Field(4, ge=1, description="a reverted move's samples count again in its next trial, up to "
                              "this many windows per arm (1 = every trial starts afresh)")
     min_samples: int = Field(50, ge=2, description="no comparison with fewer finished requests in a window")
-    step: float = Field(2.0, gt=1, description="a step multiplies or divides the weight by this (clamped to its "
-                        "bounds)")
+    step: float = Field(8.0, gt=1, description="a step multiplies or divides the weight by this at first (clamped "
+                        "to its bounds); after a round in which every move reverted it shrinks to its square root, "
+                        "down to min_step (a coarse step finds a gain a fine one is too small to show; the fine one "
+                        "then refines it)")
+    min_step: float = Field(2.0, gt=1, description="the finest step; rounds at it that keep nothing are followed by "
+                            "rests (settle_requests)")
     z: float = Field(2.0, ge=0, description="a step is kept only if it lowers the mean TTFT by more than z standard "
                      "errors of the difference (the noise gate)")
     max_rel_noise: float = Field(0.25, gt=0, description="a window whose mean TTFT's standard error exceeds this "
@@ -70,6 +75,8 @@ class AutotuneConfig(_Strict):
                 raise ValueError(f"{p}_bounds: 0 < low <= high is needed, got {(lo, hi)}")
         if self.overlap_credit_bounds[1] > 1:
             raise ValueError("overlap_credit_bounds: the credit is a share, at most 1")
+        if self.min_step > self.step:
+            raise ValueError(f"min_step ({self.min_step}) must not exceed step ({self.step})")
         if self.settle_max_requests < self.settle_requests:
             raise ValueError(f"settle_max_requests ({self.settle_max_requests}) must not be below settle_requests "
                              f"({self.settle_requests})")

@@ -6,7 +6,7 @@ another worker holds; optionally ``overlap_credit``) from the requests it sees f
 coordinate-wise hill climb on mean TTFT, one weight one step at a time:
 
 1. *try*: the kept weights with one weight one step away (``x step`` or ``/ step``, clamped to its
-   bounds);
+   bounds; the step starts coarse, ``step``, and is refined as below);
 2. *alternate*: the router uses the tried and the kept weights in turn, switching every
    ``switch_every`` finished requests, until each has ``window`` requests that arrived under it (a
    switchback experiment: both arms see the same stretch of traffic, so a drift of the load, a cold
@@ -17,15 +17,19 @@ coordinate-wise hill climb on mean TTFT, one weight one step at a time:
    its next trial (up to ``pool_trials`` windows, and only while the kept weights stay the same): a
    gain smaller than one trial's noise still shows after a few.
 
-Settling: once every move from the kept weights was tried and reverted (a round without a keep),
-the kept weights run alone for ``settle_requests`` finished requests before the next round; each
-further fruitless round doubles that rest (up to ``settle_max_requests``) and a keep resets it. A
-tuner that found its best weights would otherwise go on sending half its traffic to a worse setting
-for good; resting, it still re-checks now and then (the load may drift to where other weights win).
+Refining: once every move from the kept weights was tried and reverted (a round without a keep),
+the step shrinks to its square root, down to ``min_step`` (a pattern search: a coarse step shows a
+gain that a fine one is too small to show within the noise, the fine one then refines it).
+
+Settling: after a round without a keep at the finest step, the kept weights run alone for
+``settle_requests`` finished requests before the next round; each further fruitless round doubles
+that rest (up to ``settle_max_requests``) and a keep resets it. A tuner that found its best weights
+would otherwise go on sending half its traffic to a worse setting for good; resting, it still
+re-checks now and then (the load may drift to where other weights win).
 
 The noise gate: an arm with fewer than ``min_samples`` requests, or whose mean's standard error
 exceeds ``max_rel_noise`` of the mean, never decides a keep (the step is reverted as too noisy).
-A request counts for the weights in effect when it arrived. Every try / keep / revert / hold is
+A request counts for the weights in effect when it arrived. Every try / keep / revert / refine / hold is
 recorded (:class:`TuneStep`, the newest ``log_steps``) with its reason; the alternation is not.
 
 Pure and synchronous: times are passed in. The router reads its weights from ``router.cfg``; a step
@@ -39,7 +43,7 @@ import logging
 import math
 from bisect import bisect_right
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from thunderagent.config import CostWeights
 from thunderagent.config.autotune import AutotuneConfig
@@ -51,29 +55,41 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True, frozen=True)
 class TuneStep:
     at: float
-    action: str  # "try" | "keep" | "revert" | "hold"
+    action: str  # "try" | "keep" | "revert" | "refine" | "hold"
     param: str
     old: float
     new: float
     reason: str
 
 
+#: a window's blocks (the stretches between two switches it ran in) give its noise only from this many on
+MIN_BLOCKS = 8
+
+
 @dataclass(slots=True)
 class Window:
-    """Running sums of one window's finished requests (TTFT in seconds, token counts)."""
+    """Running sums of one window's finished requests (TTFT in seconds, token counts), and per block
+    (one stretch of the alternation) the count and TTFT sum."""
 
     n: int = 0
     total: float = 0.0
     squares: float = 0.0
     prompt: int = 0
     recomputed: int = 0  # prompt tokens prefilled although the best-known worker held them
+    blocks: dict[int, list[float]] = field(default_factory=dict)  # block id -> [count, TTFT sum]
 
-    def add(self, ttft_s: float, prompt: int, cached: int, best_known: int) -> None:
+    def add(self, ttft_s: float, prompt: int, cached: int, best_known: int, block: int = 0) -> None:
         self.n += 1
         self.total += ttft_s
         self.squares += ttft_s * ttft_s
         self.prompt += prompt
         self.recomputed += max(0, best_known - cached)
+        b = self.blocks.get(block)
+        if b is None:
+            self.blocks[block] = [1.0, ttft_s]
+        else:
+            b[0] += 1.0
+            b[1] += ttft_s
 
     @property
     def mean(self) -> float:
@@ -81,11 +97,21 @@ class Window:
 
     @property
     def se(self) -> float:
-        """Standard error of the mean (sample variance, n - 1)."""
+        """Standard error of the mean, the larger of two estimates: over the requests (sample variance,
+        n - 1), and over the blocks' means. Requests of one block share its queues, so they are not
+        independent: the per-request estimate alone came out 1.1-2.1x too small in the simulator, and a
+        z = 2 gate on it kept steps that made no difference (``contention`` on a fleet where it acts on
+        nothing). The block estimate needs ``MIN_BLOCKS`` blocks."""
         if self.n < 2:
             return math.inf
         var = max(0.0, (self.squares - self.total * self.total / self.n) / (self.n - 1))
-        return math.sqrt(var / self.n)
+        per_request = math.sqrt(var / self.n)
+        means = [t / c for c, t in self.blocks.values()]
+        if len(means) < MIN_BLOCKS:
+            return per_request
+        m = sum(means) / len(means)
+        bvar = sum((x - m) ** 2 for x in means) / (len(means) - 1)
+        return max(per_request, math.sqrt(bvar / len(means)))
 
     @property
     def recompute_rate(self) -> float:
@@ -119,6 +145,8 @@ class WeightTuner:
         self._fruitless: set[int] = set()  # moves reverted since the latest keep or rest
         self._rest = cfg.settle_requests  # the next rest's length (finished requests)
         self._resting = 0  # finished requests left in the running rest
+        self._trials = 0  # trials begun
+        self.step = cfg.step  # the factor a move applies now (shrinks to cfg.min_step)
         self.samples = 0  # samples counted (attributed to an arm)
 
     def observe(self, arrival: float, ttft_s: float, prompt: int, cached: int, best_known: int,
@@ -134,7 +162,8 @@ class WeightTuner:
         if k == 0:
             return []  # routed before the trial began
         arm = k % 2  # the trial begins with the tried weights (1), then the arms alternate
-        self._arms[arm].add(ttft_s, prompt, cached, best_known)
+        # a block: this trial's k-th stretch (trials are numbered: a pooled window spans several)
+        self._arms[arm].add(ttft_s, prompt, cached, best_known, self._trials << 32 | k)
         self.samples += 1
         a, b = self._arms
         if a.n >= self._need and b.n >= self._need:
@@ -156,14 +185,18 @@ class WeightTuner:
         """The next move that changes a weight (a weight at its bound in that direction is skipped)."""
         for k in range(len(self._moves)):
             i = (self._move + k) % len(self._moves)
-            if i in self._fruitless and self._rest:  # a whole round reverted: rest on the kept weights
-                return self._settle(now)
+            if i in self._fruitless:  # a whole round reverted: a finer step, or a rest at the finest
+                if self.step > self.cfg.min_step:
+                    return self._refine(now)
+                if self._rest:
+                    return self._settle(now)
             param, d = self._moves[i]
             old = getattr(self.kept, param)
             lo, hi = self.cfg.bounds(param)
-            new = min(hi, max(lo, old * self.cfg.step if d > 0 else old / self.cfg.step))
+            new = min(hi, max(lo, old * self.step if d > 0 else old / self.step))
             if new != old:
                 self._move = i
+                self._trials += 1
                 self._trial = (param, old, new)
                 self._trial_weights = self.kept.model_copy(update={param: new})
                 self._arms = self._pool.pop((param, new), None) or (Window(), Window())
@@ -178,6 +211,13 @@ class WeightTuner:
         self._held = True
         self.weights = self.kept
         return [self._log(TuneStep(now, "hold", "", 0.0, 0.0, "every weight at its bounds"))]
+
+    def _refine(self, now: float) -> list[TuneStep]:
+        self._fruitless.clear()
+        old, self.step = self.step, max(self.cfg.min_step, math.sqrt(self.step))
+        return [self._log(TuneStep(now, "refine", "", old, self.step,
+                                   f"every move by x{old:g} from the kept weights reverted: moves by x{self.step:g}")),
+                *self._try(now)]
 
     def _settle(self, now: float) -> list[TuneStep]:
         self._fruitless.clear()
@@ -227,6 +267,7 @@ class WeightTuner:
             "trying": None if self._trial is None else {"param": self._trial[0], "value": self._trial[2],
                                                         "samples": [self._arms[0].n, self._arms[1].n]},
             "resting": self._resting,
+            "step": self.step,
             "samples": self.samples,
             "steps": [{"at": s.at, "action": s.action, "param": s.param, "old": s.old, "new": s.new,
                        "reason": s.reason} for s in self.steps],
