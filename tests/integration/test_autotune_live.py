@@ -25,6 +25,7 @@ async def test_autotune_live(server_factory):
                 metrics = await r.text()
     assert tune["start"] == {"credit_load_scale": 4.0}
     assert tune["samples"] == 5  # the first finished request started the trial
-    assert tune["steps"][0]["action"] == "try" and tune["steps"][0]["new"] == 8.0
+    assert tune["steps"][0]["action"] == "try" and tune["steps"][0]["new"] == 32.0  # x8, the first step
+    assert tune["step"] == 8.0 and tune["resting"] == 0
     in_use = tune["weights"]["credit_load_scale"]
     assert f'thunderagent_autotune_weight{{name="credit_load_scale"}} {in_use}' in metrics
