@@ -248,8 +248,9 @@ def test_a_round_without_a_keep_rests_on_the_kept_weights_longer_each_time() -> 
 
 def test_a_coarse_step_that_finds_nothing_is_refined_down_to_min_step() -> None:
     # the best weight is 2 (TTFT grows with |log2 w - 1|): x8 and /8 from 4 are both worse, x2.83 then /2.83
-    # is better; at the finest step (2) nothing is, and the tuner rests
-    t = WeightTuner(_cfg(step=8.0, min_step=2.0, settle_requests=10), CostWeights())
+    # is better; at the finest step (2) nothing is, and the tuner rests. One window per pool: every
+    # revert gives its move up at once
+    t = WeightTuner(_cfg(step=8.0, min_step=2.0, settle_requests=10, pool_trials=1), CostWeights())
 
     def ttft(w: CostWeights, i: int) -> float:
         return abs(math.log2(w.credit_load_scale) - 1.0) + 1.0 + JITTER[i % 4]
@@ -266,6 +267,24 @@ def test_a_coarse_step_that_finds_nothing_is_refined_down_to_min_step() -> None:
         ("refine", round(8 ** 0.5, 3), 2.0)]
     assert t.kept.credit_load_scale == pytest.approx(r) and t.step == 2.0
     assert "hold" in [s.action for s in steps] and "refine" not in [s.action for s in steps[14:]]
+
+
+def test_a_coarse_move_is_given_up_only_on_a_full_pool() -> None:
+    # x8 is worse, /8 better by less than one trial's noise: rounds at x8 go on (with rests) while the
+    # pools fill, and the pooled samples keep /8; no refinement before that
+    noise = (0.2, -0.1, -0.1)
+
+    def ttft(w: CostWeights, i: int) -> float:
+        return 1.0 + 0.5 * (w.credit_load_scale > 4) - 0.15 * (w.credit_load_scale < 4) + noise[i % 3]
+
+    t = WeightTuner(_cfg(step=8.0, min_step=2.0, settle_requests=3, pool_trials=4), CostWeights())
+    steps = drive(t, ttft, 60)
+    acts = [(s.action, s.new) for s in steps]
+    assert ("keep", 0.5) in acts
+    before = acts[:acts.index(("keep", 0.5))]
+    assert before == [("try", 32.0), ("revert", 4.0), ("try", 0.5), ("revert", 4.0), ("hold", 0.0)] * 2 + [
+        ("try", 32.0), ("revert", 4.0), ("try", 0.5)]  # the third trial of /8 pools 3 windows
+    assert "(n=12," in steps[acts.index(("keep", 0.5))].reason
 
 
 def test_a_keep_resets_the_rest() -> None:

@@ -17,13 +17,15 @@ coordinate-wise hill climb on mean TTFT, one weight one step at a time:
    its next trial (up to ``pool_trials`` windows, and only while the kept weights stay the same): a
    gain smaller than one trial's noise still shows after a few.
 
-Refining: once every move from the kept weights was tried and reverted (a round without a keep),
-the step shrinks to its square root, down to ``min_step`` (a pattern search: a coarse step shows a
-gain that a fine one is too small to show within the noise, the fine one then refines it).
+Refining: once every move from the kept weights was reverted on a full pool (``pool_trials``
+windows per arm) or is at its bound, the step shrinks to its square root, down to ``min_step`` (a
+pattern search: a coarse step shows a gain that a fine one is too small to show within the noise,
+the fine one then refines it; a coarse move is not given up before its pool is full, since pooling
+is what shows a gain smaller than one trial's noise).
 
-Settling: after a round without a keep at the finest step, the kept weights run alone for
-``settle_requests`` finished requests before the next round; each further fruitless round doubles
-that rest (up to ``settle_max_requests``) and a keep resets it. A tuner that found its best weights
+Settling: after a round in which every move was reverted (a round without a keep), the kept weights
+run alone for ``settle_requests`` finished requests before the next round; each further fruitless
+round doubles that rest (up to ``settle_max_requests``) and a keep resets it. A tuner that found its best weights
 would otherwise go on sending half its traffic to a worse setting for good; resting, it still
 re-checks now and then (the load may drift to where other weights win).
 
@@ -142,7 +144,9 @@ class WeightTuner:
         self._arm = 1  # the arm in effect now
         self._count = 0  # samples since the latest switch
         self._held = False  # every weight at its bounds: nothing left to try
-        self._fruitless: set[int] = set()  # moves reverted since the latest keep or rest
+        self._round: set[int] = set()  # moves reverted since the latest keep, rest or refinement
+        #: moves given up at this step: reverted on a full pool (pool_trials windows), or at their bound
+        self._spent: set[int] = set()
         self._rest = cfg.settle_requests  # the next rest's length (finished requests)
         self._resting = 0  # finished requests left in the running rest
         self._trials = 0  # trials begun
@@ -185,8 +189,9 @@ class WeightTuner:
         """The next move that changes a weight (a weight at its bound in that direction is skipped)."""
         for k in range(len(self._moves)):
             i = (self._move + k) % len(self._moves)
-            if i in self._fruitless:  # a whole round reverted: a finer step, or a rest at the finest
-                if self.step > self.cfg.min_step:
+            if i in self._round:  # a whole round reverted: a finer step once every move is spent, or a rest
+                self._round.clear()
+                if self.step > self.cfg.min_step and len(self._spent) == len(self._moves):
                     return self._refine(now)
                 if self._rest:
                     return self._settle(now)
@@ -194,7 +199,9 @@ class WeightTuner:
             old = getattr(self.kept, param)
             lo, hi = self.cfg.bounds(param)
             new = min(hi, max(lo, old * self.step if d > 0 else old / self.step))
-            if new != old:
+            if new == old:
+                self._spent.add(i)
+            else:
                 self._move = i
                 self._trials += 1
                 self._trial = (param, old, new)
@@ -213,14 +220,14 @@ class WeightTuner:
         return [self._log(TuneStep(now, "hold", "", 0.0, 0.0, "every weight at its bounds"))]
 
     def _refine(self, now: float) -> list[TuneStep]:
-        self._fruitless.clear()
+        self._spent.clear()
         old, self.step = self.step, max(self.cfg.min_step, math.sqrt(self.step))
         return [self._log(TuneStep(now, "refine", "", old, self.step,
-                                   f"every move by x{old:g} from the kept weights reverted: moves by x{self.step:g}")),
+                                   f"every move by x{old:g} from the kept weights reverted on "
+                                   f"{self.cfg.pool_trials} windows: moves by x{self.step:g}")),
                 *self._try(now)]
 
     def _settle(self, now: float) -> list[TuneStep]:
-        self._fruitless.clear()
         self._resting, self._rest = self._rest, min(self.cfg.settle_max_requests, 2 * self._rest)
         self.weights = self.kept
         return [self._log(TuneStep(now, "hold", "", 0.0, 0.0,
@@ -239,7 +246,8 @@ class WeightTuner:
         if not self._noisy(w) and not self._noisy(base) and gain > self.cfg.z * se:
             self.kept = self._trial_weights
             self._pool.clear()  # measured against other kept weights
-            self._fruitless.clear()
+            self._round.clear()
+            self._spent.clear()
             self._rest = self.cfg.settle_requests
             step = TuneStep(now, "keep", param, old, new,
                             f"{gain * 1e3:.1f} ms better > {self.cfg.z:g} x {se * 1e3:.1f} ms ({vs})")
@@ -247,7 +255,9 @@ class WeightTuner:
             why = ("too noisy" if self._noisy(w) or self._noisy(base) else
                    f"{-gain * 1e3:.1f} ms worse" if gain < 0 else
                    f"{gain * 1e3:.1f} ms better, within noise ({self.cfg.z:g} x {se * 1e3:.1f} ms)")
-            self._fruitless.add(self._move)
+            self._round.add(self._move)
+            if w.n >= self.cfg.pool_trials * self.cfg.window:  # its pool is full: given up at this step
+                self._spent.add(self._move)
             self._move = (self._move + 1) % len(self._moves)
             self._pool[(param, new)] = self._arms
             step = TuneStep(now, "revert", param, new, old, f"{why} ({vs})")
