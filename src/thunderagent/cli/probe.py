@@ -56,7 +56,7 @@ def probe_links(
     endpoint: Annotated[list[str], typer.Option("--endpoint", help="NAME=HOST:PORT of a worker's KV byte server "
                                                 "(its log: 'KV bytes served on HOST:PORT'); repeat, two or more")],
     block_bytes: Annotated[int, typer.Option(help="size of the probe block, bytes", min=1)] = 8 << 20,
-    rounds: Annotated[int, typer.Option(help="probes per pair (medians are kept)", min=1)] = 3,
+    rounds: Annotated[int, typer.Option(help="probes per pair (the fastest is kept)", min=1)] = 3,
     timeout: Annotated[float, typer.Option(help="seconds allowed per pair", min=0.1)] = 60.0,
     yaml: Annotated[Optional[Path], typer.Option("--yaml", help="write the estimates here, in the config's "
                                                  "kv_cache_transfer.links shape", dir_okay=False)] = None,
