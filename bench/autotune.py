@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--rate", type=float, default=30.0, help="requests per second")
     ap.add_argument("--groups", type=int, default=2)
-    ap.add_argument("--window", type=int, default=200, help="routing.autotune.window")
+    ap.add_argument("--window", type=int, default=1000, help="routing.autotune.window")
     ap.add_argument("--switch-every", type=int, default=25, help="routing.autotune.switch_every")
     ap.add_argument("--z", type=float, default=2.0, help="routing.autotune.z")
     ap.add_argument("--step", type=float, default=8.0, help="routing.autotune.step (the first, coarse step)")
