@@ -89,8 +89,8 @@ def main() -> None:
         if args.settle_requests:
             plain, plain_tuner = run(reqs, prefill_x, 4.0, 1.0, restless)
             assert plain_tuner is not None
-            arms.append((f"tuner, no rests -> ({plain_tuner.kept.credit_load_scale:g}, "
-                         f"{plain_tuner.kept.contention:g})", plain))
+            kept = plain_tuner.kept
+            arms.append((f"tuner, no rests -> ({kept.credit_load_scale:g}, {kept.contention:g})", plain))
         rows = []
         for name, r in arms:
             rows.append([name, f"{r.ttft_ms.mean:.1f}", f"{r.ttft_ms.p50:.1f}", f"{r.ttft_ms.p99:.1f}",
