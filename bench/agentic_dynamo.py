@@ -353,9 +353,8 @@ def main() -> None:
     a.kv_blocks = math.ceil(live / a.ratio / a.workers / BLOCK)
     longest = max(len(r.block_ids) for r in reqs) * a.words_per_block
     print(f"{len(sessions)} programs, {len(reqs):,} requests; live context {live:,.0f} tokens = {a.ratio:g}x the "
-          "fleet's "
-          f"KV ({a.workers} workers x {a.kv_blocks:,} blocks x {BLOCK}); longest prompt {longest:,}; speedup "
-          f"{a.speedup:g}: {a.duration:g} wall s = {a.duration * a.speedup:g} virtual s per arm", flush=True)
+          f"fleet's KV ({a.workers} workers x {a.kv_blocks:,} blocks x {BLOCK}); longest prompt {longest:,}; "
+          f"speedup {a.speedup:g}: {a.duration:g} wall s = {a.duration * a.speedup:g} virtual s per arm", flush=True)
     dyn = dynamo_python(a.dynamo_python) if any(x.startswith("dynamo") for x in a.arms) else None
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="agentic-dynamo-") as d:

@@ -285,8 +285,7 @@ def report(a: argparse.Namespace, results: dict[str, list[dict]], blocks: int) -
                      f"{med(arm, 'pauses'):.0f}", f"{med(arm, 'unserved'):.0f}", f"{med(arm, 'ctx'):.0f}"))
     live = a.programs * statistics.median(r["ctx"] for rs in results.values() for r in rs)
     print_table(f"{a.programs} programs on 2 vLLM servers x {blocks} blocks ({2 * blocks * BLOCK_SIZE:,} KV tokens; "
-                "measured "
-                f"live context {live / (2 * blocks * BLOCK_SIZE):.1f}x), {a.duration:g} s per arm, median of "
+                f"measured live context {live / (2 * blocks * BLOCK_SIZE):.1f}x), {a.duration:g} s per arm, median of "
                 f"{a.rounds} round(s)",
                 ("arm", "steps/min", "prefix hit", "recomputed", "TTFT p50 s", "TTFT p99 s", "Jain", "pauses",
                  "unserved", "mean prompt"), rows)

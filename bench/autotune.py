@@ -110,10 +110,10 @@ def main() -> None:
         summary.append((prefill_x, gain, got, plain_got))
     for prefill_x, gain, got, plain_got in summary:
         share = f"{got / gain:.0%} of it" if gain > 0 else "(grid gains nothing)"
-        restless = "" if plain_got is None else f" (without rests {plain_got:.1f} ms" + (
+        without = "" if plain_got is None else f" (without rests {plain_got:.1f} ms" + (
             f", {plain_got / gain:.0%})" if gain > 0 else ")")
         print(f"prefill x{prefill_x:g}: grid best gains {gain:.1f} ms mean TTFT over default; tuner gains "
-              f"{got:.1f} ms, {share}{restless}")
+              f"{got:.1f} ms, {share}{without}")
 
 if __name__ == "__main__":
     main()

@@ -25,9 +25,9 @@ is what shows a gain smaller than one trial's noise).
 
 Settling: after a round in which every move was reverted (a round without a keep), the kept weights
 run alone for ``settle_requests`` finished requests before the next round; each further fruitless
-round doubles that rest (up to ``settle_max_requests``) and a keep resets it. A tuner that found its best weights
-would otherwise go on sending half its traffic to a worse setting for good; resting, it still
-re-checks now and then (the load may drift to where other weights win).
+round doubles that rest (up to ``settle_max_requests``) and a keep resets it. A tuner that found
+its best weights would otherwise go on sending half its traffic to a worse setting for good;
+resting, it still re-checks now and then (the load may drift to where other weights win).
 
 The noise gate: an arm with fewer than ``min_samples`` requests, or whose mean's standard error
 exceeds ``max_rel_noise`` of the mean, never decides a keep (the step is reverted as too noisy).
@@ -229,7 +229,6 @@ class WeightTuner:
 
     def _settle(self, now: float) -> list[TuneStep]:
         self._resting, self._rest = self._rest, min(self.cfg.settle_max_requests, 2 * self._rest)
-        self.weights = self.kept
         return [self._log(TuneStep(now, "hold", "", 0.0, 0.0,
                                    f"every move from the kept weights reverted: they run alone for the next "
                                    f"{self._resting} requests"))]
