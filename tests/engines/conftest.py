@@ -19,8 +19,8 @@ import pytest
 from openai import AsyncOpenAI
 
 from tests.engines.tiny_model import build_tiny_llama
-from tests.engines.vllm_env import (BLOCK_SIZE, VllmServer, VllmSetupError, cpu_binding, start_ready,
-                                    vllm_python)
+from tests.engines.vllm_env import (BLOCK_SIZE, VllmServer, VllmSetupError, log_tail, cpu_binding,
+                                    start_ready, vllm_python)
 from support.server import running_server
 from support.waiting import wait_until
 from thunderagent.config import Config, parse_config
@@ -66,6 +66,7 @@ class VllmCluster:
     order and preempted latest first, as under fcfs."""
 
     def __init__(self, python: Path, model: Path, workdir: Path, n: int = 2) -> None:
+        self.model = model
         self.servers = [VllmServer(f"vllm{i}", python, model, workdir, cpu=cpu_binding(i),
                                    scheduling_policy="priority" if i == 0 else "fcfs") for i in range(n)]
 
@@ -74,6 +75,24 @@ class VllmCluster:
         start_ready(self.servers)
         note(f"{len(self.servers)} vLLM servers ready in {time.monotonic() - t0:.0f}s "
               f"({', '.join(f'{s.name} {s.ready_after_s:.0f}s' for s in self.servers)})")
+        self.check_events(self.servers)
+
+    def check_events(self, servers: list[VllmServer]) -> None:
+        """Each server's KV event stream carries a fresh request's blocks, else the server is started
+        again once (noted, with what its log said) and checked again: a CI run had one server's stream
+        silent for the whole session, and every test on its events failed. Fails when it stays silent."""
+        for s in servers:
+            if s.events_flow(self.model):
+                continue
+            sock = Path(s.events.removeprefix("ipc://"))
+            note(f"{s.name}: KV event stream silent after a request (socket file "
+                 f"{'present' if sock.exists() else 'missing'}); restarted. Its log ends:\n{log_tail(s.log, 15)}")
+            s.kill()
+            s.new_ports()
+            start_ready([s])
+            if not s.events_flow(self.model):
+                raise VllmSetupError(f"{s.name}: KV event stream silent after a restart:\n{log_tail(s.log)}")
+            note(f"{s.name} restarted, ready in {s.ready_after_s:.0f}s, its KV events flow")
 
     def ensure_up(self) -> None:
         dead = [s for s in self.servers if not s.alive()]
@@ -82,6 +101,7 @@ class VllmCluster:
         start_ready(dead)
         for s in dead:
             note(f"{s.name} restarted, ready in {s.ready_after_s:.0f}s")
+        self.check_events(dead)
 
     def stop(self) -> None:
         for s in self.servers:

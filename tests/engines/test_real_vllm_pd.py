@@ -14,6 +14,7 @@ prompt computed locally on the decode server (a fresh ``cache_salt`` keeps its c
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import random
@@ -40,6 +41,8 @@ pytestmark = pytest.mark.real_engine
 
 MAX_TOKENS = 12
 BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 2 * 64 * 4  # one KV block of the tiny model (float32)
+METRICS_TIMEOUT_S = 30  # one /metrics read (seen over 10 s on CI right after a failed pull)
+METRICS_ATTEMPTS = 3
 #: the first transfer between two servers pays the NIXL handshake (~20 s seen); later ones are quick
 HANDSHAKE_TIMEOUT_S = 180
 
@@ -116,9 +119,25 @@ def local(server: VllmServer, model: Path, prompt: list[int], salt: str) -> tupl
 _METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.e+-]+)$", re.M)
 
 
-def metrics(server: VllmServer) -> dict[str, float]:
-    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as r:
-        text = r.read().decode()
+def _read_metrics(server: VllmServer) -> str:
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=METRICS_TIMEOUT_S) as r:
+        return r.read().decode()
+
+
+async def metrics(server: VllmServer) -> dict[str, float]:
+    """The server's vLLM counters, read in a thread (ThunderAgent shares the test's event loop). A
+    slow answer is waited for and a timed-out one asked again (noted): once on CI the decode server's
+    ``/metrics`` took over 10 s to answer right after a failed NIXL pull."""
+    t0 = time.monotonic()
+    for attempt in range(METRICS_ATTEMPTS):
+        try:
+            text = await asyncio.to_thread(_read_metrics, server)
+            break
+        except OSError:  # a timeout, or a refused connection
+            if attempt == METRICS_ATTEMPTS - 1:
+                raise
+    if attempt or time.monotonic() - t0 > 10:
+        note(f"{server.name} /metrics answered after {time.monotonic() - t0:.1f}s, {attempt + 1} tries")
     out: dict[str, float] = {}
     for name, v in _METRIC.findall(text):
         out[name] = out.get(name, 0.0) + float(v)
@@ -171,9 +190,9 @@ async def test_prompt_kv_moves_from_prefill_to_decode_server(pd_pair: tuple[Vllm
     expected = local(dec, tiny_model_dir, prompt, salt="reference")
     async with thunderagent(pd_config(tiny_model_dir, [pre, dec]), [pre, dec]) as front:
         plan_every_request(front.fleet)
-        before = metrics(dec)
+        before = await metrics(dec)
         chunks, worker = await stream_via(front, prompt)
-        after = metrics(dec)
+        after = await metrics(dec)
         m = front.fleet.metrics
         assert m.pd_started._value.get() == 1 and m.pd_ok._value.get() == 1  # type: ignore[attr-defined]
     assert worker == "worker-1"
@@ -215,7 +234,7 @@ async def test_missing_or_garbled_transfer_falls_back_to_local_prefill(pd_pair: 
     async with thunderagent(pd_config(tiny_model_dir, [pre, dec]), [pre, dec]) as front:
         handle = front.fleet.workers["worker-1"]
         for k, params in enumerate((None, "{garbled")):
-            before = metrics(dec)
+            before = await metrics(dec)
             req = EngineRequest(f"fallback-{k}", prompt, [], 0, MAX_TOKENS, cache_salt=f"fresh-{k}",
                                 sampling=Sampling(temperature=0.0),
                                 kv_from=KvTransfer("worker-0", len(prompt), (), params))
@@ -224,7 +243,7 @@ async def test_missing_or_garbled_transfer_falls_back_to_local_prefill(pd_pair: 
             while not outs or not outs[-1].finished:
                 outs.append(await q.get())
             assert [t for o in outs for t in o.token_ids] == expected
-            assert grown(before, metrics(dec), "vllm:external_prefix_cache_hits_total") == 0
+            assert grown(before, await metrics(dec), "vllm:external_prefix_cache_hits_total") == 0
 
 
 async def test_prefill_server_gone_falls_back_and_the_client_sees_one_stream(
@@ -269,9 +288,9 @@ async def test_mismatched_transfer_is_refused_and_prefilled_on_the_decode_server
             return dataclasses.replace(transfer, engine_params=json.dumps(params)), cause
 
         flow._prefill = mismatched  # type: ignore[method-assign]
-        before = metrics(dec)
+        before = await metrics(dec)
         chunks, worker = await stream_via(front, prompt)
-        after = metrics(dec)
+        after = await metrics(dec)
         samples = front.fleet.metrics.pd_fallbacks.collect()[0].samples
         fallbacks = {s.labels["cause"]: s.value for s in samples if s.name.endswith("_total")}
         rerouted = front.fleet.metrics.rerouted._value.get()  # type: ignore[attr-defined]

