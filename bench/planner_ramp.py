@@ -40,7 +40,7 @@ def planner_config(a: argparse.Namespace, forecast: bool) -> PlannerConfig:
     return PlannerConfig(enabled=True, interval_s=a.interval_s, window_s=a.window_s, cooldown_s=a.cooldown_s,
                          min_workers=a.min_workers, max_workers=a.max_workers, warm_requests=a.warm_requests,
                          up_ttft_s=a.up_ttft_s, down_ttft_s=a.down_ttft_s, up_kv_usage=a.up_kv,
-                         down_kv_usage=a.down_kv, up_queue_per_worker=a.up_queue, **fc)
+                         down_kv_usage=a.down_kv, up_queue_per_worker=a.up_queue, ttft_quantile=a.ttft_quantile, **fc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-requests", type=int, default=20)
     ap.add_argument("--up-ttft-s", type=float, default=1.7)
     ap.add_argument("--down-ttft-s", type=float, default=1.2)
+    ap.add_argument("--ttft-quantile", type=float, default=None, help="planner.ttft_quantile (0.9: the TTFT "
+                    "thresholds bound the window's p90; default: the mean)")
     ap.add_argument("--up-kv", type=float, default=0.5)
     ap.add_argument("--down-kv", type=float, default=0.3)
     ap.add_argument("--up-queue", type=float, default=1.0)
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                 ramp_up_s=a.ramp_up_s, hold_s=a.hold_s, ramp_down_s=a.ramp_down_s, output_tokens=a.output_tokens,
                 seed=a.seed, block_size=node.block_size)
     forecast = a.target_util > 0
-    pc, fc = planner_config(a, False), planner_config(a, True)
+    pc, fc = planner_config(a, False), planner_config(a, forecast)  # add-all runs with the forecast when it is on
     runs: list[tuple[str, ScalingResult]] = []
     t0 = time.perf_counter()
     for n in (int(x) for x in a.fixed.split(",")):

@@ -97,3 +97,44 @@ async def test_planner_off_by_default(server_factory):
         async with http.get(f"{srv.base_url}/v1/planner") as r:
             assert r.status == 200
             assert await r.json() == {"enabled": False, "recommendations": [], "actions": []}
+
+
+async def test_planner_reads_the_live_ttft_histogram_with_a_quantile(server_factory):
+    """With ``ttft_quantile`` the live hook hands the planner each worker's TTFT histogram from the
+    fleet's own registry; ``/v1/planner`` says which statistic it read, and its value lies within the
+    bounds of the requests' measured TTFTs."""
+    planner = {"enabled": True, "interval_s": 0.1, "window_s": 5.0, "cooldown_s": 60.0, "max_workers": 2,
+               "ttft_quantile": 0.5, "up_ttft_s": 30.0, "down_ttft_s": 20.0}
+    async with server_factory(execution_group={"nodes": [{"count": 2}]}, simulation={"speedup": 1.0},
+                              scheduler={"enabled": False}, planner=planner) as srv:
+        ttfts = []
+        for i in range(6):
+            t0 = time.monotonic()
+            stream = await srv.client.completions.create(model=MODEL, prompt=[200_000 + i * 500 + k for k in range(400)],
+                                                         max_tokens=4, stream=True)
+            async for _ in stream:
+                ttfts.append(time.monotonic() - t0)
+                break
+            async for _ in stream:
+                pass
+        samples = srv.fleet.planner.samples()
+        assert sum(s.ttft_count for s in samples) == 6
+        for s in samples:  # cumulative over the planner's bounds, ending at the worker's count
+            assert [b for b, _ in s.ttft_buckets] == sorted(b for b, _ in s.ttft_buckets) and len(s.ttft_buckets) > 10
+            counts = [n for _, n in s.ttft_buckets]
+            assert counts == sorted(counts) and counts[-1] == s.ttft_count
+
+        async def read() -> dict:
+            async with aiohttp.ClientSession() as http, http.get(f"{srv.base_url}/v1/planner") as r:
+                assert r.status == 200
+                return (await r.json())["recommendations"][0]["signals"]
+
+        async def seen() -> bool:
+            return (await read())["ttft_s"] is not None
+
+        await wait_for(seen, 10)
+        sig = await read()
+        assert sig["ttft_stat"] == "p50"
+        # the engine-side TTFT is at most what the client measured, and a p50 lies within the bucket
+        # that holds the middle value: at most the next bound above the slowest request's TTFT
+        assert 0 < sig["ttft_s"] <= min(b for b in (0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 2.5, 3, 5, 10) if b >= max(ttfts))

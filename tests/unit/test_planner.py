@@ -257,3 +257,60 @@ def test_forecast_knobs_are_validated() -> None:
         parse_config({"planner": {"enabled": True, "target_utilization": 1.5}})
     with pytest.raises(ConfigError, match="planner.target_utilization.*acts only with planner.enabled"):
         parse_config({"planner": {"target_utilization": 0.8}})
+
+
+BOUNDS = (0.5, 1.0, 2.0, 4.0)
+
+
+def hist_sample(wid: str, values: list[float]) -> WorkerSample:
+    """A worker that has served ``values`` (seconds to first token), with its cumulative histogram."""
+    cum = tuple((b, sum(1 for v in values if v <= b)) for b in BOUNDS)
+    return WorkerSample(wid, "both", 0, 1, 0.3, len(values), len(values), len(values), sum(values), cum)
+
+
+def test_ttft_quantile_reads_the_windows_histogram_not_the_mean() -> None:
+    """p90 of the window: the histograms' growth since each worker's first look in it, summed over the
+    role's workers, linear within the bucket (as Prometheus' histogram_quantile)."""
+    p = Planner(cfg(ttft_quantile=0.9, up_ttft_s=1.5, down_ttft_s=0.6, window_s=4.0))
+    before = [0.1] * 10  # served before the window: not counted
+    p.observe(0.0, [hist_sample("w0", before), hist_sample("w1", before)])
+    # in the window: w0 serves 10 at 0.3 s, w1 8 at 0.8 s and 2 at 3.0 s. Cumulative: 10 <= 0.5 s, 18 <= 1 s,
+    # 18 <= 2 s, 20 <= 4 s; rank 0.9 x 20 = 18 lies in (0.5, 1]: 0.5 + 0.5 x (18 - 10) / (18 - 10) = 1.0 s
+    p.observe(4.0, [hist_sample("w0", before + [0.3] * 10), hist_sample("w1", before + [0.8] * 8 + [3.0] * 2)])
+    sig = p.signals("both", 4.0, 0.0)
+    assert (sig.ttft_stat, sig.ttft_s) == ("p90", 1.0)
+    # p95: rank 19 lies in (2, 4] holding values 19-20: 2 + 2 * (19 - 18) / 2 = 3.0
+    p95 = Planner(cfg(ttft_quantile=0.95, up_ttft_s=2.5, down_ttft_s=0.6, window_s=4.0))
+    p95.observe(0.0, [hist_sample("w0", before), hist_sample("w1", before)])
+    p95.observe(4.0, [hist_sample("w0", before + [0.3] * 10), hist_sample("w1", before + [0.8] * 8 + [3.0] * 2)])
+    r = p95.recommend(4.0)["both"]
+    assert (r.signals.ttft_stat, r.signals.ttft_s) == ("p95", 3.0)
+    assert r.delta == 1 and r.reasons == ("TTFT: p95 3.000s >= 2.5s",)
+    # the mean of the same window (0.3 x 10 + 0.8 x 8 + 3.0 x 2) / 20 = 0.77 s would not have acted
+    mean = Planner(cfg(up_ttft_s=2.5, down_ttft_s=0.6, window_s=4.0))
+    mean.observe(0.0, [hist_sample("w0", before), hist_sample("w1", before)])
+    mean.observe(4.0, [hist_sample("w0", before + [0.3] * 10), hist_sample("w1", before + [0.8] * 8 + [3.0] * 2)])
+    sig = mean.signals("both", 4.0, 0.0)
+    assert sig.ttft_stat == "mean" and sig.ttft_s == pytest.approx(0.77)
+    assert mean.recommend(4.0)["both"].delta == 0
+
+
+def test_ttft_quantile_edges_first_bucket_past_the_last_and_no_histogram() -> None:
+    p = Planner(cfg(ttft_quantile=0.5, window_s=4.0))
+    p.observe(0.0, [hist_sample("w0", [])])
+    p.observe(2.0, [hist_sample("w0", [0.2, 0.4])])  # both in (0, 0.5]: rank 1 of 2 -> 0.25
+    assert p.signals("both", 2.0, 0.0).ttft_s == 0.25
+    p.observe(4.0, [hist_sample("w0", [0.2, 0.4] + [9.0] * 8)])  # rank 5 of 10 past the last bound: 4.0
+    assert p.signals("both", 4.0, 0.0).ttft_s == 4.0
+    # a worker whose source has no histogram: the mean, said so
+    q = Planner(cfg(ttft_quantile=0.9, window_s=4.0))
+    q.observe(0.0, [WorkerSample("w0", "both", 0, 1, 0.3, 0, 0, 0, 0.0)])
+    q.observe(4.0, [WorkerSample("w0", "both", 0, 1, 0.3, 4, 4, 4, 2.0)])
+    sig = q.signals("both", 4.0, 0.0)
+    assert (sig.ttft_stat, sig.ttft_s) == ("mean", 0.5)
+    # the knob needs the planner, and a quantile strictly inside (0, 1)
+    with pytest.raises(ValueError, match="ttft_quantile"):
+        PlannerConfig(ttft_quantile=0.9)
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match="ttft_quantile"):
+            cfg(ttft_quantile=bad)

@@ -11,7 +11,7 @@ from thunderagent.config._base import _Strict, knob_needs_switch
 _KNOBS = ("interval_s", "window_s", "cooldown_s", "min_workers", "max_workers", "warm_requests", "max_cold_s",
           "up_queue_per_worker", "up_ttft_s", "up_kv_usage", "down_queue_per_worker", "down_ttft_s",
           "down_kv_usage", "target_utilization", "forecast_lead_s", "trend_window_s", "service_rate_per_worker",
-          "command", "webhook_url", "action_timeout_s")
+          "ttft_quantile", "command", "webhook_url", "action_timeout_s")
 
 
 class PlannerConfig(_Strict):
@@ -32,13 +32,16 @@ class PlannerConfig(_Strict):
     max_cold_s: float = Field(600.0, gt=0, description="a worker counts as cold at most this long after it joined")
     up_queue_per_worker: float = Field(2.0, gt=0, description="+1 when the window's waiting requests per worker "
                                        "reach this")
-    up_ttft_s: float = Field(2.0, gt=0, description="+1 when the window's mean time to first token (scheduler "
-                             "wait included) reaches this")
+    up_ttft_s: float = Field(2.0, gt=0, description="+1 when the window's mean (or ttft_quantile) time to first "
+                             "token (scheduler wait included) reaches this")
+    ttft_quantile: float | None = Field(None, gt=0, lt=1, description="read this quantile of the window's time to "
+                                        "first token (0.9: its p90, from the workers' TTFT histograms) instead of "
+                                        "the mean; up_ttft_s and down_ttft_s then bound it")
     up_kv_usage: float = Field(0.9, gt=0, le=1, description="+1 when the window's mean KV use reaches this")
     down_queue_per_worker: float = Field(0.1, ge=0, description="-1 only while waiting requests per worker stay "
                                          "at or below this")
-    down_ttft_s: float = Field(0.5, ge=0, description="-1 only while the mean time to first token stays at or "
-                               "below this")
+    down_ttft_s: float = Field(0.5, ge=0, description="-1 only while the mean (or ttft_quantile) time to first "
+                               "token stays at or below this")
     down_kv_usage: float = Field(0.5, ge=0, le=1, description="-1 only if the KV use, spread over one worker "
                                  "fewer, stays at or below this")
     target_utilization: float | None = Field(None, gt=0, le=1, description="forecast sizing (off: null): +1 when "

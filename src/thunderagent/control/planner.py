@@ -7,8 +7,10 @@ and asks for a :class:`Recommendation` per role (:meth:`Planner.recommend`). Wha
 over the last ``window_s`` (never reaching back past the role's last step or worker-count change):
 
 - **queue depth**: waiting requests per worker (mean of the samples);
-- **wait time**: mean time to first token of the requests whose first token came in the window (the
-  scheduler's queue wait is part of it), from the workers' cumulative TTFT sums and counts;
+- **wait time**: time to first token of the requests whose first token came in the window (the
+  scheduler's queue wait is part of it): their mean, from the workers' cumulative TTFT sums and counts,
+  or with ``ttft_quantile`` that quantile, from the workers' cumulative TTFT histograms (linear within a
+  bucket, as Prometheus' ``histogram_quantile``; the mean when a worker's histogram is missing);
 - **hit rate**: requests routed to a worker holding part of their prompt / requests routed;
 - **KV water level**: mean KV use (active blocks / total) of the role's workers.
 
@@ -60,7 +62,13 @@ from dataclasses import dataclass
 
 from thunderagent.config.planner import PlannerConfig
 
-__all__ = ["Forecast", "Planner", "Recommendation", "RoleSignals", "WorkerSample"]
+__all__ = ["WORKER_TTFT_BUCKETS", "Forecast", "Planner", "Recommendation", "RoleSignals", "WorkerSample"]
+
+#: the per-worker TTFT histogram's bounds (seconds; the live ``thunderagent_worker_ttft_seconds`` and the
+#: simulator's): finer from 0.5 to 3 s, where TTFT objectives sit and ``ttft_quantile`` is read (linear
+#: within a bucket: a 1-2.5 s bucket would put a 1.2 s p90 anywhere in it)
+WORKER_TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3,
+                       5, 10, 30, 60)
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,6 +85,9 @@ class WorkerSample:
     hits: int = 0  # of them, routed to it while it held part of their prompt
     ttft_count: int = 0  # first tokens it produced
     ttft_sum: float = 0.0  # their times to first token, seconds
+    #: their histogram: (upper bound in seconds, cumulative count) per finite bucket, bounds ascending
+    #: (the +Inf bucket is ``ttft_count``); () when the source has none (then only the mean is known)
+    ttft_buckets: tuple[tuple[float, int], ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -98,11 +109,12 @@ class RoleSignals:
     workers: int
     cold: tuple[str, ...]  # workers still warming up
     queue_per_worker: float  # mean waiting requests per worker
-    ttft_s: float | None  # mean time to first token (None: no first token in the window)
+    ttft_s: float | None  # time to first token, mean or quantile (None: no first token in the window)
     hit_rate: float | None  # hits / routed (None: nothing routed in the window)
     kv_usage: float  # mean KV use of its workers
     span_s: float  # seconds the samples cover
     forecast: Forecast | None = None  # None: forecast off, or too little arrival history yet
+    ttft_stat: str = "mean"  # what ttft_s is: "mean", or the quantile read ("p90")
 
 
 @dataclass(slots=True, frozen=True)
@@ -278,7 +290,7 @@ class Planner:
             if n <= cfg.min_workers:
                 return hold(f"at min_workers ({cfg.min_workers})", *down)
             return self._decide(role, -1, down, sig, now)
-        return hold(f"in range: {sig.queue_per_worker:.2f} waiting/worker, TTFT {_secs(sig.ttft_s)}, "
+        return hold(f"in range: {sig.queue_per_worker:.2f} waiting/worker, TTFT {sig.ttft_stat} {_secs(sig.ttft_s)}, "
                     f"KV {sig.kv_usage:.0%}, hit rate {_pct(sig.hit_rate)}")
 
     def _decide(self, role: str, delta: int, why: tuple[str, ...], sig: RoleSignals, now: float) -> Recommendation:
@@ -291,7 +303,7 @@ class Planner:
         if sig.queue_per_worker >= cfg.up_queue_per_worker:
             out.append(f"queue: {sig.queue_per_worker:.2f} waiting/worker >= {cfg.up_queue_per_worker:g}")
         if sig.ttft_s is not None and sig.ttft_s >= cfg.up_ttft_s:
-            out.append(f"TTFT: mean {sig.ttft_s:.3f}s >= {cfg.up_ttft_s:g}s")
+            out.append(f"TTFT: {sig.ttft_stat} {sig.ttft_s:.3f}s >= {cfg.up_ttft_s:g}s")
         if sig.kv_usage >= cfg.up_kv_usage:
             out.append(f"KV: {sig.kv_usage:.0%} used >= {cfg.up_kv_usage:.0%}")
         ahead = self._forecast_up(sig)
@@ -325,7 +337,7 @@ class Planner:
             return None
         out = (f"queue on {n - 1} workers: {queue:.2f} waiting/worker <= {cfg.down_queue_per_worker:g}",
                f"KV on {n - 1} workers: {kv:.0%} <= {cfg.down_kv_usage:.0%}",
-               f"TTFT: mean {_secs(sig.ttft_s)} <= {cfg.down_ttft_s:g}s")
+               f"TTFT: {sig.ttft_stat} {_secs(sig.ttft_s)} <= {cfg.down_ttft_s:g}s")
         if most is not None and f is not None:
             out += (f"forecast: {_rate(f)}, {f.ahead:.2f} req/s in {cfg.forecast_lead_s:g}s: at most {most} "
                     f"workers needed over {cfg.window_s:g}s at {cfg.target_utilization:.0%} of "
@@ -345,16 +357,23 @@ class Planner:
                 kv += sum(s.kv_usage for s in ws) / len(ws)
         routed = hits = count = 0
         ttft = 0.0
+        q = self.cfg.ttft_quantile
+        hist: dict[float, int] | None = {} if q is not None else None  # the window's TTFT histogram
         for wid, s in latest.items():
             base = next(snap.workers[wid] for snap in snaps if wid in snap.workers)  # its first look in the window
             routed += s.routed - base.routed
             hits += s.hits - base.hits
             count += s.ttft_count - base.ttft_count
             ttft += s.ttft_sum - base.ttft_sum
+            if hist is not None:
+                hist = _add_window(hist, s, base)
         hit_rate = hits / routed if routed else None
         cold = tuple(sorted(w for w in latest if self._cold(latest[w], hit_rate, now)))
-        return RoleSignals(n, cold, queue / len(snaps), ttft / count if count else None, hit_rate,
-                           kv / len(snaps), snaps[-1].t - snaps[0].t, self.forecast(role, now))
+        ttft_s, stat = (ttft / count if count else None), "mean"
+        if q is not None and hist is not None and count:
+            ttft_s, stat = _quantile(q, hist, count), f"p{q * 100:g}"
+        return RoleSignals(n, cold, queue / len(snaps), ttft_s, hit_rate, kv / len(snaps), snaps[-1].t - snaps[0].t,
+                           self.forecast(role, now), stat)
 
     def _cold(self, s: WorkerSample, role_hit_rate: float | None, now: float) -> bool:
         j = self._joined.get(s.worker_id)
@@ -362,6 +381,33 @@ class Planner:
             return False
         routed = s.routed - j.routed
         return not (routed and role_hit_rate is not None and (s.hits - j.hits) / routed >= role_hit_rate)
+
+
+def _add_window(hist: dict[float, int], s: WorkerSample, base: WorkerSample) -> dict[float, int] | None:
+    """``hist`` plus ``s``'s TTFT buckets less ``base``'s (the same worker at its first look in the
+    window); None when they cannot be told apart (a sample without buckets, or bounds that differ)."""
+    if s.ttft_count == base.ttft_count:
+        return hist  # nothing in the window from this worker
+    if not s.ttft_buckets or (base.ttft_count and [b for b, _ in base.ttft_buckets] != [b for b, _ in s.ttft_buckets]):
+        return None
+    before = dict(base.ttft_buckets)
+    for bound, n in s.ttft_buckets:
+        hist[bound] = hist.get(bound, 0) + n - before.get(bound, 0)
+    return hist
+
+
+def _quantile(q: float, hist: dict[float, int], count: int) -> float:
+    """The ``q`` quantile of ``count`` values from their cumulative histogram (upper bound -> values at
+    or below it): linear within the bucket that holds it, from the bucket below's bound (0 for the
+    first); past the last finite bound, that bound (as Prometheus' ``histogram_quantile``)."""
+    rank = q * count
+    lo, below = 0.0, 0
+    for bound in sorted(hist):
+        n = hist[bound]
+        if n >= rank:
+            return lo + (bound - lo) * ((rank - below) / (n - below) if n > below else 1.0)
+        lo, below = bound, n
+    return lo
 
 
 def _count(workers: dict[str, WorkerSample], role: str) -> int:

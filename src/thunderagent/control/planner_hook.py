@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 _COUNTERS = {"thunderagent_routed_total": "routed", "thunderagent_routed_hits_total": "hits",
              "thunderagent_worker_ttft_seconds_count": "ttft_count", "thunderagent_worker_ttft_seconds_sum": "ttft_sum"}
+_TTFT_BUCKET = "thunderagent_worker_ttft_seconds_bucket"
 
 
 class PlannerHook:
@@ -67,17 +68,22 @@ class PlannerHook:
 
     def samples(self) -> list[WorkerSample]:
         counters: dict[str, dict[str, float]] = {}
+        buckets: dict[str, list[tuple[float, int]]] = {}
+        quantile = self.cfg.ttft_quantile is not None  # the histograms are read only when the planner uses them
         for family in self._metrics.collect():
             for s in family.samples:
                 field = _COUNTERS.get(s.name)
                 if field is not None and "worker" in s.labels:
                     counters.setdefault(s.labels["worker"], {})[field] = s.value
+                elif quantile and s.name == _TTFT_BUCKET and "worker" in s.labels and s.labels["le"] != "+Inf":
+                    buckets.setdefault(s.labels["worker"], []).append((float(s.labels["le"]), int(s.value)))
         out = []
         for w in self._routable():
             c = counters.get(w.worker_id, {})
             out.append(WorkerSample(w.worker_id, self._registry.info(w.worker_id).role, w.load.waiting,
                                     w.load.running, w.load.kv_usage, int(c.get("routed", 0)), int(c.get("hits", 0)),
-                                    int(c.get("ttft_count", 0)), c.get("ttft_sum", 0.0)))
+                                    int(c.get("ttft_count", 0)), c.get("ttft_sum", 0.0),
+                                    tuple(sorted(buckets.get(w.worker_id, ())))))
         return out
 
     # -- actions -------------------------------------------------------------------------------
@@ -146,6 +152,7 @@ class PlannerHook:
                 "role": r.role, "delta": r.delta, "reasons": list(r.reasons), "at": r.at, "decided_at": r.decided_at,
                 "signals": {"workers": r.signals.workers, "cold": list(r.signals.cold),
                             "queue_per_worker": r.signals.queue_per_worker, "ttft_s": r.signals.ttft_s,
+                            "ttft_stat": r.signals.ttft_stat,
                             "hit_rate": r.signals.hit_rate, "kv_usage": r.signals.kv_usage,
                             "span_s": r.signals.span_s,
                             "forecast": None if r.signals.forecast is None else asdict(r.signals.forecast)},

@@ -31,6 +31,7 @@ from statistics import median
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from thunderagent.control.metric_children import LabelledChildren
+from thunderagent.control.planner import WORKER_TTFT_BUCKETS
 from thunderagent.control.window import WindowSums
 from thunderagent.scheduler.dispatch import Dispatch
 from thunderagent.types import LoadReport
@@ -109,7 +110,7 @@ class SeedMetrics:
         self.kv_max = Gauge("thunderagent_kv_usage_max", "KV use of the fullest worker (active blocks / total)",
                             registry=r)
         self.worker_ttft = Histogram("thunderagent_worker_ttft_seconds", "Time to first token per worker",
-                                     ["worker"], buckets=_LATENCY_BUCKETS, registry=r)
+                                     ["worker"], buckets=WORKER_TTFT_BUCKETS, registry=r)
         self.worker_itl = Histogram("thunderagent_worker_itl_seconds", "Inter-token latency per worker",
                                     ["worker"], buckets=_LATENCY_BUCKETS, registry=r)
         self.key_ttft = Histogram("thunderagent_route_key_ttft_seconds", "Time to first token per route key",

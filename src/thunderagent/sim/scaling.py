@@ -21,12 +21,14 @@ turns into a look instead of a request (they are not requests: no track, no resu
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Literal
 
 from thunderagent.config import NodeConfig, PlannerConfig, Policy, RoutingConfig
-from thunderagent.control.planner import Planner, WorkerSample
+from thunderagent.control.planner import WORKER_TTFT_BUCKETS, Planner, WorkerSample
 from thunderagent.engine.simulated import SimulatedEngine
 from thunderagent.sim.driver import SimOutcome, Simulator, _Track
 from thunderagent.sim.results import Dist
@@ -48,6 +50,7 @@ class _Worker:
     hits: int = 0
     ttft_count: int = 0
     ttft_sum: float = 0.0
+    ttft_hist: list[int] = field(default_factory=lambda: [0] * len(WORKER_TTFT_BUCKETS))  # per bucket, not cumulative
 
 
 @dataclass(slots=True)
@@ -155,12 +158,14 @@ class ScalingSim(Simulator):
         self.joins.append(now)
         w.routed = w.hits = w.ttft_count = 0
         w.ttft_sum = 0.0
+        w.ttft_hist = [0] * len(WORKER_TTFT_BUCKETS)
         self.routable.append(st)
 
     def _sample(self, w: _Worker) -> WorkerSample:
         ld = self._states[w.index].load
+        # cumulative, as the live server's Prometheus histogram reads (the same bounds)
         return WorkerSample(self.engines[w.index].worker_id, "both", ld.waiting, ld.running, ld.kv_usage, w.routed,
-                            w.hits, w.ttft_count, w.ttft_sum)
+                            w.hits, w.ttft_count, w.ttft_sum, tuple(zip(WORKER_TTFT_BUCKETS, accumulate(w.ttft_hist))))
 
     def _harvest(self) -> None:
         """Fold first tokens and finished requests since the last look into their workers' counters."""
@@ -174,7 +179,11 @@ class ScalingSim(Simulator):
             if not item[1] and tr.first >= 0:
                 item[1] = True
                 w.ttft_count += 1
-                w.ttft_sum += tr.first - tr.arrival
+                ttft = tr.first - tr.arrival
+                w.ttft_sum += ttft
+                k = bisect_left(WORKER_TTFT_BUCKETS, ttft)  # the first bound >= it (le); past the last: +Inf only
+                if k < len(w.ttft_hist):
+                    w.ttft_hist[k] += 1
             if tr.done:
                 w.routed += 1
                 w.hits += tr.cached > 0
