@@ -9,7 +9,8 @@ from collections import defaultdict
 import pytest
 
 from thunderagent.sim.bounds import reuse_bounds
-from thunderagent.sim.generators import agent_programs, multi_turn_chat, shared_prefix, zipf_prefix
+from thunderagent.sim.generators import (agent_programs, multi_turn_chat, rollout_groups, shared_prefix,
+                                         zipf_prefix)
 from thunderagent.sim.traces import PAD_BASE, TraceRequest
 
 
@@ -29,6 +30,7 @@ def _common(reqs: list[TraceRequest]) -> None:
         lambda seed: shared_prefix(3, 500, (1, 200), 50, rate=2.0, seed=seed),
         lambda seed: multi_turn_chat(4, 3, seed=seed),
         lambda seed: agent_programs(3, 5, seed=seed),
+        lambda seed: rollout_groups(3, 4, 3, seed=seed),
         lambda seed: zipf_prefix(8, 256, (1, 100), 50, rate=2.0, seed=seed),
     ],
 )
@@ -144,6 +146,39 @@ def test_agent_programs_shape() -> None:
     assert statistics.median(pauses) == pytest.approx(3.0, rel=0.2)
     b = reuse_bounds(reqs, bs, 10**9)
     assert b.infinite_cache_reuse > 0.9
+
+
+def test_rollout_groups_shape() -> None:
+    """Each group's programs start together on one prompt (the shared system prompt + the group's task),
+    then grow apart; groups differ only in the system prompt."""
+    bs = 64
+    reqs = rollout_groups(5, 4, 3, group_rate=0.1, shared_tokens=1000, prompt_tokens=2048, seed=3, block_size=bs)
+    _common(reqs)
+    assert len(reqs) == 5 * 4 * 3
+    progs: dict[str, list[TraceRequest]] = defaultdict(list)
+    for r in reqs:
+        progs[r.session].append(r)
+    assert sorted(progs) == sorted(f"rollout-{g}-{m}" for g in range(5) for m in range(4))
+    shared = reqs[0].block_ids[:16]  # 1000 rounded up to 16 whole blocks
+    firsts = {name: steps[0] for name, steps in progs.items()}
+    for g in range(5):
+        group = [firsts[f"rollout-{g}-{m}"] for m in range(4)]
+        assert len({r.arrival_s for r in group}) == 1 and all(r.think_s is None for r in group)  # together
+        assert all(r.block_ids == group[0].block_ids and r.input_length == 16 * bs + 2048 for r in group)
+        assert group[0].block_ids[:16] == shared
+        if g:  # another group's task: only the system prompt in common
+            other = firsts[f"rollout-{g - 1}-0"].block_ids
+            assert other[:16] == shared and not set(other[16:]) & set(group[0].block_ids[16:])
+    arrivals = sorted({r.arrival_s for r in firsts.values()})
+    assert len(arrivals) == 5 and arrivals[0] == 0.0
+    for steps in progs.values():
+        for prev, cur in zip(steps, steps[1:]):
+            assert cur.block_ids[: len(prev.block_ids)] == prev.block_ids  # growing context
+            assert cur.arrival_s == pytest.approx(prev.arrival_s + cur.think_s) and cur.think_s > 0
+    seconds = [progs[f"rollout-0-{m}"][1].block_ids for m in range(4)]
+    assert len({tuple(b) for b in seconds}) == 4  # after the first step, each program its own history
+    with pytest.raises(ValueError):
+        rollout_groups(2, 2, 2, group_rate=0.0)
 
 
 def test_bad_arguments() -> None:

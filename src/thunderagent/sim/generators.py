@@ -27,6 +27,10 @@ Length arguments accept an ``int`` (fixed) or a ``(lo, hi)`` tuple (uniform inte
   the model's output (a tool call) and a tool result appended; steps separated by a tool pause
   drawn from a log-normal distribution (``tool_pause_median_s``, ``tool_pause_sigma``); contexts
   grow long (tens of thousands of tokens with the defaults).
+* :func:`rollout_groups` - RL rollout groups: ``G`` groups arrive as a Poisson process at ``group_rate``;
+  the ``N`` programs of a group all start at the group's arrival with the same prompt (a system prompt
+  shared by every program + the group's task), then diverge as agent programs do (their own outputs
+  and tool results, log-normal tool pauses). ``session`` = ``"rollout-<g>-<m>"``.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from collections.abc import Callable
 
 from thunderagent.sim.traces import PAD_BASE, TraceRequest
 
-__all__ = ["agent_programs", "multi_turn_chat", "ramp", "shared_prefix", "zipf_prefix"]
+__all__ = ["agent_programs", "multi_turn_chat", "ramp", "rollout_groups", "shared_prefix", "zipf_prefix"]
 
 Length = int | tuple[int, int]
 
@@ -257,6 +261,51 @@ def agent_programs(
             ids = ids + blocks.new(o) + blocks.new(r)
             pause = rng.lognormvariate(mu, tool_pause_sigma)
             t += pause
+    return _finish(out)
+
+
+def rollout_groups(
+    num_groups: int,
+    group_size: int,
+    steps: int,
+    *,
+    group_rate: float = 0.05,
+    shared_tokens: int = 1024,
+    prompt_tokens: Length = 4096,
+    tool_result_tokens: Length = (128, 1024),
+    output_tokens: Length = (128, 512),
+    tool_pause_median_s: float = 2.0,
+    tool_pause_sigma: float = 1.0,
+    seed: int = 0,
+    block_size: int = 64,
+) -> list[TraceRequest]:
+    """``num_groups`` rollout groups of ``group_size`` programs of ``steps`` LLM calls each (see the module
+    docstring). Step 0 of every program of group ``g`` = the shared system prompt (``shared_tokens``) + the
+    group's task (``prompt_tokens``, drawn once per group); step k+1 = step k's prompt + its output + a tool
+    result, after a log-normal tool pause (recorded in ``think_s``). All history segments are whole blocks."""
+    _check(block_size, num_groups=num_groups, group_size=group_size, steps=steps, shared_tokens=shared_tokens)
+    if group_rate <= 0 or tool_pause_median_s <= 0 or tool_pause_sigma < 0:
+        raise ValueError("group_rate and tool_pause_median_s must be > 0, tool_pause_sigma >= 0")
+    rng = random.Random(seed)
+    blocks = _Blocks(block_size)
+    shared = blocks.new(blocks.whole(shared_tokens))
+    mu = math.log(tool_pause_median_s)
+    out: list[TraceRequest] = []
+    start = 0.0
+    for g in range(num_groups):
+        if g:
+            start += rng.expovariate(group_rate)
+        prompt = shared + blocks.new(blocks.whole(_draw(rng, prompt_tokens, "prompt_tokens", 1)))
+        for m in range(group_size):
+            ids, t, pause = prompt, start, None
+            for k in range(steps):
+                o = blocks.whole(_draw(rng, output_tokens, "output_tokens", 1))
+                out.append(TraceRequest(f"rollout-{g}-{m}:{k}", t, len(ids) * block_size, o, ids, block_size,
+                                        f"rollout-{g}-{m}", pause))
+                ids = ids + blocks.new(o) + blocks.new(blocks.whole(_draw(rng, tool_result_tokens,
+                                                                          "tool_result_tokens", 1)))
+                pause = rng.lognormvariate(mu, tool_pause_sigma)
+                t += pause
     return _finish(out)
 
 
