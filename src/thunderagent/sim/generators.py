@@ -250,18 +250,25 @@ def agent_programs(
         if p:
             start += rng.expovariate(program_rate)
         ids = shared + blocks.new(blocks.whole(_draw(rng, task_tokens, "task_tokens", 1)))
-        t = start
-        pause: float | None = None
-        for k in range(steps):
-            o = blocks.whole(_draw(rng, output_tokens, "output_tokens", 1))
-            out.append(
-                TraceRequest(f"program-{p}:{k}", t, len(ids) * block_size, o, ids, block_size, f"program-{p}", pause)
-            )
-            r = blocks.whole(_draw(rng, tool_result_tokens, "tool_result_tokens", 1))
-            ids = ids + blocks.new(o) + blocks.new(r)
-            pause = rng.lognormvariate(mu, tool_pause_sigma)
-            t += pause
+        _trajectory(rng, blocks, out, f"program-{p}", ids, start, steps, output_tokens, tool_result_tokens, mu,
+                    tool_pause_sigma)
     return _finish(out)
+
+
+def _trajectory(rng: random.Random, blocks: _Blocks, out: list[TraceRequest], session: str, ids: list[int],
+                t: float, steps: int, output_tokens: Length, tool_result_tokens: Length, mu: float,
+                sigma: float) -> None:
+    """One agent program's ``steps`` requests into ``out``, from prompt ``ids`` at time ``t``: each step's
+    prompt is the last one + its output (the tool call) + a tool result, after a log-normal tool pause."""
+    bs = blocks.bs
+    pause: float | None = None
+    for k in range(steps):
+        o = blocks.whole(_draw(rng, output_tokens, "output_tokens", 1))
+        out.append(TraceRequest(f"{session}:{k}", t, len(ids) * bs, o, ids, bs, session, pause))
+        r = blocks.whole(_draw(rng, tool_result_tokens, "tool_result_tokens", 1))
+        ids = ids + blocks.new(o) + blocks.new(r)
+        pause = rng.lognormvariate(mu, sigma)
+        t += pause
 
 
 def rollout_groups(
@@ -297,15 +304,8 @@ def rollout_groups(
             start += rng.expovariate(group_rate)
         prompt = shared + blocks.new(blocks.whole(_draw(rng, prompt_tokens, "prompt_tokens", 1)))
         for m in range(group_size):
-            ids, t, pause = prompt, start, None
-            for k in range(steps):
-                o = blocks.whole(_draw(rng, output_tokens, "output_tokens", 1))
-                out.append(TraceRequest(f"rollout-{g}-{m}:{k}", t, len(ids) * block_size, o, ids, block_size,
-                                        f"rollout-{g}-{m}", pause))
-                ids = ids + blocks.new(o) + blocks.new(blocks.whole(_draw(rng, tool_result_tokens,
-                                                                          "tool_result_tokens", 1)))
-                pause = rng.lognormvariate(mu, tool_pause_sigma)
-                t += pause
+            _trajectory(rng, blocks, out, f"rollout-{g}-{m}", prompt, start, steps, output_tokens, tool_result_tokens,
+                        mu, tool_pause_sigma)
     return _finish(out)
 
 
