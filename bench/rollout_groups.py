@@ -31,8 +31,7 @@ from collections import defaultdict
 
 from _common import print_table
 
-from thunderagent.config import (Config, PacingAccounting, PacingConfig, Policy, ResumePlacement,
-                                 SchedulerConfig)
+from thunderagent.config import Config, PacingAccounting, PacingConfig, Policy, ResumePlacement, SchedulerConfig
 from thunderagent.sim.driver import Simulator
 from thunderagent.sim.generators import rollout_groups
 from thunderagent.sim.traces import TraceRequest
@@ -70,7 +69,7 @@ def run(reqs: list[TraceRequest], kv_blocks: int, sched: SchedulerConfig) -> dic
     for r in reqs:
         assert r.session is not None
         g = group_of(r.session)
-        a, f = out.times_by_id.get(r.request_id, (math.nan, -1.0))
+        f = out.times_by_id.get(r.request_id, (math.nan, -1.0))[1]
         total += 1
         if r.think_s is None:  # a program's first step: sent at its group's arrival
             arrival[g] = r.arrival_s

@@ -9,8 +9,7 @@ from collections import defaultdict
 import pytest
 
 from thunderagent.sim.bounds import reuse_bounds
-from thunderagent.sim.generators import (agent_programs, multi_turn_chat, rollout_groups, shared_prefix,
-                                         zipf_prefix)
+from thunderagent.sim.generators import agent_programs, multi_turn_chat, rollout_groups, shared_prefix, zipf_prefix
 from thunderagent.sim.traces import PAD_BASE, TraceRequest
 
 

@@ -237,21 +237,34 @@ def agent_programs(
     Programs start as a Poisson process at ``program_rate``; step k+1 arrives after a tool pause
     ``lognormvariate(ln(tool_pause_median_s), tool_pause_sigma)`` (recorded in ``think_s``). All
     history segments are whole blocks."""
-    _check(block_size, num_programs=num_programs, steps=steps, shared_tokens=shared_tokens)
-    if program_rate <= 0 or tool_pause_median_s <= 0 or tool_pause_sigma < 0:
-        raise ValueError("program_rate and tool_pause_median_s must be > 0, tool_pause_sigma >= 0")
+    _check(block_size, num_programs=num_programs)
+    if program_rate <= 0:
+        raise ValueError("program_rate must be > 0")
+    return _programs(num_programs, 1, steps, program_rate, shared_tokens, task_tokens, tool_result_tokens,
+                     output_tokens, tool_pause_median_s, tool_pause_sigma, seed, block_size, lambda g, m: f"program-{g}")
+
+
+def _programs(num_groups: int, group_size: int, steps: int, rate: float, shared_tokens: int, task_tokens: Length,
+              tool_result_tokens: Length, output_tokens: Length, tool_pause_median_s: float, tool_pause_sigma: float,
+              seed: int, block_size: int, session: Callable[[int, int], str]) -> list[TraceRequest]:
+    """Groups of agent programs arriving as a Poisson process at ``rate``; the programs of a group start
+    together on the shared prompt + the group's task, then each runs :func:`_trajectory`."""
+    _check(block_size, group_size=group_size, steps=steps, shared_tokens=shared_tokens)
+    if tool_pause_median_s <= 0 or tool_pause_sigma < 0:
+        raise ValueError("tool_pause_median_s must be > 0, tool_pause_sigma >= 0")
     rng = random.Random(seed)
     blocks = _Blocks(block_size)
     shared = blocks.new(blocks.whole(shared_tokens))
     mu = math.log(tool_pause_median_s)
     out: list[TraceRequest] = []
     start = 0.0
-    for p in range(num_programs):
-        if p:
-            start += rng.expovariate(program_rate)
-        ids = shared + blocks.new(blocks.whole(_draw(rng, task_tokens, "task_tokens", 1)))
-        _trajectory(rng, blocks, out, f"program-{p}", ids, start, steps, output_tokens, tool_result_tokens, mu,
-                    tool_pause_sigma)
+    for g in range(num_groups):
+        if g:
+            start += rng.expovariate(rate)
+        prompt = shared + blocks.new(blocks.whole(_draw(rng, task_tokens, "task_tokens", 1)))
+        for m in range(group_size):
+            _trajectory(rng, blocks, out, session(g, m), prompt, start, steps, output_tokens, tool_result_tokens, mu,
+                        tool_pause_sigma)
     return _finish(out)
 
 
@@ -290,23 +303,12 @@ def rollout_groups(
     docstring). Step 0 of every program of group ``g`` = the shared system prompt (``shared_tokens``) + the
     group's task (``prompt_tokens``, drawn once per group); step k+1 = step k's prompt + its output + a tool
     result, after a log-normal tool pause (recorded in ``think_s``). All history segments are whole blocks."""
-    _check(block_size, num_groups=num_groups, group_size=group_size, steps=steps, shared_tokens=shared_tokens)
-    if group_rate <= 0 or tool_pause_median_s <= 0 or tool_pause_sigma < 0:
-        raise ValueError("group_rate and tool_pause_median_s must be > 0, tool_pause_sigma >= 0")
-    rng = random.Random(seed)
-    blocks = _Blocks(block_size)
-    shared = blocks.new(blocks.whole(shared_tokens))
-    mu = math.log(tool_pause_median_s)
-    out: list[TraceRequest] = []
-    start = 0.0
-    for g in range(num_groups):
-        if g:
-            start += rng.expovariate(group_rate)
-        prompt = shared + blocks.new(blocks.whole(_draw(rng, prompt_tokens, "prompt_tokens", 1)))
-        for m in range(group_size):
-            _trajectory(rng, blocks, out, f"rollout-{g}-{m}", prompt, start, steps, output_tokens, tool_result_tokens,
-                        mu, tool_pause_sigma)
-    return _finish(out)
+    _check(block_size, num_groups=num_groups)
+    if group_rate <= 0:
+        raise ValueError("group_rate must be > 0")
+    return _programs(num_groups, group_size, steps, group_rate, shared_tokens, prompt_tokens, tool_result_tokens,
+                     output_tokens, tool_pause_median_s, tool_pause_sigma, seed, block_size,
+                     lambda g, m: f"rollout-{g}-{m}")
 
 
 def ramp(
