@@ -151,7 +151,7 @@ def test_rollout_groups_shape() -> None:
     """Each group's programs start together on one prompt (the shared system prompt + the group's task),
     then grow apart; groups differ only in the system prompt."""
     bs = 64
-    reqs = rollout_groups(5, 4, 3, group_rate=0.1, shared_tokens=1000, prompt_tokens=2048, seed=3, block_size=bs)
+    reqs = rollout_groups(5, 4, 3, group_rate=0.1, shared_tokens=1000, task_tokens=2048, seed=3, block_size=bs)
     _common(reqs)
     assert len(reqs) == 5 * 4 * 3
     progs: dict[str, list[TraceRequest]] = defaultdict(list)

@@ -291,7 +291,7 @@ def rollout_groups(
     *,
     group_rate: float = 0.05,
     shared_tokens: int = 1024,
-    prompt_tokens: Length = 4096,
+    task_tokens: Length = 4096,
     tool_result_tokens: Length = (128, 1024),
     output_tokens: Length = (128, 512),
     tool_pause_median_s: float = 2.0,
@@ -301,12 +301,12 @@ def rollout_groups(
 ) -> list[TraceRequest]:
     """``num_groups`` rollout groups of ``group_size`` programs of ``steps`` LLM calls each (see the module
     docstring). Step 0 of every program of group ``g`` = the shared system prompt (``shared_tokens``) + the
-    group's task (``prompt_tokens``, drawn once per group); step k+1 = step k's prompt + its output + a tool
+    group's task (``task_tokens``, drawn once per group); step k+1 = step k's prompt + its output + a tool
     result, after a log-normal tool pause (recorded in ``think_s``). All history segments are whole blocks."""
     _check(block_size, num_groups=num_groups)
     if group_rate <= 0:
         raise ValueError("group_rate must be > 0")
-    return _programs(num_groups, group_size, steps, group_rate, shared_tokens, prompt_tokens, tool_result_tokens,
+    return _programs(num_groups, group_size, steps, group_rate, shared_tokens, task_tokens, tool_result_tokens,
                      output_tokens, tool_pause_median_s, tool_pause_sigma, seed, block_size,
                      lambda g, m: f"rollout-{g}-{m}")
 
