@@ -11,6 +11,7 @@ import typer
 
 from thunderagent.config import Config, ConfigError, PacingAccounting, Policy, ResumePlacement, load_config
 from thunderagent.config.transfer import sim_fields_set
+from thunderagent.sim.replay_config import replay_routing
 
 
 _DYNAMO_MODE = {Policy.round_robin: "round_robin", Policy.kv_aware: "kv_router"}
@@ -133,8 +134,10 @@ def sim(
     pd_setups = _pd_setups(cfg, node, pd, pd_mode, pd_slow_link, pd_interrupt, pd_target_full, seed)
     if pd_setups[0] is not None:
         workers = pd_setups[0].prefill + pd_setups[0].decode
+    routing = replay_routing(cfg.routing)  # (the Simulator applies it too: here for the header line)
     console.print(f"{len(requests):,} requests, {workers} workers x {kv_blocks} blocks x {block_size} tokens, "
-                  f"speedup {speedup}" + (", closed loop" if closed_loop else ""))
+                  f"speedup {speedup}" + (", closed loop" if closed_loop else "")
+                  + ("" if routing.double_hash else ", double-hash guard off"))
     bounds = reuse_bounds(requests, block_size, workers * kv_blocks)
     outcomes, results = [], []
     # The serving default (on) does not change replays: the simulator holds requests only when the
@@ -156,7 +159,7 @@ def sim(
         if planner:  # the planner sizes the fleet (sim/scaling.py)
             from thunderagent.sim.scaling import ScalingSim
 
-            outcome = ScalingSim(node, cfg.routing, pol, mode="step", initial=min(cfg.planner.min_workers, workers),
+            outcome = ScalingSim(node, routing, pol, mode="step", initial=min(cfg.planner.min_workers, workers),
                                  max_workers=workers, planner=cfg.planner, startup_s=planner_startup_s,
                                  seed=seed).replay(requests, 0.0, speedup).outcome
             assert outcome is not None
@@ -165,7 +168,7 @@ def sim(
             results.append(outcome.result)
             console.print(f"{label}: {outcome.result.extra['scaling']}")
             continue
-        simulator = Simulator(node, cfg.routing, workers, pol, seed=seed, scheduler=sched, decision_log=dlog,
+        simulator = Simulator(node, routing, workers, pol, seed=seed, scheduler=sched, decision_log=dlog,
                               run_label=label, pd=pds)
         with Progress(TextColumn(f"thunderagent {label}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console, transient=True) as prog:

@@ -40,6 +40,7 @@ from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
 from thunderagent.sim.arrivals import ClosedLoop, OpenLoop, session_stats
 from thunderagent.sim.migrate import sim_migration
 from thunderagent.sim.pd import PdFaults, PdSim
+from thunderagent.sim.replay_config import replay_routing
 from thunderagent.sim.results import Dist, RunResult
 from thunderagent.sim.traces import TraceRequest
 from thunderagent.router.candidates import FleetView
@@ -200,9 +201,11 @@ class Simulator:
         pd: PdSetup | None = None,
     ) -> None:
         """``decision_log``: every decision placed is written there (virtual time), its lines
-        tagged ``run: run_label``; the caller closes it."""
+        tagged ``run: run_label``; the caller closes it. ``routing``'s double-hash guard runs only when
+        it sets ``double_hash`` itself (:func:`~thunderagent.sim.replay_config.replay_routing`)."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        routing = replay_routing(routing)
         self.node = node
         self.policy = policy
         self.preempt = knobs_from(routing)
