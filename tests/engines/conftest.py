@@ -19,7 +19,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from tests.engines.tiny_model import build_tiny_llama
-from tests.engines.vllm_env import (BLOCK_SIZE, VllmServer, VllmSetupError, log_tail, cpu_binding,
+from tests.engines.vllm_env import (BLOCK_SIZE, VllmServer, VllmSetupError, cpu_binding, log_tail,
                                     start_ready, vllm_python)
 from support.server import running_server
 from support.waiting import wait_until
