@@ -9,7 +9,7 @@ the group's **makespan** (its arrival to its last program's last response) and h
 waited for a first response.
 
 Fleet: 8 simulated workers; ``--load RATE:BLOCKS`` sets the groups' arrival rate (groups/s) and the KV
-blocks per worker (64 tokens each), one table per load. Arms, same requests: plain ``kv_aware``; ``pacing``
+blocks per worker (64 tokens each), one table per load. Arms, same requests: plain ``kv_aware``; ``pacing ours``
 (``scheduler.pacing`` at its defaults: a shared prefix counted once, a resumed program placed where its
 blocks are); ``pacing paper`` (the ThunderAgent paper's accounting and placement, no work conservation).
 
@@ -30,8 +30,9 @@ import statistics
 from collections import defaultdict
 
 from _common import print_table
+from agentic_pacing import arm  # the same three arms as the kv-cache-tester bench
 
-from thunderagent.config import Config, PacingAccounting, PacingConfig, Policy, ResumePlacement, SchedulerConfig
+from thunderagent.config import Config, Policy, SchedulerConfig
 from thunderagent.sim.driver import Simulator
 from thunderagent.sim.generators import rollout_groups
 from thunderagent.sim.traces import TraceRequest
@@ -39,18 +40,6 @@ from thunderagent.sim.traces import TraceRequest
 WORKERS = 8
 BLOCK = 64
 HORIZON_S = 7200.0  # virtual seconds: every load below finishes well before
-
-
-def arm(name: str) -> SchedulerConfig:
-    if name == "kv_aware":
-        return SchedulerConfig(enabled=False)
-    if name == "pacing":
-        return SchedulerConfig(enabled=False, pacing=PacingConfig(enabled=True))
-    if name == "pacing paper":
-        return SchedulerConfig(enabled=False, pacing=PacingConfig(
-            enabled=True, accounting=PacingAccounting.paper, placement=ResumePlacement.most_free,
-            work_conserving=False))
-    raise ValueError(f"unknown arm {name!r}")
 
 
 def group_of(session: str) -> str:
@@ -104,7 +93,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="steps per program")
     ap.add_argument("--load", action="append", metavar="RATE:BLOCKS",
                     help="groups/s and KV blocks per worker (repeatable; default 0.05:384 and 0.1:256)")
-    ap.add_argument("--arms", nargs="+", default=["kv_aware", "pacing", "pacing paper"])
+    ap.add_argument("--arms", nargs="+", default=["kv_aware", "pacing ours", "pacing paper"])
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     for load in args.load or ["0.05:384", "0.1:256"]:
