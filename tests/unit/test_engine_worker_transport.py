@@ -219,3 +219,56 @@ async def test_load_changes_are_marked_stale_not_pushed_when_the_receiver_reads_
         assert (last.running, last.waiting, last.queued_prefill_tokens, last.decode_tokens) == (0, 0, 0, 0)
     finally:
         await w.stop()
+
+
+async def test_chunks_without_text_keep_a_request_alive_while_metrics_hang():
+    """A server without token ids in its stream sends ``text: ""`` while its detokenizer holds back an
+    incomplete character (a random-weight model can do so for many tokens running). Such a chunk is
+    heard from the request: the stall check must not rest on ``/metrics`` polls alone."""
+    from thunderagent.execution.openai import OpenAIWorker
+
+    now = [100.0]
+    release, finish, hang = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    class Gated(FakeTransport):
+        async def get_text(self, url: str, timeout: float) -> str:
+            if hang.is_set():
+                await asyncio.sleep(3600)  # a loaded server whose /metrics does not answer
+            return METRICS
+
+        @contextlib.asynccontextmanager
+        async def stream_post(self, url: str, json: Any) -> AsyncIterator[Any]:
+            class Stream(FakeStream):
+                async def _iter(self) -> AsyncIterator[bytes]:
+                    yield b'data: {"choices": [{"text": "a", "finish_reason": null}]}\n'
+                    await release.wait()
+                    yield b'data: {"choices": [{"text": "", "finish_reason": null}]}\n'
+                    await finish.wait()
+                    yield b'data: {"choices": [{"text": "b", "finish_reason": "length"}]}\n'
+                    yield b"data: [DONE]\n"
+
+            yield Stream(200, [], "")
+
+    rec = Recorder(clock=lambda: now[0])
+    node = NodeConfig(engine="openai", block_size=4, endpoints=[EndpointConfig(url="http://engine:8000/")])
+    w = OpenAIWorker("w0", node, node.endpoints[0], rec.callbacks(), heartbeat_interval=0.01, transport=Gated())
+    w.start()
+    try:
+        await wait_until(lambda: rec.heartbeats, 2.0, "first heartbeat")
+        q = w.submit(request())
+        first = await asyncio.wait_for(q.get(), 2.0)
+        assert first.token_ids == [-1] and first.text == "a"
+        hang.set()
+        await asyncio.sleep(0.1)  # the poll in flight hangs now
+        now[0] += 30.0  # far past the keepalive's freshness: polls no longer vouch for the request
+        await asyncio.sleep(1.2)  # a keepalive round (KEEPALIVE_S / 2) runs and must not touch
+        assert q.last_heard < now[0]
+        release.set()
+        await wait_until(lambda: q.last_heard == now[0], 2.0, "the empty chunk is heard")
+        assert q.empty(), "an empty chunk is no output"
+        finish.set()
+        outs = await drain(q)
+        assert outs[-1].finished and outs[-1].finish_reason == FinishReason.LENGTH
+        assert [t for o in outs for t in o.token_ids] == [-1], "the held-back chunk counts no token"
+    finally:
+        await w.stop()

@@ -290,6 +290,11 @@ class RequestStreamer:
                 elif ids or text:
                     self._progress(r, len(ids))
                     r.queue.put_output(TokenOutput(rid, ids, self._loop_time(), n_prompt, 0, text=text), clock())
+                else:
+                    # A chunk without text or ids (a detokenizer holding back an incomplete character,
+                    # which a server without token ids in its stream may do for many tokens running)
+                    # still proves the request is alive: the stall check must not depend on /metrics.
+                    r.queue.touch(clock())
         if final is None:
             log.warning("%s: stream of request %s ended without a finish reason", self.worker_id, rid)
             self._end(r, FinishReason.ERROR if r.started else FinishReason.UNAVAILABLE)
