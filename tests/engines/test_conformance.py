@@ -62,6 +62,7 @@ class Harness:
     snapshot: bool = True  # can dump its cache synchronously
     rng: random.Random = field(default_factory=lambda: random.Random())
     cleanup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    ready: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # awaited once the handle started
     n: int = 0
 
     def prompt(self, tokens: int) -> list[int]:
@@ -114,7 +115,7 @@ async def _engine_flavour(rec: Recorder, flavour: str) -> Harness:
                       endpoints=[EndpointConfig(url=server.url, kv_events=server.events, kv_replay=server.replay)])
     handle = EngineWorker(f"{flavour}-0", node, node.endpoints[0], rec.callbacks(), heartbeat_interval=0.05,
                           flavor=VLLM if flavour == "vllm" else SGLANG)
-    return Harness(handle, 500, rec, cleanup=[server.stop])
+    return Harness(handle, 500, rec, cleanup=[server.stop], ready=[server.wait_subscribed])
 
 
 async def _vllm_flavour(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
@@ -178,6 +179,8 @@ async def h(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     harness.handle.start()
     try:
         await wait_until(lambda: len(rec.heartbeats) > 0, 30, "first heartbeat")
+        for ready in harness.ready:
+            await ready()
         yield harness
     finally:
         await harness.handle.stop()

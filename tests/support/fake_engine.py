@@ -6,7 +6,9 @@ ZMQ KV events with replay, so the real-engine adapter can be tested without a mo
   ``prompt_tokens_details.cached_tokens`` counts the prompt's leading full blocks already cached;
 - the prompt's full blocks are cached (LRU over ``num_blocks``) and announced as ``BlockStored``
   events with opaque engine hashes, evictions as ``BlockRemoved``; batches are numbered from 0 and
-  kept for the replay ROUTER socket;
+  kept for the replay ROUTER socket; the publisher is an XPUB, so :meth:`FakeEngine.wait_subscribed`
+  can wait until a subscriber's subscription has arrived (a PUB drops what it sends before that:
+  ZMQ's slow joiner, which a test's first request would otherwise race on a loaded machine);
 - ``GET /metrics``: running / waiting / KV usage (and vLLM's ``cache_config_info``);
 - a client that hangs up aborts its request.
 Runs inside the test's event loop; every socket is on 127.0.0.1.
@@ -55,7 +57,7 @@ class FakeEngine:
         host, port = self._runner.addresses[0][:2]
         self.url = f"http://{host}:{port}"
         self._ctx = zmq.asyncio.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.bind("tcp://127.0.0.1:*")
         self.events = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -64,10 +66,23 @@ class FakeEngine:
         self._router.bind("tcp://127.0.0.1:*")
         self.replay = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._replayer = asyncio.create_task(self._serve_replay())
+        self._subscribed = asyncio.Event()
+        self._watcher = asyncio.create_task(self._watch_subscriptions())
+
+    async def wait_subscribed(self, timeout: float = 30.0) -> None:
+        """Until a subscriber's subscription reached the publisher: what is published then arrives."""
+        await asyncio.wait_for(self._subscribed.wait(), timeout)
+
+    async def _watch_subscriptions(self) -> None:
+        while True:
+            msg = await self._pub.recv()
+            if msg[:1] == b"\x01":  # XPUB: 1 + topic subscribes, 0 + topic unsubscribes
+                self._subscribed.set()
 
     async def stop(self) -> None:
         self._replayer.cancel()
-        await asyncio.gather(self._replayer, return_exceptions=True)
+        self._watcher.cancel()
+        await asyncio.gather(self._replayer, self._watcher, return_exceptions=True)
         await self._runner.cleanup()
         self._ctx.destroy(linger=0)
 
