@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -103,3 +104,14 @@ async def read_chat_stream(resp: object, t0: float) -> tuple[float | None, str, 
                     first = time.monotonic() - t0
                 text.append(piece)
     return first, "".join(text), usage
+
+
+def knob(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` of a ``--pacing`` flag: the value as JSON when it parses (numbers, booleans), else text."""
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--pacing {text!r}: expected KEY=VALUE (a scheduler.pacing field)")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value

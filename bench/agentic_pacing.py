@@ -15,7 +15,8 @@ and ``4x`` make the live context twice and four times the fleet's KV.
 Arms, same requests, same fleet: plain ``kv_aware``; ``+pacing paper`` (the ThunderAgent paper's
 accounting: every program's tokens in full; resumed on the worker with the most room); ``+pacing
 ours`` (a prefix shared by several programs on a worker counted once; a resumed program goes where the
-index holds its blocks when there is room). Per arm: steps/min (and its ratio to kv_aware), prefix
+index holds its blocks when there is room); ``+pacing ours, idle cached`` (and a worker with nothing to
+run resumes the paused program holding most blocks there, not the head of the order). Per arm: steps/min (and its ratio to kv_aware), prefix
 reuse, recomputed prompt tokens (prompt tokens not served from cache), Jain's fairness index of
 steps per program, pause cycles per program per 10 minutes, the longest gap between two steps of a
 program, and programs that completed no step.
@@ -24,7 +25,8 @@ Targets (issue 9): steps/min >= 1.5x kv_aware at 4x, >= 1.2x at 2x, >= 0.97x whe
 recomputed tokens <= 1/3 of kv_aware's; <= 2 pause cycles per program per 10 minutes; Jain no more
 than 0.05 below kv_aware's.
 
-Run: ``python bench/agentic_pacing.py [--traces DIR] [--horizon S] [--think-cap S] [--ratio fits 2 4]``.
+Run: ``python bench/agentic_pacing.py [--traces DIR] [--horizon S] [--think-cap S] [--ratio fits 2 4]
+[--arms ...] [--pacing KEY=VALUE ...]``.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from _common import print_table
+from _common import knob, print_table
 
-from thunderagent.config import Config, PacingAccounting, PacingConfig, Policy, ResumePlacement, SchedulerConfig
+from thunderagent.config import (Config, IdleResume, PacingAccounting, PacingConfig, Policy, ResumePlacement,
+                                 SchedulerConfig)
 from thunderagent.sim.driver import Simulator
 from thunderagent.sim.traces import TraceRequest, load_traces
 
@@ -71,14 +74,21 @@ def kv_blocks_for(reqs: list[TraceRequest], ratio: str) -> int:
     return math.ceil(live / float(ratio) / WORKERS / BLOCK)
 
 
-def arm(name: str) -> SchedulerConfig:
+ARMS = ("kv_aware", "pacing paper", "pacing ours", "pacing ours, idle cached")
+
+
+def arm(name: str, knobs: dict[str, object] | None = None) -> SchedulerConfig:
+    """The scheduler config of an arm; ``knobs`` (``--pacing``) go into every pacing arm (validated)."""
     if name == "kv_aware":
         return SchedulerConfig(enabled=False)
-    pacing = PacingConfig(enabled=True)
+    fields: dict[str, object] = {"enabled": True}
     if name == "pacing paper":
-        pacing = PacingConfig(enabled=True, accounting=PacingAccounting.paper, placement=ResumePlacement.most_free,
-                              work_conserving=False)
-    return SchedulerConfig(enabled=False, pacing=pacing)
+        fields.update(accounting=PacingAccounting.paper, placement=ResumePlacement.most_free, work_conserving=False)
+    elif name == "pacing ours, idle cached":
+        fields.update(idle_resume=IdleResume.cached)
+    elif name != "pacing ours":
+        raise SystemExit(f"--arms: unknown arm {name!r} (one of {', '.join(ARMS)})")
+    return SchedulerConfig(enabled=False, pacing=PacingConfig(**{**fields, **(knobs or {})}))
 
 
 def run(reqs: list[TraceRequest], kv_blocks: int, sched: SchedulerConfig, horizon: float) -> dict[str, float]:
@@ -113,18 +123,23 @@ def main() -> None:
     ap.add_argument("--horizon", type=float, default=1200.0, help="virtual seconds simulated")
     ap.add_argument("--think-cap", type=float, default=30.0)
     ap.add_argument("--ratio", nargs="+", default=["fits", "2", "4"], help="live context / fleet KV: fits, 2, 4")
-    ap.add_argument("--arms", nargs="+", default=["kv_aware", "pacing paper", "pacing ours"])
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), help=f"first is the reference; of {', '.join(ARMS)}")
+    ap.add_argument("--pacing", type=knob, nargs="*", default=[], metavar="KEY=VALUE",
+                    help="scheduler.pacing fields for every pacing arm (e.g. min_run_s=300)")
     args = ap.parse_args()
+    knobs = dict(args.pacing)
+    for name in args.arms:
+        arm(name, knobs)  # a bad arm or knob fails before the runs
     if not args.traces.exists():
         sys.exit(f"no traces at {args.traces} (the kv-cache-tester folder from ../shared)")
     reqs = programs(load_traces([args.traces]), args.think_cap)
     print(f"{len(reqs):,} requests, {len({r.session for r in reqs})} programs, think capped at {args.think_cap:g} s, "
-          f"horizon {args.horizon:g} s, {WORKERS} workers")
+          f"horizon {args.horizon:g} s, {WORKERS} workers, pacing knobs {knobs or 'none'}")
     ideal = run(reqs, kv_blocks_for(reqs, "fits"), arm("kv_aware"), args.horizon)["steps_per_min"]
     print(f"everything cached (KV fits every program's peak): {ideal:.1f} steps/min, the bound for every arm below")
     for ratio in args.ratio:
         kv = kv_blocks_for(reqs, ratio)
-        res = {name: run(reqs, kv, arm(name), args.horizon) for name in args.arms}
+        res = {name: run(reqs, kv, arm(name, knobs), args.horizon) for name in args.arms}
         base = res[args.arms[0]]
         rows = [(name, r["steps_per_min"], r["steps_per_min"] / base["steps_per_min"], r["steps_per_min"] / ideal,
                  f"{r['reuse']:.1%}",

@@ -52,7 +52,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT), str(ROOT / "tests")]
 
-from _common import counter, jain, pct, print_table, read_chat_stream
+from _common import counter, jain, knob, pct, print_table, read_chat_stream
 from support.waiting import free_port
 
 from tests.engines.tiny_model import _WORDS, build_tiny_llama
@@ -70,16 +70,6 @@ def pacing(arm: str, knobs: dict[str, object]) -> dict[str, object]:
     if arm == "pacing paper":
         return {"enabled": True, "accounting": "paper", "placement": "most_free", "work_conserving": False, **knobs}
     raise SystemExit(f"--arms: unknown arm {arm!r} (one of {', '.join(ARMS)})")
-
-
-def knob(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"--pacing {text!r}: expected KEY=VALUE (a scheduler.pacing field)")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
 
 
 # -- the programs -------------------------------------------------------------------------------------

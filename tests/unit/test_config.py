@@ -156,3 +156,12 @@ def test_pacing_knobs_need_the_switch_and_hysteresis() -> None:
         parse_config({"scheduler": {"pacing": {"enabled": True, "resume_threshold": 0.95}}})
     with pytest.raises(ConfigError, match=r"scheduler\.pacing\.placement"):
         parse_config({"scheduler": {"pacing": {"enabled": True, "placement": "anywhere"}}})
+
+
+def test_pacing_idle_resume_cached_needs_work_conservation() -> None:
+    cfg = parse_config({"scheduler": {"pacing": {"enabled": True, "idle_resume": "cached"}}})
+    assert cfg.scheduler.pacing.idle_resume.value == "cached" and cfg.scheduler.pacing.work_conserving
+    with pytest.raises(ConfigError, match=r"idle_resume: cached .* work_conserving: true"):
+        parse_config({"scheduler": {"pacing": {"enabled": True, "idle_resume": "cached", "work_conserving": False}}})
+    with pytest.raises(ConfigError, match=r"scheduler\.pacing\.idle_resume.*scheduler\.pacing\.enabled: true"):
+        parse_config({"scheduler": {"pacing": {"idle_resume": "cached"}}})

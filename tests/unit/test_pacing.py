@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from thunderagent.config import PacingAccounting, PacingConfig, ResumeOrder, ResumePlacement
+from thunderagent.config import IdleResume, PacingAccounting, PacingConfig, ResumeOrder, ResumePlacement
 from thunderagent.kv.index import KvIndex
 from thunderagent.scheduler.pacing import ProgramPacer
 from thunderagent.scheduler.programs import ProgramState, ProgramTable
@@ -171,3 +171,40 @@ def test_a_rollout_group_sharing_a_long_prefix_is_admitted_together_with_shared_
                 got.append(prog.program_id)
         # shared: 500 for the first, then 20 tokens each (their own last block); paper: 500 each
         assert got == admitted, accounting
+
+
+def test_idle_resume_cached_gives_an_idle_worker_the_paused_program_holding_its_blocks_out_of_order() -> None:
+    """``head`` sends the head of the order to the idle worker; ``cached`` gives the idle worker the
+    paused program whose blocks it holds, and the head (nothing cached there) waits its turn."""
+    for mode, resumed, pinned in ((IdleResume.head, ["old"], "w1"), (IdleResume.cached, ["cached"], "w1")):
+        p, t, index = pacer(pause_threshold=0.9, resume_threshold=0.5, work_conserving=True, idle_resume=mode)
+        start(t, "busy", [9], 1000, "w0", 0.0, finish=False)  # w0 is full and running
+        start(t, "old", [1, 2], 1000, "w0", 0.0)
+        start(t, "cached", [5, 6, 7], 1000, "w1", 0.0)
+        start(t, "tool", [8], 300, "w1", 0.0)  # ACTING on w1: its demand leaves no room for 1,000 more
+        t.pause(t.get("old"), 1.0)  # paused first: the head of the order
+        t.pause(t.get("cached"), 2.0)
+        for wid in ("w0", "w1"):
+            index.add_worker(wid)
+        index.predict("w1", [5, 6, 7], 2.0)  # w1 still holds "cached"'s blocks
+        busy_w0 = worker("w0", kv_blocks=100)
+        idle_w1 = worker("w1", kv_blocks=40, running=0)  # 640 tokens: nobody fits under 0.5 x 640
+        assert p.tick([busy_w0, idle_w1], 3.0) == resumed, mode
+        assert t.get(resumed[0]).pinned == pinned
+        left = ({"old", "cached"} - set(resumed)).pop()
+        assert t.get(left).state is ProgramState.PAUSED, mode
+        if mode is IdleResume.cached:
+            assert "w1 idle, holds 3 of its blocks" in p.recent[-1].reason
+
+
+def test_idle_resume_cached_leaves_an_idle_worker_without_cached_programs_idle_until_forced() -> None:
+    p, t, index = pacer(pause_threshold=0.9, resume_threshold=0.5, work_conserving=True,
+                        idle_resume=IdleResume.cached, max_pause_s=30.0)
+    start(t, "busy", [9], 1000, "w0", 0.0, finish=False)
+    start(t, "x", [1, 2], 1000, "w0", 0.0)
+    start(t, "tool", [8], 300, "w1", 0.0)
+    t.pause(t.get("x"), 1.0)
+    index.add_worker("w1")
+    workers = [worker("w0"), worker("w1", kv_blocks=40, running=0)]
+    assert p.tick(workers, 2.0) == []  # nothing of x's on the idle w1: x waits for room, or ...
+    assert p.tick(workers, 31.0) == ["x"]  # ... until max_pause_s forces it

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from thunderagent.config import Config, ConfigError, PacingAccounting, Policy, ResumePlacement, load_config
+from thunderagent.config import Config, ConfigError, IdleResume, PacingAccounting, Policy, ResumePlacement, load_config
 from thunderagent.config.transfer import sim_fields_set
 from thunderagent.sim.replay_config import replay_routing
 
@@ -261,7 +261,8 @@ def _scheduler_config(cfg: Config, mode: SchedulerMode, pace: PacingMode) -> Any
     pacing = cfg.scheduler.pacing.model_copy(update={"enabled": pace is not PacingMode.off})
     if pace is PacingMode.paper:
         pacing = pacing.model_copy(update={"accounting": PacingAccounting.paper,
-                                           "placement": ResumePlacement.most_free, "work_conserving": False})
+                                           "placement": ResumePlacement.most_free, "work_conserving": False,
+                                           "idle_resume": IdleResume.head})
     return cfg.scheduler.model_copy(update={"enabled": mode is SchedulerMode.on, "pacing": pacing})
 
 

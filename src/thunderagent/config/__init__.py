@@ -22,14 +22,8 @@ from thunderagent.config.observe import DecisionLogConfig
 from thunderagent.config.outlier import OutlierConfig
 from thunderagent.config.autotune import AutotuneConfig
 from thunderagent.config.planner import PlannerConfig
-from thunderagent.config.scheduler import (
-    GroupingConfig,
-    PacingAccounting,
-    PacingConfig,
-    ResumeOrder,
-    ResumePlacement,
-    SchedulerConfig,
-)
+from thunderagent.config.scheduler import (GroupingConfig, IdleResume, PacingAccounting, PacingConfig, ResumeOrder,
+                                          ResumePlacement, SchedulerConfig)
 from thunderagent.config.transfer import DisaggConfig, KvTransferConfig, MigrationConfig, check_sim_fields
 
 __all__ = [
@@ -39,7 +33,7 @@ __all__ = [
     "MigrationConfig", "NatsTlsConfig", "NodeConfig", "OutlierConfig", "PlannerConfig",
     "PacingAccounting", "PacingConfig", "Policy", "ResumePlacement", "Role", "RoutingConfig", "SchedulerConfig",
     "SimulationConfig", "TimingConfig", "load_config", "parse_config",
-    "ResumeOrder",
+    "ResumeOrder", "IdleResume",
 ]
 
 

@@ -33,6 +33,11 @@ class ResumeOrder(str, Enum):
     smallest = "smallest"
 
 
+class IdleResume(str, Enum):
+    head = "head"
+    cached = "cached"
+
+
 class PacingConfig(_Strict):
     """Program-aware pacing (``scheduler/pacing.py``): under KV pressure, agent programs are paused
     between turns so the others keep their cache, and resumed with hysteresis."""
@@ -58,6 +63,12 @@ class PacingConfig(_Strict):
         True, description="resume the next paused program on a worker that has nothing to run, whatever its KV "
         "demand (a worker idling while programs wait loses more than their recompute costs); off in the paper",
     )
+    idle_resume: IdleResume = Field(
+        IdleResume.head,
+        description="which paused program a worker with nothing to run takes (work_conserving): `head` (the next in "
+        "resume order, sent to the idle worker holding most of its blocks) or `cached` (the paused program holding "
+        "most blocks on that worker, out of order; the head goes to an idle worker only where it holds blocks)",
+    )
     tick_s: float = Field(1.0, gt=0, description="seconds between pacing decisions")
     pause_threshold: float = Field(
         0.95, gt=0, le=4.0, description="pause programs on a worker whose demand exceeds this fraction of its KV tokens"
@@ -73,14 +84,17 @@ class PacingConfig(_Strict):
         30.0, gt=0, description="on the resume side an idle (acting) program's tokens count half per this many seconds"
     )
 
-    @field_validator("accounting", "placement", "resume_order", "work_conserving", "tick_s", "pause_threshold", "resume_threshold",
-                     "max_pause_s", "min_run_s", "acting_half_life_s")
+    @field_validator("accounting", "placement", "resume_order", "work_conserving", "idle_resume", "tick_s",
+                     "pause_threshold", "resume_threshold", "max_pause_s", "min_run_s", "acting_half_life_s")
     @classmethod
     def _knobs_need_pacing(cls, v: object, info: ValidationInfo) -> object:
         return knob_needs_switch(cls, v, info.field_name, bool(info.data.get("enabled")), "scheduler.pacing.enabled")
 
     @model_validator(mode="after")
-    def _hysteresis(self) -> PacingConfig:
+    def _consistent(self) -> PacingConfig:
+        if self.idle_resume is IdleResume.cached and not self.work_conserving:
+            raise ValueError("scheduler.pacing.idle_resume: cached chooses what an idle worker resumes, which only "
+                             "happens with work_conserving: true")
         if self.resume_threshold >= self.pause_threshold:
             raise ValueError(f"scheduler.pacing.resume_threshold ({self.resume_threshold}) must be below "
                              f"pause_threshold ({self.pause_threshold}): without hysteresis programs flap")

@@ -23,7 +23,8 @@ costs O(workers + paused programs), not O(programs x blocks).
   class, and one that does not fit is passed over. An idle (ACTING) program's tokens count for less
   on the resume side, halving every ``acting_half_life_s``: its cache is the first to go anyway. Anything paused ``max_pause_s`` is
   resumed whatever the pressure; with ``work_conserving`` a worker with nothing to run takes the next
-  paused program whatever its demand. Placement: ``most_free`` (the paper) or ``cached`` (where the index
+  paused program whatever its demand (``idle_resume: head``: the head of the order; ``cached``: the
+  paused program holding most blocks there). Placement: ``most_free`` (the paper) or ``cached`` (where the index
   holds most of its blocks, if there is room there). A resumed program is pinned to its worker.
 - **Admission**: a new program's first request goes when some worker has room for it (or nothing
   is known yet); otherwise the program waits as NEW in the resume order above.
@@ -35,7 +36,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from thunderagent.config import PacingAccounting, PacingConfig, ResumeOrder, ResumePlacement
+from thunderagent.config import IdleResume, PacingAccounting, PacingConfig, ResumeOrder, ResumePlacement
 from thunderagent.kv.index import KvIndex
 from thunderagent.scheduler.accounts import ProgramAccounts, WorkerAccount, shared_prefix
 from thunderagent.scheduler.programs import Program, ProgramState, ProgramTable
@@ -244,19 +245,47 @@ class ProgramPacer:
                 break  # in order: nobody overtakes the program at the head for good
             if target is None:
                 target = max(loads, key=lambda w: self.cfg.resume_threshold * loads[w].cap - loads[w].resume_demand)
-            load = loads[target]
-            load.idle = False
-            need = self._tokens(p, load, 1)
-            load.demand += need
-            load.resume_demand += need
-            if self.cfg.accounting is PacingAccounting.shared:
-                load.extra.update(p.blocks)
-            self.table.resume(p, target, now)
-            self.resumes += 1
-            self.forced_resumes += forced
-            self._event(now, p, "resume", target, "paused past max_pause_s" if forced else f"room on {target}")
+            self._resume_on(p, target, loads[target], now,
+                            "paused past max_pause_s" if forced else f"room on {target}", forced)
             resumed.append(p.program_id)
+        if self.cfg.work_conserving and self.cfg.idle_resume is IdleResume.cached:
+            self._resume_cached_on_idle(loads, resumed, now)
         return resumed
+
+    def _resume_on(self, p: Program, target: str, load: _Load, now: float, why: str, forced: bool = False) -> None:
+        load.idle = False
+        need = self._tokens(p, load, 1)
+        load.demand += need
+        load.resume_demand += need
+        if self.cfg.accounting is PacingAccounting.shared:
+            load.extra.update(p.blocks)
+        self.table.resume(p, target, now)
+        self.resumes += 1
+        self.forced_resumes += forced
+        self._event(now, p, "resume", target, why)
+
+    def _resume_cached_on_idle(self, loads: dict[str, _Load], resumed: list[str], now: float) -> None:
+        """``idle_resume: cached``: each worker still idle takes the paused program holding most of
+        its blocks there, out of resume order. Why: a worker idling while programs wait loses their
+        steps (work conservation), but the head of the order usually has nothing cached on it and
+        recomputes its whole context; a program whose blocks are still there resumes at the price
+        of its new tokens. (The order still holds everywhere else; ``max_pause_s`` still forces.)"""
+        idle = [w for w, ld in loads.items() if ld.idle]
+        if not idle:
+            return
+        taken = set(resumed)
+        overlaps = [(p, self.index.find_matches(p.blocks, now)) for p in self.accounts.paused.values()
+                    if p.blocks and p.program_id not in taken]
+        for wid in idle:
+            best, best_n = None, 0
+            for p, overlap in overlaps:
+                n = overlap.get(wid, 0)
+                if n > best_n and p.program_id not in taken:
+                    best, best_n = p, n
+            if best is not None:
+                taken.add(best.program_id)
+                self._resume_on(best, wid, loads[wid], now, f"{wid} idle, holds {best_n} of its blocks")
+                resumed.append(best.program_id)
 
     def _place(self, p: Program, loads: dict[str, _Load], now: float) -> str | None:
         """Where ``p`` fits now, or None."""
@@ -274,12 +303,16 @@ class ProgramPacer:
         return best if room(best) >= 0 or loads[best].resume_demand <= 0 else None  # empty: it goes anyway
 
     def _idle_worker(self, p: Program, loads: dict[str, _Load], now: float) -> str | None:
-        """An idle worker for ``p`` (the one holding most of its blocks), or None."""
+        """An idle worker for ``p`` (the one holding most of its blocks), or None; with
+        ``idle_resume: cached`` only one holding some of them (the others go to the cached pass)."""
         idle = [w for w, ld in loads.items() if ld.idle]
         if not idle:
             return None
         overlap = self.index.find_matches(p.blocks, now) if p.blocks else {}
-        return max(idle, key=lambda w: overlap.get(w, 0))
+        best = max(idle, key=lambda w: overlap.get(w, 0))
+        if self.cfg.idle_resume is IdleResume.cached and not overlap.get(best, 0):
+            return None
+        return best
 
     def _event(self, now: float, p: Program, action: str, worker: str | None, reason: str) -> None:
         self.recent.append(PacingEvent(now, p.program_id, action, worker, reason))
