@@ -15,7 +15,8 @@ arm is offered the same programs; a closed loop still diverges in what it reache
 
 Arms (same servers; ThunderAgent restarted and vLLM's prefix cache reset between arms): ``kv_aware`` (serve's
 defaults: the holding queue on, pacing off), ``pacing ours`` (``scheduler.pacing`` with its defaults) and
-``pacing paper`` (the ThunderAgent paper's accounting and placement, not work-conserving). Per arm, over
+``pacing paper`` (the ThunderAgent paper's accounting and placement, not work-conserving); on request
+``pacing ours, idle cached`` (``idle_resume: cached``). Per arm, over
 ``--duration`` seconds: steps/min (turns finished), prefix hit (vLLM's ``cached_tokens`` / prompt tokens, the
 whole run), TTFT p50 / p99 (client side, first content), Jain's fairness of steps per program slot, pauses and
 resumes (ThunderAgent's counters), program slots that finished no step.
@@ -58,7 +59,7 @@ from support.waiting import free_port
 from tests.engines.tiny_model import _WORDS, build_tiny_llama
 from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, cpu_binding, start_ready, vllm_python
 
-ARMS = ("kv_aware", "pacing ours", "pacing paper")
+ARMS = ("kv_aware", "pacing ours", "pacing paper", "pacing ours, idle cached")
 
 
 def pacing(arm: str, knobs: dict[str, object]) -> dict[str, object]:
@@ -67,6 +68,8 @@ def pacing(arm: str, knobs: dict[str, object]) -> dict[str, object]:
         return {}
     if arm == "pacing ours":
         return {"enabled": True, **knobs}
+    if arm == "pacing ours, idle cached":
+        return {"enabled": True, "idle_resume": "cached", **knobs}
     if arm == "pacing paper":
         return {"enabled": True, "accounting": "paper", "placement": "most_free", "work_conserving": False, **knobs}
     raise SystemExit(f"--arms: unknown arm {arm!r} (one of {', '.join(ARMS)})")
@@ -201,7 +204,7 @@ def main() -> None:
     ap.add_argument("--live-context", type=int, default=1100,
                     help="a program's mean prompt tokens, for sizing the KV (the run prints the measured one)")
     ap.add_argument("--duration", type=float, default=180.0)
-    ap.add_argument("--arms", nargs="+", default=list(ARMS))
+    ap.add_argument("--arms", nargs="+", default=list(ARMS[:3]), help=f"of {', '.join(ARMS)}")
     ap.add_argument("--rounds", type=int, default=1, help="run the arms this many times, interleaved")
     ap.add_argument("--pacing", type=knob, nargs="*", default=[], metavar="KEY=VALUE",
                     help="scheduler.pacing fields for every pacing arm (e.g. max_pause_s=10); checked by serve")
