@@ -123,18 +123,19 @@ def test_sim_scheduler_off_and_on_side_by_side(tmp_path):
     assert bad.returncode == 2 and "maybe" in bad.stderr
 
 
-def test_sim_pacing_off_paper_ours_side_by_side(tmp_path):
-    """`--pacing off --pacing paper --pacing ours` on the agentic excerpt with a KV too small for its
-    programs: the paced rows pause and resume programs, every request of every program is still
-    served, and the unpaced row carries no pacing figures."""
+def test_sim_pacing_off_paper_ours_cached_side_by_side(tmp_path):
+    """`--pacing off --pacing paper --pacing ours --pacing cached` on the agentic excerpt with a KV too
+    small for its programs: the paced rows pause and resume programs, every request of every program
+    is still served, and the unpaced row carries no pacing figures."""
     out = tmp_path / "out.json"
     res = run_sim("--trace", str(AGENTIC_EXCERPT), "--workers", "2", "--kv-blocks", "1200", "--closed-loop",
                   "--think-cap", "5", "--policy", "kv_aware", "--pacing", "off", "--pacing", "paper",
-                  "--pacing", "ours", "--json", str(out))
+                  "--pacing", "ours", "--pacing", "cached", "--json", str(out))
     assert res.returncode == 0, res.stderr
     assert "pacing:" in res.stdout and "pause cycles per program" in res.stdout
     runs = json.loads(out.read_text())["runs"]
-    assert [r["policy"] for r in runs] == ["kv_aware", "kv_aware+pacing:paper", "kv_aware+pacing:ours"]
+    assert [r["policy"] for r in runs] == ["kv_aware", "kv_aware+pacing:paper", "kv_aware+pacing:ours",
+                                           "kv_aware+pacing:cached"]
     assert "pacing" not in runs[0]["extra"]
     for r in runs:
         assert r["requests"] == 22 and r["extra"]["incomplete_requests"] == 0 and r["extra"]["unissued_requests"] == 0

@@ -38,6 +38,7 @@ class PacingMode(str, Enum):
     off = "off"
     paper = "paper"  # the paper's accounting (every program in full), placement (most free), not work-conserving
     ours = "ours"  # the config's scheduler.pacing section (default: shared prefixes once, placed where cached)
+    cached = "cached"  # ours, an idle worker taking the paused program whose blocks it holds (idle_resume: cached)
 
 _CLOSED_LOOP_HELP = ("closed loop: issue each session's requests one after another, the next one its recorded think "
                      "time (else the trace's gap, never earlier) after the previous one finished; requests without a "
@@ -63,7 +64,8 @@ def sim(
              "(default: as the config says)")] = None,
     pacing: Annotated[Optional[list[PacingMode]], typer.Option(
         help="agent-program pacing (scheduler.pacing; programs are the trace's sessions): off, paper (the ThunderAgent "
-             "paper's accounting and placement) or ours (the config's pacing section); repeat for side-by-side rows "
+             "paper's accounting and placement), ours (the config's pacing section) or cached (ours with "
+             "work_conserving and idle_resume: cached); repeat for side-by-side rows "
              "(default: as the config says)")] = None,
     dynamo_queue_threshold: Annotated[float, typer.Option(
         help="with --compare-dynamo and --scheduler on: Dynamo's kv_router is also run with its router queue on at "
@@ -263,6 +265,8 @@ def _scheduler_config(cfg: Config, mode: SchedulerMode, pace: PacingMode) -> Any
         pacing = pacing.model_copy(update={"accounting": PacingAccounting.paper,
                                            "placement": ResumePlacement.most_free, "work_conserving": False,
                                            "idle_resume": IdleResume.head})
+    elif pace is PacingMode.cached:
+        pacing = pacing.model_copy(update={"work_conserving": True, "idle_resume": IdleResume.cached})
     return cfg.scheduler.model_copy(update={"enabled": mode is SchedulerMode.on, "pacing": pacing})
 
 
