@@ -16,8 +16,8 @@ Arms, same requests, same fleet: plain ``kv_aware``; ``+pacing paper`` (the Thun
 accounting: every program's tokens in full; resumed on the worker with the most room); ``+pacing
 ours`` (a prefix shared by several programs on a worker counted once; a resumed program goes where the
 index holds its blocks when there is room); ``+pacing ours, idle cached`` (and a worker with nothing to
-run resumes the paused program holding most blocks there, not the head of the order). Per arm: steps/min (and its ratio to kv_aware), prefix
-reuse, recomputed prompt tokens (prompt tokens not served from cache), Jain's fairness index of
+run resumes the paused program holding most blocks there, not the head of the order). Per arm:
+steps/min (and its ratio to kv_aware), prefix reuse, recomputed prompt tokens (prompt tokens not served from cache), Jain's fairness index of
 steps per program, pause cycles per program per 10 minutes, the longest gap between two steps of a
 program, and programs that completed no step.
 
@@ -41,6 +41,7 @@ from pathlib import Path
 
 from _common import knob, print_table
 
+from pydantic import ValidationError
 from thunderagent.config import (Config, IdleResume, PacingAccounting, PacingConfig, Policy, ResumePlacement,
                                  SchedulerConfig)
 from thunderagent.sim.driver import Simulator
@@ -88,7 +89,10 @@ def arm(name: str, knobs: dict[str, object] | None = None) -> SchedulerConfig:
         fields.update(idle_resume=IdleResume.cached)
     elif name != "pacing ours":
         raise SystemExit(f"--arms: unknown arm {name!r} (one of {', '.join(ARMS)})")
-    return SchedulerConfig(enabled=False, pacing=PacingConfig(**{**fields, **(knobs or {})}))
+    try:
+        return SchedulerConfig(enabled=False, pacing=PacingConfig(**{**fields, **(knobs or {})}))
+    except ValidationError as exc:
+        raise SystemExit(f"--pacing: {exc}") from None
 
 
 def run(reqs: list[TraceRequest], kv_blocks: int, sched: SchedulerConfig, horizon: float) -> dict[str, float]:

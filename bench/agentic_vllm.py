@@ -54,25 +54,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT), str(ROOT / "tests")]
 
 from _common import counter, jain, knob, pct, print_table, read_chat_stream
+from agentic_pacing import ARMS, arm
 from support.waiting import free_port
 
 from tests.engines.tiny_model import _WORDS, build_tiny_llama
 from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, cpu_binding, start_ready, vllm_python
 
-ARMS = ("kv_aware", "pacing ours", "pacing paper", "pacing ours, idle cached")
 
-
-def pacing(arm: str, knobs: dict[str, object]) -> dict[str, object]:
-    """``scheduler.pacing`` of an arm; ``knobs`` (``--pacing``) go into every pacing arm."""
-    if arm == "kv_aware":
-        return {}
-    if arm == "pacing ours":
-        return {"enabled": True, **knobs}
-    if arm == "pacing ours, idle cached":
-        return {"enabled": True, "idle_resume": "cached", **knobs}
-    if arm == "pacing paper":
-        return {"enabled": True, "accounting": "paper", "placement": "most_free", "work_conserving": False, **knobs}
-    raise SystemExit(f"--arms: unknown arm {arm!r} (one of {', '.join(ARMS)})")
+def pacing(name: str, knobs: dict[str, object]) -> dict[str, object]:
+    """``scheduler.pacing`` of an arm (``agentic_pacing.arm``'s, the simulator bench's), as serve's
+    config file gives it; ``knobs`` (``--pacing``) go into every pacing arm."""
+    return arm(name, knobs).pacing.model_dump(mode="json", exclude_unset=True)
 
 
 # -- the programs -------------------------------------------------------------------------------------
@@ -204,7 +196,8 @@ def main() -> None:
     ap.add_argument("--live-context", type=int, default=1100,
                     help="a program's mean prompt tokens, for sizing the KV (the run prints the measured one)")
     ap.add_argument("--duration", type=float, default=180.0)
-    ap.add_argument("--arms", nargs="+", default=list(ARMS[:3]), help=f"of {', '.join(ARMS)}")
+    ap.add_argument("--arms", nargs="+", default=["kv_aware", "pacing ours", "pacing paper"],
+                    help=f"of {', '.join(ARMS)}")
     ap.add_argument("--rounds", type=int, default=1, help="run the arms this many times, interleaved")
     ap.add_argument("--pacing", type=knob, nargs="*", default=[], metavar="KEY=VALUE",
                     help="scheduler.pacing fields for every pacing arm (e.g. max_pause_s=10); checked by serve")

@@ -30,7 +30,7 @@ import statistics
 from collections import defaultdict
 
 from _common import print_table
-from agentic_pacing import arm  # the same three arms as the kv-cache-tester bench
+from agentic_pacing import arm  # the arms of the kv-cache-tester bench
 
 from thunderagent.config import Config, Policy, SchedulerConfig
 from thunderagent.sim.driver import Simulator
