@@ -51,6 +51,11 @@ def test_sim_cli_planner(tmp_path) -> None:
     assert scaling["mode"] == "step" and 1 <= scaling["peak_workers"] <= 4 and scaling["worker_minutes"] > 0
     res = run_sim("--trace", str(EXCERPT), "--planner")  # no planner in the config
     assert res.returncode == 2 and "--planner needs a config with planner: enabled: true" in res.stderr
+    for extra in ("scheduler:\n  enabled: true\n", "scheduler:\n  pacing:\n    enabled: true\n"):
+        bad = tmp_path / "planner-scheduler.yaml"
+        bad.write_text(cfg.read_text() + extra)  # would be parsed and not act: refused, naming the fields
+        res = run_sim("--trace", str(EXCERPT), "--config", str(bad), "--planner")
+        assert res.returncode == 2 and "--planner runs without the scheduler" in res.stderr, res.stderr
 
 
 def test_forecast_sizing_acts_in_the_simulator() -> None:

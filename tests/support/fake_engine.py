@@ -133,6 +133,11 @@ class FakeEngine:
         return resp
 
     # -- prefix cache and KV events --------------------------------------------------------------
+    def cache_prompt(self, prompt: list[int]) -> int:
+        """Cache ``prompt``'s full blocks as a request would (its events published now, to whoever is
+        subscribed); returns the blocks that were already cached."""
+        return self._prefill(prompt)
+
     def _prefill(self, prompt: list[int]) -> int:
         bs = self.block_size
         full = len(prompt) // bs

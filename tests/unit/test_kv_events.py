@@ -278,6 +278,44 @@ def test_join_late_replays_from_zero():
     assert hashes_of(events) == OURS
 
 
+def test_catch_up_on_connect_fetches_what_was_published_before_the_subscription():
+    """The engine published batch 0 before our subscription reached it, then went quiet: no later
+    batch would reveal the gap, so the pump asks for a replay once its handshake completes."""
+    b0, b1, _ = chain_batches()
+    stream = KvEventStream("w", BS, can_replay=True)
+    step = stream.catch_up()
+    assert step.replay_from == 0 and step.events == [] and stream.replaying
+    assert stream.catch_up().replay_from is None  # one replay at a time
+    assert stream.on_live(b1).events == []  # held back while the replay answers
+    events = stream.on_replay(replay_reply(0, decode_as_raw(b0))).events
+    events += stream.on_replay(replay_reply(1, decode_as_raw(b1))).events
+    events += stream.on_replay(REPLAY_END).events  # then the held-back 1: a duplicate
+    assert hashes_of(events) == OURS[:2] and [e.seq for e in events] == [0, 1]
+    assert not stream.replaying and stream.next_seq == 2
+    assert stream.stats.duplicates == 1 and stream.stats.gaps == 0 and stream.stats.resyncs == 0
+    assert stream.stats.catch_ups == 1
+
+
+def test_catch_up_with_nothing_buffered_changes_nothing():
+    b0, b1, b2 = chain_batches()
+    stream = KvEventStream("w", BS, can_replay=True)
+    stream.on_live(b0)
+    step = stream.catch_up()  # a reconnect after batch 0: asks from 1 on
+    assert step.replay_from == 1
+    assert stream.on_replay(REPLAY_END).events == []
+    assert not stream.replaying and stream.next_seq == 1 and stream.stats.resyncs == 0
+    assert hashes_of(stream.on_live(b1).events) == OURS[1:2]
+
+
+def test_catch_up_needs_a_replay_endpoint_and_an_idle_stream():
+    stream = KvEventStream("w", BS, can_replay=False)
+    assert stream.catch_up().replay_from is None and not stream.replaying
+    stream = KvEventStream("w", BS, can_replay=True)
+    stream.on_live(chain_batches()[0])
+    assert stream.on_live(encode_batch(3, [])).replay_from == 1  # a gap: replaying
+    assert stream.catch_up().replay_from is None and stream.stats.catch_ups == 0
+
+
 def test_replay_buffer_moved_on_resyncs():
     """The engine no longer buffers the start of the gap: drop the worker's blocks, rebuild."""
     b0, _, _ = chain_batches()

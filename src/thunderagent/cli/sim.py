@@ -152,6 +152,12 @@ def sim(
         typer.echo("error: --planner needs a config with planner: enabled: true, and runs open loop without "
                    "--horizon, --decision-log, --scheduler, --pacing or --pd", err=True)
         raise typer.Exit(2)
+    if planner and (asked or cfg.scheduler.pacing.enabled):
+        # the scaling simulator routes every arrival at once (sim/scaling.py): a holding queue or pacing
+        # from the config file would be parsed and not act
+        typer.echo("error: --planner runs without the scheduler: the config sets scheduler.enabled: true or "
+                   "scheduler.pacing.enabled: true; remove them for this run", err=True)
+        raise typer.Exit(2)
     dlog = _open_decision_log(cfg, decision_log)
     for pol, mode, pace, pds in ((p, m, g, d) for p in policies for m in modes for g in pacings for d in pd_setups):
         sched = _scheduler_config(cfg, mode, pace)

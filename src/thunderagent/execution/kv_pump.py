@@ -4,7 +4,10 @@ A SUB socket on the engine's PUB endpoint receives live batches; a DEALER socket
 endpoint (when there is one) asks for the batches a gap missed. Frames go through a
 :class:`~thunderagent.execution.kv_stream.KvEventStream` (gaps, duplicates, replay, restarts), and
 each :class:`~thunderagent.execution.kv_stream.StreamStep` it returns is handed to the publish
-callback.
+callback. Each time the SUB socket's handshake with the engine completes (the first connect, a
+reconnect after a drop), the pump asks for a replay from the next expected seq
+(:meth:`~thunderagent.execution.kv_stream.KvEventStream.catch_up`): batches the engine published
+before our subscription took effect are otherwise only noticed when a later batch arrives.
 
 Needs the ``engines`` extra (pyzmq), imported only once a pump runs.
 """
@@ -46,6 +49,7 @@ class KvPump:
         self._deadline: float | None = None  # replay answer expected by then
 
     async def events_loop(self) -> None:
+        import zmq
         import zmq.asyncio
 
         loop = asyncio.get_running_loop()
@@ -53,10 +57,16 @@ class KvPump:
         try:
             sub, dealer, poller = self._connect(ctx)
             self._dealer, self._deadline = dealer, None
+            monitor = None
+            if dealer is not None:
+                monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                poller.register(monitor, zmq.POLLIN)
             while True:
                 deadline = self._deadline
                 timeout_ms = None if deadline is None else max(0, int((deadline - loop.time()) * 1000))
                 ready = dict(await poller.poll(timeout_ms))
+                if monitor is not None and monitor in ready:
+                    await self._drain(monitor, self._on_connected)
                 if dealer is not None and dealer in ready:
                     await self._drain(dealer, self._on_replay)
                 if sub in ready:
@@ -99,6 +109,14 @@ class KvPump:
             except zmq.Again:
                 break
             on_frames(frames)
+
+    def _on_connected(self, frames: Sequence[bytes]) -> None:
+        import zmq
+        from zmq.utils.monitor import parse_monitor_message
+
+        if parse_monitor_message(list(frames))["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            log.debug("%s: subscribed to %s: asking for what was published before", self.worker_id, self.events)
+            self._handle(self.stream.catch_up())
 
     def _on_live(self, frames: Sequence[bytes]) -> None:
         self._handle(self.stream.on_live(frames))

@@ -48,6 +48,7 @@ class StreamStats:
     duplicates: int = 0
     gaps: int = 0
     replays: int = 0
+    catch_ups: int = 0  # replays asked on (re)connecting, no gap seen
     resyncs: int = 0
     restarts: int = 0
     decode_errors: int = 0
@@ -141,6 +142,23 @@ class KvEventStream:
             self._finish_replay(step)
         else:
             self._advance(batch, step)
+        return step
+
+    def catch_up(self) -> StreamStep:
+        """Our subscription just reached the engine (first connect or a reconnect): ask its replay
+        socket for what it still buffers from :attr:`next_seq` on. Why: a PUB drops what it sends
+        before a subscription arrives (ZMQ's slow joiner) and during a disconnection, and a gap only
+        shows when a later batch comes; an engine that goes quiet after that would leave the index
+        without those blocks indefinitely. Live batches are held back meanwhile, as for a gap, and
+        what the replay repeats is skipped as duplicates. A no-op without a replay endpoint or
+        while a replay runs."""
+        step = StreamStep()
+        if not self.can_replay or self.replaying:
+            return step
+        self.stats.replays += 1
+        self.stats.catch_ups += 1
+        self.replaying = True
+        step.replay_from = self.next_seq
         return step
 
     def replay_failed(self) -> StreamStep:
