@@ -26,7 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import print_table  # noqa: E402
 
-from thunderagent.config import NodeConfig, PlannerConfig, Policy, RoutingConfig, TimingConfig  # noqa: E402
+from thunderagent.config import (  # noqa: E402
+    NodeConfig,
+    PlannerConfig,
+    Policy,
+    RoutingConfig,
+    SchedulerConfig,
+    TimingConfig,
+)
 from thunderagent.sim.generators import ramp  # noqa: E402
 from thunderagent.sim.scaling import ScalingResult, ScalingSim  # noqa: E402
 
@@ -83,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--service-rate", type=float, default=None, help="planner.service_rate_per_worker (req/s a "
                     "worker serves at full load, used until measured)")
     ap.add_argument("--no-plain", action="store_true", help="skip the step-wise planner without forecast")
+    ap.add_argument("--scheduler", action="store_true", help="every fleet behind the holding queue at its defaults "
+                    "(serve's default): requests wait there, not in the engines, and the wait counts in TTFT")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reasons", action="store_true", help="print each step's reasons")
     a = ap.parse_args(argv)
@@ -97,9 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     forecast = a.target_util > 0
     pc, fc = planner_config(a, False), planner_config(a, forecast)  # add-all runs with the forecast when it is on
     runs: list[tuple[str, ScalingResult]] = []
+    sched = SchedulerConfig(enabled=True) if a.scheduler else None
     t0 = time.perf_counter()
     for n in (int(x) for x in a.fixed.split(",")):
-        sim = ScalingSim(node, routing, Policy.kv_aware, mode="fixed", initial=n, max_workers=n, seed=a.seed)
+        sim = ScalingSim(node, routing, Policy.kv_aware, mode="fixed", initial=n, max_workers=n, seed=a.seed,
+                         scheduler=sched)
         runs.append((f"fixed {n}", sim.replay(reqs, a.ramp_up_s)))
     variants = [("all", "add-all-at-once", fc)]
     if not (forecast and a.no_plain):
@@ -108,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         variants.append(("step", "step-wise + forecast", fc))
     for mode, label, cfg in variants:
         sim = ScalingSim(node, routing, Policy.kv_aware, mode=mode, initial=a.min_workers, max_workers=a.max_workers,
-                         planner=cfg, startup_s=a.planner_startup_s, seed=a.seed)
+                         planner=cfg, startup_s=a.planner_startup_s, seed=a.seed, scheduler=sched)
         runs.append((label, sim.replay(reqs, a.ramp_up_s)))
     best_label, best = min((r for r in runs if r[0].startswith("fixed")), key=lambda r: r[1].ttft_ms.p99)
     rows = []

@@ -51,11 +51,15 @@ def test_sim_cli_planner(tmp_path) -> None:
     assert scaling["mode"] == "step" and 1 <= scaling["peak_workers"] <= 4 and scaling["worker_minutes"] > 0
     res = run_sim("--trace", str(EXCERPT), "--planner")  # no planner in the config
     assert res.returncode == 2 and "--planner needs a config with planner: enabled: true" in res.stderr
-    for extra in ("scheduler:\n  enabled: true\n", "scheduler:\n  pacing:\n    enabled: true\n"):
-        bad = tmp_path / "planner-scheduler.yaml"
-        bad.write_text(cfg.read_text() + extra)  # would be parsed and not act: refused, naming the fields
-        res = run_sim("--trace", str(EXCERPT), "--config", str(bad), "--planner")
-        assert res.returncode == 2 and "--planner runs without the scheduler" in res.stderr, res.stderr
+    # with the holding queue (serve's default) and with program pacing: the planner sizes the fleet the
+    # scheduler dispatches to, and every request is still served
+    res = run_sim("--trace", str(EXCERPT), "--workers", "4", "--speedup", "4", "--policy", "kv_aware",
+                  "--config", str(cfg), "--planner", "--planner-startup-s", "5", "--scheduler", "on",
+                  "--pacing", "ours", "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["policy"] == "kv_aware+scheduler+pacing:ours+planner" and run["requests"] == 200
+    assert run["extra"]["scaling"]["worker_minutes"] > 0 and "pacing" in run["extra"]
 
 
 def test_forecast_sizing_acts_in_the_simulator() -> None:

@@ -148,15 +148,9 @@ def sim(
     modes = scheduler or [SchedulerMode.on if asked else SchedulerMode.off]
     pacings = pacing or [PacingMode.ours if cfg.scheduler.pacing.enabled else PacingMode.off]
     if planner and (not cfg.planner.enabled or closed_loop or horizon is not None or decision_log is not None
-                    or scheduler or pacing or pd is not None):
+                    or pd is not None):
         typer.echo("error: --planner needs a config with planner: enabled: true, and runs open loop without "
-                   "--horizon, --decision-log, --scheduler, --pacing or --pd", err=True)
-        raise typer.Exit(2)
-    if planner and (asked or cfg.scheduler.pacing.enabled):
-        # the scaling simulator routes every arrival at once (sim/scaling.py): a holding queue or pacing
-        # from the config file would be parsed and not act
-        typer.echo("error: --planner runs without the scheduler: the config sets scheduler.enabled: true or "
-                   "scheduler.pacing.enabled: true; remove them for this run", err=True)
+                   "--horizon, --decision-log or --pd", err=True)
         raise typer.Exit(2)
     dlog = _open_decision_log(cfg, decision_log)
     for pol, mode, pace, pds in ((p, m, g, d) for p in policies for m in modes for g in pacings for d in pd_setups):
@@ -168,8 +162,8 @@ def sim(
             from thunderagent.sim.scaling import ScalingSim
 
             outcome = ScalingSim(node, routing, pol, mode="step", initial=min(cfg.planner.min_workers, workers),
-                                 max_workers=workers, planner=cfg.planner, startup_s=planner_startup_s,
-                                 seed=seed).replay(requests, 0.0, speedup).outcome
+                                 max_workers=workers, planner=cfg.planner, startup_s=planner_startup_s, seed=seed,
+                                 scheduler=sched).replay(requests, 0.0, speedup).outcome
             assert outcome is not None
             outcome.result.policy = label = label + "+planner"
             outcomes.append(outcome)

@@ -8,6 +8,9 @@ Three ways to size a fleet, on the same trace (``bench/planner_ramp.py`` shows t
   steps then drain one worker at a time, as in ``step``;
 - ``step``: step-wise: each +1 starts one worker, each -1 drains one.
 
+With a ``scheduler`` config, arrivals go through its holding queue (and program pacing) as in ``serve``,
+dispatched to the routable workers only; the time a request is held counts in its TTFT.
+
 All ``max_workers`` engines exist from the start (the driver sizes its event state once), but only
 routable workers (:attr:`Simulator.routable`) get requests. A worker is **paid** from the moment the
 planner asked for it (its start-up included) until it has drained (its last request finished) or
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Literal
 
-from thunderagent.config import NodeConfig, PlannerConfig, Policy, RoutingConfig
+from thunderagent.config import NodeConfig, PlannerConfig, Policy, RoutingConfig, SchedulerConfig
 from thunderagent.control.planner import WORKER_TTFT_BUCKETS, Planner, WorkerSample
 from thunderagent.engine.simulated import SimulatedEngine
 from thunderagent.sim.driver import SimOutcome, Simulator, _Track
@@ -74,14 +77,16 @@ class ScalingResult:
 class ScalingSim(Simulator):
     def __init__(self, node: NodeConfig, routing: RoutingConfig, policy: Policy, *, mode: Mode, initial: int,
                  max_workers: int, planner: PlannerConfig | None = None, startup_s: float = 60.0,
-                 tick_s: float = 1.0, seed: int = 0) -> None:
+                 tick_s: float = 1.0, seed: int = 0, scheduler: SchedulerConfig | None = None) -> None:
         if not 1 <= initial <= max_workers:
             raise ValueError(f"need 1 <= initial ({initial}) <= max_workers ({max_workers})")
         if mode != "fixed" and (planner is None or not planner.enabled):
             raise ValueError(f"mode {mode} needs an enabled planner config")
         if startup_s < 0 or tick_s <= 0:
             raise ValueError("startup_s >= 0 and tick_s > 0 are needed")
-        super().__init__(node, routing, max_workers, policy, seed=seed)
+        # with a scheduler, requests wait in its holding queue (and paced programs by their pacer) and go to
+        # the routable workers only; their time held counts in the TTFT the planner reads, as in ``serve``
+        super().__init__(node, routing, max_workers, policy, seed=seed, scheduler=scheduler)
         self.mode = mode
         self.planner = Planner(planner) if planner is not None and mode != "fixed" else None
         self.look_every = planner.interval_s if planner is not None else math.inf
