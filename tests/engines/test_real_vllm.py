@@ -72,6 +72,19 @@ async def test_long_prefix_goes_to_the_worker_whose_events_show_it(
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 20 * BS  # vLLM's own count
 
 
+async def test_blocks_cached_before_thunderagent_started_are_indexed_without_more_traffic(
+    vllm_servers: list[VllmServer], tiny_model_dir: Path
+) -> None:
+    """A request served while ThunderAgent was not running: its BlockStored batch went to nobody. Once
+    ThunderAgent's subscription is up it asks vLLM's replay socket for everything from seq 0 on
+    (``execution/kv_pump.py``), so the prefix is indexed although the server sees no further request."""
+    prefix = tokens(random.Random(11), 12 * BS)
+    await direct(vllm_servers[1], prefix, tiny_model_dir)
+    async with thunderagent(front_config(tiny_model_dir, vllm_servers), vllm_servers) as front:
+        await wait_until(lambda: held(front, prefix).get("worker-1") == 12, 20, "the earlier prefix indexed")
+        assert "worker-0" not in held(front, prefix)
+
+
 async def test_next_turn_is_cached_where_the_first_ran(vllm_servers: list[VllmServer], tiny_model_dir: Path) -> None:
     system = " ".join(random.Random(2).choice(["route", "cache", "block", "worker", "prefix", "queue"])
                       for _ in range(250))
