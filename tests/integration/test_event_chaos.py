@@ -17,6 +17,7 @@ import random
 import time
 from collections import Counter
 
+import aiohttp
 import pytest
 
 from support.server import running_server
@@ -116,6 +117,15 @@ async def run(policy: Policy, seed: int) -> tuple[float, float, dict[str, EventC
         converged = time.monotonic() - healed
         stop.set()
         await pump
+        # every resync the fleet asked for is on /metrics, by cause
+        async with aiohttp.ClientSession() as http, http.get(f"{srv.base_url}/metrics") as r:
+            text = await r.text()
+        counted = Counter()
+        for line in text.splitlines():
+            if line.startswith("thunderagent_kv_resyncs_total{"):
+                labels, value = line[len("thunderagent_kv_resyncs_total{"):].split("} ")
+                counted[dict(kv.split("=") for kv in labels.split(","))["worker"].strip('"')] += int(float(value))
+        assert counted == resyncs, (counted, resyncs)
     return totals[1] / totals[0], converged, chaos, sum(resyncs.values())
 
 

@@ -1,20 +1,17 @@
 """The control-plane core: registry + index + dispatch path in front of a set of worker handles.
 
-One :class:`Fleet` runs in every frontend. *Which* workers it has is a :class:`Membership`'s
-business (``control.membership``: built from the config, in process; ``control.nats_membership``:
-discovered over NATS). Everything else is here, the same for every kind of worker:
+One :class:`Fleet` runs in every frontend. *Which* workers it has is its :class:`Membership`'s business (from the
+config: ``control.membership``; over NATS: ``control.nats_membership``). Everything else is here, for every worker:
 
 - worker reports (:class:`~thunderagent.execution.handle.WorkerCallbacks`): KV events through the
-  :class:`~thunderagent.kv.feed.KvFeed` (a gap asks the membership for a resync), heartbeats renew
-  the lease, pushed load reports refresh the registry, "unavailable" takes a worker out of routing
-  until its next heartbeat;
-- health: a worker whose lease expires leaves routing, its index entries are purged and its
-  requests end (``ERROR`` once accepted, else ``UNAVAILABLE``: routed again); a request whose queue
-  heard nothing for ``stall_timeout`` ends the same way, whatever runs it;
-- requests: :meth:`start_generation` runs the one dispatch path
-  (:class:`~thunderagent.scheduler.dispatch.Dispatcher`) over the registry's routable workers and
-  submits; :meth:`outputs` streams a request's outputs, routing it again when its worker could not
-  take it, with TTFT / ITL metrics, and aborts it when the consumer stops early.
+  :class:`~thunderagent.kv.feed.KvFeed` (a gap asks the membership for a resync), heartbeats renew the lease, pushed
+  load reports refresh the registry, "unavailable" takes a worker out of routing until its next heartbeat;
+- health: a worker whose lease expires leaves routing, its index entries are purged and its requests end (``ERROR``
+  once accepted, else ``UNAVAILABLE``: routed again); a request whose queue heard nothing for ``stall_timeout`` ends
+  the same way, whatever runs it;
+- requests: :meth:`start_generation` runs the one dispatch path (:class:`~thunderagent.scheduler.dispatch.Dispatcher`)
+  over the registry's routable workers and submits; :meth:`outputs` streams a request's outputs, routing it again when
+  its worker could not take it, with TTFT / ITL metrics, and aborts it when the consumer stops early.
 
 The clock is injected (``clock``; the event loop's by default): tests move time by hand.
 """
@@ -188,9 +185,13 @@ class Fleet:
     def on_events(self, worker_id: str, events: list[KvEvent]) -> None:
         if self.feed.events(worker_id, events, self.now()):
             log.warning("KV event gap from %s at seq %d: resyncing its index entries", worker_id, events[-1].seq)
-            self.membership.resync(worker_id)
+            self._resync(worker_id, "gap")
         if self.dispatcher.kv_stored(worker_id):  # followers whose prefix is now stored there
             self._schedule_pump()
+
+    def _resync(self, worker_id: str, cause: str) -> None:
+        self.metrics.kv_resyncs.labels(worker_id, cause).inc()
+        self.membership.resync(worker_id)
 
     def on_heartbeat(self, worker_id: str, load: LoadReport) -> None:
         reason = self.unavailable.pop(worker_id, None)
@@ -198,7 +199,7 @@ class Fleet:
             log.info("worker %s serves again (was %s): back in routing", worker_id, reason)
             self.metrics.out_of_routing.labels(worker_id, reason).set(0)
         if load.kv_seq >= 0 and self.feed.heartbeat(worker_id, load.kv_seq):  # the stream's tail was lost
-            self.membership.resync(worker_id)
+            self._resync(worker_id, "tail_lost")
         self.registry.heartbeat(worker_id, load, self.now())
         self.metrics.observe_load(load, self.registry.health(worker_id) is Health.healthy)
         if self._held:
@@ -242,7 +243,7 @@ class Fleet:
                 self.membership.lease_expired(wid)
             else:
                 self.feed.add_worker(wid)
-                self.membership.resync(wid)
+                self._resync(wid, "rejoined")
                 log.info("worker %s healthy again (%s): back in routing", wid, change.reason)
                 self.metrics.healthy.labels(wid).set(1)
         self.outliers.tick([w.worker_id for w in self.registry.routable()], now)

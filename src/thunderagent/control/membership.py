@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from thunderagent.config import ExecutionGroupConfig
 from thunderagent.execution.handle import WorkerFactory, WorkerHandle, snapshot_checks
+from thunderagent.execution.kv_stream import StreamStats
 from thunderagent.types import WorkerInfo
 
 if TYPE_CHECKING:
@@ -47,12 +48,22 @@ class StaticMembership:
                 fleet.join(handle, info, synced=True)  # a new handle: its cache is empty or replayed
                 self.handles[wid] = handle
                 handle.start()
+        fleet.metrics.watch_kv_streams(self._kv_streams)
         if all(node.engine == "simulated" for node in self.group.nodes):
             fleet.max_context_tokens = max(node.kv_blocks * node.block_size for node in self.group.nodes)
 
     async def stop(self) -> None:
         for handle in self.handles.values():
             await handle.stop()
+
+    def _kv_streams(self) -> dict[str, StreamStats]:
+        """The engine adapters' KV-event streams (simulated workers have none)."""
+        out = {}
+        for wid, handle in self.handles.items():
+            stats = getattr(handle, "kv_stream_stats", None)  # EngineWorker (vLLM / SGLang servers)
+            if stats is not None:
+                out[wid] = stats()
+        return out
 
     def resync(self, worker_id: str) -> None:
         fleet, handle = self._fleet, self.handles.get(worker_id)

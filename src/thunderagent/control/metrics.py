@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from thunderagent.control.metric_children import LabelledChildren
 from thunderagent.control.seed_metrics import Latency, SeedMetrics
+from thunderagent.execution.kv_stream import StreamStats
 from thunderagent.scheduler.dispatch import Dispatch
 from thunderagent.types import KvPull, LoadReport
 
@@ -151,6 +153,12 @@ class Metrics:
         self.index_purged = Counter(
             "thunderagent_index_purged_entries", "KV index entries purged because their worker left or its lease "
             "expired", ["worker"], registry=r,
+        )
+        self.kv_resyncs = Counter(
+            "thunderagent_kv_resyncs", "Workers' index entries reloaded from a dump because KV events were lost "
+            "(cause: gap: a seq skipped; tail_lost: the heartbeat's seq is past the last event received; rejoined: "
+            "back after its lease expired)",
+            ["worker", "cause"], registry=r,
         )
         self.loop_lag = Histogram(
             "thunderagent_loop_lag_seconds", "How late the frontend's health loop woke up (its event loop's lag)",
@@ -314,5 +322,32 @@ class Metrics:
             self.pd_failed.labels(cause).inc()
         self.pd_seconds.observe(seconds)
 
+    def watch_kv_streams(self, streams: Callable[[], Mapping[str, StreamStats]]) -> None:
+        """Export the KV-event streams of this process's engine adapters (vLLM / SGLang servers), read
+        at each scrape: ``thunderagent_kv_event_batches_total{worker, outcome}``."""
+        self.registry.register(_StreamCollector(streams))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _StreamCollector:
+    """Per engine adapter, its stream's counters (``execution/kv_stream.py``), as of the scrape."""
+
+    #: outcome label -> what it counts
+    OUTCOMES = (("applied", "batches"), ("duplicate", "duplicates"), ("gap", "gaps"), ("replay", "replays"),
+                ("catch_up", "catch_ups"), ("resync", "resyncs"), ("engine_restart", "restarts"),
+                ("undecodable", "decode_errors"))
+
+    def __init__(self, streams: Callable[[], Mapping[str, StreamStats]]) -> None:
+        self._streams = streams
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        fam = CounterMetricFamily(
+            "thunderagent_kv_event_batches", "KV-event stream of each engine server, by outcome: applied batches, "
+            "duplicates skipped, gaps seen, replays asked (gaps and catch-ups), catch-ups on (re)subscribing, "
+            "resyncs (events lost for good), engine restarts, undecodable batches", labels=["worker", "outcome"])
+        for wid, stats in sorted(self._streams().items()):
+            for outcome, field in self.OUTCOMES:
+                fam.add_metric([wid, outcome], getattr(stats, field))
+        yield fam

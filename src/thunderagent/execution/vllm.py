@@ -35,7 +35,7 @@ from thunderagent.execution.handle import (
 )
 from thunderagent.execution.http_transport import AiohttpTransport, HttpTransport
 from thunderagent.execution.kv_pump import KvPump, require_pyzmq
-from thunderagent.execution.kv_stream import KvEventStream, StreamStep
+from thunderagent.execution.kv_stream import KvEventStream, StreamStats, StreamStep
 from thunderagent.types import EngineRequest, LoadReport
 
 __all__ = ["REASON_BLOCK_SIZE", "REASON_UNREACHABLE", "EngineWorker", "engine_factory"]
@@ -161,6 +161,10 @@ class EngineWorker:
 
     def snapshot(self) -> tuple[list[int], int, list[int] | None] | None:
         return self.stream.snapshot()
+
+    def kv_stream_stats(self) -> StreamStats:
+        """How its engine's KV-event stream went (batches, gaps replayed, catch-ups, resyncs...)."""
+        return self.stream.stats
 
     # -- glue between the parts --------------------------------------------------------------
     def _body(self, req: EngineRequest, model: str) -> dict[str, Any]:
