@@ -39,8 +39,11 @@ async def test_blocks_published_before_the_subscription_reach_the_index(flavour:
         want = set(block_hashes(prompt, BS, BASE_SEED))
         assert len(want) == 4
         # nothing else is published: only the catch-up replay can bring batch 0
-        await wait_until(lambda: want <= {h for e in rec.events if isinstance(e, BlockStored)
-                                          for h in e.block_hashes}, 20, "the blocks cached before we subscribed")
+        try:
+            await wait_until(lambda: want <= {h for e in rec.events if isinstance(e, BlockStored)
+                                              for h in e.block_hashes}, 20, "the blocks cached before we subscribed")
+        except AssertionError as exc:  # say how far the stream got
+            raise AssertionError(f"{exc}; stream {handle.stream.stats}, replaying {handle.stream.replaying}") from exc
         stats = handle.stream.stats
         assert stats.catch_ups >= 1 and stats.gaps == 0 and stats.resyncs == 0
         assert [e.seq for e in rec.events] == list(range(len(rec.events)))

@@ -49,18 +49,13 @@ class KvPump:
         self._deadline: float | None = None  # replay answer expected by then
 
     async def events_loop(self) -> None:
-        import zmq
         import zmq.asyncio
 
         loop = asyncio.get_running_loop()
         ctx = zmq.asyncio.Context()
         try:
-            sub, dealer, poller = self._connect(ctx)
+            sub, dealer, monitor, poller = self._connect(ctx)
             self._dealer, self._deadline = dealer, None
-            monitor = None
-            if dealer is not None:
-                monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-                poller.register(monitor, zmq.POLLIN)
             while True:
                 deadline = self._deadline
                 timeout_ms = None if deadline is None else max(0, int((deadline - loop.time()) * 1000))
@@ -80,24 +75,29 @@ class KvPump:
             self._dealer = None
             ctx.destroy(linger=0)
 
-    def _connect(self, ctx: Any) -> tuple[Any, Any, Any]:
-        """The SUB socket, the DEALER socket (None without a replay endpoint) and a poller on both."""
+    def _connect(self, ctx: Any) -> tuple[Any, Any, Any, Any]:
+        """The SUB socket, the DEALER socket and the SUB's handshake monitor (both None without a replay
+        endpoint), and a poller on them."""
         import zmq
         import zmq.asyncio
 
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(self.events)
-        dealer = None
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
+        dealer = monitor = None
         if self.replay:
+            # the monitor is attached before the SUB connects: a loopback handshake can complete before
+            # the next line runs, and a handshake the monitor did not see asks for no catch-up
+            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            poller.register(monitor, zmq.POLLIN)
             dealer = ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.connect(self.replay)
             poller.register(dealer, zmq.POLLIN)
-        return sub, dealer, poller
+        sub.connect(self.events)
+        return sub, dealer, monitor, poller
 
     @staticmethod
     async def _drain(sock: Any, on_frames: Callable[[Sequence[bytes]], None]) -> None:
