@@ -19,6 +19,7 @@ from collections import Counter
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from support.server import running_server
 from thunderagent.assemble import build_fleet
@@ -121,10 +122,10 @@ async def run(policy: Policy, seed: int) -> tuple[float, float, dict[str, EventC
         async with aiohttp.ClientSession() as http, http.get(f"{srv.base_url}/metrics") as r:
             text = await r.text()
         counted = Counter()
-        for line in text.splitlines():
-            if line.startswith("thunderagent_kv_resyncs_total{"):
-                labels, value = line[len("thunderagent_kv_resyncs_total{"):].split("} ")
-                counted[dict(kv.split("=") for kv in labels.split(","))["worker"].strip('"')] += int(float(value))
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == "thunderagent_kv_resyncs_total":
+                    counted[s.labels["worker"]] += int(s.value)
         assert counted == resyncs, (counted, resyncs)
     return totals[1] / totals[0], converged, chaos, sum(resyncs.values())
 

@@ -3,6 +3,8 @@ scrape, and which of a static membership's workers have one."""
 
 from __future__ import annotations
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from thunderagent.config import ExecutionGroupConfig
 from thunderagent.control.membership import StaticMembership
 from thunderagent.control.metrics import Metrics
@@ -10,13 +12,8 @@ from thunderagent.execution.kv_stream import StreamStats
 
 
 def samples(text: str, name: str) -> dict[tuple[str, str], float]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            labels, value = line[len(name) + 1:].split("} ")
-            kv = dict(p.split("=") for p in labels.split(","))
-            out[(kv["worker"].strip('"'), kv["outcome"].strip('"'))] = float(value)
-    return out
+    return {(s.labels["worker"], s.labels["outcome"]): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name}
 
 
 def test_stream_counters_are_read_at_each_scrape() -> None:

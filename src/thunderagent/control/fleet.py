@@ -185,11 +185,11 @@ class Fleet:
     def on_events(self, worker_id: str, events: list[KvEvent]) -> None:
         if self.feed.events(worker_id, events, self.now()):
             log.warning("KV event gap from %s at seq %d: resyncing its index entries", worker_id, events[-1].seq)
-            self._resync(worker_id, "gap")
+            self.resync_worker(worker_id, "gap")
         if self.dispatcher.kv_stored(worker_id):  # followers whose prefix is now stored there
             self._schedule_pump()
 
-    def _resync(self, worker_id: str, cause: str) -> None:
+    def resync_worker(self, worker_id: str, cause: str) -> None:  # counted by cause, then the membership reloads it
         self.metrics.kv_resyncs.labels(worker_id, cause).inc()
         self.membership.resync(worker_id)
 
@@ -199,7 +199,7 @@ class Fleet:
             log.info("worker %s serves again (was %s): back in routing", worker_id, reason)
             self.metrics.out_of_routing.labels(worker_id, reason).set(0)
         if load.kv_seq >= 0 and self.feed.heartbeat(worker_id, load.kv_seq):  # the stream's tail was lost
-            self._resync(worker_id, "tail_lost")
+            self.resync_worker(worker_id, "tail_lost")
         self.registry.heartbeat(worker_id, load, self.now())
         self.metrics.observe_load(load, self.registry.health(worker_id) is Health.healthy)
         if self._held:
@@ -243,7 +243,7 @@ class Fleet:
                 self.membership.lease_expired(wid)
             else:
                 self.feed.add_worker(wid)
-                self._resync(wid, "rejoined")
+                self.resync_worker(wid, "rejoined")
                 log.info("worker %s healthy again (%s): back in routing", wid, change.reason)
                 self.metrics.healthy.labels(wid).set(1)
         self.outliers.tick([w.worker_id for w in self.registry.routable()], now)

@@ -198,8 +198,7 @@ class NatsMembership:
         if fleet.feed.heartbeat(wid, hb.last_seq):
             log.warning("worker %s published events up to seq %d, index has %d: resyncing",
                         wid, hb.last_seq, fleet.index.last_seq(wid))
-            fleet.metrics.kv_resyncs.labels(wid, "tail_lost").inc()
-            self.resync(wid)
+            fleet.resync_worker(wid, "tail_lost")
 
     def _add(self, wid: str, hb: Heartbeat, load: LoadReport) -> bool:
         fleet = self.fleet
