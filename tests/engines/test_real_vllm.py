@@ -109,7 +109,9 @@ async def test_next_turn_is_cached_where_the_first_ran(vllm_servers: list[VllmSe
 async def test_streaming_through_thunderagent(vllm_servers: list[VllmServer], tiny_model_dir: Path) -> None:
     async with thunderagent(front_config(tiny_model_dir, vllm_servers), vllm_servers) as front:
         raw = await front.client.chat.completions.with_raw_response.create(
-            model=front.model, messages=[{"role": "user", "content": "stream me something"}], max_tokens=12,
+            # 48 tokens: vLLM merges the outputs its HTTP side has not sent yet, so a short answer can come in one
+            # chunk when the server's steps outrun it (12 tokens did once, on CI's 2 loaded cores: ci29)
+            model=front.model, messages=[{"role": "user", "content": "stream me something"}], max_tokens=48,
             stream=True, stream_options={"include_usage": True})
         assert raw.headers["x-thunderagent-worker"] in front.fleet.workers
         chunks = [c async for c in raw.parse()]
@@ -119,9 +121,9 @@ async def test_streaming_through_thunderagent(vllm_servers: list[VllmServer], ti
         content = [c for c in chunks if c.choices and c.choices[0].delta.content]
         assert len(content) >= 2, "text arrives in pieces"
         usage = chunks[-1].usage
-        assert usage is not None and 1 <= usage.completion_tokens <= 12
+        assert usage is not None and 1 <= usage.completion_tokens <= 48
         if finishes == ["length"]:
-            assert usage.completion_tokens == 12
+            assert usage.completion_tokens == 48
 
 
 async def test_block_size_mismatch_is_refused(
