@@ -45,8 +45,21 @@ _CLOSED_LOOP_HELP = ("closed loop: issue each session's requests one after anoth
                      "session keep their trace times. Reports sessions, steps/min, session completion, Jain fairness")
 
 
+class Traffic(str, Enum):
+    chat = "chat"
+    agents = "agents"
+
+
 def sim(
-    trace: Annotated[list[Path], typer.Option(help="trace file or folder (Mooncake JSONL, kv-cache-tester JSON); repeat to merge", exists=True)],
+    trace: Annotated[Optional[list[Path]], typer.Option(help="trace file or folder (Mooncake JSONL, kv-cache-tester JSON); repeat to merge", exists=True)] = None,
+    generate: Annotated[Optional[Traffic], typer.Option(
+        help="instead of --trace: synthetic traffic scaled to --workers (the same load per worker at any fleet "
+             "size): chat (5-turn conversations sharing a 1,024-token system prompt) or agents (10-step agent "
+             "programs sharing an 8,192-token tool prompt)")] = None,
+    requests_per_worker: Annotated[Optional[int], typer.Option(
+        help="with --generate: requests per worker (whole sessions) [default: 40]", min=1)] = None,
+    rate_per_worker: Annotated[Optional[float], typer.Option(
+        help="with --generate: mean arrivals per worker per second [default: 1.0]", min=1e-6)] = None,
     workers: Annotated[int, typer.Option(help="simulated workers", min=1)] = 8,
     kv_blocks: Annotated[int, typer.Option(help="KV blocks per worker", min=1)] = 16384,
     block_size: Annotated[int, typer.Option(help="tokens per KV block", min=1)] = 64,
@@ -107,7 +120,7 @@ def sim(
 
     from thunderagent.sim.bounds import reuse_bounds
     from thunderagent.sim.driver import Simulator
-    from thunderagent.sim.traces import TraceError, load_traces
+    from thunderagent.sim.traces import TraceError
 
     console = Console(stderr=True)
     policies = policy or [Policy.round_robin, Policy.kv_aware]
@@ -117,8 +130,15 @@ def sim(
         nodes = cfg.execution_group.nodes
         shape = {"kv_blocks": kv_blocks, "block_size": block_size}
         node = next((n for n in nodes if n.role.value != "prefill"), nodes[0]).model_copy(update=shape)
-        requests = load_traces(trace)
-    except (ConfigError, TraceError) as exc:
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    pd_setups = _pd_setups(cfg, node, pd, pd_mode, pd_slow_link, pd_interrupt, pd_target_full, seed)
+    if pd_setups[0] is not None:
+        workers = pd_setups[0].prefill + pd_setups[0].decode
+    try:
+        requests = _requests(trace, generate, requests_per_worker, rate_per_worker, workers, seed, block_size)
+    except TraceError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     if limit:
@@ -130,12 +150,9 @@ def sim(
         requests = [r if r.think_s is None or r.think_s <= think_cap else replace(r, think_s=think_cap)
                     for r in requests]
     if compare_dynamo:
-        _check_dynamo(trace, limit, closed_loop)
+        _check_dynamo(trace or [], limit, closed_loop)
     if plots is not None:
         _check_plots()
-    pd_setups = _pd_setups(cfg, node, pd, pd_mode, pd_slow_link, pd_interrupt, pd_target_full, seed)
-    if pd_setups[0] is not None:
-        workers = pd_setups[0].prefill + pd_setups[0].decode
     routing = replay_routing(cfg.routing)  # (the Simulator applies it too: here for the header line)
     console.print(f"{len(requests):,} requests, {workers} workers x {kv_blocks} blocks x {block_size} tokens, "
                   f"speedup {speedup}" + (", closed loop" if closed_loop else "")
@@ -207,10 +224,29 @@ def sim(
     if dlog is not None:
         dlog.close()
         console.print(f"wrote {dlog.written:,} decisions to {decision_log}")
-    _report(console, trace, results, outcomes, bounds, json_out, plots,
-            {"traces": [str(t) for t in trace], "workers": workers, "kv_blocks": kv_blocks,
+    source = ([str(t) for t in trace] if trace else
+              [(f"generated {generate.value if generate else ''}: {requests_per_worker or 40} requests per worker at "
+                f"{rate_per_worker or 1.0:g}/s per worker")])
+    _report(console, source, results, outcomes, bounds, json_out, plots,
+            {"traces": source, "workers": workers, "kv_blocks": kv_blocks,
              "block_size": block_size, "speedup": speedup, "seed": seed, "requests": len(requests),
              **({"closed_loop": True} if closed_loop else {})})
+
+
+def _requests(trace: list[Path] | None, generate: Traffic | None, per_worker: int | None, rate: float | None,
+              workers: int, seed: int, block_size: int) -> list[Any]:
+    """The replay's requests: the traces', or --generate's for ``workers`` (exactly one of the two)."""
+    from thunderagent.sim.generators import fleet_traffic
+    from thunderagent.sim.traces import load_traces
+
+    if (trace is None) == (generate is None):
+        raise typer.BadParameter("give --trace or --generate (exactly one)", param_hint="--trace / --generate")
+    if trace is not None:
+        if per_worker is not None or rate is not None:
+            raise typer.BadParameter("acts with --generate only", param_hint="--requests-per-worker / --rate-per-worker")
+        return load_traces(trace)
+    assert generate is not None
+    return fleet_traffic(generate.value, workers, per_worker or 40, rate or 1.0, seed=seed, block_size=block_size)
 
 
 def _pd_setups(cfg: Config, node: Any, pd: str | None, modes: list[PdMode] | None, slow: float, interrupt: float,
@@ -296,7 +332,7 @@ def _check_dynamo(trace: list[Path], limit: int | None, closed_loop: bool) -> No
         raise typer.Exit(2)
 
 
-def _report(console: Any, trace: list[Path], results: list[Any], outcomes: list[Any], bounds: Any,
+def _report(console: Any, trace: list[str], results: list[Any], outcomes: list[Any], bounds: Any,
             json_out: Path | None, plots: Path | None, meta: dict[str, object]) -> None:
     """The table on stdout, then the JSON and plot files asked for."""
     from rich.console import Console
@@ -308,8 +344,15 @@ def _report(console: Any, trace: list[Path], results: list[Any], outcomes: list[
     if not out_console.is_terminal:  # piped to a file: don't squeeze 13 columns into 80
         out_console = Console(width=170)
     loop = " — closed loop" if meta.get("closed_loop") else ""
-    render_table(results, bounds, out_console, f"{', '.join(str(t) for t in trace)} — x{speedup}{loop}")
+    render_table(results, bounds, out_console, f"{', '.join(trace)} — x{speedup}{loop}")
     _closed_loop_lines(out_console, results)
+    for r in results:
+        if r.decision_us is not None:
+            dur = r.extra.get("duration_s") or 0.0
+            out_console.print(
+                f"{r.system} {r.policy}: routing decision (hash, admission, route) p50 {r.decision_us.p50:,.0f} µs "
+                f"p99 {r.decision_us.p99:,.0f} µs; replay {r.wall_s:,.1f} s wall; KV events into the index "
+                f"{r.extra['kv_event_blocks'] / dur if dur else 0.0:,.0f} blocks per virtual second")
     if json_out:
         write_json(json_out, results, bounds, meta)
         console.print(f"wrote {json_out}")

@@ -33,6 +33,7 @@ from collections import deque
 from thunderagent.config import NodeConfig
 from thunderagent.engine.accounting import TokenAccounting
 from thunderagent.engine.blocks import BlockManager
+from thunderagent.engine.eviction import Eviction
 from thunderagent.engine.kv_handoff import KvHandoff
 from thunderagent.engine.pass_end import PassEnd
 from thunderagent.engine.preemption import PreemptKnobs, PriorityPreemption
@@ -51,7 +52,10 @@ def _ns(t: float) -> int:
     return round(t * 1e9)
 
 
-class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff):
+_FOREVER = 1 << 62  # ``_quiet_ns`` of an engine with nothing to run and nothing buffered
+
+
+class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
     """Engine protocol implementation backed by the mocker model (see module docstring; handoffs: kv_handoff.py)."""
 
     def __init__(
@@ -109,10 +113,14 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff):
         self.busy_ns = 0  # time spent in passes (utilization = busy / elapsed)
         self.prefill_tokens = 0  # prompt tokens computed (cache hits excluded, recomputes included)
         self.last_pass: PassInfo | None = None
+        # Until when the last ``load()`` report stays exact (ns; -1: some call since may have changed the
+        # engine). Only ``load`` sets it; every other entry point that can change the engine clears it.
+        self._quiet_ns = -1
         self._handoff_init()
 
     @property
     def blocks(self) -> BlockManager:
+        self._quiet_ns = -1  # the caller may change the pool
         return self._bm
 
     # ------------------------------------------------------------------------------ protocol
@@ -128,6 +136,7 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff):
         if len(req.block_hashes) != plen // bs:
             raise ValueError(f"request {rid!r}: {len(req.block_hashes)} block hashes, {plen // bs} full blocks")
         t = _ns(now)
+        self._quiet_ns = -1
         self._run_until(t)
         req.arrival = now
         if req.remote_decode or req.kv_from is not None:
@@ -150,6 +159,7 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff):
 
     def abort(self, request_id: str, now: float) -> None:
         t = _ns(now)
+        self._quiet_ns = -1
         self._run_until(t)
         self._materialize()
         seq = self._seqs.pop(request_id, None)
@@ -173,12 +183,14 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff):
         self._outbox.append(TokenOutput(request_id, [], now, seq.plen, seq.cached, True, FinishReason.ABORT))
 
     def advance(self, now: float) -> list[TokenOutput]:
+        self._quiet_ns = -1
         self._run_until(_ns(now))
         out = self._outbox
         self._outbox = []
         return self._handoff_outputs(out) if self._remote_jobs else out
 
     def next_wakeup(self) -> float | None:
+        self._quiet_ns = -1  # it may begin a pass (admissions change the load)
         while self._pass is None:
             s = self._next_start()
             if s is None:
@@ -197,10 +209,25 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff):
         self._run_until(_ns(now))
         bm = self._bm
         waiting = len(self._waiting) + len(self._arrivals)
+        # Nothing changes before the pass in flight ends, or (none in flight) before the next one can
+        # start: ``_run_until`` of an earlier instant is a no-op (see :meth:`load_unchanged`).
+        if self._pass is not None:
+            self._quiet_ns = self._pass_end
+        else:
+            s = self._next_start()
+            self._quiet_ns = _FOREVER if s is None else s
         return LoadReport(
             self.worker_id, now, len(self._running), waiting, self._q_prefill - self._q_hit, self._dec_tokens,
             bm.active_blocks, bm.cached_blocks, bm.num_blocks,
         )  # fmt: skip
+
+    def load_unchanged(self, now: float) -> bool:
+        """True when ``load(now)`` would repeat the last ``load`` report but for its time: nothing was
+        called on the engine since, and no pass ends (or starts) by ``now``. A replay driver refreshes
+        every engine's report before each routing decision (``sim/driver.py``); with a large fleet most
+        of them sit in a pass that outlasts many arrivals, and skipping those keeps the refresh from
+        costing O(fleet) reports per arrival."""
+        return _ns(now) < self._quiet_ns
 
     def _unexpect(self, seq: _Seq) -> None:
         self._q_hit -= seq.expect
@@ -215,6 +242,7 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff):
 
     def reset(self) -> None:
         """Drop the prefix cache (emits ``AllBlocksCleared``); running requests keep their blocks."""
+        self._quiet_ns = -1
         if self._pass is not None:  # keep sequence order: the pass's events go out first
             self._events.extend(self._pass.events)
             self._pass.events = []
@@ -361,18 +389,6 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff):
                 waiting.insert(p.preempted - before, seq)  # behind victims it pushed to the front
                 break
 
-    def _preempt_for(self, seq: _Seq, p: _Pass, hits: int, deficit: int, full: bool) -> bool:
-        """Evict the lower-priority running requests ``seq`` needs room from, when it pays."""
-        assert self._pp is not None
-        victims = self._pp.victims(seq, self._running, self._bm, hits, deficit, full, self._dec_tokens)
-        for v in victims:
-            self._evict(v, p)
-            # after every higher tier (``seq`` included), first of its own: it was admitted before
-            # the others of its tier that wait
-            self._enqueue(v, front=True)
-        self.priority_preemptions += len(victims)
-        return bool(victims)
-
     def _schedule(self, seq: _Seq, p: _Pass, from_waiting: bool, cached: int) -> int:
         """Schedule ``seq``'s next chunk in pass ``p`` (vLLM ``schedule_request``)."""
         bm, bs = self._bm, self._bs
@@ -441,34 +457,6 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff):
         if cached > seq.cached:
             seq.cached = cached
         self._dec_tokens += decode_tokens
-
-    def _preempt_last(self, p: _Pass) -> _Seq | None:
-        """Allocation failure: LIFO preemption, the victim to the front of the waiting queue."""
-        if not self._running:
-            return None
-        v = self._running[-1]
-        self._evict(v, p)
-        self._waiting.appendleft(v)
-        p.preempted += 1
-        self.preemptions += 1
-        return v
-
-    def _evict(self, v: _Seq, p: _Pass) -> None:
-        """Take ``v`` out of ``running`` with recompute semantics; undo its work in this pass. The
-        caller puts it back in the waiting queue."""
-        if self._running[-1] is v:
-            self._running.pop()
-        else:
-            self._running.remove(v)
-        if v.s_pass == p.pid:
-            p.undo(v)
-        v.s_pass = -1
-        self._q_prefill += min(v.computed, v.plen)
-        if v.generated:
-            self._dec_tokens -= v.plen + v.generated
-        self._bm.release(v.table)
-        v.computed = 0
-        v.state = WAITING
 
     def _enqueue(self, seq: _Seq, front: bool = False) -> None:
         """Waiting queue: higher ``priority`` first, FIFO within a priority (``front``: first of its tier)."""

@@ -42,6 +42,7 @@ from thunderagent.sim.migrate import sim_migration
 from thunderagent.sim.pd import PdFaults, PdSim
 from thunderagent.sim.replay_config import replay_routing
 from thunderagent.sim.results import Dist, RunResult
+from thunderagent.sim.summary import Track, summarize
 from thunderagent.sim.traces import TraceRequest
 from thunderagent.router.candidates import FleetView
 from thunderagent.transfer.plane import TransferPlane
@@ -60,23 +61,6 @@ class PdSetup:
     transfer: KvTransferConfig
     faults: PdFaults = PdFaults()
     prefill_node: NodeConfig | None = None
-
-
-@dataclass(slots=True)
-class _Track:
-    arrival: float
-    input_length: int
-    best_known: int
-    worker: int  # -1 while held in the scheduler
-    priority: int = 0
-    queue_wait: float = 0.0
-    first: float = -1.0
-    last: float = -1.0
-    end: float = -1.0  # finish time (last output; a rejected request's too)
-    tokens: int = 0
-    cached: int = 0
-    done: bool = False
-    program: str | None = None  # its agent program, with pacing on
 
 
 @dataclass(slots=True)
@@ -102,7 +86,7 @@ class _Run:
         self.sim = sim
         self.out = out
         self.src = src
-        self.tracks: dict[str, _Track] = {}
+        self.tracks: dict[str, Track] = {}
         self.heap: list[tuple[float, int]] = []
         self.wake: list[float | None] = [None] * len(sim.engines)
         self.next_sample = 0.0
@@ -173,10 +157,13 @@ class _Run:
         """Every engine's load as of ``now``, before anything reads the fleet's state: an engine
         in a plain decode stretch is not woken at each pass end (engine/stretch.py), so the report
         taken at its last wake-up may be behind. ``load(now)`` runs the passes ending by ``now``
-        (none of them has an output) and gives what the per-pass refresh gave."""
+        (none of them has an output) and gives what the per-pass refresh gave. An engine whose
+        report would not change (``load_unchanged``: untouched since, its pass still in flight) is
+        skipped: with a large fleet most are, and refreshing them cost O(fleet) per arrival."""
         states = self.sim._states
         for i, e in enumerate(self.sim.engines):
-            states.set_load(i, e.load(now))  # the view re-sorts only a worker whose load changed
+            if not e.load_unchanged(now):
+                states.set_load(i, e.load(now))  # the view re-sorts only a worker whose load changed
 
     def sample(self, now: float) -> None:
         if now >= self.next_sample:
@@ -245,6 +232,8 @@ class Simulator:
                                  1.0 if pd is None else pd.faults.slow_link, policy)
         self.sample_interval = sample_interval
         self.resyncs = 0
+        self.kv_event_blocks = 0  # blocks of the KV events the index took (stored + removed)
+        self._decision_ns: list[int] = []  # wall time of each routing decision of the current run
         self.decision_log = decision_log
         self.run_label = run_label
         self.tuner = WeightTuner(routing.autotune, routing.weights) if routing.autotune.enabled else None
@@ -271,12 +260,14 @@ class Simulator:
         for a in self.accounts:  # a second run counts afresh
             a.itl.clear()
             a.finals.clear()
+        self._decision_ns = []
+        self.kv_event_blocks = 0
         src = ClosedLoop(requests, speedup) if closed_loop else OpenLoop(requests, speedup)
         run = _Run(self, SimOutcome(RunResult("thunderagent", self.policy.value, 0, *([Dist.of([])] * 3), 0, 0, 0, 0),
                                     []), src)
         self._replay(run, progress, math.inf if horizon_s is None else horizon_s)
         out = run.out
-        out.result = self._summarize(run.tracks, time.perf_counter() - wall0)
+        out.result = summarize(self, run.tracks, time.perf_counter() - wall0, self._decision_ns)
         out.ttft_by_id = {rid: (t.first - t.arrival) * 1e3 for rid, t in run.tracks.items() if t.first >= 0}
         out.ttft_ms = list(out.ttft_by_id.values())
         out.times_by_id = {rid: (t.arrival, t.end) for rid, t in run.tracks.items()}
@@ -378,6 +369,8 @@ class Simulator:
         the worker from its cache snapshot (the simulated engine can always dump)."""
         e = self.engines[i]
         events = e.drain_events()
+        for ev in events:
+            self.kv_event_blocks += len(getattr(ev, "block_hashes", ()))
         if events and self.feed.events(e.worker_id, events, now):
             self.resyncs += 1
             self.feed.begin_sync(e.worker_id)
@@ -385,27 +378,34 @@ class Simulator:
         if events:
             self.dispatcher.kv_stored(e.worker_id)  # followers whose prefix is now stored there go
 
-    def _dispatch(self, tr: TraceRequest, now: float, tracks: dict[str, _Track]) -> int:
+    def _dispatch(self, tr: TraceRequest, now: float, tracks: dict[str, Track]) -> int:
         """An arrival: routed and placed now (its engine's index), or held in the scheduler (-1)."""
         dispatcher = self.dispatcher
-        req = dispatcher.prepare(tr.request_id, tr.tokens(), tr.output_length, ignore_eos=True,  # type: ignore[arg-type]
-                                 priority=tr.priority, arrival=now)
+        tokens = tr.tokens()  # the synthetic prompt: made here, not part of the decision's time
         program = tr.session if dispatcher.pacer is not None else None
-        tracks[tr.request_id] = _Track(now, tr.input_length, 0, -1, tr.priority, program=program)
+        tracks[tr.request_id] = Track(now, tr.input_length, 0, -1, tr.priority, program=program)
+        t0 = time.perf_counter_ns()
+        req = dispatcher.prepare(tr.request_id, tokens, tr.output_length, ignore_eos=True,  # type: ignore[arg-type]
+                                 priority=tr.priority, arrival=now)
         d = dispatcher.submit(req, tr.session or "", self.routable, now, program=program)
+        self._decision_ns.append(time.perf_counter_ns() - t0)
         return -1 if d is None else self._place(d, now, tracks)
 
-    def _pump(self, now: float, tracks: dict[str, _Track]) -> list[int]:
+    def _pump(self, now: float, tracks: dict[str, Track]) -> list[int]:
         """Held requests that can go now, placed one at a time (each placement updates its engine's
         load before the next decision, as in the live fleet). Returns the engines given work."""
         placed = []
-        while (d := self.dispatcher.pump(self.routable, now)) is not None:
+        while True:
+            t0 = time.perf_counter_ns()
+            d = self.dispatcher.pump(self.routable, now)
+            if d is None:
+                return placed
+            self._decision_ns.append(time.perf_counter_ns() - t0)
             i = self._place(d, now, tracks)
             tracks[d.request.request_id].queue_wait = d.queue_wait
             placed.append(i)
-        return placed
 
-    def _place(self, d: Dispatch, now: float, tracks: dict[str, _Track]) -> int:
+    def _place(self, d: Dispatch, now: float, tracks: dict[str, Track]) -> int:
         i = self._pos[d.decision.worker_id]
         tr = tracks[d.request.request_id]
         tr.worker, tr.best_known = i, d.best_known_tokens
@@ -421,78 +421,3 @@ class Simulator:
         self.engines[i].add_request(d.request, now)
         self._states.set_load(i, self.engines[i].load(now))
         return i
-
-    def _summarize(self, tracks: dict[str, _Track], wall_s: float) -> RunResult:
-        itl: dict[float, int] = {}
-        for a in self.accounts:
-            a.merge_into(itl)
-        done = [t for t in tracks.values() if t.done]
-        ttft = [(t.first - t.arrival) * 1e3 for t in done if t.first >= 0]
-        e2e = [((t.last if t.last >= 0 else t.first) - t.arrival) * 1e3 for t in done if t.first >= 0]
-        prompt = sum(t.input_length for t in done)
-        cached = sum(t.cached for t in done)
-        if self.pd is not None:  # KV moved from a prefill worker was computed there: not a cache hit
-            cached -= sum(self.pd.moved.get(rid, 0) for rid, t in tracks.items() if t.done)
-        recompute = sum(max(0, t.best_known - t.cached) for t in done)
-        duration = max((t.last for t in done), default=0.0)
-        return RunResult(
-            system="thunderagent",
-            policy=self.policy.value,
-            requests=len(done),
-            ttft_ms=Dist.of(ttft),
-            itl_ms=Dist.of_counts(itl),
-            e2e_ms=Dist.of(e2e),
-            prefix_reuse=cached / prompt if prompt else 0.0,
-            prefill_recompute_rate=recompute / prompt if prompt else 0.0,
-            throughput_rps=len(done) / duration if duration > 0 else 0.0,
-            wall_s=wall_s,
-            extra={
-                "incomplete_requests": len(tracks) - len(done),
-                "prompt_tokens": prompt,
-                "recomputed_prompt_tokens": prompt - cached,  # prompt tokens not served from cache
-                "preemptions": sum(e.preemptions for e in self.engines),
-                "computed_prefill_tokens": sum(e.prefill_tokens for e in self.engines),  # engines' own count
-                # only with routing.preempt_enabled: results of runs without it keep their shape
-                **({"priority_preemptions": sum(e.priority_preemptions for e in self.engines)}
-                   if self.preempt is not None else {}),
-                "duration_s": duration,
-                "utilization": (sum(e.busy_ns for e in self.engines) / 1e9 / (duration * len(self.engines))
-                                if duration > 0 else 0.0),
-                **self._scheduler_extra(done),
-                **({"grouping": dict(g.stats)} if (g := self.dispatcher.grouper) is not None else {}),
-                **({"pd": self.pd.stats()} if self.pd is not None else {}),
-                **({"migration": self.mig.stats()} if self.mig is not None else {}),
-            },
-        )
-
-    def _pacing_extra(self, duration: float) -> dict[str, object]:
-        """With program pacing on: pauses, resumes and pause cycles per program per 10 minutes."""
-        pacer = self.dispatcher.pacer
-        if pacer is None:
-            return {}
-        cycles = [p.pause_cycles for p in self.dispatcher.programs]
-        per10 = 600.0 / duration if duration > 0 else 0.0
-        return {"pacing": {
-            "pauses": pacer.pauses, "resumes": pacer.resumes, "forced_resumes": pacer.forced_resumes,
-            "pause_cycles_per_program_per_10min": {"mean": sum(cycles) / len(cycles) * per10 if cycles else 0.0,
-                                                   "max": max(cycles, default=0) * per10},
-        }}
-
-    def _scheduler_extra(self, done: list[_Track]) -> dict[str, object]:
-        """With the scheduler on: queue wait and TTFT per priority tier (ms)."""
-        duration = max((t.last for t in done), default=0.0)
-        if self.dispatcher.queue is None:
-            return self._pacing_extra(duration)
-        by_tier: dict[int, list[float]] = {}
-        for t in done:
-            if t.first >= 0:
-                by_tier.setdefault(t.priority, []).append((t.first - t.arrival) * 1e3)
-        waits = Dist.of([t.queue_wait * 1e3 for t in done])
-        return {
-            "queue_wait_ms": {"mean": waits.mean, "p99": waits.p99, "max": max((t.queue_wait * 1e3 for t in done),
-                                                                                 default=0.0)},
-            "ttft_ms_by_priority": {str(k): {"n": len(v), "mean": Dist.of(v).mean, "p99": Dist.of(v).p99}
-                                    for k, v in sorted(by_tier.items())},
-            "held_at_end": self.dispatcher.held(),
-            **self._pacing_extra(duration),
-        }

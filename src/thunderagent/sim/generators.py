@@ -27,6 +27,8 @@ Length arguments accept an ``int`` (fixed) or a ``(lo, hi)`` tuple (uniform inte
   the model's output (a tool call) and a tool result appended; steps separated by a tool pause
   drawn from a log-normal distribution (``tool_pause_median_s``, ``tool_pause_sigma``); contexts
   grow long (tens of thousands of tokens with the defaults).
+* :func:`fleet_traffic` - chat or agent traffic scaled to a fleet's size (``thunderagent sim
+  --generate``): the same load per worker at any number of workers.
 * :func:`rollout_groups` - RL rollout groups: ``G`` groups arrive as a Poisson process at ``group_rate``;
   the ``N`` programs of a group all start at the group's arrival with the same prompt (a system prompt
   shared by every program + the group's task), then diverge as agent programs do (their own outputs
@@ -41,7 +43,8 @@ from collections.abc import Callable
 
 from thunderagent.sim.traces import PAD_BASE, TraceRequest
 
-__all__ = ["agent_programs", "multi_turn_chat", "ramp", "rollout_groups", "shared_prefix", "zipf_prefix"]
+__all__ = ["FLEET_TRAFFIC", "agent_programs", "fleet_traffic", "multi_turn_chat", "ramp", "rollout_groups",
+           "shared_prefix", "zipf_prefix"]
 
 Length = int | tuple[int, int]
 
@@ -363,3 +366,35 @@ def ramp(
         o = _draw(rng, output_tokens, "output_tokens")
         out.append(TraceRequest(f"rp:{len(out)}:g{g}", t, plen + s, o, prefixes[g] + blocks.new(s), block_size, None))
     return _finish(out)
+
+
+#: the kinds of :func:`fleet_traffic`, with their steps per session
+FLEET_TRAFFIC = {"chat": 5, "agents": 10}
+
+
+def fleet_traffic(kind: str, workers: int, requests_per_worker: int, rate_per_worker: float, *, seed: int = 0,
+                  block_size: int = 64) -> list[TraceRequest]:
+    """Traffic for a fleet of ``workers``: about ``requests_per_worker * workers`` requests (whole
+    sessions of ``FLEET_TRAFFIC[kind]`` steps), sessions starting as a Poisson process at
+    ``rate_per_worker * workers / steps`` per second. Once sessions overlap (after one session's
+    length: its think times or tool pauses), requests arrive at ``rate_per_worker`` per worker per
+    second, so each worker sees the same load whatever the fleet's size (how the router, the index
+    and the simulator scale with it is what such runs show). Before that the load ramps up, and
+    with few requests per worker a run is mostly that ramp.
+
+    * ``chat``: 5-turn :func:`multi_turn_chat` conversations sharing a 1,024-token system prompt, 256-2,048
+      new user tokens and 64-512 output tokens per turn, 20 s mean think time;
+    * ``agents``: 10-step :func:`agent_programs` sharing an 8,192-token tool prompt (its defaults otherwise:
+      contexts grow to tens of thousands of tokens)."""
+    if kind not in FLEET_TRAFFIC:
+        raise ValueError(f"traffic kind must be one of {', '.join(FLEET_TRAFFIC)}, got {kind!r}")
+    if workers < 1 or requests_per_worker < 1 or not rate_per_worker > 0:
+        raise ValueError("workers and requests_per_worker must be >= 1 and rate_per_worker > 0, got "
+                         f"{workers}, {requests_per_worker}, {rate_per_worker}")
+    steps = FLEET_TRAFFIC[kind]
+    sessions = -(-requests_per_worker * workers // steps)
+    rate = rate_per_worker * workers / steps
+    if kind == "chat":
+        return multi_turn_chat(sessions, steps, conversation_rate=rate, system_tokens=1024, user_tokens=(256, 2048),
+                               output_tokens=(64, 512), think_time_s=20.0, seed=seed, block_size=block_size)
+    return agent_programs(sessions, steps, program_rate=rate, seed=seed, block_size=block_size)

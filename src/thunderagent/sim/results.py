@@ -56,6 +56,9 @@ class RunResult:
     throughput_rps: float
     wall_s: float
     extra: dict[str, object] = field(default_factory=dict)
+    #: wall time of one routing decision in µs (ours: prompt hashing, admission and routing, timed by the
+    #: simulator's driver; None where not measured). Like ``wall_s``, it varies from run to run.
+    decision_us: Dist | None = None
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)

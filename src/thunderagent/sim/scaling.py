@@ -33,8 +33,9 @@ from typing import Literal
 from thunderagent.config import NodeConfig, PlannerConfig, Policy, RoutingConfig, SchedulerConfig
 from thunderagent.control.planner import WORKER_TTFT_BUCKETS, Planner, WorkerSample
 from thunderagent.engine.simulated import SimulatedEngine
-from thunderagent.sim.driver import SimOutcome, Simulator, _Track
+from thunderagent.sim.driver import SimOutcome, Simulator
 from thunderagent.sim.results import Dist
+from thunderagent.sim.summary import Track
 from thunderagent.sim.traces import TraceRequest
 
 __all__ = ["Mode", "ScalingResult", "ScalingSim", "TICK"]
@@ -98,14 +99,14 @@ class ScalingSim(Simulator):
             self.routable.append(self._states[w.index])
         self._next_look = 0.0
         self._open: list[list[object]] = []  # [track, first counted] of requests not finished at the last look
-        self._all: list[_Track] = []
+        self._all: list[Track] = []
         self._paid: list[tuple[float, float]] = []  # (from, to) of workers already off
         self.peak = initial  # most workers paid at once
         self.steps: list[tuple[float, int, int]] = []
         self.reasons: list[tuple[str, ...]] = []
         self.joins: list[float] = []  # when started workers joined routing
 
-    def _dispatch(self, tr: TraceRequest, now: float, tracks: dict[str, _Track]) -> int:
+    def _dispatch(self, tr: TraceRequest, now: float, tracks: dict[str, Track]) -> int:
         if tr.request_id.startswith(TICK):
             self._look(now)
             return -1  # nothing placed
@@ -158,7 +159,7 @@ class ScalingSim(Simulator):
         self.feed.remove_worker(old.worker_id)
         self.feed.add_worker(old.worker_id, live=True)
         st = self._states[w.index]
-        st.load = engine.load(now)
+        self._states.set_load(w.index, engine.load(now))
         w.state = "up"
         self.joins.append(now)
         w.routed = w.hits = w.ttft_count = 0
@@ -176,7 +177,7 @@ class ScalingSim(Simulator):
         """Fold first tokens and finished requests since the last look into their workers' counters."""
         keep = []
         for item in self._open:
-            tr: _Track = item[0]  # type: ignore[assignment]
+            tr: Track = item[0]  # type: ignore[assignment]
             if tr.worker < 0:
                 keep.append(item)
                 continue
@@ -220,10 +221,10 @@ class ScalingSim(Simulator):
                              list(self.reasons), duration, out)
 
 
-def _hit(tracks: list[_Track]) -> float:
+def _hit(tracks: list[Track]) -> float:
     return sum(1 for t in tracks if t.cached > 0) / len(tracks) if tracks else math.nan
 
 
-def _reuse(tracks: list[_Track]) -> float:
+def _reuse(tracks: list[Track]) -> float:
     prompt = sum(t.input_length for t in tracks)
     return sum(t.cached for t in tracks) / prompt if prompt else math.nan

@@ -1,0 +1,77 @@
+"""Taking running requests out of the simulated engine's batch: vLLM's LIFO preemption when a pass
+cannot allocate, and priority preemption when it pays (``engine/preemption.py`` decides which).
+
+A mixin of :class:`~thunderagent.engine.simulated.SimulatedEngine`: the victim leaves ``running``
+with recompute semantics (its blocks released, its work in the pass being packed undone) and goes
+back to the waiting queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from thunderagent.engine.sim_state import WAITING, _Pass, _Seq
+
+if TYPE_CHECKING:
+    from thunderagent.engine.blocks import BlockManager
+    from thunderagent.engine.preemption import PriorityPreemption
+
+
+class Eviction:
+    """Mixin of :class:`~thunderagent.engine.simulated.SimulatedEngine` (its state, typed here)."""
+
+    __slots__ = ()
+
+    _pp: PriorityPreemption | None
+    _bm: BlockManager
+    _running: list[_Seq]
+    _waiting: deque[_Seq]
+    _q_prefill: int
+    _dec_tokens: int
+    preemptions: int
+    priority_preemptions: int
+
+    if TYPE_CHECKING:  # SimulatedEngine's (a stub here would shadow it in the engine's MRO)
+
+        def _enqueue(self, seq: _Seq, front: bool = False) -> None: ...
+
+    def _preempt_for(self, seq: _Seq, p: _Pass, hits: int, deficit: int, full: bool) -> bool:
+        """Evict the lower-priority running requests ``seq`` needs room from, when it pays."""
+        assert self._pp is not None
+        victims = self._pp.victims(seq, self._running, self._bm, hits, deficit, full, self._dec_tokens)
+        for v in victims:
+            self._evict(v, p)
+            # after every higher tier (``seq`` included), first of its own: it was admitted before
+            # the others of its tier that wait
+            self._enqueue(v, front=True)
+        self.priority_preemptions += len(victims)
+        return bool(victims)
+
+    def _preempt_last(self, p: _Pass) -> _Seq | None:
+        """Allocation failure: LIFO preemption, the victim to the front of the waiting queue."""
+        if not self._running:
+            return None
+        v = self._running[-1]
+        self._evict(v, p)
+        self._waiting.appendleft(v)
+        p.preempted += 1
+        self.preemptions += 1
+        return v
+
+    def _evict(self, v: _Seq, p: _Pass) -> None:
+        """Take ``v`` out of ``running`` with recompute semantics; undo its work in this pass. The
+        caller puts it back in the waiting queue."""
+        if self._running[-1] is v:
+            self._running.pop()
+        else:
+            self._running.remove(v)
+        if v.s_pass == p.pid:
+            p.undo(v)
+        v.s_pass = -1
+        self._q_prefill += min(v.computed, v.plen)
+        if v.generated:
+            self._dec_tokens -= v.plen + v.generated
+        self._bm.release(v.table)
+        v.computed = 0
+        v.state = WAITING
