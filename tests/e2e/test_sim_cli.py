@@ -178,3 +178,28 @@ def test_plots_without_the_plots_extra_is_refused_before_the_replay(tmp_path, mo
                                 env={"COLUMNS": "300"})
     assert result.exit_code == 2
     assert "pip install 'thunderagent[plots]'" in result.output and "requests," not in result.output
+
+
+def test_sim_generates_traffic_scaled_to_the_fleet(tmp_path):
+    out = tmp_path / "out.json"
+    res = run_sim("--generate", "chat", "--workers", "6", "--requests-per-worker", "10", "--rate-per-worker", "2",
+                  "--policy", "kv_aware", "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "generated chat: 10 requests per worker at 2/s per worker" in res.stdout
+    assert "routing decision (hash, admission, route) p50" in res.stdout and "blocks per virtual second" in res.stdout
+    doc = json.loads(out.read_text())
+    (run,) = doc["runs"]
+    assert run["requests"] == 60 and doc["meta"]["workers"] == 6
+    assert 0 < run["decision_us"]["p50"] <= run["decision_us"]["p99"]
+    assert run["extra"]["kv_event_blocks"] > 0
+
+
+@pytest.mark.parametrize("args,message", [
+    ((), "give --trace or --generate"),
+    (("--generate", "chat", "--trace", str(EXCERPT)), "give --trace or --generate"),
+    (("--trace", str(EXCERPT), "--requests-per-worker", "5"), "acts with --generate only"),
+    (("--generate", "web"), "'web' is not one of"),
+])
+def test_sim_refuses_traffic_options_that_would_not_act(args, message):
+    res = run_sim(*args)
+    assert res.returncode == 2 and message in " ".join(res.stderr.replace("│", " ").split())  # rich wraps it in a box

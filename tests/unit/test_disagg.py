@@ -55,6 +55,23 @@ def test_prefill_workers_never_serve_end_to_end():
     assert all(c.worker_id != "p0" for c in out.decision.candidates)
 
 
+def test_the_fleet_view_counts_prefill_workers_so_the_pools_split_without_a_scan():
+    from thunderagent.router.candidates import FleetView
+    from thunderagent.scheduler.disagg import split_pools
+
+    view = FleetView(RoutingConfig(), [worker("d0", "decode"), worker("b0", "both")])
+    assert view.prefill_workers == 0 and split_pools(view) == (view, [])  # the view itself: no copy
+    view.add(worker("p0", "prefill"))
+    assert view.prefill_workers == 1
+    serving, pool = split_pools(view)
+    assert [w.worker_id for w in serving] == ["d0", "b0"] and [w.worker_id for w in pool] == ["p0"]
+    view.remove("p0")
+    assert view.prefill_workers == 0 and split_pools(view)[1] == []
+    d = dispatcher(disagg=False)  # a view with a prefill worker: it never serves end to end
+    view.add(worker("p1", "prefill"))
+    assert go(d, view, 300).decision.worker_id in ("d0", "b0")
+
+
 def test_only_prefill_workers_is_no_worker():
     with pytest.raises(NoWorkerAvailable, match="no decode"):
         go(dispatcher(), [worker("p0", "prefill")], 300)

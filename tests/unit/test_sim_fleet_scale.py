@@ -1,10 +1,10 @@
 """The simulator at fleet scale: skipped load refreshes change nothing, traffic scaled to the fleet,
 and the per-run figures a scale study reads (decision time, KV-event load).
 
-Before each routing decision the driver brings every engine's load report up to date. An engine that
-was not touched since its last report and whose pass outlasts the instant is skipped
-(``SimulatedEngine.load_unchanged``). These tests pin that skipping is invisible: the same runs with
-the check disabled (every engine refreshed, as before it existed) give the very same results.
+Before each routing decision the driver brings every engine's load report up to date, but refreshes
+only the engines whose report may have changed: each engine tells a heap when that can next happen
+(``SimulatedEngine.watch_load``). These tests pin that the skipping is invisible: the same runs with
+every engine refreshed before each decision (as before it existed) give the very same results.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from thunderagent.config import (
     SchedulerConfig,
 )
 from thunderagent.engine.simulated import SimulatedEngine
-from thunderagent.sim.driver import PdSetup, Simulator
+from thunderagent.sim.driver import PdSetup, Simulator, _Run
 from thunderagent.sim.generators import fleet_traffic
 from thunderagent.sim.scaling import ScalingSim
 from thunderagent.types import EngineRequest
@@ -36,11 +36,18 @@ def _fingerprint(out) -> tuple:
             r.ttft_ms, r.itl_ms, r.e2e_ms, r.prefix_reuse, r.prefill_recompute_rate, extra)
 
 
+def _refresh_every_engine(run, now: float) -> None:
+    """The refresh before the skipping existed: every engine's report, before each decision."""
+    states = run.sim._states
+    for i, e in enumerate(run.sim.engines):
+        states.set_load(i, e.load(now))
+
+
 def _both(monkeypatch, make) -> tuple[tuple, tuple]:
     """``make()`` run as shipped, then with every engine refreshed before each decision."""
     fast = _fingerprint(make())
     with monkeypatch.context() as m:
-        m.setattr(SimulatedEngine, "load_unchanged", lambda self, now: False)
+        m.setattr(_Run, "refresh_loads", _refresh_every_engine)
         slow = _fingerprint(make())
     return fast, slow
 

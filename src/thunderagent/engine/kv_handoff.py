@@ -19,6 +19,7 @@ Kept apart from the engine's hot loop (``engine/simulated.py`` calls in at two p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from thunderagent.engine.blocks import BlockManager
 from thunderagent.types import EngineRequest, FinishReason, KvTransfer, TokenOutput
@@ -32,7 +33,10 @@ class KvHandoff:
     _bs: int
     _remote_jobs: dict[str, tuple[int, ...]]  # remote_decode request id -> its prompt's full-block hashes
     _pinned: dict[str, list[int]]  # finished remote_decode request id -> its pinned block table
-    _quiet_ns: int  # cleared by every method here that changes the pool (``SimulatedEngine.load_unchanged``)
+
+    if TYPE_CHECKING:  # SimulatedEngine's (a stub here would shadow it in the engine's MRO)
+
+        def _touch(self) -> None: ...
 
     def _handoff_init(self) -> None:
         self._remote_jobs = {}
@@ -63,7 +67,7 @@ class KvHandoff:
         """Take moved blocks into the prefix cache (a ``BlockStored`` says so, with ``check_hashes``:
         their double-hash guard's check hashes, None when unknown) as its most recently used entries;
         those already cached stay. False when the pool is too full to take them."""
-        self._quiet_ns = -1
+        self._touch()  # the pool changes (``SimulatedEngine.load_unchanged``)
         hashes = list(block_hashes)
         bm = self._bm
         hits = bm.match_prefix(hashes, len(hashes))[0]
@@ -81,7 +85,7 @@ class KvHandoff:
     def pin_blocks(self, key: str, block_hashes: Sequence[int]) -> int:
         """Pin the leading cached blocks of ``block_hashes`` (a copy of them is leaving) until
         :meth:`release_transfer` of ``key``; returns how many were cached (and pinned)."""
-        self._quiet_ns = -1
+        self._touch()  # the pool changes (``SimulatedEngine.load_unchanged``)
         n = self._bm.match_prefix(block_hashes, len(block_hashes))[0]
         if n:
             table: list[int] = []
@@ -111,7 +115,7 @@ class KvHandoff:
     def release_transfer(self, request_id: str) -> bool:
         """The transfer of ``request_id``'s KV ended (or was abandoned): unpin its blocks (they stay
         cached). False if nothing was pinned for it."""
-        self._quiet_ns = -1
+        self._touch()  # the pool changes (``SimulatedEngine.load_unchanged``)
         table = self._pinned.pop(request_id, None)
         if table is None:
             return False

@@ -29,6 +29,7 @@ KV events and loads as the live mode (tests/unit/test_sim_accounting.py).
 from __future__ import annotations
 
 from collections import deque
+from heapq import heappush
 
 from thunderagent.config import NodeConfig
 from thunderagent.engine.accounting import TokenAccounting
@@ -113,14 +114,15 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
         self.busy_ns = 0  # time spent in passes (utilization = busy / elapsed)
         self.prefill_tokens = 0  # prompt tokens computed (cache hits excluded, recomputes included)
         self.last_pass: PassInfo | None = None
-        # Until when the last ``load()`` report stays exact (ns; -1: some call since may have changed the
-        # engine). Only ``load`` sets it; every other entry point that can change the engine clears it.
+        # From when the last ``load()`` report may be out of date (ns; -1: at once). Set by ``load`` only;
+        # cleared (``_touch``) by every call that may change the engine, which tells ``watch_load``'s heap.
         self._quiet_ns = -1
+        self._watch: tuple[list[tuple[int, int]], int] | None = None
         self._handoff_init()
 
     @property
     def blocks(self) -> BlockManager:
-        self._quiet_ns = -1  # the caller may change the pool
+        self._touch()  # the caller may change the pool
         return self._bm
 
     # ------------------------------------------------------------------------------ protocol
@@ -136,7 +138,7 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
         if len(req.block_hashes) != plen // bs:
             raise ValueError(f"request {rid!r}: {len(req.block_hashes)} block hashes, {plen // bs} full blocks")
         t = _ns(now)
-        self._quiet_ns = -1
+        self._touch()
         self._run_until(t)
         req.arrival = now
         if req.remote_decode or req.kv_from is not None:
@@ -159,7 +161,7 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
 
     def abort(self, request_id: str, now: float) -> None:
         t = _ns(now)
-        self._quiet_ns = -1
+        self._touch()
         self._run_until(t)
         self._materialize()
         seq = self._seqs.pop(request_id, None)
@@ -183,14 +185,14 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
         self._outbox.append(TokenOutput(request_id, [], now, seq.plen, seq.cached, True, FinishReason.ABORT))
 
     def advance(self, now: float) -> list[TokenOutput]:
-        self._quiet_ns = -1
+        self._touch()
         self._run_until(_ns(now))
         out = self._outbox
         self._outbox = []
         return self._handoff_outputs(out) if self._remote_jobs else out
 
     def next_wakeup(self) -> float | None:
-        self._quiet_ns = -1  # it may begin a pass (admissions change the load)
+        self._touch()  # it may begin a pass (admissions change the load)
         while self._pass is None:
             s = self._next_start()
             if s is None:
@@ -209,24 +211,35 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
         self._run_until(_ns(now))
         bm = self._bm
         waiting = len(self._waiting) + len(self._arrivals)
-        # Nothing changes before the pass in flight ends, or (none in flight) before the next one can
-        # start: ``_run_until`` of an earlier instant is a no-op (see :meth:`load_unchanged`).
+        # Nothing changes before the pass in flight ends or the next one starts (:meth:`load_unchanged`).
         if self._pass is not None:
-            self._quiet_ns = self._pass_end
+            q = self._pass_end
         else:
             s = self._next_start()
-            self._quiet_ns = _FOREVER if s is None else s
+            q = _FOREVER if s is None else s + 1  # a pass starting at s runs for ``_run_until(t > s)`` only
+        self._quiet_ns = q
+        if self._watch is not None and q != _FOREVER:
+            heappush(self._watch[0], (q, self._watch[1]))
         return LoadReport(
             self.worker_id, now, len(self._running), waiting, self._q_prefill - self._q_hit, self._dec_tokens,
             bm.active_blocks, bm.cached_blocks, bm.num_blocks,
         )  # fmt: skip
 
+    def watch_load(self, heap: list[tuple[int, int]], slot: int) -> None:
+        """A replay driver's heap of ``(ns, slot)``: from ``ns`` on this engine's load report may differ
+        from its last one (-1: at once). Each report and each change by another call pushes an entry;
+        entries are not removed, so a popped one may be stale (:meth:`load_unchanged` tells)."""
+        self._watch = (heap, slot)
+        heappush(heap, (-1, slot))
+
+    def _touch(self) -> None:
+        if self._quiet_ns >= 0 and self._watch is not None:
+            heappush(self._watch[0], (-1, self._watch[1]))
+        self._quiet_ns = -1
+
     def load_unchanged(self, now: float) -> bool:
         """True when ``load(now)`` would repeat the last ``load`` report but for its time: nothing was
-        called on the engine since, and no pass ends (or starts) by ``now``. A replay driver refreshes
-        every engine's report before each routing decision (``sim/driver.py``); with a large fleet most
-        of them sit in a pass that outlasts many arrivals, and skipping those keeps the refresh from
-        costing O(fleet) reports per arrival."""
+        called on the engine since, and no pass ends (or starts) by ``now`` (``sim/driver.py`` skips it)."""
         return _ns(now) < self._quiet_ns
 
     def _unexpect(self, seq: _Seq) -> None:
@@ -242,7 +255,7 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
 
     def reset(self) -> None:
         """Drop the prefix cache (emits ``AllBlocksCleared``); running requests keep their blocks."""
-        self._quiet_ns = -1
+        self._touch()
         if self._pass is not None:  # keep sequence order: the pass's events go out first
             self._events.extend(self._pass.events)
             self._pass.events = []

