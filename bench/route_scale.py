@@ -18,8 +18,12 @@ CPU noise hits all alike; the filled indexes are moved out of the cyclic GC's re
 first. Index memory: resident-set growth while filling, per (block, worker) entry (nothing is freed
 between fills, so no size reuses another's memory).
 
-Run: ``python bench/route_scale.py [--quick]`` (quick: 1/10 of the entries). Target: p50 and p99 at
-1,000 workers <= 3x those at 8.
+``--one-out``: then, at the largest size, decisions with one worker out of routing (unavailable, a
+breaker open), on a view of the others (what the registry hands the router) against a plain list of
+them (what it handed before: the router then scores every worker), interleaved.
+
+Run: ``python bench/route_scale.py [--quick] [--one-out]`` (quick: 1/10 of the entries). Target: p50 and
+p99 at 1,000 workers <= 3x those at 8.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -147,7 +152,7 @@ class Fleet:
                 "p99_us": times[int(0.99 * (len(times) - 1))] / 1e3, "set_load_us": median(self.updates) / 1e3}
 
 
-def run(at_1000: int, queries: int, seed: int, sizes: tuple[int, ...] = SIZES) -> list[dict[str, float]]:
+def run(at_1000: int, queries: int, seed: int, sizes: tuple[int, ...] = SIZES, keep: bool = False) -> Any:
     """Fill every size (RSS growth of each fill: nothing is freed in between), then time the
     decisions interleaved, rotating the order, so CPU noise on a shared machine hits all alike."""
     fleets = [Fleet(n, at_1000 * n // 1000, queries, seed) for n in sizes]
@@ -163,7 +168,32 @@ def run(at_1000: int, queries: int, seed: int, sizes: tuple[int, ...] = SIZES) -
         for k in range(len(fleets)):
             fleets[(q + k) % len(fleets)].decide(q, now)
     gc.unfreeze()
-    return [f.row() for f in fleets]
+    rows = [f.row() for f in fleets]
+    return (rows, fleets) if keep else rows
+
+
+def one_out(fleet: Fleet, queries: int) -> dict[str, float]:
+    """Decisions at one size with one worker out of routing (unavailable, a breaker open): on a view of
+    the others, which the registry hands the router now (``WorkerRegistry.routable(excluding)``), against
+    a plain list of them, which it handed before (the router then scores every worker), interleaved."""
+    rest = [w for w in fleet.view if w.worker_id != "w1"]
+    ways = {"view": FleetView(fleet.view.cfg, rest), "list": rest}
+    times: dict[str, list[int]] = {k: [] for k in ways}
+    perf = time.perf_counter_ns
+    gc.collect()
+    gc.freeze()
+    for q in range(queries):
+        for k, ws in ways.items():
+            t = perf()
+            fleet.router.route(RouteRequest(f"o{q}{k}", SEQ * BLOCK, fleet.queries[q % len(fleet.queries)]), ws,
+                               2.0 + q * 1e-3, predict=False)
+            times[k].append(perf() - t)
+    gc.unfreeze()
+    out: dict[str, float] = {}
+    for k, v in times.items():
+        v.sort()
+        out[f"{k}_p50_us"], out[f"{k}_p99_us"] = median(v) / 1e3, v[int(0.99 * (len(v) - 1))] / 1e3
+    return out
 
 
 def main() -> None:
@@ -171,11 +201,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1/10 of the entries, fewer queries")
     ap.add_argument("--queries", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--one-out", action="store_true", help="also: 1,000 workers with one out of routing, a view "
+                    "of the rest against a plain list of them")
     args = ap.parse_args()
     queries = args.queries or (1000 if args.quick else 3000)
     at_1000 = ENTRIES_AT_1000 // (10 if args.quick else 1)
     t0 = time.perf_counter()
-    rows = run(at_1000, queries, args.seed)
+    rows, fleets = run(at_1000, queries, args.seed, keep=True)
     print(f"routing decision vs fleet size: kv_aware over a fleet view (candidate_limit "
           f"{RoutingConfig().candidate_limit}), 1,024-token prompts, {queries} queries per size (1/3 hit, "
           f"1/3 partial, 1/3 miss), explanation not built")
@@ -190,6 +222,11 @@ def main() -> None:
     print(f"ratio {int(big['workers'])} vs {int(small['workers'])} workers: p50 {p50:.2f}x, p99 {p99:.2f}x")
     print(f"target <= 3x (p50 and p99): {'MET' if ok else 'NOT MET'}")
     print(f"index bytes per (block, worker) entry at {int(big['workers'])} workers: {big['bytes_per_entry']:.0f}")
+    if args.one_out:
+        o = one_out(fleets[-1], min(queries, 1000))
+        print(f"one worker out of routing, {int(big['workers'])} workers: a view of the rest p50 {o['view_p50_us']:.0f} "
+              f"µs p99 {o['view_p99_us']:.0f} µs; a plain list (before) p50 {o['list_p50_us']:.0f} µs p99 "
+              f"{o['list_p99_us']:.0f} µs ({o['list_p50_us'] / o['view_p50_us']:.1f}x the view's p50)")
     print(f"elapsed {time.perf_counter() - t0:.1f} s")
 
 

@@ -73,6 +73,8 @@ def test_route_scale_runs_small() -> None:
     for r in rows:
         _positive(r, ["entries", "p50_us", "p99_us", "set_load_us"])  # RSS may not move at this size
     assert rows[1]["entries"] >= 2_560  # filled in proportion to the fleet
+    _rows, fleets = rs.run(at_1000=40_000, queries=10, seed=3, sizes=(64,), keep=True)
+    _positive(rs.one_out(fleets[0], 10), ["view_p50_us", "view_p99_us", "list_p50_us", "list_p99_us"])
 
 
 def test_index_ingest_ours_only() -> None:

@@ -155,3 +155,20 @@ async def test_a_request_that_never_ran_leaves_no_prediction_behind(fleet: Fleet
     assert gen.worker.aborted == [gen.request_id]  # type: ignore[attr-defined]
     assert fleet.index.find_matches(hashes, fleet.now()) == {}
     assert fleet.metrics.prediction_corrections._value.get() == 1  # type: ignore[attr-defined]
+
+
+async def test_routing_keeps_a_fleet_view_while_a_worker_is_out(fleet: Fleet) -> None:
+    """A worker out of routing leaves the router a maintained view of the others (its fast path at any
+    fleet size), not a filtered list; the view follows their loads and returns whole once it is back."""
+    from thunderagent.router.candidates import FleetView
+
+    whole = fleet.routable()
+    assert isinstance(whole, FleetView) and len(whole) == 2
+    fleet.on_unavailable("worker-0", "unreachable")
+    rest = fleet.routable()
+    assert isinstance(rest, FleetView) and [w.worker_id for w in rest] == ["worker-1"]
+    assert fleet.routable() is rest  # built once while the same workers are out
+    fleet.on_heartbeat("worker-1", dataclasses.replace(fleet.workers["worker-1"].load(), waiting=3))
+    assert rest[0].load.waiting == 3
+    fleet.on_heartbeat("worker-0", fleet.workers["worker-0"].load())  # back in routing
+    assert fleet.routable() is whole

@@ -77,3 +77,29 @@ def test_a_stale_load_is_read_once_at_the_next_read(routing):
     reg.deregister("b")
     reg.stale("b", reader(9))  # unknown worker: ignored
     assert list(reg.loads()) == ["a"] and reads == [3, 5]
+
+
+def test_a_view_less_some_workers_is_kept_fed_and_rebuilt_only_when_needed():
+    """Workers out of routing (unavailable, a breaker open) leave the router a view of the rest, not a
+    filtered list: its fast path (a FleetView) holds for every decision while they are out."""
+    from thunderagent.router.candidates import FleetView
+
+    reg = WorkerRegistry(1.0, 3, RoutingConfig())
+    for wid in ("a", "b", "c"):
+        reg.register(info(wid), 0.0)
+    whole = reg.routable()
+    assert reg.routable(frozenset()) is whole and reg.routable(frozenset({"zz"})) is whole  # unknown: no-op
+    rest = reg.routable(frozenset({"b"}))
+    assert isinstance(rest, FleetView) and [w.worker_id for w in rest] == ["a", "c"]
+    assert reg.routable(frozenset({"b"})) is rest  # same exclusions, same membership: the same view
+    reg.heartbeat("c", rep("c", 0.5, waiting=64), 0.5)  # c's queue reaches the busy threshold
+    assert [w.load.waiting for w in rest] == [0, 64]
+    assert rest.busy_positions == {1} and rest.free_count == 1  # the view's own order follows the load
+    reg.register(info("d"), 1.0)  # membership changed: rebuilt
+    rest2 = reg.routable(frozenset({"b"}))
+    assert rest2 is not rest and [w.worker_id for w in rest2] == ["a", "c", "d"]
+    assert [w.worker_id for w in reg.routable(frozenset({"a", "c"}))] == ["b", "d"]
+    plain = WorkerRegistry(1.0, 3)  # no view kept: a filtered list
+    for wid in ("a", "b"):
+        plain.register(info(wid), 0.0)
+    assert [w.worker_id for w in plain.routable(frozenset({"a"}))] == ["b"]

@@ -227,7 +227,7 @@ class Fleet:
 
     def routable(self) -> Sequence[WorkerState]:
         out, ws = self.unavailable, self.registry.routable()  # ws: the registry's FleetView (kept whole)
-        return self.outliers.routable([w for w in ws if w.worker_id not in out] if out else ws)
+        return self.registry.routable(skip.union(out)) if (skip := self.outliers.skipping(ws)) or out else ws
 
     # -- health ------------------------------------------------------------------------------
     def check_health(self) -> None:

@@ -11,6 +11,7 @@ from typing import Protocol
 from thunderagent.config import OutlierConfig
 from thunderagent.control.breaker import BreakerChange, BreakerState, Breakers
 from thunderagent.control.metrics import Metrics
+from thunderagent.router.candidates import FleetView
 from thunderagent.scheduler.dispatch import Dispatch
 from thunderagent.execution.handle import WorkerHandle
 from thunderagent.types import WorkerState
@@ -36,19 +37,21 @@ class OutlierWatch:
         self.metrics = metrics
         self._skipped: tuple[tuple[str, str], ...] = ()  # at the last routing filter
 
-    def routable(self, workers: Sequence[WorkerState]) -> Sequence[WorkerState]:
-        """``workers`` less those the breakers skip now (remembered for the decision's explanation);
-        ``workers`` itself when none is skipped (a FleetView stays whole: the router's fast path)."""
-        # Called on every routing decision: with every breaker closed (the usual case) it costs O(1),
-        # not a scan of the fleet (that would undo the fleet view's O(log n) routing).
+    def skipping(self, workers: Sequence[WorkerState]) -> frozenset[str]:
+        """The workers of ``workers`` the breakers skip now (remembered, with why, for the decision's
+        explanation). Called on every routing decision: it reads the breakers that are not closed
+        (none, usually), never the whole fleet."""
         blocked = self.breakers.blocked
-        skipped = tuple((w.worker_id, why) for w in workers if (why := blocked(w.worker_id)) is not None) \
-            if self.breakers.out else ()
-        self._skipped = skipped
-        if not skipped:
-            return workers
-        out = {wid for wid, _ in skipped}
-        return [w for w in workers if w.worker_id not in out]
+        skipped = [(wid, why) for wid in self.breakers.out if (why := blocked(wid)) is not None]
+        if skipped:
+            if isinstance(workers, FleetView):
+                order = {wid: workers.position(wid) for wid, _ in skipped}
+            else:
+                pos = {w.worker_id: i for i, w in enumerate(workers)}
+                order = {wid: pos.get(wid) for wid, _ in skipped}
+            skipped = sorted((s for s in skipped if order[s[0]] is not None), key=lambda s: order[s[0]])
+        self._skipped = tuple(skipped)
+        return frozenset(wid for wid, _ in skipped)
 
     def launched(self, d: Dispatch) -> None:
         """A request goes to its worker: counted as a probe on a half-open one; its decision notes

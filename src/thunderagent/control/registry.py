@@ -50,6 +50,10 @@ class WorkerRegistry:
         self._view = FleetView(routing) if routing is not None else None
         #: workers whose load changed since their last report: a reader of it each, called on the next read
         self._stale: dict[str, Callable[[], LoadReport]] = {}
+        # The view less some workers (``routable(excluding)``): kept while the exclusions and the view's
+        # membership stay the same, fed the same loads.
+        self._sub: FleetView | None = None
+        self._sub_key: tuple[int, frozenset[str]] = (-1, frozenset())
 
     def register(self, info: WorkerInfo, now: float) -> None:
         self._stale.pop(info.worker_id, None)
@@ -103,6 +107,8 @@ class WorkerRegistry:
         i = self._view.position(worker_id) if self._view is not None else None
         if i is not None:
             self._view.set_load(i, load)  # type: ignore[union-attr]
+        if self._sub is not None and (j := self._sub.position(worker_id)) is not None:
+            self._sub.set_load(j, load)
 
     @staticmethod
     def _state(wid: str, e: _Entry) -> WorkerState:
@@ -139,12 +145,23 @@ class WorkerRegistry:
     def worker_ids(self) -> list[str]:
         return list(self._entries)
 
-    def routable(self) -> Sequence[WorkerState]:
-        """Healthy workers as the router sees them (the maintained view, when kept: do not mutate)."""
+    def routable(self, excluding: frozenset[str] = frozenset()) -> Sequence[WorkerState]:
+        """Healthy workers as the router sees them, less ``excluding`` (the maintained view, when kept: do
+        not mutate). Workers out of routing a while (unavailable, a breaker open) get a view of the rest,
+        built once per set of exclusions: a filtered list would send every decision down the router's
+        full scan (O(fleet) scoring: ~3 ms at 1,000 workers against ~0.2 ms)."""
         if self._stale:
             self._flush()
-        if self._view is not None:
-            return self._view
+        view = self._view
+        if view is not None:
+            if excluding:
+                excluding = frozenset(w for w in excluding if view.position(w) is not None)
+            if not excluding:
+                return view
+            if self._sub is None or self._sub_key != (view.version, excluding):
+                self._sub = FleetView(view.cfg, [w for w in view if w.worker_id not in excluding])
+                self._sub_key = (view.version, excluding)
+            return self._sub
         return [
             WorkerState(
                 worker_id=wid,
@@ -156,7 +173,7 @@ class WorkerRegistry:
                 max_num_seqs=e.info.max_num_seqs,
             )
             for wid, e in self._entries.items()
-            if e.health is Health.healthy
+            if e.health is Health.healthy and wid not in excluding
         ]
 
     def loads(self) -> dict[str, LoadReport]:
