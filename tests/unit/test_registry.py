@@ -103,3 +103,36 @@ def test_a_view_less_some_workers_is_kept_fed_and_rebuilt_only_when_needed():
     for wid in ("a", "b"):
         plain.register(info(wid), 0.0)
     assert [w.worker_id for w in plain.routable(frozenset({"a"}))] == ["b"]
+
+
+def test_the_router_never_mistakes_one_partial_view_for_another():
+    """Views of part of the fleet come and go as workers leave and rejoin routing; two of the same size
+    have the same version, and a freed one's id() can be reused. The router's per-view bookkeeping (each
+    position's index bit) must follow the view it is handed: here the blocks held by worker w2 must
+    route to w2 whichever partial view comes in."""
+    import random
+
+    from thunderagent.kv.index import KvIndex
+    from thunderagent.router.router import KvRouter
+    from thunderagent.types import BlockStored, RouteRequest
+
+    cfg = RoutingConfig(candidate_limit=1)  # the fast path (a view larger than the limit)
+    reg = WorkerRegistry(1.0, 3, cfg)
+    index = KvIndex(prediction_ttl=0.0)
+    ids = [f"w{i}" for i in range(6)]
+    for wid in ids:
+        reg.register(info(wid), 0.0)
+        index.add_worker(wid)
+    hashes = [11, 12, 13, 14]
+    index.apply_event(BlockStored("w2", 0, tuple(hashes)), 0.0)
+    router = KvRouter(cfg, index, random.Random(0))
+    others = [w for w in ids if w != "w2"]
+    for k in range(60):
+        # the exclusions change between two decisions, sometimes twice (a view built, never routed on)
+        for j in range(1 + k % 2):
+            out = frozenset({others[(k + j) % len(others)]})  # one worker out, never w2
+            view = reg.routable(out)
+        d = router.route(RouteRequest(f"r{k}", 4 * 64, hashes), view, 1.0, predict=False)
+        assert d.worker_id == "w2" and d.overlap_blocks == 4, (k, sorted(out))
+        # the per-position index bits it used are this view's (a stale copy once survived here)
+        assert router._bits == [index.bit_of(w.worker_id) for w in view], (k, sorted(out))

@@ -57,7 +57,10 @@ class KvRouter:
         # the fleet-view fast path: kv_aware's choice is provably among few workers (selection.py)
         self._fast = self.hot is None and isinstance(self.policy, KvAware)
         # (id, version, index epoch) of the view the next two were derived from
-        self._tracked: tuple[int, int, int] = (0, -1, -1)
+        # (view, its version, the index's epoch) the bits below were derived for. The view itself, not its
+        # id(): the registry builds views of part of the fleet as workers leave routing, and a freed view's
+        # id can be reused by the next one, of the same size and version.
+        self._tracked: tuple[FleetView | None, int, int] = (None, -1, -1)
         self._bits: list[int] = []  # index bit of each view position
         self._view_mask = 0
 
@@ -105,12 +108,13 @@ class KvRouter:
         policy = self.policy
         assert isinstance(policy, KvAware)
         index = self.index
-        if self._tracked != (id(view), view.version, index.epoch):  # membership changed (O(n), rare)
+        tracked = self._tracked
+        if tracked[0] is not view or tracked[1] != view.version or tracked[2] != index.epoch:  # O(n), rare
             for w in view:
                 policy.recent.track(w.worker_id)  # rank new workers by recent traffic
             self._bits = [index.bit_of(w.worker_id) for w in view]  # a new list: LazyScores keep the old
             self._view_mask = sum(self._bits)
-            self._tracked = (id(view), view.version, index.epoch)
+            self._tracked = (view, view.version, index.epoch)
         levels = index.match_levels(req.block_hashes, now, req.check_hashes) if req.block_hashes else []
         sel = select(req.num_tokens, levels, view, self._bits, self._view_mask, index, policy, self.cfg, now,
                      req.held)
