@@ -50,6 +50,9 @@ class Traffic(str, Enum):
     agents = "agents"
 
 
+_PER_WORKER, _RATE = 40, 1.0  # --generate's defaults: requests per worker, arrivals per worker per second
+
+
 def sim(
     trace: Annotated[Optional[list[Path]], typer.Option(help="trace file or folder (Mooncake JSONL, kv-cache-tester JSON); repeat to merge", exists=True)] = None,
     generate: Annotated[Optional[Traffic], typer.Option(
@@ -225,8 +228,8 @@ def sim(
         dlog.close()
         console.print(f"wrote {dlog.written:,} decisions to {decision_log}")
     source = ([str(t) for t in trace] if trace else
-              [(f"generated {generate.value if generate else ''}: {requests_per_worker or 40} requests per worker at "
-                f"{rate_per_worker or 1.0:g}/s per worker")])
+              [(f"generated {generate.value if generate else ''}: {requests_per_worker or _PER_WORKER} requests per "
+                f"worker at {rate_per_worker or _RATE:g}/s per worker")])
     _report(console, source, results, outcomes, bounds, json_out, plots,
             {"traces": source, "workers": workers, "kv_blocks": kv_blocks,
              "block_size": block_size, "speedup": speedup, "seed": seed, "requests": len(requests),
@@ -246,7 +249,8 @@ def _requests(trace: list[Path] | None, generate: Traffic | None, per_worker: in
             raise typer.BadParameter("acts with --generate only", param_hint="--requests-per-worker / --rate-per-worker")
         return load_traces(trace)
     assert generate is not None
-    return fleet_traffic(generate.value, workers, per_worker or 40, rate or 1.0, seed=seed, block_size=block_size)
+    return fleet_traffic(generate.value, workers, per_worker or _PER_WORKER, rate or _RATE, seed=seed,
+                         block_size=block_size)
 
 
 def _pd_setups(cfg: Config, node: Any, pd: str | None, modes: list[PdMode] | None, slow: float, interrupt: float,

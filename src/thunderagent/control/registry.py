@@ -107,8 +107,12 @@ class WorkerRegistry:
         i = self._view.position(worker_id) if self._view is not None else None
         if i is not None:
             self._view.set_load(i, load)  # type: ignore[union-attr]
-        if self._sub is not None and (j := self._sub.position(worker_id)) is not None:
-            self._sub.set_load(j, load)
+        sub = self._sub
+        if sub is not None:
+            if self._sub_key[0] != self._view.version:  # type: ignore[union-attr]
+                self._sub = None  # membership changed since: never handed out again, stop feeding it
+            elif (j := sub.position(worker_id)) is not None:
+                sub.set_load(j, load)
 
     @staticmethod
     def _state(wid: str, e: _Entry) -> WorkerState:

@@ -56,8 +56,7 @@ class KvRouter:
 
         # the fleet-view fast path: kv_aware's choice is provably among few workers (selection.py)
         self._fast = self.hot is None and isinstance(self.policy, KvAware)
-        # (id, version, index epoch) of the view the next two were derived from
-        # (view, its version, the index's epoch) the bits below were derived for. The view itself, not its
+        # (view, its version, the index's epoch) the next two were derived for. The view itself, not its
         # id(): the registry builds views of part of the fleet as workers leave routing, and a freed view's
         # id can be reused by the next one, of the same size and version.
         self._tracked: tuple[FleetView | None, int, int] = (None, -1, -1)
