@@ -6,6 +6,7 @@ import json
 import signal
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Annotated, Optional
 
@@ -30,11 +31,32 @@ def _get(url: str, api_key: str | None, timeout: float) -> tuple[int, bytes]:
         raise ScrapeError(f"{url}: {exc}") from exc
 
 
+def _base_url(url: str) -> str:
+    """``--url`` checked: an http(s) URL with a host (urllib would take a bare ``host:port`` for a scheme)."""
+    parts = urllib.parse.urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise typer.BadParameter(f"{url!r} is not an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000",
+                                 param_hint="'--url'")
+    return url.strip().rstrip("/")
+
+
+def _metrics_path(path: str) -> str:
+    if not path.startswith("/"):
+        raise typer.BadParameter(f"{path!r} must start with '/', e.g. /metrics", param_hint="'--metrics-path'")
+    return path
+
+
 def scrape(base: str, api_key: str | None, metrics_path: str = "/metrics", timeout: float = 5.0) -> Scrape:
     status, body = _get(f"{base}/health", api_key, timeout)
     if status in (401, 403):
         raise ScrapeError(f"/health: HTTP {status}: {body.decode(errors='replace')[:200]}")
-    health = json.loads(body)
+    try:
+        health = json.loads(body)
+    except ValueError:
+        health = None
+    if status not in (200, 503) or not isinstance(health, dict):  # 503: no worker healthy, with the same body
+        raise ScrapeError(f"{base}/health: HTTP {status}, not a ThunderAgent health report: "
+                          f"{body.decode(errors='replace')[:200]!r}")
     if "workers" not in health:
         raise ScrapeError("/health has no per-worker detail: API keys are on; pass an admin key "
                           "(--api-key or THUNDERAGENT_API_KEY)")
@@ -42,11 +64,15 @@ def scrape(base: str, api_key: str | None, metrics_path: str = "/metrics", timeo
     if status != 200:
         hint = " (needs an admin key: --api-key or THUNDERAGENT_API_KEY)" if status in (401, 403) else ""
         raise ScrapeError(f"{metrics_path}: HTTP {status}: {body.decode(errors='replace')[:200]}{hint}")
-    return Scrape(time.monotonic(), health, parse_metrics(body.decode()))
+    try:
+        samples = parse_metrics(body.decode(errors="replace"))
+    except ValueError as exc:  # not Prometheus text (another server, a proxy's error page)
+        raise ScrapeError(f"{base}{metrics_path}: not Prometheus metrics: {exc}") from exc
+    return Scrape(time.monotonic(), health, samples)
 
 
 def top(
-    url: Annotated[str, typer.Option(help="the server's base URL, e.g. http://127.0.0.1:8000")],
+    url: Annotated[str, typer.Option(help="the server's base URL, e.g. http://127.0.0.1:8000", callback=_base_url)],
     api_key: Annotated[Optional[str], typer.Option(
         envvar="THUNDERAGENT_API_KEY", help="an admin key (control_plane.admin_keys), sent as Authorization: "
         "Bearer; needed for /health's detail and /metrics when API keys are on")] = None,
@@ -54,7 +80,8 @@ def top(
                                                  "percentiles)", min=0.05)] = 2.0,
     once: Annotated[bool, typer.Option(
         "--once", help="print one frame and exit (two scrapes --interval apart)")] = False,
-    metrics_path: Annotated[str, typer.Option(help="where the server exports Prometheus metrics")] = "/metrics",
+    metrics_path: Annotated[str, typer.Option(help="where the server exports Prometheus metrics",
+                                              callback=_metrics_path)] = "/metrics",
     hot_factor: Annotated[float, typer.Option(help="a worker is hot when its queue exceeds this x the median",
                                               min=1.0)] = HOT_FACTOR,
     hot_min: Annotated[int, typer.Option(help="... and at least this many requests wait on it", min=1)] = HOT_MIN_QUEUE,
@@ -64,7 +91,7 @@ def top(
     from rich.console import Console
     from rich.live import Live
 
-    base = url.rstrip("/")
+    base = url  # checked by _base_url
     console = Console()
     # Ctrl-C (SIGINT) ends the live view even when we were started from a script that runs its jobs
     # in the background: such a shell starts them with SIGINT ignored, and Python keeps an ignored
