@@ -4,6 +4,7 @@ its summary, its config section, and the live fleet writing it."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -13,7 +14,7 @@ from thunderagent.control.fleet import Fleet
 from thunderagent.control.membership import StaticMembership
 from thunderagent.execution.handle import WorkerCallbacks
 from thunderagent.observe.decision_log import DecisionLog, decision_line, sampled
-from thunderagent.observe.decision_summary import log_files, read_lines, summarise
+from thunderagent.observe.decision_summary import LogError, log_files, read_lines, summarise
 from thunderagent.scheduler.dispatch import Dispatch
 from thunderagent.types import CandidateScore, Decision, EngineRequest, HotPrefixNote
 from unit.test_fleet_unavailable import Scripted
@@ -116,6 +117,26 @@ def test_summary_classes_and_why() -> None:
     assert s["workers"] == {"w0": {"chosen": 1, "busy_filtered": 1, "skipped": {"unavailable: down": 1}},
                             "w1": {"chosen": 4, "busy_filtered": 0, "skipped": {}}}
     assert runs["rr"]["elsewhere_why"] == {"policy round_robin ignores the cache": 1}
+
+
+def test_lines_of_another_shape_are_errors_naming_file_line_and_field(tmp_path) -> None:
+    good = json.dumps(decision_line(_dispatch("a", worker="w0"), 0.0))
+    assert [ln["request_id"] for ln in read_lines([_write(tmp_path / "ok.jsonl", good)])] == ["a"]
+    missing = json.loads(good)
+    del missing["request_id"]
+    wrong = json.loads(good)
+    wrong["candidates"][1]["overlap_blocks"] = "3"
+    for name, bad, said in [("missing", missing, "Object missing required field `request_id`"),
+                            ("wrong", wrong, "Expected `int`, got `str` - at `$.candidates[1].overlap_blocks`"),
+                            ("other", {"not": "a decision"}, "Object missing required field")]:
+        f = _write(tmp_path / f"{name}.jsonl", good, json.dumps(bad), good)
+        with pytest.raises(LogError, match=rf"{name}\.jsonl:2: not a decision line: {re.escape(said)}"):
+            list(read_lines([f]))
+
+
+def _write(path, *lines: str):  # noqa: ANN001, ANN202
+    path.write_text("".join(f"{ln}\n" for ln in lines))
+    return path
 
 
 def test_config_knobs_need_a_path() -> None:

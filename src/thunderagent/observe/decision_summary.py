@@ -35,6 +35,30 @@ class LogError(ValueError):
     """A decision log cannot be read; the message names the file and line."""
 
 
+class _Candidate(msgspec.Struct):
+    worker: str
+    overlap_blocks: int
+    busy: bool
+
+
+class _Line(msgspec.Struct):
+    """What the summary reads of a line (``observe.decision_log.decision_line`` writes more)."""
+
+    request_id: str
+    worker: str
+    policy: str
+    reason: str
+    prompt_tokens: int
+    overlap_blocks: int
+    predicted_tokens: int
+    best_known_tokens: int
+    queue_wait: float
+    candidates: list[_Candidate]
+    run: str = "serve"
+    tried: list[str] = []
+    skipped: dict[str, str] = {}
+
+
 def log_files(paths: Iterable[Path]) -> list[Path]:
     """Each given file preceded by its rotated files that exist (``F.N`` ... ``F.1``): oldest first."""
     out: list[Path] = []
@@ -47,13 +71,20 @@ def log_files(paths: Iterable[Path]) -> list[Path]:
 
 def read_lines(files: Iterable[Path]) -> Iterator[dict[str, Any]]:
     dec = msgspec.json.Decoder(dict[str, Any])
+    # Each line is decoded twice: once against the fields the summary reads, so a line of another
+    # shape is an error naming its file, line and field (not a KeyError deep in the summary), and
+    # once as the plain dict the summary takes. ``explain`` is offline; the check is worth the time.
+    check = msgspec.json.Decoder(_Line)
     for f in files:
         with open(f, "rb") as fh:
             for n, raw in enumerate(fh, 1):
                 if not raw.strip():
                     continue
                 try:
+                    check.decode(raw)
                     yield dec.decode(raw)
+                except msgspec.ValidationError as exc:
+                    raise LogError(f"{f}:{n}: not a decision line: {exc}") from exc
                 except msgspec.DecodeError as exc:
                     if raw.endswith(b"\n"):
                         raise LogError(f"{f}:{n}: not a decision line: {exc}") from exc
