@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -41,6 +42,24 @@ def test_sim_writes_table_json_and_plots(tmp_path):
     assert 0 < doc["bounds"]["global_lru_reuse"] <= doc["bounds"]["infinite_cache_reuse"]
     pngs = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
     assert pngs == ["load_kv_aware.png", "load_round_robin.png", "reuse_vs_bound.png", "ttft_cdf.png"]
+
+
+def test_sim_says_which_requests_ended_without_a_token_and_which_never_ended(tmp_path):
+    # 16,384 tokens per worker: the excerpt's longer prompts are refused, and one that outgrows the
+    # pool while decoding is rejected then; every request ends (most of them stayed queued for good
+    # behind such a request, or behind rejections the driver never collected, and the table hid it)
+    out = tmp_path / "out.json"
+    res = run_sim("--trace", str(EXCERPT), "--workers", "2", "--kv-blocks", "256", "--policy", "kv_aware",
+                  "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["requests"] == 200 and run["extra"]["incomplete_requests"] == 0
+    assert run["extra"]["rejected_requests"] == 55  # the excerpt's prompts over 16,384 tokens
+    said = " ".join(res.stdout.split())
+    assert "kv_aware: of 200 requests, 55 ended without a token (refused by their worker" in said
+    res = run_sim("--trace", str(EXCERPT), "--workers", "2", "--policy", "kv_aware", "--horizon", "20")
+    assert res.returncode == 0, res.stderr
+    assert re.search(r"kv_aware: of 200 requests, \d+ not finished by the horizon", " ".join(res.stdout.split()))
 
 
 def test_sim_rejects_bad_trace(tmp_path):

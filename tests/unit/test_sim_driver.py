@@ -75,3 +75,27 @@ def test_agentic_excerpt_runs_and_reuses():
     out = Simulator(NODE, RoutingConfig(seed=0), 2, Policy.kv_aware).run(trace, 1.0)
     assert out.result.requests == len(trace)
     assert out.result.prefix_reuse > 0.5  # agent loops resend their whole growing context
+
+
+@pytest.mark.parametrize("policy", [Policy.round_robin, Policy.kv_aware])
+def test_every_request_ends_when_prompts_exceed_the_pool(policy):
+    # Every prompt is longer than a worker's 4 blocks: each is rejected in a pass that takes no time.
+    # Several arriving at one instant on one worker: such a pass ended inside the load report that
+    # followed the first of them, and its rejections stayed in the engine's outbox, the driver never
+    # coming back for them: the requests counted as never finished (a replay with a small
+    # --kv-blocks lost most of its trace).
+    trace = [req(f"r{i}", (i // 6) * 3.0, [i, i + 100], 1024, 5) for i in range(12)]
+    out = Simulator(NodeConfig(kv_blocks=4, block_size=64), RoutingConfig(seed=0), 2, policy).run(trace)
+    assert out.result.extra["incomplete_requests"] == 0
+    assert out.result.requests == 12 and out.ttft_ms == []  # all ended, none with a token
+    assert sorted(out.times_by_id) == sorted(r.request_id for r in trace)
+    assert all(end == pytest.approx(arrival) for arrival, end in out.times_by_id.values())
+
+
+def test_a_request_outgrowing_the_pool_ends_and_the_requests_behind_it_are_served():
+    # 'grow' fits 4 blocks as a prompt but not with its output: it is preempted, then rejected; the
+    # others queued behind it on the same worker run (the engine used to idle for good instead)
+    trace = [req("grow", 0.0, [1], 250, 20), *(req(f"n{i}", 0.01 * (i + 1), [10 + i], 64, 2) for i in range(4))]
+    out = Simulator(NodeConfig(kv_blocks=4, block_size=64), RoutingConfig(seed=0), 1, Policy.round_robin).run(trace)
+    assert out.result.extra["incomplete_requests"] == 0 and out.result.requests == 5
+    assert set(out.ttft_by_id) == {"grow", "n0", "n1", "n2", "n3"}  # grow got tokens before it outgrew the pool

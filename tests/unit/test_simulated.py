@@ -192,6 +192,19 @@ def test_prompt_larger_than_the_pool_is_rejected() -> None:
     assert r.tokens("ok") and r.of("ok")[-1].finish_reason == "length"
 
 
+def test_a_request_that_outgrows_the_pool_is_rejected_and_the_queue_behind_it_runs() -> None:
+    # 'grow' fills the 4-block pool as it decodes; past 256 tokens it needs a 5th block: it preempts
+    # itself, and the next pass rejects it. 'next' waits behind it and must then run (the pass that
+    # only preempted used to idle the engine for good, stranding both)
+    r = Run(engine(kv_blocks=4)).run([(0.0, mk("grow", [1] * 250, 20)), (0.0, mk("next", [2] * 64, 3))])
+    grow = r.of("grow")
+    assert grow[-1].finished and grow[-1].finish_reason == "abort"
+    assert len(r.tokens("grow")) == 7  # tokens 251..257: the 257th needs a 5th block
+    assert len(r.tokens("next")) == 3 and r.of("next")[-1].finish_reason == "length"
+    assert r.of("next")[0].time > grow[-1].time - 1e-12
+    assert r.eng.next_wakeup() is None and not r.eng.load(10.0).waiting
+
+
 # ------------------------------------------------------------------------------ §2.4 prefix cache
 def test_repeated_1024_prompt_reuses_960() -> None:
     toks = trace_tokens([1, 2], 1024)

@@ -1,29 +1,27 @@
 """The simulated engine: the vLLM engine model of NVIDIA Dynamo 1.6.1's mocker (``dynamo.mocker``, shipped in
 the ``ai-dynamo-runtime`` wheel of the ``compare`` extra), rebuilt in Python.
 
-One forward pass at a time, back to back. A pass starts at ``max(previous end, arrival)``; requests
-arriving during a pass join the waiting queue at its end (one arriving exactly at a boundary joins
-the pass starting then). Packing (§2.2): running requests first in admission order (a decoder takes
-1 token, a partial prefill its next chunk), then FIFO admissions gated by vLLM's block check (§2.3).
-Prefix hits (§2.4) are chains of cached full blocks capped at ``floor((len-1)/bs)``, and blocks a
-request computes are visible to later requests of the same pass. Allocation failure preempts the
-last running request (LIFO, recompute; §2.5); with ``preempt`` (``routing.preempt_enabled``) a waiting request
-may also evict lower-priority running ones when it pays (``engine/preemption.py``). Pass time: §3's model.
+One forward pass at a time, back to back. A pass starts at ``max(previous end, arrival)``; requests arriving during a
+pass join the waiting queue at its end (one arriving exactly at a boundary joins the pass starting then). Packing
+(§2.2): running requests first in admission order (a decoder takes 1 token, a partial prefill its next chunk), then
+FIFO admissions gated by vLLM's block check (§2.3). Prefix hits (§2.4) are chains of cached full blocks capped at
+``floor((len-1)/bs)``, and blocks a request computes are visible to later requests of the same pass. Allocation
+failure preempts the last running request (LIFO, recompute; §2.5); with ``preempt`` (``routing.preempt_enabled``) a
+waiting request may also evict lower-priority running ones when it pays (``engine/preemption.py``). Pass time: §3.
 
-A pass is decided when it starts (as in the mocker); its tokens and KV events come out when it ends.
-Time is integer nanoseconds inside (the mocker's pass ends are whole ns too, and long replays
-accumulate no float drift); seconds at the API.
+A pass is decided when it starts (as in the mocker); its tokens and KV events come out when it ends. Time is integer
+nanoseconds inside (the mocker's pass ends are whole ns too, and long replays accumulate no float drift); seconds at
+the API.
 
 Driver contract: add every arrival of an instant before calling ``next_wakeup()`` for it.
 ``advance``/``add_request``/``abort``/``load`` first run the passes ending by ``now``; a pass due to
 *start* exactly at ``now`` is fixed only by ``next_wakeup()`` or a later call, so arrivals of that
 instant still join it.
 
-Accounting mode (``accounting=TokenAccounting()``, the simulator's replays; never the live server,
-which streams every token): only first tokens and finishes become outputs, the tokens between are
-counted (``engine/pass_end.py``), plain decode passes cost O(1) and ``next_wakeup`` gives the end
-of a plain stretch rather than of the pass in flight (``engine/stretch.py``). Same passes, times,
-KV events and loads as the live mode (tests/unit/test_sim_accounting.py).
+Accounting mode (``accounting=TokenAccounting()``, the simulator's replays; never the live server, which streams every
+token): only first tokens and finishes become outputs, the tokens between are counted (``engine/pass_end.py``), plain
+decode passes cost O(1) and ``next_wakeup`` gives the end of a plain stretch rather than of the pass in flight
+(``engine/stretch.py``). Same passes, times, KV events and loads as the live mode (tests/unit/test_sim_accounting.py).
 """
 
 from __future__ import annotations
@@ -101,12 +99,12 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
         self._pass: _Pass | None = None
         self._pass_end = NEVER
         self._last_end = NEVER
+        self._seen_ns = 0
         self._pid = 0
         self._stalled = False
         self._q_prefill = 0  # prompt tokens not computed yet: buffered + waiting + partial prefills
-        # Of those, the tokens queued requests are expected to find cached (matched at arrival).
-        # Reported load subtracts them: a queued request that mostly hits the cache is little work,
-        # and counting its raw prompt would push the router away from the worker holding the prefix.
+        # Of those, the tokens queued requests are expected to find cached (matched at arrival). Reported load
+        # subtracts them: a queued request mostly hitting the cache is little work (counting it all repels routing).
         self._q_hit = 0
         self._dec_tokens = 0  # sum of sequence lengths of running requests past their first token
         self.preemptions = 0  # allocation failures (LIFO, vLLM's)
@@ -195,8 +193,8 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
         self._touch()  # it may begin a pass (admissions change the load)
         while self._pass is None:
             s = self._next_start()
-            if s is None:
-                return None
+            if s is None:  # idle; outputs a load report's run left behind (rejections: no time) are due now
+                return self._seen_ns / 1e9 if self._outbox else None
             self._begin_pass(s)
         if self._pass is self._plain:  # replays: wake at the stretch's end (engine/stretch.py)
             return self._plain_horizon() / 1e9
@@ -273,6 +271,8 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
 
     def _run_until(self, t: int) -> None:
         """End the passes that end at or before ``t``; fix the passes that start before ``t``."""
+        if t > self._seen_ns:
+            self._seen_ns = t  # the latest instant asked for: outputs up to it are due (``next_wakeup``)
         while True:
             if self._pass is None:
                 s = self._next_start()
@@ -305,7 +305,9 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
         n = p.n_pf
         T = n * (p.isl // n - p.prefix // n) if n else 0
         p.events = self._bm.drain_events()
-        if not (p.progress or p.emit or p.rejected):  # nothing can run (blocks pinned...): idle till a change
+        # Nothing can run (blocks pinned...): idle till a change. A pass that only preempted is a change:
+        # the next one admits the victim or, grown past the pool, rejects it (idling stranded its queue).
+        if not (p.progress or p.emit or p.rejected or p.preempted):
             self._stalled = True
             self._last_end = max(self._last_end, s)
             self._events.extend(p.events)
@@ -323,9 +325,9 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
         running = self._running
         emit = p.emit
         pid = p.pid
-        # The fast path's accumulators live in locals (a pass visits every running request) and
-        # are written back to ``p`` before anything else reads or changes it (``_schedule``, which
-        # may undo earlier entries of this pass when it preempts). Integer sums: same totals.
+        # The fast path's accumulators live in locals (a pass visits every running request) and are written
+        # back to ``p`` before anything else reads or changes it (``_schedule``, which may undo earlier entries
+        # of this pass when it preempts). Integer sums: same totals.
         budget = p.budget
         A = nd = 0
         n = len(running)
@@ -409,8 +411,8 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
         g = seq.generated
         L = P + g
         old = seq.computed
-        # A preempted request recomputes up to its last sampled token (L-1); the next pass is then
-        # an ordinary decode step over the full sequence, which emits the next token.
+        # A preempted request recomputes up to its last sampled token (L-1); the next pass is then an ordinary
+        # decode step over the full sequence, which emits the next token.
         K = L - 1 if g and old < L - 1 else L
         before = old + cached
         pb = before if before < P else P
@@ -458,9 +460,8 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
         running = self._running
         pr = seq.req.priority
         if running and running[-1].req.priority < pr:
-            # vLLM's priority policy: running requests get the budget (and escape LIFO preemption)
-            # in priority order; equal priorities keep admission order, so traces without
-            # priorities schedule exactly as before
+            # vLLM's priority policy: running requests get the budget (and escape LIFO preemption) in priority
+            # order; equal priorities keep admission order, so traces without priorities schedule as before
             i = len(running)
             while i and running[i - 1].req.priority < pr:
                 i -= 1

@@ -66,7 +66,7 @@ def summarize(sim: Replay, tracks: dict[str, Track], wall_s: float, decision_ns:
     if sim.pd is not None:  # KV moved from a prefill worker was computed there: not a cache hit
         cached -= sum(sim.pd.moved.get(rid, 0) for rid, t in tracks.items() if t.done)
     recompute = sum(max(0, t.best_known - t.cached) for t in done)
-    duration = max((t.last for t in done), default=0.0)
+    duration = max(0.0, max((t.last for t in done), default=0.0))  # (-1: every request ended without a token)
     engines = sim.engines
     return RunResult(
         system="thunderagent",
@@ -81,6 +81,9 @@ def summarize(sim: Replay, tracks: dict[str, Track], wall_s: float, decision_ns:
         wall_s=wall_s,
         extra={
             "incomplete_requests": len(tracks) - len(done),
+            # ended without a token: refused by the engine (longer than its KV cache); only when some were,
+            # so results of runs without any keep their shape
+            **({"rejected_requests": len(done) - len(ttft)} if len(ttft) < len(done) else {}),
             "prompt_tokens": prompt,
             "recomputed_prompt_tokens": prompt - cached,  # prompt tokens not served from cache
             "preemptions": sum(e.preemptions for e in engines),
@@ -119,7 +122,7 @@ def _pacing_extra(sim: Replay, duration: float) -> dict[str, object]:
 
 def _scheduler_extra(sim: Replay, done: list[Track]) -> dict[str, object]:
     """With the scheduler on: queue wait and TTFT per priority tier (ms)."""
-    duration = max((t.last for t in done), default=0.0)
+    duration = max(0.0, max((t.last for t in done), default=0.0))  # (-1: every request ended without a token)
     if sim.dispatcher.queue is None:
         return _pacing_extra(sim, duration)
     by_tier: dict[int, list[float]] = {}
