@@ -192,6 +192,19 @@ def test_prompt_larger_than_the_pool_is_rejected() -> None:
     assert r.tokens("ok") and r.of("ok")[-1].finish_reason == "length"
 
 
+def test_without_chunked_prefill_a_prompt_longer_than_a_pass_is_rejected() -> None:
+    # 600 uncached prompt tokens never fit a 512-token pass without chunking: rejected at once (vLLM
+    # refuses such a prompt when chunked prefill is off), not left at the head blocking 'short' for good
+    eng = engine(enable_chunked_prefill=False, max_num_batched_tokens=512)
+    r = Run(eng).run([(0.0, mk("long", [1] * 600, 3)), (0.0, mk("short", [2] * 64, 2))])
+    assert r.of("long") == [TokenOutput("long", [], r.passes[0].end, 600, 0, True, "abort")]
+    assert len(r.tokens("short")) == 2 and r.of("short")[-1].finish_reason == "length"
+    # a prompt that fits a whole pass still waits for one, behind a prefill that took this one
+    r = Run(engine(enable_chunked_prefill=False, max_num_batched_tokens=512)).run(
+        [(0.0, mk("a", [3] * 500, 2)), (0.0, mk("b", [4] * 500, 2))])
+    assert len(r.tokens("a")) == len(r.tokens("b")) == 2
+
+
 def test_a_request_that_outgrows_the_pool_is_rejected_and_the_queue_behind_it_runs() -> None:
     # 'grow' fills the 4-block pool as it decodes; past 256 tokens it needs a 5th block: it preempts
     # itself, and the next pass rejects it. 'next' waits behind it and must then run (the pass that

@@ -1,9 +1,10 @@
-"""Taking running requests out of the simulated engine's batch: vLLM's LIFO preemption when a pass
-cannot allocate, and priority preemption when it pays (``engine/preemption.py`` decides which).
+"""Taking requests out of the simulated engine's batch: vLLM's LIFO preemption when a pass cannot
+allocate, priority preemption when it pays (``engine/preemption.py`` decides which), and rejecting a
+waiting request that can never run.
 
-A mixin of :class:`~thunderagent.engine.simulated.SimulatedEngine`: the victim leaves ``running``
-with recompute semantics (its blocks released, its work in the pass being packed undone) and goes
-back to the waiting queue.
+A mixin of :class:`~thunderagent.engine.simulated.SimulatedEngine`: a victim leaves ``running`` with
+recompute semantics (its blocks released, its work in the pass being packed undone) and goes back to
+the waiting queue; a rejected request leaves the engine, reported at the pass's end.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from thunderagent.engine.sim_state import WAITING, _Pass, _Seq
+from thunderagent.engine.sim_state import DONE, WAITING, _Pass, _Seq
 
 if TYPE_CHECKING:
     from thunderagent.engine.blocks import BlockManager
@@ -28,7 +29,9 @@ class Eviction:
     _running: list[_Seq]
     _waiting: deque[_Seq]
     _q_prefill: int
+    _q_hit: int
     _dec_tokens: int
+    _seqs: dict[str, _Seq]
     preemptions: int
     priority_preemptions: int
 
@@ -75,3 +78,17 @@ class Eviction:
         self._bm.release(v.table)
         v.computed = 0
         v.state = WAITING
+
+    def _reject_head(self, p: _Pass) -> None:
+        """The waiting queue's head can never run here (longer than the pool, or than a whole pass
+        without chunked prefill): it leaves the engine, reported at the end of ``p``."""
+        seq = self._waiting.popleft()
+        self._seqs.pop(seq.req.request_id, None)
+        self._q_prefill -= seq.plen
+        self._unexpect(seq)
+        seq.state = DONE
+        p.rejected.append(seq)
+
+    def _unexpect(self, seq: _Seq) -> None:
+        self._q_hit -= seq.expect
+        seq.expect = 0

@@ -58,8 +58,9 @@ class PassEnd:
         ts = t / 1e9
         out = self._outbox
         self._events.extend(p.events)
-        for seq in p.rejected:
+        for seq in p.rejected:  # (one that outgrew the pool while decoding has tokens to count)
             out.append(TokenOutput(seq.req.request_id, [], ts, seq.plen, 0, True, FinishReason.ABORT))
+            self._count_final(seq)
         if self._acct is None:
             if self._emit_live(p, ts):
                 self._running = [s for s in self._running if s.state == RUNNING]

@@ -240,10 +240,6 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
         called on the engine since, and no pass ends (or starts) by ``now`` (``sim/driver.py`` skips it)."""
         return _ns(now) < self._quiet_ns
 
-    def _unexpect(self, seq: _Seq) -> None:
-        self._q_hit -= seq.expect
-        seq.expect = 0
-
     def cache_snapshot(self) -> list[int]:
         return self._bm.cached_hashes()
 
@@ -381,16 +377,14 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
             L = seq.plen + seq.generated
             need = -(-L // bs)
             if need > nb:  # can never fit this pool: reject outright
-                waiting.popleft()
-                self._seqs.pop(seq.req.request_id, None)
-                self._q_prefill -= seq.plen
-                self._unexpect(seq)
-                seq.state = DONE
-                p.rejected.append(seq)
+                self._reject_head(p)
                 continue
             # The last token must be computed to get logits: cap the hit at floor((len-1)/bs).
             cap = (L - 1) // bs if seq.generated < seq.req.max_tokens else L // bs
             hits, active_hits = bm.match_prefix(seq.hashes, cap)
+            if not self._chunked and p.budget == self._max_tokens and seq.plen - min(seq.plen, hits * bs) > p.budget:
+                self._reject_head(p)  # its prompt needs more than a whole pass: it would block the queue for good
+                continue
             deficit = need - active_hits - (nb - bm.active_blocks)
             if full or deficit > 0:
                 if self._pp is None or tried is seq or not self._preempt_for(seq, p, hits, deficit, full):
