@@ -134,7 +134,7 @@ def test_lines_of_another_shape_are_errors_naming_file_line_and_field(tmp_path) 
             list(read_lines([f]))
 
 
-def _write(path, *lines: str):  # noqa: ANN001, ANN202
+def _write(path, *lines: str):  # (path: a pytest tmp_path entry)
     path.write_text("".join(f"{ln}\n" for ln in lines))
     return path
 

@@ -15,7 +15,7 @@ from thunderagent.cli import top as top_mod
 HEALTH = json.dumps({"status": "ok", "workers": []}).encode()
 
 
-def _said(result) -> str:  # noqa: ANN001 - click's Result
+def _said(result) -> str:  # result: click's Result
     """The error box's words on one line (rich wraps them inside a frame)."""
     return " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.output).split())
 
