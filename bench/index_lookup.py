@@ -45,8 +45,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import msgspec  # noqa: E402
-from _common import start_nats_server  # noqa: E402
-from route_decision import _tokens, make_queries, make_workload  # noqa: E402
+from _common import cpu_seconds, start_nats_server  # noqa: E402
+from route_decision import Workload, _tokens, make_queries, make_workload  # noqa: E402
 
 from thunderagent.bus.packing import pack_u64, unpack_u64  # noqa: E402
 from thunderagent.kv.hashing import block_hashes  # noqa: E402
@@ -60,8 +60,7 @@ encode = msgspec.msgpack.Encoder().encode
 decode_answer = msgspec.msgpack.Decoder(list[tuple[str, int]]).decode
 
 
-def build_index(n_blocks: int, seed: int) -> KvIndex:
-    wl = make_workload(n_blocks, WORKERS, seed)
+def build_index(wl: Workload) -> KvIndex:
     index = KvIndex(prediction_ttl=5.0)
     for i in range(WORKERS):
         index.add_worker(f"w{i}")
@@ -72,15 +71,14 @@ def build_index(n_blocks: int, seed: int) -> KvIndex:
     return index
 
 
-def queries(n_blocks: int, n: int, seed: int) -> list[bytes]:
-    wl = make_workload(n_blocks, WORKERS, seed)
+def queries(wl: Workload, n: int, seed: int) -> list[bytes]:
     return [pack_u64(block_hashes(_tokens(blocks), BLOCK)) for _kind, blocks in make_queries(wl, n, seed)]
 
 
 async def owner_main(args: argparse.Namespace) -> None:
     import nats
 
-    index = build_index(args.blocks, args.seed)
+    index = build_index(make_workload(args.blocks, WORKERS, args.seed))
     nc = await nats.connect(args.nats)
 
     async def on_lookup(msg) -> None:  # msg: nats-py's Msg
@@ -98,11 +96,6 @@ async def owner_main(args: argparse.Namespace) -> None:
     await nc.close()
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def ask(url: str, owner_pid: int, qs: list[bytes], expected: list[list[tuple[str, int]]],
               concurrency: int) -> dict[str, float]:
     import nats
@@ -112,24 +105,24 @@ async def ask(url: str, owner_pid: int, qs: list[bytes], expected: list[list[tup
         await nc.request(SUBJECT, q, timeout=5)
     rtt: list[float] = []
     wrong = 0
-    cpu0, own0 = time.process_time(), _cpu_s(owner_pid)
+    cpu0, own0 = time.process_time(), cpu_seconds(owner_pid)
     for q, want in zip(qs, expected):
         t0 = time.perf_counter()
         msg = await nc.request(SUBJECT, q, timeout=5)
         rtt.append(time.perf_counter() - t0)
         wrong += decode_answer(msg.data) != want
-    ask_cpu, own_cpu = time.process_time() - cpu0, _cpu_s(owner_pid) - own0
+    ask_cpu, own_cpu = time.process_time() - cpu0, cpu_seconds(owner_pid) - own0
     sem = asyncio.Semaphore(concurrency)
 
     async def one(q: bytes) -> None:
         async with sem:
             await nc.request(SUBJECT, q, timeout=10)
 
-    cpu0, own0 = time.process_time(), _cpu_s(owner_pid)
+    cpu0, own0 = time.process_time(), cpu_seconds(owner_pid)
     t0 = time.perf_counter()
     await asyncio.gather(*(one(q) for q in qs))
     rate = len(qs) / (time.perf_counter() - t0)
-    ask_busy, own_busy = time.process_time() - cpu0, _cpu_s(owner_pid) - own0
+    ask_busy, own_busy = time.process_time() - cpu0, cpu_seconds(owner_pid) - own0
     await nc.close()
     n = len(qs)
     return {"rtt_p50_us": statistics.median(rtt) * 1e6, "rtt_p99_us": sorted(rtt)[int(0.99 * (n - 1))] * 1e6,
@@ -138,12 +131,12 @@ async def ask(url: str, owner_pid: int, qs: list[bytes], expected: list[list[tup
             "wrong_answers": float(wrong)}
 
 
-def local_costs(args: argparse.Namespace, qs: list[bytes]) -> tuple[float, float, list[list[tuple[str, int]]]]:
+def local_costs(wl: Workload, qs: list[bytes]) -> tuple[float, float, list[list[tuple[str, int]]]]:
     """find_matches alone (µs per lookup, median of 3 passes), steady-state ingest (µs per block), and the
     answers a lookup must return."""
     from nats_events import in_process_baseline
 
-    index = build_index(args.blocks, args.seed)
+    index = build_index(wl)
     hashes = [unpack_u64(q) for q in qs]
     passes = []
     for _ in range(3):
@@ -171,8 +164,9 @@ def main(argv: list[str] | None = None) -> dict[str, float] | None:
         return None
     if args.quick:
         args.blocks, args.lookups = 20_000, 600
-    qs = queries(args.blocks, args.lookups, args.seed)
-    match_us, ingest_us, expected = local_costs(args, qs)
+    wl = make_workload(args.blocks, WORKERS, args.seed)  # the owner process builds the same from the seed
+    qs = queries(wl, args.lookups, args.seed)
+    match_us, ingest_us, expected = local_costs(wl, qs)
     with tempfile.TemporaryDirectory(prefix="ta-index-lookup-") as tmp:
         log = open(Path(tmp) / "procs.log", "wb")  # noqa: SIM115 - closed below
         procs: list[subprocess.Popen[bytes]] = []

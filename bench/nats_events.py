@@ -45,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import start_nats_server  # noqa: E402
+from _common import cpu_seconds, start_nats_server  # noqa: E402
 
 from thunderagent.execution.handle import OutputQueue, WorkerCallbacks  # noqa: E402
 from thunderagent.types import (  # noqa: E402
@@ -322,7 +322,7 @@ async def orchestrate(run: Run) -> dict[str, Any]:
         await asyncio.sleep(a.warmup)
         samples: dict[str, list[float]] = {f: [] for f in frontends}
         first = last = await blocks()
-        cpu0 = {f: _cpu_s(run.procs[f].pid) for f in frontends}
+        cpu0 = {f: cpu_seconds(run.procs[f].pid) for f in frontends}
         churned = False
         t_end = time.monotonic() + a.seconds
         while time.monotonic() < t_end:
@@ -340,7 +340,7 @@ async def orchestrate(run: Run) -> dict[str, Any]:
                 for w in (*joined, live[2]):  # the killed one comes back: a new instance, same id
                     run.start_worker(w)
                 live = [*live[2:], *joined]
-        busy = {f: (_cpu_s(run.procs[f].pid) - cpu0[f]) / (last[f][0] - first[f][0]) for f in frontends}
+        busy = {f: (cpu_seconds(run.procs[f].pid) - cpu0[f]) / (last[f][0] - first[f][0]) for f in frontends}
         # CPU in Fleet.on_events (the index's apply, timed in the frontend) per block of the window
         apply_us = {f: (last[f][2] - first[f][2]) * 1e6 / max(1, last[f][1] - first[f][1]) for f in frontends}
         # quiesce: stop publishing, then wait for every replica to agree with every worker
@@ -424,15 +424,6 @@ def in_process_baseline(blocks_per_event: int, capacity: int, n_workers: int = 1
         blocks += sum(len(e.block_hashes) for e in events if not isinstance(e, AllBlocksCleared))
         feed.events(wid, events, 0.0)
     return blocks / (time.perf_counter() - t0)
-
-
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) a process used so far (Linux /proc; 0 elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _median(xs: list[float]) -> float:

@@ -3,27 +3,19 @@ exactly what the owner's index holds, and the benchmark's crossover comes out of
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
+
+from support.bench import load_bench
 
 pytest.importorskip("nats", reason="the NATS deployment needs the nats extra")
 
 pytestmark = [pytest.mark.nats, pytest.mark.integration]
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "index_lookup.py"
-
 
 def test_remote_lookups_answer_what_the_owner_holds():
-    spec = importlib.util.spec_from_file_location("_bench_index_lookup", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
-    res = bench.main(["--blocks", "3000", "--lookups", "150", "--concurrency", "8"])
+    res = load_bench("index_lookup").main(["--blocks", "3000", "--lookups", "150", "--concurrency", "8"])
     assert res is not None
     assert res["wrong_answers"] == 0  # every answer equals find_matches on the same index, in this process
     assert 90 <= res["answers_with_holders"] <= 110  # the 2/3 of queries that hit or partly hit

@@ -12,25 +12,13 @@ The TTFT check has a margin for a loaded 2-core CI machine (see the asserts and 
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
+from support.bench import load_bench
+
 pytestmark = [pytest.mark.integration, pytest.mark.reliability]
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "overload.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("_bench_overload", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["_bench_overload"] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _check_liveness(rep, seconds: float) -> str:  # type: ignore[no-untyped-def]
@@ -69,7 +57,7 @@ async def test_three_times_capacity_is_refused_not_fatal(tmp_path, gate):
     p90_bound = 2.0 if gate else 3.0
     reports = []
     for attempt in range(2):
-        rep = await _bench().run(seconds, 3.0, unloaded_s=2.0, capacity_s=4.0, settle_s=2.0,
+        rep = await load_bench("overload").run(seconds, 3.0, unloaded_s=2.0, capacity_s=4.0, settle_s=2.0,
                                  log_path=tmp_path / f"serve{attempt}.log",
                                  extra_config="scheduler: {prefills_in_flight: 1}" if gate else "")
         reports.append(_check_liveness(rep, seconds))

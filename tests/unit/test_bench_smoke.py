@@ -6,27 +6,12 @@ comparison parts are skipped when ``dynamo`` (ai-dynamo-runtime, the ``compare``
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _load(name: str) -> ModuleType:
-    mod_name = f"_bench_{name}"
-    if mod_name in sys.modules:
-        return sys.modules[mod_name]
-    spec = importlib.util.spec_from_file_location(mod_name, BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
+from support.bench import BENCH, load_bench
 
 
 def _has_dynamo() -> bool:
@@ -49,7 +34,7 @@ def _positive(res: dict[str, float], keys: list[str]) -> None:
 
 
 def test_route_decision_ours_only() -> None:
-    rd = _load("route_decision")
+    rd = load_bench("route_decision")
     res = rd.run(n_blocks=400, n_workers=4, n_queries=30, seed=3, with_peer=False)
     _positive(res, ["entries", "ours_hash_us", "ours_match_us", "ours_hash_match_us", "ours_full_us",
                     "ours_route_us", "ours_score_us"])
@@ -59,7 +44,7 @@ def test_route_decision_ours_only() -> None:
 
 @needs_dynamo
 def test_route_decision_with_dynamo() -> None:
-    rd = _load("route_decision")
+    rd = load_bench("route_decision")
     res = rd.run(n_blocks=400, n_workers=4, n_queries=30, seed=3, with_peer=True)
     _positive(res, ["ours_full_us", "peer_hash_us", "peer_match_us", "peer_hash_match_us"])
     # both indexes hold the same content: per-worker overlaps agree on every query
@@ -67,7 +52,7 @@ def test_route_decision_with_dynamo() -> None:
 
 
 def test_route_scale_runs_small() -> None:
-    rs = _load("route_scale")
+    rs = load_bench("route_scale")
     rows = rs.run(at_1000=40_000, queries=30, seed=3, sizes=(8, 64))
     assert [r["workers"] for r in rows] == [8, 64]
     for r in rows:
@@ -78,7 +63,7 @@ def test_route_scale_runs_small() -> None:
 
 
 def test_index_ingest_ours_only() -> None:
-    ii = _load("index_ingest")
+    ii = load_bench("index_ingest")
     res = ii.run(n_events=40, n_workers=4, rounds=1, seed=3, with_peer=False)
     _positive(res, ["blocks", "ours_bps", "ours_build_bps"])
     assert res["ours_entries"] == res["blocks"]  # random 64-bit hashes: every block is a new entry
@@ -87,7 +72,7 @@ def test_index_ingest_ours_only() -> None:
 
 @needs_dynamo
 def test_index_ingest_with_dynamo() -> None:
-    ii = _load("index_ingest")
+    ii = load_bench("index_ingest")
     res = ii.run(n_events=40, n_workers=4, rounds=2, seed=3, with_peer=True)
     _positive(res, ["ours_bps", "peer_bps", "peer_encode_bps"])
     assert res["peer_check"] == 1.0
@@ -95,7 +80,7 @@ def test_index_ingest_with_dynamo() -> None:
 
 def test_fake_backend_builds() -> None:
     """The proxy benchmark's fake backend is importable and routes what sglang-router probes."""
-    fb = _load("fake_backend")
+    fb = load_bench("fake_backend")
     app = fb.create_backend()
     paths = {r.resource.canonical for r in app.router.routes() if r.resource is not None}
     assert {"/v1/completions", "/v1/chat/completions", "/health", "/server_info", "/model_info"} <= paths
@@ -104,7 +89,7 @@ def test_fake_backend_builds() -> None:
 def test_scheduler_overhead_bench_runs(monkeypatch, capsys) -> None:
     """bench/scheduler_overhead.py: one held-queue step per request keeps the queue at its size."""
     monkeypatch.syspath_prepend(str(BENCH))  # the script imports its sibling _common
-    mod = _load("scheduler_overhead")
+    mod = load_bench("scheduler_overhead")
     monkeypatch.setattr(mod, "PROGRAMS", 50)
     monkeypatch.setattr(mod, "HELD", 20)
     monkeypatch.setattr(sys, "argv", ["scheduler_overhead.py", "--quick"])
@@ -116,7 +101,7 @@ def test_scheduler_overhead_bench_runs(monkeypatch, capsys) -> None:
 def test_hot_prefix_bench_runs(monkeypatch, capsys) -> None:
     """bench/hot_prefix.py: both arms on the same requests, the ratio line printed."""
     monkeypatch.syspath_prepend(str(BENCH))
-    mod = _load("hot_prefix")
+    mod = load_bench("hot_prefix")
     monkeypatch.setattr(sys, "argv", ["hot_prefix.py", "--requests", "300", "--seeds", "0"])
     mod.main()
     out = capsys.readouterr().out
@@ -127,7 +112,7 @@ def test_hot_prefix_bench_runs(monkeypatch, capsys) -> None:
 def test_migration_skew_bench_runs(monkeypatch, capsys) -> None:
     """bench/migration_skew.py: off and on on the same requests, the ratio line printed."""
     monkeypatch.syspath_prepend(str(BENCH))
-    mod = _load("migration_skew")
+    mod = load_bench("migration_skew")
     monkeypatch.setattr(sys, "argv", ["migration_skew.py", "--shapes", "pileup", "--seeds", "0", "--prefixes", "2",
                                       "--prefix-tokens", "8192", "--burst-s", "2"])
     mod.main()
@@ -136,7 +121,7 @@ def test_migration_skew_bench_runs(monkeypatch, capsys) -> None:
 
 
 def test_pd_disagg_runs_on_the_excerpt(capsys, monkeypatch) -> None:
-    pd = _load("pd_disagg")
+    pd = load_bench("pd_disagg")
     excerpt = BENCH.parent / "tests" / "data" / "mooncake_excerpt.jsonl"
     monkeypatch.setattr(sys, "argv", ["pd_disagg.py", "--trace", str(excerpt), "--limit", "40", "--splits", "1:3",
                                       "--modes", "conditional"])

@@ -357,10 +357,12 @@ def _report(console: Any, trace: list[str], results: list[Any], outcomes: list[A
                 f"{r.system} {r.policy}: routing decision (hash, admission, route) p50 {r.decision_us.p50:,.0f} µs "
                 f"p99 {r.decision_us.p99:,.0f} µs; replay {r.wall_s:,.1f} s wall; KV events into the index "
                 f"{r.extra['kv_event_blocks'] / dur if dur > 0 else 0.0:,.0f} blocks per virtual second")
-        lost = [f"{n:,} ended without a token (refused by their worker: longer than its KV cache)"
-                for n in [r.extra.get("rejected_requests", 0)] if n]
-        lost += [f"{n:,} not finished" + (" by the horizon" if r.extra.get("horizon_s") else "")
-                 for n in [r.extra.get("incomplete_requests", 0)] if n]
+        rejected, unfinished = r.extra.get("rejected_requests", 0), r.extra.get("incomplete_requests", 0)
+        lost = []
+        if rejected:
+            lost.append(f"{rejected:,} ended without a token (refused by their worker: longer than its KV cache)")
+        if unfinished:
+            lost.append(f"{unfinished:,} not finished" + (" by the horizon" if r.extra.get("horizon_s") else ""))
         if lost:  # the table's requests column counts what ended, these included
             out_console.print(f"{r.system} {r.policy}: of {meta['requests']:,} requests, {'; '.join(lost)}")
     if json_out:

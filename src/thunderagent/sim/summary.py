@@ -97,7 +97,7 @@ def summarize(sim: Replay, tracks: dict[str, Track], wall_s: float, decision_ns:
             # blocks named by the KV events the index took (stored + removed): the event load one
             # frontend replica must ingest to hold this fleet's index
             "kv_event_blocks": sim.kv_event_blocks,
-            **_scheduler_extra(sim, done),
+            **_scheduler_extra(sim, done, duration),
             **({"grouping": dict(g.stats)} if (g := sim.dispatcher.grouper) is not None else {}),
             **({"pd": sim.pd.stats()} if sim.pd is not None else {}),
             **({"migration": sim.mig.stats()} if sim.mig is not None else {}),
@@ -120,9 +120,8 @@ def _pacing_extra(sim: Replay, duration: float) -> dict[str, object]:
     }}
 
 
-def _scheduler_extra(sim: Replay, done: list[Track]) -> dict[str, object]:
+def _scheduler_extra(sim: Replay, done: list[Track], duration: float) -> dict[str, object]:
     """With the scheduler on: queue wait and TTFT per priority tier (ms)."""
-    duration = max(0.0, max((t.last for t in done), default=0.0))  # (-1: every request ended without a token)
     if sim.dispatcher.queue is None:
         return _pacing_extra(sim, duration)
     by_tier: dict[int, list[float]] = {}
