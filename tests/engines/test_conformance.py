@@ -24,11 +24,12 @@ from support.callbacks import Recorder
 from support.fake_engine import FakeEngine
 from support.fake_worker import FakeWorker
 from support.waiting import wait_until
+from tests.engines.conftest import note
 from tests.engines.vllm_env import BLOCK_SIZE
 from thunderagent.config import EndpointConfig, NodeConfig
 from thunderagent.engine.simulated import SimulatedEngine
 from thunderagent.execution.engine_metrics import VLLM
-from thunderagent.execution.handle import OutputQueue, WorkerHandle
+from thunderagent.execution.handle import STALL_TIMEOUT_S, OutputQueue, WorkerHandle
 from thunderagent.execution.local import LocalWorker, ScaledClock
 from thunderagent.execution.openai import OpenAIWorker
 from thunderagent.execution.sglang import SGLANG
@@ -64,6 +65,7 @@ class Harness:
     cleanup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     ready: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # awaited once the handle started
     n: int = 0
+    real: bool = False  # a real server (slow and noisy on CI's shared cores), not a fake
 
     def prompt(self, tokens: int) -> list[int]:
         # fresh random tokens: a real server keeps its cache across tests
@@ -140,7 +142,7 @@ async def _openai_vllm(rec: Recorder, request: pytest.FixtureRequest) -> Harness
     server = request.getfixturevalue("vllm_servers")[0]
     node = NodeConfig(engine="openai", block_size=BS, endpoints=[EndpointConfig(url=server.endpoint()["url"])])
     handle = OpenAIWorker("openai-vllm-0", node, node.endpoints[0], rec.callbacks(), heartbeat_interval=0.2)
-    return Harness(handle, 500, rec, events=False)
+    return Harness(handle, 500, rec, events=False, real=True)
 
 
 async def _remote(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
@@ -155,7 +157,7 @@ async def _vllm(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
     server = request.getfixturevalue("vllm_servers")[0]
     node = NodeConfig(engine="vllm", block_size=BS, endpoints=[server.endpoint()])
     handle = EngineWorker("vllm-0", node, node.endpoints[0], rec.callbacks(), heartbeat_interval=0.2)
-    return Harness(handle, 500, rec)
+    return Harness(handle, 500, rec, real=True)
 
 
 BUILDERS = {"simulated": _simulated, "fake": _fake, "vllm-flavour": _vllm_flavour,
@@ -285,6 +287,10 @@ async def test_a_live_worker_touches_its_requests(h: Harness) -> None:
     q = h.handle.submit(h.request(h.prompt(BS), 400))
     first = await asyncio.wait_for(q.get(), 60)
     t0 = q.last_heard
-    await wait_until(lambda: q.last_heard > t0, 10, "the request is heard from again")
+    # A real server on CI's 2 loaded cores has gone silent (no token, no /metrics answer) for over
+    # 10 s: the fleet would rightly cut its requests then, but that is the machine, not the handle.
+    await wait_until(lambda: q.last_heard > t0, PATIENCE if h.real else 10, "the request is heard from again")
+    if h.real and q.last_heard - t0 > STALL_TIMEOUT_S:
+        note(f"{h.handle.worker_id}: the real server was silent {q.last_heard - t0:.1f}s mid-stream")
     h.handle.abort(first.request_id)
     await wait_until(h.idle, PATIENCE, "released")

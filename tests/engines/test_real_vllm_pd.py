@@ -194,7 +194,9 @@ async def test_prompt_kv_moves_from_prefill_to_decode_server(pd_pair: tuple[Vllm
         chunks, worker = await stream_via(front, prompt)
         after = await metrics(dec)
         m = front.fleet.metrics
-        assert m.pd_started._value.get() == 1 and m.pd_ok._value.get() == 1  # type: ignore[attr-defined]
+        started, ok = m.pd_started._value.get(), m.pd_ok._value.get()  # type: ignore[attr-defined]
+        assert started == 1 and ok == 1, (f"{started:g} transfer(s) started, {ok:g} done; our loop's longest "
+                                          f"lag {front.fleet.loop_lag.max_lag:.1f}s")
     assert worker == "worker-1"
     # one normal stream: one finish reason, usage last, the text of a local greedy run
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -82,3 +83,32 @@ async def test_a_connection_idle_past_the_pool_limit_is_not_reused(monkeypatch: 
     seen, answered = await _post_five(keep_alive=True, pause=0.2)
     assert answered == [0, 1, 2, 3, 4]
     assert seen == [1] * 5  # dropped by us before the server's timer could close it under a request
+
+
+@pytest.mark.parametrize("body", [{"i": 7}, b'{"i": 7}'], ids=["aiohttp", "relay"])
+async def test_a_connect_timed_out_by_a_starved_loop_is_tried_once_more(body: object) -> None:
+    """Our loop blocked past the connect timeout (CI's 2 shared cores): the kernel connected, but
+    the timeout fired first. Nothing was sent, so the POST goes once more and is answered once;
+    through aiohttp (a token-id request) and through the relay (a client's body, engine openai)."""
+    seen: list[int] = []
+    answered: list[int] = []
+    server = await asyncio.start_server(lambda r, w: _serve(r, w, seen, answered, True), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    transport = AiohttpTransport(connect_timeout=0.2)
+    transport.open()
+
+    async def post() -> list[bytes]:
+        async with transport.stream_post(f"http://127.0.0.1:{port}/v1/completions", body) as resp:
+            assert resp.status == 200
+            return [line async for line in resp.lines()]
+
+    try:
+        task = asyncio.create_task(post())
+        await asyncio.sleep(0)  # the task starts its connect and waits for it
+        time.sleep(0.5)  # the loop is starved past the timeout  # noqa: ASYNC251 (that is the point)
+        assert await asyncio.wait_for(task, 5) == BODY.splitlines(keepends=True)
+        assert answered == [7]
+    finally:
+        await transport.close()
+        server.close()
+        await server.wait_closed()

@@ -272,3 +272,62 @@ async def test_chunks_without_text_keep_a_request_alive_while_metrics_hang():
         assert [t for o in outs for t in o.token_ids] == [-1], "the held-back chunk counts no token"
     finally:
         await w.stop()
+
+
+async def test_a_slow_metrics_answer_still_keeps_a_quiet_request_alive():
+    """A loaded server answers ``/metrics`` late (one took 13 s on CI) while a queued request streams
+    nothing: an answer that comes within the poll's timeout (at least half the stall bound, whatever
+    the heartbeat interval) still vouches for the request, so the fleet does not cut it as stalled."""
+    from thunderagent.execution.engine_metrics import VLLM
+    from thunderagent.execution.engine_poll import POLL_TIMEOUT_S, EnginePoller
+    from thunderagent.execution.handle import KEEPALIVE_S, STALL_TIMEOUT_S
+
+    assert POLL_TIMEOUT_S == STALL_TIMEOUT_S / 2
+    for interval, lease, timeout in [(0.01, None, POLL_TIMEOUT_S), (0.2, 30.0, POLL_TIMEOUT_S),
+                                     (1.0, 3.0, 2.0),  # the default config: the lease leaves 2 s
+                                     (0.5, 3.0, 2.5), (3.0, 9.0, 6.0), (0.1, 0.3, 1.0)]:
+        poller = EnginePoller("w", "http://x", 4, VLLM, FakeTransport(), Recorder().callbacks(), interval=interval,
+                              connect_timeout=1.0, load=lambda: None, on_restart=lambda: None, in_flight=list,
+                              lease=lease)  # type: ignore[arg-type]
+        assert poller.poll_timeout == timeout, (interval, lease)
+    delay = 1.5  # past the old timeout of max(1 s, two heartbeat intervals)
+    release = asyncio.Event()
+    timeouts: list[float] = []
+
+    class Slow(FakeTransport):
+        async def get_text(self, url: str, timeout: float) -> str:
+            timeouts.append(timeout)
+            await asyncio.wait_for(asyncio.sleep(delay), timeout)  # a timeout raises, as aiohttp's does
+            return METRICS
+
+        @contextlib.asynccontextmanager
+        async def stream_post(self, url: str, json: Any) -> AsyncIterator[Any]:
+            class Quiet(FakeStream):
+                async def _iter(self) -> AsyncIterator[bytes]:
+                    await release.wait()  # queued: nothing streams yet
+                    yield b'data: {"choices": [{"text": "a", "token_ids": [7], "finish_reason": "length"}]}\n'
+                    yield b"data: [DONE]\n"
+
+            yield Quiet(200, [], "")
+
+    loop = asyncio.get_running_loop()
+    rec = Recorder(clock=loop.time)
+    node = NodeConfig(engine="vllm", block_size=4, endpoints=[EndpointConfig(url="http://engine:8000/")])
+    w = EngineWorker("w0", node, node.endpoints[0], rec.callbacks(), heartbeat_interval=0.01, transport=Slow())
+    w.start()
+    try:
+        await wait_until(lambda: rec.heartbeats, 5.0, "first heartbeat")
+        q = w.submit(request())
+        gaps: list[float] = []
+        t_end = loop.time() + 2 * delay + KEEPALIVE_S
+        while loop.time() < t_end:
+            await asyncio.sleep(0.1)
+            gaps.append(loop.time() - q.last_heard)
+        assert timeouts and min(timeouts) == POLL_TIMEOUT_S
+        assert len(rec.heartbeats) >= 3, "late answers are heartbeats"
+        assert max(gaps) < delay + KEEPALIVE_S, f"silent for {max(gaps):.1f}s while the server answered"
+        release.set()
+        outs = await drain(q)
+        assert outs[-1].finished and outs[-1].finish_reason == FinishReason.LENGTH
+    finally:
+        await w.stop()

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from thunderagent.execution.engine_metrics import EngineFlavor, EngineStats, engine_stats
-from thunderagent.execution.handle import KEEPALIVE_S, OutputQueue, WorkerCallbacks
+from thunderagent.execution.handle import KEEPALIVE_S, STALL_TIMEOUT_S, OutputQueue, WorkerCallbacks
 from thunderagent.execution.http_transport import (HttpTransport, TransportConnectionError, TransportError,
                                                    TransportStatusError)
 from thunderagent.types import LoadReport
@@ -28,13 +28,17 @@ log = logging.getLogger(__name__)
 #: reasons a worker keeps itself out of routing (the metric's label)
 REASON_UNREACHABLE = "unreachable"
 REASON_BLOCK_SIZE = "block_size_mismatch"
+#: how long one poll may take to answer (half the stall bound: a poll answered in time still leaves
+#: the keepalive a round to touch the requests in flight before the fleet cuts them), lease allowing
+POLL_TIMEOUT_S = STALL_TIMEOUT_S / 2
 
 
 class EnginePoller:
     """Polls one engine server and decides whether its worker is routable (:attr:`refused`).
 
     ``load`` builds the worker's report for heartbeats, ``on_restart`` is called when the engine is
-    a new process (its cache is empty), ``in_flight`` lists the queues of the requests to keep alive.
+    a new process (its cache is empty), ``in_flight`` lists the queues of the requests to keep alive;
+    ``lease`` is the fleet's heartbeat timeout (None: no lease, as under a test's recorder).
     """
 
     def __init__(
@@ -51,6 +55,7 @@ class EnginePoller:
         load: Callable[[], LoadReport],
         on_restart: Callable[[], None],
         in_flight: Callable[[], Iterable[OutputQueue]],
+        lease: float | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.url = url
@@ -63,6 +68,15 @@ class EnginePoller:
         self._load = load
         self._on_restart = on_restart
         self._in_flight = in_flight
+        # A poll answered late still proves the server alive, and only answered polls let the
+        # keepalive vouch for requests that stream nothing yet (queued, or in a long prefill). A
+        # loaded server has taken 13 s to answer /metrics: abandoning a poll after two heartbeat
+        # intervals would let the fleet cut a live server's requests after STALL_TIMEOUT_S. So a
+        # poll waits up to half that bound, but no longer than the lease leaves (answers spaced
+        # past the lease would flap the worker in and out of routing, each expiry cutting its
+        # requests). A hung server is caught either way: leases and the stall check count time.
+        wait = POLL_TIMEOUT_S if lease is None else min(POLL_TIMEOUT_S, lease - interval)
+        self.poll_timeout = max(wait, 2 * interval, 1.0)  # as before: at least 1 s, two intervals
         self.stats = EngineStats()
         self.model: str | None = None
         self.reachable: bool | None = None  # None: not polled yet
@@ -84,7 +98,7 @@ class EnginePoller:
 
     # -- loops -------------------------------------------------------------------------------
     async def poll_loop(self) -> None:
-        timeout = max(1.0, 2 * self._interval)
+        timeout = self.poll_timeout
         while True:
             try:
                 text = await self._metrics_text(timeout)

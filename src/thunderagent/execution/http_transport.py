@@ -14,6 +14,7 @@ Errors keep aiohttp's classes (aliased here, so a fake raises the same ones): a 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterable, AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
@@ -21,6 +22,8 @@ from typing import Any, Protocol
 import aiohttp
 
 from thunderagent.execution.openai_http import RelayClient
+
+log = logging.getLogger(__name__)
 
 TransportError = aiohttp.ClientError
 TransportConnectionError = aiohttp.ClientConnectionError
@@ -143,6 +146,14 @@ class AiohttpTransport:
             kw = {"json": json}
         try:
             resp = await self._posts.post(url, **kw)
+        except aiohttp.ConnectionTimeoutError:
+            # The connect timed out, so nothing was sent. A live server's kernel answers a SYN at once,
+            # even when the server itself is busy; a timeout is a host that is gone (the second try
+            # times out too: twice the connect timeout before the fleet routes elsewhere) or our own
+            # loop starved past the timeout (seen on CI's 2 shared cores: the connect was done, its
+            # completion came too late), and then the second try connects at once.
+            log.warning("connect to %s timed out: trying once more", url)
+            resp = await self._fresh.post(url, **kw)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             if isinstance(exc, aiohttp.ClientConnectorError):
                 raise  # could not connect at all: nothing to retry here (the fleet routes it again)

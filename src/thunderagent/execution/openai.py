@@ -48,11 +48,11 @@ class OpenAIWorker(EngineWorker):
 
     def __init__(self, worker_id: str, node: NodeConfig, endpoint: EndpointConfig, callbacks: WorkerCallbacks, *,
                  heartbeat_interval: float, connect_timeout: float = 5.0,
-                 transport: HttpTransport | None = None) -> None:
+                 transport: HttpTransport | None = None, lease: float | None = None) -> None:
         if endpoint.kv_events or endpoint.kv_replay:
             raise ValueError(f"{worker_id}: engine openai takes no kv_events / kv_replay endpoints")
         super().__init__(worker_id, node, endpoint, callbacks, heartbeat_interval=heartbeat_interval, flavor=OPENAI,
-                         connect_timeout=connect_timeout, transport=transport)
+                         connect_timeout=connect_timeout, transport=transport, lease=lease)
         self._requests.relay = Relay(self._requests)
 
     def load(self) -> LoadReport:
@@ -73,6 +73,7 @@ def openai_factory(cfg: Config) -> WorkerFactory:
 
     def make(node: NodeConfig, worker_id: str, k: int, callbacks: WorkerCallbacks) -> WorkerHandle:
         return OpenAIWorker(worker_id, node, node.endpoints[k], callbacks,
-                            heartbeat_interval=cfg.control_plane.heartbeat_interval)
+                            heartbeat_interval=cfg.control_plane.heartbeat_interval,
+                            lease=cfg.control_plane.heartbeat_interval * cfg.control_plane.heartbeat_misses)
 
     return make

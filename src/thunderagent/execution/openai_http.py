@@ -27,12 +27,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
 from urllib.parse import unquote, urlsplit
 
 import aiohttp
+
+log = logging.getLogger(__name__)
 
 _MAX_HEAD = 64 * 1024  # an answer's head past this is refused (aiohttp's own limits are of this order)
 _HIGH_WATER = 256 * 1024  # body bytes buffered before reading from the socket pauses
@@ -340,12 +343,21 @@ class RelayClient:
         return None
 
     async def _connect(self, key: tuple[str, int]) -> _Conn:
-        loop = asyncio.get_running_loop()
+        try:
+            return await self._open(key)
+        except TimeoutError:  # once more, as AiohttpTransport.stream_post does (why: there)
+            log.warning("connect to %s:%d timed out: trying once more", *key)
+        try:
+            return await self._open(key)
+        except TimeoutError as exc:
+            raise aiohttp.ConnectionTimeoutError(f"connecting to {key[0]}:{key[1]} timed out") from exc
+
+    async def _open(self, key: tuple[str, int]) -> _Conn:
         try:
             async with asyncio.timeout(self._connect_timeout):
-                _, conn = await loop.create_connection(_Conn, key[0], key[1])
-        except TimeoutError as exc:  # before OSError: TimeoutError is one (aiohttp's class is both kinds)
-            raise aiohttp.ConnectionTimeoutError(f"connecting to {key[0]}:{key[1]} timed out") from exc
+                _, conn = await asyncio.get_running_loop().create_connection(_Conn, key[0], key[1])
+        except TimeoutError:  # before OSError, which it is
+            raise
         except OSError as exc:
             raise aiohttp.ClientConnectionError(f"cannot connect to {key[0]}:{key[1]}: {exc}") from exc
         return conn

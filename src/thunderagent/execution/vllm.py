@@ -63,6 +63,7 @@ class EngineWorker:
         connect_timeout: float = 5.0,
         transport: HttpTransport | None = None,
         double_hash: bool = True,
+        lease: float | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.node = node
@@ -81,7 +82,7 @@ class EngineWorker:
         self._health = EnginePoller(
             worker_id, self.url, node.block_size, flavor, self._transport, callbacks,
             interval=heartbeat_interval, connect_timeout=connect_timeout, load=self.load,
-            on_restart=self._on_engine_restart, in_flight=lambda: self._requests.queues(),
+            on_restart=self._on_engine_restart, in_flight=lambda: self._requests.queues(), lease=lease,
         )
         self._requests = RequestStreamer(
             worker_id, self.url, flavor, self._transport, clock=callbacks.clock, loop_time=self._loop_time,
@@ -201,6 +202,7 @@ def engine_factory(cfg: Config, flavor: EngineFlavor = VLLM) -> WorkerFactory:
     def make(node: NodeConfig, worker_id: str, k: int, callbacks: WorkerCallbacks) -> WorkerHandle:
         return EngineWorker(worker_id, node, node.endpoints[k], callbacks,
                             heartbeat_interval=cfg.control_plane.heartbeat_interval, flavor=flavor,
+                            lease=cfg.control_plane.heartbeat_interval * cfg.control_plane.heartbeat_misses,
                             double_hash=cfg.routing.double_hash)
 
     return make
