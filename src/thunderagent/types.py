@@ -150,6 +150,15 @@ class Sampling:
     seed: int | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class PromptLimit:
+    """The longest prompt the fleet takes: a longer one is refused up front (HTTP 400), with ``why``
+    completing "exceeds the N tokens ..." (the limit's source and the setting behind it)."""
+
+    tokens: int
+    why: str
+
+
 class FinishReason(StrEnum):
     """Why a request ended. A ``StrEnum``: it compares equal to, and serialises as, OpenAI's strings."""
 

@@ -131,6 +131,23 @@ async def test_prompt_longer_than_any_worker_can_hold_is_a_clear_400(server_fact
             await assert_still_serving(s, srv.base_url)
 
 
+async def test_prompt_longer_than_a_pass_without_chunked_prefill_is_a_clear_400(server_factory):
+    """Without chunked prefill a prompt must fit one pass: a longer one would end unserved (``abort``
+    after a 200), so it is refused up front, naming the setting; one that fits is served."""
+    nodes = {"nodes": [{"count": 2, "kv_blocks": 64, "block_size": 16, "max_num_batched_tokens": 64,
+                        "enable_chunked_prefill": False}]}
+    async with server_factory(execution_group=nodes) as srv, aiohttp.ClientSession() as s:
+        body = json.dumps({**GOOD, "messages": [{"role": "user", "content": "x" * 100}]})
+        got, err, _ = await post(s, srv.base_url + "/v1/chat/completions", body)
+        assert got == 400 and err["error"]["param"] == "messages"
+        assert err["error"]["code"] == "context_length_exceeded"
+        assert "64 tokens" in err["error"]["message"] and "max_num_batched_tokens" in err["error"]["message"]
+        body = json.dumps({**GOOD, "messages": [{"role": "user", "content": "x" * 20}], "max_tokens": 100})
+        got, answer, _ = await post(s, srv.base_url + "/v1/chat/completions", body)
+        assert got == 200 and answer["choices"][0]["finish_reason"] == "length", answer
+        assert answer["usage"]["completion_tokens"] == 100  # decode is not bound by a pass
+
+
 async def test_failed_engine_ends_requests_with_an_error_and_leaves_routing(server_factory):
     async with server_factory(execution_group={"nodes": [{"count": 2}]}) as srv:
         victim = srv.fleet.workers["worker-0"]

@@ -49,8 +49,8 @@ from thunderagent.router.router import KvRouter, NoWorkerAvailable
 from thunderagent.scheduler.disagg import make_disaggregator
 from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
 from thunderagent.scheduler.queue import QueueFull
-from thunderagent.types import (FinishReason, KvEvent, LoadReport, Passthrough, Sampling, TokenOutput, WorkerInfo,
-                                WorkerState)
+from thunderagent.types import (FinishReason, KvEvent, LoadReport, Passthrough, PromptLimit, Sampling, TokenOutput,
+                                WorkerInfo, WorkerState)
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +99,8 @@ class Fleet:
         self.loop_lag = LoopLag(2 * max(self.registry.timeout, stall_timeout))
         #: longest sequence any worker can hold (simulated workers: their KV pool); None = unknown
         self.max_context_tokens: int | None = None
-        #: longest prompt one request message can carry to a worker (over NATS: max_payload); None = any
-        self.max_prompt_tokens: int | None = None
+        #: longest prompt a worker takes (over NATS: one message's max_payload; without chunked prefill: a pass)
+        self.prompt_limit: PromptLimit | None = None
         self.workers: dict[str, WorkerHandle] = {}
         #: workers that reported they cannot serve (reason); back in routing with their next heartbeat
         self.unavailable: dict[str, str] = {}

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from thunderagent.config import ExecutionGroupConfig
 from thunderagent.execution.handle import WorkerFactory, WorkerHandle, snapshot_checks
 from thunderagent.execution.kv_stream import StreamStats
-from thunderagent.types import WorkerInfo
+from thunderagent.types import PromptLimit, WorkerInfo
 
 if TYPE_CHECKING:
     from thunderagent.control.fleet import Fleet
@@ -51,6 +51,12 @@ class StaticMembership:
         fleet.metrics.watch_kv_streams(self._kv_streams)
         if all(node.engine == "simulated" for node in self.group.nodes):
             fleet.max_context_tokens = max(node.kv_blocks * node.block_size for node in self.group.nodes)
+            if not any(node.enable_chunked_prefill for node in self.group.nodes):
+                # the engine would end such a prompt unserved (it can never fit one pass); vLLM refuses
+                # it up front too (without chunked prefill its max_model_len is at most a pass)
+                fleet.prompt_limit = PromptLimit(max(node.max_num_batched_tokens for node in self.group.nodes),
+                                                 "a worker prefills in one pass (max_num_batched_tokens; "
+                                                 "enable_chunked_prefill is off)")
 
     async def stop(self) -> None:
         for handle in self.handles.values():

@@ -50,7 +50,7 @@ from thunderagent.bus.wire import (
     max_prompt_tokens,
 )
 from thunderagent.control.remote_worker import RemoteLink, RemoteWorker
-from thunderagent.types import LoadReport
+from thunderagent.types import LoadReport, PromptLimit
 
 if TYPE_CHECKING:
     from thunderagent.control.fleet import Fleet
@@ -107,7 +107,8 @@ class NatsMembership:
         self._fleet = fleet
         t0 = fleet.now()
         await self.bus.connect()
-        fleet.max_prompt_tokens = max_prompt_tokens(self.bus.max_payload, fleet.block_size)
+        fleet.prompt_limit = PromptLimit(max_prompt_tokens(self.bus.max_payload, fleet.block_size),
+                                         "one request message to a worker can carry (the NATS server's max_payload)")
         self._beats = asyncio.create_task(self._beat(fleet.cfg.control_plane.heartbeat_interval), name="frontend-beat")
         await self.bus.subscribe(self.subjects.all_workers(), self._on_worker_msg)
         await self.bus.subscribe(self.subjects.replies(self.frontend_id), self._on_reply)

@@ -181,14 +181,11 @@ class Frontend:
                 param=prompt_param if too_long else ("max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"),
                 code="context_length_exceeded",
             )
-        carried = self.fleet.max_prompt_tokens
-        if carried is not None and len(prompt_ids) > carried:
-            # Sent anyway, the message would be dropped by the bus and the request would stall.
-            raise RequestError(
-                f"prompt ({len(prompt_ids)} tokens) exceeds the {carried} tokens one request message to a worker "
-                "can carry (the NATS server's max_payload)",
-                param=prompt_param, code="context_length_exceeded",
-            )
+        carried = self.fleet.prompt_limit
+        if carried is not None and len(prompt_ids) > carried.tokens:
+            # Sent anyway, it would end unserved (a NATS message too large is dropped by the bus).
+            raise RequestError(f"prompt ({len(prompt_ids)} tokens) exceeds the {carried.tokens} tokens {carried.why}",
+                               param=prompt_param, code="context_length_exceeded")
         sampling = Sampling(req.temperature, req.top_p, req.seed)
         gen = await self.fleet.start_generation(
             prompt_ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt), lora_name=req.lora_name, priority=req.priority,
