@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -65,6 +66,12 @@ class PdScripted:
         mode = self.prefill
         if mode == "silent":
             await asyncio.Event().wait()
+        if mode == "starved":  # answers while our whole process is starved (CI's shared cores)
+            await asyncio.sleep(0.05)
+            time.sleep(1.0)  # noqa: ASYNC251 (the starved loop is the point)
+            for _ in range(3):  # the answer then takes a few loop passes out of its socket
+                await asyncio.sleep(0)
+            mode = "ok"
         while mode == "slow":
             await asyncio.sleep(0.01)
             q.touch(now())
@@ -192,6 +199,18 @@ async def test_a_failed_prefill_falls_back_to_the_decode_worker(mode: str, cause
     assert obs.events == [("start", "worker-0", "worker-1"), ("end", False, cause, 0)]
     assert value(f.metrics.pd_fallbacks, cause=cause) == 1
     assert value(f.metrics.pd_failed, cause=cause) == 1 and value(f.metrics.pd_ok) == 0
+
+
+async def test_a_prefill_answering_while_our_loop_was_starved_is_not_judged_silent() -> None:
+    """The loop starved 1 s, twice the silence bound: the prefill's answer was sent meanwhile and is
+    read a few passes later. Silence counts on-time loop only, so the transfer goes ahead."""
+    f, pre, dec, obs = await pd_fleet("starved")
+    gen = await f.start_generation(list(range(100)), 2)
+    outs = await stream(f, gen)
+    assert [o.token_ids for o in outs] == [[104], [105]]
+    assert [r.kv_from is not None for r in dec.submitted] == [True], "decoded from the transfer"
+    assert obs.events == [("start", "worker-0", "worker-1"), ("end", True, "ok", PLAN.transfer_bytes)]
+    assert value(f.metrics.pd_ok) == 1 and value(f.metrics.pd_fallbacks, cause="prefill_silent") == 0
 
 
 async def test_decode_worker_refusing_the_transfer_prefills_itself() -> None:

@@ -204,15 +204,23 @@ class DisaggFlow:
         # one getter across the watch ticks (a wait_for per tick could drop an output that arrives
         # just as the tick times out)
         getter = asyncio.ensure_future(q.get())
+        # Silence is judged on on-time loop, as the fleet's stall rule is (``LoopLag``): while our
+        # loop is starved, what the worker sent waits unread in a socket. ``late``: how late this
+        # flow's ticks woke since the worker was last heard from.
+        heard, late = q.last_heard, 0.0
         try:
             while True:
+                asked = self.clock()
                 done, _ = await asyncio.wait((getter,), timeout=self.tick_s)
                 now = self.clock()
                 relay.touch(now)  # the flow is watching: the fleet's stall rule waits for it
                 if not done:
                     if self.workers.get(a.plan.prefill_worker) is not worker:
                         return None, GONE
-                    if now - q.last_heard > self.silence_s:
+                    if q.last_heard != heard:
+                        heard, late = q.last_heard, 0.0
+                    late += max(0.0, now - asked - self.tick_s)
+                    if now - heard - late > self.silence_s:
                         return None, SILENT
                     if now >= deadline:
                         return None, TIMEOUT
