@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -13,6 +14,7 @@ from thunderagent.execution.nats_worker import WorkerService
 from thunderagent.execution.handle import WorkerCallbacks
 from thunderagent.types import BlockStored, EngineRequest, LoadReport, TokenOutput
 from fake_bus import FakeBus  # (tests/unit is on sys.path)
+from support.waiting import wait_until
 
 
 class FakeHandle:
@@ -191,3 +193,22 @@ async def test_requests_of_a_frontend_that_stops_beating_are_aborted(svc, monkey
     now[0] += 1.0
     assert svc.check_frontends(now[0]) == ["r1"]
     assert svc.fake.aborted == ["r1"] and set(svc._streams) == {"r2"}
+
+
+async def test_a_starved_loop_does_not_count_as_a_frontends_silence():
+    """The worker's own loop starved past the lease (a busy host): the frontend's heartbeats wait
+    unread meanwhile, so its requests are not aborted; its true silence afterwards still is."""
+    lease = 0.4
+    fakes: list[FakeHandle] = []
+    svc = WorkerService(FakeBus(), wire.Subjects(), WorkerInfo("w1", "both", 64, 8192, 64, 100), "simulated",
+                        lambda cb: fakes.append(FakeHandle(cb)) or fakes[0], drain_timeout=0.2, frontend_lease=lease)
+    await svc.start()
+    try:
+        await generate(svc, "r1", [1])  # to frontend "f"
+        await asyncio.sleep(0.05)  # the keepalive loop is waiting for its next tick
+        time.sleep(2 * lease)  # noqa: ASYNC251 (the starved loop is the point)
+        await asyncio.sleep(lease / 2)  # the keepalive loop's ticks run, the first one late
+        assert fakes[0].aborted == [] and set(svc._streams) == {"r1"}
+        await wait_until(lambda: fakes[0].aborted == ["r1"], 4 * lease, "a silent frontend's request aborted")
+    finally:
+        await svc.stop()
