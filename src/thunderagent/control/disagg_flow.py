@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Protocol
 
+from thunderagent.control.liveness import JITTER_S
 from thunderagent.control.metrics import Metrics
 from thunderagent.execution.handle import (KEEPALIVE_S, STALL_TIMEOUT_S, FollowingQueue, OutputQueue, Snapshot,
                                            WorkerHandle)
@@ -219,7 +220,9 @@ class DisaggFlow:
                         return None, GONE
                     if q.last_heard != heard:
                         heard, late = q.last_heard, 0.0
-                    late += max(0.0, now - asked - self.tick_s)
+                    lag = now - asked - self.tick_s
+                    if lag > JITTER_S:
+                        late += lag
                     if now - heard - late > self.silence_s:
                         return None, SILENT
                     if now >= deadline:

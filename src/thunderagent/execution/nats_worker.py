@@ -63,6 +63,9 @@ from thunderagent.types import FinishReason, KvEvent, LoadReport, TokenOutput
 
 log = logging.getLogger(__name__)
 
+#: a tick this late or less is scheduling jitter, not a starved loop (``control.liveness.JITTER_S``)
+_JITTER_S = 0.005
+
 HandleBuilder = Callable[[WorkerCallbacks], WorkerHandle]
 
 
@@ -188,7 +191,7 @@ class WorkerService:
     def excuse(self, late: float) -> None:
         """Our loop woke ``late`` seconds late: a frontend's heartbeats sent meanwhile wait unread,
         so that time is not its silence (leases count on-time loop, as the frontend's ``LoopLag``)."""
-        if late > 0:
+        if late > _JITTER_S:
             for f in self._frontends:
                 self._frontends[f] += late
 
