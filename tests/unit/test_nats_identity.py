@@ -6,6 +6,7 @@ logged at a bounded rate. A real restart (the old process gone) still replaces t
 from __future__ import annotations
 
 import logging
+import time
 
 from thunderagent.bus import wire
 
@@ -95,3 +96,28 @@ async def test_a_request_too_large_for_the_bus_ends_at_once_instead_of_stalling(
     gen = await fleet.start_generation(list(range(1000)), 4)
     assert gen.queue.get_nowait().finish_reason == "error"
     assert fleet.bus.sent("generate") == [] and fleet.membership.link.owners == {}
+
+
+async def test_a_probe_timed_out_by_our_starved_loop_asks_once_more_before_dropping(fleet):
+    """The known instance's pong came, but our loop was starved past the probe's timeout (it fired
+    late): liveness counts on-time loop, so the instance is asked again, answers, and keeps its
+    requests. A timeout that fires on time is the old process gone (the restart test above)."""
+    gen = await serving(fleet)
+    fleet.bus.alive["w1"] = "i1"
+    fleet.membership.probe_timeout = 0.1
+    answer = fleet.bus.request_many
+    starved: list[str] = []
+
+    async def first_one_starved(subject, data, timeout, done, reply):  # type: ignore[no-untyped-def]
+        if subject.endswith(".ping") and not starved:
+            starved.append(subject)
+            time.sleep(3 * timeout)  # noqa: ASYNC251 (the starved loop is the point)
+            raise TimeoutError  # the timer fired first, the pong waits unread
+        return await answer(subject, data, timeout, done, reply)
+
+    fleet.bus.request_many = first_one_starved
+    await deliver(fleet, "ta.worker.w1.hello", heartbeat("w1", instance="i2"))
+    assert [s for s, _ in fleet.bus.requests if s.endswith(".ping")] == ["ta.rpc.w1.ping"]  # the second one
+    assert starved == ["ta.rpc.w1.ping"]
+    assert fleet.workers["w1"].instance == "i1" and gen.queue.empty(), "not dropped, nothing cut"
+    assert ignored(fleet) == {"incarnation": 1, "refuted": 1}
