@@ -31,6 +31,19 @@ def test_lag_is_recorded_and_excused_after_an_instant() -> None:
     assert lag.excused_since(0.0) == 0.0
 
 
+def test_one_stall_seen_by_two_waits_is_counted_once() -> None:
+    """The health loop and the PD flow's watch both wake late from the same stall: the union of
+    their late spans is excused, not the sum; a later, separate stall is a record of its own."""
+    lag = LoopLag(horizon_s=20.0)
+    assert lag.tick(expected=1.0, woke=5.0) == 4.0
+    assert lag.tick(expected=2.0, woke=5.2) == 3.2  # inside the first stall, and a little past it
+    assert lag.excused_since(0.5) == 5.2 - 1.0 and lag.total_lag == 5.2 - 1.0 and lag.max_lag == 5.2 - 1.0
+    assert lag.tick(expected=0.5, woke=4.9) == 4.4  # starts earlier, ends inside
+    assert lag.excused_since(0.0) == 5.2 - 0.5
+    assert lag.tick(expected=8.0, woke=9.0) == 1.0
+    assert lag.excused_since(0.0) == 5.2 - 0.5 + 1.0 and lag.excused_since(6.0) == 1.0
+
+
 def test_a_stalled_loop_does_not_expire_leases() -> None:
     reg, lag = _registry(), LoopLag(horizon_s=20.0)
     _beat(reg, "a", 1.0)

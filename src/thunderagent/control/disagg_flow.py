@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Protocol
 
-from thunderagent.control.liveness import JITTER_S
+from thunderagent.control.liveness import LoopLag
 from thunderagent.control.metrics import Metrics
 from thunderagent.execution.handle import (KEEPALIVE_S, STALL_TIMEOUT_S, FollowingQueue, OutputQueue, Snapshot,
                                            WorkerHandle)
@@ -127,12 +127,13 @@ class PdAttempt:
 class DisaggFlow:
     """Runs plans on the fleet's workers (``workers``: the fleet's live map, read at each step)."""
 
-    def __init__(self, workers: Mapping[str, WorkerHandle], metrics: Metrics, clock: Callable[[], float], *,
-                 observer: TransferObserver | None = None, prefill_timeout: float = PREFILL_TIMEOUT_S,
-                 stall_timeout: float = STALL_TIMEOUT_S) -> None:
+    def __init__(self, workers: Mapping[str, WorkerHandle], metrics: Metrics, clock: Callable[[], float],
+                 loop_lag: LoopLag, *, observer: TransferObserver | None = None,
+                 prefill_timeout: float = PREFILL_TIMEOUT_S, stall_timeout: float = STALL_TIMEOUT_S) -> None:
         self.workers = workers
         self.metrics = metrics
         self.clock = clock
+        self.loop_lag = loop_lag  # the fleet's: silence is judged on on-time loop, as its stall rule is
         self.observer = observer
         self.prefill_timeout = prefill_timeout
         # half the fleet's stall rule: a silent prefill worker falls back here before the fleet
@@ -205,10 +206,6 @@ class DisaggFlow:
         # one getter across the watch ticks (a wait_for per tick could drop an output that arrives
         # just as the tick times out)
         getter = asyncio.ensure_future(q.get())
-        # Silence is judged on on-time loop, as the fleet's stall rule is (``LoopLag``): while our
-        # loop is starved, what the worker sent waits unread in a socket. ``late``: how late this
-        # flow's ticks woke since the worker was last heard from.
-        heard, late = q.last_heard, 0.0
         try:
             while True:
                 asked = self.clock()
@@ -218,12 +215,10 @@ class DisaggFlow:
                 if not done:
                     if self.workers.get(a.plan.prefill_worker) is not worker:
                         return None, GONE
-                    if q.last_heard != heard:
-                        heard, late = q.last_heard, 0.0
-                    lag = now - asked - self.tick_s
-                    if lag > JITTER_S:
-                        late += lag
-                    if now - heard - late > self.silence_s:
+                    # while our loop is starved, what the worker sent waits unread in a socket: this
+                    # watch's late wake-up is loop lag (the health loop's may not be recorded yet)
+                    self.loop_lag.tick(asked + self.tick_s, now)
+                    if self.loop_lag.silent_for(q.last_heard, now) > self.silence_s:
                         return None, SILENT
                     if now >= deadline:
                         return None, TIMEOUT

@@ -111,7 +111,7 @@ class Fleet:
         self._pump_due = False
         self._wake_at: float | None = None  # when the armed grouping timer fires
         self._health_task: asyncio.Task[None] | None = None
-        self.disagg = DisaggFlow(self.workers, self.metrics, self.now, stall_timeout=stall_timeout)  # Dispatch.pd
+        self.disagg = DisaggFlow(self.workers, self.metrics, self.now, self.loop_lag, stall_timeout=stall_timeout)
         if self.dispatcher.disagg is not None:  # the plans' transfers on the plane (caps, backpressure)
             self.disagg.observer = PlaneObserver(self.dispatcher.disagg.plane, self.metrics)
         self.cache_migration = make_cache_migration(  # routing.migration: copies on the health tick

@@ -6,7 +6,9 @@ runs late by the same amount, and a lease checked on the wall clock alone would 
 worker at once: workers taken out of routing and their index entries purged because *we* were slow.
 
 :class:`LoopLag` records how late the health loop woke up (it asks to sleep a known period, so any
-extra is the loop's own lag) and answers how much of that lag fell after a given instant. The lease
+extra is the loop's own lag) and answers how much of that lag fell after a given instant. Other
+timed waits of the control plane (the PD flow's watch) report their late wake-ups too: one stall
+seen by several of them is counted once. The lease
 and the stall check subtract it: a worker is declared dead only for silence while our loop was on
 time, i.e. on evidence that survives a busy frontend. A genuinely dead or hung worker is still found
 after its lease of on-time loop seconds (later than the wall-clock lease by the lag measured
@@ -34,18 +36,25 @@ class LoopLag:
         self.total_lag = 0.0
 
     def tick(self, expected: float, woke: float) -> float:
-        """The health loop asked to wake at ``expected`` and woke at ``woke``: record the lateness
-        (seconds, 0 when on time) and forget records older than the horizon."""
+        """A wait asked to wake at ``expected`` and woke at ``woke``: record the lateness (seconds,
+        returned; 0 when on time) and forget records older than the horizon. A late span that
+        overlaps the last record's (the same stall, seen by another wait) widens that record."""
         lag = woke - expected
         lags = self._lags
         while lags and lags[0][0] < woke - self.horizon_s:
             lags.popleft()
         if lag < JITTER_S:
             return 0.0
-        lags.append((woke, lag))
-        self.total_lag += lag
-        if lag > self.max_lag:
-            self.max_lag = lag
+        start, end = expected, woke
+        if lags and expected < lags[-1][0]:  # overlaps: the union, so records stay ordered by wake-up
+            last_end, last_lag = lags.pop()
+            self.total_lag -= last_lag
+            start, end = min(start, last_end - last_lag), max(end, last_end)
+        span = end - start
+        lags.append((end, span))
+        self.total_lag += span
+        if span > self.max_lag:
+            self.max_lag = span
         return lag
 
     def excused_since(self, t: float) -> float:
