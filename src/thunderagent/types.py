@@ -64,6 +64,10 @@ class WorkerInfo:
     kv_total_blocks: int
     #: sequences its engine runs at once (max_num_seqs / max_batch_size; 0: not said)
     max_num_seqs: int = 0
+    #: longest sequence (prompt + max_tokens) it can hold, and longest prompt it can take (0: not
+    #: said). A mixed fleet routes a request only to workers that hold it (``WorkerState.holds``).
+    max_seq_tokens: int = 0
+    max_prompt_tokens: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,6 +238,8 @@ class RouteRequest:
     #: requests the scheduler holds behind this one, per routable worker (its holding queue's
     #: backlog, which waits for the fleet without showing in any engine's ``waiting``)
     held: int = 0
+    #: tokens it may generate: a worker that cannot hold ``num_tokens + max_tokens`` is passed over
+    max_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -249,6 +255,15 @@ class WorkerState:
     role: str = "both"  # prefill | decode | both: prefill workers only run remote prefill jobs
     #: sequences its engine runs at once (0: not said): the scheduler dispatches only into free slots
     max_num_seqs: int = 0
+    #: as in :class:`WorkerInfo` (0: no limit known)
+    max_seq_tokens: int = 0
+    max_prompt_tokens: int = 0
+
+    def holds(self, prompt: int, total: int) -> bool:
+        """Can this worker take a ``prompt``-token request that may grow to ``total`` tokens? A
+        smaller worker of a mixed fleet would end it unserved (vLLM refuses past its max_model_len)."""
+        seq, most = self.max_seq_tokens, self.max_prompt_tokens
+        return (not seq or total <= seq) and (not most or prompt <= most)
 
 
 @dataclass(slots=True)  # not frozen: built 8x per request on the hot path, frozen init is ~2x slower

@@ -131,6 +131,27 @@ async def test_prompt_longer_than_any_worker_can_hold_is_a_clear_400(server_fact
             await assert_still_serving(s, srv.base_url)
 
 
+async def test_a_mixed_fleet_serves_a_long_prompt_on_the_worker_that_holds_it(server_factory):
+    """worker-0 holds 128 tokens, worker-1 1,024: a 200-token prompt is served by worker-1 every time
+    (before, kv_aware could pick worker-0, whose engine ended it unserved), short ones go anywhere."""
+    nodes = {"nodes": [{"count": 1, "kv_blocks": 8, "block_size": 16}, {"count": 1, "kv_blocks": 64, "block_size": 16}]}
+    async with server_factory(execution_group=nodes) as srv, aiohttp.ClientSession() as s:
+        homes = set()
+        for i in range(6):
+            body = json.dumps({**GOOD, "messages": [{"role": "user", "content": f"{i} " + "x" * 200}], "max_tokens": 16})
+            got, answer, headers = await post(s, srv.base_url + "/v1/chat/completions", body)
+            assert got == 200 and answer["choices"][0]["finish_reason"] == "length", answer
+            assert answer["usage"]["completion_tokens"] == 16
+            homes.add(headers["x-thunderagent-worker"])
+        assert homes == {"worker-1"}
+        for i in range(8):  # short requests: both workers serve
+            body = json.dumps({**GOOD, "messages": [{"role": "user", "content": f"short {i}"}], "max_tokens": 4})
+            got, answer, headers = await post(s, srv.base_url + "/v1/chat/completions", body)
+            assert got == 200 and answer["usage"]["completion_tokens"] == 4
+            homes.add(headers["x-thunderagent-worker"])
+        assert homes == {"worker-0", "worker-1"}
+
+
 async def test_prompt_longer_than_a_pass_without_chunked_prefill_is_a_clear_400(server_factory):
     """Without chunked prefill a prompt must fit one pass: a longer one would end unserved (``abort``
     after a 200), so it is refused up front, naming the setting; one that fits is served."""

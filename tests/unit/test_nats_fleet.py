@@ -255,7 +255,17 @@ async def test_context_limit_follows_the_simulated_workers(fleet):
     assert fleet.max_context_tokens is None  # no worker yet: unknown
     fleet.bus.dumps["w1"] = ("i1", [], -1)
     await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1"))
-    assert fleet.max_context_tokens == 1000 * BS
+    assert fleet.max_context_tokens == 1000 * BS  # a worker that states no limit: its KV pool
+    # a larger worker states its limits: the frontend takes up to the largest, routing filters per worker
+    info = wire.WireInfo("w2", "both", "simulated", BS, 8192, 64, 4000, 0, 4000 * BS, 200_000)
+    fleet.bus.dumps["w2"] = ("i1", [], -1)
+    await deliver(fleet, "ta.worker.w2.hb", wire.encode(wire.Heartbeat(wire.WIRE_VERSION, "i1", info,
+                                                                     wire.WireLoad(0.0, 0, 0, 0, 0, 0, 0, 4000), -1)))
+    assert fleet.max_context_tokens == 4000 * BS
+    states = {w.worker_id: (w.max_seq_tokens, w.max_prompt_tokens) for w in fleet.routable()}
+    assert states == {"w1": (1000 * BS, 0), "w2": (4000 * BS, 200_000)}
+    long_one = await fleet.start_generation(list(range(2000 * BS)), 4)
+    assert long_one.decision.worker_id == "w2"
 
 
 async def test_health_summary_reports_frontend_and_sync_state(fleet):

@@ -52,7 +52,7 @@ def test_kv_batch_exact_bytes_and_round_trip():
 
 
 def test_heartbeat_round_trip_carries_info_load_and_seq():
-    info = WorkerInfo("w-1", "both", 64, 8192, 64, 1000)
+    info = WorkerInfo("w-1", "both", 64, 8192, 64, 1000, 0, 64000, 8192)
     load = LoadReport("w-1", 12.5, 2, 3, 400, 900, 10, 20, 1000)
     hb = wire.Heartbeat(wire.WIRE_VERSION, "abc", wire.info_to_wire(info, "simulated"), wire.load_to_wire(load), 41)
     back = wire.decode_heartbeat(wire.encode(hb))
@@ -61,6 +61,10 @@ def test_heartbeat_round_trip_carries_info_load_and_seq():
     assert back.info.engine == "simulated"
     assert wire.load_from_wire(back.load, "w-1") == load
     assert back.last_seq == 41
+    # a worker from before the limits: a simulated one holds its KV pool, a real one states nothing
+    old = wire.WireInfo("w-2", "both", "simulated", 64, 8192, 64, 1000)
+    assert (wire.info_from_wire(old).max_seq_tokens, wire.info_from_wire(old).max_prompt_tokens) == (64000, 0)
+    assert wire.info_from_wire(wire.WireInfo("w-3", "both", "vllm", 16, 8192, 64, 1000)).max_seq_tokens == 0
 
 
 def test_generate_request_and_token_batch_round_trip():

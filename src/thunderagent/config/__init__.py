@@ -186,6 +186,12 @@ class NodeConfig(_Strict):
                              "always order by priority; SGLang's priority is not forwarded)")
         return v
 
+    def sequence_limits(self) -> tuple[int, int]:
+        """(longest sequence, longest prompt) a simulated worker takes; (0, 0), unknown, for a real engine."""
+        sim = self.engine == "simulated"
+        return (self.kv_blocks * self.block_size if sim else 0,
+                self.max_num_batched_tokens if sim and not self.enable_chunked_prefill else 0)
+
     @model_validator(mode="after")
     def _endpoints_match_engine(self) -> NodeConfig:
         if self.engine == "simulated":

@@ -44,13 +44,14 @@ class StaticMembership:
                 n += 1
                 handle = factory(node, wid, k, callbacks)
                 info = WorkerInfo(wid, node.role.value, node.block_size, node.max_num_batched_tokens,
-                                  node.queue_depth_threshold, node.kv_blocks, node.max_batch_size)
+                                  node.queue_depth_threshold, node.kv_blocks, node.max_batch_size,
+                                  *node.sequence_limits())
                 fleet.join(handle, info, synced=True)  # a new handle: its cache is empty or replayed
                 self.handles[wid] = handle
                 handle.start()
         fleet.metrics.watch_kv_streams(self._kv_streams)
         if all(node.engine == "simulated" for node in self.group.nodes):
-            fleet.max_context_tokens = max(node.kv_blocks * node.block_size for node in self.group.nodes)
+            fleet.max_context_tokens = max(node.sequence_limits()[0] for node in self.group.nodes)
             if not any(node.enable_chunked_prefill for node in self.group.nodes):
                 # the engine would end such a prompt unserved (it can never fit one pass); vLLM refuses
                 # it up front too (without chunked prefill its max_model_len is at most a pass)

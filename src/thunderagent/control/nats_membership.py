@@ -288,14 +288,11 @@ class NatsMembership:
         self.drop(worker_id, "lease expired")
 
     def _update_context_limit(self) -> None:
-        """Longest sequence a worker can hold, when every worker is simulated (their KV pool); else
-        unknown (real engines say so themselves)."""
+        """Longest sequence a worker can hold, when every worker states one (simulated ones: their KV
+        pool); else unknown (real engines say so themselves)."""
         fleet = self.fleet
-        if self.remotes and all(w.engine == "simulated" for w in self.remotes.values()):
-            infos = [fleet.registry.info(w) for w in self.remotes]
-            fleet.max_context_tokens = max(i.kv_total_blocks * i.block_size for i in infos)
-        else:
-            fleet.max_context_tokens = None
+        limits = [fleet.registry.info(w).max_seq_tokens for w in self.remotes]
+        fleet.max_context_tokens = max(limits) if limits and all(limits) else None
 
     # -- KV index ----------------------------------------------------------------------------
     def resync(self, worker_id: str) -> None:

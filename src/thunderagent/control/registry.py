@@ -116,8 +116,9 @@ class WorkerRegistry:
 
     @staticmethod
     def _state(wid: str, e: _Entry) -> WorkerState:
-        return WorkerState(wid, e.info.block_size, e.info.max_num_batched_tokens, e.info.queue_depth_threshold, e.load,
-                           e.info.role, e.info.max_num_seqs)
+        i = e.info
+        return WorkerState(wid, i.block_size, i.max_num_batched_tokens, i.queue_depth_threshold, e.load, i.role,
+                           i.max_num_seqs, i.max_seq_tokens, i.max_prompt_tokens)
 
     def check(self, now: float, silent_for: Callable[[float, float], float] | None = None) -> list[HealthChange]:
         """Health changes at ``now``. ``silent_for(since, now)`` measures a worker's silence (default:
@@ -167,15 +168,7 @@ class WorkerRegistry:
                 self._sub_key = (view.version, excluding)
             return self._sub
         return [
-            WorkerState(
-                worker_id=wid,
-                block_size=e.info.block_size,
-                max_num_batched_tokens=e.info.max_num_batched_tokens,
-                queue_depth_threshold=e.info.queue_depth_threshold,
-                load=e.load,
-                role=e.info.role,
-                max_num_seqs=e.info.max_num_seqs,
-            )
+            self._state(wid, e)
             for wid, e in self._entries.items()
             if e.health is Health.healthy and wid not in excluding
         ]

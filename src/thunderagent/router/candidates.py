@@ -27,9 +27,12 @@ from thunderagent.router.cost import base_load, cost_terms, is_busy, score_terms
 from thunderagent.types import CandidateScore, LoadReport, WorkerState
 
 
+_NO_LIMIT = 1 << 62  # a FleetView floor where no worker states a limit
+
+
 class FleetView(Sequence[WorkerState]):
     __slots__ = ("cfg", "_states", "_loads", "_pos", "_free", "_free_key", "_busy", "_queued", "_queued_key",
-                 "version", "prefill_workers")
+                 "version", "prefill_workers", "seq_floor", "prompt_floor")
 
     def __init__(self, cfg: RoutingConfig, workers: Iterable[WorkerState] = ()) -> None:
         self.cfg = cfg
@@ -45,6 +48,9 @@ class FleetView(Sequence[WorkerState]):
         self.version = 0
         #: workers of role prefill (the dispatcher splits the pools only when there are some: O(1), not a scan)
         self.prefill_workers = 0
+        #: every worker holds a sequence / takes a prompt this long (``WorkerState.holds``): a request within
+        #: both needs no per-worker check (the usual case: only a mixed fleet has a floor below its ceiling)
+        self.seq_floor = self.prompt_floor = _NO_LIMIT
         for w in workers:
             self.add(w)
 
@@ -81,6 +87,10 @@ class FleetView(Sequence[WorkerState]):
         self._place(i)
         self.version += 1
         self.prefill_workers += w.role == Role.prefill.value
+        if w.max_seq_tokens:
+            self.seq_floor = min(self.seq_floor, w.max_seq_tokens)
+        if w.max_prompt_tokens:
+            self.prompt_floor = min(self.prompt_floor, w.max_prompt_tokens)
 
     def remove(self, worker_id: str) -> None:
         """O(n): positions shift, so the orders are rebuilt (membership changes are rare)."""

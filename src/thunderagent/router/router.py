@@ -36,6 +36,17 @@ class NoWorkerAvailable(RuntimeError):
         self.retry_after = retry_after
 
 
+def holding(req: RouteRequest, workers: Sequence[WorkerState]) -> Sequence[WorkerState]:
+    """The workers that can hold ``req`` (a mixed fleet's smaller workers would end it unserved). When
+    none can, all of them: the frontend refuses what no registered worker holds, so this is a race with
+    a worker leaving, and the engine's own refusal then names the limit."""
+    total = req.num_tokens + req.max_tokens
+    if isinstance(workers, FleetView) and total <= workers.seq_floor and req.num_tokens <= workers.prompt_floor:
+        return workers  # O(1): every worker holds it
+    fit = [w for w in workers if w.holds(req.num_tokens, total)]
+    return workers if not fit or len(fit) == len(workers) else fit
+
+
 class KvRouter:
     def __init__(
         self,
@@ -68,6 +79,7 @@ class KvRouter:
         """``predict``: record the request's blocks on the winner (False: the caller decides later)."""
         if not workers:
             raise NoWorkerAvailable("no healthy worker is registered")
+        workers = holding(req, workers)
         if (self._fast and isinstance(workers, FleetView) and workers.free_count
                 and len(workers) > self.cfg.candidate_limit):
             return self._route_view(req, workers, now, predict)

@@ -383,7 +383,7 @@ class Dispatcher:
             workers = [w for w in workers if w.worker_id == pin] or workers
         n = len(req.prompt_tokens)
         held = -(-backlog // len(workers)) if backlog > 0 else 0  # per routable worker, rounded up
-        rreq = RouteRequest(req.request_id, n, req.block_hashes, req.priority, req.check_hashes, held)
+        rreq = RouteRequest(req.request_id, n, req.block_hashes, req.priority, req.check_hashes, held, req.max_tokens)
 
         def route(pool: Sequence[WorkerState], predict: bool = True) -> Decision:  # the decode pool, the prefill pool
             return self.router.route(rreq, pool, now, predict=predict)

@@ -225,7 +225,7 @@ class Simulator:
         # a maintained view (router/candidates.py): every load change below goes through set_load
         self._states = FleetView(routing, (
             WorkerState(e.worker_id, node.block_size, nodes[i].max_num_batched_tokens, nodes[i].queue_depth_threshold,
-                        e.load(0.0), roles[i], nodes[i].max_batch_size)
+                        e.load(0.0), roles[i], nodes[i].max_batch_size, *nodes[i].sequence_limits())
             for i, e in enumerate(self.engines)
         ))
         self._pos = {e.worker_id: i for i, e in enumerate(self.engines)}
