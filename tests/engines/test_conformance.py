@@ -66,6 +66,9 @@ class Harness:
     ready: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # awaited once the handle started
     n: int = 0
     real: bool = False  # a real server (slow and noisy on CI's shared cores), not a fake
+    #: the (max_seq, max_prompt) it states through ``on_limits`` (None: states none; a simulated
+    #: worker's are static, in its WorkerInfo; a relay counts prompts by an estimate)
+    states: tuple[int, int] | None = None
 
     def prompt(self, tokens: int) -> list[int]:
         # fresh random tokens: a real server keeps its cache across tests
@@ -111,13 +114,13 @@ async def _fake(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
 
 
 async def _engine_flavour(rec: Recorder, flavour: str) -> Harness:
-    server = FakeEngine(flavor=flavour, block_size=BS)
+    server = FakeEngine(flavor=flavour, block_size=BS, max_model_len=4096)
     await server.start()
     node = NodeConfig(engine=flavour, block_size=BS, kv_blocks=512,
                       endpoints=[EndpointConfig(url=server.url, kv_events=server.events, kv_replay=server.replay)])
     handle = EngineWorker(f"{flavour}-0", node, node.endpoints[0], rec.callbacks(), heartbeat_interval=0.05,
                           flavor=VLLM if flavour == "vllm" else SGLANG)
-    return Harness(handle, 500, rec, cleanup=[server.stop], ready=[server.wait_subscribed])
+    return Harness(handle, 500, rec, cleanup=[server.stop], ready=[server.wait_subscribed], states=(4096, 0))
 
 
 async def _vllm_flavour(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
@@ -130,7 +133,7 @@ async def _sglang_flavour(rec: Recorder, request: pytest.FixtureRequest) -> Harn
 
 async def _openai(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
     """Any OpenAI-compatible server (engine openai): the fake engine's HTTP side, its events unused."""
-    server = FakeEngine(flavor="sglang", block_size=BS)  # text streams without token ids, as most servers
+    server = FakeEngine(flavor="sglang", block_size=BS, max_model_len=4096)  # text streams without token ids
     await server.start()
     node = NodeConfig(engine="openai", block_size=BS, kv_blocks=512, endpoints=[EndpointConfig(url=server.url)])
     handle = OpenAIWorker("openai-0", node, node.endpoints[0], rec.callbacks(), heartbeat_interval=0.05)
@@ -157,7 +160,7 @@ async def _vllm(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
     server = request.getfixturevalue("vllm_servers")[0]
     node = NodeConfig(engine="vllm", block_size=BS, endpoints=[server.endpoint()])
     handle = EngineWorker("vllm-0", node, node.endpoints[0], rec.callbacks(), heartbeat_interval=0.2)
-    return Harness(handle, 500, rec, real=True)
+    return Harness(handle, 500, rec, real=True, states=(2048, 0))  # vllm_env starts it with --max-model-len 2048
 
 
 BUILDERS = {"simulated": _simulated, "fake": _fake, "vllm-flavour": _vllm_flavour,
@@ -279,6 +282,13 @@ async def test_heartbeats_report_load(h: Harness) -> None:
     last = h.rec.heartbeats[-1]
     assert last.worker_id == h.handle.worker_id and last.kv_total_blocks > 0
     assert 0.0 <= last.kv_usage <= 1.0
+
+
+async def test_a_server_states_its_length_limit(h: Harness) -> None:
+    """vLLM's and SGLang's model cards carry ``max_model_len``: the worker states it once it has read
+    the card (by its first request at the latest), so routing sends it only what it holds."""
+    await drain(h.handle.submit(h.request(h.prompt(8), 2)))
+    assert h.rec.limits == ([] if h.states is None else [h.states])
 
 
 async def test_a_live_worker_touches_its_requests(h: Harness) -> None:

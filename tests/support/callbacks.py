@@ -17,6 +17,7 @@ class Recorder:
     heartbeats: list[LoadReport] = field(default_factory=list)
     loads: list[LoadReport] = field(default_factory=list)  # pushed reports, heartbeats included
     unavailable: list[str] = field(default_factory=list)
+    limits: list[tuple[int, int]] = field(default_factory=list)  # (max_seq, max_prompt) as stated
 
     def callbacks(self) -> WorkerCallbacks:
         def heartbeat(wid: str, load: LoadReport) -> None:
@@ -25,7 +26,8 @@ class Recorder:
 
         return WorkerCallbacks(lambda wid, evs: self.events.extend(evs), heartbeat,
                                lambda wid, load: self.loads.append(load),
-                               lambda wid, reason: self.unavailable.append(reason), self.clock)
+                               lambda wid, reason: self.unavailable.append(reason), self.clock,
+                               on_limits=lambda wid, seq, prompt: self.limits.append((seq, prompt)))
 
     @property
     def load(self) -> LoadReport:

@@ -37,6 +37,7 @@ class FakeEngine:
     events: str = ""  # PUB endpoint
     replay: str = ""  # ROUTER endpoint
     running: int = 0
+    max_model_len: int | None = None  # in its model card, as vLLM's and SGLang's
     requests: list[dict] = field(default_factory=list)  # bodies received
     _cache: OrderedDict[int, None] = field(default_factory=OrderedDict)  # engine hash -> (LRU order)
     _batches: list[list[bytes]] = field(default_factory=list)
@@ -88,7 +89,10 @@ class FakeEngine:
 
     # -- HTTP ----------------------------------------------------------------------------------
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        card: dict[str, object] = {"id": "fake-model", "object": "model"}
+        if self.max_model_len is not None:
+            card["max_model_len"] = self.max_model_len
+        return web.json_response({"object": "list", "data": [card]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         usage = len(self._cache) / self.num_blocks

@@ -63,7 +63,12 @@ class FakeTransport:
 
     async def get_json(self, url: str, timeout: float) -> Any:
         assert url.endswith("/v1/models")
-        return {"data": [{"id": MODEL}]}
+        card: dict[str, Any] = {"id": MODEL}
+        if self.max_model_len is not None:
+            card["max_model_len"] = self.max_model_len
+        return {"data": [card]}
+
+    max_model_len: Any = None
 
 
 @pytest.fixture
@@ -331,3 +336,22 @@ async def test_a_slow_metrics_answer_still_keeps_a_quiet_request_alive():
         assert outs[-1].finished and outs[-1].finish_reason == FinishReason.LENGTH
     finally:
         await w.stop()
+
+
+async def test_the_servers_max_model_len_is_stated_once_and_again_after_a_change(run_worker):
+    """vLLM's model card carries ``max_model_len``: the worker states it (routing and the frontend's
+    check use it); the same value again states nothing; a server restarted with another one restates."""
+    t = FakeTransport(200, sse({"choices": [{"text": "a", "finish_reason": "length"}]}))
+    t.max_model_len = 2048
+    w, rec = await run_worker(t)
+    await wait_until(lambda: rec.limits, 2.0, "limits stated")
+    assert rec.limits == [(2048, 0)]
+    await w._health.fetch_model()
+    assert rec.limits == [(2048, 0)]
+    t.max_model_len = 4096
+    await w._health.fetch_model()
+    assert rec.limits == [(2048, 0), (4096, 0)]
+    for odd in (None, 0, "4096", True):  # absent (an OpenAI server's card) or not a length: ignored
+        t.max_model_len = odd
+        await w._health.fetch_model()
+    assert rec.limits == [(2048, 0), (4096, 0)] and w._health.max_model_len == 4096

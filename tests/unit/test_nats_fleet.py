@@ -266,6 +266,12 @@ async def test_context_limit_follows_the_simulated_workers(fleet):
     assert states == {"w1": (1000 * BS, 0), "w2": (4000 * BS, 200_000)}
     long_one = await fleet.start_generation(list(range(2000 * BS)), 4)
     assert long_one.decision.worker_id == "w2"
+    # a known worker's engine reported its max_model_len: its next heartbeat carries it
+    info = wire.WireInfo("w2", "both", "simulated", BS, 8192, 64, 4000, 0, 1500 * BS, 0)
+    await deliver(fleet, "ta.worker.w2.hb", wire.encode(wire.Heartbeat(wire.WIRE_VERSION, "i1", info,
+                                                                     wire.WireLoad(0.0, 0, 0, 0, 0, 0, 0, 4000), -1)))
+    assert fleet.registry.info("w2").max_seq_tokens == 1500 * BS and fleet.max_context_tokens == 1500 * BS
+    assert {w.worker_id: w.max_seq_tokens for w in fleet.routable()}["w2"] == 1500 * BS
 
 
 async def test_health_summary_reports_frontend_and_sync_state(fleet):

@@ -104,6 +104,16 @@ async def test_events_go_out_in_order_and_heartbeats_count_them(svc):
     assert wire.decode_heartbeat(hb).last_seq == 1
 
 
+async def test_limits_the_engine_states_ride_on_every_later_heartbeat(svc):
+    svc.fake.cb.on_heartbeat("w1", svc.fake.load())
+    before = wire.decode_heartbeat(svc.bus.published[-1][1]).info
+    assert (before.max_seq_tokens, before.max_prompt_tokens) == (0, 0)
+    svc.fake.cb.on_limits("w1", 2048, 0)  # vLLM's max_model_len, read from its model card
+    svc.fake.cb.on_heartbeat("w1", svc.fake.load())
+    after = wire.decode_heartbeat(svc.bus.published[-1][1]).info
+    assert (after.max_seq_tokens, after.max_prompt_tokens) == (2048, 0) and after.worker_id == "w1"
+
+
 async def test_generate_streams_numbered_batches_until_finished(svc):
     reply = await generate(svc, "r1", [1, 2, 3])
     q = svc.fake.queues["r1"]

@@ -136,3 +136,26 @@ def test_the_router_never_mistakes_one_partial_view_for_another():
         assert d.worker_id == "w2" and d.overlap_blocks == 4, (k, sorted(out))
         # the per-position index bits it used are this view's (a stale copy once survived here)
         assert router._bits == [index.bit_of(w.worker_id) for w in view], (k, sorted(out))
+
+
+def test_restate_keeps_load_and_health_and_refreshes_the_view():
+    from dataclasses import replace
+
+    reg = WorkerRegistry(1.0, 3, RoutingConfig())
+    reg.register(info("a"), 0.0)
+    reg.register(info("b"), 0.0)
+    reg.heartbeat("a", rep("a", 1.0, waiting=2), 1.0)
+    view = reg.routable()
+    assert view.seq_floor == 1 << 62  # nobody stated a limit
+    assert reg.restate(replace(info("a"), max_seq_tokens=2048))
+    view = reg.routable()
+    a = view[view.position("a")]
+    assert (a.max_seq_tokens, a.load.waiting) == (2048, 2) and view.seq_floor == 2048
+    assert reg.info("a").max_seq_tokens == 2048 and reg.health("a") is Health.healthy
+    assert not reg.restate(info("zz"))  # not registered: nothing to restate
+    reg.check(10.0)  # both out of routing (silent): restating keeps it out of the view
+    assert reg.restate(replace(info("b"), max_seq_tokens=512))
+    assert len(reg.routable()) == 0
+    reg.heartbeat("b", rep("b", 10.5), 10.5)
+    reg.check(10.6)
+    assert [(w.worker_id, w.max_seq_tokens) for w in reg.routable()] == [("b", 512)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from thunderagent.config import ExecutionGroupConfig
@@ -35,7 +36,7 @@ class StaticMembership:
 
     async def start(self, fleet: Fleet) -> None:
         self._fleet = fleet
-        callbacks = fleet.callbacks()
+        callbacks = replace(fleet.callbacks(), on_limits=self._on_limits)
         n = 0
         for node in self.group.nodes:
             factory = self.factories[node.engine]
@@ -58,6 +59,19 @@ class StaticMembership:
                 fleet.prompt_limit = PromptLimit(max(node.max_num_batched_tokens for node in self.group.nodes),
                                                  "a worker prefills in one pass (max_num_batched_tokens; "
                                                  "enable_chunked_prefill is off)")
+
+    def _on_limits(self, worker_id: str, max_seq: int, max_prompt: int) -> None:
+        """A real engine stated its limits (vLLM: max_model_len): routing and the frontend's check use them."""
+        fleet = self._fleet
+        assert fleet is not None
+        registry = fleet.registry
+        known = set(registry.worker_ids())  # (once per worker and engine start)
+        if worker_id not in known:
+            return
+        registry.restate(replace(registry.info(worker_id), max_seq_tokens=max_seq, max_prompt_tokens=max_prompt))
+        limits = [registry.info(w).max_seq_tokens if w in known else 0 for w in self.handles]
+        if all(limits):  # every worker stated one: the frontend refuses what none holds, up front
+            fleet.max_context_tokens = max(limits)
 
     async def stop(self) -> None:
         for handle in self.handles.values():

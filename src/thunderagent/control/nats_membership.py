@@ -28,6 +28,7 @@ import asyncio
 import logging
 import secrets
 from collections import Counter
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -195,11 +196,25 @@ class NatsMembership:
         worker = self.remotes[wid]
         worker.on_heartbeat(load)
         fleet = self.fleet
+        if known is not None:
+            self._restate(wid, hb)
         fleet.on_heartbeat(wid, worker.load())
         if fleet.feed.heartbeat(wid, hb.last_seq):
             log.warning("worker %s published events up to seq %d, index has %d: resyncing",
                         wid, hb.last_seq, fleet.index.last_seq(wid))
             fleet.resync_worker(wid, "tail_lost")
+
+    def _restate(self, wid: str, hb: Heartbeat) -> None:
+        """A known worker's heartbeat states other limits (its engine reported max_model_len): take them."""
+        registry = self.fleet.registry
+        try:
+            info = registry.info(wid)
+        except KeyError:  # left meanwhile
+            return
+        new = info_from_wire(hb.info)
+        if (info.max_seq_tokens, info.max_prompt_tokens) != (new.max_seq_tokens, new.max_prompt_tokens):
+            registry.restate(replace(info, max_seq_tokens=new.max_seq_tokens, max_prompt_tokens=new.max_prompt_tokens))
+            self._update_context_limit()
 
     def _add(self, wid: str, hb: Heartbeat, load: LoadReport) -> bool:
         fleet = self.fleet

@@ -63,6 +63,19 @@ class WorkerRegistry:
             self._view.remove(info.worker_id)
             self._view.add(self._state(info.worker_id, self._entries[info.worker_id]))
 
+    def restate(self, info: WorkerInfo) -> bool:
+        """A registered worker's static facts changed (a real engine reported its limits): kept with its
+        load and health; back in the view with the new facts if it was there. False: not registered."""
+        e = self._entries.get(info.worker_id)
+        if e is None:
+            return False
+        self._flush()
+        e.info = info
+        if self._view is not None and self._view.position(info.worker_id) is not None:
+            self._view.remove(info.worker_id)
+            self._view.add(self._state(info.worker_id, e))
+        return True
+
     def deregister(self, worker_id: str) -> bool:
         self._stale.pop(worker_id, None)
         if self._view is not None:

@@ -21,6 +21,10 @@ class EngineFlavor:
     hints: str = ""  # what the engine's command line needs, for log messages
     #: a server without ``/metrics`` (404) is still healthy: load then comes from in-flight accounting
     metrics_optional: bool = False
+    #: the server's ``max_model_len`` bounds what routing sends it: our token counts are its own (we send
+    #: token ids). Not for a relay (``openai``): its prompts are counted by an estimate, which would refuse
+    #: requests the server takes
+    states_limits: bool = True
 
     @property
     def wanted(self) -> frozenset[str]:

@@ -79,6 +79,7 @@ class EnginePoller:
         self.poll_timeout = max(wait, 2 * interval, 1.0)  # as before: at least 1 s, two intervals
         self.stats = EngineStats()
         self.model: str | None = None
+        self.max_model_len: int | None = None  # from /v1/models, when the server says
         self.reachable: bool | None = None  # None: not polled yet
         self.last_poll_ok: float | None = None  # control-plane time of the last answered poll
         #: reason code while this worker keeps itself out of routing (None: routable)
@@ -93,7 +94,14 @@ class EnginePoller:
     async def fetch_model(self) -> str:
         """The served model name (vLLM: ``--served-model-name``, by default the model path)."""
         body = await self._transport.get_json(f"{self.url}/v1/models", self._connect_timeout)
-        self.model = str(body["data"][0]["id"])
+        card = body["data"][0]
+        self.model = str(card["id"])
+        limit = card.get("max_model_len")  # vLLM's and SGLang's model cards carry it; OpenAI's has none
+        if self.flavor.states_limits and type(limit) is int and limit > 0 and limit != self.max_model_len:
+            log.info("%s: %s serves sequences of up to %d tokens (max_model_len)", self.worker_id, self.url, limit)
+            self.max_model_len = limit
+            if self._cb.on_limits is not None:
+                self._cb.on_limits(self.worker_id, limit, 0)
         return self.model
 
     # -- loops -------------------------------------------------------------------------------

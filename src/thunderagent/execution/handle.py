@@ -104,6 +104,9 @@ class WorkerCallbacks:
     #: ``on_load`` deferred to the next read: the handle's load changed, ``read`` returns it then
     #: (None: the receiver takes only pushed reports, call ``on_load``)
     on_load_stale: Callable[[str, Callable[[], LoadReport]], None] | None = None
+    #: the engine stated how long a sequence / prompt it takes (vLLM's max_model_len): routing sends a
+    #: worker only what it holds (None: not passed on)
+    on_limits: Callable[[str, int, int], None] | None = None
 
 
 class WorkerHandle(Protocol):

@@ -31,7 +31,7 @@ import secrets
 import signal
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from thunderagent.config import Config, NodeConfig
 from thunderagent.bus.connect import connect_options
@@ -98,6 +98,7 @@ class WorkerService:
         self.info = info
         self.worker_id = check_token(info.worker_id, "worker id")
         self.wire_info = info_to_wire(info, engine_kind)
+        self._engine_kind = engine_kind
         #: changes on every process start: frontends tell a restarted worker (new cache, seq from 0)
         #: from the one they knew
         self.instance = secrets.token_hex(6)
@@ -121,7 +122,7 @@ class WorkerService:
         self._loop = asyncio.get_running_loop()
         await self.bus.connect()
         self.handle = self._build(WorkerCallbacks(self._on_events, self._on_heartbeat, self._on_load,
-                                                  self._on_unavailable, self._now))
+                                                  self._on_unavailable, self._now, on_limits=self._on_limits))
         # Subscribe (and flush) before saying hello: a frontend dumps a worker as soon as it meets it.
         await self.bus.subscribe(self.subjects.rpcs(self.worker_id), self._on_rpc)
         await self.bus.subscribe(self.subjects.discover(), self._on_discover)
@@ -130,6 +131,11 @@ class WorkerService:
         self._publish_heartbeat("hello", self._load)
         self._keepalive_task = asyncio.create_task(self._keepalives(), name="keepalives")
         log.info("worker %s (instance %s) on the bus", self.worker_id, self.instance)
+
+    def _on_limits(self, worker_id: str, max_seq: int, max_prompt: int) -> None:
+        """The engine stated its limits (vLLM: max_model_len): every heartbeat from now on carries them."""
+        self.info = replace(self.info, max_seq_tokens=max_seq, max_prompt_tokens=max_prompt)
+        self.wire_info = info_to_wire(self.info, self._engine_kind)
 
     async def stop(self) -> None:
         """Leave: say bye, drain the requests in flight (bounded), then close."""

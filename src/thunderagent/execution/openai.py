@@ -40,6 +40,7 @@ OPENAI = EngineFlavor(
     return_token_ids=False,  # not an OpenAI field: a strict server would refuse it
     hints="any OpenAI-compatible server; /metrics optional",
     metrics_optional=True,
+    states_limits=False,
 )
 
 

@@ -166,18 +166,21 @@ class Frontend:
         prompt_ids: list[int],
         chat: bool,
     ) -> web.StreamResponse:
-        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or self.max_tokens_default
+        asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        max_tokens = asked or self.max_tokens_default
         stops = stop_list(req.stop)
         prompt_param = "messages" if chat else "prompt"
         if not prompt_ids:
             raise RequestError("prompt is empty after tokenization", param=prompt_param)
         limit = self.fleet.max_context_tokens
+        if limit is not None and not asked and len(prompt_ids) < limit:
+            max_tokens = min(max_tokens, limit - len(prompt_ids))  # not asked for: what fits (as vLLM defaults)
         if limit is not None and len(prompt_ids) + max_tokens > limit:
             # The engine would reject it anyway (it can never hold the sequence): say why, up front.
             too_long = len(prompt_ids) >= limit
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the {limit} tokens "
-                "a worker's KV cache can hold",
+                "the largest worker holds (its KV cache, or the max_model_len its server reported)",
                 param=prompt_param if too_long else ("max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"),
                 code="context_length_exceeded",
             )
