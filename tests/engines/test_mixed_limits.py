@@ -55,8 +55,10 @@ async def test_each_server_gets_only_what_its_max_model_len_holds(tiny_model_dir
     try:
         async with running_server(cfg) as srv, aiohttp.ClientSession() as s:
             await wait_until(lambda: srv.fleet.max_context_tokens == 4096, 10, "both servers stated their limit")
-            infos = {w: srv.fleet.registry.info(w).max_seq_tokens for w in ("worker-0", "worker-1")}
-            assert infos == {"worker-0": 256, "worker-1": 4096}
+            async with s.get(srv.base_url + "/health") as r:  # what an operator sees
+                health = await r.json()
+            assert {w["id"]: (w["max_seq_tokens"], w["max_prompt_tokens"]) for w in health["workers"]} == {
+                "worker-0": (256, None), "worker-1": (4096, None)}
             seen = set()
             for i in range(12):  # short ones: both serve (first: routing balances on recent prefill traffic)
                 got, answer, worker = await _chat(s, srv, f"short {i}", 4)

@@ -23,6 +23,9 @@ def health_summary(registry: WorkerRegistry, index: KvIndex, unavailable: Mappin
             "waiting": loads[wid].waiting,
             "kv_usage": round(loads[wid].kv_usage, 4),
             "indexed_blocks": index.num_blocks(wid),
+            # longest sequence (prompt + max_tokens) / prompt routing sends it (None: no limit stated)
+            "max_seq_tokens": registry.info(wid).max_seq_tokens or None,
+            "max_prompt_tokens": registry.info(wid).max_prompt_tokens or None,
             "out_of_routing": unavailable.get(wid),  # reason a worker gave (unreachable, ...)
             "breaker": breakers.state(wid).value,  # closed, half_open (probing) or open (ejected: slow or failing)
             "skipped": breakers.blocked(wid),  # why routing skips it now, if it does
