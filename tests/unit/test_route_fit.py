@@ -70,3 +70,18 @@ def test_node_limits_come_from_the_simulated_engine_and_are_unknown_for_real_one
                       enable_chunked_prefill=False).sequence_limits() == (1024, 256)
     real = NodeConfig(engine="vllm", endpoints=[{"url": "http://127.0.0.1:1"}])
     assert real.sequence_limits() == (0, 0)
+
+
+def test_a_pinned_request_leaves_its_worker_when_that_one_cannot_hold_it():
+    """A program's pin (or a follower's leader) is kept while the pinned worker holds the request; a
+    context grown past the pinned worker's limit goes where it fits instead of being refused there."""
+    from thunderagent.scheduler.dispatch import Dispatcher
+
+    cfg = RoutingConfig(policy=Policy.kv_aware)
+    d = Dispatcher(KvRouter(cfg, KvIndex(prediction_ttl=30.0), random.Random(0)), BS)
+    workers = [worker("small", seq=1024), worker("big", seq=8192, queued=5000)]
+    short = d.prepare("r1", list(range(600)), 100)
+    assert d.dispatch(short, workers, 0.0, pin="small").decision.worker_id == "small"
+    assert d.dispatch(d.prepare("r2", list(range(600)), 100), workers, 0.0, pin="big").decision.worker_id == "big"
+    grown = d.prepare("r3", list(range(1000)), 100)
+    assert d.dispatch(grown, workers, 0.0, pin="small").decision.worker_id == "big"

@@ -379,9 +379,9 @@ class Dispatcher:
         prog = self.programs.get(program) if program is not None else None
         if prog is not None and prog.pinned is not None:
             pin = prog.pinned
-        if pin is not None:
-            workers = [w for w in workers if w.worker_id == pin] or workers
         n = len(req.prompt_tokens)
+        if pin is not None:  # unless the pinned worker cannot hold what the program's context grew to
+            workers = [w for w in workers if w.worker_id == pin and w.holds(n, n + req.max_tokens)] or workers
         held = -(-backlog // len(workers)) if backlog > 0 else 0  # per routable worker, rounded up
         rreq = RouteRequest(req.request_id, n, req.block_hashes, req.priority, req.check_hashes, held, req.max_tokens)
 
