@@ -60,6 +60,7 @@ def test_router_sends_a_long_request_past_the_small_holder_of_its_prefix():
     assert router.route(req(640, 64, hashes), view, 1.0, predict=False).worker_id == "small"
     d = router.route(req(640, 512, hashes), view, 1.0, predict=False)
     assert d.worker_id == "big" and [c.worker_id for c in d.candidates] == ["big"]
+    assert d.reason.startswith("1 cannot hold it; "), d.reason  # the explanation says why "small" was passed over
     plain = list(view)  # a retry's filtered list takes the same filter
     assert router.route(req(640, 512, hashes), plain, 1.0, predict=False).worker_id == "big"
 
@@ -85,3 +86,22 @@ def test_a_pinned_request_leaves_its_worker_when_that_one_cannot_hold_it():
     assert d.dispatch(d.prepare("r2", list(range(600)), 100), workers, 0.0, pin="big").decision.worker_id == "big"
     grown = d.prepare("r3", list(range(1000)), 100)
     assert d.dispatch(grown, workers, 0.0, pin="small").decision.worker_id == "big"
+
+
+def test_a_fallback_past_too_small_workers_still_counts_as_a_fallback():
+    """Every worker that holds it is busy: the fallback chooses, and the decision metrics and the
+    decision log's summary still call it a fallback behind the "cannot hold it" note."""
+    from thunderagent.control.seed_metrics import decision_kind
+    from thunderagent.observe.decision_summary import why_elsewhere
+    from thunderagent.scheduler.dispatch import Dispatcher
+
+    d = Dispatcher(KvRouter(RoutingConfig(policy=Policy.kv_aware), KvIndex(prediction_ttl=30.0),
+                            random.Random(0)), BS)
+    busy = WorkerState("big", BS, 1024, 1, LoadReport("big", 0.0, 1, 1, 0, 0, 0, 0, 1000), max_seq_tokens=8192)
+    out = d.dispatch(d.prepare("r", list(range(2000)), 10), [worker("small", seq=1024), busy], 0.0)
+    assert out.decision.worker_id == "big"
+    assert out.decision.reason.startswith("1 cannot hold it; all workers busy"), out.decision.reason
+    assert decision_kind(out) == "fallback"
+    line = {"policy": "kv_aware", "reason": out.decision.reason,
+            "candidates": [{"overlap_blocks": 1, "busy": True}]}
+    assert why_elsewhere(line) == "all workers busy"

@@ -57,7 +57,7 @@ def decision_kind(d: Dispatch) -> str:
     if d.queue_wait > 0:
         return "held"
     reason = d.decision.reason
-    if reason.startswith("all workers busy"):
+    if "all workers busy" in reason:  # (after "N cannot hold it; " in a mixed fleet)
         return "fallback"
     if "busy filtered" in reason:
         return "busy_filtered"

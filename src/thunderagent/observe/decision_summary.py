@@ -105,7 +105,7 @@ def why_elsewhere(line: dict[str, Any]) -> str:
         return f"policy {line['policy']} ignores the cache"
     if "hot_prefix" in line:
         return "hot prefix: sent to a replica"
-    if line["reason"].startswith("all workers busy"):
+    if "all workers busy" in line["reason"]:
         return "all workers busy"
     if all(c["busy"] for c in holders):
         return "best holder busy-filtered"

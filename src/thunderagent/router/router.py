@@ -79,7 +79,8 @@ class KvRouter:
         """``predict``: record the request's blocks on the winner (False: the caller decides later)."""
         if not workers:
             raise NoWorkerAvailable("no healthy worker is registered")
-        workers = holding(req, workers)
+        fit = holding(req, workers)
+        too_small, workers = len(workers) - len(fit), fit
         if (self._fast and isinstance(workers, FleetView) and workers.free_count
                 and len(workers) > self.cfg.candidate_limit):
             return self._route_view(req, workers, now, predict)
@@ -101,6 +102,8 @@ class KvRouter:
             chosen, reason, hot = self._choose_free(req, cands, free, now)
             if len(free) < len(cands):
                 prefix = f"{len(cands) - len(free)} busy filtered; "
+        if too_small:  # a mixed fleet's workers too small for it were never candidates
+            prefix = f"{too_small} cannot hold it; {prefix}"
         wid = chosen.worker.worker_id
         if predict and req.block_hashes:
             self.index.predict(wid, req.block_hashes, now, req.check_hashes)
