@@ -158,6 +158,12 @@ def serve_thunderagent(backends: list[str], overlay: dict | None = None) -> None
         await site.start()
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        try:  # as `serve` does once started (thunderagent.gc_policy); a --base-src checkout may predate it
+            from thunderagent.gc_policy import tune_gc  # noqa: PLC0415
+
+            tune_gc()
+        except ImportError:
+            pass
         print(f"PORT {runner.addresses[0][1]}", flush=True)
         try:
             await stop.wait()

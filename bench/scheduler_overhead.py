@@ -15,6 +15,11 @@ per request) is timed on its own: it walks every program's blocks.
 ``--clock cpu`` times with the thread's CPU clock instead of the wall clock: on a shared machine the
 wall clock's tail is other processes' time slices, not ours.
 
+The garbage collector: the first two paths run first under CPython's default collector (the last two
+rows), then again under the policy the serving processes apply after start-up
+(``thunderagent.gc_policy.tune_gc``: start-up frozen, young threshold 20,000); the targets are judged on
+the latter, as ``serve`` runs. The default's full collections over the growing heap were most of the p99.
+
 Run: ``python bench/scheduler_overhead.py [--quick] [--clock cpu]``.
 """
 
@@ -28,6 +33,7 @@ from collections.abc import Callable
 from _common import median, print_table
 
 from thunderagent.config import PacingConfig, RoutingConfig, SchedulerConfig
+from thunderagent.gc_policy import tune_gc
 from thunderagent.kv.index import KvIndex
 from thunderagent.router.router import KvRouter
 from thunderagent.scheduler.dispatch import Dispatcher
@@ -75,6 +81,11 @@ def main() -> None:
     args = ap.parse_args()
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     steps = 500 if args.quick else 5000
+    # CPython's default collector first, then the policy `serve`, `frontend` and `worker` apply after start-up
+    # (thunderagent.gc_policy): the targets are judged as those processes run
+    default_ours, _ = held_path(steps, pacing=False, clock=clock)
+    default_paced, _ = held_path(steps, pacing=True, clock=clock)
+    tune_gc()
     ours, ticks = held_path(steps, pacing=False, clock=clock)
     paced, ticks = held_path(steps, pacing=True, clock=clock)
     rng = random.Random(7)
@@ -91,7 +102,9 @@ def main() -> None:
         base.append((clock() - t1) * 1e6)
     rows = [("held: prepare + submit + pump", f"{median(ours):.1f}", f"{percentile(ours, 0.99):.1f}"),
             ("held, programs paced: same", f"{median(paced):.1f}", f"{percentile(paced, 0.99):.1f}"),
-            ("at once: prepare + dispatch", f"{median(base):.1f}", f"{percentile(base, 0.99):.1f}")]
+            ("at once: prepare + dispatch", f"{median(base):.1f}", f"{percentile(base, 0.99):.1f}"),
+            ("held, CPython's default GC", f"{median(default_ours):.1f}", f"{percentile(default_ours, 0.99):.1f}"),
+            ("paced, CPython's default GC", f"{median(default_paced):.1f}", f"{percentile(default_paced, 0.99):.1f}")]
     print_table(f"{steps} requests, {HELD} held, {WORKERS} workers, {PROGRAMS} programs (µs, {args.clock} clock)",
                 ("path", "median", "p99"), rows)
     for name, xs in (("scheduler", ours), ("scheduler + pacing", paced)):

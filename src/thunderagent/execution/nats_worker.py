@@ -58,6 +58,7 @@ from thunderagent.bus.wire import (
     output_to_wire,
     request_from_wire,
 )
+from thunderagent.gc_policy import tune_gc
 from thunderagent.execution.handle import OutputQueue, WorkerCallbacks, WorkerHandle, snapshot_checks
 from thunderagent.types import FinishReason, KvEvent, LoadReport, TokenOutput
 
@@ -361,6 +362,7 @@ async def run_worker(cfg: Config, worker_id: str, node_index: int = 0, endpoint:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await service.start()
+    tune_gc()  # start-up done (gc_policy)
     try:
         await stop.wait()
     finally:

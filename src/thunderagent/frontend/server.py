@@ -20,6 +20,7 @@ from typing import Any, cast
 from aiohttp import http_exceptions, web
 
 from thunderagent.frontend.errorlog import ERROR_LOG_KEY, ErrorLog
+from thunderagent.gc_policy import tune_gc
 from thunderagent.frontend.limits import LIMITS_KEY, ENCODINGS
 from thunderagent.frontend.protocol import RequestError, error_body
 
@@ -158,6 +159,7 @@ def run_frontend(app: web.Application, host: str, port: int) -> None:
         await runner.setup()
         try:
             await web.TCPSite(runner, host, port).start()
+            tune_gc()  # start-up done: freeze it, and collect rarely (gc_policy: the p99 of a big heap)
             await asyncio.Event().wait()
         finally:
             await runner.cleanup()
