@@ -3,13 +3,44 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 
+def _ephemeral_low() -> int:
+    """The low end of the kernel's ephemeral port range (0 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+_EPHEMERAL_LOW = _ephemeral_low()
+_handed_out: set[int] = set()  # this process's picks: never the same port twice
+_pick = random.Random()  # seeded from the OS: parallel test processes draw apart
+
+
 def free_port() -> int:
+    """A free loopback port for a server a test starts, picked *below* the ephemeral range where the
+    kernel has one: a port from ``bind(0)`` is an ephemeral one, which the kernel may give to any
+    outgoing connection between our pick and the server's bind (CI lost a vLLM server's NIXL
+    side-channel port that way). Falls back to ``bind(0)``."""
+    if _EPHEMERAL_LOW > 12_000:
+        for _ in range(200):
+            port = _pick.randrange(10_000, _EPHEMERAL_LOW)
+            if port in _handed_out:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
