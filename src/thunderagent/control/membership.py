@@ -51,8 +51,8 @@ class StaticMembership:
                 self.handles[wid] = handle
                 handle.start()
         fleet.metrics.watch_kv_streams(self._kv_streams)
+        fleet.max_context_tokens = fleet.registry.context_limit()  # real engines state theirs later
         if all(node.engine == "simulated" for node in self.group.nodes):
-            fleet.max_context_tokens = max(node.sequence_limits()[0] for node in self.group.nodes)
             if not any(node.enable_chunked_prefill for node in self.group.nodes):
                 # the engine would end such a prompt unserved (it can never fit one pass); vLLM refuses
                 # it up front too (without chunked prefill its max_model_len is at most a pass)
@@ -65,13 +65,12 @@ class StaticMembership:
         fleet = self._fleet
         assert fleet is not None
         registry = fleet.registry
-        known = set(registry.worker_ids())  # (once per worker and engine start)
-        if worker_id not in known:
+        try:
+            info = registry.info(worker_id)
+        except KeyError:  # not registered (any more)
             return
-        registry.restate(replace(registry.info(worker_id), max_seq_tokens=max_seq, max_prompt_tokens=max_prompt))
-        limits = [registry.info(w).max_seq_tokens if w in known else 0 for w in self.handles]
-        if all(limits):  # every worker stated one: the frontend refuses what none holds, up front
-            fleet.max_context_tokens = max(limits)
+        registry.restate(replace(info, max_seq_tokens=max_seq, max_prompt_tokens=max_prompt))
+        fleet.max_context_tokens = registry.context_limit()  # once all stated one: refused up front
 
     async def stop(self) -> None:
         for handle in self.handles.values():

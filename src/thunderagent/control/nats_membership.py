@@ -305,9 +305,7 @@ class NatsMembership:
     def _update_context_limit(self) -> None:
         """Longest sequence a worker can hold, when every worker states one (simulated ones: their KV
         pool); else unknown (real engines say so themselves)."""
-        fleet = self.fleet
-        limits = [fleet.registry.info(w).max_seq_tokens for w in self.remotes]
-        fleet.max_context_tokens = max(limits) if limits and all(limits) else None
+        self.fleet.max_context_tokens = self.fleet.registry.context_limit()
 
     # -- KV index ----------------------------------------------------------------------------
     def resync(self, worker_id: str) -> None:

@@ -76,6 +76,12 @@ class WorkerRegistry:
             self._view.add(self._state(info.worker_id, e))
         return True
 
+    def context_limit(self) -> int | None:
+        """The longest sequence some registered worker holds, when every one states its limit (None:
+        unknown, a worker leaves it to its engine): what the frontend refuses beyond, up front."""
+        limits = [e.info.max_seq_tokens for e in self._entries.values()]
+        return max(limits) if limits and all(limits) else None
+
     def deregister(self, worker_id: str) -> bool:
         self._stale.pop(worker_id, None)
         if self._view is not None:
