@@ -99,3 +99,26 @@ async def test_a_new_program_is_held_while_the_fleet_is_full_and_resumed_when_ro
         assert listed["pacing"]["resumes"] >= 1 and listed["by_state"]["paused"] == 0
         # the metric counts what the pacer did (the idle first program may have been paused and resumed too)
         assert f"thunderagent_program_resumes_total {float(listed['pacing']['resumes'])}" in metrics
+
+
+async def test_past_max_programs_the_program_idle_longest_is_forgotten_and_counted(server_factory):
+    """Program ids come from clients: the table stays within ``scheduler.max_programs``, a new program
+    evicting the one idle longest, and ``/metrics`` counts the evictions."""
+    async with server_factory(scheduler={"max_programs": 2}) as srv:
+        c = srv.client
+        for pid in ("one", "two", "three"):
+            await c.completions.create(model=MODEL, prompt=f"step of {pid}", max_tokens=4,
+                                       extra_headers={"x-thunderagent-program-id": pid})
+        await c.completions.create(model=MODEL, prompt="two again", max_tokens=4,
+                                   extra_headers={"x-thunderagent-program-id": "two"})
+        await c.completions.create(model=MODEL, prompt="four", max_tokens=4,
+                                   extra_headers={"x-thunderagent-program-id": "four"})  # evicts three, not two
+        async with aiohttp.ClientSession() as s:
+            async with s.get(srv.base_url + "/v1/programs") as r:
+                listed = await r.json()
+            async with s.get(srv.base_url + "/metrics") as r:
+                metrics = await r.text()
+        assert {p["id"] for p in listed["data"]} == {"two", "four"}
+        assert listed["by_state"] == {"reasoning": 0, "acting": 2, "paused": 0}
+        assert "thunderagent_programs_evicted_total 2.0" in metrics
+        assert 'thunderagent_programs{state="acting"} 2.0' in metrics

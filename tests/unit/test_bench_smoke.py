@@ -128,3 +128,10 @@ def test_pd_disagg_runs_on_the_excerpt(capsys, monkeypatch) -> None:
     pd.main()
     out = capsys.readouterr().out
     assert "aggregated kv_aware 8" in out and "conditional 1:3" in out and "ITL p99 gain" in out
+
+
+def test_program_table_in_process() -> None:
+    pt = load_bench("program_table")
+    res = pt.measure(sizes=(50, 500), steps=20)
+    for n in ("50", "500"):
+        _positive(res[n], ["step_us", "tick_us"])

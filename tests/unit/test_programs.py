@@ -38,3 +38,78 @@ def test_release_and_idle_expiry_terminate_programs() -> None:
     assert len(t) == 1 and t.get("c").state is ProgramState.REASONING
     with pytest.raises(ValueError):
         ProgramTable(0)
+
+
+def _scan(t: ProgramTable, now: float) -> tuple[dict[str, int], list[str]]:
+    """What the table answered by scanning every program (before it kept counts and an idle heap)."""
+    counts = {"reasoning": 0, "acting": 0, "paused": 0}
+    for p in t:
+        counts[p.state.value] += 1
+    idle = [p.program_id for p in t if p.state is not ProgramState.REASONING and not p.in_flight
+            and now - p.last_change >= t.idle_ttl_s]
+    return counts, idle
+
+
+def test_state_counts_and_expiry_match_a_scan_of_the_table_under_random_operations() -> None:
+    """Counts kept per state and the idle heap answer exactly what a full scan answers, after every
+    step of random sequences (starts, ends, cancels, pauses with and without a held request,
+    resumes, releases, sweeps), stale heap entries and re-created ids included."""
+    import random
+
+    for seed in range(20):
+        rng = random.Random(seed)
+        t = ProgramTable(idle_ttl_s=5.0)
+        now = 0.0
+        for _ in range(600):
+            now += rng.choice((0.0, 0.1, 0.5, 2.0))
+            pid = f"p{rng.randrange(12)}"
+            prog = t.get(pid)
+            op = rng.random()
+            if op < 0.35:
+                t.request_started(pid, now, prompt_tokens=rng.randrange(1, 100))
+            elif op < 0.6 and prog is not None and prog.in_flight:
+                t.request_finished(pid, 10, now, completed=rng.random() < 0.8)
+            elif op < 0.7 and prog is not None and prog.state is not ProgramState.PAUSED:
+                if prog.state is ProgramState.REASONING:
+                    prog.pause_after_turn = True  # the pacer marks it: pauses when its turn ends
+                else:
+                    t.pause(prog, now)
+            elif op < 0.8 and prog is not None and prog.state is ProgramState.PAUSED:
+                t.resume(prog, "w0", now)
+            elif op < 0.85:
+                t.release(pid)
+            else:
+                counts, idle = _scan(t, now)
+                assert t.expire(now) == idle
+            counts, _ = _scan(t, now)
+            assert t.by_state() == counts
+            assert len(t._idle) <= 2 * len(t) + 1025
+
+
+def test_past_max_programs_a_new_program_evicts_the_one_idle_longest() -> None:
+    t = ProgramTable(idle_ttl_s=600.0, max_programs=3)
+    for pid, start, end in (("a", 0.0, 5.0), ("b", 1.0, 2.0), ("c", 3.0, 4.0)):
+        t.request_started(pid, start)
+        t.request_finished(pid, 10, end, completed=True)
+    t.request_started("c", 6.0)  # c reasons again: its idle entry (4.0) is stale now
+    t.request_started("d", 7.0)  # full: b has been idle longest (since 2.0)
+    assert [p.program_id for p in t] == ["a", "c", "d"] and t.evicted == 1
+    t.request_started("e", 8.0)  # then a (since 5.0); c and d have requests in flight
+    assert [p.program_id for p in t] == ["c", "d", "e"] and t.evicted == 2
+    t.request_started("f", 9.0)  # nobody idle: a program in flight is never forgotten, the table grows
+    assert len(t) == 4 and t.evicted == 2
+    assert t.by_state() == {"reasoning": 4, "acting": 0, "paused": 0}
+    t.request_finished("d", 10, 10.0, completed=True)
+    t.request_started("g", 11.0)  # d is the only idle one
+    assert [p.program_id for p in t] == ["c", "e", "f", "g"] and t.evicted == 3
+    with pytest.raises(ValueError, match="max_programs"):
+        ProgramTable(60.0, max_programs=0)
+
+
+def test_a_program_cycling_between_steps_keeps_the_idle_heap_bounded() -> None:
+    t = ProgramTable(idle_ttl_s=600.0)
+    for i in range(5000):  # each step ends idle: one heap entry per step, all but the last stale
+        t.request_started("agent", float(i))
+        t.request_finished("agent", 10, i + 0.5, completed=True)
+    assert len(t._idle) <= 2 * len(t) + 1025
+    assert t.expire(5000.0) == [] and t.expire(4999.5 + 600.0) == ["agent"] and len(t) == 0

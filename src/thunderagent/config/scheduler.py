@@ -202,6 +202,10 @@ class SchedulerConfig(_Strict):
     program_idle_ttl_s: float = Field(
         600.0, gt=0, description="an agent program idle (acting) this long is terminated and forgotten"
     )
+    max_programs: int = Field(
+        10_000, ge=1, description="agent programs tracked at once: past it a new program's first request "
+        "makes the program idle longest forgotten early (programs with a request in flight are never)"
+    )
     pacing: PacingConfig = PacingConfig()
     grouping: GroupingConfig = GroupingConfig()
     overdue_share: float = Field(

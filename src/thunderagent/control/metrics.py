@@ -210,6 +210,11 @@ class Metrics:
         self.programs_released = Counter(
             "thunderagent_programs_released", "Agent programs released by their clients", registry=r,
         )
+        self.programs_evicted = Counter(
+            "thunderagent_programs_evicted", "Idle agent programs forgotten early to stay within "
+            "scheduler.max_programs", registry=r,
+        )
+        self._evicted = 0
         self.scheduler_cancelled = Counter(
             "thunderagent_scheduler_cancelled", "Held requests whose client left before dispatch", registry=r,
         )
@@ -221,9 +226,13 @@ class Metrics:
             self.scheduler_queued.labels(t).set(n)
         self._tiers |= now.keys()
 
-    def observe_programs(self, by_state: dict[str, int]) -> None:
+    def observe_programs(self, by_state: dict[str, int], evicted: int = 0) -> None:
+        """``evicted``: the program table's running total (the counter advances by what is new)."""
         for state, n in by_state.items():
             self.programs.labels(state).set(n)
+        if evicted > self._evicted:
+            self.programs_evicted.inc(evicted - self._evicted)
+            self._evicted = evicted
 
     def observe_pacing(self, pauses: int, resumes: int) -> None:
         """The pacer's running totals: counters advance by what is new since the last call."""

@@ -100,7 +100,7 @@ class Dispatcher:
         cfg = scheduler if scheduler is not None else SchedulerConfig(enabled=False)  # none: route at once
         self.scheduler = cfg if cfg.enabled else None
         self.queue = HoldingQueue(cfg) if cfg.enabled else None
-        self.programs = ProgramTable(cfg.program_idle_ttl_s)
+        self.programs = ProgramTable(cfg.program_idle_ttl_s, cfg.max_programs)
         self.pacer = (ProgramPacer(cfg.pacing, self.programs, self.index, block_size)
                       if cfg.pacing.enabled else None)
         # with scheduler.tracked_prefill_passes or prefills_in_flight: uncached prompt tokens and

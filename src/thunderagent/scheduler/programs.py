@@ -15,10 +15,17 @@ A program id comes with a request (``x-thunderagent-program-id``, a body ``progr
 The table records where a program's requests were served (its worker), where the pacer pinned it
 after a resume, its steps, its context size and the block hashes of its latest prompt (the pacer
 counts a prefix shared by several programs once).
+
+Program ids come from clients, so the table is bounded and costs O(1) per request whatever its size:
+the count per state is kept as states change (``by_state`` runs on every program request's start and
+end), idle programs wait in a heap by the time they went idle (the TTL sweep pops only what expired),
+and past ``max_programs`` a new program evicts the program idle longest (a program with a request in
+flight is never evicted: those are bounded by the requests admitted, not by the table).
 """
 
 from __future__ import annotations
 
+import heapq
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +62,8 @@ class Program:
     pause_cycles: int = 0
     resumed_at: float = -1.0
     seq: int = 0  # creation order in its table (ties in the pacer's orders go by it)
+    #: ``last_change`` as of its entry in the table's idle heap; None: not idle (no live entry)
+    idle_since: float | None = None
 
     def as_dict(self, now: float) -> dict[str, object]:
         return {
@@ -75,13 +84,22 @@ class ProgramWatcher(Protocol):
 
 
 class ProgramTable:
-    def __init__(self, idle_ttl_s: float) -> None:
+    def __init__(self, idle_ttl_s: float, max_programs: int | None = None) -> None:
+        """``max_programs``: past it a new program evicts the one idle longest (None: no bound)."""
         if idle_ttl_s <= 0:
             raise ValueError(f"idle_ttl_s must be > 0, got {idle_ttl_s}")
+        if max_programs is not None and max_programs < 1:
+            raise ValueError(f"max_programs must be >= 1, got {max_programs}")
         self.idle_ttl_s = idle_ttl_s
+        self.max_programs = max_programs
         self._programs: dict[str, Program] = {}
         self._created = 0
         self.watcher: ProgramWatcher | None = None
+        self._counts = {ProgramState.REASONING: 0, ProgramState.ACTING: 0, ProgramState.PAUSED: 0}
+        # (idle since, seq, id) of idle programs, oldest first; an entry whose program changed since is
+        # stale and skipped when popped (cheaper than finding it on every change)
+        self._idle: list[tuple[float, int, str]] = []
+        self.evicted = 0  # idle programs forgotten early to stay within max_programs
 
     def __len__(self) -> int:
         return len(self._programs)
@@ -98,11 +116,15 @@ class ProgramTable:
         PAUSED (the request is then held until the pacer resumes it)."""
         prog = self._programs.get(program_id)
         if prog is None:
+            if self.max_programs is not None and len(self._programs) >= self.max_programs:
+                self._evict_idlest()
             self._created += 1
             prog = self._programs[program_id] = Program(program_id, ProgramState.REASONING, now, now,
                                                         seq=self._created)
+            self._counts[ProgramState.REASONING] += 1
         elif prog.state is ProgramState.ACTING:
-            prog.state, prog.last_change = ProgramState.REASONING, now
+            self._set(prog, ProgramState.REASONING)
+            prog.last_change = now
         prog.in_flight += 1
         if prompt_tokens:
             prog.blocks, prog.context_tokens = blocks, prompt_tokens
@@ -133,11 +155,13 @@ class ProgramTable:
         if prog.pause_after_turn:
             self.pause(prog, now)
         else:
-            prog.state, prog.last_change = ProgramState.ACTING, now
+            self._set(prog, ProgramState.ACTING)
+            prog.last_change = now
             self._changed(prog)
 
     def pause(self, prog: Program, now: float) -> None:
-        prog.state, prog.last_change = ProgramState.PAUSED, now
+        self._set(prog, ProgramState.PAUSED)
+        prog.last_change = now
         prog.pause_after_turn = False
         prog.paused_since = now
         prog.pause_cycles += 1
@@ -145,7 +169,7 @@ class ProgramTable:
         self._changed(prog)
 
     def resume(self, prog: Program, worker_id: str | None, now: float) -> None:
-        prog.state = ProgramState.REASONING if prog.in_flight else ProgramState.ACTING
+        self._set(prog, ProgramState.REASONING if prog.in_flight else ProgramState.ACTING)
         prog.last_change = prog.resumed_at = now
         prog.paused_since = -1.0
         prog.pinned = worker_id
@@ -153,32 +177,73 @@ class ProgramTable:
 
     def release(self, program_id: str) -> bool:
         """The client says the program is done (TERMINATED): forget it. False if unknown."""
-        prog = self._programs.pop(program_id, None)
-        if prog is not None and self.watcher is not None:
-            self.watcher.removed(prog)
+        prog = self._programs.get(program_id)
+        if prog is not None:
+            self._forget(prog)
         return prog is not None
 
     def expire(self, now: float) -> list[str]:
         """Programs idle (ACTING, or PAUSED with nothing held) for the TTL or longer are TERMINATED;
-        returns their ids."""
-        ttl = self.idle_ttl_s
-        gone = [p.program_id for p in self._programs.values()
-                if p.state is not ProgramState.REASONING and not p.in_flight and now - p.last_change >= ttl]
-        for pid in gone:
-            prog = self._programs.pop(pid)
-            if self.watcher is not None:
-                self.watcher.removed(prog)
-        return gone
+        returns their ids, oldest program first. Work: the heap entries that expired, not the table."""
+        ttl, heap = self.idle_ttl_s, self._idle
+        gone: list[Program] = []
+        while heap and now - heap[0][0] >= ttl:
+            prog = self._live(*heapq.heappop(heap))
+            if prog is not None:
+                prog.idle_since = None  # a duplicate entry (idle again at the same time) is stale now
+                gone.append(prog)
+        gone.sort(key=lambda p: p.seq)  # the order of a scan of the table (creation order)
+        for prog in gone:
+            self._forget(prog)
+        return [p.program_id for p in gone]
+
+    def _evict_idlest(self) -> None:
+        """The table is full: forget the program idle longest, as if its TTL had run out (none idle:
+        every program has a request in flight, and the table grows past the bound with them)."""
+        heap = self._idle
+        while heap:
+            prog = self._live(*heapq.heappop(heap))
+            if prog is not None:
+                self._forget(prog)
+                self.evicted += 1
+                return
+
+    def _live(self, since: float, seq: int, program_id: str) -> Program | None:
+        """The program of an idle-heap entry if the entry is current (else it is stale: skipped)."""
+        prog = self._programs.get(program_id)
+        return prog if prog is not None and prog.seq == seq and prog.idle_since == since else None
+
+    def _forget(self, prog: Program) -> None:
+        del self._programs[prog.program_id]
+        self._counts[prog.state] -= 1
+        prog.idle_since = None
+        if self.watcher is not None:
+            self.watcher.removed(prog)
+
+    def _set(self, prog: Program, state: ProgramState) -> None:
+        counts = self._counts
+        counts[prog.state] -= 1
+        counts[state] += 1
+        prog.state = state
 
     def _changed(self, prog: Program) -> None:
+        if prog.state is not ProgramState.REASONING and not prog.in_flight:  # idle: the TTL runs
+            if prog.idle_since != prog.last_change:
+                prog.idle_since = prog.last_change
+                heap = self._idle
+                if len(heap) > 2 * len(self._programs) + 1024:  # mostly stale entries: rebuild (amortised O(1))
+                    heap[:] = [(p.idle_since, p.seq, p.program_id) for p in self._programs.values()
+                               if p.idle_since is not None and p is not prog]
+                    heapq.heapify(heap)
+                heapq.heappush(heap, (prog.last_change, prog.seq, prog.program_id))
+        else:
+            prog.idle_since = None
         if self.watcher is not None:
             self.watcher.changed(prog)
 
     def by_state(self) -> dict[str, int]:
-        out = {s.value: 0 for s in (ProgramState.REASONING, ProgramState.ACTING, ProgramState.PAUSED)}
-        for p in self._programs.values():
-            out[p.state.value] += 1
-        return out
+        """Programs per state (kept as states change: O(1), called on every program request)."""
+        return {state.value: n for state, n in self._counts.items()}
 
     def snapshot(self, now: float) -> list[dict[str, object]]:
         return [p.as_dict(now) for p in sorted(self._programs.values(), key=lambda p: p.first_seen)]
