@@ -54,21 +54,24 @@ def block_hashes(
 ) -> list[int]:
     """Hashes of every *full* block of ``tokens``, chained from ``parent`` (or ``seed``).
 
-    The whole prompt is packed into one uint32 buffer once and hashed through a memoryview, so no
-    per-block bytes object is built (this runs once per request on the routing hot path).
+    The whole prompt is packed into one uint32 array once and hashed through a memoryview of it, so no
+    bytes object is built, neither per block nor for the prompt (this runs once per request on the routing
+    hot path); the seed goes positionally (a keyword costs ~0.1 µs per block in the C call).
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
-    n_full = len(tokens) // block_size
-    if n_full == 0:
+    n = len(tokens)
+    end = n - n % block_size
+    if end == 0:
         return []
-    view = memoryview(array("I", tokens[: n_full * block_size]).tobytes())
-    step = block_size * 4
+    # a memoryview of the uint32 array hashes its native bytes, the same bytes as ``tobytes()``
+    view = memoryview(array("I", tokens if end == n else tokens[:end]))
     h = seed if parent is None else parent
-    out = [0] * n_full
-    for i in range(n_full):
-        h = _xxh3(view[i * step : (i + 1) * step], seed=h)
-        out[i] = h
+    out: list[int] = []
+    push = out.append
+    for i in range(0, end, block_size):
+        h = _xxh3(view[i : i + block_size], h)
+        push(h)
     return out
 
 

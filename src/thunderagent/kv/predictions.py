@@ -103,8 +103,8 @@ def record(confirmed: Mapping[int, int], predicted: dict[int, PredBatch | Predic
             preds.live_mask |= bit
             if expiry < preds.live_until:  # live set was empty (inf), or clock went back
                 preds.live_until = expiry
-        mine.add(h)
         push(h)
+    mine.update(batch.hashes)  # one C-level call for the whole prompt instead of an add per block
     return batch
 
 
