@@ -2,7 +2,9 @@
 
 prometheus-client's ``labels()`` validates and joins the label values on every call: a cost per
 request on the hot path. Label values used with this are bounded (workers, decision kinds, the routes
-and statuses the app answers with) and no child is ever removed, so a kept child stays exported.
+and statuses the app answers with); a worker that left has its series removed
+(``Metrics.forget_worker``), and its children here go with them (``forget``), so a kept child is
+always an exported one.
 """
 
 from __future__ import annotations
@@ -24,3 +26,8 @@ class LabelledChildren:
         if child is None:
             child = self._by[values] = self._metric.labels(*values)
         return child
+
+    def forget(self, position: int, value: str) -> None:
+        """Drop the cached children whose label at ``position`` is ``value`` (their series were removed)."""
+        for values in [v for v in self._by if v[position] == value]:
+            del self._by[values]

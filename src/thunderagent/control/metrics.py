@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics import MetricWrapperBase
 
 from thunderagent.control.metric_children import LabelledChildren
 from thunderagent.control.seed_metrics import Latency, SeedMetrics
@@ -15,6 +16,8 @@ from thunderagent.types import KvPull, LoadReport
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
+#: a worker that left the fleet keeps its labelled series this long (seconds), then they are removed
+DEPARTED_SERIES_S = 600.0
 
 
 class Metrics:
@@ -74,6 +77,8 @@ class Metrics:
         self._tiers: set[str] = set()
         self._paced = (0, 0)  # the pacer's pauses and resumes already counted
         self._routed_by, self._requests_by = LabelledChildren(self.routed), LabelledChildren(self.requests)
+        # per worker id seen on the health tick: None while registered, else when it was first missing
+        self._present: dict[str, float | None] = {}
 
     def observe_route(self, d: Dispatch, seconds: float, now: float) -> None:
         prompt_tokens, predicted_hit_tokens = len(d.request.prompt_tokens), d.predicted_tokens
@@ -118,9 +123,40 @@ class Metrics:
             latency.itl(seconds)
 
     def observe_fleet(self, loads: Iterable[LoadReport], now: float) -> None:
-        """The health tick: the fleet's shape from the latest load reports; window rates decay."""
-        self.seed.loads(loads)
+        """The health tick: the fleet's shape from the latest load reports (every registered worker);
+        window rates decay; the series of workers gone ``DEPARTED_SERIES_S`` are removed."""
+        reports = list(loads)
+        self.seed.loads(reports)
         self.seed.refresh(now)
+        self._departures([ld.worker_id for ld in reports], now)
+
+    def _departures(self, present: list[str], now: float) -> None:
+        """Workers come and go under new ids (pods, autoscaling): a worker that left keeps its series
+        while a dashboard shows it unhealthy, then they go, so the page (and Prometheus' series count)
+        does not grow with every worker ever seen. A worker back before then keeps them."""
+        seen = self._present
+        for wid in present:
+            seen[wid] = None
+        if len(seen) == len(present):
+            return  # nobody left (ids are unique): O(1) beyond the loop above
+        here = set(present)
+        for wid, since in list(seen.items()):
+            if wid in here:
+                continue
+            if since is None:
+                seen[wid] = now
+            elif now - since >= DEPARTED_SERIES_S:
+                del seen[wid]
+                self.forget_worker(wid)
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Remove every series labelled with ``worker_id`` (and the children cached for it)."""
+        for family in (self, self.seed):
+            for metric in vars(family).values():
+                if isinstance(metric, MetricWrapperBase) and "worker" in metric._labelnames:
+                    metric.remove_by_labels({"worker": worker_id})
+        self._routed_by.forget(0, worker_id)
+        self.seed.forget_worker(worker_id)
 
     def observe_load(self, load: LoadReport, healthy: bool) -> None:
         w = load.worker_id

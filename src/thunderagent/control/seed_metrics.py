@@ -183,6 +183,12 @@ class SeedMetrics:
                 self.key_ttft.labels(label), self.key_itl.labels(label))
         return lat
 
+    def forget_worker(self, worker_id: str) -> None:
+        """The worker's series were removed (``Metrics.forget_worker``): drop the children cached for it."""
+        self._hits.forget(0, worker_id)
+        for pair in [p for p in self._latency if p[0] == worker_id]:
+            del self._latency[pair]
+
     def loads(self, loads: Iterable[LoadReport]) -> None:
         """The fleet's latest load reports (routable workers): hot worker, skew, KV water level."""
         reports = list(loads)
