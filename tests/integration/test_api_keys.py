@@ -96,7 +96,7 @@ async def test_admin_endpoints_need_an_admin_key(server_factory):
         await _cached(a, extra_body={"program_id": "agent-1"})
         await a.close()
         calls = [("POST", "/v1/programs/agent-1/release", None), ("POST", "/programs/release", {"program_id": "agent-1"}),
-                 ("GET", "/v1/programs", None), ("GET", "/metrics", None)]
+                 ("GET", "/v1/programs", None), ("GET", "/v1/programs/agent-1", None), ("GET", "/metrics", None)]
         for method, path, body in calls:
             for headers, status in (({}, 401), ({"Authorization": "Bearer " + KEY_A}, 403)):
                 async with s.request(method, srv.base_url + path, json=body, headers=headers) as r:
@@ -104,6 +104,8 @@ async def test_admin_endpoints_need_an_admin_key(server_factory):
                     err = (await r.json())["error"]
                     assert err["code"] == ("missing_api_key" if status == 401 else "admin_key_required")
         admin = {"Authorization": "Bearer " + ADMIN}
+        async with s.get(srv.base_url + "/v1/programs/agent-1", headers=admin) as r:
+            assert r.status == 200 and (await r.json())["id"] == "agent-1"
         async with s.post(srv.base_url + "/v1/programs/agent-1/release", headers=admin) as r:
             assert r.status == 200 and (await r.json())["released"] is True
         async with s.get(srv.base_url + "/metrics", headers=admin) as r:

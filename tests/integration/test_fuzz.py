@@ -37,6 +37,8 @@ CASES = {
     "POST /v1/completions": (350, 250),
     "POST /v1/programs/{program_id}/release": (250, 200),
     "POST /programs/release": (250, 200),
+    "GET /v1/programs": (60, 60),
+    "GET /v1/programs/{program_id}": (60, 60),
 }
 MIN_TOTAL = 2000
 # Small KV pools (1,024 tokens per worker) and a fast simulated engine: a schema-valid request may

@@ -122,3 +122,37 @@ async def test_past_max_programs_the_program_idle_longest_is_forgotten_and_count
         assert listed["by_state"] == {"reasoning": 0, "acting": 2, "paused": 0}
         assert "thunderagent_programs_evicted_total 2.0" in metrics
         assert 'thunderagent_programs{state="acting"} 2.0' in metrics
+
+
+async def test_programs_are_listed_by_state_and_limit_and_one_by_id(server_factory):
+    async with server_factory() as srv:
+        c = srv.client
+        for pid in ("p1", "p2", "p3"):
+            await c.completions.create(model=MODEL, prompt=f"step of {pid}", max_tokens=2,
+                                       extra_headers={"x-thunderagent-program-id": pid})
+        stream = await c.completions.create(model=MODEL, prompt="long step", max_tokens=400, stream=True,
+                                            extra_headers={"x-thunderagent-program-id": "p4"})
+        await anext(aiter(stream))  # p4 reasons while we look
+        async with aiohttp.ClientSession() as s:
+            async def get(path: str) -> tuple[int, dict]:
+                async with s.get(srv.base_url + path) as r:
+                    return r.status, await r.json()
+
+            status, body = await get("/v1/programs")
+            assert status == 200 and (body["total"], body["truncated"]) == (4, False)
+            assert [p["id"] for p in body["data"]] == ["p1", "p2", "p3", "p4"]  # oldest first
+            status, body = await get("/v1/programs?state=acting&limit=2")
+            assert [p["id"] for p in body["data"]] == ["p1", "p2"] and (body["total"], body["truncated"]) == (3, True)
+            status, body = await get("/v1/programs?state=reasoning")
+            assert [p["id"] for p in body["data"]] == ["p4"] and body["data"][0]["in_flight"] == 1
+            status, body = await get("/v1/programs/p2")
+            assert status == 200 and (body["id"], body["state"], body["steps"]) == ("p2", "acting", 1)
+            for path, param in (("/v1/programs?state=done", "state"), ("/v1/programs?limit=0", "limit"),
+                                ("/v1/programs?limit=x", "limit"), ("/v1/programs?limit=100001", "limit"),
+                                ("/v1/programs/bad%20id", "program_id")):
+                status, body = await get(path)
+                assert status == 400 and body["error"]["param"] == param, (path, body)
+            status, body = await get("/v1/programs/p9")
+            assert status == 404 and body["error"]["code"] == "program_not_found"
+        async for _ in stream:
+            pass

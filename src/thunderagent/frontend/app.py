@@ -42,6 +42,7 @@ from thunderagent.frontend.protocol import (
     decode_request,
     error_body,
     message_text,
+    program_filters,
     prompt_input,
     stop_list,
 )
@@ -301,8 +302,12 @@ class Frontend:
         return await self._run(request, req, ids, chat=False)
 
     async def programs(self, request: web.Request) -> web.Response:
-        data = self.fleet.programs.snapshot(self.fleet.now())
-        body: dict[str, object] = {"object": "list", "data": data, "by_state": self.fleet.programs.by_state()}
+        """``?state=`` (reasoning, acting, paused) and ``?limit=`` (the oldest N, default 1,000): a table
+        of up to ``scheduler.max_programs`` is not listed whole on every call by default."""
+        state, limit = program_filters(request.query)
+        data, total = self.fleet.programs.listing(self.fleet.now(), state, limit)
+        body: dict[str, object] = {"object": "list", "data": data, "total": total, "truncated": len(data) < total,
+                                   "by_state": self.fleet.programs.by_state()}
         pacer = self.fleet.dispatcher.pacer
         if pacer is not None:
             body["pacing"] = {"pauses": pacer.pauses, "resumes": pacer.resumes, "forced_resumes": pacer.forced_resumes,
@@ -311,6 +316,14 @@ class Frontend:
 
     async def planner(self, request: web.Request) -> web.Response:
         return web.json_response(self.fleet.planner.summary())
+
+    async def program(self, request: web.Request) -> web.Response:
+        program_id = check_program_id(request.match_info["program_id"])
+        prog = self.fleet.programs.get(program_id)
+        if prog is None:
+            raise RequestError(f"no program {program_id!r} is known (released, expired or never seen)",
+                               param="program_id", status=404, code="program_not_found")
+        return web.json_response(prog.as_dict(self.fleet.now()))
 
     async def release_program(self, request: web.Request) -> web.Response:
         return self._release(check_program_id(request.match_info["program_id"]))
@@ -380,6 +393,7 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     route("POST", "/v1/completions", fe.completions, Access.TENANT)
     route("GET", "/v1/models", fe.models, Access.TENANT)
     route("GET", "/v1/programs", fe.programs, Access.ADMIN)  # lists every tenant's programs
+    route("GET", "/v1/programs/{program_id}", fe.program, Access.ADMIN)
     route("GET", "/v1/planner", fe.planner, Access.ADMIN)  # scaling advice (control/planner_hook.py)
     route("POST", "/v1/programs/{program_id}/release", fe.release_program, Access.ADMIN)
     route("POST", "/programs/release", fe.release_program_body, Access.ADMIN)

@@ -16,8 +16,8 @@ from aiohttp import web
 
 from thunderagent.config import Config
 from thunderagent.frontend.protocol import (
-    MAX_STOP, NEUTRAL, NEUTRAL_COMPLETION, NEUTRAL_MESSAGE, ChatCompletionRequest, CompletionRequest,
-    ReleaseRequest,
+    MAX_STOP, NEUTRAL, NEUTRAL_COMPLETION, NEUTRAL_MESSAGE, PROGRAM_STATES, PROGRAMS_LIMIT_DEFAULT,
+    PROGRAMS_LIMIT_MAX, ChatCompletionRequest, CompletionRequest, ReleaseRequest,
 )
 
 PATH = "/openapi.json"
@@ -50,6 +50,13 @@ _COMPLETION = {"type": "object", "required": ["id", "object", "created", "model"
 _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
 _LIST = {"type": "object", "required": ["object", "data"], "properties": {
     "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object"}}}}
+_PROGRAM = {"type": "object", "required": ["id", "state", "steps", "in_flight"], "properties": {
+    "id": {"type": "string"}, "state": {"enum": [s.value for s in PROGRAM_STATES]}, "steps": {"type": "integer"},
+    "in_flight": {"type": "integer"}}}
+_PROGRAMS = {"type": "object", "required": ["object", "data", "total", "truncated", "by_state"], "properties": {
+    "object": {"const": "list"}, "data": {"type": "array", "items": _PROGRAM}, "total": {"type": "integer"},
+    "truncated": {"type": "boolean"}, "by_state": {"type": "object"}}}
+_PROGRAM_PARAM = {"name": "program_id", "in": "path", "required": True, "schema": PROGRAM_ID_SCHEMA}
 _RELEASED = {"type": "object", "required": ["id", "released"],
              "properties": {"id": {"type": "string"}, "released": {"const": True}}}
 
@@ -106,10 +113,20 @@ def openapi_document(cfg: Config) -> dict[str, Any]:
         "/v1/chat/completions": _generate("Chat completion (OpenAI)", "ChatCompletionRequest", _CHAT),
         "/v1/completions": _generate("Text completion (OpenAI)", "CompletionRequest", _COMPLETION),
         "/v1/models": get("The served model", {"200": _json(_LIST, "models"), **_errors()}),
-        "/v1/programs": get("Agent programs known to the scheduler", {"200": _json(_LIST, "programs"), **_errors()}),
+        "/v1/programs": {"get": {
+            "summary": "Agent programs known to the scheduler, oldest first", "parameters": [
+                {"name": "state", "in": "query", "required": False,
+                 "schema": {"enum": [s.value for s in PROGRAM_STATES]}},
+                {"name": "limit", "in": "query", "required": False, "schema": {
+                    "type": "integer", "minimum": 1, "maximum": PROGRAMS_LIMIT_MAX, "default": PROGRAMS_LIMIT_DEFAULT}}],
+            "responses": {"200": _json(_PROGRAMS, "programs"), **_errors(400)},
+        }},
+        "/v1/programs/{program_id}": {"get": {
+            "summary": "One agent program", "parameters": [_PROGRAM_PARAM],
+            "responses": {"200": _json(_PROGRAM, "the program"), **_errors(400, 404)},
+        }},
         "/v1/programs/{program_id}/release": {"post": {
-            "summary": "Release an agent program", "parameters": [
-                {"name": "program_id", "in": "path", "required": True, "schema": PROGRAM_ID_SCHEMA}],
+            "summary": "Release an agent program", "parameters": [_PROGRAM_PARAM],
             "responses": {"200": _json(_RELEASED, "released"), **_errors(400, 404)},
         }},
         "/programs/release": {"post": {

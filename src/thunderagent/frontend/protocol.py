@@ -10,12 +10,13 @@ bounded to what the engines can carry (token ids are uint32, seeds int64).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
-from thunderagent.scheduler.programs import PROGRAM_ID
+from thunderagent.scheduler.programs import PROGRAM_ID, ProgramState
 
 INT32_MAX = 2**31 - 1
 MaxTokens = Annotated[int, Meta(ge=1, le=INT32_MAX)]
@@ -230,3 +231,24 @@ def check_program_id(value: object) -> str:
     if not isinstance(value, str) or not PROGRAM_ID.fullmatch(value):
         raise RequestError("program_id must be 1-128 letters, digits, '.', '_', ':' or '-'", param="program_id")
     return value
+
+
+#: ``GET /v1/programs``: programs listed when ``limit`` is not given, and the most one may ask for
+PROGRAMS_LIMIT_DEFAULT, PROGRAMS_LIMIT_MAX = 1_000, 100_000
+PROGRAM_STATES = (ProgramState.REASONING, ProgramState.ACTING, ProgramState.PAUSED)
+
+
+def program_filters(query: Mapping[str, str]) -> tuple[ProgramState | None, int]:
+    """``GET /v1/programs``'s ``state`` and ``limit`` query parameters, checked."""
+    state = query.get("state")
+    found = None
+    if state is not None:
+        found = next((s for s in PROGRAM_STATES if s.value == state), None)
+        if found is None:
+            raise RequestError(f"state must be one of {', '.join(s.value for s in PROGRAM_STATES)}", param="state")
+    raw = query.get("limit")
+    if raw is None:
+        return found, PROGRAMS_LIMIT_DEFAULT
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= PROGRAMS_LIMIT_MAX:
+        raise RequestError(f"limit must be an integer from 1 to {PROGRAMS_LIMIT_MAX}", param="limit")
+    return found, int(raw)

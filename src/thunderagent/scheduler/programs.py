@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
@@ -247,3 +247,20 @@ class ProgramTable:
 
     def snapshot(self, now: float) -> list[dict[str, object]]:
         return [p.as_dict(now) for p in sorted(self._programs.values(), key=lambda p: p.first_seen)]
+
+    def listing(self, now: float, state: ProgramState | None = None, limit: int | None = None
+                ) -> tuple[list[dict[str, object]], int]:
+        """``snapshot`` of the programs in ``state`` (None: all), the ``limit`` oldest; and how many
+        matched. O(programs x log limit): a listing of a full table does not sort all of it."""
+        progs = self._programs.values()
+        if state is None:
+            total = len(self._programs)
+            matching: Iterable[Program] = progs
+        else:
+            total = self._counts.get(state, 0)
+            matching = (p for p in progs if p.state is state)
+        if limit is None or limit >= total:
+            chosen = sorted(matching, key=lambda p: p.first_seen)
+        else:  # stable like sorted(): ties keep the table's order
+            chosen = heapq.nsmallest(limit, matching, key=lambda p: p.first_seen)
+        return [p.as_dict(now) for p in chosen], total
