@@ -321,8 +321,7 @@ class Frontend:
         program_id = check_program_id(request.match_info["program_id"])
         prog = self.fleet.programs.get(program_id)
         if prog is None:
-            raise RequestError(f"no program {program_id!r} is known (released, expired or never seen)",
-                               param="program_id", status=404, code="program_not_found")
+            raise _unknown_program(program_id)
         return web.json_response(prog.as_dict(self.fleet.now()))
 
     async def release_program(self, request: web.Request) -> web.Response:
@@ -336,8 +335,7 @@ class Frontend:
 
     def _release(self, program_id: str) -> web.Response:
         if not self.fleet.release_program(program_id):
-            raise RequestError(f"no program {program_id!r} is known (released, expired or never seen)",
-                               param="program_id", status=404, code="program_not_found")
+            raise _unknown_program(program_id)
         self.fleet.metrics.programs_released.inc()
         return web.json_response({"id": program_id, "released": True})
 
@@ -358,6 +356,11 @@ class Frontend:
         resp = web.Response(body=self.fleet.metrics.render())
         resp.headers["Content-Type"] = self.fleet.metrics.content_type
         return resp
+
+
+def _unknown_program(program_id: str) -> RequestError:
+    return RequestError(f"no program {program_id!r} is known (released, expired or never seen)",
+                        param="program_id", status=404, code="program_not_found")
 
 
 def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer | None = None) -> web.Application:
