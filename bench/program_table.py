@@ -28,9 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from _common import print_table
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-HERE = Path(__file__).resolve().parent
+from _common import print_table  # noqa: E402
 SIZES = (1_000, 10_000, 100_000)
 
 

@@ -113,3 +113,27 @@ def test_a_program_cycling_between_steps_keeps_the_idle_heap_bounded() -> None:
         t.request_finished("agent", 10, i + 0.5, completed=True)
     assert len(t._idle) <= 2 * len(t) + 1025
     assert t.expire(5000.0) == [] and t.expire(4999.5 + 600.0) == ["agent"] and len(t) == 0
+
+
+@pytest.mark.parametrize("paced", [False, True])
+def test_a_program_keeps_its_prompts_blocks_only_for_the_pacer(paced: bool) -> None:
+    """The pacer's accounts read a program's latest block hashes; without pacing an idle program
+    keeps no prompt alive (a long agent context is ~40 bytes per block)."""
+    import random
+
+    from thunderagent.config import PacingConfig, RoutingConfig, SchedulerConfig
+    from thunderagent.kv.index import KvIndex
+    from thunderagent.router.router import KvRouter
+    from thunderagent.scheduler.dispatch import Dispatcher
+    from thunderagent.types import LoadReport, WorkerState
+
+    index = KvIndex(prediction_ttl=60.0)
+    index.add_worker("w0")
+    d = Dispatcher(KvRouter(RoutingConfig(seed=1), index, random.Random(1)), 16,
+                   SchedulerConfig(enabled=False, pacing=PacingConfig(enabled=paced)))
+    w = WorkerState("w0", 16, 8192, 64, LoadReport("w0", 0.0, 0, 0, 0, 0, 0, 0, 1000), "both", 4)
+    req = d.prepare("r1", list(range(64)), 4)
+    assert d.submit(req, "", [w], 1.0, program="agent") is not None
+    prog = d.programs.get("agent")
+    assert prog is not None and prog.context_tokens == 64
+    assert list(prog.blocks) == (req.block_hashes if paced else [])

@@ -155,7 +155,9 @@ class Dispatcher:
             raise NoWorkerAvailable("no healthy worker is registered")
         self._gate_at(now)
         if program is not None:
-            prog = self.programs.request_started(program, now, req.block_hashes, len(req.prompt_tokens))
+            # only the pacer reads a program's blocks: without it an idle program keeps no prompt alive
+            blocks = req.block_hashes if pacer is not None else ()
+            prog = self.programs.request_started(program, now, blocks, len(req.prompt_tokens))
             if pacer is not None:
                 if now >= pacer.next_tick and workers:
                     self.tick(workers, now)
