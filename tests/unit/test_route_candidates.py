@@ -289,3 +289,32 @@ def test_match_levels_agree_with_find_matches_with_and_without_check_hashes():
             as_dict = {index.worker_of(low): b for b, m in levels for low in (1 << k for k in range(m.bit_length())) if m & low}
             assert as_dict == index.find_matches(q, 1.0, ch)
             assert [b for b, _ in levels] == sorted({b for b, _ in levels})
+
+
+def test_workers_that_left_do_not_crowd_the_miss_balance():
+    """A fleet whose workers come and go under new ids (pods restarted, scale-downs): the ones that
+    left must not stay at the head of the recent-traffic order, where the fast path's miss scan (which
+    visits a bounded number of entries) would find only them and choose among fewer workers than the
+    full scan does."""
+    n, gone = 8, 200
+    fast, fidx = make(0, 3, candidate_limit=2)
+    full, sidx = make(0, 3, candidate_limit=2)
+    for r, idx in ((fast, fidx), (full, sidx)):
+        for i in range(gone):  # served a while, then left (the index forgets them, their bits are reused)
+            idx.add_worker(f"old{i}")
+        r.route(RouteRequest("warm", 64, [7, 8, 9, 10]),
+                FleetView(r.cfg, [worker(f"old{i}") for i in range(gone)]), 0.5)
+        for i in range(gone):
+            r.policy.recent.add(f"old{i}", 0.5, 10.0)  # type: ignore[attr-defined]
+            idx.remove_worker(f"old{i}")
+        for i in range(n):
+            idx.add_worker(f"w{i}")
+            r.policy.recent.add(f"w{i}", 1.0, 1.0 + 3 * i)  # type: ignore[attr-defined]
+    view = FleetView(fast.cfg, [worker(f"w{i}", queued=10 * (n - i)) for i in range(n)])
+    for q in range(20):  # misses: balanced by recent traffic among every worker ready within a pass
+        req = RouteRequest(f"m{q}", 64, [10_000 + 4 * q + k for k in range(4)])
+        a = fast.route(req, view, 2.0 + q)
+        b = full.route(req, list(view), 2.0 + q)
+        assert isinstance(a.candidates, LazyScores)
+        assert (a.worker_id, a.reason) == (b.worker_id, b.reason), q
+    assert len(fast.policy.recent.order) == n  # type: ignore[attr-defined]

@@ -53,6 +53,11 @@ class RecentRequests:
         insort(self._order, key)
 
     @property
+    def tracked(self) -> list[str]:
+        """The workers kept in ``order``."""
+        return list(self._key)
+
+    @property
     def order(self) -> list[tuple[float, str]]:
         """(key, worker) of the tracked workers, least recent traffic first. Read only."""
         return self._order

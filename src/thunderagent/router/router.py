@@ -124,8 +124,15 @@ class KvRouter:
         index = self.index
         tracked = self._tracked
         if tracked[0] is not view or tracked[1] != view.version or tracked[2] != index.epoch:  # O(n), rare
+            recent = policy.recent
+            here = {w.worker_id for w in view}
+            for wid in recent.tracked:
+                if wid not in here and not index.bit_of(wid):
+                    # left the fleet: its rate only decays, so it would sort first in the miss scan's
+                    # order for good, and enough of them would fill the entries that scan visits
+                    recent.forget(wid)
             for w in view:
-                policy.recent.track(w.worker_id)  # rank new workers by recent traffic
+                recent.track(w.worker_id)  # rank new workers by recent traffic
             self._bits = [index.bit_of(w.worker_id) for w in view]  # a new list: LazyScores keep the old
             self._view_mask = sum(self._bits)
             self._tracked = (view, view.version, index.epoch)
