@@ -129,3 +129,24 @@ def test_disabled_does_nothing_and_knobs_need_the_switch():
     with pytest.raises(ValidationError, match="max_eject_s"):
         OutlierConfig(eject_s=60, max_eject_s=30)
     assert Config().control_plane.outlier.enabled
+
+
+def test_breakers_of_workers_that_left_are_forgotten_and_do_not_widen_the_ejection_cap():
+    """A fleet whose workers come and go under new ids: breakers of departed workers counted in the
+    cap's base, so a fleet of 4 with 6 departed could eject 3 of its 4 (max_ejected_fraction 0.5)."""
+    from thunderagent.control.metrics import Metrics
+    from thunderagent.control.outliers import OutlierWatch
+
+    def run(known: set[str] | None) -> list[BreakerState]:
+        watch = OutlierWatch(CFG, Metrics())
+        for i in range(6):  # served a while, then left
+            watch.breakers.finished(f"old{i}", 0.0, ok=True, ttft=0.2, itl=0.02)
+        watch.tick(FLEET, 1.0, known)
+        for w in FLEET[:3]:
+            for _ in range(3):
+                watch.breakers.finished(w, 2.0, ok=False)
+        return [watch.breakers.state(w) for w in FLEET]
+
+    opened, closed = BreakerState.open, BreakerState.closed
+    assert run(set(FLEET)) == [opened, opened, closed, closed]  # the cap: half of the 4 live workers
+    assert run(None) == [opened, opened, opened, closed]  # departed ones kept: the cap counted 10 workers

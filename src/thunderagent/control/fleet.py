@@ -246,7 +246,7 @@ class Fleet:
                 self.resync_worker(wid, "rejoined")
                 log.info("worker %s healthy again (%s): back in routing", wid, change.reason)
                 self.metrics.healthy.labels(wid).set(1)
-        self.outliers.tick([w.worker_id for w in self.registry.routable()], now)
+        self.outliers.tick([w.worker_id for w in self.registry.routable()], now, self.workers)
         self.dispatcher.tick(self.routable(), now)  # pacing; grouping's bounds (``_wake`` runs them on time)
         if self.cache_migration is not None:
             self.cache_migration.tick(self.routable(), now)
