@@ -137,16 +137,18 @@ def test_breakers_of_workers_that_left_are_forgotten_and_do_not_widen_the_ejecti
     from thunderagent.control.metrics import Metrics
     from thunderagent.control.outliers import OutlierWatch
 
-    def run(known: set[str] | None) -> list[BreakerState]:
+    def run(forgotten: bool) -> list[BreakerState]:
         watch = OutlierWatch(CFG, Metrics())
         for i in range(6):  # served a while, then left
             watch.breakers.finished(f"old{i}", 0.0, ok=True, ttft=0.2, itl=0.02)
-        watch.tick(FLEET, 1.0, known)
+            if forgotten:
+                watch.forget(f"old{i}")  # what Fleet.leave does
+        watch.tick(FLEET, 1.0)
         for w in FLEET[:3]:
             for _ in range(3):
                 watch.breakers.finished(w, 2.0, ok=False)
         return [watch.breakers.state(w) for w in FLEET]
 
     opened, closed = BreakerState.open, BreakerState.closed
-    assert run(set(FLEET)) == [opened, opened, closed, closed]  # the cap: half of the 4 live workers
-    assert run(None) == [opened, opened, opened, closed]  # departed ones kept: the cap counted 10 workers
+    assert run(True) == [opened, opened, closed, closed]  # the cap: half of the 4 live workers
+    assert run(False) == [opened, opened, opened, closed]  # departed ones kept: the cap counted 10 workers

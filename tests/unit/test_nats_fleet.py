@@ -229,8 +229,10 @@ async def test_bye_leaves_routing_at_once_but_drains_requests_in_flight(fleet):
     gen = await fleet.start_generation(list(range(100)), 4)
     wid = gen.decision.worker_id
     await stream_msg(fleet, gen.request_id, accepted())
+    fleet.outliers.ended(wid, 0.0, ok=False)  # a breaker of its own
     await deliver(fleet, f"ta.worker.{wid}.bye", wire.encode(wire.Bye("i1")))
     assert wid not in fleet.workers and wid not in fleet.registry.worker_ids()
+    assert wid not in {w for w, _, _ in fleet.outliers.breakers.states()}  # forgotten with it
     assert fleet.index.num_blocks(wid) == 0
     assert gen.queue.empty()  # still streaming
     tok = wire.WireToken([65], 1.0, 100, 0, True, "length", None)

@@ -109,10 +109,6 @@ class Breakers:
                 return self._eject(worker_id, w, now, f"{w.failures} errors in a row")
         return None
 
-    def ids(self) -> list[str]:
-        """The workers with a breaker (any that reported a request's end)."""
-        return list(self._workers)
-
     def forget(self, worker_id: str) -> None:
         """The worker left the fleet: its history goes with it."""
         self._workers.pop(worker_id, None)

@@ -157,12 +157,12 @@ class Fleet:
         self.metrics.healthy.labels(wid).set(1)
 
     def leave(self, worker_id: str, reason: str, *, drain: bool = False) -> None:
-        """Remove a worker (registry, index, routing). Its requests in flight end, unless ``drain``:
-        a worker shutting down cleanly finishes them (the stall check still watches them)."""
+        """Remove a worker (registry, index, routing, breaker); ``drain``: its requests finish, else they end."""
         handle = self.workers.pop(worker_id, None)
         if handle is None:
             return
         self.registry.deregister(worker_id)
+        self.outliers.forget(worker_id)  # else its breaker stays in the ejection cap's base for good
         self.unavailable.pop(worker_id, None)
         purged, gens = self._out_of_routing(worker_id, handle, None if drain else f"worker {worker_id} left")
         log.warning("worker %s left: %s; %d index entries purged, %d requests in flight%s", worker_id, reason,
@@ -246,7 +246,7 @@ class Fleet:
                 self.resync_worker(wid, "rejoined")
                 log.info("worker %s healthy again (%s): back in routing", wid, change.reason)
                 self.metrics.healthy.labels(wid).set(1)
-        self.outliers.tick([w.worker_id for w in self.registry.routable()], now, self.workers)
+        self.outliers.tick([w.worker_id for w in self.registry.routable()], now)
         self.dispatcher.tick(self.routable(), now)  # pacing; grouping's bounds (``_wake`` runs them on time)
         if self.cache_migration is not None:
             self.cache_migration.tick(self.routable(), now)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Container, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from thunderagent.config import OutlierConfig
@@ -75,17 +75,13 @@ class OutlierWatch:
                 itl = (last_t - first_t) / (completion - 1)
         self.ended(gen.worker.worker_id, last_t, ok=True, ttft=ttft, itl=itl)
 
-    def tick(self, workers: Sequence[str], now: float, known: Container[str] | None = None) -> None:
-        """``workers``: the routable ones; ``known``: every worker of the fleet, routable or not. A breaker
-        of a worker that left goes with it: kept, it would count in the ejection cap's base for good
-        (letting a churned fleet eject more of its live workers than ``max_ejected_fraction``)."""
-        if known is not None:
-            for wid in [wid for wid in self.breakers.ids() if wid not in known]:
-                self.forget(wid)
+    def tick(self, workers: Sequence[str], now: float) -> None:
         for change in self.breakers.check(workers, now):
             self._report(change)
 
     def forget(self, worker_id: str) -> None:
+        """The worker left the fleet (``Fleet.leave``): kept, its breaker would count in the ejection cap's
+        base for good, letting a churned fleet eject more of its live workers than ``max_ejected_fraction``."""
         self.breakers.forget(worker_id)
         self.metrics.breaker_state.labels(worker_id).set(0)
 

@@ -16,9 +16,10 @@ from aiohttp import web
 
 from thunderagent.config import Config
 from thunderagent.frontend.protocol import (
-    MAX_STOP, NEUTRAL, NEUTRAL_COMPLETION, NEUTRAL_MESSAGE, PROGRAM_STATES, PROGRAMS_LIMIT_DEFAULT,
+    MAX_STOP, NEUTRAL, NEUTRAL_COMPLETION, NEUTRAL_MESSAGE, PROGRAMS_LIMIT_DEFAULT,
     PROGRAMS_LIMIT_MAX, ChatCompletionRequest, CompletionRequest, ReleaseRequest,
 )
+from thunderagent.scheduler.programs import LIVE_STATES
 
 PATH = "/openapi.json"
 PROGRAM_ID_SCHEMA = {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,128}$"}
@@ -51,7 +52,7 @@ _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"t
 _LIST = {"type": "object", "required": ["object", "data"], "properties": {
     "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object"}}}}
 _PROGRAM = {"type": "object", "required": ["id", "state", "steps", "in_flight"], "properties": {
-    "id": {"type": "string"}, "state": {"enum": [s.value for s in PROGRAM_STATES]}, "steps": {"type": "integer"},
+    "id": {"type": "string"}, "state": {"enum": [s.value for s in LIVE_STATES]}, "steps": {"type": "integer"},
     "in_flight": {"type": "integer"}}}
 _PROGRAMS = {"type": "object", "required": ["object", "data", "total", "truncated", "by_state"], "properties": {
     "object": {"const": "list"}, "data": {"type": "array", "items": _PROGRAM}, "total": {"type": "integer"},
@@ -116,7 +117,7 @@ def openapi_document(cfg: Config) -> dict[str, Any]:
         "/v1/programs": {"get": {
             "summary": "Agent programs known to the scheduler, oldest first", "parameters": [
                 {"name": "state", "in": "query", "required": False,
-                 "schema": {"enum": [s.value for s in PROGRAM_STATES]}},
+                 "schema": {"enum": [s.value for s in LIVE_STATES]}},
                 {"name": "limit", "in": "query", "required": False, "schema": {
                     "type": "integer", "minimum": 1, "maximum": PROGRAMS_LIMIT_MAX, "default": PROGRAMS_LIMIT_DEFAULT}}],
             "responses": {"200": _json(_PROGRAMS, "programs"), **_errors(400)},

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from thunderagent.scheduler.programs import PROGRAM_ID, ProgramState
+from thunderagent.scheduler.programs import LIVE_STATES, PROGRAM_ID, ProgramState
 
 INT32_MAX = 2**31 - 1
 MaxTokens = Annotated[int, Meta(ge=1, le=INT32_MAX)]
@@ -235,7 +235,6 @@ def check_program_id(value: object) -> str:
 
 #: ``GET /v1/programs``: programs listed when ``limit`` is not given, and the most one may ask for
 PROGRAMS_LIMIT_DEFAULT, PROGRAMS_LIMIT_MAX = 1_000, 100_000
-PROGRAM_STATES = (ProgramState.REASONING, ProgramState.ACTING, ProgramState.PAUSED)
 
 
 def program_filters(query: Mapping[str, str]) -> tuple[ProgramState | None, int]:
@@ -243,9 +242,9 @@ def program_filters(query: Mapping[str, str]) -> tuple[ProgramState | None, int]
     state = query.get("state")
     found = None
     if state is not None:
-        found = next((s for s in PROGRAM_STATES if s.value == state), None)
+        found = next((s for s in LIVE_STATES if s.value == state), None)
         if found is None:
-            raise RequestError(f"state must be one of {', '.join(s.value for s in PROGRAM_STATES)}", param="state")
+            raise RequestError(f"state must be one of {', '.join(s.value for s in LIVE_STATES)}", param="state")
     raw = query.get("limit")
     if raw is None:
         return found, PROGRAMS_LIMIT_DEFAULT

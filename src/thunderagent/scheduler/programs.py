@@ -43,6 +43,10 @@ class ProgramState(StrEnum):
     TERMINATED = "terminated"
 
 
+#: the states a program in the table can be in (a terminated one is forgotten)
+LIVE_STATES = (ProgramState.REASONING, ProgramState.ACTING, ProgramState.PAUSED)
+
+
 @dataclass(slots=True)
 class Program:
     program_id: str
@@ -95,7 +99,7 @@ class ProgramTable:
         self._programs: dict[str, Program] = {}
         self._created = 0
         self.watcher: ProgramWatcher | None = None
-        self._counts = {ProgramState.REASONING: 0, ProgramState.ACTING: 0, ProgramState.PAUSED: 0}
+        self._counts = dict.fromkeys(LIVE_STATES, 0)
         # (idle since, seq, id) of idle programs, oldest first; an entry whose program changed since is
         # stale and skipped when popped (cheaper than finding it on every change)
         self._idle: list[tuple[float, int, str]] = []
