@@ -92,22 +92,13 @@ async def test_no_key_or_a_bad_key_is_401_in_openai_shape(server_factory):
 
 async def test_admin_endpoints_need_an_admin_key(server_factory):
     async with server_factory(**_keys_on()) as srv, aiohttp.ClientSession() as s:
-        a = _client(srv, KEY_A)
-        await _cached(a, extra_body={"program_id": "agent-1"})
-        await a.close()
-        calls = [("POST", "/v1/programs/agent-1/release", None), ("POST", "/programs/release", {"program_id": "agent-1"}),
-                 ("GET", "/v1/programs", None), ("GET", "/v1/programs/agent-1", None), ("GET", "/metrics", None)]
-        for method, path, body in calls:
+        for path in ("/metrics", "/v1/planner"):
             for headers, status in (({}, 401), ({"Authorization": "Bearer " + KEY_A}, 403)):
-                async with s.request(method, srv.base_url + path, json=body, headers=headers) as r:
+                async with s.get(srv.base_url + path, headers=headers) as r:
                     assert r.status == status, (path, headers)
                     err = (await r.json())["error"]
                     assert err["code"] == ("missing_api_key" if status == 401 else "admin_key_required")
         admin = {"Authorization": "Bearer " + ADMIN}
-        async with s.get(srv.base_url + "/v1/programs/agent-1", headers=admin) as r:
-            assert r.status == 200 and (await r.json())["id"] == "agent-1"
-        async with s.post(srv.base_url + "/v1/programs/agent-1/release", headers=admin) as r:
-            assert r.status == 200 and (await r.json())["released"] is True
         async with s.get(srv.base_url + "/metrics", headers=admin) as r:
             assert r.status == 200
         # /health: public and minimal; the detail with an admin key
@@ -120,6 +111,71 @@ async def test_admin_endpoints_need_an_admin_key(server_factory):
             assert r.status == 401
         async with s.get(srv.base_url + "/openapi.json") as r:
             assert r.status == 200
+
+
+async def test_a_tenant_reaches_only_its_own_programs_and_an_admin_names_the_tenant(server_factory):
+    """Program ids are namespaced by tenant: two tenants that pick the same id run two programs; a
+    tenant key lists, reads and releases its own (by its own id), never another tenant's; an admin key
+    sees all, with their tenant, and names one program's tenant with ``?tenant=``."""
+    async with server_factory(**_keys_on()) as srv, aiohttp.ClientSession() as s:
+        a, b = _client(srv, KEY_A), _client(srv, KEY_B)
+        for client, steps in ((a, 2), (b, 1)):
+            for _ in range(steps):
+                await _cached(client, extra_body={"program_id": "agent-1"})
+        await _cached(b, extra_headers={"x-thunderagent-program-id": "solo"})
+        as_a, as_b, admin = ({"Authorization": "Bearer " + k} for k in (KEY_A, KEY_B, ADMIN))
+
+        async def call(method: str, path: str, headers: dict[str, str], body: object = None) -> tuple[int, dict]:
+            async with s.request(method, srv.base_url + path, json=body, headers=headers) as r:
+                return r.status, await r.json()
+
+        for path in ("/v1/programs", "/v1/programs/agent-1", "/v1/programs/agent-1/release", "/programs/release"):
+            assert (await call("GET" if "release" not in path else "POST", path, {}))[0] == 401
+        status, mine = await call("GET", "/v1/programs", as_a)
+        assert status == 200 and [(p["tenant"], p["id"], p["steps"]) for p in mine["data"]] == [("acme", "agent-1", 2)]
+        assert mine["total"] == 1 and mine["by_state"] == {"reasoning": 0, "acting": 1, "paused": 0}
+        status, one = await call("GET", "/v1/programs/agent-1", as_b)
+        assert status == 200 and (one["tenant"], one["id"], one["steps"]) == ("globex", "agent-1", 1)
+        assert (await call("GET", "/v1/programs/solo", as_a))[0] == 404  # globex's, not acme's
+        status, err = await call("GET", "/v1/programs?tenant=globex", as_a)
+        assert status == 403 and err["error"]["param"] == "tenant"
+        status, every = await call("GET", "/v1/programs", admin)
+        assert sorted((p["tenant"], p["id"]) for p in every["data"]) == [("acme", "agent-1"), ("globex", "agent-1"), ("globex", "solo")]
+        status, theirs = await call("GET", "/v1/programs?tenant=globex&state=acting", admin)
+        assert status == 200 and theirs["total"] == 2 and theirs["by_state"]["acting"] == 2
+        status, err = await call("GET", "/v1/programs/agent-1", admin)  # which tenant's? say so
+        assert status == 404 and "?tenant=" in err["error"]["message"]
+        assert (await call("GET", "/v1/programs?tenant=no/such", admin))[0] == 400
+        # release: a tenant its own (the paper proxy's form too), never another's; an admin by tenant
+        status, done = await call("POST", "/programs/release", as_b, {"program_id": "agent-1"})
+        assert status == 200 and done == {"id": "agent-1", "tenant": "globex", "released": True}
+        assert (await call("POST", "/v1/programs/solo/release", as_a))[0] == 404
+        assert (await call("POST", "/v1/programs/agent-1/release", as_b))[0] == 404  # gone already
+        assert srv.fleet.programs.get("acme/agent-1") is not None  # acme's agent-1 untouched
+        status, done = await call("POST", "/v1/programs/solo/release?tenant=globex", admin)
+        assert status == 200 and done["tenant"] == "globex"
+        assert (await call("POST", "/v1/programs/agent-1/release", as_a))[0] == 200
+        assert len(srv.fleet.programs) == 0
+        for c in (a, b):
+            await c.close()
+
+
+async def test_one_tenants_flood_of_program_ids_does_not_evict_anothers_programs(server_factory):
+    """Past ``scheduler.max_programs`` a tenant sending new program ids evicts its own idle programs
+    once it holds the most: the other tenant's programs live on (max-min fair share)."""
+    async with server_factory(**_keys_on(), scheduler={"max_programs": 8}) as srv:
+        a, b = _client(srv, KEY_A), _client(srv, KEY_B)
+        for i in range(3):
+            await _cached(a, extra_body={"program_id": f"keep-{i}"})
+        for i in range(40):
+            await _cached(b, extra_body={"program_id": f"flood-{i}"})
+        progs = srv.fleet.programs
+        assert sorted(p.program_id for p in progs if p.tenant == "acme") == ["acme/keep-0", "acme/keep-1", "acme/keep-2"]
+        assert sorted(p.program_id for p in progs if p.tenant == "globex") == [f"globex/flood-{i}" for i in range(35, 40)]
+        assert progs.evicted == 35
+        assert "thunderagent_programs_evicted_total 35.0" in srv.fleet.metrics.render().decode()
+        for c in (a, b):
+            await c.close()
 
 
 async def test_keys_from_a_file_and_an_environment_variable(server_factory, tmp_path, monkeypatch):

@@ -53,7 +53,7 @@ async def test_program_ids_states_and_release(server_factory):
 
         async with aiohttp.ClientSession() as s:
             async with s.post(srv.base_url + "/v1/programs/agent-1/release") as r:
-                assert r.status == 200 and (await r.json()) == {"id": "agent-1", "released": True}
+                assert r.status == 200 and (await r.json()) == {"id": "agent-1", "tenant": None, "released": True}
             async with s.post(srv.base_url + "/v1/programs/agent-1/release") as r:
                 err = (await r.json())["error"]
                 assert r.status == 404 and err["code"] == "program_not_found" and err["param"] == "program_id"
@@ -149,7 +149,8 @@ async def test_programs_are_listed_by_state_and_limit_and_one_by_id(server_facto
             assert status == 200 and (body["id"], body["state"], body["steps"]) == ("p2", "acting", 1)
             for path, param in (("/v1/programs?state=done", "state"), ("/v1/programs?limit=0", "limit"),
                                 ("/v1/programs?limit=x", "limit"), ("/v1/programs?limit=100001", "limit"),
-                                ("/v1/programs/bad%20id", "program_id")):
+                                ("/v1/programs/bad%20id", "program_id"),
+                                ("/v1/programs?tenant=acme", "tenant")):  # keys off: programs have no tenant
                 status, body = await get(path)
                 assert status == 400 and body["error"]["param"] == param, (path, body)
             status, body = await get("/v1/programs/p9")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from thunderagent.scheduler.programs import ProgramState, ProgramTable
+from thunderagent.scheduler.programs import EVERYONE, ProgramState, ProgramTable, program_key, split_key
 
 
 def test_a_program_reasons_while_a_request_runs_and_acts_between_them() -> None:
@@ -21,7 +21,7 @@ def test_a_program_reasons_while_a_request_runs_and_acts_between_them() -> None:
     t.request_finished("agent-1", 0, 22.0, completed=False)  # cut off: not a step
     assert (p.state, p.steps, p.context_tokens) == (ProgramState.ACTING, 2, 1800)
     assert t.by_state() == {"reasoning": 0, "acting": 1, "paused": 0}
-    assert t.snapshot(30.0) == [{"id": "agent-1", "state": "acting", "worker": "worker-2", "steps": 2, "in_flight": 0,
+    assert t.snapshot(30.0) == [{"id": "agent-1", "tenant": None, "state": "acting", "worker": "worker-2", "steps": 2, "in_flight": 0,
                                  "context_tokens": 1800, "age_s": 20.0, "in_state_s": 8.0, "pinned": None,
                                  "pause_cycles": 0, "pause_after_turn": False}]
 
@@ -40,11 +40,12 @@ def test_release_and_idle_expiry_terminate_programs() -> None:
         ProgramTable(0)
 
 
-def _scan(t: ProgramTable, now: float) -> tuple[dict[str, int], list[str]]:
+def _scan(t: ProgramTable, now: float, tenant: str | None = EVERYONE) -> tuple[dict[str, int], list[str]]:
     """What the table answered by scanning every program (before it kept counts and an idle heap)."""
     counts = {"reasoning": 0, "acting": 0, "paused": 0}
     for p in t:
-        counts[p.state.value] += 1
+        if tenant == EVERYONE or p.tenant == tenant:
+            counts[p.state.value] += 1
     idle = [p.program_id for p in t if p.state is not ProgramState.REASONING and not p.in_flight
             and now - p.last_change >= t.idle_ttl_s]
     return counts, idle
@@ -53,7 +54,8 @@ def _scan(t: ProgramTable, now: float) -> tuple[dict[str, int], list[str]]:
 def test_state_counts_and_expiry_match_a_scan_of_the_table_under_random_operations() -> None:
     """Counts kept per state and the idle heap answer exactly what a full scan answers, after every
     step of random sequences (starts, ends, cancels, pauses with and without a held request,
-    resumes, releases, sweeps), stale heap entries and re-created ids included."""
+    resumes, releases, sweeps), stale heap entries and re-created ids included; programs of three
+    owners (keys off's None and two tenants) sharing ids, each owner's counts and listing its own."""
     import random
 
     for seed in range(20):
@@ -62,7 +64,7 @@ def test_state_counts_and_expiry_match_a_scan_of_the_table_under_random_operatio
         now = 0.0
         for _ in range(600):
             now += rng.choice((0.0, 0.1, 0.5, 2.0))
-            pid = f"p{rng.randrange(12)}"
+            pid = program_key(rng.choice((None, "acme", "zeta")), f"p{rng.randrange(6)}")
             prog = t.get(pid)
             op = rng.random()
             if op < 0.35:
@@ -83,7 +85,11 @@ def test_state_counts_and_expiry_match_a_scan_of_the_table_under_random_operatio
                 assert t.expire(now) == idle
             counts, _ = _scan(t, now)
             assert t.by_state() == counts
-            assert len(t._idle) <= 2 * len(t) + 1025
+            for tenant in (None, "acme", "zeta"):
+                mine, total = t.listing(now, tenant=tenant)
+                assert t.by_state(tenant) == _scan(t, now, tenant)[0] and total == len(mine)
+                assert {(m["tenant"], m["id"]) for m in mine} == {split_key(p.program_id) for p in t if p.tenant == tenant}
+            assert t.heap_entries() <= 2 * len(t) + 1025
 
 
 def test_past_max_programs_a_new_program_evicts_the_one_idle_longest() -> None:
@@ -106,12 +112,63 @@ def test_past_max_programs_a_new_program_evicts_the_one_idle_longest() -> None:
         ProgramTable(60.0, max_programs=0)
 
 
+def _keys(t: ProgramTable, tenant: str) -> list[str]:
+    return sorted(p.program_id for p in t if p.tenant == tenant)
+
+
+def _idle_program(t: ProgramTable, key: str, at: float) -> None:
+    t.request_started(key, at)
+    t.request_finished(key, 10, at, completed=True)
+
+
+def test_tenants_picking_the_same_program_id_get_separate_programs() -> None:
+    t = ProgramTable(idle_ttl_s=600.0)
+    a, z = program_key("acme", "agent-1"), program_key("zeta", "agent-1")
+    assert (a, z, split_key(a), split_key("agent-1")) == ("acme/agent-1", "zeta/agent-1", ("acme", "agent-1"), (None, "agent-1"))
+    t.request_started(a, 1.0)
+    t.request_started(z, 2.0)
+    t.request_finished(z, 900, 3.0, completed=True)
+    assert (t.get(a).state, t.get(a).steps, t.get(z).state, t.get(z).steps) == (ProgramState.REASONING, 0, ProgramState.ACTING, 1)
+    assert t.release(z) and t.get(z) is None and t.get(a).in_flight == 1 and t.get("agent-1") is None
+    assert t.listing(4.0, tenant="zeta") == ([], 0)
+    assert [(m["tenant"], m["id"]) for m in t.listing(4.0)[0]] == [("acme", "agent-1")]
+
+
+def test_a_full_table_evicts_from_the_tenant_holding_the_most() -> None:
+    """Max-min fair eviction: a flood of new ids from one tenant evicts only its own programs once it
+    holds the most; a tenant that then starts programs takes its places from the flood."""
+    t = ProgramTable(idle_ttl_s=600.0, max_programs=10)
+    for i in range(3):
+        _idle_program(t, program_key("acme", f"a{i}"), float(i))  # idle longest of all
+    for i in range(100):  # the flood: each one idle right after its start
+        _idle_program(t, program_key("flood", f"f{i}"), 10.0 + i)
+    assert t.evicted == 93 and t.by_state("acme") == {"reasoning": 0, "acting": 3, "paused": 0}
+    assert sorted(p.program_id for p in t if p.tenant == "flood") == [f"flood/f{i}" for i in range(93, 100)]
+    for i in range(4):  # zeta takes its places from the flood's idlest while the flood holds the most
+        _idle_program(t, program_key("zeta", f"z{i}"), 200.0 + i)
+    assert [len(t.listing(300.0, tenant=x)[0]) for x in ("acme", "flood", "zeta")] == [3, 4, 3]
+    assert _keys(t, "flood") == [f"flood/f{i}" for i in range(96, 100)]  # z3 tied with it: zeta paid (z0)
+    assert _keys(t, "zeta") == ["zeta/z1", "zeta/z2", "zeta/z3"]
+    _idle_program(t, program_key("acme", "a3"), 300.0)  # acme at 4 with the new one, tied with flood: acme pays
+    assert _keys(t, "acme") == ["acme/a1", "acme/a2", "acme/a3"]
+    for key in ("flood/f97", "flood/f98", "flood/f99", "zeta/z1", "zeta/z2", "zeta/z3"):
+        t.request_started(key, 301.0)  # busy now: never evicted
+    # zeta would hold 4 with z6, tied with flood: zeta is preferred but has none idle, flood's f96 goes
+    t.request_started(program_key("zeta", "z6"), 302.0)
+    assert _keys(t, "flood") == ["flood/f97", "flood/f98", "flood/f99"]
+    _idle_program(t, program_key("zeta", "z7"), 303.0)  # zeta at 5, none idle; flood none idle: acme's a1
+    t.request_started(program_key("flood", "f100"), 304.0)  # zeta holds the most (5): its one idle, z7
+    assert (_keys(t, "acme"), _keys(t, "flood")) == (["acme/a2", "acme/a3"], ["flood/f100", "flood/f97", "flood/f98", "flood/f99"])
+    assert _keys(t, "zeta") == ["zeta/z1", "zeta/z2", "zeta/z3", "zeta/z6"]
+    assert len(t) == 10 and t.evicted == 101
+
+
 def test_a_program_cycling_between_steps_keeps_the_idle_heap_bounded() -> None:
     t = ProgramTable(idle_ttl_s=600.0)
     for i in range(5000):  # each step ends idle: one heap entry per step, all but the last stale
         t.request_started("agent", float(i))
         t.request_finished("agent", 10, i + 0.5, completed=True)
-    assert len(t._idle) <= 2 * len(t) + 1025
+    assert t.heap_entries() <= 2 * len(t) + 1025
     assert t.expire(5000.0) == [] and t.expire(4999.5 + 600.0) == ["agent"] and len(t) == 0
 
 

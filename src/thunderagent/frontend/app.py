@@ -36,19 +36,19 @@ from thunderagent.frontend.openapi import add_openapi_route
 from thunderagent.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ReleaseRequest,
     RequestError,
     check_program_id,
     decode_request,
     error_body,
     message_text,
-    program_filters,
     prompt_input,
     stop_list,
 )
+from thunderagent.frontend.programs_api import ProgramsApi
 from thunderagent.frontend.relay import RelayFrontend
 from thunderagent.frontend.streaming import TextChunk, stream_text
 from thunderagent.frontend.tokenizer import ChatMessage, Tokenizer
+from thunderagent.scheduler.programs import program_key
 from thunderagent.types import FinishReason, Sampling
 
 log = logging.getLogger(__name__)
@@ -139,12 +139,13 @@ class Frontend:
     @staticmethod
     def _program_id(request: web.Request, req: ChatCompletionRequest | CompletionRequest) -> str | None:
         """The agent program a request belongs to: our header, the body's ``program_id`` (top level
-        or in ``extra_body``, as the ThunderAgent paper's proxy reads it), or Dynamo's session header."""
+        or in ``extra_body``, as the ThunderAgent paper's proxy reads it), or Dynamo's session header;
+        as the program table's key: the tenant's own program with API keys on (``tenant/id``)."""
         nested = (req.extra_body or {}).get("program_id")
         for value in (request.headers.get(PROGRAM_HEADER), req.program_id, nested,
                       request.headers.get(DYNAMO_SESSION_HEADER)):
             if value is not None:
-                return check_program_id(value)
+                return program_key(request.get(TENANT), check_program_id(value))
         return None
 
     @staticmethod
@@ -301,43 +302,8 @@ class Frontend:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         return await self._run(request, req, ids, chat=False)
 
-    async def programs(self, request: web.Request) -> web.Response:
-        """``?state=`` (reasoning, acting, paused) and ``?limit=`` (the oldest N, default 1,000): a table
-        of up to ``scheduler.max_programs`` is not listed whole on every call by default."""
-        state, limit = program_filters(request.query)
-        data, total = self.fleet.programs.listing(self.fleet.now(), state, limit)
-        body: dict[str, object] = {"object": "list", "data": data, "total": total, "truncated": len(data) < total,
-                                   "by_state": self.fleet.programs.by_state()}
-        pacer = self.fleet.dispatcher.pacer
-        if pacer is not None:
-            body["pacing"] = {"pauses": pacer.pauses, "resumes": pacer.resumes, "forced_resumes": pacer.forced_resumes,
-                              "held_requests": pacer.held_count(), "recent": [e.as_dict() for e in pacer.recent]}
-        return web.json_response(body)
-
     async def planner(self, request: web.Request) -> web.Response:
         return web.json_response(self.fleet.planner.summary())
-
-    async def program(self, request: web.Request) -> web.Response:
-        program_id = check_program_id(request.match_info["program_id"])
-        prog = self.fleet.programs.get(program_id)
-        if prog is None:
-            raise _unknown_program(program_id)
-        return web.json_response(prog.as_dict(self.fleet.now()))
-
-    async def release_program(self, request: web.Request) -> web.Response:
-        return self._release(check_program_id(request.match_info["program_id"]))
-
-    async def release_program_body(self, request: web.Request) -> web.Response:
-        """``POST /programs/release {"program_id": ...}``: the ThunderAgent paper proxy's form."""
-        body = decode_request(await request.read(), ReleaseRequest)
-        assert isinstance(body, ReleaseRequest)
-        return self._release(check_program_id(body.program_id))
-
-    def _release(self, program_id: str) -> web.Response:
-        if not self.fleet.release_program(program_id):
-            raise _unknown_program(program_id)
-        self.fleet.metrics.programs_released.inc()
-        return web.json_response({"id": program_id, "released": True})
 
     async def models(self, request: web.Request) -> web.Response:
         body = {"object": "list", "data": [
@@ -356,11 +322,6 @@ class Frontend:
         resp = web.Response(body=self.fleet.metrics.render())
         resp.headers["Content-Type"] = self.fleet.metrics.content_type
         return resp
-
-
-def _unknown_program(program_id: str) -> RequestError:
-    return RequestError(f"no program {program_id!r} is known (released, expired or never seen)",
-                        param="program_id", status=404, code="program_not_found")
 
 
 def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer | None = None) -> web.Application:
@@ -395,11 +356,12 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     route("POST", "/v1/chat/completions", fe.chat_completions, Access.TENANT)
     route("POST", "/v1/completions", fe.completions, Access.TENANT)
     route("GET", "/v1/models", fe.models, Access.TENANT)
-    route("GET", "/v1/programs", fe.programs, Access.ADMIN)  # lists every tenant's programs
-    route("GET", "/v1/programs/{program_id}", fe.program, Access.ADMIN)
+    programs = ProgramsApi(fleet)  # a tenant key: its own programs; an admin key: everyone's
+    route("GET", "/v1/programs", programs.listing, Access.ANY)
+    route("GET", "/v1/programs/{program_id}", programs.one, Access.ANY)
+    route("POST", "/v1/programs/{program_id}/release", programs.release, Access.ANY)
+    route("POST", "/programs/release", programs.release_body, Access.ANY)
     route("GET", "/v1/planner", fe.planner, Access.ADMIN)  # scaling advice (control/planner_hook.py)
-    route("POST", "/v1/programs/{program_id}/release", fe.release_program, Access.ADMIN)
-    route("POST", "/programs/release", fe.release_program_body, Access.ADMIN)
     route("GET", "/health", fe.health, Access.PUBLIC)  # the detail needs an admin key
     if cfg.metrics.enabled:
         route("GET", cfg.metrics.path, fe.metrics, Access.ADMIN)

@@ -6,8 +6,10 @@ With keys on, every request carries ``Authorization: Bearer <key>`` (what the op
   the request then belongs to that key's tenant: its cache salt is derived from the tenant
   (:func:`tenant_salt`), so tenants never share a cached prefix (here or in vLLM's own cache), and
   the tenant is its route key (fairness across tenants, not across client-chosen names);
-- the admin endpoints (program release and listing, metrics) need an admin key: no key or an
-  unknown one is 401, a tenant key 403;
+- the admin endpoints (metrics, the planner) need an admin key: no key or an unknown one is 401,
+  a tenant key 403;
+- the program endpoints take either: a tenant key reaches its own programs only (program ids are
+  namespaced by tenant), an admin key every tenant's (``frontend/programs_api.py``);
 - ``/health`` stays public for load balancers but shows only ``status`` and ``healthy_workers``;
   the per-worker detail needs an admin key. ``/openapi.json`` is public;
 - any other path (unknown routes included) needs a tenant key: nothing is open by omission.
@@ -39,6 +41,7 @@ class Access(Enum):
     PUBLIC = "public"  # anyone; an admin key unlocks the detail
     TENANT = "tenant"
     ADMIN = "admin"
+    ANY = "any"  # a tenant key or an admin key (the handler scopes what a tenant reaches)
 
 
 class KeyRing:

@@ -15,14 +15,15 @@ import msgspec
 from aiohttp import web
 
 from thunderagent.config import Config
+from thunderagent.config.auth import TENANT_NAME
 from thunderagent.frontend.protocol import (
     MAX_STOP, NEUTRAL, NEUTRAL_COMPLETION, NEUTRAL_MESSAGE, PROGRAMS_LIMIT_DEFAULT,
     PROGRAMS_LIMIT_MAX, ChatCompletionRequest, CompletionRequest, ReleaseRequest,
 )
-from thunderagent.scheduler.programs import LIVE_STATES
+from thunderagent.scheduler.programs import LIVE_STATES, PROGRAM_ID
 
 PATH = "/openapi.json"
-PROGRAM_ID_SCHEMA = {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,128}$"}
+PROGRAM_ID_SCHEMA = {"type": "string", "pattern": PROGRAM_ID.pattern}
 _ERROR = {
     "type": "object", "required": ["error"],
     "properties": {"error": {
@@ -51,15 +52,20 @@ _COMPLETION = {"type": "object", "required": ["id", "object", "created", "model"
 _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
 _LIST = {"type": "object", "required": ["object", "data"], "properties": {
     "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object"}}}}
-_PROGRAM = {"type": "object", "required": ["id", "state", "steps", "in_flight"], "properties": {
-    "id": {"type": "string"}, "state": {"enum": [s.value for s in LIVE_STATES]}, "steps": {"type": "integer"},
+_TENANT = {"type": ["string", "null"], "description": "whose program it is (API keys on; null with keys off)"}
+_PROGRAM = {"type": "object", "required": ["id", "tenant", "state", "steps", "in_flight"], "properties": {
+    "id": {"type": "string"}, "tenant": _TENANT, "state": {"enum": [s.value for s in LIVE_STATES]}, "steps": {"type": "integer"},
     "in_flight": {"type": "integer"}}}
 _PROGRAMS = {"type": "object", "required": ["object", "data", "total", "truncated", "by_state"], "properties": {
     "object": {"const": "list"}, "data": {"type": "array", "items": _PROGRAM}, "total": {"type": "integer"},
     "truncated": {"type": "boolean"}, "by_state": {"type": "object"}}}
 _PROGRAM_PARAM = {"name": "program_id", "in": "path", "required": True, "schema": PROGRAM_ID_SCHEMA}
-_RELEASED = {"type": "object", "required": ["id", "released"],
-             "properties": {"id": {"type": "string"}, "released": {"const": True}}}
+#: with API keys on, a tenant key reaches its own programs; an admin key names the tenant (400 with keys off)
+_TENANT_PARAM = {"name": "tenant", "in": "query", "required": False,
+                 "description": "the programs' tenant (admin key; a tenant key may name only its own)",
+                 "schema": {"type": "string", "pattern": TENANT_NAME.pattern}}
+_RELEASED = {"type": "object", "required": ["id", "tenant", "released"],
+             "properties": {"id": {"type": "string"}, "tenant": _TENANT, "released": {"const": True}}}
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
@@ -119,22 +125,23 @@ def openapi_document(cfg: Config) -> dict[str, Any]:
                 {"name": "state", "in": "query", "required": False,
                  "schema": {"enum": [s.value for s in LIVE_STATES]}},
                 {"name": "limit", "in": "query", "required": False, "schema": {
-                    "type": "integer", "minimum": 1, "maximum": PROGRAMS_LIMIT_MAX, "default": PROGRAMS_LIMIT_DEFAULT}}],
-            "responses": {"200": _json(_PROGRAMS, "programs"), **_errors(400)},
+                    "type": "integer", "minimum": 1, "maximum": PROGRAMS_LIMIT_MAX, "default": PROGRAMS_LIMIT_DEFAULT}},
+                _TENANT_PARAM],
+            "responses": {"200": _json(_PROGRAMS, "programs"), **_errors(400, 403)},
         }},
         "/v1/programs/{program_id}": {"get": {
-            "summary": "One agent program", "parameters": [_PROGRAM_PARAM],
-            "responses": {"200": _json(_PROGRAM, "the program"), **_errors(400, 404)},
+            "summary": "One agent program", "parameters": [_PROGRAM_PARAM, _TENANT_PARAM],
+            "responses": {"200": _json(_PROGRAM, "the program"), **_errors(400, 403, 404)},
         }},
         "/v1/programs/{program_id}/release": {"post": {
-            "summary": "Release an agent program", "parameters": [_PROGRAM_PARAM],
-            "responses": {"200": _json(_RELEASED, "released"), **_errors(400, 404)},
+            "summary": "Release an agent program", "parameters": [_PROGRAM_PARAM, _TENANT_PARAM],
+            "responses": {"200": _json(_RELEASED, "released"), **_errors(400, 403, 404)},
         }},
         "/programs/release": {"post": {
-            "summary": "Release an agent program (the ThunderAgent paper proxy's form)",
+            "summary": "Release an agent program (the ThunderAgent paper proxy's form)", "parameters": [_TENANT_PARAM],
             "requestBody": {"required": True, "content": {"application/json": {
                 "schema": {"$ref": "#/components/schemas/ReleaseRequest"}}}},
-            "responses": {"200": _json(_RELEASED, "released"), **_errors(400, 404, 408, 413, 415)},
+            "responses": {"200": _json(_RELEASED, "released"), **_errors(400, 403, 404, 408, 413, 415)},
         }},
         "/v1/planner": get("The scaling planner's recommendation per worker role, with its reasons", {
             "200": _json({"type": "object", "required": ["enabled", "recommendations", "actions"], "properties": {

@@ -19,8 +19,15 @@ counts a prefix shared by several programs once).
 Program ids come from clients, so the table is bounded and costs O(1) per request whatever its size:
 the count per state is kept as states change (``by_state`` runs on every program request's start and
 end), idle programs wait in a heap by the time they went idle (the TTL sweep pops only what expired),
-and past ``max_programs`` a new program evicts the program idle longest (a program with a request in
-flight is never evicted: those are bounded by the requests admitted, not by the table).
+and past ``max_programs`` a new program evicts an idle program (a program with a request in flight is
+never evicted: those are bounded by the requests admitted, not by the table).
+
+With API keys on, programs are a tenant's own: the table's key is ``tenant/id`` (:func:`program_key`),
+so two tenants that pick the same id never share a record, and one tenant cannot release or read
+another's program. The bound is shared max-min fairly: a new program evicts the idlest program of the
+tenant that holds the most (counting the new one, so on a tie the newcomer's tenant pays). A tenant
+alone may fill the table, but a flood of new ids from one tenant evicts only its own programs once it
+holds more than any other: it can push no other tenant below its own count.
 """
 
 from __future__ import annotations
@@ -28,12 +35,25 @@ from __future__ import annotations
 import heapq
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
 #: what a program id may be: it appears in URLs and logs
 PROGRAM_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+#: between a tenant and a program id in the table's key: neither a tenant name nor an id holds it
+OWNER_SEP = "/"
+
+
+def program_key(tenant: str | None, program_id: str) -> str:
+    """The table's key of a program: ``tenant/id`` with API keys on, the client's id without."""
+    return program_id if tenant is None else f"{tenant}{OWNER_SEP}{program_id}"
+
+
+def split_key(key: str) -> tuple[str | None, str]:
+    """``(tenant, id)`` of a table key (tenant None: keys off)."""
+    tenant, sep, program_id = key.rpartition(OWNER_SEP)
+    return (tenant, program_id) if sep else (None, key)
 
 
 class ProgramState(StrEnum):
@@ -49,7 +69,7 @@ LIVE_STATES = (ProgramState.REASONING, ProgramState.ACTING, ProgramState.PAUSED)
 
 @dataclass(slots=True)
 class Program:
-    program_id: str
+    program_id: str  # the table's key (:func:`program_key`)
     state: ProgramState
     first_seen: float
     last_change: float
@@ -68,14 +88,30 @@ class Program:
     seq: int = 0  # creation order in its table (ties in the pacer's orders go by it)
     #: ``last_change`` as of its entry in the table's idle heap; None: not idle (no live entry)
     idle_since: float | None = None
+    tenant: str | None = None  # whose it is (API keys on; None: keys off)
 
     def as_dict(self, now: float) -> dict[str, object]:
+        tenant, program_id = split_key(self.program_id)
         return {
-            "id": self.program_id, "state": self.state.value, "worker": self.worker, "steps": self.steps,
+            "id": program_id, "tenant": tenant, "state": self.state.value, "worker": self.worker, "steps": self.steps,
             "in_flight": self.in_flight, "context_tokens": self.context_tokens,
             "age_s": round(now - self.first_seen, 3), "in_state_s": round(now - self.last_change, 3),
             "pinned": self.pinned, "pause_cycles": self.pause_cycles, "pause_after_turn": self.pause_after_turn,
         }
+
+
+#: ``listing`` / ``by_state`` over every tenant's programs (not a tenant name: those hold no ``*``)
+EVERYONE = "*"
+
+
+@dataclass(slots=True)
+class _Owner:
+    """One tenant's programs (keys off: all of them), with their idle heap."""
+
+    programs: dict[str, Program] = field(default_factory=dict)
+    # (idle since, seq, key) of its idle programs, oldest first; an entry whose program changed since is
+    # stale and skipped when popped (cheaper than finding it on every change)
+    idle: list[tuple[float, int, str]] = field(default_factory=list)
 
 
 class ProgramWatcher(Protocol):
@@ -89,7 +125,7 @@ class ProgramWatcher(Protocol):
 
 class ProgramTable:
     def __init__(self, idle_ttl_s: float, max_programs: int | None = None) -> None:
-        """``max_programs``: past it a new program evicts the one idle longest (None: no bound)."""
+        """``max_programs``: past it a new program evicts an idle one (None: no bound)."""
         if idle_ttl_s <= 0:
             raise ValueError(f"idle_ttl_s must be > 0, got {idle_ttl_s}")
         if max_programs is not None and max_programs < 1:
@@ -97,12 +133,10 @@ class ProgramTable:
         self.idle_ttl_s = idle_ttl_s
         self.max_programs = max_programs
         self._programs: dict[str, Program] = {}
+        self._owners: dict[str | None, _Owner] = {}  # per tenant; an owner with no program left is dropped
         self._created = 0
         self.watcher: ProgramWatcher | None = None
         self._counts = dict.fromkeys(LIVE_STATES, 0)
-        # (idle since, seq, id) of idle programs, oldest first; an entry whose program changed since is
-        # stale and skipped when popped (cheaper than finding it on every change)
-        self._idle: list[tuple[float, int, str]] = []
         self.evicted = 0  # idle programs forgotten early to stay within max_programs
 
     def __len__(self) -> int:
@@ -114,17 +148,26 @@ class ProgramTable:
     def get(self, program_id: str) -> Program | None:
         return self._programs.get(program_id)
 
+    def heap_entries(self) -> int:
+        """Entries in the idle heaps, stale ones included (bounded by about twice the programs)."""
+        return sum(len(owner.idle) for owner in self._owners.values())
+
     def request_started(self, program_id: str, now: float, blocks: Sequence[int] = (),
                         prompt_tokens: int = 0) -> Program:
-        """A request of ``program_id`` arrived: the program is (or becomes) REASONING, unless it is
-        PAUSED (the request is then held until the pacer resumes it)."""
+        """A request of ``program_id`` (a table key: :func:`program_key`) arrived: the program is (or
+        becomes) REASONING, unless it is PAUSED (the request is then held until the pacer resumes it)."""
         prog = self._programs.get(program_id)
         if prog is None:
+            tenant = split_key(program_id)[0]
             if self.max_programs is not None and len(self._programs) >= self.max_programs:
-                self._evict_idlest()
+                self._evict_for(tenant)
             self._created += 1
             prog = self._programs[program_id] = Program(program_id, ProgramState.REASONING, now, now,
-                                                        seq=self._created)
+                                                        seq=self._created, tenant=tenant)
+            owner = self._owners.get(tenant)
+            if owner is None:
+                owner = self._owners[tenant] = _Owner()
+            owner.programs[program_id] = prog
             self._counts[ProgramState.REASONING] += 1
         elif prog.state is ProgramState.ACTING:
             self._set(prog, ProgramState.REASONING)
@@ -188,29 +231,39 @@ class ProgramTable:
 
     def expire(self, now: float) -> list[str]:
         """Programs idle (ACTING, or PAUSED with nothing held) for the TTL or longer are TERMINATED;
-        returns their ids, oldest program first. Work: the heap entries that expired, not the table."""
-        ttl, heap = self.idle_ttl_s, self._idle
+        returns their ids, oldest program first. Work: the heap entries that expired (and one look
+        per tenant), not the table."""
+        ttl = self.idle_ttl_s
         gone: list[Program] = []
-        while heap and now - heap[0][0] >= ttl:
-            prog = self._live(*heapq.heappop(heap))
-            if prog is not None:
-                prog.idle_since = None  # a duplicate entry (idle again at the same time) is stale now
-                gone.append(prog)
+        for owner in self._owners.values():
+            heap = owner.idle
+            while heap and now - heap[0][0] >= ttl:
+                prog = self._live(*heapq.heappop(heap))
+                if prog is not None:
+                    prog.idle_since = None  # a duplicate entry (idle again at the same time) is stale now
+                    gone.append(prog)
         gone.sort(key=lambda p: p.seq)  # the order of a scan of the table (creation order)
         for prog in gone:
             self._forget(prog)
         return [p.program_id for p in gone]
 
-    def _evict_idlest(self) -> None:
-        """The table is full: forget the program idle longest, as if its TTL had run out (none idle:
-        every program has a request in flight, and the table grows past the bound with them)."""
-        heap = self._idle
-        while heap:
-            prog = self._live(*heapq.heappop(heap))
-            if prog is not None:
-                self._forget(prog)
-                self.evicted += 1
-                return
+    def _evict_for(self, tenant: str | None) -> None:
+        """The table is full and ``tenant`` starts a program: forget the idlest program of the tenant
+        holding the most, counting the new one (max-min fair: on a tie ``tenant`` pays), as if its TTL
+        had run out; a tenant with none idle is passed over (none idle anywhere: every program has a
+        request in flight, and the table grows past the bound with them)."""
+        def held(item: tuple[str | None, _Owner]) -> tuple[int, bool]:
+            mine = item[0] == tenant
+            return len(item[1].programs) + mine, mine
+
+        for _, owner in sorted(self._owners.items(), key=held, reverse=True):
+            heap = owner.idle
+            while heap:
+                prog = self._live(*heapq.heappop(heap))
+                if prog is not None:
+                    self._forget(prog)
+                    self.evicted += 1
+                    return
 
     def _live(self, since: float, seq: int, program_id: str) -> Program | None:
         """The program of an idle-heap entry if the entry is current (else it is stale: skipped)."""
@@ -219,6 +272,10 @@ class ProgramTable:
 
     def _forget(self, prog: Program) -> None:
         del self._programs[prog.program_id]
+        owner = self._owners[prog.tenant]
+        del owner.programs[prog.program_id]
+        if not owner.programs:  # its heap holds only stale entries now
+            del self._owners[prog.tenant]
         self._counts[prog.state] -= 1
         prog.idle_since = None
         if self.watcher is not None:
@@ -234,9 +291,10 @@ class ProgramTable:
         if prog.state is not ProgramState.REASONING and not prog.in_flight:  # idle: the TTL runs
             if prog.idle_since != prog.last_change:
                 prog.idle_since = prog.last_change
-                heap = self._idle
-                if len(heap) > 2 * len(self._programs) + 1024:  # mostly stale entries: rebuild (amortised O(1))
-                    heap[:] = [(p.idle_since, p.seq, p.program_id) for p in self._programs.values()
+                owner = self._owners[prog.tenant]
+                heap = owner.idle
+                if len(heap) > 2 * len(owner.programs) + 1024:  # mostly stale entries: rebuild (amortised O(1))
+                    heap[:] = [(p.idle_since, p.seq, p.program_id) for p in owner.programs.values()
                                if p.idle_since is not None and p is not prog]
                     heapq.heapify(heap)
                 heapq.heappush(heap, (prog.last_change, prog.seq, prog.program_id))
@@ -245,24 +303,39 @@ class ProgramTable:
         if self.watcher is not None:
             self.watcher.changed(prog)
 
-    def by_state(self) -> dict[str, int]:
-        """Programs per state (kept as states change: O(1), called on every program request)."""
-        return {state.value: n for state, n in self._counts.items()}
+    def by_state(self, tenant: str | None = EVERYONE) -> dict[str, int]:
+        """Programs per state: every tenant's (kept as states change: O(1), called on every program
+        request), or one tenant's (a walk of its programs)."""
+        if tenant == EVERYONE:
+            return {state.value: n for state, n in self._counts.items()}
+        counts = dict.fromkeys((s.value for s in LIVE_STATES), 0)
+        for prog in self._mine(tenant):
+            counts[prog.state.value] += 1
+        return counts
+
+    def _mine(self, tenant: str | None) -> Iterable[Program]:
+        if tenant == EVERYONE:
+            return self._programs.values()
+        owner = self._owners.get(tenant)
+        return owner.programs.values() if owner is not None else ()
 
     def snapshot(self, now: float) -> list[dict[str, object]]:
         return [p.as_dict(now) for p in sorted(self._programs.values(), key=lambda p: p.first_seen)]
 
-    def listing(self, now: float, state: ProgramState | None = None, limit: int | None = None
-                ) -> tuple[list[dict[str, object]], int]:
-        """``snapshot`` of the programs in ``state`` (None: all), the ``limit`` oldest; and how many
-        matched. O(programs x log limit): a listing of a full table does not sort all of it."""
-        progs = self._programs.values()
-        if state is None:
-            total = len(self._programs)
-            matching: Iterable[Program] = progs
+    def listing(self, now: float, state: ProgramState | None = None, limit: int | None = None,
+                tenant: str | None = EVERYONE) -> tuple[list[dict[str, object]], int]:
+        """``snapshot`` of ``tenant``'s programs (EVERYONE: all) in ``state`` (None: any), the ``limit``
+        oldest; and how many matched. O(programs x log limit): a listing of a full table does not
+        sort all of it."""
+        progs = self._mine(tenant)
+        matching: Iterable[Program]
+        if tenant != EVERYONE:
+            matching = [p for p in progs if state is None or p.state is state]
+            total = len(matching)
+        elif state is None:
+            matching, total = progs, len(self._programs)
         else:
-            total = self._counts.get(state, 0)
-            matching = (p for p in progs if p.state is state)
+            matching, total = (p for p in progs if p.state is state), self._counts[state]
         if limit is None or limit >= total:
             chosen = sorted(matching, key=lambda p: p.first_seen)
         else:  # stable like sorted(): ties keep the table's order
