@@ -178,6 +178,32 @@ async def test_one_tenants_flood_of_program_ids_does_not_evict_anothers_programs
             await c.close()
 
 
+async def test_the_routing_explanation_needs_an_admin_key_too(server_factory):
+    """``explain`` shows every worker's load (the /health detail admins alone see): a tenant key asking
+    for it (body or header, plain or streamed) gets a 403 and nothing is routed; a key listed as both
+    tenant and admin gets it."""
+    dual = secrets.token_urlsafe(24)
+    cfg = {"control_plane": {"api_keys": {KEY_A: "acme", dual: "ops"}, "admin_keys": [ADMIN, dual]}}
+    async with server_factory(**cfg) as srv:
+        a, ops = _client(srv, KEY_A), _client(srv, dual)
+        for extra in ({"extra_body": {"explain": True}}, {"extra_headers": {"x-thunderagent-explain": "1"}},
+                      {"extra_body": {"explain": True}, "stream": True}):
+            with pytest.raises(openai.PermissionDeniedError) as exc:
+                await a.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=4, **extra)
+            err = exc.value.body
+            assert err["code"] == "admin_key_required" and err["param"] == "explain", err
+        assert srv.fleet.index.num_blocks() == 0  # nothing was routed (no prediction, no prefill)
+        resp = await ops.chat.completions.with_raw_response.create(model=MODEL, messages=PROMPT, max_tokens=4,
+                                                                    extra_body={"explain": True})
+        body = resp.http_response.json()
+        assert body["thunderagent"]["worker"] == resp.headers["x-thunderagent-worker"]
+        assert len(body["thunderagent"]["candidates"]) >= 1
+        # the tenant key serves without it; the refused requests prefilled nothing of acme's prompt
+        assert await _cached(a) == 0 and await _cached(a) > 0
+        for c in (a, ops):
+            await c.close()
+
+
 async def test_keys_from_a_file_and_an_environment_variable(server_factory, tmp_path, monkeypatch):
     key_c, key_d, admin = (secrets.token_urlsafe(24) for _ in range(3))
     keys = tmp_path / "keys.txt"

@@ -74,8 +74,8 @@ class ControlPlaneConfig(_Strict):
     api_keys_file: str | None = Field(None, description="file of `KEY TENANT` lines or a YAML mapping KEY: TENANT")
     api_keys_env: str | None = Field(None, description="environment variable holding the same text as api_keys_file")
     admin_keys: list[str] = Field(
-        default_factory=list, description="keys of the admin endpoints (program release, /health detail, "
-        "/v1/programs, metrics), inline (tests and development only)",
+        default_factory=list, description="keys of the admin endpoints (/metrics, /v1/planner, /health detail, "
+        "every tenant's programs), inline (tests and development only)",
     )
     admin_keys_file: str | None = Field(None, description="file of admin keys, one per line")
     admin_keys_env: str | None = Field(None, description="environment variable holding admin keys, one per line")

@@ -150,7 +150,15 @@ class Frontend:
 
     @staticmethod
     def _explain(request: web.Request, body_flag: bool) -> bool:
-        return body_flag or request.headers.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes")
+        """Whether the answer carries the routing explanation (asked for in the body or the header).
+        It shows every worker's load, the detail ``/health`` shows admins only: with API keys on, a
+        key that is not also an admin key asking for it gets a 403 (before anything is routed)."""
+        asked = body_flag or request.headers.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes")
+        if asked and not request[DETAIL]:
+            raise RequestError("explain: the routing explanation shows every worker's load; with API keys on it "
+                               "needs a key that is also an admin key (control_plane.admin_keys)", param="explain",
+                               status=403, code="admin_key_required", type_="permission_error")
+        return asked
 
     @staticmethod
     def _usage(gen: Generation, last: TextChunk) -> dict[str, Any]:
@@ -192,12 +200,13 @@ class Frontend:
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) exceeds the {carried.tokens} tokens {carried.why}",
                                param=prompt_param, code="context_length_exceeded")
         sampling = Sampling(req.temperature, req.top_p, req.seed)
+        explained = self._explain(request, req.explain)
         gen = await self.fleet.start_generation(
             prompt_ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt), lora_name=req.lora_name, priority=req.priority,
             sampling=sampling, route_key=self._route_key(request, req), program_id=self._program_id(request, req),
         )
         headers = {WORKER_HEADER: gen.decision.worker_id}
-        explain = gen.decision.explain() if self._explain(request, req.explain) else None
+        explain = gen.decision.explain() if explained else None
         created = int(time.time())
         cid = ("chatcmpl-" if chat else "cmpl-") + gen.request_id
         if req.stream:

@@ -153,13 +153,14 @@ class RelayFrontend:
             raise RequestError("prompt is empty", param="messages" if chat else "prompt")
         max_tokens = req.max_completion_tokens or req.max_tokens or fe.max_tokens_default
         path = "/v1/chat/completions" if chat else "/v1/completions"
+        explained = fe._explain(request, req.explain)
         gen = await fe.fleet.start_generation(
             ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt), lora_name=req.lora_name,
             priority=req.priority, route_key=fe._route_key(request, req), program_id=fe._program_id(request, req),
             passthrough=Passthrough(path, body, req.stream),
         )
         headers = {"x-thunderagent-worker": gen.decision.worker_id}
-        if fe._explain(request, req.explain):  # the body is the server's: the explanation goes in a header
+        if explained:  # the body is the server's: the explanation goes in a header
             headers["x-thunderagent-explanation"] = json.dumps(gen.decision.explain(), separators=(",", ":"))
         outputs = fe.fleet.outputs(gen)
         try:
