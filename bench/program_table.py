@@ -13,6 +13,10 @@ them. Two parts, both before vs after in one run when ``--base-src DIR`` names a
    over the second half, when the table is fullest), its resident memory at the end, and the
    programs it still tracks (the default ``scheduler.max_programs`` bounds them from this change on).
 
+Part 1b: a full table (10,000 idle programs spread over 1, 100 or 5,000 tenants), then one tenant's new
+program ids, each evicting one (max-min fair across tenants): what a new program and a sweep cost as the
+tenants grow.
+
 Run: ``python bench/program_table.py [--base-src DIR] [--live] [--requests N]``.
 """
 
@@ -32,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import print_table  # noqa: E402
 SIZES = (1_000, 10_000, 100_000)
+TENANTS = (1, 100, 5_000)  # a full table's programs spread over this many tenants (part 1b)
 
 
 def measure(sizes: tuple[int, ...] = SIZES, steps: int = 2_000) -> dict[str, dict[str, float]]:
@@ -63,7 +68,39 @@ def measure(sizes: tuple[int, ...] = SIZES, steps: int = 2_000) -> dict[str, dic
             tick_ns.append(perf() - a)
             assert not gone
         out[str(n)] = {"step_us": statistics.median(step_ns) / 1e3, "tick_us": statistics.median(tick_ns) / 1e3}
+    for tenants in TENANTS:
+        out[f"tenants-{tenants}"] = _flood(tenants, steps)
     return out
+
+
+def _flood(tenants: int, steps: int, full: int = 10_000) -> dict[str, float]:
+    """A full table (``full`` idle programs over ``tenants`` tenants, keys ``tenant/id``), then one
+    tenant's new program ids, each evicting one: median cost of a new program (start, end), and of a
+    TTL sweep with nothing due. Before tenants existed, the keys are plain ids (one global order)."""
+    from thunderagent.scheduler.programs import ProgramTable  # noqa: PLC0415
+
+    t = ProgramTable(600.0, max_programs=full)
+    now = 0.0
+    for i in range(full):
+        key = f"t{i % tenants}/idle-{i}"
+        t.request_started(key, now, prompt_tokens=100)
+        t.request_finished(key, 110, now, completed=True)
+        now += 1e-4
+    perf = time.perf_counter_ns
+    new_ns: list[int] = []
+    for i in range(steps):
+        now += 1e-3
+        a = perf()
+        t.request_started(f"t0/new-{i}", now, prompt_tokens=100)
+        t.request_finished(f"t0/new-{i}", 110, now, completed=True)
+        new_ns.append(perf() - a)
+    assert len(t) == full
+    tick_ns: list[int] = []
+    for _ in range(200):
+        a = perf()
+        assert not t.expire(now)
+        tick_ns.append(perf() - a)
+    return {"new_us": statistics.median(new_ns) / 1e3, "tick_us": statistics.median(tick_ns) / 1e3}
 
 
 def _measure_in(src: str | None) -> dict[str, dict[str, float]]:
@@ -169,6 +206,18 @@ def main() -> None:
     if args.base_src:
         header.append("step: base / this")
     print_table("in process: one program step (start, counts, end, counts) and one TTL sweep, medians", header, rows)
+    rows = []
+    for tenants in TENANTS:
+        row = [f"{tenants:,}"]
+        for name, _ in arms:
+            got = pure[name].get(f"tenants-{tenants}")
+            row += [f"{got['new_us']:.2f}", f"{got['tick_us']:.2f}"] if got else ["-", "-"]
+        rows.append(row)
+    header = ["tenants"]
+    for name, _ in arms:
+        header += [f"{name}: new program us", f"{name}: tick us"]
+    print_table("in process: a full table (10,000 idle programs over N tenants), one tenant's new programs, each "
+                "evicting one (before tenants: keys are plain ids, one global order), medians", header, rows)
     if not args.live:
         return
     rows = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from thunderagent.scheduler.programs import EVERYONE, ProgramState, ProgramTable, program_key, split_key
+from thunderagent.scheduler.programs import EVERYONE, Program, ProgramState, ProgramTable, program_key, split_key
 
 
 def test_a_program_reasons_while_a_request_runs_and_acts_between_them() -> None:
@@ -51,24 +51,50 @@ def _scan(t: ProgramTable, now: float, tenant: str | None = EVERYONE) -> tuple[d
     return counts, idle
 
 
+def _victims(t: ProgramTable, tenant: str | None) -> set[str]:
+    """By a scan: the programs a new program of ``tenant`` may evict from a full table (the idlest of
+    each tenant with the highest count, the new one counted, among tenants with an idle program)."""
+    held: dict[str | None, int] = {}
+    idlest: dict[str | None, Program] = {}
+    for p in t:
+        held[p.tenant] = held.get(p.tenant, 0) + 1
+        if p.state is not ProgramState.REASONING and not p.in_flight:
+            if p.tenant not in idlest or (p.idle_since, p.seq) < (idlest[p.tenant].idle_since, idlest[p.tenant].seq):
+                idlest[p.tenant] = p
+    if not idlest:
+        return set()
+    top = max(held[x] + (x == tenant) for x in idlest)
+    if tenant in idlest and held[tenant] + 1 == top:
+        return {idlest[tenant].program_id}  # on a tie the newcomer's tenant pays
+    return {p.program_id for x, p in idlest.items() if held[x] == top}
+
+
 def test_state_counts_and_expiry_match_a_scan_of_the_table_under_random_operations() -> None:
     """Counts kept per state and the idle heap answer exactly what a full scan answers, after every
     step of random sequences (starts, ends, cancels, pauses with and without a held request,
     resumes, releases, sweeps), stale heap entries and re-created ids included; programs of three
-    owners (keys off's None and two tenants) sharing ids, each owner's counts and listing its own."""
+    owners (keys off's None and two tenants) sharing ids, each owner's counts and listing its own.
+    Half the seeds bound the table: every eviction takes the idlest program of a tenant holding the
+    most (counting the new program) among those with one idle, as a scan finds it."""
     import random
 
+    evictions = 0
     for seed in range(20):
         rng = random.Random(seed)
-        t = ProgramTable(idle_ttl_s=5.0)
+        t = ProgramTable(idle_ttl_s=5.0, max_programs=7 if seed % 2 else None)
         now = 0.0
         for _ in range(600):
             now += rng.choice((0.0, 0.1, 0.5, 2.0))
-            pid = program_key(rng.choice((None, "acme", "zeta")), f"p{rng.randrange(6)}")
+            pid = program_key(rng.choice((None, "acme", "zeta", "umbrella")), f"p{rng.randrange(6)}")
             prog = t.get(pid)
             op = rng.random()
             if op < 0.35:
+                before = {p.program_id: p for p in t}
+                expected = _victims(t, split_key(pid)[0]) if prog is None and len(t) >= (t.max_programs or 1e9) else None
                 t.request_started(pid, now, prompt_tokens=rng.randrange(1, 100))
+                gone = set(before) - {p.program_id for p in t}
+                assert gone == (set() if expected is None else expected & gone) and len(gone) == (1 if expected else 0)
+                evictions += len(gone)
             elif op < 0.6 and prog is not None and prog.in_flight:
                 t.request_finished(pid, 10, now, completed=rng.random() < 0.8)
             elif op < 0.7 and prog is not None and prog.state is not ProgramState.PAUSED:
@@ -85,11 +111,12 @@ def test_state_counts_and_expiry_match_a_scan_of_the_table_under_random_operatio
                 assert t.expire(now) == idle
             counts, _ = _scan(t, now)
             assert t.by_state() == counts
-            for tenant in (None, "acme", "zeta"):
+            for tenant in (None, "acme", "zeta", "umbrella"):
                 mine, total = t.listing(now, tenant=tenant)
                 assert t.by_state(tenant) == _scan(t, now, tenant)[0] and total == len(mine)
                 assert {(m["tenant"], m["id"]) for m in mine} == {split_key(p.program_id) for p in t if p.tenant == tenant}
-            assert t.heap_entries() <= 2 * len(t) + 1025
+            assert t.heap_entries() <= 4 * len(t) + 1025 + 17 * 4  # the sweep's heap and each tenant's
+    assert evictions > 100  # the bounded seeds do evict
 
 
 def test_past_max_programs_a_new_program_evicts_the_one_idle_longest() -> None:
@@ -168,7 +195,7 @@ def test_a_program_cycling_between_steps_keeps_the_idle_heap_bounded() -> None:
     for i in range(5000):  # each step ends idle: one heap entry per step, all but the last stale
         t.request_started("agent", float(i))
         t.request_finished("agent", 10, i + 0.5, completed=True)
-    assert t.heap_entries() <= 2 * len(t) + 1025
+    assert t.heap_entries() <= 4 * len(t) + 1025 + 17
     assert t.expire(5000.0) == [] and t.expire(4999.5 + 600.0) == ["agent"] and len(t) == 0
 
 

@@ -27,7 +27,9 @@ so two tenants that pick the same id never share a record, and one tenant cannot
 another's program. The bound is shared max-min fairly: a new program evicts the idlest program of the
 tenant that holds the most (counting the new one, so on a tie the newcomer's tenant pays). A tenant
 alone may fill the table, but a flood of new ids from one tenant evicts only its own programs once it
-holds more than any other: it can push no other tenant below its own count.
+holds more than any other: it can push no other tenant below its own count. Each tenant keeps its idle
+programs in a heap of its own too, and the tenants are bucketed by how many programs they hold, so an
+eviction costs a sort of the distinct counts (at most ~sqrt(2 x programs)), not of the tenants.
 """
 
 from __future__ import annotations
@@ -114,6 +116,17 @@ class _Owner:
     idle: list[tuple[float, int, str]] = field(default_factory=list)
 
 
+def _push(heap: list[tuple[float, int, str]], entry: tuple[float, int, str], bound: int,
+          programs: Iterable[Program]) -> None:
+    """Push an idle entry; past ``bound`` entries (mostly stale), first rebuild the heap from the other
+    idle ``programs``."""
+    if len(heap) > bound:
+        heap[:] = [(p.idle_since, p.seq, p.program_id) for p in programs
+                   if p.idle_since is not None and p.program_id != entry[2]]
+        heapq.heapify(heap)
+    heapq.heappush(heap, entry)
+
+
 class ProgramWatcher(Protocol):
     """Told of every change to a program (after it) and of its removal: the pacer's accounts
     (:class:`~thunderagent.scheduler.accounts.ProgramAccounts`) follow the table this way."""
@@ -134,6 +147,12 @@ class ProgramTable:
         self.max_programs = max_programs
         self._programs: dict[str, Program] = {}
         self._owners: dict[str | None, _Owner] = {}  # per tenant; an owner with no program left is dropped
+        #: program count -> the tenants holding that many (in the order they reached it): eviction's order
+        self._by_size: dict[int, dict[str | None, None]] = {}
+        # (idle since, seq, key) of idle programs, oldest first, for the TTL sweep (each tenant's heap holds
+        # the same entries, for eviction); an entry whose program changed since is stale and skipped when
+        # popped (cheaper than finding it on every change)
+        self._idle: list[tuple[float, int, str]] = []
         self._created = 0
         self.watcher: ProgramWatcher | None = None
         self._counts = dict.fromkeys(LIVE_STATES, 0)
@@ -149,8 +168,9 @@ class ProgramTable:
         return self._programs.get(program_id)
 
     def heap_entries(self) -> int:
-        """Entries in the idle heaps, stale ones included (bounded by about twice the programs)."""
-        return sum(len(owner.idle) for owner in self._owners.values())
+        """Entries in the idle heaps, stale ones included (the sweep's and the tenants' heaps, each bounded
+        by about twice the programs)."""
+        return len(self._idle) + sum(len(owner.idle) for owner in self._owners.values())
 
     def request_started(self, program_id: str, now: float, blocks: Sequence[int] = (),
                         prompt_tokens: int = 0) -> Program:
@@ -168,6 +188,7 @@ class ProgramTable:
             if owner is None:
                 owner = self._owners[tenant] = _Owner()
             owner.programs[program_id] = prog
+            self._resized(tenant, len(owner.programs) - 1, len(owner.programs))
             self._counts[ProgramState.REASONING] += 1
         elif prog.state is ProgramState.ACTING:
             self._set(prog, ProgramState.REASONING)
@@ -231,17 +252,14 @@ class ProgramTable:
 
     def expire(self, now: float) -> list[str]:
         """Programs idle (ACTING, or PAUSED with nothing held) for the TTL or longer are TERMINATED;
-        returns their ids, oldest program first. Work: the heap entries that expired (and one look
-        per tenant), not the table."""
-        ttl = self.idle_ttl_s
+        returns their ids, oldest program first. Work: the heap entries that expired, not the table."""
+        ttl, heap = self.idle_ttl_s, self._idle
         gone: list[Program] = []
-        for owner in self._owners.values():
-            heap = owner.idle
-            while heap and now - heap[0][0] >= ttl:
-                prog = self._live(*heapq.heappop(heap))
-                if prog is not None:
-                    prog.idle_since = None  # a duplicate entry (idle again at the same time) is stale now
-                    gone.append(prog)
+        while heap and now - heap[0][0] >= ttl:
+            prog = self._live(*heapq.heappop(heap))
+            if prog is not None:
+                prog.idle_since = None  # a duplicate entry (idle again at the same time) is stale now
+                gone.append(prog)
         gone.sort(key=lambda p: p.seq)  # the order of a scan of the table (creation order)
         for prog in gone:
             self._forget(prog)
@@ -249,21 +267,42 @@ class ProgramTable:
 
     def _evict_for(self, tenant: str | None) -> None:
         """The table is full and ``tenant`` starts a program: forget the idlest program of the tenant
-        holding the most, counting the new one (max-min fair: on a tie ``tenant`` pays), as if its TTL
-        had run out; a tenant with none idle is passed over (none idle anywhere: every program has a
-        request in flight, and the table grows past the bound with them)."""
-        def held(item: tuple[str | None, _Owner]) -> tuple[int, bool]:
-            mine = item[0] == tenant
-            return len(item[1].programs) + mine, mine
-
-        for _, owner in sorted(self._owners.items(), key=held, reverse=True):
-            heap = owner.idle
-            while heap:
-                prog = self._live(*heapq.heappop(heap))
-                if prog is not None:
-                    self._forget(prog)
-                    self.evicted += 1
+        holding the most, counting the new one (max-min fair: on a tie ``tenant`` pays; between other
+        tenants tied, the one that reached that count first), as if its TTL had run out. A tenant with
+        none idle is passed over (none idle anywhere: every program has a request in flight, and the
+        table grows past the bound with them). Work: a sort of the distinct per-tenant counts (at
+        most ~sqrt(2 x programs) of them, however many tenants), then usually one heap pop."""
+        mine = self._owners.get(tenant)
+        level = (len(mine.programs) if mine is not None else 0) + 1  # the tenant's count with the new one
+        by_size = self._by_size
+        for size in sorted(by_size.keys() | {level}, reverse=True):
+            if size == level and mine is not None and self._evict_from(mine):
+                return
+            for other in by_size.get(size, ()):
+                # an eviction changes by_size, but it ends the loop
+                if other != tenant and self._evict_from(self._owners[other]):
                     return
+
+    def _evict_from(self, owner: _Owner) -> bool:
+        heap = owner.idle
+        while heap:
+            prog = self._live(*heapq.heappop(heap))
+            if prog is not None:
+                self._forget(prog)
+                self.evicted += 1
+                return True
+        return False
+
+    def _resized(self, tenant: str | None, old: int, new: int) -> None:
+        """One tenant's program count went from ``old`` to ``new``: ``_by_size`` follows."""
+        by_size = self._by_size
+        if old:
+            bucket = by_size[old]
+            del bucket[tenant]
+            if not bucket:
+                del by_size[old]
+        if new:
+            by_size.setdefault(new, {})[tenant] = None
 
     def _live(self, since: float, seq: int, program_id: str) -> Program | None:
         """The program of an idle-heap entry if the entry is current (else it is stale: skipped)."""
@@ -274,6 +313,7 @@ class ProgramTable:
         del self._programs[prog.program_id]
         owner = self._owners[prog.tenant]
         del owner.programs[prog.program_id]
+        self._resized(prog.tenant, len(owner.programs) + 1, len(owner.programs))
         if not owner.programs:  # its heap holds only stale entries now
             del self._owners[prog.tenant]
         self._counts[prog.state] -= 1
@@ -291,13 +331,12 @@ class ProgramTable:
         if prog.state is not ProgramState.REASONING and not prog.in_flight:  # idle: the TTL runs
             if prog.idle_since != prog.last_change:
                 prog.idle_since = prog.last_change
+                entry = (prog.last_change, prog.seq, prog.program_id)
                 owner = self._owners[prog.tenant]
-                heap = owner.idle
-                if len(heap) > 2 * len(owner.programs) + 1024:  # mostly stale entries: rebuild (amortised O(1))
-                    heap[:] = [(p.idle_since, p.seq, p.program_id) for p in owner.programs.values()
-                               if p.idle_since is not None and p is not prog]
-                    heapq.heapify(heap)
-                heapq.heappush(heap, (prog.last_change, prog.seq, prog.program_id))
+                # mostly stale entries: rebuild (amortised O(1): a rebuild follows more pushes than it
+                # costs). A tenant's slack is small, as each tenant has a heap: 2 x programs + 16 x tenants
+                _push(owner.idle, entry, 2 * len(owner.programs) + 16, owner.programs.values())
+                _push(self._idle, entry, 2 * len(self._programs) + 1024, self._programs.values())
         else:
             prog.idle_since = None
         if self.watcher is not None:
