@@ -317,7 +317,7 @@ def test_fast_path_explanations_use_the_tuned_weights() -> None:
     def worker(i: int, queued: int) -> WorkerState:
         return WorkerState(f"w{i}", 16, 1024, 8, LoadReport(f"w{i}", 0.0, 0, 0, queued, 0, 0, 0, 1000))
 
-    routing = RoutingConfig(candidate_limit=2)
+    routing = RoutingConfig(candidate_limit=2, whole_scan_max_workers=0)
     index = KvIndex(120.0)
     for i in range(6):
         index.add_worker(f"w{i}")

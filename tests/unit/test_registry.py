@@ -116,7 +116,7 @@ def test_the_router_never_mistakes_one_partial_view_for_another():
     from thunderagent.router.router import KvRouter
     from thunderagent.types import BlockStored, RouteRequest
 
-    cfg = RoutingConfig(candidate_limit=1)  # the fast path (a view larger than the limit)
+    cfg = RoutingConfig(candidate_limit=1, whole_scan_max_workers=0)  # the fast path (a view larger than the limit)
     reg = WorkerRegistry(1.0, 3, cfg)
     index = KvIndex(prediction_ttl=0.0)
     ids = [f"w{i}" for i in range(6)]

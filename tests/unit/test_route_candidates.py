@@ -69,6 +69,7 @@ def make(n: int, seed: int, **cfg) -> tuple[KvRouter, KvIndex]:
     index = KvIndex(prediction_ttl=10.0)
     for i in range(n):
         index.add_worker(f"w{i}")
+    cfg.setdefault("whole_scan_max_workers", 0)  # these tests are about the selection: from candidate_limit + 1
     return KvRouter(RoutingConfig(seed=seed, **cfg), index, random.Random(seed)), index
 
 

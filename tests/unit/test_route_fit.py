@@ -51,7 +51,7 @@ def test_a_non_chunked_worker_takes_only_prompts_of_one_pass():
 def test_router_sends_a_long_request_past_the_small_holder_of_its_prefix():
     """The small worker holds the whole prefix and is idle; the big one is cold and loaded. A request
     that fits both goes to the holder; one that outgrows the small worker goes to the big one."""
-    cfg = RoutingConfig(policy=Policy.kv_aware, candidate_limit=1)  # fast path from two workers
+    cfg = RoutingConfig(policy=Policy.kv_aware, candidate_limit=1, whole_scan_max_workers=0)  # fast path from two workers
     index = KvIndex(prediction_ttl=30.0)
     hashes = list(range(1, 41))  # 40 blocks = 640 tokens
     index.apply_event(BlockStored("small", 1, tuple(hashes)), 0.0)
