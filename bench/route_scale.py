@@ -209,7 +209,8 @@ def main() -> None:
     t0 = time.perf_counter()
     rows, fleets = run(at_1000, queries, args.seed, keep=True)
     print(f"routing decision vs fleet size: kv_aware over a fleet view (candidate_limit "
-          f"{RoutingConfig().candidate_limit}), 1,024-token prompts, {queries} queries per size (1/3 hit, "
+          f"{RoutingConfig().candidate_limit}; fleets of up to {RoutingConfig().whole_scan_max_workers} workers "
+          f"scored whole), 1,024-token prompts, {queries} queries per size (1/3 hit, "
           f"1/3 partial, 1/3 miss), explanation not built")
     print_table("KvRouter.route per decision (µs) and index memory", [
         "workers", "entries", "p50 µs", "p99 µs", "set_load µs", "bytes/entry", "fill s"], [
