@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import os
 import statistics
@@ -80,21 +81,32 @@ def _flood(tenants: int, steps: int, full: int = 10_000) -> dict[str, float]:
     from thunderagent.scheduler.programs import ProgramTable  # noqa: PLC0415
 
     t = ProgramTable(600.0, max_programs=full)
+    # the code before tenants takes no tenant: the same keys, one global order
+    tenanted = "tenant" in inspect.signature(ProgramTable.request_started).parameters
+
+    def start(key: str, tenant: str, now: float) -> None:
+        if tenanted:
+            t.request_started(key, now, prompt_tokens=100, tenant=tenant)
+        else:
+            t.request_started(key, now, prompt_tokens=100)
+
     now = 0.0
     for i in range(full):
-        key = f"t{i % tenants}/idle-{i}"
-        t.request_started(key, now, prompt_tokens=100)
-        t.request_finished(key, 110, now, completed=True)
+        tenant = f"t{i % tenants}"
+        start(f"{tenant}/idle-{i}", tenant, now)
+        t.request_finished(f"{tenant}/idle-{i}", 110, now, completed=True)
         now += 1e-4
     perf = time.perf_counter_ns
     new_ns: list[int] = []
     for i in range(steps):
         now += 1e-3
         a = perf()
-        t.request_started(f"t0/new-{i}", now, prompt_tokens=100)
+        start(f"t0/new-{i}", "t0", now)
         t.request_finished(f"t0/new-{i}", 110, now, completed=True)
         new_ns.append(perf() - a)
     assert len(t) == full
+    if tenanted and tenants > 1:  # the flood evicted t0's own programs only
+        assert sum(t.by_state("t1").values()) == len(range(1, full, tenants))
     tick_ns: list[int] = []
     for _ in range(200):
         a = perf()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from thunderagent.scheduler.programs import EVERYONE, Program, ProgramState, ProgramTable, program_key, split_key
+from thunderagent.scheduler.programs import EVERYONE, Program, ProgramState, ProgramTable, program_key
 
 
 def test_a_program_reasons_while_a_request_runs_and_acts_between_them() -> None:
@@ -85,13 +85,14 @@ def test_state_counts_and_expiry_match_a_scan_of_the_table_under_random_operatio
         now = 0.0
         for _ in range(600):
             now += rng.choice((0.0, 0.1, 0.5, 2.0))
-            pid = program_key(rng.choice((None, "acme", "zeta", "umbrella")), f"p{rng.randrange(6)}")
+            tenant = rng.choice((None, "acme", "zeta", "umbrella"))
+            pid = program_key(tenant, f"p{rng.randrange(6)}")
             prog = t.get(pid)
             op = rng.random()
             if op < 0.35:
                 before = {p.program_id: p for p in t}
-                expected = _victims(t, split_key(pid)[0]) if prog is None and len(t) >= (t.max_programs or 1e9) else None
-                t.request_started(pid, now, prompt_tokens=rng.randrange(1, 100))
+                expected = _victims(t, tenant) if prog is None and len(t) >= (t.max_programs or 1e9) else None
+                t.request_started(pid, now, prompt_tokens=rng.randrange(1, 100), tenant=tenant)
                 gone = set(before) - {p.program_id for p in t}
                 assert gone == (set() if expected is None else expected & gone) and len(gone) == (1 if expected else 0)
                 evictions += len(gone)
@@ -111,10 +112,10 @@ def test_state_counts_and_expiry_match_a_scan_of_the_table_under_random_operatio
                 assert t.expire(now) == idle
             counts, _ = _scan(t, now)
             assert t.by_state() == counts
-            for tenant in (None, "acme", "zeta", "umbrella"):
-                mine, total = t.listing(now, tenant=tenant)
-                assert t.by_state(tenant) == _scan(t, now, tenant)[0] and total == len(mine)
-                assert {(m["tenant"], m["id"]) for m in mine} == {split_key(p.program_id) for p in t if p.tenant == tenant}
+            for who in (None, "acme", "zeta", "umbrella"):
+                mine, total = t.listing(now, tenant=who)
+                assert t.by_state(who) == _scan(t, now, who)[0] and total == len(mine)
+                assert {(m["tenant"], m["id"]) for m in mine} == {(p.tenant, p.client_id) for p in t if p.tenant == who}
             assert t.heap_entries() <= 4 * len(t) + 1025 + 17 * 4  # the sweep's heap and each tenant's
     assert evictions > 100  # the bounded seeds do evict
 
@@ -143,22 +144,36 @@ def _keys(t: ProgramTable, tenant: str) -> list[str]:
     return sorted(p.program_id for p in t if p.tenant == tenant)
 
 
-def _idle_program(t: ProgramTable, key: str, at: float) -> None:
-    t.request_started(key, at)
+def _idle_program(t: ProgramTable, tenant: str, program_id: str, at: float) -> None:
+    key = program_key(tenant, program_id)
+    t.request_started(key, at, tenant=tenant)
     t.request_finished(key, 10, at, completed=True)
 
 
 def test_tenants_picking_the_same_program_id_get_separate_programs() -> None:
     t = ProgramTable(idle_ttl_s=600.0)
     a, z = program_key("acme", "agent-1"), program_key("zeta", "agent-1")
-    assert (a, z, split_key(a), split_key("agent-1")) == ("acme/agent-1", "zeta/agent-1", ("acme", "agent-1"), (None, "agent-1"))
-    t.request_started(a, 1.0)
-    t.request_started(z, 2.0)
+    assert (a, z, program_key(None, "agent-1")) == ("acme/agent-1", "zeta/agent-1", "agent-1")
+    t.request_started(a, 1.0, tenant="acme")
+    t.request_started(z, 2.0, tenant="zeta")
     t.request_finished(z, 900, 3.0, completed=True)
     assert (t.get(a).state, t.get(a).steps, t.get(z).state, t.get(z).steps) == (ProgramState.REASONING, 0, ProgramState.ACTING, 1)
     assert t.release(z) and t.get(z) is None and t.get(a).in_flight == 1 and t.get("agent-1") is None
     assert t.listing(4.0, tenant="zeta") == ([], 0)
     assert [(m["tenant"], m["id"]) for m in t.listing(4.0)[0]] == [("acme", "agent-1")]
+    with pytest.raises(ValueError, match="not tenant 'zeta'"):
+        t.request_started(a.replace("acme", "acmex"), 5.0, tenant="zeta")
+
+
+def test_a_key_is_never_parsed_for_a_tenant() -> None:
+    """Ids from elsewhere may hold the separator (a trace's subagent sessions: ``conversation/agent``):
+    without a tenant given they are a program of no tenant, shown whole."""
+    t = ProgramTable(idle_ttl_s=600.0, max_programs=2)
+    for k, sid in enumerate(("conv-1/agent-0", "conv-1/agent-1", "conv-2")):
+        t.request_started(sid, float(k))
+        t.request_finished(sid, 10, float(k), completed=True)
+    assert [(m["tenant"], m["id"]) for m in t.listing(5.0)[0]] == [(None, "conv-1/agent-1"), (None, "conv-2")]
+    assert t.by_state(None)["acting"] == 2 and t.evicted == 1
 
 
 def test_a_full_table_evicts_from_the_tenant_holding_the_most() -> None:
@@ -166,25 +181,25 @@ def test_a_full_table_evicts_from_the_tenant_holding_the_most() -> None:
     holds the most; a tenant that then starts programs takes its places from the flood."""
     t = ProgramTable(idle_ttl_s=600.0, max_programs=10)
     for i in range(3):
-        _idle_program(t, program_key("acme", f"a{i}"), float(i))  # idle longest of all
+        _idle_program(t, "acme", f"a{i}", float(i))  # idle longest of all
     for i in range(100):  # the flood: each one idle right after its start
-        _idle_program(t, program_key("flood", f"f{i}"), 10.0 + i)
+        _idle_program(t, "flood", f"f{i}", 10.0 + i)
     assert t.evicted == 93 and t.by_state("acme") == {"reasoning": 0, "acting": 3, "paused": 0}
     assert sorted(p.program_id for p in t if p.tenant == "flood") == [f"flood/f{i}" for i in range(93, 100)]
     for i in range(4):  # zeta takes its places from the flood's idlest while the flood holds the most
-        _idle_program(t, program_key("zeta", f"z{i}"), 200.0 + i)
+        _idle_program(t, "zeta", f"z{i}", 200.0 + i)
     assert [len(t.listing(300.0, tenant=x)[0]) for x in ("acme", "flood", "zeta")] == [3, 4, 3]
     assert _keys(t, "flood") == [f"flood/f{i}" for i in range(96, 100)]  # z3 tied with it: zeta paid (z0)
     assert _keys(t, "zeta") == ["zeta/z1", "zeta/z2", "zeta/z3"]
-    _idle_program(t, program_key("acme", "a3"), 300.0)  # acme at 4 with the new one, tied with flood: acme pays
+    _idle_program(t, "acme", "a3", 300.0)  # acme at 4 with the new one, tied with flood: acme pays
     assert _keys(t, "acme") == ["acme/a1", "acme/a2", "acme/a3"]
     for key in ("flood/f97", "flood/f98", "flood/f99", "zeta/z1", "zeta/z2", "zeta/z3"):
         t.request_started(key, 301.0)  # busy now: never evicted
     # zeta would hold 4 with z6, tied with flood: zeta is preferred but has none idle, flood's f96 goes
-    t.request_started(program_key("zeta", "z6"), 302.0)
+    t.request_started(program_key("zeta", "z6"), 302.0, tenant="zeta")
     assert _keys(t, "flood") == ["flood/f97", "flood/f98", "flood/f99"]
-    _idle_program(t, program_key("zeta", "z7"), 303.0)  # zeta at 5, none idle; flood none idle: acme's a1
-    t.request_started(program_key("flood", "f100"), 304.0)  # zeta holds the most (5): its one idle, z7
+    _idle_program(t, "zeta", "z7", 303.0)  # zeta at 5, none idle; flood none idle: acme's a1
+    t.request_started(program_key("flood", "f100"), 304.0, tenant="flood")  # zeta holds the most (5): its one idle, z7
     assert (_keys(t, "acme"), _keys(t, "flood")) == (["acme/a2", "acme/a3"], ["flood/f100", "flood/f97", "flood/f98", "flood/f99"])
     assert _keys(t, "zeta") == ["zeta/z1", "zeta/z2", "zeta/z3", "zeta/z6"]
     assert len(t) == 10 and t.evicted == 101

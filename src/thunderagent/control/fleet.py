@@ -299,7 +299,7 @@ class Fleet:
         ignore_eos: bool = False,
         sampling: Sampling | None = None,
         route_key: str = "",
-        program_id: str | None = None,
+        program_id: str | None = None, tenant: str | None = None,  # (the program's key, and whose it is)
         passthrough: Passthrough | None = None,
     ) -> Generation:
         """Hash once, then route and submit now, or hold the request in the scheduler until a
@@ -312,7 +312,7 @@ class Fleet:
                                       priority=priority, ignore_eos=ignore_eos, sampling=sampling, arrival=received)
         req.passthrough = passthrough  # engine openai: the client's body, relayed unchanged
         try:
-            d = self.dispatcher.submit(req, route_key, self.routable(), received, program=program_id)
+            d = self.dispatcher.submit(req, route_key, self.routable(), received, program_id, tenant)
         except QueueFull:
             self.metrics.scheduler_rejected.inc()
             raise

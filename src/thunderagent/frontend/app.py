@@ -204,6 +204,7 @@ class Frontend:
         gen = await self.fleet.start_generation(
             prompt_ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt), lora_name=req.lora_name, priority=req.priority,
             sampling=sampling, route_key=self._route_key(request, req), program_id=self._program_id(request, req),
+            tenant=request.get(TENANT),
         )
         headers = {WORKER_HEADER: gen.decision.worker_id}
         explain = gen.decision.explain() if explained else None

@@ -20,7 +20,7 @@ from thunderagent.config.auth import check_tenant
 from thunderagent.control.fleet import Fleet
 from thunderagent.frontend.auth import AUTH_KEY, DETAIL, TENANT
 from thunderagent.frontend.protocol import ReleaseRequest, RequestError, check_program_id, decode_request, program_filters
-from thunderagent.scheduler.programs import EVERYONE, program_key, split_key
+from thunderagent.scheduler.programs import EVERYONE, OWNER_SEP, program_key
 
 
 class ProgramsApi:
@@ -95,8 +95,8 @@ def _key(request: web.Request, program_id: object) -> str:
 
 
 def _unknown(request: web.Request, key: str) -> RequestError:
-    tenant, program_id = split_key(key)
+    program_id = key.rpartition(OWNER_SEP)[2]  # (a client's id holds no separator: check_program_id)
     hint = (" (an admin key names the program's tenant with ?tenant=)"
-            if tenant is None and request.app.get(AUTH_KEY) is not None else "")
+            if program_id == key and request.app.get(AUTH_KEY) is not None else "")
     return RequestError(f"no program {program_id!r} is known (released, expired or never seen){hint}",
                         param="program_id", status=404, code="program_not_found")

@@ -157,7 +157,7 @@ class RelayFrontend:
         gen = await fe.fleet.start_generation(
             ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt), lora_name=req.lora_name,
             priority=req.priority, route_key=fe._route_key(request, req), program_id=fe._program_id(request, req),
-            passthrough=Passthrough(path, body, req.stream),
+            tenant=request.get(TENANT), passthrough=Passthrough(path, body, req.stream),
         )
         headers = {"x-thunderagent-worker": gen.decision.worker_id}
         if explained:  # the body is the server's: the explanation goes in a header

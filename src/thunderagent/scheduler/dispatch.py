@@ -145,8 +145,8 @@ class Dispatcher:
                              check_hashes=checks)
 
     def submit(self, req: EngineRequest, key: str, workers: Sequence[WorkerState], now: float,
-               program: str | None = None) -> Dispatch | None:
-        """A new request (of agent ``program``, if any): routed now (returned) when nothing is held
+               program: str | None = None, tenant: str | None = None) -> Dispatch | None:
+        """A new request (of agent ``program``, if any; ``tenant``: whose program, API keys on): routed now (returned) when nothing is held
         and a worker can start it, else held (None) until :meth:`pump` routes it. Raises
         :class:`QueueFull` past the queue's bounds and
         :class:`~thunderagent.router.router.NoWorkerAvailable` when no worker is there at all."""
@@ -157,7 +157,7 @@ class Dispatcher:
         if program is not None:
             # only the pacer reads a program's blocks: without it an idle program keeps no prompt alive
             blocks = req.block_hashes if pacer is not None else ()
-            prog = self.programs.request_started(program, now, blocks, len(req.prompt_tokens))
+            prog = self.programs.request_started(program, now, blocks, len(req.prompt_tokens), tenant)
             if pacer is not None:
                 if now >= pacer.next_tick and workers:
                     self.tick(workers, now)

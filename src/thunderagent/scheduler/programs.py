@@ -48,14 +48,10 @@ OWNER_SEP = "/"
 
 
 def program_key(tenant: str | None, program_id: str) -> str:
-    """The table's key of a program: ``tenant/id`` with API keys on, the client's id without."""
+    """The table's key of a client's program: ``tenant/id`` with API keys on, the client's id without.
+    The tenant itself is given to the table apart (``request_started``): the key is never parsed, as
+    ids from elsewhere (a trace's sessions, ``conversation/agent``) may hold the separator."""
     return program_id if tenant is None else f"{tenant}{OWNER_SEP}{program_id}"
-
-
-def split_key(key: str) -> tuple[str | None, str]:
-    """``(tenant, id)`` of a table key (tenant None: keys off)."""
-    tenant, sep, program_id = key.rpartition(OWNER_SEP)
-    return (tenant, program_id) if sep else (None, key)
 
 
 class ProgramState(StrEnum):
@@ -92,10 +88,14 @@ class Program:
     idle_since: float | None = None
     tenant: str | None = None  # whose it is (API keys on; None: keys off)
 
+    @property
+    def client_id(self) -> str:
+        """The id its client gave (the key less its tenant)."""
+        return self.program_id if self.tenant is None else self.program_id[len(self.tenant) + len(OWNER_SEP):]
+
     def as_dict(self, now: float) -> dict[str, object]:
-        tenant, program_id = split_key(self.program_id)
         return {
-            "id": program_id, "tenant": tenant, "state": self.state.value, "worker": self.worker, "steps": self.steps,
+            "id": self.client_id, "tenant": self.tenant, "state": self.state.value, "worker": self.worker, "steps": self.steps,
             "in_flight": self.in_flight, "context_tokens": self.context_tokens,
             "age_s": round(now - self.first_seen, 3), "in_state_s": round(now - self.last_change, 3),
             "pinned": self.pinned, "pause_cycles": self.pause_cycles, "pause_after_turn": self.pause_after_turn,
@@ -173,12 +173,14 @@ class ProgramTable:
         return len(self._idle) + sum(len(owner.idle) for owner in self._owners.values())
 
     def request_started(self, program_id: str, now: float, blocks: Sequence[int] = (),
-                        prompt_tokens: int = 0) -> Program:
-        """A request of ``program_id`` (a table key: :func:`program_key`) arrived: the program is (or
-        becomes) REASONING, unless it is PAUSED (the request is then held until the pacer resumes it)."""
+                        prompt_tokens: int = 0, tenant: str | None = None) -> Program:
+        """A request of ``program_id`` (a table key: :func:`program_key` of ``tenant``'s, or any id without
+        a tenant) arrived: the program is (or becomes) REASONING, unless it is PAUSED (the request is
+        then held until the pacer resumes it)."""
         prog = self._programs.get(program_id)
         if prog is None:
-            tenant = split_key(program_id)[0]
+            if tenant is not None and not program_id.startswith(tenant + OWNER_SEP):
+                raise ValueError(f"program key {program_id!r} is not tenant {tenant!r}'s (program_key)")
             if self.max_programs is not None and len(self._programs) >= self.max_programs:
                 self._evict_for(tenant)
             self._created += 1
