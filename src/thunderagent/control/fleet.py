@@ -312,7 +312,7 @@ class Fleet:
                                       priority=priority, ignore_eos=ignore_eos, sampling=sampling, arrival=received)
         req.passthrough = passthrough  # engine openai: the client's body, relayed unchanged
         try:
-            d = self.dispatcher.submit(req, route_key, self.routable(), received, program_id, tenant)
+            d = self.dispatcher.submit(req, route_key, self.routable(), received, program=program_id, tenant=tenant)
         except QueueFull:
             self.metrics.scheduler_rejected.inc()
             raise
