@@ -120,7 +120,7 @@ async def test_past_max_programs_the_program_idle_longest_is_forgotten_and_count
                 metrics = await r.text()
         assert {p["id"] for p in listed["data"]} == {"two", "four"}
         assert listed["by_state"] == {"reasoning": 0, "acting": 2, "paused": 0}
-        assert "thunderagent_programs_evicted_total 2.0" in metrics
+        assert 'thunderagent_programs_evicted_total{tenant=""} 2.0' in metrics  # keys off: no tenant
         assert 'thunderagent_programs{state="acting"} 2.0' in metrics
 
 

@@ -185,6 +185,7 @@ def test_a_full_table_evicts_from_the_tenant_holding_the_most() -> None:
     for i in range(100):  # the flood: each one idle right after its start
         _idle_program(t, "flood", f"f{i}", 10.0 + i)
     assert t.evicted == 93 and t.by_state("acme") == {"reasoning": 0, "acting": 3, "paused": 0}
+    assert t.take_evictions() == {"flood": 93} and t.take_evictions() == {}  # drained
     assert sorted(p.program_id for p in t if p.tenant == "flood") == [f"flood/f{i}" for i in range(93, 100)]
     for i in range(4):  # zeta takes its places from the flood's idlest while the flood holds the most
         _idle_program(t, "zeta", f"z{i}", 200.0 + i)
@@ -202,7 +203,7 @@ def test_a_full_table_evicts_from_the_tenant_holding_the_most() -> None:
     t.request_started(program_key("flood", "f100"), 304.0, tenant="flood")  # zeta holds the most (5): its one idle, z7
     assert (_keys(t, "acme"), _keys(t, "flood")) == (["acme/a2", "acme/a3"], ["flood/f100", "flood/f97", "flood/f98", "flood/f99"])
     assert _keys(t, "zeta") == ["zeta/z1", "zeta/z2", "zeta/z3", "zeta/z6"]
-    assert len(t) == 10 and t.evicted == 101
+    assert len(t) == 10 and t.evicted == 101 and t.take_evictions() == {"flood": 4, "zeta": 2, "acme": 2}
 
 
 def test_a_program_cycling_between_steps_keeps_the_idle_heap_bounded() -> None:

@@ -250,8 +250,9 @@ class MetricsConfig(_Strict):
     path: str = "/metrics"
     window_s: float = Field(60.0, gt=0, description="sliding window of the rate gauges (cache hit, reuse, "
                             "recompute rates)")
-    max_route_keys: int = Field(32, ge=1, description="route keys labelled one by one in the per-key TTFT/ITL "
-                                "histograms; later ones share the label _other")
+    max_route_keys: int = Field(32, ge=1, description="route keys (tenants, with API keys on) labelled one by one "
+                                "in the per-key TTFT/ITL histograms and the per-tenant program evictions; later "
+                                "ones share the label _other")
 
 
 class SimulationConfig(_Strict):

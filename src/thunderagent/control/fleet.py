@@ -397,7 +397,7 @@ class Fleet:
             self._arm()
 
     def _observe_programs(self) -> None:
-        self.metrics.observe_programs(self.programs.by_state(), self.programs.evicted)
+        self.metrics.observe_programs(self.programs.by_state(), self.programs.take_evictions())
 
     def _observe_pacing(self) -> None:
         pacer = self.dispatcher.pacer

@@ -248,9 +248,10 @@ class Metrics:
         )
         self.programs_evicted = Counter(
             "thunderagent_programs_evicted", "Idle agent programs forgotten early to stay within "
-            "scheduler.max_programs", registry=r,
+            "scheduler.max_programs, per tenant (empty: keys off; past metrics.max_route_keys tenants: _other)",
+            ["tenant"], registry=r,
         )
-        self._evicted = 0
+        self.programs_evicted.labels("")  # exported before the first eviction
         self.scheduler_cancelled = Counter(
             "thunderagent_scheduler_cancelled", "Held requests whose client left before dispatch", registry=r,
         )
@@ -262,13 +263,12 @@ class Metrics:
             self.scheduler_queued.labels(t).set(n)
         self._tiers |= now.keys()
 
-    def observe_programs(self, by_state: dict[str, int], evicted: int = 0) -> None:
-        """``evicted``: the program table's running total (the counter advances by what is new)."""
+    def observe_programs(self, by_state: dict[str, int], evicted: Mapping[str | None, int]) -> None:
+        """``evicted``: the program table's evictions per tenant since the last call."""
         for state, n in by_state.items():
             self.programs.labels(state).set(n)
-        if evicted > self._evicted:
-            self.programs_evicted.inc(evicted - self._evicted)
-            self._evicted = evicted
+        for tenant, n in evicted.items():
+            self.programs_evicted.labels(self.seed.route_key(tenant or "")).inc(n)
 
     def observe_pacing(self, pauses: int, resumes: int) -> None:
         """The pacer's running totals: counters advance by what is new since the last call."""

@@ -157,6 +157,8 @@ class ProgramTable:
         self.watcher: ProgramWatcher | None = None
         self._counts = dict.fromkeys(LIVE_STATES, 0)
         self.evicted = 0  # idle programs forgotten early to stay within max_programs
+        #: evictions per tenant since the last :meth:`take_evictions` (the fleet's metrics drain it)
+        self._new_evictions: dict[str | None, int] = {}
 
     def __len__(self) -> int:
         return len(self._programs)
@@ -292,8 +294,18 @@ class ProgramTable:
             if prog is not None:
                 self._forget(prog)
                 self.evicted += 1
+                new = self._new_evictions
+                new[prog.tenant] = new.get(prog.tenant, 0) + 1
                 return True
         return False
+
+    def take_evictions(self) -> dict[str | None, int]:
+        """Evictions per tenant since the last call (read on every program request: O(tenants evicted
+        from since), and no allocation while there were none)."""
+        new = self._new_evictions
+        if new:
+            self._new_evictions = {}
+        return new
 
     def _resized(self, tenant: str | None, old: int, new: int) -> None:
         """One tenant's program count went from ``old`` to ``new``: ``_by_size`` follows."""
