@@ -27,7 +27,8 @@ from thunderagent.config.scheduler import (GroupingConfig, IdleResume, PacingAcc
 from thunderagent.config.transfer import DisaggConfig, KvTransferConfig, MigrationConfig, check_sim_fields
 
 __all__ = [
-    "Config", "ConfigError", "ControlPlaneConfig", "CostWeights", "HotPrefixConfig", "DecisionLogConfig", "DisaggConfig",
+    "Config", "ConfigError", "ControlPlaneConfig", "CostWeights", "HotPrefixConfig", "DecisionLogConfig",
+    "DisaggConfig",
     "EndpointConfig",
     "ExecutionGroupConfig", "GroupingConfig", "KvTransferConfig", "MetricsConfig", "NatsAuthConfig", "NatsConfig",
     "MigrationConfig", "NatsTlsConfig", "NodeConfig", "OutlierConfig", "PlannerConfig",

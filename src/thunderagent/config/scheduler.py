@@ -204,7 +204,8 @@ class SchedulerConfig(_Strict):
     )
     max_programs: int = Field(
         10_000, ge=1, description="agent programs tracked at once: past it a new program's first request "
-        "makes the program idle longest forgotten early (programs with a request in flight are never)"
+        "makes an idle program forgotten early, the idlest of the tenant holding the most (programs with a "
+        "request in flight are never)"
     )
     pacing: PacingConfig = PacingConfig()
     grouping: GroupingConfig = GroupingConfig()

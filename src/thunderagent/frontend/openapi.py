@@ -54,7 +54,8 @@ _LIST = {"type": "object", "required": ["object", "data"], "properties": {
     "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object"}}}}
 _TENANT = {"type": ["string", "null"], "description": "whose program it is (API keys on; null with keys off)"}
 _PROGRAM = {"type": "object", "required": ["id", "tenant", "state", "steps", "in_flight"], "properties": {
-    "id": {"type": "string"}, "tenant": _TENANT, "state": {"enum": [s.value for s in LIVE_STATES]}, "steps": {"type": "integer"},
+    "id": {"type": "string"}, "tenant": _TENANT,
+    "state": {"enum": [s.value for s in LIVE_STATES]}, "steps": {"type": "integer"},
     "in_flight": {"type": "integer"}}}
 _PROGRAMS = {"type": "object", "required": ["object", "data", "total", "truncated", "by_state"], "properties": {
     "object": {"const": "list"}, "data": {"type": "array", "items": _PROGRAM}, "total": {"type": "integer"},

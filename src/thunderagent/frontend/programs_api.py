@@ -19,8 +19,9 @@ from aiohttp import web
 from thunderagent.config.auth import check_tenant
 from thunderagent.control.fleet import Fleet
 from thunderagent.frontend.auth import AUTH_KEY, DETAIL, TENANT
-from thunderagent.frontend.protocol import ReleaseRequest, RequestError, check_program_id, decode_request, program_filters
-from thunderagent.scheduler.programs import EVERYONE, OWNER_SEP, program_key
+from thunderagent.frontend.protocol import (ReleaseRequest, RequestError, check_program_id, decode_request,
+                                            program_filters)
+from thunderagent.scheduler.programs import EVERYONE, Program, program_key
 
 
 class ProgramsApi:
@@ -43,28 +44,35 @@ class ProgramsApi:
         return web.json_response(body)
 
     async def one(self, request: web.Request) -> web.Response:
-        key = _key(request, request.match_info["program_id"])
-        prog = self.fleet.programs.get(key)
-        if prog is None:
-            raise _unknown(request, key)
+        prog = self._find(request, request.match_info["program_id"])
         return web.json_response(prog.as_dict(self.fleet.now()))
 
     async def release(self, request: web.Request) -> web.Response:
-        return self._release(request, _key(request, request.match_info["program_id"]))
+        return self._release(self._find(request, request.match_info["program_id"]))
 
     async def release_body(self, request: web.Request) -> web.Response:
         """``POST /programs/release {"program_id": ...}``: the ThunderAgent paper proxy's form."""
         body = decode_request(await request.read(), ReleaseRequest)
         assert isinstance(body, ReleaseRequest)
-        return self._release(request, _key(request, body.program_id))
+        return self._release(self._find(request, body.program_id))
 
-    def _release(self, request: web.Request, key: str) -> web.Response:
-        prog = self.fleet.programs.get(key)
-        if prog is None or not self.fleet.release_program(key):
-            raise _unknown(request, key)
+    def _find(self, request: web.Request, program_id: object) -> Program:
+        """The program a call names (an admin's without ``?tenant=``: keys off's form), or a 404."""
+        owner = _owner(request)
+        tenant = None if owner == EVERYONE else owner
+        checked = check_program_id(program_id)
+        prog = self.fleet.programs.get(program_key(tenant, checked))
+        if prog is None:
+            hint = (" (an admin key names the program's tenant with ?tenant=)"
+                    if tenant is None and request.app.get(AUTH_KEY) is not None else "")
+            raise RequestError(f"no program {checked!r} is known (released, expired or never seen){hint}",
+                               param="program_id", status=404, code="program_not_found")
+        return prog
+
+    def _release(self, prog: Program) -> web.Response:
+        self.fleet.release_program(prog.program_id)  # (it held requests of it: they go now)
         self.fleet.metrics.programs_released.inc()
-        out = prog.as_dict(self.fleet.now())
-        return web.json_response({"id": out["id"], "tenant": out["tenant"], "released": True})
+        return web.json_response({"id": prog.client_id, "tenant": prog.tenant, "released": True})
 
 
 def _owner(request: web.Request) -> str | None:
@@ -86,17 +94,3 @@ def _owner(request: web.Request) -> str | None:
         return check_tenant(named)
     except ValueError as e:
         raise RequestError(str(e), param="tenant") from None
-
-
-def _key(request: web.Request, program_id: object) -> str:
-    """The table key of the program a call names (an admin's without ``?tenant=``: keys off's form)."""
-    owner = _owner(request)
-    return program_key(None if owner == EVERYONE else owner, check_program_id(program_id))
-
-
-def _unknown(request: web.Request, key: str) -> RequestError:
-    program_id = key.rpartition(OWNER_SEP)[2]  # (a client's id holds no separator: check_program_id)
-    hint = (" (an admin key names the program's tenant with ?tenant=)"
-            if program_id == key and request.app.get(AUTH_KEY) is not None else "")
-    return RequestError(f"no program {program_id!r} is known (released, expired or never seen){hint}",
-                        param="program_id", status=404, code="program_not_found")

@@ -146,9 +146,9 @@ class Dispatcher:
 
     def submit(self, req: EngineRequest, key: str, workers: Sequence[WorkerState], now: float,
                program: str | None = None, tenant: str | None = None) -> Dispatch | None:
-        """A new request (of agent ``program``, if any; ``tenant``: whose program, API keys on): routed now (returned) when nothing is held
-        and a worker can start it, else held (None) until :meth:`pump` routes it. Raises
-        :class:`QueueFull` past the queue's bounds and
+        """A new request (of agent ``program``, if any; ``tenant``: whose program, API keys on): routed
+        now (returned) when nothing is held and a worker can start it, else held (None) until
+        :meth:`pump` routes it. Raises :class:`QueueFull` past the queue's bounds and
         :class:`~thunderagent.router.router.NoWorkerAvailable` when no worker is there at all."""
         queue, pacer = self.queue, self.pacer
         if queue is not None and not workers:

@@ -95,7 +95,8 @@ class Program:
 
     def as_dict(self, now: float) -> dict[str, object]:
         return {
-            "id": self.client_id, "tenant": self.tenant, "state": self.state.value, "worker": self.worker, "steps": self.steps,
+            "id": self.client_id, "tenant": self.tenant, "state": self.state.value, "worker": self.worker,
+            "steps": self.steps,
             "in_flight": self.in_flight, "context_tokens": self.context_tokens,
             "age_s": round(now - self.first_seen, 3), "in_state_s": round(now - self.last_change, 3),
             "pinned": self.pinned, "pause_cycles": self.pause_cycles, "pause_after_turn": self.pause_after_turn,
@@ -373,7 +374,8 @@ class ProgramTable:
         return owner.programs.values() if owner is not None else ()
 
     def snapshot(self, now: float) -> list[dict[str, object]]:
-        return [p.as_dict(now) for p in sorted(self._programs.values(), key=lambda p: p.first_seen)]
+        """Every program, oldest first."""
+        return self.listing(now)[0]
 
     def listing(self, now: float, state: ProgramState | None = None, limit: int | None = None,
                 tenant: str | None = EVERYONE) -> tuple[list[dict[str, object]], int]:
