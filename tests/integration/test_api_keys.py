@@ -206,6 +206,26 @@ async def test_the_routing_explanation_needs_an_admin_key_too(server_factory):
             await c.close()
 
 
+async def test_tenants_see_no_worker_ids(server_factory):
+    """Worker ids are the fleet's detail (what /health shows admins): with keys on, a tenant key's
+    answers, plain and streamed, carry no ``x-thunderagent-worker``; a key that is also an admin key's
+    do, naming a worker of the fleet."""
+    dual = secrets.token_urlsafe(24)
+    cfg = {"control_plane": {"api_keys": {KEY_A: "acme", dual: "ops"}, "admin_keys": [ADMIN, dual]}}
+    async with server_factory(**cfg) as srv:
+        a, ops = _client(srv, KEY_A), _client(srv, dual)
+        for stream in (False, True):
+            for client, shown in ((a, False), (ops, True)):
+                async with client.chat.completions.with_streaming_response.create(
+                        model=MODEL, messages=PROMPT, max_tokens=4, stream=stream) as resp:
+                    assert resp.status_code == 200
+                    await resp.read()
+                    worker = resp.headers.get("x-thunderagent-worker")
+                assert (worker in srv.fleet.workers) if shown else worker is None, (stream, shown, worker)
+        for c in (a, ops):
+            await c.close()
+
+
 async def test_keys_from_a_file_and_an_environment_variable(server_factory, tmp_path, monkeypatch):
     key_c, key_d, admin = (secrets.token_urlsafe(24) for _ in range(3))
     keys = tmp_path / "keys.txt"

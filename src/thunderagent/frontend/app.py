@@ -206,7 +206,8 @@ class Frontend:
             sampling=sampling, route_key=self._route_key(request, req), program_id=self._program_id(request, req),
             tenant=request.get(TENANT),
         )
-        headers = {WORKER_HEADER: gen.decision.worker_id}
+        shown = request[DETAIL]  # worker ids are the fleet's detail: tenants see none (API keys on, no admin key)
+        headers = {WORKER_HEADER: gen.decision.worker_id} if shown else {}
         explain = gen.decision.explain() if explained else None
         created = int(time.time())
         cid = ("chatcmpl-" if chat else "cmpl-") + gen.request_id
@@ -214,11 +215,11 @@ class Frontend:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await self._stream(request, gen, stops, headers, explain, cid, created, req.model, chat,
                                       include_usage)
-        return await self._complete(gen, stops, headers, explain, cid, created, req.model, chat)
+        return await self._complete(gen, stops, headers, explain, cid, created, req.model, chat, shown)
 
     async def _complete(
         self, gen: Generation, stops: list[str], headers: dict[str, str], explain: dict[str, object] | None,
-        cid: str, created: int, model: str, chat: bool,
+        cid: str, created: int, model: str, chat: bool, shown: bool,
     ) -> web.Response:
         """A non-streaming response: the whole text, or an OpenAI error when nothing was generated."""
         text_parts: list[str] = []
@@ -230,9 +231,9 @@ class Frontend:
         text = "".join(text_parts)
         if last.finish_reason == FinishReason.ERROR:  # never a 200 with part of a text: it is an error
             moved = f" (migrated {gen.migrations} times)" if gen.migrations else ""
-            raise RequestError(f"worker {gen.decision.worker_id} failed while serving the request{moved} and no "
-                               "worker could take it over; retry", status=502, code="worker_failed",
-                               type_="server_error")
+            who = f"worker {gen.decision.worker_id}" if shown else "the worker"
+            raise RequestError(f"{who} failed while serving the request{moved} and no worker could take it over; "
+                               "retry", status=502, code="worker_failed", type_="server_error")
         if last.finish_reason == FinishReason.UNAVAILABLE and not text:  # no worker could take it, even routed again
             raise NoWorkerAvailable("no worker could take the request (engines unreachable)")
         if chat:
@@ -248,7 +249,8 @@ class Frontend:
         }
         if explain is not None:
             body["thunderagent"] = explain
-        headers[WORKER_HEADER] = gen.decision.worker_id  # a request can be routed again (worker lost)
+        if shown:
+            headers[WORKER_HEADER] = gen.decision.worker_id  # a request can be routed again (worker lost)
         return web.Response(body=_enc.encode(body), content_type="application/json", headers=headers)
 
     async def _stream(

@@ -31,7 +31,7 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta
 
-from thunderagent.frontend.auth import TENANT, tenant_salt
+from thunderagent.frontend.auth import DETAIL, TENANT, tenant_salt
 from thunderagent.frontend.protocol import MaxTokens, Priority, RequestError, prompt_input
 from thunderagent.control.fleet import Fleet
 from thunderagent.frontend.tokenizer import ChatMessage, Tokenizer
@@ -93,9 +93,10 @@ def _text(m: _Message) -> str:
     return "".join(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
 
 
-def upstream_error(worker: str, out: TokenOutput) -> web.Response:
+def upstream_error(worker: str | None, out: TokenOutput) -> web.Response:
     """A server's refusal as an OpenAI error: its own body when it is OpenAI-shaped (with its status),
-    else wrapped (502 for a server fault, the server's status for a 4xx)."""
+    else wrapped (502 for a server fault, the server's status for a 4xx). ``worker``: its id, or None
+    where the caller may not see it (a tenant)."""
     raw, status = out.raw or b"", out.raw_status
     try:
         shaped = isinstance(json.loads(raw).get("error"), dict)
@@ -103,14 +104,20 @@ def upstream_error(worker: str, out: TokenOutput) -> web.Response:
         shaped = False
     if shaped and 400 <= status:
         return web.Response(body=raw, status=status, content_type="application/json")
-    why = f"HTTP {status}: {raw[:200].decode(errors='replace')}" if raw else f"the request {out.finish_reason}"
-    err = {"message": f"worker {worker} failed the request ({why})", "type": "server_error", "param": None,
+    # a body that is not OpenAI's shape (a proxy's error page, a trace) may name the fleet's hosts: admins only
+    text = raw[:200].decode(errors="replace") if worker is not None else ""
+    why = (f"HTTP {status}: {text}" if text else f"HTTP {status}") if raw else f"the request {out.finish_reason}"
+    err = {"message": f"{_who(worker)} failed the request ({why})", "type": "server_error", "param": None,
            "code": "upstream_error"}
     return web.json_response({"error": err}, status=status if 400 <= status < 500 else 502)
 
 
-def _error_event(worker: str, out: TokenOutput) -> bytes:
-    msg = f"worker {worker} failed while streaming the request ({out.finish_reason}); it cannot be resumed"
+def _who(worker: str | None) -> str:
+    return "the worker" if worker is None else f"worker {worker}"
+
+
+def _error_event(worker: str | None, out: TokenOutput) -> bytes:
+    msg = f"{_who(worker)} failed while streaming the request ({out.finish_reason}); it cannot be resumed"
     err = {"message": msg, "type": "server_error", "param": None, "code": "worker_failed"}
     return b"data: " + json.dumps({"error": err}).encode() + b"\n\ndata: [DONE]\n\n"
 
@@ -159,27 +166,30 @@ class RelayFrontend:
             priority=req.priority, route_key=fe._route_key(request, req), program_id=fe._program_id(request, req),
             tenant=request.get(TENANT), passthrough=Passthrough(path, body, req.stream),
         )
-        headers = {"x-thunderagent-worker": gen.decision.worker_id}
+        # worker ids are the fleet's detail: tenants see none (API keys on, no admin key)
+        shown = request[DETAIL]
+        headers = {"x-thunderagent-worker": gen.decision.worker_id} if shown else {}
         if explained:  # the body is the server's: the explanation goes in a header
             headers["x-thunderagent-explanation"] = json.dumps(gen.decision.explain(), separators=(",", ":"))
         outputs = fe.fleet.outputs(gen)
         try:
             out = await anext(outputs)
             if out.finished and _failed(out):  # refused before any byte: an error answer
-                return upstream_error(gen.decision.worker_id, out)
+                return upstream_error(gen.decision.worker_id if shown else None, out)
             if not req.stream:
                 while not out.finished:
                     out = await anext(outputs)
                 if _failed(out):
-                    return upstream_error(gen.decision.worker_id, out)
-                headers["x-thunderagent-worker"] = gen.decision.worker_id  # routed again: the one that served
+                    return upstream_error(gen.decision.worker_id if shown else None, out)
+                if shown:
+                    headers["x-thunderagent-worker"] = gen.decision.worker_id  # routed again: the one that served
                 return web.Response(body=out.raw, content_type="application/json", headers=headers)
-            return await self._stream(request, gen.decision.worker_id, out, outputs, headers)
+            return await self._stream(request, gen.decision.worker_id if shown else None, out, outputs, headers)
         finally:
             await outputs.aclose()  # aborts the server's request if it did not finish
 
     @staticmethod
-    async def _stream(request: web.Request, worker: str, out: TokenOutput, outputs: Any,
+    async def _stream(request: web.Request, worker: str | None, out: TokenOutput, outputs: Any,
                       headers: dict[str, str]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
         try:
