@@ -136,6 +136,10 @@ async def test_a_tenant_reaches_only_its_own_programs_and_an_admin_names_the_ten
         assert mine["total"] == 1 and mine["by_state"] == {"reasoning": 0, "acting": 1, "paused": 0}
         status, one = await call("GET", "/v1/programs/agent-1", as_b)
         assert status == 200 and (one["tenant"], one["id"], one["steps"]) == ("globex", "agent-1", 1)
+        # worker ids are the fleet's detail: null for a tenant key, the worker for an admin key
+        assert mine["data"][0]["worker"] is None and one["worker"] is None and one["pinned"] is None
+        status, seen = await call("GET", "/v1/programs/agent-1?tenant=globex", admin)
+        assert status == 200 and seen["worker"] in srv.fleet.workers
         assert (await call("GET", "/v1/programs/solo", as_a))[0] == 404  # globex's, not acme's
         status, err = await call("GET", "/v1/programs?tenant=globex", as_a)
         assert status == 403 and err["error"]["param"] == "tenant"

@@ -4,7 +4,6 @@ unbroken run produces (the simulated engine's completion is a function of the or
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 

@@ -26,7 +26,7 @@ from thunderagent.execution.factories import simulated_factory
 from thunderagent.kv.hashing import BASE_SEED, block_hashes
 from thunderagent.sim.driver import Simulator
 from thunderagent.sim.generators import shared_prefix
-from thunderagent.types import EngineRequest, FinishReason, TokenOutput
+from thunderagent.types import EngineRequest, FinishReason
 
 BS = 16
 TIMING = PolynomialTiming()

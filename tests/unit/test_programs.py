@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from thunderagent.scheduler.programs import EVERYONE, Program, ProgramState, ProgramTable, program_key
+from thunderagent.scheduler.queue import QueueFull
 
 
 def test_a_program_reasons_while_a_request_runs_and_acts_between_them() -> None:
@@ -237,3 +238,34 @@ def test_a_program_keeps_its_prompts_blocks_only_for_the_pacer(paced: bool) -> N
     prog = d.programs.get("agent")
     assert prog is not None and prog.context_tokens == 64
     assert list(prog.blocks) == (req.block_hashes if paced else [])
+
+
+def test_a_tenant_past_its_program_cap_evicts_its_own_idlest_or_is_refused() -> None:
+    """``tenant_limits.<tenant>.max_programs``: acme (cap 2) replaces its own idlest program, and with
+    both busy a third is refused (429 code too_many_programs) with nothing changed; "*" caps the
+    tenants not named (zeta at 3); globex, named without a cap, is not bounded by "*"."""
+    t = ProgramTable(idle_ttl_s=600.0, tenant_caps=({"acme": 2, "globex": None}, 3))
+    _idle_program(t, "acme", "a0", 0.0)
+    _idle_program(t, "acme", "a1", 1.0)
+    _idle_program(t, "zeta", "z0", 1.5)
+    _idle_program(t, "acme", "a2", 2.0)  # evicts a0, its own idlest
+    assert _keys(t, "acme") == ["acme/a1", "acme/a2"] and _keys(t, "zeta") == ["zeta/z0"]
+    assert t.take_evictions() == {"acme": 1}
+    for key in ("acme/a1", "acme/a2"):
+        t.request_started(key, 3.0)  # both busy
+    with pytest.raises(QueueFull) as exc:
+        t.request_started(program_key("acme", "a3"), 4.0, tenant="acme")
+    assert exc.value.code == "too_many_programs" and exc.value.retry_after == 1.0
+    assert "max_programs: 2" in str(exc.value)
+    assert _keys(t, "acme") == ["acme/a1", "acme/a2"] and len(t) == 3 and t.take_evictions() == {}
+    t.request_started("acme/a1", 5.0)  # a known program's request is never refused
+    t.request_finished("acme/a2", 10, 6.0, completed=True)  # a2 idle again: a3 replaces it
+    t.request_started(program_key("acme", "a3"), 7.0, tenant="acme")
+    assert _keys(t, "acme") == ["acme/a1", "acme/a3"]
+    for i in range(1, 5):
+        _idle_program(t, "zeta", f"z{i}", 10.0 + i)
+    assert _keys(t, "zeta") == ["zeta/z2", "zeta/z3", "zeta/z4"]
+    for i in range(6):
+        _idle_program(t, "globex", f"g{i}", 20.0 + i)
+    assert len(_keys(t, "globex")) == 6 and t.take_evictions() == {"acme": 1, "zeta": 2}
+    t.request_started("anon-1", 30.0)  # programs of no tenant (keys off) have no cap

@@ -22,6 +22,7 @@ from thunderagent.config.observe import DecisionLogConfig
 from thunderagent.config.outlier import OutlierConfig
 from thunderagent.config.planner import PlannerConfig
 from thunderagent.config.routing import CostWeights, HotPrefixConfig, Policy, RoutingConfig
+from thunderagent.config.tenants import TenantLimit, check_tenant_limits, program_caps
 from thunderagent.config.scheduler import (GroupingConfig, IdleResume, PacingAccounting, PacingConfig, ResumeOrder,
                                           ResumePlacement, SchedulerConfig)
 from thunderagent.config.transfer import DisaggConfig, KvTransferConfig, MigrationConfig, check_sim_fields
@@ -33,7 +34,7 @@ __all__ = [
     "ExecutionGroupConfig", "GroupingConfig", "KvTransferConfig", "MetricsConfig", "NatsAuthConfig", "NatsConfig",
     "MigrationConfig", "NatsTlsConfig", "NodeConfig", "OutlierConfig", "PlannerConfig",
     "PacingAccounting", "PacingConfig", "Policy", "ResumePlacement", "Role", "RoutingConfig", "SchedulerConfig",
-    "SimulationConfig", "TimingConfig", "load_config", "parse_config",
+    "SimulationConfig", "TenantLimit", "TimingConfig", "load_config", "parse_config", "program_caps",
     "ResumeOrder", "IdleResume",
 ]
 
@@ -80,6 +81,10 @@ class ControlPlaneConfig(_Strict):
     )
     admin_keys_file: str | None = Field(None, description="file of admin keys, one per line")
     admin_keys_env: str | None = Field(None, description="environment variable holding admin keys, one per line")
+    tenant_limits: dict[str, TenantLimit] = Field(
+        default_factory=dict, description="tenant -> its request limits (requests_per_s, burst, max_in_flight), "
+        "per frontend process; the entry \"*\" applies to every tenant not named. Needs API keys on",
+    )
     decision_log: DecisionLogConfig = Field(
         DecisionLogConfig(), description="JSON-lines log of routing decisions (README: `thunderagent explain`)",
     )
@@ -95,6 +100,11 @@ class ControlPlaneConfig(_Strict):
             check_tenant(tenant)
         return v
 
+    @field_validator("tenant_limits")
+    @classmethod
+    def _tenant_limits(cls, v: dict[str, TenantLimit]) -> dict[str, TenantLimit]:
+        return check_tenant_limits(v)
+
     @field_validator("admin_keys")
     @classmethod
     def _admin_keys(cls, v: list[str]) -> list[str]:
@@ -106,7 +116,7 @@ class ControlPlaneConfig(_Strict):
     def _admin_needs_keys(self) -> ControlPlaneConfig:
         if self.keys_on:
             return self
-        for name in ("admin_keys", "admin_keys_file", "admin_keys_env"):
+        for name in ("admin_keys", "admin_keys_file", "admin_keys_env", "tenant_limits"):
             if getattr(self, name):
                 raise ValueError(f"{name} acts only with API keys on (api_keys, api_keys_file or api_keys_env): "
                                  "without them every endpoint is open")

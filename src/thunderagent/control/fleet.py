@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
-from thunderagent.config import Config, Policy
+from thunderagent.config import Config, Policy, program_caps
 from thunderagent.control import migration
 from thunderagent.control.decision_hook import DecisionHook
 from thunderagent.control.cache_migration import make_cache_migration
@@ -87,16 +87,16 @@ class Fleet:
         self.feed = KvFeed(self.index)
         self.router = KvRouter(cfg.routing, self.index, random.Random(cfg.routing.seed), policy)
         self.block_size = cfg.execution_group.nodes[0].block_size
-        self.dispatcher = Dispatcher(self.router, self.block_size, cfg.scheduler, make_disaggregator(cfg))
-        self.decisions = DecisionHook(cfg.control_plane.decision_log)  # DEBUG lines, the decision log
         cp = cfg.control_plane
+        self.dispatcher = Dispatcher(self.router, self.block_size, cfg.scheduler, make_disaggregator(cfg),
+                                     program_caps(cp.tenant_limits))  # at most this many programs per tenant
+        self.decisions = DecisionHook(cp.decision_log)  # DEBUG lines, the decision log
         self.registry = WorkerRegistry(cp.heartbeat_interval, cp.heartbeat_misses, cfg.routing)
         self.outliers = OutlierWatch(cp.outlier, self.metrics)  # slow or failing live workers skipped a while
         self.planner = PlannerHook(cfg.planner, self.metrics.registry, self.routable, self.registry)  # scaling advice
         self.autotune = AutotuneHook(cfg.routing, self.router, self.metrics.registry)  # self-tuning weights
         self.stall_timeout = stall_timeout
-        #: our loop's lateness: leases and stalls are judged on on-time seconds (control/liveness.py)
-        self.loop_lag = LoopLag(2 * max(self.registry.timeout, stall_timeout))
+        self.loop_lag = LoopLag(2 * max(self.registry.timeout, stall_timeout))  # our loop's lateness (liveness.py)
         #: longest sequence any worker can hold (simulated workers: their KV pool); None = unknown
         self.max_context_tokens: int | None = None
         #: longest prompt a worker takes (over NATS: one message's max_payload; without chunked prefill: a pass)
@@ -313,8 +313,8 @@ class Fleet:
         req.passthrough = passthrough  # engine openai: the client's body, relayed unchanged
         try:
             d = self.dispatcher.submit(req, route_key, self.routable(), received, program=program_id, tenant=tenant)
-        except QueueFull:
-            self.metrics.scheduler_rejected.inc()
+        except QueueFull as exc:
+            self.metrics.queue_refused(exc.code, tenant)
             raise
         if program_id is not None:
             self._observe_programs()

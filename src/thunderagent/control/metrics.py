@@ -12,6 +12,7 @@ from thunderagent.control.metric_children import LabelledChildren
 from thunderagent.control.seed_metrics import Latency, SeedMetrics
 from thunderagent.execution.kv_stream import StreamStats
 from thunderagent.scheduler.dispatch import Dispatch
+from thunderagent.scheduler.programs import PROGRAM_CAP_CODE
 from thunderagent.types import KvPull, LoadReport
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -252,6 +253,15 @@ class Metrics:
             ["tenant"], registry=r,
         )
         self.programs_evicted.labels("")  # exported before the first eviction
+        self.tenant_refused_total = Counter(
+            "thunderagent_tenant_refused", "Inference requests refused with 429 by a tenant's limit "
+            "(control_plane.tenant_limits: limit is requests_per_s, max_in_flight or max_programs; past metrics.max_route_keys "
+            "tenants: _other)", ["tenant", "limit"], registry=r,
+        )
+        self.tenant_in_flight_now = Gauge(
+            "thunderagent_tenant_in_flight", "Inference requests of a limited tenant admitted and not yet answered",
+            ["tenant"], registry=r,
+        )
         self.scheduler_cancelled = Counter(
             "thunderagent_scheduler_cancelled", "Held requests whose client left before dispatch", registry=r,
         )
@@ -269,6 +279,20 @@ class Metrics:
             self.programs.labels(state).set(n)
         for tenant, n in evicted.items():
             self.programs_evicted.labels(self.seed.route_key(tenant or "")).inc(n)
+
+    def queue_refused(self, code: str, tenant: str | None) -> None:
+        """The dispatch path refused a request (429): a tenant's program cap, or the holding queue."""
+        if code == PROGRAM_CAP_CODE and tenant is not None:
+            self.tenant_refused(tenant, "max_programs")
+        else:
+            self.scheduler_rejected.inc()
+
+    def tenant_refused(self, tenant: str, limit: str) -> None:
+        self.tenant_refused_total.labels(self.seed.route_key(tenant), limit).inc()
+
+    def tenant_in_flight(self, tenant: str, n: int) -> None:
+        # a tenant past max_route_keys shares _other with others: its last write wins there
+        self.tenant_in_flight_now.labels(self.seed.route_key(tenant)).set(n)
 
     def observe_pacing(self, pauses: int, resumes: int) -> None:
         """The pacer's running totals: counters advance by what is new since the last call."""

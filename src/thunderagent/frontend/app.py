@@ -31,6 +31,7 @@ from thunderagent.frontend.auth import (
 )
 from thunderagent.frontend.errorlog import ERROR_LOG_KEY, ErrorLog
 from thunderagent.frontend.limits import LIMITS_KEY, limits_middleware
+from thunderagent.frontend.tenant_gate import GATE_KEY, make_gate, tenant_gate_middleware
 from thunderagent.frontend.openapi import PATH as OPENAPI_PATH
 from thunderagent.frontend.openapi import add_openapi_route
 from thunderagent.frontend.protocol import (
@@ -59,6 +60,8 @@ WORKER_HEADER = "x-thunderagent-worker"
 PROGRAM_HEADER = "x-thunderagent-program-id"
 DYNAMO_SESSION_HEADER = "x-dynamo-session-id"
 EXPLAIN_HEADER = "x-thunderagent-explain"
+#: the routes that generate (what control_plane.tenant_limits counts)
+INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _enc = msgspec.json.Encoder()
 
@@ -87,7 +90,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         )
     except QueueFull as exc:
         resp = _error(
-            RequestError(f"{exc}; retry later", status=429, code="queue_full", type_="rate_limit_error"),
+            RequestError(f"{exc}; retry later", status=429, code=exc.code, type_="rate_limit_error"),
             headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))},
         )
     except web.HTTPRequestEntityTooLarge:
@@ -346,7 +349,8 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
         tokenizer = load_tokenizer(cfg)
     if fleet is None:
         fleet = build_fleet(cfg, tokenizer)
-    app = web.Application(middlewares=[errors_middleware, auth_middleware, limits_middleware],
+    # tenant limits after the key check (they need the tenant), before the body is read (a refusal is cheap)
+    app = web.Application(middlewares=[errors_middleware, auth_middleware, tenant_gate_middleware, limits_middleware],
                           client_max_size=cfg.control_plane.max_body_bytes)
     app[FLEET_KEY] = fleet
     app[LIMITS_KEY] = cfg.control_plane
@@ -354,6 +358,9 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     ring = load_keyring(cfg.control_plane)  # reads key files and variables: a ConfigError names the field
     if ring is not None:
         app[AUTH_KEY] = ring
+        gate = make_gate(cfg.control_plane.tenant_limits, ring.tenants, INFERENCE_PATHS, fleet.metrics)
+        if gate is not None:
+            app[GATE_KEY] = gate
     fe = Frontend(fleet, tokenizer, cfg.control_plane.default_max_tokens, cfg.routing.route_key)
     app[FRONTEND_KEY] = fe
     nodes = cfg.execution_group.nodes
@@ -365,8 +372,9 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
         (app.router.add_get if method == "GET" else app.router.add_post)(path, handler)  # GET also serves HEAD
         access[path] = needs
 
-    route("POST", "/v1/chat/completions", fe.chat_completions, Access.TENANT)
-    route("POST", "/v1/completions", fe.completions, Access.TENANT)
+    chat_path, completions_path = INFERENCE_PATHS
+    route("POST", chat_path, fe.chat_completions, Access.TENANT)
+    route("POST", completions_path, fe.completions, Access.TENANT)
     route("GET", "/v1/models", fe.models, Access.TENANT)
     programs = ProgramsApi(fleet)  # a tenant key: its own programs; an admin key: everyone's
     route("GET", "/v1/programs", programs.listing, Access.ANY)

@@ -50,6 +50,7 @@ class KeyRing:
     def __init__(self, tenants: Mapping[str, str], admins: Iterable[str]) -> None:
         self._tenants = {_digest(k): t for k, t in tenants.items()}
         self._admins = {_digest(k) for k in admins}
+        self.tenants = frozenset(tenants.values())  # the tenants' names
 
     def tenant(self, key: str) -> str | None:
         return self._tenants.get(_digest(key))

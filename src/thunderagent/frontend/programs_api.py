@@ -35,6 +35,9 @@ class ProgramsApi:
         owner = _owner(request)
         programs = self.fleet.programs
         data, total = programs.listing(self.fleet.now(), state, limit, owner)
+        if not request[DETAIL]:
+            for entry in data:
+                _hide_workers(entry)
         body: dict[str, object] = {"object": "list", "data": data, "total": total, "truncated": len(data) < total,
                                    "by_state": programs.by_state(owner)}
         pacer = self.fleet.dispatcher.pacer
@@ -45,7 +48,8 @@ class ProgramsApi:
 
     async def one(self, request: web.Request) -> web.Response:
         prog = self._find(request, request.match_info["program_id"])
-        return web.json_response(prog.as_dict(self.fleet.now()))
+        entry = prog.as_dict(self.fleet.now())
+        return web.json_response(entry if request[DETAIL] else _hide_workers(entry))
 
     async def release(self, request: web.Request) -> web.Response:
         return self._release(self._find(request, request.match_info["program_id"]))
@@ -73,6 +77,13 @@ class ProgramsApi:
         self.fleet.release_program(prog.program_id)  # (it held requests of it: they go now)
         self.fleet.metrics.programs_released.inc()
         return web.json_response({"id": prog.client_id, "tenant": prog.tenant, "released": True})
+
+
+def _hide_workers(entry: dict[str, object]) -> dict[str, object]:
+    """A program as a tenant key sees it: worker ids are the fleet's detail (null here, as for a
+    program not placed yet)."""
+    entry["worker"] = entry["pinned"] = None
+    return entry
 
 
 def _owner(request: web.Request) -> str | None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from thunderagent.config import SchedulerConfig
@@ -90,9 +90,11 @@ def _has_slot(w: WorkerState, depth: int) -> bool:
 
 class Dispatcher:
     def __init__(self, router: KvRouter, block_size: int, scheduler: SchedulerConfig | None = None,
-                 disagg: Disaggregator | None = None) -> None:
+                 disagg: Disaggregator | None = None,
+                 program_caps: tuple[Mapping[str, int | None], int | None] = ({}, None)) -> None:
         """``disagg``: prefill/decode disaggregation (``scheduler.disagg.make_disaggregator``); without it
-        role prefill workers get nothing (roles act either way: they never serve end to end)."""
+        role prefill workers get nothing (roles act either way: they never serve end to end).
+        ``program_caps``: agent programs per tenant at most (``config.tenants.program_caps``)."""
         self.router = router
         self.disagg = disagg
         self.index = router.index
@@ -100,7 +102,7 @@ class Dispatcher:
         cfg = scheduler if scheduler is not None else SchedulerConfig(enabled=False)  # none: route at once
         self.scheduler = cfg if cfg.enabled else None
         self.queue = HoldingQueue(cfg) if cfg.enabled else None
-        self.programs = ProgramTable(cfg.program_idle_ttl_s, cfg.max_programs)
+        self.programs = ProgramTable(cfg.program_idle_ttl_s, cfg.max_programs, program_caps)
         self.pacer = (ProgramPacer(cfg.pacing, self.programs, self.index, block_size)
                       if cfg.pacing.enabled else None)
         # with scheduler.tracked_prefill_passes or prefills_in_flight: uncached prompt tokens and

@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import heapq
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
+
+from thunderagent.scheduler.queue import QueueFull
 
 #: what a program id may be: it appears in URLs and logs
 PROGRAM_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -103,6 +105,9 @@ class Program:
         }
 
 
+#: the 429's error code when a tenant's program cap refuses a new program
+PROGRAM_CAP_CODE = "too_many_programs"
+
 #: ``listing`` / ``by_state`` over every tenant's programs (not a tenant name: those hold no ``*``)
 EVERYONE = "*"
 
@@ -138,14 +143,19 @@ class ProgramWatcher(Protocol):
 
 
 class ProgramTable:
-    def __init__(self, idle_ttl_s: float, max_programs: int | None = None) -> None:
-        """``max_programs``: past it a new program evicts an idle one (None: no bound)."""
+    def __init__(self, idle_ttl_s: float, max_programs: int | None = None,
+                 tenant_caps: tuple[Mapping[str, int | None], int | None] = ({}, None)) -> None:
+        """``max_programs``: past it a new program evicts an idle one (None: no bound). ``tenant_caps``:
+        programs per tenant at most (``config.tenants.program_caps``: per named tenant, and for the
+        others; None: no bound): past its cap a tenant's new program evicts its own idlest one, and
+        is refused (:class:`~thunderagent.scheduler.queue.QueueFull`) while none is idle."""
         if idle_ttl_s <= 0:
             raise ValueError(f"idle_ttl_s must be > 0, got {idle_ttl_s}")
         if max_programs is not None and max_programs < 1:
             raise ValueError(f"max_programs must be >= 1, got {max_programs}")
         self.idle_ttl_s = idle_ttl_s
         self.max_programs = max_programs
+        self._caps, self._default_cap = tenant_caps
         self._programs: dict[str, Program] = {}
         self._owners: dict[str | None, _Owner] = {}  # per tenant; an owner with no program left is dropped
         #: program count -> the tenants holding that many (in the order they reached it): eviction's order
@@ -184,6 +194,8 @@ class ProgramTable:
         if prog is None:
             if tenant is not None and not program_id.startswith(tenant + OWNER_SEP):
                 raise ValueError(f"program key {program_id!r} is not tenant {tenant!r}'s (program_key)")
+            if tenant is not None:
+                self._within_cap(tenant)
             if self.max_programs is not None and len(self._programs) >= self.max_programs:
                 self._evict_for(tenant)
             self._created += 1
@@ -269,6 +281,18 @@ class ProgramTable:
         for prog in gone:
             self._forget(prog)
         return [p.program_id for p in gone]
+
+    def _within_cap(self, tenant: str) -> None:
+        """``tenant`` starts a program: at its cap, its idlest program is forgotten first (an eviction);
+        with none idle (each has a request in flight) the new one is refused and nothing changes."""
+        cap = self._caps.get(tenant, self._default_cap)
+        owner = self._owners.get(tenant)
+        if cap is None or owner is None or len(owner.programs) < cap:
+            return
+        if not self._evict_from(owner):
+            raise QueueFull(f"tenant {tenant!r} holds {len(owner.programs)} agent programs, each with a request in "
+                            f"flight (control_plane.tenant_limits max_programs: {cap}); release one, or retry once "
+                            "one of its requests ends", 1.0, code=PROGRAM_CAP_CODE)
 
     def _evict_for(self, tenant: str | None) -> None:
         """The table is full and ``tenant`` starts a program: forget the idlest program of the tenant

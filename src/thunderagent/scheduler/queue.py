@@ -47,9 +47,10 @@ _SERVICE_ALPHA = 0.1
 class QueueFull(Exception):
     """The holding queue (or one route key's share of it) is full: the client retries later."""
 
-    def __init__(self, message: str, retry_after: float, *, wait: bool = False) -> None:
+    def __init__(self, message: str, retry_after: float, *, wait: bool = False, code: str = "queue_full") -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.code = code  # the 429's error code
         #: refused for the wait it would have (``max_queue_delay_s``, ``admit_ttft_factor``): the
         #: fleet is overloaded, as opposed to a count bound (memory) or one route key's quota
         self.wait = wait

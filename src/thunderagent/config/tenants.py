@@ -1,0 +1,65 @@
+"""Per-tenant limits (``control_plane.tenant_limits``): a sustained request rate with a burst and a
+bound on requests in flight (``scheduler/tenant_limits.py``, at the frontend), and a bound on the
+agent programs the tenant holds (``scheduler/programs.py``)."""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import Field, model_validator
+
+from thunderagent.config._base import _Strict
+from thunderagent.config.auth import check_tenant
+
+#: the ``tenant_limits`` entry of every tenant not named there
+ANY_TENANT = "*"
+
+
+class TenantLimit(_Strict):
+    """One tenant's limits; a field left out does not limit."""
+
+    requests_per_s: float | None = Field(
+        None, gt=0, description="inference requests admitted per second, sustained (token bucket refill)",
+    )
+    burst: int | None = Field(
+        None, ge=1, description="requests admitted at once after an idle spell (the bucket's size); default "
+        "requests_per_s rounded up, at least 1",
+    )
+    max_in_flight: int | None = Field(
+        None, ge=1, description="inference requests admitted and not yet answered at once (held in the "
+        "scheduler's queue or being generated)",
+    )
+    max_programs: int | None = Field(
+        None, ge=1, description="agent programs the tenant holds in the program table at once: past it a new "
+        "program evicts the tenant's own idlest one, and is refused (429) while none of them is idle",
+    )
+
+    @model_validator(mode="after")
+    def _something(self) -> TenantLimit:
+        if self.burst is not None and self.requests_per_s is None:
+            raise ValueError("burst acts only with requests_per_s")
+        if self.requests_per_s is None and self.max_in_flight is None and self.max_programs is None:
+            raise ValueError("limits nothing: set requests_per_s, max_in_flight and/or max_programs")
+        return self
+
+    @property
+    def bucket(self) -> int:
+        """The token bucket's size (``burst``, else the rate rounded up)."""
+        if self.burst is not None:
+            return self.burst
+        return max(1, math.ceil(self.requests_per_s or 0))
+
+
+def check_tenant_limits(v: dict[str, TenantLimit]) -> dict[str, TenantLimit]:
+    for tenant in v:
+        if tenant != ANY_TENANT:
+            check_tenant(tenant)
+    return v
+
+
+def program_caps(limits: dict[str, TenantLimit]) -> tuple[dict[str, int | None], int | None]:
+    """``max_programs`` per named tenant (None: unbounded; a named entry replaces ``"*"``), and the
+    ``"*"`` entry's for the others."""
+    default = limits.get(ANY_TENANT)
+    return ({t: lim.max_programs for t, lim in limits.items() if t != ANY_TENANT},
+            default.max_programs if default is not None else None)

@@ -1,0 +1,158 @@
+"""Per-tenant limits live (control_plane.tenant_limits), through the official openai client: a
+tenant over its rate gets 429 with Retry-After / retry-after-ms and the OpenAI error shape, other
+tenants are not slowed; a tenant at its in-flight bound gets 429 until a stream ends, its client's
+disconnect included; refusals and in-flight requests are in /metrics."""
+
+from __future__ import annotations
+
+import secrets
+
+import aiohttp
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from support.server import Server
+from support.waiting import wait_until
+from thunderagent.config import ConfigError, TenantLimit
+from thunderagent.frontend.tenant_gate import make_gate
+
+pytestmark = pytest.mark.integration
+
+MODEL = "thunderagent-sim"
+MSG = [{"role": "user", "content": "hello there"}]
+ACME, GLOBEX, INITECH, ADMIN = (secrets.token_urlsafe(24) for _ in range(4))
+
+
+def _client(srv: Server, key: str) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{srv.base_url}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def _cfg(**limits: object) -> dict[str, object]:
+    return {"control_plane": {"api_keys": {ACME: "acme", GLOBEX: "globex", INITECH: "initech"},
+                              "admin_keys": [ADMIN], "tenant_limits": limits}}
+
+
+async def _metrics(srv: Server) -> str:
+    async with aiohttp.ClientSession() as s, s.get(srv.base_url + "/metrics",
+                                                   headers={"Authorization": "Bearer " + ADMIN}) as r:
+        return await r.text()
+
+
+async def test_a_tenant_over_its_rate_gets_429_and_others_are_served(server_factory):
+    # a rate slow enough that no token comes back while the test sends its requests
+    async with server_factory(**_cfg(acme={"requests_per_s": 0.05, "burst": 2})) as srv:
+        acme, globex = _client(srv, ACME), _client(srv, GLOBEX)
+        for _ in range(2):
+            await acme.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2)
+        with pytest.raises(openai.RateLimitError) as exc:
+            await acme.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2)
+        err, headers = exc.value.body, exc.value.response.headers
+        assert err["code"] == "rate_limit_exceeded" and err["type"] == "rate_limit_error", err
+        assert "requests_per_s: 0.05" in err["message"] and "acme" in err["message"]
+        # the next whole token is 20 s away (less what the two answers took)
+        assert 15 <= int(headers["retry-after"]) <= 20 and 14_000 < int(headers["retry-after-ms"]) <= 20_000
+        for _ in range(5):  # a tenant without a limit is not slowed by acme's
+            await globex.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2)
+        text = await _metrics(srv)
+        assert 'thunderagent_tenant_refused_total{limit="requests_per_s",tenant="acme"} 1.0' in text
+        assert 'tenant="globex"' not in text.split("thunderagent_tenant_refused_total")[-1].split("\n#")[0]
+        assert 'thunderagent_requests_total{endpoint="/v1/chat/completions",status="429"} 1.0' in text
+        for c in (acme, globex):
+            await c.close()
+
+
+async def test_a_tenant_at_its_in_flight_bound_waits_for_a_stream_to_end(server_factory):
+    # real-time simulated engine: a 4,000-token stream is still running while the test looks
+    cfg = _cfg(**{"*": {"max_in_flight": 1}})
+    async with server_factory(**cfg, simulation={"speedup": 1.0}) as srv:
+        initech, globex = _client(srv, INITECH), _client(srv, GLOBEX)
+        gauge = srv.fleet.metrics.tenant_in_flight_now
+        await initech.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2)  # ended: slot back
+        stream = await initech.chat.completions.create(model=MODEL, messages=MSG, max_tokens=4000, stream=True)
+        first = await anext(aiter(stream))
+        assert first.choices[0].delta.role == "assistant"
+        assert gauge.labels("initech")._value.get() == 1  # type: ignore[attr-defined]
+        with pytest.raises(openai.RateLimitError) as exc:
+            await initech.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2)
+        assert exc.value.body["code"] == "too_many_requests_in_flight"
+        assert exc.value.response.headers["retry-after"] == "1"
+        # "*" gives every tenant its own bound: globex is not blocked by initech's stream
+        await globex.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2)
+        await stream.close()  # the client goes away mid-stream: its slot comes back
+        await wait_until(lambda: gauge.labels("initech")._value.get() == 0, 10,  # type: ignore[attr-defined]
+                         "the abandoned stream's slot is given back")
+        await initech.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2)
+        text = await _metrics(srv)
+        assert 'thunderagent_tenant_refused_total{limit="max_in_flight",tenant="initech"} 1.0' in text
+        assert 'thunderagent_tenant_in_flight{tenant="initech"} 0.0' in text
+        for c in (initech, globex):
+            await c.close()
+
+
+async def test_models_and_programs_are_never_limited(server_factory):
+    async with server_factory(**_cfg(acme={"requests_per_s": 0.01, "burst": 1})) as srv:
+        acme = _client(srv, ACME)
+        await acme.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2)
+        for _ in range(3):
+            assert [m.id for m in (await acme.models.list()).data] == [MODEL]
+        async with aiohttp.ClientSession() as s, s.get(srv.base_url + "/v1/programs",
+                                                       headers={"Authorization": "Bearer " + ACME}) as r:
+            assert r.status == 200
+        with pytest.raises(openai.RateLimitError):
+            await acme.completions.create(model=MODEL, prompt="hi", max_tokens=2)  # both endpoints count
+        await acme.close()
+
+
+class _NoMetrics:
+    def tenant_refused(self, tenant: str, limit: str) -> None: ...
+    def tenant_in_flight(self, tenant: str, n: int) -> None: ...
+
+
+def test_a_limit_naming_a_tenant_without_a_key_is_refused() -> None:
+    limits = {"acme": TenantLimit(max_in_flight=1), "acne": TenantLimit(max_in_flight=1)}
+    with pytest.raises(ConfigError, match="field 'control_plane.tenant_limits': no API key belongs to tenant 'acne'"):
+        make_gate(limits, {"acme", "globex"}, ["/v1/completions"], _NoMetrics())
+    assert make_gate({}, {"acme"}, ["/v1/completions"], _NoMetrics()) is None
+    gate = make_gate({"*": TenantLimit(max_in_flight=1)}, {"acme"}, ["/v1/completions"], _NoMetrics())
+    assert gate is not None and gate.paths == frozenset({"/v1/completions"})
+
+
+async def test_a_tenant_at_its_program_cap_replaces_an_idle_program_or_gets_429(server_factory):
+    cfg = _cfg(acme={"max_programs": 1})
+    async with server_factory(**cfg, simulation={"speedup": 1.0}) as srv:
+        acme, globex = _client(srv, ACME), _client(srv, GLOBEX)
+
+        async def step(client: AsyncOpenAI, program: str, **kw: object):  # type: ignore[no-untyped-def]
+            return await client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2,
+                                                        extra_headers={"x-thunderagent-program-id": program}, **kw)
+
+        async def programs(key: str) -> list[str]:
+            async with aiohttp.ClientSession() as s, s.get(srv.base_url + "/v1/programs",
+                                                           headers={"Authorization": "Bearer " + key}) as r:
+                return [p["id"] for p in (await r.json())["data"]]
+
+        await step(acme, "p1")
+        await step(acme, "p2")  # p1 is idle (acting): evicted for p2
+        assert await programs(ACME) == ["p2"]
+        stream = await acme.chat.completions.create(
+            model=MODEL, messages=MSG, max_tokens=4000, stream=True, extra_headers={"x-thunderagent-program-id": "p2"})
+        await anext(aiter(stream))  # p2 has a request in flight: nothing of acme's is idle
+        with pytest.raises(openai.RateLimitError) as exc:
+            await step(acme, "p3")
+        assert exc.value.body["code"] == "too_many_programs" and "max_programs: 1" in exc.value.body["message"]
+        assert exc.value.response.headers["retry-after"] == "1"
+        for i in range(3):  # globex has no cap
+            await step(globex, f"g{i}")
+        assert sorted(await programs(GLOBEX)) == ["g0", "g1", "g2"]
+        await stream.close()
+        await wait_until(lambda: srv.fleet.programs.get("acme/p2").in_flight == 0, 10,  # type: ignore[union-attr]
+                         "the abandoned stream ends")
+        await step(acme, "p3")
+        assert await programs(ACME) == ["p3"]
+        text = await _metrics(srv)
+        assert 'thunderagent_programs_evicted_total{tenant="acme"} 2.0' in text
+        assert 'thunderagent_tenant_refused_total{limit="max_programs",tenant="acme"} 1.0' in text
+        assert "thunderagent_scheduler_rejected_total 0.0" in text  # not the holding queue's refusal
+        for c in (acme, globex):
+            await c.close()
