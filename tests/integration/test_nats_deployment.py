@@ -151,3 +151,49 @@ def test_stopped_worker_drains_and_a_crashed_one_ends_its_streams(tmp_path):
     finally:
         c.close()
         print(c.logs())  # captured: pytest shows it only when the test failed
+
+
+def test_a_program_released_through_any_frontend_is_released_on_every_frontend(cluster: Cluster):
+    """Each frontend keeps its own program table: a release through one frontend reaches the copies
+    the others hold (``ta.programs.release``), and is a 404 only when no frontend held the program."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    cluster.start_nats()
+    cluster.start_worker("w0")
+    for f in ("fa", "fb"):
+        cluster.start_frontend(f)
+    for f in ("fa", "fb"):
+        wait_until(lambda f=f: cluster.workers(f) == {"w0"}, 30, f"{f} to discover its worker")
+
+    def step(f: str, program: str) -> None:
+        cluster.client(f).completions.create(model=MODEL, prompt=f"{program} " + TEXT, max_tokens=2,
+                                             extra_headers={"x-thunderagent-program-id": program})
+
+    def programs(f: str) -> list[str]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.ports[f]}/v1/programs", timeout=5) as r:
+            return sorted(p["id"] for p in json.loads(r.read())["data"])
+
+    def release(f: str, program: str, paper_form: bool = False) -> int:
+        url = f"http://127.0.0.1:{cluster.ports[f]}" + ("/programs/release" if paper_form
+                                                         else f"/v1/programs/{program}/release")
+        body = json.dumps({"program_id": program}).encode() if paper_form else b""
+        req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                assert json.loads(r.read())["released"] is True
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    step("fa", "both")
+    step("fb", "both")  # no sticky balancing: a copy on each frontend
+    step("fa", "only-a")
+    assert (programs("fa"), programs("fb")) == (["both", "only-a"], ["both"])
+    assert release("fb", "only-a") == 200  # fb never saw it: fa held it, and released it
+    assert release("fa", "both", paper_form=True) == 200  # fa's copy, and fb's
+    wait_until(lambda: programs("fa") == [] and programs("fb") == [], 5, "every copy released")
+    assert release("fb", "never-seen") == 404 and release("fa", "both") == 404
+    assert cluster.health("fb")["frontend"]["programs_released_for_peers"] == 1
+    assert cluster.health("fa")["frontend"]["programs_released_for_peers"] == 1

@@ -18,6 +18,8 @@ Subjects (``<p>`` is the deployment prefix, ``ta`` by default; ``<id>`` a worker
     <p>.rpc.<id>.ping          frontend -> worker    (empty) request; Pong reply: "which instance are you?"
     <p>.discover               frontend -> workers   (empty): every worker answers with a hello
     <p>.frontend.<frontend>.hb frontend -> workers   (empty), every heartbeat_interval: the lease of its requests
+    <p>.programs.release       frontend -> frontends ProgramRelease: a client released an agent program
+    <p>.programs.reply.<frontend>.<token>  frontend -> frontend  (any payload): "I held it and released it"
     <p>.reply.<id>.<frontend>.<rid>        worker -> frontend   TokenBatch stream of one request
     <p>.reply.<id>.<frontend>.call.<token> worker -> frontend   replies to a dump or ping
 
@@ -120,6 +122,13 @@ class Subjects:
     def frontend_beats(self) -> str:
         return f"{self.prefix}.frontend.*.hb"
 
+    def program_release(self) -> str:
+        """Where a frontend tells the others that a client released a program (each holds its own table)."""
+        return f"{self.prefix}.programs.release"
+
+    def program_reply(self, frontend_id: str, token: str) -> str:
+        return f"{self.prefix}.programs.reply.{frontend_id}.{token}"
+
     def reply(self, worker_id: str, frontend_id: str, request_id: str) -> str:
         """Where ``worker_id`` streams the outputs of one request of ``frontend_id``."""
         return f"{self.prefix}.reply.{worker_id}.{frontend_id}.{request_id}"
@@ -208,6 +217,15 @@ class Pong(msgspec.Struct, array_like=True, frozen=True):
     is ignored (forged, or two processes share the id)."""
 
     instance: str
+
+
+class ProgramRelease(msgspec.Struct, array_like=True, frozen=True):
+    """A client released agent program ``key`` (the program table's key: ``tenant/id`` with API keys on)
+    through frontend ``origin``; every other frontend holding it releases it too, and answers the
+    message's reply subject if it did."""
+
+    origin: str
+    key: str
 
 
 class Unavailable(msgspec.Struct, array_like=True, frozen=True):
@@ -367,6 +385,7 @@ encode = _encoder.encode
 decode_heartbeat = msgspec.msgpack.Decoder(Heartbeat).decode
 decode_bye = msgspec.msgpack.Decoder(Bye).decode
 decode_pong = msgspec.msgpack.Decoder(Pong).decode
+decode_program_release = msgspec.msgpack.Decoder(ProgramRelease).decode
 decode_unavailable = msgspec.msgpack.Decoder(Unavailable).decode
 decode_generate = msgspec.msgpack.Decoder(GenerateRequest).decode
 decode_abort = msgspec.msgpack.Decoder(Abort).decode

@@ -50,6 +50,7 @@ from thunderagent.bus.wire import (
     load_from_wire,
     max_prompt_tokens,
 )
+from thunderagent.control.program_peers import ProgramPeers
 from thunderagent.control.remote_worker import RemoteLink, RemoteWorker
 from thunderagent.types import LoadReport, PromptLimit
 
@@ -75,6 +76,7 @@ class NatsMembership:
         self.subjects = Subjects(prefix)
         self.frontend_id = secrets.token_hex(4)
         self.link = RemoteLink(bus, self.subjects, self.frontend_id, self.drop)  # no responders: the worker is gone
+        self.peers = ProgramPeers(bus, self.subjects, self.frontend_id)  # program releases reach every frontend
         self.discovery_window = discovery_window
         self.sync_timeout = sync_timeout
         self.dump_timeout = dump_timeout
@@ -113,6 +115,7 @@ class NatsMembership:
         self._beats = asyncio.create_task(self._beat(fleet.cfg.control_plane.heartbeat_interval), name="frontend-beat")
         await self.bus.subscribe(self.subjects.all_workers(), self._on_worker_msg)
         await self.bus.subscribe(self.subjects.replies(self.frontend_id), self._on_reply)
+        await self.peers.start(self._release_program)
         self.bus.publish(self.subjects.discover(), b"")
         # Workers answer a discover within milliseconds; each one met starts its dump at once.
         await asyncio.sleep(self.discovery_window)
@@ -131,6 +134,13 @@ class NatsMembership:
             await worker.stop()
         await self.bus.close()
 
+    def _release_program(self, key: str) -> bool:
+        """Another frontend's client released program ``key``: this frontend's copy goes too."""
+        released = self.fleet.release_program(key)
+        if released:
+            self.fleet.metrics.programs_released.inc()
+        return released
+
     async def _beat(self, interval: float) -> None:
         """This frontend's heartbeat: workers abort its requests when it stops (the request lease)."""
         subject = self.subjects.frontend_beat(self.frontend_id)
@@ -147,6 +157,7 @@ class NatsMembership:
             "dumps_applied": self.dumps_applied,
             "instances": {w: r.instance for w, r in sorted(self.remotes.items())},
             "ignored_messages": dict(self.ignored),
+            "programs_released_for_peers": self.peers.released_for_peers,
         }}
 
     # -- worker messages (one subscription: in publication order per worker) ----------------

@@ -45,7 +45,7 @@ from thunderagent.frontend.protocol import (
     prompt_input,
     stop_list,
 )
-from thunderagent.frontend.programs_api import ProgramsApi
+from thunderagent.frontend.programs_api import Peers, ProgramsApi
 from thunderagent.frontend.relay import RelayFrontend
 from thunderagent.frontend.streaming import TextChunk, stream_text
 from thunderagent.frontend.tokenizer import ChatMessage, Tokenizer
@@ -339,10 +339,12 @@ class Frontend:
         return resp
 
 
-def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer | None = None) -> web.Application:
+def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer | None = None,
+               peers: Peers | None = None) -> web.Application:
     """The HTTP frontend in front of ``fleet`` (by default the single-process fleet of the config's
     workers: simulated, or real engine servers). ``tokenizer`` defaults to the model's own when
-    ``cfg.model`` is set (loaded here, before serving), else the byte-level one."""
+    ``cfg.model`` is set (loaded here, before serving), else the byte-level one. ``peers``: the other
+    frontends of a NATS deployment (program releases reach them too)."""
     from thunderagent.assemble import build_fleet, load_tokenizer
 
     if tokenizer is None:
@@ -376,7 +378,7 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     route("POST", chat_path, fe.chat_completions, Access.TENANT)
     route("POST", completions_path, fe.completions, Access.TENANT)
     route("GET", "/v1/models", fe.models, Access.TENANT)
-    programs = ProgramsApi(fleet)  # a tenant key: its own programs; an admin key: everyone's
+    programs = ProgramsApi(fleet, peers)  # a tenant key: its own programs; an admin key: everyone's
     route("GET", "/v1/programs", programs.listing, Access.ANY)
     route("GET", "/v1/programs/{program_id}", programs.one, Access.ANY)
     route("POST", "/v1/programs/{program_id}/release", programs.release, Access.ANY)

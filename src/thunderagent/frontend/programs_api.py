@@ -10,9 +10,15 @@ With API keys on, a program belongs to the tenant whose key sent its requests (t
   and may filter the listing by it. Entries carry their ``tenant``.
 
 With keys off there are no tenants (``?tenant=`` is refused) and every caller sees every program.
+
+Frontends over NATS each keep their own table: a release is told to the other frontends too
+(``peers``: :class:`~thunderagent.control.program_peers.ProgramPeers`), and is a 404 only when no
+frontend held the program. Listings and reads show this frontend's table.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 from aiohttp import web
 
@@ -24,9 +30,17 @@ from thunderagent.frontend.protocol import (ReleaseRequest, RequestError, check_
 from thunderagent.scheduler.programs import EVERYONE, Program, program_key
 
 
+class Peers(Protocol):
+    """The other frontends of a NATS deployment, as far as releases go."""
+
+    def tell(self, key: str) -> None: ...
+    async def release_elsewhere(self, key: str) -> bool: ...
+
+
 class ProgramsApi:
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, peers: Peers | None = None) -> None:
         self.fleet = fleet
+        self.peers = peers
 
     async def listing(self, request: web.Request) -> web.Response:
         """``?state=`` (reasoning, acting, paused) and ``?limit=`` (the oldest N, default 1,000): a table
@@ -52,31 +66,46 @@ class ProgramsApi:
         return web.json_response(entry if request[DETAIL] else _hide_workers(entry))
 
     async def release(self, request: web.Request) -> web.Response:
-        return self._release(self._find(request, request.match_info["program_id"]))
+        return await self._release(request, request.match_info["program_id"])
 
     async def release_body(self, request: web.Request) -> web.Response:
         """``POST /programs/release {"program_id": ...}``: the ThunderAgent paper proxy's form."""
         body = decode_request(await request.read(), ReleaseRequest)
         assert isinstance(body, ReleaseRequest)
-        return self._release(self._find(request, body.program_id))
+        return await self._release(request, body.program_id)
 
     def _find(self, request: web.Request, program_id: object) -> Program:
         """The program a call names (an admin's without ``?tenant=``: keys off's form), or a 404."""
-        owner = _owner(request)
-        tenant = None if owner == EVERYONE else owner
-        checked = check_program_id(program_id)
+        tenant, checked = _named(request, program_id)
         prog = self.fleet.programs.get(program_key(tenant, checked))
         if prog is None:
-            hint = (" (an admin key names the program's tenant with ?tenant=)"
-                    if tenant is None and request.app.get(AUTH_KEY) is not None else "")
-            raise RequestError(f"no program {checked!r} is known (released, expired or never seen){hint}",
-                               param="program_id", status=404, code="program_not_found")
+            raise _not_found(request, tenant, checked)
         return prog
 
-    def _release(self, prog: Program) -> web.Response:
-        self.fleet.release_program(prog.program_id)  # (it held requests of it: they go now)
-        self.fleet.metrics.programs_released.inc()
-        return web.json_response({"id": prog.client_id, "tenant": prog.tenant, "released": True})
+    async def _release(self, request: web.Request, program_id: object) -> web.Response:
+        tenant, checked = _named(request, program_id)
+        key = program_key(tenant, checked)
+        held = self.fleet.release_program(key)  # (it held requests of it: they go now)
+        if held:
+            self.fleet.metrics.programs_released.inc()
+            if self.peers is not None:
+                self.peers.tell(key)  # copies on other frontends go too
+        elif self.peers is None or not await self.peers.release_elsewhere(key):
+            raise _not_found(request, tenant, checked)
+        return web.json_response({"id": checked, "tenant": tenant, "released": True})
+
+
+def _named(request: web.Request, program_id: object) -> tuple[str | None, str]:
+    """(tenant, id) of the program a call names."""
+    owner = _owner(request)
+    return (None if owner == EVERYONE else owner), check_program_id(program_id)
+
+
+def _not_found(request: web.Request, tenant: str | None, checked: str) -> RequestError:
+    hint = (" (an admin key names the program's tenant with ?tenant=)"
+            if tenant is None and request.app.get(AUTH_KEY) is not None else "")
+    return RequestError(f"no program {checked!r} is known (released, expired or never seen){hint}",
+                        param="program_id", status=404, code="program_not_found")
 
 
 def _hide_workers(entry: dict[str, object]) -> dict[str, object]:
