@@ -76,8 +76,28 @@ def accepted(n: int = 0) -> wire.TokenBatch:
 
 async def test_start_asks_workers_to_announce_themselves(fleet):
     assert fleet.bus.published[0] == ("ta.discover", b"", "")
-    assert set(fleet.bus.subs) == {"ta.worker.>", f"ta.reply.*.{fleet.fid}.*"}
+    assert set(fleet.bus.subs) == {"ta.worker.>", f"ta.reply.*.{fleet.fid}.*", "ta.programs.release"}
     assert fleet.membership.index_rebuild_s is not None
+
+
+async def test_a_release_through_another_frontend_releases_this_frontends_copy(fleet, clock):
+    for key in ("p1", "acme/p2"):
+        fleet.programs.request_started(key, clock(), tenant=key.partition("/")[0] if "/" in key else None)
+        fleet.programs.request_finished(key, 10, clock(), completed=True)
+    on_release = fleet.bus.subs["ta.programs.release"]
+    await on_release(BusMsg("ta.programs.release", wire.encode(wire.ProgramRelease(fleet.fid, "p1")), "r0"))
+    assert fleet.programs.get("p1") is not None and fleet.bus.published[-1][0] != "r0"  # our own: ignored
+    await on_release(BusMsg("ta.programs.release", wire.encode(wire.ProgramRelease("other", "p1")), "r1"))
+    assert fleet.programs.get("p1") is None and fleet.bus.published[-1] == ("r1", b"released", "")
+    n = len(fleet.bus.published)
+    await on_release(BusMsg("ta.programs.release", wire.encode(wire.ProgramRelease("other", "p1")), "r2"))
+    await on_release(BusMsg("ta.programs.release", b"\x01garbage", "r3"))
+    assert len(fleet.bus.published) == n  # held no copy (or undecodable): no answer
+    fleet.membership.peers.tell("acme/p2")  # this frontend's client released its copy: the others hear it
+    assert wire.decode_program_release(fleet.bus.published[-1][1]) == wire.ProgramRelease(fleet.fid, "acme/p2")
+    assert fleet.programs.get("acme/p2") is not None  # (tell only tells)
+    assert await fleet.membership.peers.release_elsewhere("acme/p3") is False  # nobody answers
+    assert fleet.membership.summary()["frontend"]["programs_released_for_peers"] == 1
 
 
 async def test_heartbeat_registers_worker_and_dump_fills_index(fleet):
