@@ -47,7 +47,8 @@ def make_nkey_user(d: Path, name: str) -> tuple[str, Path]:
 def frontend_permissions(prefix: str = "ta") -> str:
     """A frontend sends RPCs, discovers and beats; it hears every worker and the replies to it, and
     tells the other frontends (and hears from them) which programs their clients released."""
-    return (f'{{publish: {{allow: ["{prefix}.rpc.>", "{prefix}.discover", "{prefix}.frontend.>", "{prefix}.programs.>"]}}, '
+    return (f'{{publish: {{allow: ["{prefix}.rpc.>", "{prefix}.discover", "{prefix}.frontend.>", '
+            f'"{prefix}.programs.>"]}}, '
             f'subscribe: {{allow: ["{prefix}.worker.>", "{prefix}.reply.>", "{prefix}.programs.>"]}}}}')
 
 
