@@ -2,8 +2,8 @@
 of a tenant key asks the pure :class:`~thunderagent.scheduler.tenant_limits.TenantLimiter` for a slot
 before its body is read, and gives the slot back when its answer ends (streamed to the end, failed,
 or its client gone: the handler's task ends in every case). A refusal is a 429 in OpenAI's shape with
-``Retry-After`` (seconds, rounded up) and ``retry-after-ms``, which the official clients wait for
-before their own retry.
+``Retry-After`` (seconds, rounded up) and ``retry-after-ms``, which the official openai Python client
+waits for before its own retry (up to two minutes).
 
 Runs after the key check (it needs the tenant) and only on the routes it is given (the completion
 endpoints): model listings, program endpoints, health and metrics are never limited.
