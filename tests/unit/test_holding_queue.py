@@ -86,6 +86,39 @@ def test_bounds_give_retry_after_from_the_drain_rate() -> None:
     assert q.retry_after(5.0) == 6.0  # 3 ahead x 2 s
 
 
+def test_a_route_keys_backlog_refuses_its_own_requests_for_the_wait_not_anothers() -> None:
+    """``max_queue_delay_s`` counts what deficit round robin sends before a new request: a noisy key's
+    next request waits behind its own backlog; a quiet key's first one behind what the noisy key sends
+    in one round (a quantum of cost: two of its 400-token requests), not behind its whole backlog; a
+    higher tier's behind nothing of a lower tier's."""
+    cfg = SchedulerConfig(enabled=True, max_queued=100, max_queued_per_key=100, max_wait_s=60.0,
+                          drr_quantum_tokens=1000, max_queue_delay_s=4.5, admit_ttft_factor=None)
+    q = HoldingQueue(cfg)
+    for i in range(7):
+        q.push(held(f"n{i}", 400, key="noisy"), 0.0)  # no drain measured yet: the counts bound alone
+    for t in (1.0, 2.0):  # one dispatch a second
+        q.take(q.next(t), t)
+    assert len(q) == 5
+    assert q.ahead(held("x", 400, key="noisy")) == 6  # its own 5, then itself: 6 s
+    assert q.ahead(held("x", 400, key="quiet")) == 4  # 1 round: ceil(1000 / 400) = 3 noisy ones, then itself
+    assert q.ahead(held("x", 2500, key="quiet")) == 6  # 3 rounds: all 5 noisy ones first
+    assert q.ahead(held("x", 400, key="quiet", tier=1)) == 1  # a higher tier goes first
+    assert q.ahead(held("x", 400, key="noisy", tier=-1)) == 6  # a lower tier waits for all of tier 0
+    with pytest.raises(QueueFull, match="max_queue_delay_s") as err:
+        q.push(held("n7", 400, key="noisy", at=2.0), 2.0)
+    assert err.value.wait
+    q.push(held("q0", 400, key="quiet", at=2.0), 2.0)  # about 4 s counted as 6 before keys were told apart
+    with pytest.raises(QueueFull, match="max_queue_delay_s"):
+        q.push(held("q1", 2500, key="quiet", at=2.0), 2.0)
+    # round robin sends it no later than counted (3 noisy ones at most, then q0): here after 2, the
+    # noisy key having spent part of its round's credit on n0 and n1 already
+    assert drain(q, 3.0) == ["n2", "n3", "q0", "n4", "n5", "n6"]
+    one = HoldingQueue(cfg)  # with one key the count is the whole queue, as before
+    for i in range(3):
+        one.push(held(f"s{i}", 10), 0.0)
+    assert one.ahead(held("x", 10)) == 4
+
+
 def test_cancel_leaves_at_once() -> None:
     q = HoldingQueue(CFG)
     q.push(held("x", 10), 0.0)

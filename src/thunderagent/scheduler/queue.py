@@ -16,7 +16,10 @@ Pure and clock-free (``now`` is passed in). Which request goes next, when a work
 
 The queue is bounded in total and per route key, and in time: a request that would wait longer than
 ``max_queue_delay_s`` (the requests ahead of it times the measured drain gap) is refused at once, so
-under sustained overload the excess gets 429 instead of a TTFT that grows with the backlog. With
+under sustained overload the excess gets 429 instead of a TTFT that grows with the backlog. "Ahead"
+follows the order above (:meth:`HoldingQueue.ahead`): higher tiers, and in its own tier what deficit
+round robin sends first, so one route key's backlog gets its own key's requests refused, not another
+key's, which round robin would send within a round or two. With
 ``admit_ttft_factor`` (SLO-style admission) the time bound follows the fleet's own speed: a request
 is held only while its predicted wait stays within (factor - 1) x the measured service TTFT (from
 leaving this queue to the first token, fed by the driver through :meth:`HoldingQueue.observe_service`),
@@ -76,21 +79,24 @@ class _Key:
     # Short first with ageing ranks by ``uncached - age * (now - enqueued)``, which orders requests
     # exactly as ``uncached + age * enqueued`` does whatever ``now`` is: a heap on that keeps a key's
     # best request at hand in O(log n) (entries of gone requests are skipped lazily).
-    __slots__ = ("heap", "n", "deficit", "visiting")
+    __slots__ = ("heap", "n", "tokens", "deficit", "visiting")
 
     def __init__(self) -> None:
         self.heap: list[tuple[float, int, Held]] = []
         self.n = 0  # live requests
+        self.tokens = 0  # what they cost in deficit round robin (uncached prompt tokens, at least 1 each)
         self.deficit = 0.0
         self.visiting = False  # at the head of the rotation, this round's quantum already earned
 
 
 class _Tier:
-    __slots__ = ("keys", "order")
+    __slots__ = ("keys", "order", "n", "tokens")
 
     def __init__(self) -> None:
         self.keys: dict[str, _Key] = {}
         self.order: deque[str] = deque()  # round-robin order of keys with requests
+        self.n = 0  # live requests
+        self.tokens = 0  # and their cost, as _Key.tokens
 
 
 class HoldingQueue:
@@ -130,7 +136,8 @@ class HoldingQueue:
             raise QueueFull(f"route key {held.key!r} has {cfg.max_queued_per_key} requests waiting "
                             "(scheduler.max_queued_per_key)", self.retry_after(now, held.key))
         if not (held.admitted and cfg.hold_admitted_programs):  # a program's later step: only the counts bound it
-            wait = self.expected_wait()
+            ahead = self.ahead(held)
+            wait = ahead * self._gap
             if cfg.max_queue_delay_s is not None and wait > cfg.max_queue_delay_s:
                 raise QueueFull(f"a new request would wait about {wait:.2f}s here, over scheduler.max_queue_delay_s "
                                 f"({cfg.max_queue_delay_s}s)", self.retry_after(now), wait=True)
@@ -140,7 +147,7 @@ class HoldingQueue:
                 # waves (requests of one shape end together) a request held just after a wave waits for
                 # the next one, far longer than that mean says, and a request held alone measures no gap
                 # at all. What held requests really waited per dispatch calibrates it.
-                slo_wait = (len(self._by_id) + 1) * max(self._gap, self._per_dispatch)
+                slo_wait = ahead * max(self._gap, self._per_dispatch)
                 if slo_wait > bound:
                     raise QueueFull(f"a new request would wait about {slo_wait:.3f}s here, over "
                                     f"(scheduler.admit_ttft_factor - 1) x the measured service TTFT ({bound:.3f}s)",
@@ -158,13 +165,38 @@ class HoldingQueue:
         rank = held.uncached + self.cfg.aging_tokens_per_s * held.enqueued
         heapq.heappush(key.heap, (rank, next(self._seq), held))
         key.n += 1
+        tier.n += 1
+        cost = max(1, held.uncached)
+        key.tokens += cost
+        tier.tokens += cost
         self._by_id[held.req.request_id] = held
         self._per_key[held.key] = self._per_key.get(held.key, 0) + 1
 
-    def expected_wait(self) -> float:
-        """Seconds a request pushed now would wait: the requests held ahead of it, and itself, times
-        the measured gap between dispatches (0 until a gap was measured: the count bounds act alone)."""
-        return (len(self._by_id) + 1) * self._gap
+    def ahead(self, held: Held) -> int:
+        """Dispatches until ``held``, pushed now, would go (itself included), as the wait bounds count
+        them: every request of a higher tier; of its own tier, its key's requests held, and what the
+        other keys send meanwhile under deficit round robin. Its key needs ``r`` rounds (its held
+        requests' cost and its own, over the quantum); in ``r`` rounds each other key sends up to
+        ``r`` quanta of cost, counted in requests at the tier's mean cost per request of the others.
+        So one key's backlog refuses another key's request only for the part of it that round robin
+        sends first (with one key: the whole queue, as before). O(tiers held)."""
+        higher, tier = 0, None
+        for t, tr in self._tiers.items():
+            if t > held.tier:
+                higher += tr.n
+            elif t == held.tier:
+                tier = tr
+        if tier is None:
+            return higher + 1
+        own = tier.keys.get(held.key)
+        n_own, cost_own = (own.n, own.tokens) if own is not None else (0, 0)
+        others, keys = tier.n - n_own, len(tier.order) - (own is not None)
+        if not others:
+            return higher + n_own + 1
+        quantum = self.cfg.drr_quantum_tokens
+        rounds = -(-(cost_own + max(1, held.uncached)) // quantum)  # ceil
+        sent = -(-rounds * quantum * keys * others // (tier.tokens - cost_own))  # ceil: requests of the others
+        return higher + n_own + 1 + min(others, sent)
 
     def admit_bound(self) -> float | None:
         """Seconds a new request may be predicted to wait here under ``admit_ttft_factor``: (factor - 1)
@@ -283,7 +315,11 @@ class HoldingQueue:
         held.gone = True
         tier = self._tiers[held.tier]
         key = tier.keys[held.key]
+        cost = max(1, held.uncached)
+        tier.n -= 1
+        tier.tokens -= cost
         key.n -= 1
+        key.tokens -= cost
         if not key.n:
             del tier.keys[held.key]
             tier.order.remove(held.key)
