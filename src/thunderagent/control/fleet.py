@@ -293,8 +293,7 @@ class Fleet:
         prompt_ids: list[int],
         max_tokens: int,
         *,
-        cache_salt: str | None = None,
-        lora_name: str | None = None,
+        cache_salt: str | None = None, lora_name: str | None = None,
         priority: int = 0,
         ignore_eos: bool = False,
         sampling: Sampling | None = None,
@@ -411,9 +410,10 @@ class Fleet:
             self.metrics.observe_hot(hot.live_replicas(self.now()), hot.added, hot.to_replicas)
 
     def release_program(self, program_id: str) -> bool:
-        """The client ended the program: forgotten; requests of it still held go now."""
+        """A client ended the program (over NATS, through any frontend): forgotten, counted; its held requests go."""
         if not self.dispatcher.release(program_id):
             return False
+        self.metrics.programs_released.inc()
         if self.dispatcher.ready():
             self._schedule_pump()
         self._observe_programs()

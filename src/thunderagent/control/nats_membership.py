@@ -115,7 +115,7 @@ class NatsMembership:
         self._beats = asyncio.create_task(self._beat(fleet.cfg.control_plane.heartbeat_interval), name="frontend-beat")
         await self.bus.subscribe(self.subjects.all_workers(), self._on_worker_msg)
         await self.bus.subscribe(self.subjects.replies(self.frontend_id), self._on_reply)
-        await self.peers.start(self._release_program)
+        await self.peers.start(fleet.release_program)  # another frontend's client released a program
         self.bus.publish(self.subjects.discover(), b"")
         # Workers answer a discover within milliseconds; each one met starts its dump at once.
         await asyncio.sleep(self.discovery_window)
@@ -133,13 +133,6 @@ class NatsMembership:
         for worker in {*self.remotes.values(), *self.link.owners.values()}:
             await worker.stop()
         await self.bus.close()
-
-    def _release_program(self, key: str) -> bool:
-        """Another frontend's client released program ``key``: this frontend's copy goes too."""
-        released = self.fleet.release_program(key)
-        if released:
-            self.fleet.metrics.programs_released.inc()
-        return released
 
     async def _beat(self, interval: float) -> None:
         """This frontend's heartbeat: workers abort its requests when it stops (the request lease)."""

@@ -85,9 +85,7 @@ class ProgramsApi:
     async def _release(self, request: web.Request, program_id: object) -> web.Response:
         tenant, checked = _named(request, program_id)
         key = program_key(tenant, checked)
-        held = self.fleet.release_program(key)  # (it held requests of it: they go now)
-        if held:
-            self.fleet.metrics.programs_released.inc()
+        if self.fleet.release_program(key):  # (it held requests of it: they go now)
             if self.peers is not None:
                 self.peers.tell(key)  # copies on other frontends go too
         elif self.peers is None or not await self.peers.release_elsewhere(key):

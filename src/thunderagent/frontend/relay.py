@@ -166,8 +166,11 @@ class RelayFrontend:
             priority=req.priority, route_key=fe._route_key(request, req), program_id=fe._program_id(request, req),
             tenant=request.get(TENANT), passthrough=Passthrough(path, body, req.stream),
         )
-        # worker ids are the fleet's detail: tenants see none (API keys on, no admin key)
         shown = request[DETAIL]
+
+        def worker() -> str | None:  # the one serving now (a request can be routed again)
+            return gen.decision.worker_id if shown else None  # worker ids are the fleet's detail: tenants see none
+
         headers = {"x-thunderagent-worker": gen.decision.worker_id} if shown else {}
         if explained:  # the body is the server's: the explanation goes in a header
             headers["x-thunderagent-explanation"] = json.dumps(gen.decision.explain(), separators=(",", ":"))
@@ -175,16 +178,16 @@ class RelayFrontend:
         try:
             out = await anext(outputs)
             if out.finished and _failed(out):  # refused before any byte: an error answer
-                return upstream_error(gen.decision.worker_id if shown else None, out)
+                return upstream_error(worker(), out)
             if not req.stream:
                 while not out.finished:
                     out = await anext(outputs)
                 if _failed(out):
-                    return upstream_error(gen.decision.worker_id if shown else None, out)
+                    return upstream_error(worker(), out)
                 if shown:
                     headers["x-thunderagent-worker"] = gen.decision.worker_id  # routed again: the one that served
                 return web.Response(body=out.raw, content_type="application/json", headers=headers)
-            return await self._stream(request, gen.decision.worker_id if shown else None, out, outputs, headers)
+            return await self._stream(request, worker(), out, outputs, headers)
         finally:
             await outputs.aclose()  # aborts the server's request if it did not finish
 

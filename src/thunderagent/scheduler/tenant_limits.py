@@ -33,9 +33,9 @@ class Refusal:
 
 @dataclass(slots=True)
 class _Account:
-    limit: TenantLimit
     rate: float  # tokens per second (0: no rate limit)
     size: float  # the bucket's size
+    cap: int | None  # max_in_flight
     tokens: float
     at: float | None  # when ``tokens`` was last brought up to date (None: never: a full bucket)
     in_flight: int = 0
@@ -66,7 +66,7 @@ class TenantLimiter:
             if limit is None:
                 return None
             size = float(limit.bucket)
-            acc = self._accounts[tenant] = _Account(limit, limit.requests_per_s or 0.0, size, size, None)
+            acc = self._accounts[tenant] = _Account(limit.requests_per_s or 0.0, size, limit.max_in_flight, size, None)
         return acc
 
     def admit(self, tenant: str, now: float) -> Refusal | None:
@@ -74,7 +74,7 @@ class TenantLimiter:
         acc = self._account(tenant)
         if acc is None:
             return None
-        cap = acc.limit.max_in_flight
+        cap = acc.cap
         if cap is not None and acc.in_flight >= cap:
             return Refusal("max_in_flight", IN_FLIGHT_RETRY_S,
                            f"tenant {tenant!r} has {acc.in_flight} requests in flight, its limit "
