@@ -197,3 +197,77 @@ def test_a_program_released_through_any_frontend_is_released_on_every_frontend(c
     assert release("fb", "never-seen") == 404 and release("fa", "both") == 404
     assert cluster.health("fb")["frontend"]["programs_released_for_peers"] == 1
     assert cluster.health("fa")["frontend"]["programs_released_for_peers"] == 1
+
+
+def test_tenant_limits_hold_across_the_frontends(cluster: Cluster):
+    """Each frontend reports its tenants' use on ``ta.tenants.usage`` and takes the others' reports:
+    a tenant's burst spent through one frontend is spent on the other, and a request in flight through
+    one counts against ``max_in_flight`` on the other."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    import openai
+
+    keys = {"acme": "k-acme-0123456789abcdef", "initech": "k-initech-0123456789abc", "globex": "k-globex-0123456789abcd"}
+    admin = "k-admin-0123456789abcdef"
+    limits = "{acme: {requests_per_s: 0.02, burst: 2}, initech: {max_in_flight: 1}}"
+    cfg = cluster.tmp / "tenants.yaml"
+    # a slow engine (0.1x): a stream lasts seconds, whatever its natural length (16 tokens at least)
+    cfg.write_text(cluster.config.read_text().replace(
+        "control_plane: {", "control_plane: {api_keys: {" + ", ".join(f"{k}: {t}" for t, k in keys.items())
+        + f"}}, admin_keys: [{admin}], tenant_limits: {limits}, ").replace("speedup: 10.0", "speedup: 0.1"))
+
+    def health(f: str) -> dict:  # the detail needs the admin key
+        req = urllib.request.Request(f"http://127.0.0.1:{cluster.ports[f]}/health",
+                                     headers={"Authorization": "Bearer " + admin})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as err:  # 503 while no worker: still a summary
+            return json.load(err)
+
+    cluster.start_nats()
+    cluster.start_worker("w0", config=cfg)
+    for f in ("fa", "fb"):
+        cluster.start_frontend(f, config=cfg)
+    for f in ("fa", "fb"):
+        wait_until(lambda f=f: {w["id"] for w in health(f).get("workers", [])} == {"w0"}, 30,
+                   f"{f} to discover its worker")
+
+    def client(f: str, tenant: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.ports[f]}/v1", api_key=keys[tenant],
+                             max_retries=0, timeout=30)
+
+    def ask(f: str, tenant: str) -> None:
+        client(f, tenant).completions.create(model=MODEL, prompt=TEXT, max_tokens=2)
+
+    ask("fa", "acme")
+    ask("fb", "acme")  # the burst of 2, one through each frontend
+    time.sleep(0.5)  # a few reports
+    for f in ("fa", "fb"):  # each frontend alone would still hold a token
+        with pytest.raises(openai.RateLimitError) as exc:
+            ask(f, "acme")
+        assert exc.value.body["code"] == "rate_limit_exceeded"
+    ask("fb", "globex")  # other tenants are not limited by acme's use
+
+    stream = client("fa", "initech").completions.create(model=MODEL, prompt=TEXT, max_tokens=4000, stream=True)
+    next(iter(stream))
+    time.sleep(0.5)
+    with pytest.raises(openai.RateLimitError) as exc:
+        ask("fb", "initech")
+    assert exc.value.body["code"] == "too_many_requests_in_flight"
+    stream.close()
+
+    def admitted() -> bool:
+        try:
+            ask("fb", "initech")
+        except openai.RateLimitError:
+            return False
+        return True
+
+    wait_until(admitted, 10, "the stream's end to reach the other frontend")
+
+    for f in ("fa", "fb"):
+        got = health(f)["frontend"]["tenant_reports"]
+        assert got["sent"] > 0 and got["taken"] > 0, (f, got)

@@ -18,7 +18,7 @@ import pytest
 from support.openai_backend import MODEL, OpenAIBackend
 from support.server import Server, running_server
 from support.waiting import wait_until
-from thunderagent.config import ConfigError, parse_config
+from thunderagent.config import ConfigError, TenantLimit, parse_config
 
 
 
@@ -200,3 +200,36 @@ def test_serve_flags_build_an_openai_fleet() -> None:
     with pytest.raises(ConfigError, match="publishes no KV events"):
         build_config(None, None, None, None, None, None, engine="openai",
                      worker_endpoints=["http://127.0.0.1:8080=tcp://127.0.0.1:5571"])
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_tenants_token_limit_counts_relayed_prompts_and_completions(stream: bool) -> None:
+    """control_plane.tenant_limits tokens_per_min in front of OpenAI-compatible servers: the prompt as
+    ThunderAgent tokenized it, the completion as the server produced it."""
+    from thunderagent.frontend.tenant_gate import GATE_KEY
+
+    b = OpenAIBackend("a")
+    await b.start()
+    cfg = _config([b])
+    cfg = cfg.model_copy(update={"control_plane": cfg.control_plane.model_copy(update={
+        "api_keys": {"k-acme-0123456789abcdef": "acme"},
+        "tenant_limits": {"acme": TenantLimit(tokens_per_min=60, token_burst=200)}})})
+    try:
+        async with running_server(cfg) as srv:
+            await wait_until(lambda: len(srv.fleet.routable()) == 1, 10, "the server heartbeats")
+            limiter = srv.app[GATE_KEY].limiter  # type: ignore[index]
+            clock = asyncio.get_running_loop().time
+            c = openai.AsyncOpenAI(base_url=f"{srv.base_url}/v1", api_key="k-acme-0123456789abcdef", max_retries=0)
+            prompt = list(range(1, 41))  # 40 tokens, as sent
+            r = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=100, stream=stream)
+            if stream:
+                assert "".join([ch.choices[0].text async for ch in r if ch.choices]) == "x" * 100  # type: ignore[union-attr]
+            else:
+                assert r.choices[0].text == "x" * 100  # type: ignore[union-attr]
+            assert 200 - 140 <= limiter.tokens_left("acme", clock()) < 200 - 140 + 3
+            with pytest.raises(openai.RateLimitError) as exc:  # 60 left, 2 refilled at most: 80 do not fit
+                await c.completions.create(model=MODEL, prompt=list(range(1, 81)), max_tokens=2)
+            assert exc.value.body["code"] == "tokens_rate_limit_exceeded"
+            await c.close()
+    finally:
+        await b.stop()

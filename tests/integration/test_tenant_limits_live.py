@@ -5,6 +5,8 @@ disconnect included; refusals and in-flight requests are in /metrics."""
 
 from __future__ import annotations
 
+import asyncio
+import re
 import secrets
 
 import aiohttp
@@ -15,7 +17,7 @@ from openai import AsyncOpenAI
 from support.server import Server
 from support.waiting import wait_until
 from thunderagent.config import ConfigError, TenantLimit
-from thunderagent.frontend.tenant_gate import make_gate
+from thunderagent.frontend.tenant_gate import GATE_KEY, make_gate
 
 pytestmark = pytest.mark.integration
 
@@ -156,3 +158,73 @@ async def test_a_tenant_at_its_program_cap_replaces_an_idle_program_or_gets_429(
         assert "thunderagent_scheduler_rejected_total 0.0" in text  # not the holding queue's refusal
         for c in (acme, globex):
             await c.close()
+
+
+async def test_a_tenant_over_its_token_rate_gets_429_and_a_prompt_past_its_bucket_400(server_factory):
+    # one token back per second: nothing measurable refills while the test runs
+    async with server_factory(**_cfg(acme={"tokens_per_min": 60, "token_burst": 1000})) as srv:
+        acme, globex = _client(srv, ACME), _client(srv, GLOBEX)
+        limiter = srv.app[GATE_KEY].limiter  # type: ignore[index]
+        clock = asyncio.get_running_loop().time
+        first = await acme.chat.completions.create(model=MODEL, messages=MSG, max_tokens=4)
+        p = first.usage.prompt_tokens  # type: ignore[union-attr]
+        assert first.usage.completion_tokens == 4  # type: ignore[union-attr]
+        # the prompt at admission, the completion as it ended
+        assert 1000 - p - 4 <= limiter.tokens_left("acme", clock()) < 1000 - p - 4 + 5
+        spent = p + 4
+        for _ in range(40):  # completions until the bucket holds less than the next prompt (the engine may stop early)
+            r = await acme.chat.completions.create(model=MODEL, messages=MSG, max_tokens=min(300, 1000 - spent - p))
+            spent += p + r.usage.completion_tokens  # type: ignore[union-attr]
+            if 1000 - spent < p:
+                break
+        assert 1000 - spent <= limiter.tokens_left("acme", clock()) < 1000 - spent + 5
+        with pytest.raises(openai.RateLimitError) as exc:
+            await acme.chat.completions.create(model=MODEL, messages=MSG, max_tokens=4)
+        err, headers = exc.value.body, exc.value.response.headers
+        assert err["code"] == "tokens_rate_limit_exceeded" and err["type"] == "rate_limit_error", err
+        assert "tokens_per_min: 60" in err["message"] and f"prompt's {p} tokens" in err["message"]
+        short = p - (1000 - spent)  # seconds, at one token per second (less what refilled meanwhile)
+        assert short - 5 <= int(headers["retry-after"]) <= short + 1, (short, headers["retry-after"])
+        # a prompt the whole bucket cannot hold: 400, never worth a retry
+        with pytest.raises(openai.BadRequestError) as bad:
+            await acme.completions.create(model=MODEL, prompt=list(range(1, 1200)), max_tokens=2)
+        assert bad.value.body["code"] == "request_too_large" and bad.value.body["param"] == "prompt"
+        made = 0
+        for _ in range(3):  # another tenant is not limited by acme's tokens
+            r = await globex.chat.completions.create(model=MODEL, messages=MSG, max_tokens=500)
+            made += r.usage.completion_tokens  # type: ignore[union-attr]
+        text = await _metrics(srv)
+        assert 'thunderagent_tenant_refused_total{limit="tokens_per_min",tenant="acme"} 2.0' in text
+        # usage per tenant, limited or not: what started, as the answers' usage said
+        used = {(tenant, kind): float(v) for kind, tenant, v in re.findall(
+            r'thunderagent_tenant_tokens_total\{kind="(\w+)",tenant="(\w+)"\} (\S+)', text)}
+        assert used[("acme", "prompt")] + used[("acme", "completion")] == spent
+        assert used[("globex", "prompt")] == 3 * p and used[("globex", "completion")] == made
+        for c in (acme, globex):
+            await c.close()
+
+
+async def test_a_request_that_never_ran_gives_its_prompt_tokens_back(server_factory):
+    cfg = _cfg(acme={"tokens_per_min": 60, "token_burst": 1000, "max_programs": 1})
+    async with server_factory(**cfg, simulation={"speedup": 1.0}) as srv:
+        acme = _client(srv, ACME)
+        limiter = srv.app[GATE_KEY].limiter  # type: ignore[index]
+        clock = asyncio.get_running_loop().time
+        stream = await acme.chat.completions.create(
+            model=MODEL, messages=MSG, max_tokens=4000, stream=True, extra_headers={"x-thunderagent-program-id": "p1"})
+        await anext(aiter(stream))  # p1 in flight: a second program is refused by the program cap
+        before = limiter.tokens_left("acme", clock())
+        with pytest.raises(openai.RateLimitError) as exc:
+            await acme.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2,
+                                               extra_headers={"x-thunderagent-program-id": "p2"})
+        assert exc.value.body["code"] == "too_many_programs"
+        assert before <= limiter.tokens_left("acme", clock()) < before + 2  # its prompt came back
+        seen = 0
+        async for chunk in stream:  # a few tokens generated
+            seen += bool(chunk.choices and chunk.choices[0].delta.content)
+            if seen == 10:
+                break
+        await stream.close()  # the client went away: what was generated is still charged
+        await wait_until(lambda: limiter.in_flight("acme") == 0, 10, "the abandoned stream's slot comes back")
+        assert limiter.tokens_left("acme", clock()) < before - 5
+        await acme.close()

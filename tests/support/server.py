@@ -23,6 +23,7 @@ class Server:
     client: AsyncOpenAI
     tokenizer: Tokenizer
     guard: ConnectionGuard | None = None  # open connections, as the server counts them
+    app: web.Application | None = None
 
 
 @asynccontextmanager
@@ -38,7 +39,7 @@ async def running_server(cfg: Config, *, fleet: Fleet | None = None, timeout: fl
     from thunderagent.frontend.app import FRONTEND_KEY
 
     try:
-        yield Server(base, app[FLEET_KEY], client, app[FRONTEND_KEY].tokenizer, runner.guard)
+        yield Server(base, app[FLEET_KEY], client, app[FRONTEND_KEY].tokenizer, runner.guard, app)
     finally:
         await client.close()
         await runner.cleanup()

@@ -3,10 +3,12 @@ times, the in-flight bound, the ``"*"`` default, and slots given back."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from thunderagent.config import ConfigError, TenantLimit, parse_config
-from thunderagent.scheduler.tenant_limits import IN_FLIGHT_RETRY_S, TenantLimiter
+from thunderagent.scheduler.tenant_limits import IN_FLIGHT_RETRY_S, PEER_TTL_S, TenantLimiter, Usage
 
 
 def test_a_full_bucket_admits_its_burst_then_the_sustained_rate() -> None:
@@ -66,6 +68,8 @@ def test_the_bucket_defaults_to_the_rate_rounded_up() -> None:
     ({"acme": {"requests_per_s": 1}}, "control_plane", "acts only with API keys on"),
     ({"acme": {"burst": 2}}, "control_plane.tenant_limits.acme", "burst acts only with requests_per_s"),
     ({"acme": {}}, "control_plane.tenant_limits.acme", "limits nothing"),
+    ({"acme": {"token_burst": 100}}, "control_plane.tenant_limits.acme", "token_burst acts only with tokens_per_min"),
+    ({"acme": {"tokens_per_min": 0}}, "control_plane.tenant_limits.acme.tokens_per_min", "greater than or equal to 1"),
     ({"acme": {"requests_per_s": 0}}, "control_plane.tenant_limits.acme.requests_per_s", "greater than 0"),
     ({"ac me": {"max_in_flight": 1}}, "control_plane.tenant_limits", "must be 1-64 characters"),
     ({"acme": {"max_in_flight": 1, "rps": 3}}, "control_plane.tenant_limits.acme.rps", "Extra inputs"),
@@ -75,3 +79,59 @@ def test_bad_limits_name_the_field(limits, field, why) -> None:  # type: ignore[
     with pytest.raises(ConfigError) as exc:
         parse_config({"control_plane": {**keys, "tenant_limits": limits}})
     assert f"field '{field}'" in str(exc.value) and why in str(exc.value), str(exc.value)
+
+
+def test_tokens_take_the_prompt_at_admission_and_the_completion_as_it_ends() -> None:
+    lim = TenantLimiter({"acme": TenantLimit(tokens_per_min=600)})  # 10 tokens/s, a minute's worth held
+    assert lim.counts_tokens("acme") and not lim.counts_tokens("globex")
+    assert lim.tokens_left("acme", 0.0) == 600 and lim.tokens_left("globex", 0.0) is None
+    assert lim.admit("acme", 0.0) is None and lim.take_tokens("acme", 500, 0.0) is None
+    lim.charge("acme", 200, 0.0)  # the completion: the bucket goes into debt
+    assert lim.tokens_left("acme", 0.0) == -100
+    r = lim.take_tokens("acme", 50, 0.0)
+    assert r is not None and r.limit == "tokens_per_min" and r.retry_after == pytest.approx(15.0)
+    assert "the prompt's 50 tokens, 0 left" in r.message and "tokens_per_min: 600" in r.message
+    assert lim.tokens_left("acme", 0.0) == -100  # a refusal takes nothing
+    assert lim.take_tokens("acme", 50, 14.9) is not None and lim.take_tokens("acme", 50, 15.0) is None
+    lim.charge("acme", -50, 15.0)  # a prompt given back (the request never ran)
+    assert lim.tokens_left("acme", 15.0) == pytest.approx(50)
+    lim.charge("acme", -10_000, 16.0)  # never past the bucket
+    assert lim.tokens_left("acme", 100.0) == 600
+
+
+def test_a_prompt_larger_than_the_bucket_is_never_admitted_and_gives_its_request_token_back() -> None:
+    lim = TenantLimiter({"acme": TenantLimit(requests_per_s=1.0, burst=1, tokens_per_min=60, token_burst=100)})
+    assert lim.admit("acme", 0.0) is None
+    r = lim.take_tokens("acme", 101, 0.0)
+    assert r is not None and r.retry_after == math.inf and "more than tenant 'acme'" in r.message
+    lim.done("acme")
+    assert lim.admit("acme", 0.0) is None  # the refused request's token came back
+    assert lim.take_tokens("acme", 100, 0.0) is None  # the whole bucket: admitted
+    lim.done("acme")
+    assert lim.admit("acme", 0.5).limit == "requests_per_s"  # type: ignore[union-attr]
+    assert TenantLimit(tokens_per_min=90).token_bucket == 90
+
+
+def test_frontends_report_their_use_and_take_each_others() -> None:
+    limits = {"acme": TenantLimit(requests_per_s=1.0, burst=4, tokens_per_min=600, max_in_flight=3)}
+    a, b = TenantLimiter(limits), TenantLimiter(limits)
+    assert a.report() == [] and a.admit("acme", 0.0) is None and a.take_tokens("acme", 100, 0.0) is None
+    assert a.admit("acme", 0.0) is None and a.take_tokens("acme", 700, 0.0) is not None  # refused: gives back
+    a.done("acme")
+    assert a.report() == [Usage("acme", 1, 100, 1)] and a.report() == [Usage("acme", 0, 0, 1)]  # renewed
+    for use in (Usage("acme", 1, 100, 1), Usage("acme", 2, 300, 2)):
+        b.absorb("fa", use, 0.0)
+    assert b.tokens_left("acme", 0.0) == 200  # 600 less a's 400
+    assert b.admit("acme", 0.0) is None  # a's 2 in flight (its latest report) + b's first: under 3
+    assert b.admit("acme", 0.0).limit == "max_in_flight"  # type: ignore[union-attr]  # 2 + 1: the cap
+    b.absorb("fa", Usage("acme", 0, 0, 1), 0.1)
+    r = b.admit("acme", 0.1)  # a slot now, but no request token: a's 3 admissions were taken here too
+    assert r is not None and r.limit == "requests_per_s" and r.retry_after == pytest.approx(0.9)
+    b.done("acme")
+    assert b.report() == [Usage("acme", 1, 0, 0)] and b.report() == []
+    # a frontend that stops reporting stops counting after PEER_TTL_S
+    b.absorb("fa", Usage("acme", 0, 0, 3), 1.0)
+    assert b.admit("acme", 1.0 + PEER_TTL_S).limit == "max_in_flight"  # type: ignore[union-attr]
+    assert b.admit("acme", 1.01 + PEER_TTL_S) is None
+    b.absorb("fa", Usage("globex", 5, 5, 5), 3.0)  # a tenant not limited here: nothing kept
+    assert b.tokens_left("globex", 3.0) is None and b.admit("globex", 3.0) is None

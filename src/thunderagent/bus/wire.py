@@ -20,6 +20,7 @@ Subjects (``<p>`` is the deployment prefix, ``ta`` by default; ``<id>`` a worker
     <p>.frontend.<frontend>.hb frontend -> workers   (empty), every heartbeat_interval: the lease of its requests
     <p>.programs.release       frontend -> frontends ProgramRelease: a client released an agent program
     <p>.programs.reply.<frontend>.<token>  frontend -> frontend  (any payload): "I held it and released it"
+    <p>.tenants.usage          frontend -> frontends TenantUsage: tenants' use since the last report (shared limits)
     <p>.reply.<id>.<frontend>.<rid>        worker -> frontend   TokenBatch stream of one request
     <p>.reply.<id>.<frontend>.call.<token> worker -> frontend   replies to a dump or ping
 
@@ -126,6 +127,10 @@ class Subjects:
         """Where a frontend tells the others that a client released a program (each holds its own table)."""
         return f"{self.prefix}.programs.release"
 
+    def tenant_usage(self) -> str:
+        """Where each frontend reports its tenants' use, so per-tenant limits hold across the frontends."""
+        return f"{self.prefix}.tenants.usage"
+
     def program_reply(self, frontend_id: str, token: str) -> str:
         return f"{self.prefix}.programs.reply.{frontend_id}.{token}"
 
@@ -226,6 +231,21 @@ class ProgramRelease(msgspec.Struct, array_like=True, frozen=True):
 
     origin: str
     key: str
+
+
+class TenantUse(msgspec.Struct, array_like=True, frozen=True):
+    tenant: str
+    requests: int  # admitted since the last report
+    tokens: int  # taken since the last report (prompts and completions, less prompts given back)
+    in_flight: int  # now
+
+
+class TenantUsage(msgspec.Struct, array_like=True, frozen=True):
+    """Frontend ``origin``'s tenants' use since its last report (``control_plane.tenant_limits`` hold
+    across the frontends: each takes the others' use from its own buckets)."""
+
+    origin: str
+    uses: list[TenantUse]
 
 
 class Unavailable(msgspec.Struct, array_like=True, frozen=True):
@@ -386,6 +406,7 @@ decode_heartbeat = msgspec.msgpack.Decoder(Heartbeat).decode
 decode_bye = msgspec.msgpack.Decoder(Bye).decode
 decode_pong = msgspec.msgpack.Decoder(Pong).decode
 decode_program_release = msgspec.msgpack.Decoder(ProgramRelease).decode
+decode_tenant_usage = msgspec.msgpack.Decoder(TenantUsage).decode
 decode_unavailable = msgspec.msgpack.Decoder(Unavailable).decode
 decode_generate = msgspec.msgpack.Decoder(GenerateRequest).decode
 decode_abort = msgspec.msgpack.Decoder(Abort).decode

@@ -60,7 +60,8 @@ def frontend(
     assert isinstance(fleet.membership, NatsMembership)
     typer.echo(f"ThunderAgent frontend {fleet.membership.frontend_id} on http://{cp.host}:{cp.port}/v1 — workers from {bus.url}")
     try:
-        run_frontend(create_app(cfg, fleet=fleet, tokenizer=tokenizer, peers=fleet.membership.peers), cp.host, cp.port)
+        run_frontend(create_app(cfg, fleet=fleet, tokenizer=tokenizer, peers=fleet.membership.peers,
+                                shared_limits=fleet.membership.tenants), cp.host, cp.port)
     except BusError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc

@@ -82,8 +82,10 @@ class ControlPlaneConfig(_Strict):
     admin_keys_file: str | None = Field(None, description="file of admin keys, one per line")
     admin_keys_env: str | None = Field(None, description="environment variable holding admin keys, one per line")
     tenant_limits: dict[str, TenantLimit] = Field(
-        default_factory=dict, description="tenant -> its request limits (requests_per_s, burst, max_in_flight), "
-        "per frontend process; the entry \"*\" applies to every tenant not named. Needs API keys on",
+        default_factory=dict, description="tenant -> its request limits (requests_per_s, burst, tokens_per_min, "
+        "token_burst, max_in_flight, max_programs), shared by the frontends of a NATS deployment (max_programs: "
+        "per frontend, each holds its own program table); the entry \"*\" applies to every tenant not named. "
+        "Needs API keys on",
     )
     decision_log: DecisionLogConfig = Field(
         DecisionLogConfig(), description="JSON-lines log of routing decisions (README: `thunderagent explain`)",

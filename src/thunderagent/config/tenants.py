@@ -1,6 +1,7 @@
-"""Per-tenant limits (``control_plane.tenant_limits``): a sustained request rate with a burst and a
-bound on requests in flight (``scheduler/tenant_limits.py``, at the frontend), and a bound on the
-agent programs the tenant holds (``scheduler/programs.py``)."""
+"""Per-tenant limits (``control_plane.tenant_limits``): a sustained request rate with a burst, a
+sustained token rate (prompt + completion tokens per minute) and a bound on requests in flight
+(``scheduler/tenant_limits.py``, at the frontend), and a bound on the agent programs the tenant holds
+(``scheduler/programs.py``)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,15 @@ class TenantLimit(_Strict):
         None, ge=1, description="requests admitted at once after an idle spell (the bucket's size); default "
         "requests_per_s rounded up, at least 1",
     )
+    tokens_per_min: int | None = Field(
+        None, ge=1, description="prompt + completion tokens per minute, sustained (a token bucket): a request is "
+        "admitted while the bucket holds its prompt's tokens, which it takes; its completion's tokens are taken when "
+        "it ends, and may leave the bucket below zero (later requests then wait for it to refill)",
+    )
+    token_burst: int | None = Field(
+        None, ge=1, description="tokens the bucket holds at most (default tokens_per_min): a prompt longer than this "
+        "is refused with 400, never admitted",
+    )
     max_in_flight: int | None = Field(
         None, ge=1, description="inference requests admitted and not yet answered at once (held in the "
         "scheduler's queue or being generated)",
@@ -38,8 +48,11 @@ class TenantLimit(_Strict):
     def _something(self) -> TenantLimit:
         if self.burst is not None and self.requests_per_s is None:
             raise ValueError("burst acts only with requests_per_s")
-        if self.requests_per_s is None and self.max_in_flight is None and self.max_programs is None:
-            raise ValueError("limits nothing: set requests_per_s, max_in_flight and/or max_programs")
+        if self.token_burst is not None and self.tokens_per_min is None:
+            raise ValueError("token_burst acts only with tokens_per_min")
+        if (self.requests_per_s is None and self.tokens_per_min is None and self.max_in_flight is None
+                and self.max_programs is None):
+            raise ValueError("limits nothing: set requests_per_s, tokens_per_min, max_in_flight and/or max_programs")
         return self
 
     @property
@@ -48,6 +61,11 @@ class TenantLimit(_Strict):
         if self.burst is not None:
             return self.burst
         return max(1, math.ceil(self.requests_per_s or 0))
+
+    @property
+    def token_bucket(self) -> int:
+        """The token bucket's size in tokens (``token_burst``, else a minute's worth)."""
+        return self.token_burst if self.token_burst is not None else self.tokens_per_min or 0
 
 
 def check_tenant_limits(v: dict[str, TenantLimit]) -> dict[str, TenantLimit]:

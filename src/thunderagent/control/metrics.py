@@ -254,9 +254,15 @@ class Metrics:
         )
         self.programs_evicted.labels("")  # exported before the first eviction
         self.tenant_refused_total = Counter(
-            "thunderagent_tenant_refused", "Inference requests refused with 429 by a tenant's limit "
-            "(control_plane.tenant_limits: limit is requests_per_s, max_in_flight or max_programs; past metrics.max_route_keys "
-            "tenants: _other)", ["tenant", "limit"], registry=r,
+            "thunderagent_tenant_refused", "Inference requests refused with 429 by a tenant's limit (400 for a prompt "
+            "larger than its token bucket) (control_plane.tenant_limits: limit is requests_per_s, tokens_per_min, "
+            "max_in_flight or max_programs; past metrics.max_route_keys tenants: _other)", ["tenant", "limit"],
+            registry=r,
+        )
+        self.tenant_tokens_total = Counter(
+            "thunderagent_tenant_tokens", "Tokens of each tenant's inference requests that started (API keys on): "
+            "kind prompt (as tokenized here, cached included) or completion (generated, a client gone mid-stream "
+            "included; past metrics.max_route_keys tenants: _other)", ["tenant", "kind"], registry=r,
         )
         self.tenant_in_flight_now = Gauge(
             "thunderagent_tenant_in_flight", "Inference requests of a limited tenant admitted and not yet answered",
@@ -289,6 +295,12 @@ class Metrics:
 
     def tenant_refused(self, tenant: str, limit: str) -> None:
         self.tenant_refused_total.labels(self.seed.route_key(tenant), limit).inc()
+
+    def tenant_tokens(self, tenant: str, prompt: int, completion: int) -> None:
+        """A request of ``tenant`` ended: its prompt's and its completion's tokens."""
+        key = self.seed.route_key(tenant)
+        self.tenant_tokens_total.labels(key, "prompt").inc(prompt)
+        self.tenant_tokens_total.labels(key, "completion").inc(completion)
 
     def tenant_in_flight(self, tenant: str, n: int) -> None:
         # a tenant past max_route_keys shares _other with others: its last write wins there

@@ -51,6 +51,7 @@ from thunderagent.bus.wire import (
     max_prompt_tokens,
 )
 from thunderagent.control.program_peers import ProgramPeers
+from thunderagent.control.tenant_peers import TenantPeers
 from thunderagent.control.remote_worker import RemoteLink, RemoteWorker
 from thunderagent.types import LoadReport, PromptLimit
 
@@ -77,6 +78,7 @@ class NatsMembership:
         self.frontend_id = secrets.token_hex(4)
         self.link = RemoteLink(bus, self.subjects, self.frontend_id, self.drop)  # no responders: the worker is gone
         self.peers = ProgramPeers(bus, self.subjects, self.frontend_id)  # program releases reach every frontend
+        self.tenants = TenantPeers(bus, self.subjects, self.frontend_id)  # tenant limits hold across frontends
         self.discovery_window = discovery_window
         self.sync_timeout = sync_timeout
         self.dump_timeout = dump_timeout
@@ -151,6 +153,7 @@ class NatsMembership:
             "instances": {w: r.instance for w, r in sorted(self.remotes.items())},
             "ignored_messages": dict(self.ignored),
             "programs_released_for_peers": self.peers.released_for_peers,
+            "tenant_reports": {"sent": self.tenants.reports_sent, "taken": self.tenants.reports_taken},
         }}
 
     # -- worker messages (one subscription: in publication order per worker) ----------------

@@ -31,7 +31,15 @@ from thunderagent.frontend.auth import (
 )
 from thunderagent.frontend.errorlog import ERROR_LOG_KEY, ErrorLog
 from thunderagent.frontend.limits import LIMITS_KEY, limits_middleware
-from thunderagent.frontend.tenant_gate import GATE_KEY, make_gate, tenant_gate_middleware
+from thunderagent.frontend.tenant_gate import (
+    GATE_KEY,
+    SharedLimits,
+    count_completion,
+    make_gate,
+    share_limits,
+    take_prompt_tokens,
+    tenant_gate_middleware,
+)
 from thunderagent.frontend.openapi import PATH as OPENAPI_PATH
 from thunderagent.frontend.openapi import add_openapi_route
 from thunderagent.frontend.protocol import (
@@ -204,21 +212,32 @@ class Frontend:
                                param=prompt_param, code="context_length_exceeded")
         sampling = Sampling(req.temperature, req.top_p, req.seed)
         explained = self._explain(request, req.explain)
+        take_prompt_tokens(request, len(prompt_ids), prompt_param)  # the tenant's token limit, if any
         gen = await self.fleet.start_generation(
             prompt_ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt), lora_name=req.lora_name, priority=req.priority,
             sampling=sampling, route_key=self._route_key(request, req), program_id=self._program_id(request, req),
             tenant=request.get(TENANT),
         )
+        count_completion(request, gen)
         shown = request[DETAIL]  # worker ids are the fleet's detail: tenants see none (API keys on, no admin key)
         headers = {WORKER_HEADER: gen.decision.worker_id} if shown else {}
         explain = gen.decision.explain() if explained else None
         created = int(time.time())
         cid = ("chatcmpl-" if chat else "cmpl-") + gen.request_id
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await self._stream(request, gen, stops, headers, explain, cid, created, req.model, chat,
-                                      include_usage)
-        return await self._complete(gen, stops, headers, explain, cid, created, req.model, chat, shown)
+        try:
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                return await self._stream(request, gen, stops, headers, explain, cid, created, req.model, chat,
+                                          include_usage)
+            return await self._complete(gen, stops, headers, explain, cid, created, req.model, chat, shown)
+        finally:
+            self.tenant_usage(request, gen)
+
+    def tenant_usage(self, request: web.Request, gen: Generation) -> None:
+        """A started request ended: its tokens, per tenant (API keys on)."""
+        tenant = request.get(TENANT)
+        if tenant is not None:
+            self.fleet.metrics.tenant_tokens(tenant, gen.prompt_tokens, len(gen.produced))
 
     async def _complete(
         self, gen: Generation, stops: list[str], headers: dict[str, str], explain: dict[str, object] | None,
@@ -340,11 +359,12 @@ class Frontend:
 
 
 def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer | None = None,
-               peers: Peers | None = None) -> web.Application:
+               peers: Peers | None = None, shared_limits: SharedLimits | None = None) -> web.Application:
     """The HTTP frontend in front of ``fleet`` (by default the single-process fleet of the config's
     workers: simulated, or real engine servers). ``tokenizer`` defaults to the model's own when
     ``cfg.model`` is set (loaded here, before serving), else the byte-level one. ``peers``: the other
-    frontends of a NATS deployment (program releases reach them too)."""
+    frontends of a NATS deployment (program releases reach them too); ``shared_limits``: the same, for
+    per-tenant limits that hold across them."""
     from thunderagent.assemble import build_fleet, load_tokenizer
 
     if tokenizer is None:
@@ -400,4 +420,5 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
+    share_limits(app, shared_limits)  # after the fleet joined the bus; stopped before it leaves
     return app

@@ -33,6 +33,7 @@ from msgspec import Meta
 
 from thunderagent.frontend.auth import DETAIL, TENANT, tenant_salt
 from thunderagent.frontend.protocol import MaxTokens, Priority, RequestError, prompt_input
+from thunderagent.frontend.tenant_gate import count_completion, take_prompt_tokens
 from thunderagent.control.fleet import Fleet
 from thunderagent.frontend.tokenizer import ChatMessage, Tokenizer
 from thunderagent.types import FinishReason, Passthrough, TokenOutput
@@ -134,6 +135,7 @@ class _Frontend(Protocol):
     def _program_id(request: web.Request, req: Any) -> str | None: ...
     @staticmethod
     def _explain(request: web.Request, body_flag: bool) -> bool: ...
+    def tenant_usage(self, request: web.Request, gen: Any) -> None: ...
 
 
 class RelayFrontend:
@@ -161,11 +163,13 @@ class RelayFrontend:
         max_tokens = req.max_completion_tokens or req.max_tokens or fe.max_tokens_default
         path = "/v1/chat/completions" if chat else "/v1/completions"
         explained = fe._explain(request, req.explain)
+        take_prompt_tokens(request, len(ids), "messages" if chat else "prompt")  # the tenant's token limit, if any
         gen = await fe.fleet.start_generation(
             ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt), lora_name=req.lora_name,
             priority=req.priority, route_key=fe._route_key(request, req), program_id=fe._program_id(request, req),
             tenant=request.get(TENANT), passthrough=Passthrough(path, body, req.stream),
         )
+        count_completion(request, gen)
         shown = request[DETAIL]
 
         def worker() -> str | None:  # the one serving now (a request can be routed again)
@@ -190,6 +194,7 @@ class RelayFrontend:
             return await self._stream(request, worker(), out, outputs, headers)
         finally:
             await outputs.aclose()  # aborts the server's request if it did not finish
+            fe.tenant_usage(request, gen)
 
     @staticmethod
     async def _stream(request: web.Request, worker: str | None, out: TokenOutput, outputs: Any,

@@ -7,6 +7,13 @@ waits for before its own retry (up to two minutes).
 
 Runs after the key check (it needs the tenant) and only on the routes it is given (the completion
 endpoints): model listings, program endpoints, health and metrics are never limited.
+
+A token limit (``tokens_per_min``) needs the prompt's length, known only inside the handler: the
+handler calls :func:`take_prompt_tokens` once the prompt is tokenized (a refusal there is the same
+429, or a 400 for a prompt larger than the tenant's whole bucket) and :func:`count_completion` with its
+generation once it started; when the handler ends, the gate charges the tokens generated (all of
+them: a client that went away mid-stream still had them computed), or gives the prompt's back if the
+request never started (refused by the queue, no worker, client gone while held).
 """
 
 from __future__ import annotations
@@ -27,7 +34,27 @@ from thunderagent.scheduler.tenant_limits import Refusal, TenantLimiter
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-_CODES = {"requests_per_s": "rate_limit_exceeded", "max_in_flight": "too_many_requests_in_flight"}
+_CODES = {"requests_per_s": "rate_limit_exceeded", "tokens_per_min": "tokens_rate_limit_exceeded",
+          "max_in_flight": "too_many_requests_in_flight"}
+
+
+class _Produced(Protocol):
+    """A generation as the gate reads it (``control.generation.Generation``): the tokens produced so far."""
+
+    produced: list[int]
+
+
+# request keys: the prompt tokens taken for the request, and its generation (what it produced)
+_PROMPT = web.RequestKey("tenant_prompt_tokens", int)
+_GENERATION = web.RequestKey("tenant_generation", _Produced)
+
+
+class TenantRefused(Exception):
+    """Raised by a handler through :func:`take_prompt_tokens`; the gate answers it."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal
 
 
 @dataclass(slots=True)
@@ -39,6 +66,31 @@ class TenantGate:
 
 
 GATE_KEY = web.AppKey("tenant_gate", TenantGate)
+
+
+class SharedLimits(Protocol):
+    """The other frontends of a NATS deployment, as far as tenant limits go
+    (:class:`~thunderagent.control.tenant_peers.TenantPeers`)."""
+
+    async def start(self, limiter: TenantLimiter, clock: Callable[[], float]) -> None: ...
+    async def stop(self) -> None: ...
+
+
+def share_limits(app: web.Application, shared: SharedLimits | None) -> None:
+    """With a gate and other frontends, the gate's limits hold across them: shared from start-up
+    (after the fleet joined the bus) until clean-up (before it leaves)."""
+    gate = app.get(GATE_KEY)
+    if gate is None or shared is None:
+        return
+
+    async def start(app: web.Application) -> None:
+        await shared.start(gate.limiter, asyncio.get_running_loop().time)
+
+    async def stop(app: web.Application) -> None:
+        await shared.stop()
+
+    app.on_startup.append(start)
+    app.on_cleanup.insert(0, stop)
 
 
 class _Metrics(Protocol):
@@ -59,6 +111,38 @@ def make_gate(limits: Mapping[str, TenantLimit], tenants: Collection[str], paths
     if not limiter:  # none, or max_programs only (the program table's)
         return None
     return TenantGate(limiter, frozenset(paths), metrics.tenant_refused, metrics.tenant_in_flight)
+
+
+def take_prompt_tokens(request: web.Request, n: int, param: str) -> None:
+    """The handler of an admitted request has its ``n``-token prompt (the body field ``param``): with
+    a token limit on its tenant, take them or raise :class:`TenantRefused` (a 429), or a
+    :class:`RequestError` (400) for a prompt larger than the tenant's whole bucket."""
+    gate = request.app.get(GATE_KEY)
+    tenant = request.get(TENANT)
+    if gate is None or tenant is None or not gate.limiter.counts_tokens(tenant):
+        return
+    refusal = gate.limiter.take_tokens(tenant, n, asyncio.get_running_loop().time())
+    if refusal is not None:
+        if math.isinf(refusal.retry_after):  # never admitted: retrying cannot help
+            gate.on_refused(tenant, refusal.limit)
+            raise RequestError(refusal.message, param=param, code="request_too_large")
+        raise TenantRefused(refusal)
+    request[_PROMPT] = n
+
+
+def count_completion(request: web.Request, gen: _Produced) -> None:
+    """The request started as ``gen``: what it produces is charged to its tenant when it ends."""
+    if _PROMPT in request:
+        request[_GENERATION] = gen
+
+
+def _settle(request: web.Request, limiter: TenantLimiter, tenant: str) -> None:
+    prompt = request.get(_PROMPT)
+    if prompt is None:
+        return
+    gen = request.get(_GENERATION)
+    now = asyncio.get_running_loop().time()
+    limiter.charge(tenant, len(gen.produced) if gen is not None else -prompt, now)
 
 
 def refused_response(r: Refusal) -> web.Response:
@@ -83,6 +167,10 @@ async def tenant_gate_middleware(request: web.Request, handler: Handler) -> web.
     gate.on_in_flight(tenant, limiter.in_flight(tenant))
     try:
         return await handler(request)
+    except TenantRefused as exc:
+        gate.on_refused(tenant, exc.refusal.limit)
+        return refused_response(exc.refusal)
     finally:
+        _settle(request, limiter, tenant)
         limiter.done(tenant)
         gate.on_in_flight(tenant, limiter.in_flight(tenant))
