@@ -209,7 +209,8 @@ def test_tenant_limits_hold_across_the_frontends(cluster: Cluster):
 
     import openai
 
-    keys = {"acme": "k-acme-0123456789abcdef", "initech": "k-initech-0123456789abc", "globex": "k-globex-0123456789abcd"}
+    keys = {"acme": "k-acme-0123456789abcdef", "initech": "k-initech-0123456789abc",
+            "globex": "k-globex-0123456789abcd"}
     admin = "k-admin-0123456789abcdef"
     limits = "{acme: {requests_per_s: 0.02, burst: 2}, initech: {max_in_flight: 1}}"
     cfg = cluster.tmp / "tenants.yaml"

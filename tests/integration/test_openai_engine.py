@@ -221,7 +221,12 @@ async def test_a_tenants_token_limit_counts_relayed_prompts_and_completions(stre
             clock = asyncio.get_running_loop().time
             c = openai.AsyncOpenAI(base_url=f"{srv.base_url}/v1", api_key="k-acme-0123456789abcdef", max_retries=0)
             prompt = list(range(1, 41))  # 40 tokens, as sent
-            r = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=100, stream=stream)
+            raw = await c.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=100,
+                                                               stream=stream)
+            # OpenAI's x-ratelimit-* headers: the bucket after the prompt was taken
+            room = (raw.headers["x-ratelimit-limit-tokens"], raw.headers["x-ratelimit-remaining-tokens"])
+            assert room == ("200", "160")
+            r = raw.parse()
             if stream:
                 assert "".join([ch.choices[0].text async for ch in r if ch.choices]) == "x" * 100  # type: ignore[union-attr]
             else:

@@ -45,11 +45,22 @@ async def test_a_tenant_over_its_rate_gets_429_and_others_are_served(server_fact
     # a rate slow enough that no token comes back while the test sends its requests
     async with server_factory(**_cfg(acme={"requests_per_s": 0.05, "burst": 2})) as srv:
         acme, globex = _client(srv, ACME), _client(srv, GLOBEX)
-        for _ in range(2):
-            await acme.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2)
+        seen = []
+        for stream in (False, True):  # OpenAI's x-ratelimit-* headers, plain and streamed
+            raw = await acme.chat.completions.with_raw_response.create(model=MODEL, messages=MSG, max_tokens=2,
+                                                                      stream=stream)
+            seen.append({k: raw.headers.get(f"x-ratelimit-{k}-requests") for k in ("limit", "remaining", "reset")})
+            if stream:
+                async for _ in raw.parse():
+                    pass
+        # the bucket of 2 after one request, then after two (what refilled meanwhile is under a token)
+        assert [(h["limit"], h["remaining"]) for h in seen] == [("2", "1"), ("2", "0")]
+        assert seen[0]["reset"].endswith("s") and 19 <= float(seen[0]["reset"].rstrip("s")) <= 20
+        assert "x-ratelimit-limit-tokens" not in raw.headers  # no token rate: no token headers
         with pytest.raises(openai.RateLimitError) as exc:
             await acme.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2)
         err, headers = exc.value.body, exc.value.response.headers
+        assert headers["x-ratelimit-remaining-requests"] == "0"
         assert err["code"] == "rate_limit_exceeded" and err["type"] == "rate_limit_error", err
         assert "requests_per_s: 0.05" in err["message"] and "acme" in err["message"]
         # the next whole token is 20 s away (less what the two answers took)
@@ -185,6 +196,9 @@ async def test_a_tenant_over_its_token_rate_gets_429_and_a_prompt_past_its_bucke
         assert "tokens_per_min: 60" in err["message"] and f"prompt's {p} tokens" in err["message"]
         short = p - (1000 - spent)  # seconds, at one token per second (less what refilled meanwhile)
         assert short - 5 <= int(headers["retry-after"]) <= short + 1, (short, headers["retry-after"])
+        assert headers["x-ratelimit-limit-tokens"] == "1000"  # and what it held then (1 token/s refilled since)
+        held = int(headers["x-ratelimit-remaining-tokens"])
+        assert 0 <= max(0, int(limiter.tokens_left("acme", clock()))) - held <= 1
         # a prompt the whole bucket cannot hold: 400, never worth a retry
         with pytest.raises(openai.BadRequestError) as bad:
             await acme.completions.create(model=MODEL, prompt=list(range(1, 1200)), max_tokens=2)

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from thunderagent.config import ConfigError, TenantLimit, parse_config
-from thunderagent.scheduler.tenant_limits import IN_FLIGHT_RETRY_S, PEER_TTL_S, TenantLimiter, Usage
+from thunderagent.frontend.tenant_gate import _duration
+from thunderagent.scheduler.tenant_limits import IN_FLIGHT_RETRY_S, PEER_TTL_S, Headroom, TenantLimiter, Usage
 
 
 def test_a_full_bucket_admits_its_burst_then_the_sustained_rate() -> None:
@@ -135,3 +136,21 @@ def test_frontends_report_their_use_and_take_each_others() -> None:
     assert b.admit("acme", 1.01 + PEER_TTL_S) is None
     b.absorb("fa", Usage("globex", 5, 5, 5), 3.0)  # a tenant not limited here: nothing kept
     assert b.tokens_left("globex", 3.0) is None and b.admit("globex", 3.0) is None
+
+
+def test_headroom_is_what_each_bucket_holds_and_when_it_is_full_again() -> None:
+    lim = TenantLimiter({"acme": TenantLimit(requests_per_s=2.0, burst=4, tokens_per_min=600),
+                         "globex": TenantLimit(max_in_flight=1)})
+    assert lim.headroom("acme", 0.0) == (Headroom(4, 4, 0.0), Headroom(600, 600, 0.0))
+    assert lim.admit("acme", 0.0) is None and lim.take_tokens("acme", 100, 0.0) is None
+    lim.charge("acme", 550, 0.0)  # 50 tokens of debt
+    requests, tokens = lim.headroom("acme", 0.25)
+    assert requests == Headroom(4, 3, pytest.approx(0.25))  # 3.5 held: 0.5 short, at 2 per second
+    assert tokens == Headroom(600, 0, pytest.approx(64.75))  # -47.5 held: 647.5 short, at 10 per second
+    assert lim.headroom("globex", 0.0) == (None, None) and lim.headroom("initech", 0.0) == (None, None)
+
+
+@pytest.mark.parametrize(("s", "text"), [(0.0, "0ms"), (0.2501, "251ms"), (1.5, "1.5s"), (59.9996, "60s"),
+                                         (360.0, "6m0s"), (62.5, "1m2.5s")])
+def test_reset_times_are_written_as_openai_writes_them(s: float, text: str) -> None:
+    assert _duration(s) == text

@@ -36,6 +36,7 @@ from thunderagent.frontend.tenant_gate import (
     SharedLimits,
     count_completion,
     make_gate,
+    rate_headers,
     share_limits,
     take_prompt_tokens,
     tenant_gate_middleware,
@@ -221,6 +222,7 @@ class Frontend:
         count_completion(request, gen)
         shown = request[DETAIL]  # worker ids are the fleet's detail: tenants see none (API keys on, no admin key)
         headers = {WORKER_HEADER: gen.decision.worker_id} if shown else {}
+        headers.update(rate_headers(request))  # the tenant's limits, as its buckets hold now
         explain = gen.decision.explain() if explained else None
         created = int(time.time())
         cid = ("chatcmpl-" if chat else "cmpl-") + gen.request_id

@@ -33,7 +33,7 @@ from msgspec import Meta
 
 from thunderagent.frontend.auth import DETAIL, TENANT, tenant_salt
 from thunderagent.frontend.protocol import MaxTokens, Priority, RequestError, prompt_input
-from thunderagent.frontend.tenant_gate import count_completion, take_prompt_tokens
+from thunderagent.frontend.tenant_gate import count_completion, rate_headers, take_prompt_tokens
 from thunderagent.control.fleet import Fleet
 from thunderagent.frontend.tokenizer import ChatMessage, Tokenizer
 from thunderagent.types import FinishReason, Passthrough, TokenOutput
@@ -176,6 +176,7 @@ class RelayFrontend:
             return gen.decision.worker_id if shown else None  # worker ids are the fleet's detail: tenants see none
 
         headers = {"x-thunderagent-worker": gen.decision.worker_id} if shown else {}
+        headers.update(rate_headers(request))  # the tenant's limits, as its buckets hold now
         if explained:  # the body is the server's: the explanation goes in a header
             headers["x-thunderagent-explanation"] = json.dumps(gen.decision.explain(), separators=(",", ":"))
         outputs = fe.fleet.outputs(gen)

@@ -145,10 +145,42 @@ def _settle(request: web.Request, limiter: TenantLimiter, tenant: str) -> None:
     limiter.charge(tenant, len(gen.produced) if gen is not None else -prompt, now)
 
 
-def refused_response(r: Refusal) -> web.Response:
+def _duration(s: float) -> str:
+    """A reset time as OpenAI writes it: ``250ms``, ``1.5s``, ``6m0s``."""
+    if s < 1:
+        return f"{math.ceil(s * 1000)}ms"
+    if s < 60:
+        return f"{round(s, 3):g}s"
+    m, rest = divmod(s, 60)
+    return f"{int(m)}m{round(rest, 3):g}s"
+
+
+def rate_headers(request: web.Request) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` for the request's tenant, as its
+    buckets hold now (empty when it has neither a request nor a token rate): clients that pace
+    themselves on them (LiteLLM, LangChain) see this deployment's limits."""
+    gate = request.app.get(GATE_KEY)
+    tenant = request.get(TENANT)
+    if gate is None or tenant is None:
+        return {}
+    return _headers(gate.limiter, tenant)
+
+
+def _headers(limiter: TenantLimiter, tenant: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for kind, room in zip(("requests", "tokens"), limiter.headroom(tenant, asyncio.get_running_loop().time()),
+                          strict=True):
+        if room is not None:
+            out[f"x-ratelimit-limit-{kind}"] = str(room.limit)
+            out[f"x-ratelimit-remaining-{kind}"] = str(room.remaining)
+            out[f"x-ratelimit-reset-{kind}"] = _duration(room.reset_s)
+    return out
+
+
+def refused_response(r: Refusal, limiter: TenantLimiter, tenant: str) -> web.Response:
     err = RequestError(r.message + "; retry later", status=429, code=_CODES[r.limit], type_="rate_limit_error")
     headers = {"Retry-After": str(max(1, math.ceil(r.retry_after))),
-               "retry-after-ms": str(max(1, math.ceil(r.retry_after * 1000)))}
+               "retry-after-ms": str(max(1, math.ceil(r.retry_after * 1000))), **_headers(limiter, tenant)}
     return web.Response(body=error_body(err), status=429, content_type="application/json", headers=headers)
 
 
@@ -163,13 +195,13 @@ async def tenant_gate_middleware(request: web.Request, handler: Handler) -> web.
     refusal = limiter.admit(tenant, asyncio.get_running_loop().time())
     if refusal is not None:
         gate.on_refused(tenant, refusal.limit)
-        return refused_response(refusal)
+        return refused_response(refusal, limiter, tenant)
     gate.on_in_flight(tenant, limiter.in_flight(tenant))
     try:
         return await handler(request)
     except TenantRefused as exc:
         gate.on_refused(tenant, exc.refusal.limit)
-        return refused_response(exc.refusal)
+        return refused_response(exc.refusal, limiter, tenant)
     finally:
         _settle(request, limiter, tenant)
         limiter.done(tenant)

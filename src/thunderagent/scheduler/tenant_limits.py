@@ -75,6 +75,15 @@ class Usage:
     in_flight: int  # now
 
 
+@dataclass(slots=True, frozen=True)
+class Headroom:
+    """What one of a tenant's buckets holds now (OpenAI's ``x-ratelimit-*`` headers tell clients)."""
+
+    limit: int  # the bucket's size
+    remaining: int  # whole units it holds now (0 in debt)
+    reset_s: float  # until it is full again
+
+
 @dataclass(slots=True)
 class _Account:
     requests: _Bucket | None  # requests_per_s
@@ -176,6 +185,20 @@ class TenantLimiter:
         return Refusal("tokens_per_min", (n - b.level) / b.rate,
                        f"tenant {tenant!r} is over its token rate: the prompt's {n} tokens, {max(0, int(b.level))} "
                        f"left ({what})")
+
+    def headroom(self, tenant: str, now: float) -> tuple[Headroom | None, Headroom | None]:
+        """``tenant``'s request and token buckets at ``now`` (None: not limited by that one)."""
+        acc = self._account(tenant)
+        if acc is None:
+            return None, None
+        out = []
+        for b in (acc.requests, acc.tokens):
+            if b is None:
+                out.append(None)
+                continue
+            b.refill(now)
+            out.append(Headroom(int(b.size), max(0, math.floor(b.level)), max(0.0, (b.size - b.level) / b.rate)))
+        return out[0], out[1]
 
     def tokens_left(self, tenant: str, now: float) -> float | None:
         """What ``tenant``'s token bucket holds at ``now`` (below zero: a debt); None without a token limit."""
