@@ -10,10 +10,13 @@ that this machine drives them to saturation), API keys on, two tenants:
 - **quiet**: one short streamed completion every ``--quiet-every`` seconds (open loop).
 
 Arms, each on a fresh server, interleaved and repeated (``--repeat``): ``off`` (no tenant limit: the
-holding queue's fairness across tenants is all there is) and ``on`` (``noisy: {max_in_flight: N}``,
-N = ``--cap``, below the fleet's sequence slots). Reported per arm, medians over the repeats: the
-quiet tenant's TTFT p50 / p99, the noisy tenant's completions per second, and the 429s each got.
-Ratios are on / off, measured in the same run.
+holding queue's fairness across tenants is all there is), ``on`` (``noisy: {max_in_flight: N}``,
+N = ``--cap``, below the fleet's sequence slots) and ``tokens`` (``noisy: {tokens_per_min: T,
+token_burst: B}``, ``--noisy-tpm`` / ``--noisy-token-burst``). Reported per arm, medians over the
+repeats: the quiet tenant's TTFT p50 / p99, the noisy tenant's completions per second and tokens per
+minute (prompt + completion, from the server's ``thunderagent_tenant_tokens_total``), and the 429s
+each got. Ratios are against ``off``, measured in the same run; for ``tokens``, the noisy tenant's
+tokens per minute against what its bucket allows over the arm (the burst plus the rate).
 
 Run: ``.venv/bin/python bench/tenant_isolation.py`` (about 2 minutes; ``--seconds 8 --repeat 1`` for a
 quick look).
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import secrets
 import sys
 import tempfile
@@ -58,6 +62,7 @@ class Arm:
     quiet_failed: int = 0
     noisy_done: int = 0
     noisy_429: int = 0
+    noisy_tokens: int = 0  # prompt + completion, as the server counted them
     seconds: float = 0.0
 
 
@@ -129,6 +134,10 @@ async def run_arm(limits: str, seconds: float, noisy_clients: int, quiet_every: 
                 await asyncio.sleep(quiet_every)
             await asyncio.gather(*flood, *shots)
             arm.seconds = loop.time() - t0
+            async with session.get(srv.base + "/metrics", headers={"Authorization": "Bearer " + ADMIN}) as r:
+                text = await r.text()
+            arm.noisy_tokens = sum(int(float(v)) for v in re.findall(
+                r'thunderagent_tenant_tokens_total\{kind="\w+",tenant="noisy"\} (\S+)', text))
     finally:
         srv.stop()
     return arm
@@ -144,8 +153,11 @@ def main() -> None:
     ap.add_argument("--cap", type=int, default=4, help="the noisy tenant's max_in_flight in arm on")
     ap.add_argument("--speed", type=float, default=0.25, help="simulated engine speed (timing.speedup)")
     ap.add_argument("--prompt-tokens", type=int, default=2000, help="prompt length of every request")
+    ap.add_argument("--noisy-tpm", type=int, default=60_000, help="the noisy tenant's tokens_per_min in arm tokens")
+    ap.add_argument("--noisy-token-burst", type=int, default=10_000, help="its token_burst in arm tokens")
     a = ap.parse_args()
-    arms = {"off": "", "on": f"  tenant_limits: {{noisy: {{max_in_flight: {a.cap}}}}}"}
+    arms = {"off": "", "on": f"  tenant_limits: {{noisy: {{max_in_flight: {a.cap}}}}}",
+            "tokens": f"  tenant_limits: {{noisy: {{tokens_per_min: {a.noisy_tpm}, token_burst: {a.noisy_token_burst}}}}}"}
     results: dict[str, list[Arm]] = {name: [] for name in arms}
     for _ in range(a.repeat):
         for name, limits in arms.items():
@@ -156,20 +168,28 @@ def main() -> None:
         p50 = median([pct(r.quiet_ttft, 0.5) for r in runs]) * 1e3
         p99 = median([pct(r.quiet_ttft, 0.99) for r in runs]) * 1e3
         rate = median([r.noisy_done / r.seconds for r in runs])
-        summary[name] = (p50, p99, rate)
-        rows.append([name, f"{p50:.0f}", f"{p99:.0f}", f"{rate:.1f}", sum(r.noisy_429 for r in runs),
+        tpm = median([r.noisy_tokens / r.seconds * 60 for r in runs])
+        allowed = median([(a.noisy_token_burst + a.noisy_tpm / 60 * r.seconds) / r.seconds * 60 for r in runs])
+        summary[name] = (p50, p99, rate, tpm, allowed)
+        rows.append([name, f"{p50:.0f}", f"{p99:.0f}", f"{rate:.1f}", f"{tpm:,.0f}", sum(r.noisy_429 for r in runs),
                      sum(r.quiet_429 for r in runs), sum(r.quiet_failed for r in runs),
                      sum(len(r.quiet_ttft) for r in runs)])
     print(f"2 workers x {a.slots} slots (engine speed {a.speed}), prompts of {a.prompt_tokens} tokens; noisy: "
           f"{a.noisy_clients} closed-loop clients (64 tokens each), quiet: one request / {a.quiet_every} s "
           f"(8 tokens); {a.seconds:.0f} s per arm, "
-          f"{a.repeat} repeat(s), medians; arm on: noisy max_in_flight {a.cap}")
+          f"{a.repeat} repeat(s), medians; arm on: noisy max_in_flight {a.cap}; arm tokens: noisy tokens_per_min "
+          f"{a.noisy_tpm:,}, token_burst {a.noisy_token_burst:,}")
     print_table("quiet tenant's TTFT and the noisy tenant's throughput",
-                ["arm", "quiet TTFT p50 ms", "quiet TTFT p99 ms", "noisy completions/s", "noisy 429s",
+                ["arm", "quiet TTFT p50 ms", "quiet TTFT p99 ms", "noisy completions/s", "noisy tokens/min", "noisy 429s",
                  "quiet 429s", "quiet failed", "quiet served"], rows)
-    off, on = summary["off"], summary["on"]
-    print(f"on / off: quiet TTFT p50 {on[0] / off[0]:.2f}x, p99 {on[1] / off[1]:.2f}x; "
-          f"noisy completions/s {on[2] / off[2]:.2f}x")
+    off = summary["off"]
+    for name in ("on", "tokens"):
+        arm = summary[name]
+        print(f"{name} / off: quiet TTFT p50 {arm[0] / off[0]:.2f}x, p99 {arm[1] / off[1]:.2f}x; "
+              f"noisy completions/s {arm[2] / off[2]:.2f}x")
+    tok = summary["tokens"]
+    print(f"tokens: the noisy tenant took {tok[3]:,.0f} tokens/min, {tok[3] / tok[4]:.2f}x what its bucket allows "
+          f"over the arm ({tok[4]:,.0f}: token_burst {a.noisy_token_burst:,} + {a.noisy_tpm:,}/min)")
 
 
 if __name__ == "__main__":
