@@ -1,11 +1,11 @@
 """``thunderagent top``'s arithmetic: histogram quantiles as Prometheus computes them, the hot worker rule,
-rates between two scrapes."""
+rates between two scrapes, the tenants table."""
 
 from __future__ import annotations
 
 import pytest
 
-from thunderagent.cli.top_view import Scrape, build_frame, hot_worker, parse_metrics, quantile
+from thunderagent.cli.top_view import Scrape, build_frame, hot_worker, parse_metrics, quantile, render
 
 INF = float("inf")
 
@@ -47,3 +47,28 @@ def test_rates_and_percentiles_are_over_the_window_between_scrapes():
     assert frame.window_s == 2.0 and frame.workers[0].routed_per_s == 10.0
     assert 0.1 < frame.ttft[0.5] <= 1.0  # the window holds only slow ones; since start, p50 would be fast
     assert build_frame(new).ttft[0.5] <= 0.1 and build_frame(new).window_s is None
+
+
+def _tenant_scrape(t: float, acme_prompt: float, acme_refused: float) -> Scrape:
+    text = ('thunderagent_tenant_tokens_total{kind="prompt",tenant="acme"} %s\n'
+            'thunderagent_tenant_tokens_total{kind="completion",tenant="acme"} 50\n'
+            'thunderagent_tenant_tokens_total{kind="prompt",tenant="globex"} 100\n'
+            'thunderagent_tenant_tokens_total{kind="completion",tenant="globex"} 10\n'
+            'thunderagent_tenant_in_flight{tenant="acme"} 3\n'
+            'thunderagent_tenant_refused_total{limit="tokens_per_min",tenant="acme"} %s\n'
+            ) % (acme_prompt, acme_refused)
+    return Scrape(t, {"status": "ok", "workers": []}, parse_metrics(text))
+
+
+def test_tenants_are_shown_by_tokens_per_minute_over_the_window():
+    frame = build_frame(_tenant_scrape(12.0, 1000, 4), _tenant_scrape(10.0, 400, 0))
+    acme, globex = frame.tenants
+    assert (acme.tenant, acme.prompt_per_min, acme.completion_per_min, acme.in_flight, acme.refused_per_s) == (
+        "acme", 18_000.0, 0.0, 3, 2.0)  # 600 prompt tokens in 2 s; no completion tokens since
+    assert (globex.tenant, globex.prompt_per_min, globex.in_flight, globex.refused_per_s) == ("globex", 0.0, None, 0.0)
+    assert build_frame(_scrape(10.0, 1, 1, 0)).tenants == []  # keys off: no tenants table
+    from rich.console import Console
+    console = Console(width=160, record=True)
+    console.print(render(frame, "http://x"))
+    out = console.export_text()
+    assert "tenants" in out and "18,000" in out

@@ -2,13 +2,15 @@
 
 Pure: a :class:`Scrape` is plain data (its time, the health JSON, the Prometheus samples); :func:`build_frame`
 turns the previous and the latest scrape into a :class:`Frame`; :func:`render` draws it with rich. Fetching
-lives in :mod:`thunderagent.cli.top`."""
+lives in :mod:`thunderagent.cli.top`. With API keys on, a tenants table shows each tenant's tokens per
+minute, requests in flight (tenants with a ``max_in_flight``) and refusals."""
 
 from __future__ import annotations
 
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -45,6 +47,17 @@ class WorkerRow:
 
 
 @dataclass
+class TenantRow:
+    """One tenant (API keys on): its tokens per minute, requests in flight (limited tenants) and refusals."""
+
+    tenant: str
+    prompt_per_min: float | None
+    completion_per_min: float | None
+    in_flight: int | None  # None: no in-flight limit (not counted)
+    refused_per_s: float | None
+
+
+@dataclass
 class Frame:
     status: str
     workers: list[WorkerRow]
@@ -58,6 +71,7 @@ class Frame:
     held: int | None = None  # requests in the scheduler's holding queue
     queue_skew: float | None = None  # max queue depth / median
     hot: str | None = None
+    tenants: list[TenantRow] = field(default_factory=list)  # most tokens first
 
 
 def parse_metrics(text: str) -> Samples:
@@ -158,7 +172,25 @@ def build_frame(cur: Scrape, prev: Scrape | None = None, hot_factor: float = HOT
         hist = buckets(win, name)
         for q in QUANTILES:
             into[q] = quantile(q, hist)
+    frame.tenants = _tenants(cur, win, per_s)
     return frame
+
+
+def _tenants(cur: Scrape, win: Samples, per_s: Callable[[float], float | None]) -> list[TenantRow]:
+    tokens: dict[tuple[str, str], float] = defaultdict(float)
+    for labels, v in win.get("thunderagent_tenant_tokens_total", ()):
+        tokens[labels.get("tenant", ""), labels.get("kind", "")] += v
+    in_flight = {labels.get("tenant", ""): int(v) for labels, v in cur.samples.get("thunderagent_tenant_in_flight", ())}
+    refused = by_label(win, "thunderagent_tenant_refused_total", "tenant")
+    names = {t for t, _ in tokens} | set(in_flight) | set(refused)
+
+    def per_min(v: float) -> float | None:
+        r = per_s(v)
+        return None if r is None else r * 60
+
+    rows = [TenantRow(t, per_min(tokens.get((t, "prompt"), 0.0)), per_min(tokens.get((t, "completion"), 0.0)),
+                      in_flight.get(t), per_s(refused.get(t, 0.0))) for t in names]
+    return sorted(rows, key=lambda r: (-(r.prompt_per_min or 0.0) - (r.completion_per_min or 0.0), r.tenant))
 
 
 def _ms(v: float | None) -> str:
@@ -186,6 +218,17 @@ def _workers_table(frame: Frame) -> Table:
     return table
 
 
+def _tenants_table(frame: Frame) -> Table:
+    table = Table(title="tenants", title_justify="left", expand=False)
+    for col in ("tenant", "prompt tokens/min", "completion tokens/min", "in flight", "refused/s"):
+        table.add_column(col, justify="left" if col == "tenant" else "right")
+    for t in frame.tenants:
+        table.add_row(t.tenant, _num(t.prompt_per_min, "{:,.0f}"), _num(t.completion_per_min, "{:,.0f}"),
+                      _num(t.in_flight, "{:.0f}"), _num(t.refused_per_s),
+                      style="yellow" if t.refused_per_s else None)
+    return table
+
+
 def render(frame: Frame, url: str) -> Group:
     window = f"last {frame.window_s:.1f} s" if frame.window_s else "since start"
     head = Text.assemble(("thunderagent top ", "bold"), (url, "cyan"), f"  status {frame.status}  ({window})")
@@ -200,4 +243,6 @@ def render(frame: Frame, url: str) -> Group:
         f"reuse {_pct(frame.reuse_rate)}   recompute {_pct(frame.recompute_rate)}   "
         f"held {_num(frame.held, '{:.0f}')}   queue skew {_num(frame.queue_skew)}x   ")
     summary.append_text(hot)
+    if frame.tenants:  # API keys on
+        return Group(head, _workers_table(frame), _tenants_table(frame), fleet, summary)
     return Group(head, _workers_table(frame), fleet, summary)
