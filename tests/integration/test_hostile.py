@@ -147,6 +147,17 @@ async def assert_still_serving(port: int) -> None:
     assert reply.json()["choices"][0]["message"]["content"]
 
 
+async def test_answers_name_no_versions(server_factory):
+    """aiohttp's default ``Server`` header names Python's and aiohttp's versions; ours names the product."""
+    async with server_factory() as srv:
+        port = port_of(srv)
+        for raw in (chat(), chat({"stream": True}), request("/nowhere", method="GET", ctype=None),
+                    chat({"max_tokens": -1}), b"GARBAGE / HTTP/1.1\r\n\r\n"):
+            reply = await exchange(port, raw)
+            assert reply.status is not None, raw
+            assert reply.headers.get("server") == "ThunderAgent", (raw, reply.status, reply.headers)
+
+
 async def test_request_ids_are_random(server_factory):
     async with server_factory() as srv:
         ids = [(await exchange(port_of(srv), chat())).json()["id"].removeprefix("chatcmpl-") for _ in range(3)]

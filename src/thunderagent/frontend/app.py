@@ -46,6 +46,7 @@ from thunderagent.frontend.openapi import add_openapi_route
 from thunderagent.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    SERVER,
     RequestError,
     check_program_id,
     decode_request,
@@ -360,6 +361,10 @@ class Frontend:
         return resp
 
 
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = SERVER  # the product only (protocol.SERVER)
+
+
 def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer | None = None,
                peers: Peers | None = None, shared_limits: SharedLimits | None = None) -> web.Application:
     """The HTTP frontend in front of ``fleet`` (by default the single-process fleet of the config's
@@ -422,5 +427,6 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
+    app.on_response_prepare.append(_server_header)
     share_limits(app, shared_limits)  # after the fleet joined the bus; stopped before it leaves
     return app

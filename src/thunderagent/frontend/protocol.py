@@ -113,6 +113,11 @@ NEUTRAL_MESSAGE: dict[str, tuple[object, ...]] = {
 }
 
 
+#: the ``Server`` header of every answer: the product, no versions (aiohttp's default names Python's and
+#: aiohttp's, a map of known holes for whoever scans the endpoint)
+SERVER = "ThunderAgent"
+
+
 class RequestError(Exception):
     """Bad input from the client: becomes an OpenAI-shaped 4xx."""
 

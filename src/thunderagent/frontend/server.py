@@ -22,7 +22,7 @@ from aiohttp import http_exceptions, web
 from thunderagent.frontend.errorlog import ERROR_LOG_KEY, ErrorLog
 from thunderagent.gc_policy import tune_gc
 from thunderagent.frontend.limits import LIMITS_KEY, ENCODINGS
-from thunderagent.frontend.protocol import RequestError, error_body
+from thunderagent.frontend.protocol import SERVER, RequestError, error_body
 
 
 def protocol_error(status: int, exc: BaseException | None, max_header_bytes: int) -> RequestError:
@@ -76,7 +76,8 @@ class _Handler(web.RequestHandler):
                                        err.message)
         if request.writer.output_size > 0:  # part of a response went out: all that is left is to hang up
             raise ConnectionError("response already started; cannot send the error")
-        resp = web.Response(body=error_body(err), status=err.status, content_type="application/json")
+        resp = web.Response(body=error_body(err), status=err.status, content_type="application/json",
+                            headers={"Server": SERVER})
         resp.force_close()
         return resp
 
