@@ -13,7 +13,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import IO
@@ -21,6 +21,16 @@ from typing import IO
 
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def saturated_rate(times: Mapping[str, tuple[float, float]], window: tuple[float, float] = (0.2, 0.6)) -> float:
+    """Completions per second while a flooded fleet is saturated: over the completions ``window`` (shares,
+    in completion order) of a flood's ``times`` (request -> (arrival, end)). Completions over the whole run
+    would count the batches filling at the start and the drain at the end, when the engines run under-full
+    (on 3,000 flooded requests: 125 req/s against 150 saturated)."""
+    ends = sorted(end for _, end in times.values())
+    lo, hi = (int(f * len(ends)) for f in window)
+    return (hi - lo) / (ends[hi] - ends[lo])
 
 
 def load_dynamo() -> tuple[ModuleType | None, str]:

@@ -30,7 +30,7 @@ import argparse
 import dataclasses
 import random
 
-from _common import print_table
+from _common import print_table, saturated_rate
 
 from thunderagent.config import Config, Policy, SchedulerConfig
 from thunderagent.sim.driver import Simulator
@@ -70,9 +70,7 @@ def calibrate(n: int, seed: int, kv_blocks: int | None) -> tuple[float, float]:
     end, when the engines run under-full: on 3,000 requests it gave 125 req/s against 150 saturated,
     so "90 %" was 75 % of what the fleet sustains, and nothing queued anywhere."""
     flood = run(workload(max(n, FLOOD_REQUESTS), 1000.0, seed), None, False, seed, kv_blocks=kv_blocks)
-    ends = sorted(end for _, end in flood.times_by_id.values())
-    lo, hi = (int(f * len(ends)) for f in FLOOD_WINDOW)
-    capacity = (hi - lo) / (ends[hi] - ends[lo])
+    capacity = saturated_rate(flood.times_by_id, FLOOD_WINDOW)
     return TARGET_UTILIZATION * capacity, capacity
 
 

@@ -157,7 +157,8 @@ def main() -> None:
     ap.add_argument("--noisy-token-burst", type=int, default=10_000, help="its token_burst in arm tokens")
     a = ap.parse_args()
     arms = {"off": "", "on": f"  tenant_limits: {{noisy: {{max_in_flight: {a.cap}}}}}",
-            "tokens": f"  tenant_limits: {{noisy: {{tokens_per_min: {a.noisy_tpm}, token_burst: {a.noisy_token_burst}}}}}"}
+            "tokens": f"  tenant_limits: {{noisy: {{tokens_per_min: {a.noisy_tpm}, "
+                      f"token_burst: {a.noisy_token_burst}}}}}"}
     results: dict[str, list[Arm]] = {name: [] for name in arms}
     for _ in range(a.repeat):
         for name, limits in arms.items():
@@ -180,8 +181,8 @@ def main() -> None:
           f"{a.repeat} repeat(s), medians; arm on: noisy max_in_flight {a.cap}; arm tokens: noisy tokens_per_min "
           f"{a.noisy_tpm:,}, token_burst {a.noisy_token_burst:,}")
     print_table("quiet tenant's TTFT and the noisy tenant's throughput",
-                ["arm", "quiet TTFT p50 ms", "quiet TTFT p99 ms", "noisy completions/s", "noisy tokens/min", "noisy 429s",
-                 "quiet 429s", "quiet failed", "quiet served"], rows)
+                ["arm", "quiet TTFT p50 ms", "quiet TTFT p99 ms", "noisy completions/s", "noisy tokens/min",
+                 "noisy 429s", "quiet 429s", "quiet failed", "quiet served"], rows)
     off = summary["off"]
     for name in ("on", "tokens"):
         arm = summary[name]
