@@ -64,6 +64,11 @@ class _Bucket:
         if self.at is None or now > self.at:
             self.at = now
 
+    def take(self, n: float, now: float) -> None:
+        """Take ``n`` (below zero: a debt), or give ``-n`` back (never past the size)."""
+        self.refill(now)
+        self.level = min(self.size, self.level - n)
+
 
 @dataclass(slots=True, frozen=True)
 class Usage:
@@ -141,10 +146,11 @@ class TenantLimiter:
         if acc is None:
             return None
         cap = acc.cap
-        if cap is not None and acc.in_flight + acc.peer_in_flight(now) >= cap:
+        busy = acc.in_flight + acc.peer_in_flight(now) if cap is not None else 0
+        if cap is not None and busy >= cap:
             return Refusal("max_in_flight", IN_FLIGHT_RETRY_S,
-                           f"tenant {tenant!r} has {acc.in_flight + acc.peer_in_flight(now)} requests in flight, "
-                           f"its limit (control_plane.tenant_limits max_in_flight: {cap})")
+                           f"tenant {tenant!r} has {busy} requests in flight, its limit "
+                           f"(control_plane.tenant_limits max_in_flight: {cap})")
         b = acc.requests
         if b is not None:
             b.refill(now)
@@ -176,7 +182,7 @@ class TenantLimiter:
             acc.sent_tokens += n
             return None
         if acc.requests is not None:  # refused: it takes nothing
-            acc.requests.level = min(acc.requests.size, acc.requests.level + 1.0)
+            acc.requests.take(-1.0, now)
             acc.sent_requests -= 1
         what = (f"control_plane.tenant_limits tokens_per_min: {b.rate * 60:g}, token_burst: {b.size:g}")
         if n > b.size:
@@ -215,8 +221,7 @@ class TenantLimiter:
         acc = self._accounts.get(tenant)
         b = acc.tokens if acc is not None else None
         if acc is not None and b is not None and n:
-            b.refill(now)
-            b.level = min(b.size, b.level - n)
+            b.take(n, now)
             acc.sent_tokens += n
 
     def report(self) -> list[Usage]:
@@ -238,8 +243,7 @@ class TenantLimiter:
             return
         for b, n in ((acc.requests, use.requests), (acc.tokens, use.tokens)):
             if b is not None and n:
-                b.refill(now)
-                b.level = min(b.size, b.level - n)
+                b.take(n, now)
         if acc.cap is not None:
             if acc.peers is None:
                 acc.peers = {}
