@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
+import openai
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -104,3 +106,51 @@ async def test_a_failed_pull_prefills_on_the_decode_worker_counted_by_cause(serv
         assert stats.failures == {cause: 1} and stats.pulls_ok == 0
         plane = srv.fleet.dispatcher.disagg.plane  # type: ignore[union-attr]
         assert plane.inflight == {} and plane.stats.fallbacks == {cause: 1}
+
+
+STRICT = {"seed": 7, "fallback_to_local": False, "disaggregation": {"mode": "always"}}
+
+
+async def test_strict_a_burst_waits_for_the_plane_and_never_prefills_on_a_decode_worker(server_factory):
+    """``routing.fallback_to_local: false`` with a plane cap of 1: the burst's plans wait for the plane
+    instead of prefilling on their decode workers; every request is served from moved KV."""
+    async with server_factory(execution_group=fleet(1), routing=STRICT, scheduler={"enabled": False},
+                              simulation={"speedup": 2.0}) as srv:
+        async def one(i: int) -> str:
+            r = await srv.client.completions.create(model=MODEL, prompt=f"burst {i} " + "long prompt " * 100,
+                                                    max_tokens=8)
+            return r.choices[0].finish_reason
+
+        reasons = await asyncio.gather(*(one(i) for i in range(16)))
+        assert reasons == ["length"] * 16  # nothing lost
+        plane = srv.fleet.dispatcher.disagg.plane  # type: ignore[union-attr]
+        assert plane.stats.peak_inflight == 1 and plane.inflight == {} and plane.stats.fallbacks == {}
+        m = srv.fleet.metrics
+        assert m.pd_started._value.get() == 16 and m.pd_ok._value.get() == 16  # type: ignore[attr-defined]
+        assert b"\nthunderagent_pd_fallbacks_total{" not in m.render()
+        decode = [srv.fleet.workers[w].engine for w in ("worker-1", "worker-2")]  # type: ignore[attr-defined]
+        # each decode worker computed only its prompts' partial last blocks, the rest came over the plane
+        assert sum(e.kv_imported_blocks for e in decode) > 0
+        assert sum(e.prefill_tokens for e in decode) < 16 * 64
+
+
+async def test_strict_failed_pulls_are_routed_again_then_refused(server_factory):
+    """Every pull fails (``interrupt_p: 1``): the request goes to each decode worker in turn, never
+    prefilled there, and with none left the client gets a 503; the server goes on serving."""
+    async with server_factory(execution_group=fleet(4, 32 << 10, interrupt_p=1.0), routing=STRICT,
+                              scheduler={"enabled": False}) as srv:
+        prompt = "a long enough prompt for several full blocks " * 12
+        with pytest.raises(openai.APIStatusError) as err:
+            await srv.client.with_options(max_retries=0).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=8)
+        assert err.value.status_code == 503 and "no worker could take the request" in str(err.value)
+        m = srv.fleet.metrics
+        assert m.pd_rerouted.labels("kv_interrupted")._value.get() == 2  # type: ignore[attr-defined]
+        assert m.pd_failed.labels("kv_interrupted")._value.get() == 2  # type: ignore[attr-defined]
+        assert m.rerouted._value.get() == 1  # type: ignore[attr-defined]  (the second refusal: none left)
+        assert b"\nthunderagent_pd_fallbacks_total{" not in m.render()
+        for w in ("worker-1", "worker-2"):
+            engine = srv.fleet.workers[w].engine  # type: ignore[attr-defined]
+            assert engine.kv_imported_blocks == 0 and engine.prefill_tokens == 0, "never prefilled there"
+        async with aiohttp.ClientSession() as http, http.get(f"{srv.base_url}/health") as health:
+            assert health.status == 200

@@ -33,6 +33,9 @@ def test_a_slow_itl_outlier_is_ejected_then_probed_back():
     assert half.state is BreakerState.half_open and b.blocked("w3") is None
     b.launched("w3")  # one probe at a time
     assert b.blocked("w3") == "half-open: 1 probe(s) in flight"
+    b.released("w3")  # that probe ended with no verdict on w3 (strict disaggregation: its prefill worker failed)
+    assert b.blocked("w3") is None and b.state("w3") is BreakerState.half_open
+    b.launched("w3")
     closed = b.finished("w3", 12.0, ok=True, ttft=0.2, itl=0.021)
     assert closed is not None and closed.state is BreakerState.closed and b.blocked("w3") is None
 

@@ -74,7 +74,10 @@ def test_cli_overrides_apply_on_top_of_file():
     ({"model": "/m", "execution_group": {"nodes": [{"engine": "sglang", "scheduling_policy": "priority",
                                                     "endpoints": [{"url": "http://h:1"}]}]}},
      "execution_group.nodes.0.scheduling_policy", "engine sglang does not take it"),
-    ({"routing": {"fallback_to_local": False}}, "routing.fallback_to_local", "strict disaggregation"),
+    ({"routing": {"fallback_to_local": False}}, "routing",
+     "fallback_to_local: false (strict disaggregation) needs disaggregation.mode always (it is conditional"),
+    ({"routing": {"fallback_to_local": False, "disaggregation": {"mode": "always"}}}, "<root>",
+     "routing.disaggregation acts only with a role: prefill node group"),
     ({"execution_group": {"nodes": [{"kv_cache_transfer": {"enabled": True}}]}},
      "<root>", "execution_group.nodes.0.kv_cache_transfer.enabled: the transfer plane is configured on the role: "
      "prefill group"),
@@ -112,6 +115,13 @@ def test_a_disaggregated_fleet_is_accepted() -> None:
     pre, dec = cfg.execution_group.nodes
     assert pre.kv_cache_transfer.max_inflight == 8 and dec.max_batch_size == 64
     assert cfg.routing.disaggregation.mode == "always"
+    strict = parse_config(cfg.model_dump() | {"routing": {"fallback_to_local": False,
+                                                          "disaggregation": {"mode": "always"}}}, "x.yaml")
+    from thunderagent.scheduler.disagg import make_disaggregator
+
+    made = make_disaggregator(strict)
+    assert not strict.routing.fallback_to_local and made is not None and made.strict
+    assert make_disaggregator(cfg).strict is False  # type: ignore[union-attr]
 
 
 def test_seed_fields_with_their_working_values_are_accepted() -> None:

@@ -23,7 +23,7 @@ def worker(wid: str, role: str, *, queued: int = 0, active: int = 0, waiting: in
     return WorkerState(wid, BS, 8192, 64, LoadReport(wid, 0.0, 0, waiting, queued, 0, active, active, TOTAL), role)
 
 
-def dispatcher(mode: str = "conditional", disagg: bool = True, **transfer: object) -> Dispatcher:
+def dispatcher(mode: str = "conditional", disagg: bool = True, strict: bool = False, **transfer: object) -> Dispatcher:
     index = KvIndex(prediction_ttl=60.0)
     for wid in ("p0", "p1", "d0", "d1", "b0"):
         index.add_worker(wid)
@@ -32,7 +32,7 @@ def dispatcher(mode: str = "conditional", disagg: bool = True, **transfer: objec
     if disagg:
         plane = TransferPlane(KvTransferConfig(enabled=True, **transfer))
         cfg = DisaggConfig(mode=mode, min_uncached_tokens=512, max_prefill_queue_passes=2.0, max_ttft_cost_s=0.05)
-        dis = Disaggregator(cfg, plane, PolynomialTiming(TimingConfig()), BS)
+        dis = Disaggregator(cfg, plane, PolynomialTiming(TimingConfig()), BS, strict=strict)
     return Dispatcher(router, BS, None, dis)
 
 
@@ -153,6 +153,46 @@ def test_target_memory_and_size_threshold_refuse_in_every_mode():
         assert out.pd is None and "target_full" in out.decision.reason
         big = go(dispatcher(mode, max_transfer_bytes=1 << 20, **FAST), FLEET, 8192)
         assert big.pd is None and "too_large" in big.decision.reason
+
+
+def test_strict_never_plans_a_local_prefill_it_refuses_and_forgets_the_decode_prediction():
+    """``routing.fallback_to_local: false``: where mode always would prefill on the decode worker for
+    want of room or of a prefill worker, the dispatch raises (the request waits or is refused) and the
+    blocks the router predicted on the decode worker are dropped again; a prompt the decode worker
+    holds in full still runs there."""
+    full = [worker("p0", "prefill"), worker("d0", "decode", active=int(0.695 * TOTAL))]
+    d = dispatcher("always", strict=True, **FAST)
+    with pytest.raises(NoWorkerAvailable, match="target_full.*fallback_to_local is false"):
+        go(d, full, 8192)
+    assert d.router.index.num_blocks("d0") == 0, "the refused route's prediction is gone"
+    big = dispatcher("always", strict=True, max_transfer_bytes=1 << 20, **FAST)
+    with pytest.raises(NoWorkerAvailable, match="too_large"):
+        go(big, FLEET, 8192)
+    assert big.disagg is not None and big.disagg.outcomes == {"refused_too_large": 1}
+    with pytest.raises(NoWorkerAvailable, match="no prefill worker is routable"):
+        go(d, [worker("d0", "decode"), worker("d1", "decode")], 8192)
+    ok = go(d, FLEET, 4096, rid="a")
+    assert ok.pd is not None and ok.pd.prefill_worker == "p0"
+    # the same prompt again: its decode worker holds every full block, nothing to move or prefill
+    again = go(d, FLEET, 4096, rid="b")
+    assert again.pd is None and "holds every full block" in again.decision.reason
+    assert d.disagg is not None and d.disagg.outcomes == {"refused_target_full": 1, "remote": 1, "cached": 1}
+
+
+def test_a_held_request_that_cannot_be_routed_stays_first_in_line():
+    """A released request whose dispatch raises (strict disaggregation with no prefill worker) is not
+    dropped: the next pump routes it once a prefill worker is back."""
+    from thunderagent.scheduler.queue import Held
+
+    d = dispatcher("always", strict=True, **FAST)
+    req = d.prepare("r", list(range(4096)), 16)
+    d._ready.append(Held(req, "k", 0, 0.0, 4096, None))
+    decode_only = [worker("d0", "decode"), worker("d1", "decode")]
+    with pytest.raises(NoWorkerAvailable):
+        d.pump(decode_only, 0.0)
+    assert [h.req.request_id for h in d._ready] == ["r"]
+    out = d.pump(FLEET, 1.0)
+    assert out is not None and out.request.request_id == "r" and out.pd is not None and not d._ready
 
 
 def test_make_disaggregator_from_the_example_config():

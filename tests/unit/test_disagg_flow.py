@@ -17,6 +17,7 @@ from thunderagent.control.disagg_flow import PdAttempt
 from thunderagent.control.fleet import Fleet, Generation
 from thunderagent.control.membership import StaticMembership
 from thunderagent.execution.handle import OutputQueue, WorkerCallbacks
+from thunderagent.router.router import NoWorkerAvailable
 from thunderagent.types import EngineRequest, FinishReason, KvPull, KvTransfer, LoadReport, PdPlan, TokenOutput
 
 PARAMS = {"remote_engine_id": "e1", "remote_block_ids": [3, 4], "remote_host": "127.0.0.1", "remote_port": 5600}
@@ -102,6 +103,7 @@ class PdScripted:
 @dataclass
 class Observer:
     events: list[tuple] = field(default_factory=list)
+    strict: bool = False
 
     room: bool = True
     pulls: list[object] = field(default_factory=list)
@@ -289,3 +291,75 @@ async def test_decode_worker_lost_while_prefilling_routes_the_request_again() ->
     assert pre.aborted == [gen.request_id]
     assert [o.token_ids for o in outs] == [[104], [105]] and gen.worker is pre, "routed again to worker-0"
     assert f.metrics.rerouted._value.get() == 1  # type: ignore[attr-defined]
+
+
+async def strict_fleet(prefill: str, **kw: object) -> tuple[Fleet, PdScripted, PdScripted, Observer]:
+    """``pd_fleet`` in strict mode: a dispatch that leaves worker-0 (the prefill worker) out raises, as
+    the strict dispatcher does without a prefill worker; one that leaves worker-1 out goes to worker-0."""
+    f, pre, dec, obs = await pd_fleet(prefill, **kw)  # type: ignore[arg-type]
+    obs.strict = True
+    dispatch = f.dispatcher.dispatch
+
+    def strict(req, workers, now, exclude=(), **more):  # type: ignore[no-untyped-def]
+        if "worker-0" in exclude:
+            raise NoWorkerAvailable("no prefill worker is routable and routing.fallback_to_local is false")
+        return dispatch(req, workers, now, exclude=exclude, **more)
+
+    f.dispatcher.dispatch = strict  # type: ignore[method-assign]
+    return f, pre, dec, obs
+
+
+@pytest.mark.parametrize(("mode", "cause"), [("error", "prefill_error"), ("silent", "prefill_silent")])
+async def test_strict_a_failed_prefill_is_routed_again_without_its_prefill_worker(mode: str, cause: str) -> None:
+    """``routing.fallback_to_local: false``: the decode worker never prefills it; the request is routed
+    again without the prefill worker at fault, and with none left the client gets the refusal."""
+    f, pre, dec, obs = await strict_fleet(mode)
+    gen = await f.start_generation(list(range(100)), 2)
+    outs = await stream(f, gen)
+    assert [(o.token_ids, o.finish_reason) for o in outs] == [([], FinishReason.UNAVAILABLE)]
+    assert dec.submitted == [], "nothing went to the decode worker: no local prefill"
+    assert obs.events == [("start", "worker-0", "worker-1"), ("end", False, cause, 0)]
+    m = f.metrics
+    assert value(m.pd_rerouted, cause=cause) == 1 and value(m.pd_fallbacks, cause=cause) == 0
+    assert value(m.pd_failed, cause=cause) == 1
+    assert isinstance(gen.worker, PdAttempt) and gen.worker.blamed == "worker-0"
+    # the slow-worker breakers charge the prefill worker that failed it, not the decode worker
+    failures = {wid: w.failures for wid, w in f.outliers.breakers._workers.items()}
+    assert failures.get("worker-0") == 1 and not failures.get("worker-1"), failures
+
+
+async def test_strict_a_refused_transfer_is_routed_again_without_its_decode_worker() -> None:
+    f, pre, dec, obs = await strict_fleet("ok")
+    dec.refuse_transfers = True
+    gen = await f.start_generation(list(range(100)), 2)
+    outs = await stream(f, gen)
+    assert [o.token_ids for o in outs] == [[104], [105]] and outs[-1].finish_reason == "length"
+    assert [r.kv_from is not None for r in dec.submitted] == [True], "worker-1 never prefilled it"
+    assert gen.tried == ("worker-1",) and gen.worker.worker_id == "worker-0"
+    assert value(f.metrics.pd_rerouted, cause="decode_refused_transfer") == 1
+    assert value(f.metrics.pd_fallbacks, cause="decode_refused_transfer") == 0
+    assert f.metrics.rerouted._value.get() == 1  # type: ignore[attr-defined]
+
+
+async def test_strict_a_full_plane_waits_for_room_instead_of_prefilling_locally() -> None:
+    f, pre, dec, obs = await strict_fleet("ok")
+    obs.room = False
+    gen = await f.start_generation(list(range(200)), 2)
+    await asyncio.sleep(0.1)
+    assert pre.submitted == [] and dec.submitted == [], "waiting for the plane"
+    obs.room = True
+    outs = await stream(f, gen)
+    assert [o.token_ids for o in outs] == [[104], [105]]
+    assert [r.kv_from is not None for r in dec.submitted] == [True] and len(pre.submitted) == 1
+    assert value(f.metrics.pd_fallbacks, cause="plane_full") == 0 and value(f.metrics.pd_ok) == 1
+    assert obs.events[-1] == ("end", True, "ok", PLAN.transfer_bytes)
+
+
+async def test_strict_a_plane_full_past_the_prefill_timeout_is_routed_again() -> None:
+    f, pre, dec, obs = await strict_fleet("ok", prefill_timeout=0.2)
+    obs.room = False
+    gen = await f.start_generation(list(range(200)), 2)
+    outs = await stream(f, gen)
+    assert [o.token_ids for o in outs] == [[104], [105]], "routed again: worker-1 left out, worker-0 served it"
+    assert gen.tried == ("worker-1",) and pre.submitted[0].kv_from is None and dec.submitted == []
+    assert value(f.metrics.pd_rerouted, cause="plane_full") == 1 and value(f.metrics.pd_started) == 0

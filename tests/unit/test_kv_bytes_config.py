@@ -111,6 +111,11 @@ def test_cli_refuses_bad_endpoints_and_live_only_fields_in_the_simulator(tmp_pat
     trace.write_text('{"timestamp": 0, "input_length": 128, "output_length": 4, "hash_ids": [1]}\n')
     res = run(app, ["sim", "--trace", str(trace), "--config", str(cfg), "--pd", "1:1"])
     assert res.exit_code == 2 and "kv_cache_transfer.sim_faults acts on a live server" in res.output
+    strict = tmp_path / "strict.yaml"
+    strict.write_text("execution_group: {nodes: [{role: prefill, kv_cache_transfer: {enabled: true}}, "
+                      "{role: decode}]}\nrouting: {fallback_to_local: false, disaggregation: {mode: always}}\n")
+    res = run(app, ["sim", "--trace", str(trace), "--config", str(strict), "--pd", "1:1"])
+    assert res.exit_code == 2 and "fallback_to_local: false (strict disaggregation) is not modelled" in res.output
 
 
 def test_a_real_engine_config_dumped_and_read_again_is_accepted() -> None:

@@ -133,6 +133,9 @@ def sim(
         nodes = cfg.execution_group.nodes
         shape = {"kv_blocks": kv_blocks, "block_size": block_size}
         node = next((n for n in nodes if n.role.value != "prefill"), nodes[0]).model_copy(update=shape)
+        if not cfg.routing.fallback_to_local:
+            raise ConfigError(f"{config}: routing.fallback_to_local: false (strict disaggregation) is not modelled by "
+                              "the simulator (its --pd prefills locally after a failed transfer): leave it true")
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc

@@ -152,8 +152,10 @@ class RoutingConfig(_Strict):
         "pool, in proportion to the share they hold",
     )
     fallback_to_local: bool = Field(
-        True, description="prefill locally on the decode worker when a remote prefill does not pay or fails "
-        "(false, strict disaggregation with requests waiting for the prefill pool or failing, is not built)",
+        True, description="prefill locally on the decode worker when a remote prefill does not pay or fails; false: "
+        "strict disaggregation (needs a role: prefill group and disaggregation.mode always): a decode worker never "
+        "prefills what it does not hold, a request waits for the prefill pool or is refused, and a failed remote "
+        "prefill or transfer is routed again (the failed workers left out) instead of prefilled locally",
     )
     route_key: str = Field(
         "header:x-thunderagent-route-key",
@@ -180,13 +182,8 @@ class RoutingConfig(_Strict):
                              "other policies ignore the cache; disable hot_prefix or use kv_aware")
         if self.autotune.enabled:
             self.autotune.check_start(self.policy is Policy.kv_aware, self.weights)
+        if not self.fallback_to_local and self.disaggregation.mode != "always":
+            raise ValueError(f"fallback_to_local: false (strict disaggregation) needs disaggregation.mode always "
+                             f"(it is {self.disaggregation.mode}: that mode prefills locally by design)")
         return self
 
-    @field_validator("fallback_to_local")
-    @classmethod
-    def _local_prefill_only(cls, v: bool) -> bool:
-        if not v:
-            raise ValueError("false (strict disaggregation: never prefill on a decode worker, a failed transfer ends "
-                             "the request) is not implemented; every failed or unprofitable remote prefill falls "
-                             "back to local prefill: leave it true")
-        return v

@@ -80,6 +80,12 @@ class Breakers:
         if w is not None and w.state is BreakerState.half_open:
             w.probes += 1
 
+    def released(self, worker_id: str) -> None:
+        """A request launched on ``worker_id`` ended with no verdict on it (another worker failed it)."""
+        w = self._workers.get(worker_id)
+        if w is not None and w.state is BreakerState.half_open:
+            w.probes = max(0, w.probes - 1)
+
     def finished(self, worker_id: str, now: float, *, ok: bool, ttft: float | None = None,
                  itl: float | None = None) -> BreakerChange | None:
         """A request on ``worker_id`` ended: ``ok`` (it produced its answer; ``ttft`` and mean

@@ -16,6 +16,14 @@ prefills there. Nothing is lost; the cause is counted
 (``thunderagent_pd_fallbacks{cause}``). Aborting the request (client gone, the fleet cutting it)
 aborts both halves.
 
+Strict (``routing.fallback_to_local: false``, the observer's ``strict``): the decode worker never
+prefills it. A plan that finds the plane at its cap waits for room (at most ``prefill_timeout``); a
+failed first half, or a refused transfer, ends the relay ``UNAVAILABLE`` before any output, so the
+fleet routes the request again (``control.migration.route_again``) without the worker at fault
+(:attr:`PdAttempt.blamed`: the prefill worker when its half failed, the decode worker when it refused
+the transfer), counted in ``thunderagent_pd_rerouted{cause}``; with no worker left the client gets the
+refusal.
+
 The flow reports each transfer's start and end to a :class:`TransferObserver`, the seam the
 transfer plane's in-flight accounting plugs into. A transfer *ends* when the decode worker produced
 its first output (a real engine cannot produce one before the KV it pulls arrived) or when the
@@ -54,15 +62,21 @@ NO_TRANSFER = "no_kv_transfer"  # finished, but the engine returned nothing to p
 DECODE_REFUSED = "decode_refused_transfer"  # the decode worker refused the transfer before any output
 ABORTED = "aborted"  # the client request ended first (a failure, not a fallback)
 PLANE_FULL = "plane_full"  # the transfer plane was at its in-flight cap when the plan started
+#: strict: how often a plan waiting for the plane's room looks again (transfers end at a decode worker's first output)
+PLANE_POLL_S = 0.01
 _REFUSALS = (FinishReason.UNAVAILABLE, FinishReason.ERROR)
 
 
 class TransferObserver(Protocol):
     """Told of each transfer the flow runs (the transfer plane's in-flight accounting)."""
 
+    #: ``routing.fallback_to_local: false``: never prefill on the decode worker (module docstring)
+    strict: bool
+
     def on_transfer_start(self, request_id: str, plan: PdPlan, decode_worker: str, now: float) -> bool:
         """A plan starts (its prefill half first): True to go on, False when the plane has no room
-        for its transfer now (the request then prefills on its decode worker: backpressure)."""
+        for its transfer now (the request then prefills on its decode worker: backpressure; strict:
+        it waits and asks again)."""
 
     def on_transfer_end(self, request_id: str, plan: PdPlan, ok: bool, cause: str, nbytes: int, seconds: float,
                         now: float, pull: KvPull | None = None) -> None:
@@ -100,6 +114,8 @@ class PdAttempt:
         self.request_id = request_id
         self.prefill: WorkerHandle | None = None
         self.task: asyncio.Task[None] | None = None
+        #: strict: the worker at fault when the attempt ended ``UNAVAILABLE`` (routing again leaves it out)
+        self.blamed = decode.worker_id
 
     def start(self) -> None:  # the decode worker's own lifecycle is the fleet's business
         pass
@@ -155,10 +171,18 @@ class DisaggFlow:
     # -- the two halves -------------------------------------------------------------------------
     async def _run(self, a: PdAttempt, req: EngineRequest, relay: RelayQueue) -> None:
         t0 = self.clock()
-        if self.observer is not None and not self.observer.on_transfer_start(a.request_id, a.plan, a.worker_id, t0):
-            self.metrics.pd_fallbacks.labels(PLANE_FULL).inc()  # backpressure: the plane is at its cap
-            await self._relay(a.decode.submit(req), relay, None)
-            return
+        obs = self.observer
+        strict = obs is not None and obs.strict
+        if obs is not None and not obs.on_transfer_start(a.request_id, a.plan, a.worker_id, t0):
+            if strict:
+                if not await self._wait_room(a, relay, t0 + self.prefill_timeout):
+                    self._reroute(a, relay, PLANE_FULL, a.worker_id)
+                    return
+                t0 = self.clock()  # the transfer's seconds start once the plane took it
+            else:
+                self.metrics.pd_fallbacks.labels(PLANE_FULL).inc()  # backpressure: the plane is at its cap
+                await self._relay(a.decode.submit(req), relay, None)
+                return
         self.metrics.pd_started.inc()
         ended = False
 
@@ -176,15 +200,25 @@ class DisaggFlow:
         try:
             transfer, cause = await self._prefill(a, req, relay)
             if transfer is None:
+                end(False, cause)
+                if strict:
+                    log.warning("request %s: remote prefill on %s failed (%s): routing it again", a.request_id,
+                                a.plan.prefill_worker, cause)
+                    self._reroute(a, relay, cause, a.plan.prefill_worker)
+                    return
                 log.warning("request %s: remote prefill on %s failed (%s): prefilling on %s", a.request_id,
                             a.plan.prefill_worker, cause, a.worker_id)
-                end(False, cause)
                 self.metrics.pd_fallbacks.labels(cause).inc()
                 await self._relay(a.decode.submit(req), relay, None)
             elif (refused := await self._relay(a.decode.submit(replace(req, kv_from=transfer)), relay, end)):
                 # the decode worker refused the transfer before any output (vLLM: HTTP 500 for an
                 # engine id it cannot reach; a simulated worker: its pull of the bytes failed): the
-                # same worker prefills it itself
+                # same worker prefills it itself (strict: it is routed again, without that worker)
+                if strict:
+                    log.warning("request %s: %s refused the KV transfer (%s): routing it again", a.request_id,
+                                a.worker_id, refused)
+                    self._reroute(a, relay, refused, a.worker_id)
+                    return
                 log.warning("request %s: %s refused the KV transfer (%s): prefilling there", a.request_id,
                             a.worker_id, refused)
                 self.metrics.pd_fallbacks.labels(refused).inc()
@@ -193,6 +227,27 @@ class DisaggFlow:
             if not ended:
                 end(False, ABORTED)
             raise
+
+    async def _wait_room(self, a: PdAttempt, relay: RelayQueue, deadline: float) -> bool:
+        """Strict: wait until the plane takes the plan's transfer (True), or ``deadline`` (False)."""
+        assert self.observer is not None
+        while True:
+            await asyncio.sleep(PLANE_POLL_S)
+            now = self.clock()
+            relay.touch(now)  # waiting on purpose: the fleet's stall rule must not cut it
+            if self.observer.on_transfer_start(a.request_id, a.plan, a.worker_id, now):
+                return True
+            if now >= deadline:
+                return False
+
+    def _reroute(self, a: PdAttempt, relay: RelayQueue, cause: str, blamed: str) -> None:
+        """Strict: end the relay ``UNAVAILABLE`` before any output: the fleet routes the request again
+        without ``blamed``."""
+        a.blamed = blamed
+        self.metrics.pd_rerouted.labels(cause).inc()
+        now = self.clock()
+        relay.source = None
+        relay.put_output(TokenOutput(a.request_id, [], now, 0, 0, True, FinishReason.UNAVAILABLE), now)
 
     async def _prefill(self, a: PdAttempt, req: EngineRequest,
                        relay: RelayQueue) -> tuple[KvTransfer | None, str]:

@@ -113,7 +113,7 @@ class Fleet:
         self._health_task: asyncio.Task[None] | None = None
         self.disagg = DisaggFlow(self.workers, self.metrics, self.now, self.loop_lag, stall_timeout=stall_timeout)
         if self.dispatcher.disagg is not None:  # the plans' transfers on the plane (caps, backpressure)
-            self.disagg.observer = PlaneObserver(self.dispatcher.disagg.plane, self.metrics)
+            self.disagg.observer = PlaneObserver(self.dispatcher.disagg, self.metrics)
         self.cache_migration = make_cache_migration(  # routing.migration: copies on the health tick
             cfg, None if self.dispatcher.disagg is None else self.dispatcher.disagg.plane, self.workers, self.index,
             self.now, Policy(self.router.policy.name))
@@ -448,7 +448,7 @@ class Fleet:
                 now = self.now()
                 if out.finished:
                     if out.finish_reason == FinishReason.UNAVAILABLE or migration.is_lost(gen, out):
-                        self.outliers.ended(gen.worker.worker_id, now, ok=False)
+                        self.outliers.failed(gen.worker, now)
                     if (out.finish_reason == FinishReason.UNAVAILABLE and not out.token_ids
                             and not gen.queue.produced and migration.route_again(self, gen)):
                         continue

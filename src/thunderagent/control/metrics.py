@@ -371,6 +371,9 @@ class Metrics:
                                  ["cause"], registry=r)
         self.pd_fallbacks = Counter("thunderagent_pd_fallbacks", "Requests prefilled on their decode worker after "
                                     "their remote prefill failed, by cause", ["cause"], registry=r)
+        self.pd_rerouted = Counter("thunderagent_pd_rerouted", "Requests routed again after their remote prefill or "
+                                   "transfer failed (routing.fallback_to_local false: never prefilled on their "
+                                   "decode worker), by cause", ["cause"], registry=r)
         self.pd_inflight = Gauge("thunderagent_pd_transfers_inflight", "Remote prefills holding a transfer plane slot "
                                  "(prefill running or KV on its way)", registry=r)
         self.pd_bytes = Counter("thunderagent_pd_transfer_bytes", "KV bytes moved by remote prefills (the plans' "

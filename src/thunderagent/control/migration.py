@@ -79,8 +79,9 @@ _CAUSES = (("stalled", "stalled"), ("lease expired", "lease_expired"), ("left", 
 
 def route_again(fleet: Fleet, gen: Generation) -> bool:
     """Submit ``gen``'s request to another worker after its worker could not take it (nothing
-    was streamed yet). False when no other worker is left."""
-    tried = (*gen.tried, gen.worker.worker_id)
+    was streamed yet). False when no other worker is left. The worker left out is the one at fault:
+    the request's, or a disaggregated attempt's ``blamed`` (strict: its prefill worker, when that half failed)."""
+    tried = (*gen.tried, getattr(gen.worker, "blamed", gen.worker.worker_id))
     fleet.dispatcher.retract(gen.dispatch)
     try:
         d = fleet.dispatcher.dispatch(gen.request, fleet.routable(), fleet.now(), exclude=tried)

@@ -60,6 +60,16 @@ class OutlierWatch:
         if self._skipped:
             d.decision = dataclasses.replace(d.decision, skipped=self._skipped)
 
+    def failed(self, handle: WorkerHandle, now: float) -> None:
+        """A request ended on ``handle``'s side without an answer. A disaggregated attempt that a
+        strict flow ended for its prefill worker's failure (``PdAttempt.blamed``) charges that worker,
+        and its decode worker gets no verdict (a half-open one's probe is given back)."""
+        worker_id = handle.worker_id
+        blamed = getattr(handle, "blamed", worker_id)
+        if blamed != worker_id:
+            self.breakers.released(worker_id)
+        self.ended(blamed, now, ok=False)
+
     def ended(self, worker_id: str, now: float, *, ok: bool, ttft: float | None = None,
               itl: float | None = None) -> None:
         self._report(self.breakers.finished(worker_id, now, ok=ok, ttft=ttft, itl=itl))

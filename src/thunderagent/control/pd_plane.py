@@ -3,7 +3,8 @@
 A plan reserves its transfer's slot and bytes on the plane when it starts (its prefill half first:
 the KV is held from the prefill's end until the decode worker has it) and frees them when the decode
 worker's first output shows the KV arrived, or when it failed. A plan that finds the plane at its
-in-flight cap prefills on its decode worker instead (backpressure, counted ``plane_full``). The
+in-flight cap prefills on its decode worker instead (backpressure, counted ``plane_full``; strict
+disaggregation: it waits for room, and nothing is counted until it gives up). The
 plane's link estimates keep their configured values live: a live duration includes the prefill
 itself, so it would teach the link a wrong bandwidth. A decode worker that moved the bytes itself
 (simulated workers, ``execution/kv_bytes.py``) reports its pull's own duration: that teaches the
@@ -13,21 +14,23 @@ link (``TransferPlane.learn``).
 from __future__ import annotations
 
 from thunderagent.control.metrics import Metrics
-from thunderagent.transfer.plane import TransferPlane
+from thunderagent.scheduler.disagg import Disaggregator
 from thunderagent.types import KvPull, PdPlan
 
 ABORTED = "aborted"
 
 
 class PlaneObserver:
-    def __init__(self, plane: TransferPlane, metrics: Metrics) -> None:
-        self.plane = plane
+    def __init__(self, disagg: Disaggregator, metrics: Metrics) -> None:
+        self.plane = disagg.plane
+        self.strict = disagg.strict
         self.metrics = metrics
 
     def on_transfer_start(self, request_id: str, plan: PdPlan, decode_worker: str, now: float) -> bool:
         plane = self.plane
         if not plane.room(plan.transfer_bytes):
-            plane.fallback("plane_full")
+            if not self.strict:  # strict: the plan waits and asks again; nothing fell back
+                plane.fallback("plane_full")
             return False
         plane.start(request_id, plan.prefill_worker, decode_worker, plan.transfer_bytes, now)
         self.metrics.pd_inflight.set(len(plane.inflight))

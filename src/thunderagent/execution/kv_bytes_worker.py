@@ -156,7 +156,8 @@ class KvBytesWorker:
                              progress=lambda: tap.touch(self._clock()))
         self.service.count(res)
         if res.cause != "ok":
-            log.warning("request %s: KV pull from %s failed (%s): refused, the control plane prefills it here",
+            log.warning("request %s: KV pull from %s failed (%s): refused (the control plane prefills it here, or "
+                        "routes it again when fallback_to_local is false)",
                         req.request_id, t.source_worker, res.cause)
             tap.put_output(TokenOutput(req.request_id, [], self.inner.clock.now(), len(req.prompt_tokens), 0, True,
                                        FinishReason.UNAVAILABLE, kv_pull=res), self._clock())

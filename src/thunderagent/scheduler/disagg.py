@@ -22,6 +22,13 @@ Modes (``routing.disaggregation.mode``):
 
 Whatever the decision, its one-line reason joins the routing decision's; a remote plan's numbers
 are in ``Decision.pd`` (``explain()`` shows them).
+
+Strict (``routing.fallback_to_local: false``, mode ``always`` only): a decode worker never prefills
+what it does not hold. Where ``always`` would prefill locally for want of a prefill worker or of
+room (the plane refuses the move: too large, or the decode worker's memory over the watermark), the
+plan raises :class:`NoWorkerAvailable` instead: the request waits in the holding queue or is refused
+with a retry time. A prompt the decode worker holds in full still runs there (only its tail is
+computed).
 """
 
 from __future__ import annotations
@@ -40,8 +47,11 @@ PREFILL = Role.prefill.value
 
 
 class Disaggregator:
-    def __init__(self, cfg: DisaggConfig, plane: TransferPlane, timing: TimingModel, block_size: int) -> None:
+    def __init__(self, cfg: DisaggConfig, plane: TransferPlane, timing: TimingModel, block_size: int,
+                 strict: bool = False) -> None:
         self.cfg = cfg
+        #: ``routing.fallback_to_local: false``: never a local prefill for want of a prefill worker or of room
+        self.strict = strict
         self.plane = plane
         self.timing = timing
         self.block_size = block_size
@@ -101,7 +111,7 @@ class Disaggregator:
                                    f"ms via {p.worker_id}")
         if req.block_hashes:
             router.index.predict(p.worker_id, req.block_hashes, now, req.check_hashes)
-        self.outcomes["remote"] = self.outcomes.get("remote", 0) + 1
+        self._count("remote")
         reason = (f"prefill on {p.worker_id} ({pd.overlap_blocks} blocks cached there), {tokens} tokens "
                   f"({nbytes} bytes) moved in ~{est * 1e3:.1f} ms, saving ~{saved * 1e3:.1f} ms of prefill here")
         return PdPlan(p.worker_id, tokens, nbytes, est, saved, reason), reason
@@ -112,8 +122,17 @@ class Disaggregator:
         return q / m * self.timing.pass_time(m, 0, 1, False) if q > 0 else 0.0
 
     def _local(self, outcome: str, reason: str) -> tuple[None, str]:
-        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+        """No remote prefill: prefill on the decode worker. Strict, only a prompt it holds in full (``cached``)
+        goes there; anything else is refused (:class:`NoWorkerAvailable`, counted ``refused_<outcome>``)."""
+        if self.strict and outcome != "cached":
+            self._count(f"refused_{outcome}")
+            raise NoWorkerAvailable(f"{reason.removeprefix('prefill local: ')}, and routing.fallback_to_local is "
+                                    "false: a decode worker never prefills")
+        self._count(outcome)
         return None, reason
+
+    def _count(self, outcome: str) -> None:
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
 
 def split_pools(workers: Sequence[WorkerState]) -> tuple[Sequence[WorkerState], list[WorkerState]]:
@@ -135,4 +154,4 @@ def make_disaggregator(cfg: Config) -> Disaggregator | None:
         return None
     decode = next(n for n in nodes if n.role is not Role.prefill)
     return Disaggregator(cfg.routing.disaggregation, TransferPlane(prefill[0].kv_cache_transfer),
-                         make_timing(decode.timing), decode.block_size)
+                         make_timing(decode.timing), decode.block_size, strict=not cfg.routing.fallback_to_local)

@@ -273,8 +273,10 @@ class Dispatcher:
         """The next held request, routed, once a worker can start it (or it waited ``max_wait_s``:
         then it goes anyway). None when nothing can go now. The driver submits it and calls again."""
         if self._ready and workers:
-            held = self._ready.popleft()
-            d = self.dispatch(held.req, workers, now, program=held.program, pin=held.pin, backlog=self._backlog())
+            held = self._ready[0]
+            d = self.dispatch(held.req, workers, now, program=held.program, pin=held.pin,
+                              backlog=self._backlog() - 1)
+            self._ready.popleft()  # routed: not before (a request that could not be routed stays first in line)
             d.queue_wait, d.route_key, d.grouped = now - held.enqueued, held.key, held.pin is not None
             return d
         queue = self.queue
@@ -380,6 +382,9 @@ class Dispatcher:
         workers, prefill_pool = split_pools(workers)
         if not workers:
             raise NoWorkerAvailable("no decode (or both) worker is routable; role prefill workers only prefill")
+        if not prefill_pool and self.disagg is not None and self.disagg.strict:
+            raise NoWorkerAvailable("no prefill worker is routable and routing.fallback_to_local is false (decode "
+                                    "workers never prefill)")
         prog = self.programs.get(program) if program is not None else None
         if prog is not None and prog.pinned is not None:
             pin = prog.pinned
@@ -396,8 +401,12 @@ class Dispatcher:
         plan = None
         if self.disagg is not None and prefill_pool:
             decode = next(w for w in workers if w.worker_id == decision.worker_id)
-            plan, why = self.disagg.plan(self.router, rreq, decision, decode, prefill_pool,
-                                         lambda: route(prefill_pool, False), now)
+            try:
+                plan, why = self.disagg.plan(self.router, rreq, decision, decode, prefill_pool,
+                                             lambda: route(prefill_pool, False), now)
+            except NoWorkerAvailable:  # strict: no prefill worker or no room; the decode route never happened
+                self.index.report_missing(decision.worker_id, req.block_hashes, predicted_only=True)
+                raise
             decision = replace(decision, pd=plan, reason=f"{decision.reason}; {why}")
         bs = self.block_size
         best = decision.best_overlap_blocks  # not from candidates: those may be built lazily
