@@ -26,6 +26,16 @@ def fleet(max_inflight: int, block_bytes: int = 16 << 10, **faults: object) -> d
     return {"nodes": [{"role": "prefill", "count": 1, "kv_cache_transfer": plane}, {"role": "decode", "count": 2}]}
 
 
+async def burst(srv, n: int) -> list[str]:  # type: ignore[no-untyped-def]
+    """``n`` long distinct completions at once; their finish reasons."""
+    async def one(i: int) -> str:
+        r = await srv.client.completions.create(model=MODEL, prompt=f"burst {i} " + "long prompt " * 100,
+                                                max_tokens=8)
+        return r.choices[0].finish_reason
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
 async def test_disaggregated_requests_stream_from_the_decode_worker(server_factory):
     async with server_factory(execution_group=fleet(4), routing={"seed": 7, "disaggregation": {"mode": "always"}},
                               scheduler={"enabled": False}) as srv:
@@ -68,13 +78,7 @@ async def test_disaggregated_requests_stream_from_the_decode_worker(server_facto
 async def test_the_plane_cap_holds_under_a_burst_and_the_rest_prefill_locally(server_factory):
     async with server_factory(execution_group=fleet(1), routing={"seed": 7, "disaggregation": {"mode": "always"}},
                               scheduler={"enabled": False}, simulation={"speedup": 2.0}) as srv:
-        async def one(i: int) -> str:
-            r = await srv.client.completions.create(model=MODEL, prompt=f"burst {i} " + "long prompt " * 100,
-                                                    max_tokens=8)
-            return r.choices[0].finish_reason
-
-        reasons = await asyncio.gather(*(one(i) for i in range(16)))
-        assert reasons == ["length"] * 16  # nothing lost
+        assert await burst(srv, 16) == ["length"] * 16  # nothing lost
         plane = srv.fleet.dispatcher.disagg.plane  # type: ignore[union-attr]
         assert plane.stats.peak_inflight == 1 and plane.inflight == {}
         m = srv.fleet.metrics
@@ -116,13 +120,7 @@ async def test_strict_a_burst_waits_for_the_plane_and_never_prefills_on_a_decode
     instead of prefilling on their decode workers; every request is served from moved KV."""
     async with server_factory(execution_group=fleet(1), routing=STRICT, scheduler={"enabled": False},
                               simulation={"speedup": 2.0}) as srv:
-        async def one(i: int) -> str:
-            r = await srv.client.completions.create(model=MODEL, prompt=f"burst {i} " + "long prompt " * 100,
-                                                    max_tokens=8)
-            return r.choices[0].finish_reason
-
-        reasons = await asyncio.gather(*(one(i) for i in range(16)))
-        assert reasons == ["length"] * 16  # nothing lost
+        assert await burst(srv, 16) == ["length"] * 16  # nothing lost
         plane = srv.fleet.dispatcher.disagg.plane  # type: ignore[union-attr]
         assert plane.stats.peak_inflight == 1 and plane.inflight == {} and plane.stats.fallbacks == {}
         m = srv.fleet.metrics
