@@ -193,8 +193,9 @@ async def test_a_tenant_over_its_token_rate_gets_429_and_a_prompt_past_its_bucke
             await acme.chat.completions.create(model=MODEL, messages=MSG, max_tokens=4)
         err, headers = exc.value.body, exc.value.response.headers
         assert err["code"] == "tokens_rate_limit_exceeded" and err["type"] == "rate_limit_error", err
-        assert "tokens_per_min: 60" in err["message"] and f"prompt's {p} tokens" in err["message"]
-        short = p - (1000 - spent)  # seconds, at one token per second (less what refilled meanwhile)
+        # max_tokens is taken with the prompt (reserve_max_tokens, the default), as OpenAI counts it
+        assert "tokens_per_min: 60" in err["message"] and f"prompt's {p} tokens + max_tokens 4" in err["message"]
+        short = p + 4 - (1000 - spent)  # seconds, at one token per second (less what refilled meanwhile)
         assert short - 5 <= int(headers["retry-after"]) <= short + 1, (short, headers["retry-after"])
         assert headers["x-ratelimit-limit-tokens"] == "1000"  # and what it held then (1 token/s refilled since)
         held = int(headers["x-ratelimit-remaining-tokens"])
@@ -219,7 +220,8 @@ async def test_a_tenant_over_its_token_rate_gets_429_and_a_prompt_past_its_bucke
 
 
 async def test_a_request_that_never_ran_gives_its_prompt_tokens_back(server_factory):
-    cfg = _cfg(acme={"tokens_per_min": 60, "token_burst": 1000, "max_programs": 1})
+    # completions counted as they end (no reservation): the abandoned stream's long max_tokens is admitted
+    cfg = _cfg(acme={"tokens_per_min": 60, "token_burst": 1000, "max_programs": 1, "reserve_max_tokens": False})
     async with server_factory(**cfg, simulation={"speedup": 1.0}) as srv:
         acme = _client(srv, ACME)
         limiter = srv.app[GATE_KEY].limiter  # type: ignore[index]
@@ -241,4 +243,38 @@ async def test_a_request_that_never_ran_gives_its_prompt_tokens_back(server_fact
         await stream.close()  # the client went away: what was generated is still charged
         await wait_until(lambda: limiter.in_flight("acme") == 0, 10, "the abandoned stream's slot comes back")
         assert limiter.tokens_left("acme", clock()) < before - 5
+        await acme.close()
+
+
+async def test_max_tokens_are_taken_with_the_prompt_and_what_was_not_generated_comes_back(server_factory):
+    """``reserve_max_tokens`` (the default): a request that sets max_tokens takes them at admission, so
+    requests in flight cannot overshoot the bucket; when it ends (here: its client went away) what it
+    did not generate comes back. A max_tokens larger than the whole bucket is a 400 naming max_tokens."""
+    async with server_factory(**_cfg(acme={"tokens_per_min": 60, "token_burst": 1000}),
+                              simulation={"speedup": 1.0}) as srv:
+        acme = _client(srv, ACME)
+        limiter = srv.app[GATE_KEY].limiter  # type: ignore[index]
+        clock = asyncio.get_running_loop().time
+        stream = await acme.chat.completions.create(model=MODEL, messages=MSG, max_tokens=600, stream=True)
+        await anext(aiter(stream))  # in flight: its prompt and its 600 are taken
+        held = limiter.tokens_left("acme", clock())
+        assert held < 1000 - 600
+        with pytest.raises(openai.RateLimitError) as exc:  # would fit without the reservation
+            await acme.chat.completions.create(model=MODEL, messages=MSG, max_tokens=400)
+        p = int(re.search(r"the prompt's (\d+) tokens \+ max_tokens 400", exc.value.body["message"]).group(1))
+        assert 1000 - p - 600 <= held < 1000 - p - 600 + 2
+        seen = 0
+        async for chunk in stream:
+            seen += bool(chunk.choices and chunk.choices[0].delta.content)
+            if seen == 10:
+                break
+        await stream.close()
+        await wait_until(lambda: limiter.in_flight("acme") == 0, 10, "the abandoned stream's slot comes back")
+        left = limiter.tokens_left("acme", clock())
+        generated = 1000 - p - left  # what it was charged in the end (plus a few tokens refilled)
+        assert 5 <= generated < 200, (left, p)  # the unused part of its 600 came back
+        with pytest.raises(openai.BadRequestError) as bad:
+            await acme.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2000)
+        assert bad.value.body["code"] == "request_too_large" and bad.value.body["param"] == "max_tokens"
+        assert "max_tokens 2000 are more than" in bad.value.body["message"]
         await acme.close()

@@ -70,6 +70,8 @@ def test_the_bucket_defaults_to_the_rate_rounded_up() -> None:
     ({"acme": {"burst": 2}}, "control_plane.tenant_limits.acme", "burst acts only with requests_per_s"),
     ({"acme": {}}, "control_plane.tenant_limits.acme", "limits nothing"),
     ({"acme": {"token_burst": 100}}, "control_plane.tenant_limits.acme", "token_burst acts only with tokens_per_min"),
+    ({"acme": {"max_in_flight": 2, "reserve_max_tokens": False}}, "control_plane.tenant_limits.acme",
+     "reserve_max_tokens acts only with tokens_per_min"),
     ({"acme": {"tokens_per_min": 0}}, "control_plane.tenant_limits.acme.tokens_per_min", "greater than or equal to 1"),
     ({"acme": {"requests_per_s": 0}}, "control_plane.tenant_limits.acme.requests_per_s", "greater than 0"),
     ({"ac me": {"max_in_flight": 1}}, "control_plane.tenant_limits", "must be 1-64 characters"),
@@ -98,6 +100,22 @@ def test_tokens_take_the_prompt_at_admission_and_the_completion_as_it_ends() -> 
     assert lim.tokens_left("acme", 15.0) == pytest.approx(50)
     lim.charge("acme", -10_000, 16.0)  # never past the bucket
     assert lim.tokens_left("acme", 100.0) == 600
+
+
+def test_a_reservation_takes_max_tokens_with_the_prompt_and_the_end_settles_the_difference() -> None:
+    lim = TenantLimiter({"acme": TenantLimit(tokens_per_min=600), "globex": TenantLimit(
+        tokens_per_min=600, reserve_max_tokens=False)})
+    assert lim.reserves("acme") and not lim.reserves("globex") and not lim.reserves("initech")
+    assert lim.admit("acme", 0.0) is None and lim.take_tokens("acme", 100, 0.0, reserve=300) is None
+    assert lim.tokens_left("acme", 0.0) == 200
+    r = lim.take_tokens("acme", 100, 0.0, reserve=150)  # 250 asked, 200 held
+    assert r is not None and r.retry_after == pytest.approx(5.0)
+    assert "the prompt's 100 tokens + max_tokens 150, 200 left" in r.message
+    lim.charge("acme", 40 - 300, 0.0)  # it generated 40 of its 300: 260 come back
+    assert lim.tokens_left("acme", 0.0) == 460
+    too_big = lim.take_tokens("acme", 100, 0.0, reserve=550)
+    assert too_big is not None and too_big.retry_after == math.inf
+    assert "the prompt's 100 tokens + max_tokens 550 are more than" in too_big.message
 
 
 def test_a_prompt_larger_than_the_bucket_is_never_admitted_and_gives_its_request_token_back() -> None:

@@ -35,6 +35,11 @@ class TenantLimit(_Strict):
         None, ge=1, description="tokens the bucket holds at most (default tokens_per_min): a prompt longer than this "
         "is refused with 400, never admitted",
     )
+    reserve_max_tokens: bool = Field(
+        True, description="with tokens_per_min: a request that sets max_tokens (or max_completion_tokens) takes them "
+        "with its prompt, as OpenAI counts them, and gets back what it did not generate when it ends, so in-flight "
+        "generation never overshoots the bucket; false: its completion is counted only when it ends",
+    )
     max_in_flight: int | None = Field(
         None, ge=1, description="inference requests admitted and not yet answered at once (held in the "
         "scheduler's queue or being generated)",
@@ -50,6 +55,8 @@ class TenantLimit(_Strict):
             raise ValueError("burst acts only with requests_per_s")
         if self.token_burst is not None and self.tokens_per_min is None:
             raise ValueError("token_burst acts only with tokens_per_min")
+        if "reserve_max_tokens" in self.model_fields_set and self.tokens_per_min is None:
+            raise ValueError("reserve_max_tokens acts only with tokens_per_min")
         if (self.requests_per_s is None and self.tokens_per_min is None and self.max_in_flight is None
                 and self.max_programs is None):
             raise ValueError("limits nothing: set requests_per_s, tokens_per_min, max_in_flight and/or max_programs")

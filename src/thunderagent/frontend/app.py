@@ -190,6 +190,7 @@ class Frontend:
         chat: bool,
     ) -> web.StreamResponse:
         asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        max_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
         max_tokens = asked or self.max_tokens_default
         stops = stop_list(req.stop)
         prompt_param = "messages" if chat else "prompt"
@@ -204,7 +205,7 @@ class Frontend:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the {limit} tokens "
                 "the largest worker holds (its KV cache, or the max_model_len its server reported)",
-                param=prompt_param if too_long else ("max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"),
+                param=prompt_param if too_long else max_param,
                 code="context_length_exceeded",
             )
         carried = self.fleet.prompt_limit
@@ -214,7 +215,8 @@ class Frontend:
                                param=prompt_param, code="context_length_exceeded")
         sampling = Sampling(req.temperature, req.top_p, req.seed)
         explained = self._explain(request, req.explain)
-        take_prompt_tokens(request, len(prompt_ids), prompt_param)  # the tenant's token limit, if any
+        take_prompt_tokens(request, len(prompt_ids), prompt_param,  # the tenant's token limit, if any
+                           max_tokens if asked else 0, max_param)
         gen = await self.fleet.start_generation(
             prompt_ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt), lora_name=req.lora_name, priority=req.priority,
             sampling=sampling, route_key=self._route_key(request, req), program_id=self._program_id(request, req),

@@ -163,7 +163,9 @@ class RelayFrontend:
         max_tokens = req.max_completion_tokens or req.max_tokens or fe.max_tokens_default
         path = "/v1/chat/completions" if chat else "/v1/completions"
         explained = fe._explain(request, req.explain)
-        take_prompt_tokens(request, len(ids), "messages" if chat else "prompt")  # the tenant's token limit, if any
+        take_prompt_tokens(request, len(ids), "messages" if chat else "prompt",  # the tenant's token limit, if any
+                           req.max_completion_tokens or req.max_tokens or 0,
+                           "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
         gen = await fe.fleet.start_generation(
             ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt), lora_name=req.lora_name,
             priority=req.priority, route_key=fe._route_key(request, req), program_id=fe._program_id(request, req),

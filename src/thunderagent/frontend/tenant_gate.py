@@ -10,10 +10,12 @@ endpoints): model listings, program endpoints, health and metrics are never limi
 
 A token limit (``tokens_per_min``) needs the prompt's length, known only inside the handler: the
 handler calls :func:`take_prompt_tokens` once the prompt is tokenized (a refusal there is the same
-429, or a 400 for a prompt larger than the tenant's whole bucket) and :func:`count_completion` with its
+429, or a 400 for a request larger than the tenant's whole bucket) and :func:`count_completion` with its
 generation once it started; when the handler ends, the gate charges the tokens generated (all of
 them: a client that went away mid-stream still had them computed), or gives the prompt's back if the
-request never started (refused by the queue, no worker, client gone while held).
+request never started (refused by the queue, no worker, client gone while held). With
+``reserve_max_tokens`` (the default) a request that sets ``max_tokens`` takes them with its prompt, and
+the end charges only the difference (gives back what it did not generate).
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ class _Produced(Protocol):
     produced: list[int]
 
 
-# request keys: the prompt tokens taken for the request, and its generation (what it produced)
-_PROMPT = web.RequestKey("tenant_prompt_tokens", int)
+# request keys: the tokens taken for the request (its prompt's, and the max_tokens reserved), and its
+# generation (what it produced)
+_PROMPT = web.RequestKey("tenant_prompt_tokens", tuple[int, int])
 _GENERATION = web.RequestKey("tenant_generation", _Produced)
 
 
@@ -113,21 +116,27 @@ def make_gate(limits: Mapping[str, TenantLimit], tenants: Collection[str], paths
     return TenantGate(limiter, frozenset(paths), metrics.tenant_refused, metrics.tenant_in_flight)
 
 
-def take_prompt_tokens(request: web.Request, n: int, param: str) -> None:
-    """The handler of an admitted request has its ``n``-token prompt (the body field ``param``): with
-    a token limit on its tenant, take them or raise :class:`TenantRefused` (a 429), or a
-    :class:`RequestError` (400) for a prompt larger than the tenant's whole bucket."""
+def take_prompt_tokens(request: web.Request, n: int, param: str, max_tokens: int = 0,
+                       max_param: str = "max_tokens") -> None:
+    """The handler of an admitted request has its ``n``-token prompt (the body field ``param``) and the
+    ``max_tokens`` its client asked for (0: none, the field ``max_param``): with a token limit on its
+    tenant, take the prompt's tokens (and, with ``reserve_max_tokens``, ``max_tokens`` more: what the
+    request does not generate comes back when it ends) or raise :class:`TenantRefused` (a 429), or a
+    :class:`RequestError` (400) for a request larger than the tenant's whole bucket."""
     gate = request.app.get(GATE_KEY)
     tenant = request.get(TENANT)
     if gate is None or tenant is None or not gate.limiter.counts_tokens(tenant):
         return
-    refusal = gate.limiter.take_tokens(tenant, n, asyncio.get_running_loop().time())
+    reserve = max_tokens if gate.limiter.reserves(tenant) else 0
+    refusal = gate.limiter.take_tokens(tenant, n, asyncio.get_running_loop().time(), reserve)
     if refusal is not None:
         if math.isinf(refusal.retry_after):  # never admitted: retrying cannot help
             gate.on_refused(tenant, refusal.limit)
-            raise RequestError(refusal.message, param=param, code="request_too_large")
+            limit = gate.limiter.limit_of(tenant)
+            fits = limit is not None and n <= limit.token_bucket  # then max_tokens made it too large
+            raise RequestError(refusal.message, param=max_param if fits else param, code="request_too_large")
         raise TenantRefused(refusal)
-    request[_PROMPT] = n
+    request[_PROMPT] = (n, reserve)
 
 
 def count_completion(request: web.Request, gen: _Produced) -> None:
@@ -137,12 +146,14 @@ def count_completion(request: web.Request, gen: _Produced) -> None:
 
 
 def _settle(request: web.Request, limiter: TenantLimiter, tenant: str) -> None:
-    prompt = request.get(_PROMPT)
-    if prompt is None:
+    """The request ended: charge what it generated, less what it reserved; all it took back if it never ran."""
+    taken = request.get(_PROMPT)
+    if taken is None:
         return
+    prompt, reserved = taken
     gen = request.get(_GENERATION)
     now = asyncio.get_running_loop().time()
-    limiter.charge(tenant, len(gen.produced) if gen is not None else -prompt, now)
+    limiter.charge(tenant, len(gen.produced) - reserved if gen is not None else -(prompt + reserved), now)
 
 
 def _duration(s: float) -> str:

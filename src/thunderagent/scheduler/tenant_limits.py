@@ -168,29 +168,35 @@ class TenantLimiter:
         limit = self.limit_of(tenant)
         return limit is not None and limit.tokens_per_min is not None
 
-    def take_tokens(self, tenant: str, n: int, now: float) -> Refusal | None:
-        """An admitted request of ``tenant`` has an ``n``-token prompt: take them (None), or say why not.
-        A refused request gives back the request token :meth:`admit` took (its slot comes back with
-        :meth:`done`, as for every admitted request)."""
+    def reserves(self, tenant: str) -> bool:
+        """``tenant``'s requests take their ``max_tokens`` with their prompt (``reserve_max_tokens``)."""
+        limit = self.limit_of(tenant)
+        return limit is not None and limit.tokens_per_min is not None and limit.reserve_max_tokens
+
+    def take_tokens(self, tenant: str, n: int, now: float, reserve: int = 0) -> Refusal | None:
+        """An admitted request of ``tenant`` has an ``n``-token prompt (and reserves ``reserve`` more for its
+        completion): take them all (None), or say why not. A refused request gives back the request token
+        :meth:`admit` took (its slot comes back with :meth:`done`, as for every admitted request)."""
         acc = self._account(tenant)
         b = acc.tokens if acc is not None else None
         if acc is None or b is None:
             return None
         b.refill(now)
-        if n <= b.level:
-            b.level -= n
-            acc.sent_tokens += n
+        total = n + reserve
+        if total <= b.level:
+            b.level -= total
+            acc.sent_tokens += total
             return None
         if acc.requests is not None:  # refused: it takes nothing
             acc.requests.take(-1.0, now)
             acc.sent_requests -= 1
         what = (f"control_plane.tenant_limits tokens_per_min: {b.rate * 60:g}, token_burst: {b.size:g}")
-        if n > b.size:
+        asked = f"the prompt's {n} tokens" + (f" + max_tokens {reserve}" if reserve else "")
+        if total > b.size:
             return Refusal("tokens_per_min", math.inf,
-                           f"the prompt's {n} tokens are more than tenant {tenant!r}'s token bucket holds ({what})")
-        return Refusal("tokens_per_min", (n - b.level) / b.rate,
-                       f"tenant {tenant!r} is over its token rate: the prompt's {n} tokens, {max(0, int(b.level))} "
-                       f"left ({what})")
+                           f"{asked} are more than tenant {tenant!r}'s token bucket holds ({what})")
+        return Refusal("tokens_per_min", (total - b.level) / b.rate,
+                       f"tenant {tenant!r} is over its token rate: {asked}, {max(0, int(b.level))} left ({what})")
 
     def headroom(self, tenant: str, now: float) -> tuple[Headroom | None, Headroom | None]:
         """``tenant``'s request and token buckets at ``now`` (None: not limited by that one)."""
