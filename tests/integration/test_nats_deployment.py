@@ -201,8 +201,9 @@ def test_a_program_released_through_any_frontend_is_released_on_every_frontend(c
 
 def test_tenant_limits_hold_across_the_frontends(cluster: Cluster):
     """Each frontend reports its tenants' use on ``ta.tenants.usage`` and takes the others' reports:
-    a tenant's burst spent through one frontend is spent on the other, and a request in flight through
-    one counts against ``max_in_flight`` on the other."""
+    a tenant's burst spent through one frontend is spent on the other, a request in flight through
+    one counts against ``max_in_flight`` on the other, and so does a program with a request in flight
+    against ``max_programs``."""
     import json
     import urllib.error
     import urllib.request
@@ -210,9 +211,9 @@ def test_tenant_limits_hold_across_the_frontends(cluster: Cluster):
     import openai
 
     keys = {"acme": "k-acme-0123456789abcdef", "initech": "k-initech-0123456789abc",
-            "globex": "k-globex-0123456789abcd"}
+            "globex": "k-globex-0123456789abcd", "hooli": "k-hooli-0123456789abcde"}
     admin = "k-admin-0123456789abcdef"
-    limits = "{acme: {requests_per_s: 0.02, burst: 2}, initech: {max_in_flight: 1}}"
+    limits = "{acme: {requests_per_s: 0.02, burst: 2}, initech: {max_in_flight: 1}, hooli: {max_programs: 1}}"
     cfg = cluster.tmp / "tenants.yaml"
     # a slow engine (0.1x): a stream lasts seconds, whatever its natural length (16 tokens at least)
     cfg.write_text(cluster.config.read_text().replace(
@@ -268,6 +269,27 @@ def test_tenant_limits_hold_across_the_frontends(cluster: Cluster):
         return True
 
     wait_until(admitted, 10, "the stream's end to reach the other frontend")
+
+    # max_programs: a program with a request in flight through one frontend fills hooli's cap on the other
+    program = client("fa", "hooli").completions.create(model=MODEL, prompt=TEXT, max_tokens=4000, stream=True,
+                                                       extra_headers={"x-thunderagent-program-id": "p1"})
+    next(iter(program))
+    time.sleep(0.5)
+    with pytest.raises(openai.RateLimitError) as exc:
+        client("fb", "hooli").completions.create(model=MODEL, prompt=TEXT, max_tokens=2,
+                                                 extra_headers={"x-thunderagent-program-id": "p2"})
+    assert exc.value.body["code"] == "too_many_programs" and "1 at the other frontends" in exc.value.body["message"]
+    program.close()
+
+    def second_program() -> bool:
+        try:
+            client("fb", "hooli").completions.create(model=MODEL, prompt=TEXT, max_tokens=2,
+                                                     extra_headers={"x-thunderagent-program-id": "p2"})
+        except openai.RateLimitError:
+            return False
+        return True
+
+    wait_until(second_program, 10, "p1's end to reach the other frontend")
 
     for f in ("fa", "fb"):
         got = health(f)["frontend"]["tenant_reports"]

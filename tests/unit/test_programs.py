@@ -269,3 +269,33 @@ def test_a_tenant_past_its_program_cap_evicts_its_own_idlest_or_is_refused() -> 
         _idle_program(t, "globex", f"g{i}", 20.0 + i)
     assert len(_keys(t, "globex")) == 6 and t.take_evictions() == {"acme": 1, "zeta": 2}
     t.request_started("anon-1", 30.0)  # programs of no tenant (keys off) have no cap
+
+
+def test_a_program_cap_counts_the_tenants_busy_programs_at_the_other_frontends() -> None:
+    """Shared over NATS (``peer_programs``: the other frontends' reports): acme (cap 3) with 2 busy
+    programs elsewhere has room for one here; past it its idle programs here are evicted, as many as it
+    takes, and with none left to evict a new one is refused, naming both counts."""
+    t = ProgramTable(idle_ttl_s=600.0, tenant_caps=({"acme": 3}, None))
+    elsewhere = {"acme": 2}
+    t.peer_programs = lambda tenant, now: elsewhere.get(tenant, 0)
+    _idle_program(t, "acme", "a0", 0.0)  # 0 here + 2 elsewhere: room
+    assert t.busy("acme") == 0 and t.busy("globex") == 0
+    _idle_program(t, "acme", "a1", 1.0)  # 1 + 2: at the cap, a0 goes
+    assert _keys(t, "acme") == ["acme/a1"] and t.take_evictions() == {"acme": 1}
+    t.request_started("acme/a1", 2.0)  # busy here
+    assert t.busy("acme") == 1
+    with pytest.raises(QueueFull) as exc:
+        t.request_started(program_key("acme", "a2"), 3.0, tenant="acme")
+    assert "holds 1 agent programs here and 2 at the other frontends" in str(exc.value)
+    assert exc.value.code == "too_many_programs" and _keys(t, "acme") == ["acme/a1"]
+    elsewhere["acme"] = 3  # the others alone fill the cap: nothing here can make room, nothing is evicted
+    t.request_finished("acme/a1", 10, 4.0, completed=True)
+    with pytest.raises(QueueFull):
+        t.request_started(program_key("acme", "a3"), 5.0, tenant="acme")
+    assert _keys(t, "acme") == ["acme/a1"] and t.take_evictions() == {}
+    elsewhere["acme"] = 0  # their programs ended (or their reports stopped)
+    _idle_program(t, "acme", "a4", 6.0)
+    _idle_program(t, "acme", "a5", 7.0)  # 3 here, all idle
+    elsewhere["acme"] = 2  # 3 + 2: three of them go to make room for a6
+    t.request_started(program_key("acme", "a6"), 8.0, tenant="acme")
+    assert _keys(t, "acme") == ["acme/a6"] and t.take_evictions() == {"acme": 3}

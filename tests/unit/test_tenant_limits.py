@@ -102,6 +102,11 @@ def test_tokens_take_the_prompt_at_admission_and_the_completion_as_it_ends() -> 
     assert lim.tokens_left("acme", 100.0) == 600
 
 
+def test_a_tenant_limit_dumped_with_its_defaults_loads_again() -> None:
+    limit = TenantLimit(max_in_flight=2)
+    assert TenantLimit.model_validate(limit.model_dump()) == limit
+
+
 def test_a_reservation_takes_max_tokens_with_the_prompt_and_the_end_settles_the_difference() -> None:
     lim = TenantLimiter({"acme": TenantLimit(tokens_per_min=600), "globex": TenantLimit(
         tokens_per_min=600, reserve_max_tokens=False)})
@@ -154,6 +159,29 @@ def test_frontends_report_their_use_and_take_each_others() -> None:
     assert b.admit("acme", 1.01 + PEER_TTL_S) is None
     b.absorb("fa", Usage("globex", 5, 5, 5), 3.0)  # a tenant not limited here: nothing kept
     assert b.tokens_left("globex", 3.0) is None and b.admit("globex", 3.0) is None
+
+
+def test_shared_frontends_report_their_busy_programs_for_each_others_caps() -> None:
+    """Over NATS (``shared``), a tenant limited only by ``max_programs`` has an account too: each report
+    carries its programs with a request in flight here (``programs``: the table's count), renewed while
+    any are, and the others count them until a report says 0 or stops coming (``PEER_TTL_S``)."""
+    limits = {"acme": TenantLimit(max_programs=3), "globex": TenantLimit(max_in_flight=2)}
+    assert not TenantLimiter({"acme": TenantLimit(max_programs=3)})  # alone: the program table's alone
+    a, b = TenantLimiter(limits, shared=True), TenantLimiter(limits, shared=True)
+    assert a and a.admit("acme", 0.0) is None  # no bucket, no in-flight bound: admitted
+    busy = {"acme": 2}
+    a.programs = lambda tenant: busy.get(tenant, 0)
+    assert a.report() == [Usage("acme", 1, 0, 1, 2)]
+    a.done("acme")
+    assert a.report() == [Usage("acme", 0, 0, 0, 2)]  # renewed while it has some
+    busy["acme"] = 0
+    assert a.report() == [Usage("acme", 0, 0, 0, 0)] and a.report() == []  # the 0 said once
+    b.absorb("fa", Usage("acme", 0, 0, 0, 2), 0.0)
+    b.absorb("fb", Usage("acme", 0, 0, 1, 1), 0.5)
+    assert b.peer_programs("acme", 0.5) == 3 and b.peer_programs("globex", 0.5) == 0
+    assert b.peer_programs("acme", 1.01) == 1  # fa's report not renewed: it stops counting
+    b.absorb("fb", Usage("acme", 0, 0, 0, 0), 1.1)
+    assert b.peer_programs("acme", 1.1) == 0
 
 
 def test_headroom_is_what_each_bucket_holds_and_when_it_is_full_again() -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
+
 from fake_bus import FakeBus
 from thunderagent.bus import wire
 from thunderagent.bus.nats import BusMsg
@@ -57,3 +59,10 @@ async def test_reports_go_out_every_interval() -> None:
         await asyncio.sleep(0.01)
     assert [wire.decode_tenant_usage(d).uses for _, d, _ in bus.published[:1]] == [[wire.TenantUse("acme", 1, 0, 1)]]
     await peers.stop()
+
+
+def test_a_report_carries_busy_programs_and_an_older_frontends_report_still_decodes() -> None:
+    use = wire.TenantUse("acme", 0, 0, 1, 2)
+    assert wire.decode_tenant_usage(wire.encode(wire.TenantUsage("fa", [use]))).uses == [use]
+    older = msgspec.msgpack.encode(["fa", [["acme", 1, 250, 1]]])  # before max_programs was shared
+    assert wire.decode_tenant_usage(older).uses == [wire.TenantUse("acme", 1, 250, 1, 0)]

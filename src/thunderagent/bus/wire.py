@@ -238,6 +238,7 @@ class TenantUse(msgspec.Struct, array_like=True, frozen=True):
     requests: int  # admitted since the last report
     tokens: int  # taken since the last report (prompts and completions, less prompts given back)
     in_flight: int  # now
+    programs: int = 0  # its agent programs with a request in flight, now (max_programs; absent from older frontends)
 
 
 class TenantUsage(msgspec.Struct, array_like=True, frozen=True):

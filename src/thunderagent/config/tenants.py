@@ -55,7 +55,7 @@ class TenantLimit(_Strict):
             raise ValueError("burst acts only with requests_per_s")
         if self.token_burst is not None and self.tokens_per_min is None:
             raise ValueError("token_burst acts only with tokens_per_min")
-        if "reserve_max_tokens" in self.model_fields_set and self.tokens_per_min is None:
+        if not self.reserve_max_tokens and self.tokens_per_min is None:  # (the default: a dumped config loads)
             raise ValueError("reserve_max_tokens acts only with tokens_per_min")
         if (self.requests_per_s is None and self.tokens_per_min is None and self.max_in_flight is None
                 and self.max_programs is None):

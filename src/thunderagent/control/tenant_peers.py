@@ -2,9 +2,10 @@
 
 Each frontend admits its own clients' requests against its own buckets (``scheduler/tenant_limits.py``).
 For a tenant's ``control_plane.tenant_limits`` to hold across the frontends rather than per frontend,
-each one reports, every ``REPORT_INTERVAL_S``, what its tenants took since its last report and how
-many of their requests it has in flight (``<p>.tenants.usage``), and takes every other frontend's
-report from its own buckets and in-flight bound. Between two reports the frontends do not see each
+each one reports, every ``REPORT_INTERVAL_S``, what its tenants took since its last report, how
+many of their requests it has in flight and how many of their agent programs have one
+(``<p>.tenants.usage``), and takes every other frontend's report from its own buckets, in-flight
+bound and program cap. Between two reports the frontends do not see each
 other's admissions: a tenant may overshoot its limits by what the other frontends admit within one
 interval. A frontend that stops (or loses the bus) stops reporting; its in-flight count stops counting
 elsewhere after ``tenant_limits.PEER_TTL_S``.
@@ -67,7 +68,7 @@ class TenantPeers:
             return
         uses = self._limiter.report()
         if uses:
-            wire = [TenantUse(u.tenant, u.requests, u.tokens, u.in_flight) for u in uses]
+            wire = [TenantUse(u.tenant, u.requests, u.tokens, u.in_flight, u.programs) for u in uses]
             self.bus.publish(self.subjects.tenant_usage(), encode(TenantUsage(self.frontend_id, wire)))
             self.reports_sent += 1
 
@@ -87,5 +88,5 @@ class TenantPeers:
             return  # our own report comes back to us
         now = self._clock()
         for u in usage.uses:
-            limiter.absorb(usage.origin, Usage(u.tenant, u.requests, u.tokens, u.in_flight), now)
+            limiter.absorb(usage.origin, Usage(u.tenant, u.requests, u.tokens, u.in_flight, u.programs), now)
         self.reports_taken += 1

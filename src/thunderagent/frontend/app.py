@@ -389,7 +389,8 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     ring = load_keyring(cfg.control_plane)  # reads key files and variables: a ConfigError names the field
     if ring is not None:
         app[AUTH_KEY] = ring
-        gate = make_gate(cfg.control_plane.tenant_limits, ring.tenants, INFERENCE_PATHS, fleet.metrics)
+        gate = make_gate(cfg.control_plane.tenant_limits, ring.tenants, INFERENCE_PATHS, fleet.metrics,
+                         shared=shared_limits is not None)
         if gate is not None:
             app[GATE_KEY] = gate
     fe = Frontend(fleet, tokenizer, cfg.control_plane.default_max_tokens, cfg.routing.route_key)
@@ -430,5 +431,5 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     app.on_response_prepare.append(_server_header)
-    share_limits(app, shared_limits)  # after the fleet joined the bus; stopped before it leaves
+    share_limits(app, shared_limits, fleet.programs)  # after the fleet joined the bus; stopped before it leaves
     return app

@@ -79,12 +79,24 @@ class SharedLimits(Protocol):
     async def stop(self) -> None: ...
 
 
-def share_limits(app: web.Application, shared: SharedLimits | None) -> None:
+class _Programs(Protocol):
+    """The program table (``scheduler.programs.ProgramTable``), as far as sharing ``max_programs`` goes."""
+
+    peer_programs: Callable[[str, float], int] | None
+
+    def busy(self, tenant: str) -> int: ...
+
+
+def share_limits(app: web.Application, shared: SharedLimits | None, programs: _Programs) -> None:
     """With a gate and other frontends, the gate's limits hold across them: shared from start-up
-    (after the fleet joined the bus) until clean-up (before it leaves)."""
+    (after the fleet joined the bus) until clean-up (before it leaves). ``max_programs`` too: each
+    frontend reports its tenants' programs with a request in flight, and ``programs`` (this frontend's
+    table) counts the others' against each cap."""
     gate = app.get(GATE_KEY)
     if gate is None or shared is None:
         return
+    gate.limiter.programs = programs.busy
+    programs.peer_programs = gate.limiter.peer_programs
 
     async def start(app: web.Application) -> None:
         await shared.start(gate.limiter, asyncio.get_running_loop().time)
@@ -102,16 +114,16 @@ class _Metrics(Protocol):
 
 
 def make_gate(limits: Mapping[str, TenantLimit], tenants: Collection[str], paths: Iterable[str],
-              metrics: _Metrics) -> TenantGate | None:
-    """The gate of ``limits`` over ``paths`` (None: no rate or in-flight limit configured). ``tenants``: the tenants the
-    API keys belong to; a limit naming another is refused (a typo would leave the tenant it meant
-    unlimited)."""
+              metrics: _Metrics, shared: bool = False) -> TenantGate | None:
+    """The gate of ``limits`` over ``paths`` (None: no rate or in-flight limit configured, nor ``max_programs``
+    to share: ``shared``, other frontends over NATS). ``tenants``: the tenants the API keys belong to; a limit
+    naming another is refused (a typo would leave the tenant it meant unlimited)."""
     unknown = sorted(t for t in limits if t != ANY_TENANT and t not in tenants)
     if unknown:
         raise ConfigError(f"field 'control_plane.tenant_limits': no API key belongs to tenant {unknown[0]!r} "
                           f"(tenants with keys: {', '.join(sorted(tenants)[:10])})")
-    limiter = TenantLimiter(limits)
-    if not limiter:  # none, or max_programs only (the program table's)
+    limiter = TenantLimiter(limits, shared)
+    if not limiter:  # none, or max_programs only (the program table's) on a frontend alone
         return None
     return TenantGate(limiter, frozenset(paths), metrics.tenant_refused, metrics.tenant_in_flight)
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
@@ -166,6 +166,9 @@ class ProgramTable:
         self._idle: list[tuple[float, int, str]] = []
         self._created = 0
         self.watcher: ProgramWatcher | None = None
+        #: a tenant's programs with a request in flight at the other frontends of a NATS deployment, at ``now``
+        #: (``TenantLimiter.peer_programs``, set when they share limits): they count against its cap here too
+        self.peer_programs: Callable[[str, float], int] | None = None
         self._counts = dict.fromkeys(LIVE_STATES, 0)
         self.evicted = 0  # idle programs forgotten early to stay within max_programs
         #: evictions per tenant since the last :meth:`take_evictions` (the fleet's metrics drain it)
@@ -195,7 +198,7 @@ class ProgramTable:
             if tenant is not None and not program_id.startswith(tenant + OWNER_SEP):
                 raise ValueError(f"program key {program_id!r} is not tenant {tenant!r}'s (program_key)")
             if tenant is not None:
-                self._within_cap(tenant)
+                self._within_cap(tenant, now)
             if self.max_programs is not None and len(self._programs) >= self.max_programs:
                 self._evict_for(tenant)
             self._created += 1
@@ -282,17 +285,31 @@ class ProgramTable:
             self._forget(prog)
         return [p.program_id for p in gone]
 
-    def _within_cap(self, tenant: str) -> None:
-        """``tenant`` starts a program: at its cap, its idlest program is forgotten first (an eviction);
-        with none idle (each has a request in flight) the new one is refused and nothing changes."""
-        cap = self._caps.get(tenant, self._default_cap)
+    def busy(self, tenant: str) -> int:
+        """``tenant``'s programs here with a request in flight (what the other frontends count)."""
         owner = self._owners.get(tenant)
-        if cap is None or owner is None or len(owner.programs) < cap:
+        return 0 if owner is None else sum(1 for p in owner.programs.values() if p.in_flight)
+
+    def _within_cap(self, tenant: str, now: float) -> None:
+        """``tenant`` starts a program: at its cap (its programs here, and its busy ones at the other
+        frontends), its idlest programs here are forgotten first (evictions); with none idle (each has a
+        request in flight) the new one is refused and nothing changes."""
+        cap = self._caps.get(tenant, self._default_cap)
+        if cap is None:
             return
-        if not self._evict_from(owner):
-            raise QueueFull(f"tenant {tenant!r} holds {len(owner.programs)} agent programs, each with a request in "
-                            f"flight (control_plane.tenant_limits max_programs: {cap}); release one, or retry once "
-                            "one of its requests ends", 1.0, code=PROGRAM_CAP_CODE)
+        owner = self._owners.get(tenant)
+        elsewhere = self.peer_programs(tenant, now) if self.peer_programs is not None else 0
+        held = len(owner.programs) if owner is not None else 0
+        if held + elsewhere < cap:
+            return
+        busy = self.busy(tenant)
+        if busy + elsewhere >= cap:  # evicting every idle one here would not make room: evict none
+            there = f" here and {elsewhere} at the other frontends" if elsewhere else ""
+            raise QueueFull(f"tenant {tenant!r} holds {busy} agent programs{there}, each with a request in "
+                            f"flight (control_plane.tenant_limits max_programs: {cap}); release one, or retry "
+                            "once one of its requests ends", 1.0, code=PROGRAM_CAP_CODE)
+        for _ in range(held + elsewhere - cap + 1):  # its idlest ones here, as many as it takes
+            self._evict_from(owner)  # type: ignore[arg-type]  (held > busy: it has that many idle)
 
     def _evict_for(self, tenant: str | None) -> None:
         """The table is full and ``tenant`` starts a program: forget the idlest program of the tenant

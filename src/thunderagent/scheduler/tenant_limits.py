@@ -33,7 +33,7 @@ come from the key sources, so the state here is bounded by the tenants an operat
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from thunderagent.config.tenants import ANY_TENANT, TenantLimit
@@ -78,6 +78,7 @@ class Usage:
     requests: int  # admitted
     tokens: int  # taken (prompts and completions, less prompts given back)
     in_flight: int  # now
+    programs: int = 0  # its agent programs there with a request in flight, now (``max_programs``)
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,19 +95,25 @@ class _Account:
     requests: _Bucket | None  # requests_per_s
     tokens: _Bucket | None  # tokens_per_min, in tokens per second
     cap: int | None  # max_in_flight
+    shares_programs: bool = False  # max_programs: its busy programs are reported to the other frontends
     in_flight: int = 0
     sent_requests: int = 0  # admitted since the last report
     sent_tokens: int = 0  # taken since the last report
     told_in_flight: int = 0  # ``in_flight`` as last reported
-    peers: dict[str, tuple[int, float]] | None = None  # another frontend -> (its requests in flight, when told)
+    told_programs: int = 0  # busy programs as last reported
+    #: another frontend -> (its requests in flight, its busy programs, when told)
+    peers: dict[str, tuple[int, int, float]] | None = None
 
-    def peer_in_flight(self, now: float) -> int:
+    def fresh_peers(self, now: float) -> list[tuple[int, int, float]]:
         peers = self.peers
         if not peers:
-            return 0
-        for origin in [o for o, (_, at) in peers.items() if now - at > PEER_TTL_S]:
+            return []
+        for origin in [o for o, (_, _, at) in peers.items() if now - at > PEER_TTL_S]:
             del peers[origin]  # not renewed: that frontend is gone
-        return sum(n for n, _ in peers.values())
+        return list(peers.values())
+
+    def peer_in_flight(self, now: float) -> int:
+        return sum(n for n, _, _ in self.fresh_peers(now))
 
 
 def _here(limit: TenantLimit) -> bool:
@@ -114,12 +121,19 @@ def _here(limit: TenantLimit) -> bool:
 
 
 class TenantLimiter:
-    def __init__(self, limits: Mapping[str, TenantLimit]) -> None:
-        # ``max_programs`` is the program table's (scheduler/programs.py): an entry limiting only that
-        # limits nothing here, and still replaces "*" for its tenant
-        self._limits: dict[str, TenantLimit | None] = {t: lim if _here(lim) else None for t, lim in limits.items()}
+    def __init__(self, limits: Mapping[str, TenantLimit], shared: bool = False) -> None:
+        """``shared``: the frontend shares limits with others (NATS): then ``max_programs`` is shared too (the
+        program table enforces it, scheduler/programs.py; an account carries the tenant's busy programs
+        between frontends). Alone, an entry limiting only ``max_programs`` limits nothing here, and still
+        replaces "*" for its tenant."""
+        def kept(lim: TenantLimit) -> bool:
+            return _here(lim) or (shared and lim.max_programs is not None)
+
+        self._limits: dict[str, TenantLimit | None] = {t: lim if kept(lim) else None for t, lim in limits.items()}
         self._default = self._limits.pop(ANY_TENANT, None)
         self._accounts: dict[str, _Account] = {}
+        #: a tenant's programs here with a request in flight (``ProgramTable.busy``), for the reports
+        self.programs: Callable[[str], int] = lambda tenant: 0
 
     def __bool__(self) -> bool:
         return self._default is not None or any(lim is not None for lim in self._limits.values())
@@ -137,7 +151,7 @@ class TenantLimiter:
             acc = self._accounts[tenant] = _Account(
                 _Bucket(rps, limit.bucket, limit.bucket) if rps is not None else None,
                 _Bucket(tpm / 60.0, limit.token_bucket, limit.token_bucket) if tpm is not None else None,
-                limit.max_in_flight)
+                limit.max_in_flight, limit.max_programs is not None)
         return acc
 
     def admit(self, tenant: str, now: float) -> Refusal | None:
@@ -235,11 +249,18 @@ class TenantLimiter:
         tokens taken, and the requests in flight (renewed while any are, so they keep counting there)."""
         out = []
         for tenant, acc in self._accounts.items():
-            if acc.sent_requests or acc.sent_tokens or acc.in_flight or acc.told_in_flight:
-                out.append(Usage(tenant, acc.sent_requests, acc.sent_tokens, acc.in_flight))
+            busy = self.programs(tenant) if acc.shares_programs else 0
+            if acc.sent_requests or acc.sent_tokens or acc.in_flight or acc.told_in_flight or busy or acc.told_programs:
+                out.append(Usage(tenant, acc.sent_requests, acc.sent_tokens, acc.in_flight, busy))
                 acc.sent_requests = acc.sent_tokens = 0
-                acc.told_in_flight = acc.in_flight
+                acc.told_in_flight, acc.told_programs = acc.in_flight, busy
         return out
+
+    def peer_programs(self, tenant: str, now: float) -> int:
+        """``tenant``'s programs with a request in flight at the other frontends, as last reported (a report
+        not renewed within ``PEER_TTL_S`` stops counting)."""
+        acc = self._accounts.get(tenant)
+        return 0 if acc is None else sum(p for _, p, _ in acc.fresh_peers(now))
 
     def absorb(self, origin: str, use: Usage, now: float) -> None:
         """Frontend ``origin`` reported ``use``: take it from this frontend's buckets (they may go below
@@ -250,11 +271,11 @@ class TenantLimiter:
         for b, n in ((acc.requests, use.requests), (acc.tokens, use.tokens)):
             if b is not None and n:
                 b.take(n, now)
-        if acc.cap is not None:
+        if acc.cap is not None or acc.shares_programs:
             if acc.peers is None:
                 acc.peers = {}
-            if use.in_flight:
-                acc.peers[origin] = (use.in_flight, now)
+            if use.in_flight or use.programs:
+                acc.peers[origin] = (use.in_flight, use.programs, now)
             else:
                 acc.peers.pop(origin, None)
 
