@@ -7,9 +7,15 @@
 FROM python:3.11-slim-bookworm AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
+# gcc: the build compiles the routing core with mypyc (setup.py); the runtime stage needs no compiler.
+# Versions come with the pinned base image's Debian release.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY src ./src
 # every dependency is pinned exactly in pyproject.toml
 RUN /opt/venv/bin/pip install --no-cache-dir '.[nats,engines]'

@@ -40,6 +40,7 @@ from _common import dynamo_version, load_dynamo, median, print_table, ratio  # n
 from thunderagent.config import RoutingConfig  # noqa: E402
 from thunderagent.kv.hashing import block_hashes  # noqa: E402
 from thunderagent.kv.index import KvIndex  # noqa: E402
+from thunderagent.native import state as native_state  # noqa: E402
 from thunderagent.router.candidates import FleetView  # noqa: E402
 from thunderagent.router.cost import score  # noqa: E402
 from thunderagent.router.router import KvRouter  # noqa: E402
@@ -286,6 +287,7 @@ def main() -> None:
     verdict = ratio(p("ours_full_us"), p("peer_hash_match_us"))
     if verdict == verdict:
         print(f"target full decision <= 0.5x dynamo: {'MET' if verdict <= 0.5 else 'NOT MET'} ({verdict:.2f}x)")
+    print(native_state().summary)  # which build was timed (setup.py compiles the core with mypyc)
     print(f"elapsed {elapsed:.1f} s")
 
 

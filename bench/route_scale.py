@@ -42,6 +42,7 @@ from _common import median, print_table  # noqa: E402
 
 from thunderagent.config import RoutingConfig  # noqa: E402
 from thunderagent.kv.index import KvIndex  # noqa: E402
+from thunderagent.native import state as native_state  # noqa: E402
 from thunderagent.router.candidates import FleetView  # noqa: E402
 from thunderagent.router.router import KvRouter  # noqa: E402
 from thunderagent.types import BlockStored, LoadReport, RouteRequest, WorkerState  # noqa: E402
@@ -221,6 +222,7 @@ def main() -> None:
     ok = p50 <= 3.0 and p99 <= 3.0
     print(f"ratio {int(big['workers'])} vs {int(small['workers'])} workers: p50 {p50:.2f}x, p99 {p99:.2f}x")
     print(f"target <= 3x (p50 and p99): {'MET' if ok else 'NOT MET'}")
+    print(native_state().summary)  # which build was timed
     print(f"index bytes per (block, worker) entry at {int(big['workers'])} workers: {big['bytes_per_entry']:.0f}")
     if args.one_out:
         o = one_out(fleets[-1], min(queries, 1000))

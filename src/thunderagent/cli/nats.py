@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from thunderagent.config import ConfigError, Policy
+from thunderagent.native import state as native_state
 
 NatsOpt = Annotated[Optional[str], typer.Option(
     "--nats", help="NATS server URL(s), comma separated (default: nats.servers of the config, else nats://127.0.0.1:4222)"
@@ -59,6 +60,7 @@ def frontend(
     cp = cfg.control_plane
     assert isinstance(fleet.membership, NatsMembership)
     typer.echo(f"ThunderAgent frontend {fleet.membership.frontend_id} on http://{cp.host}:{cp.port}/v1 — workers from {bus.url}")
+    typer.echo(native_state().summary)
     try:
         run_frontend(create_app(cfg, fleet=fleet, tokenizer=tokenizer, peers=fleet.membership.peers,
                                 shared_limits=fleet.membership.tenants), cp.host, cp.port)

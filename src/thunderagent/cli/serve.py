@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from thunderagent.config import ConfigError, Policy, load_config
+from thunderagent.native import state as native_state
 from thunderagent.overrides import build_config
 
 
@@ -53,6 +54,7 @@ def serve(
     n = sum(node.count for node in cfg.execution_group.nodes)
     typer.echo(f"ThunderAgent on http://{cp.host}:{cp.port}/v1 — {n} {'/'.join(kinds)} workers, "
                f"model {cfg.model_name}, policy {cfg.routing.policy.value}")
+    typer.echo(native_state().summary)
     run_frontend(application, cp.host, cp.port)  # with the control plane's connection limits
 
 

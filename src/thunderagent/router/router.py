@@ -22,18 +22,11 @@ from thunderagent.config import Policy, RoutingConfig
 from thunderagent.kv.index import KvIndex
 from thunderagent.router.candidates import FleetView, LazyScores
 from thunderagent.router.cost import cost_terms, load_key, queued_prefill, score_terms
+from thunderagent.router.errors import NoWorkerAvailable
 from thunderagent.router.hot import HotPrefixes
 from thunderagent.router.policies import Candidate, KvAware, make_policy
 from thunderagent.router.selection import select
 from thunderagent.types import Decision, HotPrefixNote, RouteRequest, WorkerState
-
-
-class NoWorkerAvailable(RuntimeError):
-    """No worker can take the request now (none healthy, or all busy with fallback=reject)."""
-
-    def __init__(self, message: str, retry_after: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
 
 def holding(req: RouteRequest, workers: Sequence[WorkerState]) -> Sequence[WorkerState]:

@@ -1,0 +1,70 @@
+"""The mypyc-compiled routing core (``thunderagent/native.py``, ``setup.py``): what this install runs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from thunderagent import native
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def test_the_build_and_the_report_name_the_same_modules() -> None:
+    setup_py = (SRC.parent / "setup.py").read_text()
+    assert 'runpy.run_path("src/thunderagent/native.py")["MODULES"]' in setup_py  # one list, read by both
+    for path in native.MODULES:
+        assert (SRC / path).is_file(), path
+
+
+def test_this_install_runs_what_it_was_built_from() -> None:
+    st = native.state()
+    assert set(st.compiled) | set(st.interpreted) == {native.module_name(p) for p in native.MODULES}
+    assert not st.stale, st.summary  # a source edited after the build: `pip install -e .` again
+    if os.environ.get("CI"):
+        # CI installs with gcc present: the suite must exercise the compiled modules, not fall back silently
+        assert not st.interpreted, st.summary
+
+
+def test_an_edit_after_the_build_is_reported_stale(tmp_path: Path, monkeypatch) -> None:
+    """A compiled module whose source is newer than its extension is named, so an edit never goes unseen."""
+    pkg = tmp_path / "thunderagent" / "router"
+    pkg.mkdir(parents=True)
+    ext = pkg / "cost.cpython-311-x86_64-linux-gnu.so"
+    ext.write_bytes(b"")
+    src = pkg / "cost.py"
+    src.write_text("")
+    os.utime(ext, (1_000, 1_000))
+    os.utime(src, (2_000, 2_000))
+
+    class Spec:
+        origin = str(ext)
+        loader = native.importlib.machinery.ExtensionFileLoader("thunderagent.router.cost", str(ext))
+
+    monkeypatch.setattr(native.importlib.util, "find_spec",
+                        lambda name: Spec() if name == "thunderagent.router.cost" else None)
+    st = native.state()
+    assert st.compiled == ("thunderagent.router.cost",)
+    assert st.stale == ("thunderagent.router.cost",)
+    assert "STALE" in st.summary and "thunderagent.router.cost" in st.summary
+    os.utime(src, (500, 500))
+    assert native.state().stale == ()
+
+
+def test_no_compiled_class_shares_an_abc_cache() -> None:
+    """A class compiled by mypyc that derives from an ABC (``collections.abc.Sequence``...) gets no ABC cache
+    of its own and shares its base's: one ``isinstance(x, Cls)`` then poisons the base's cache (measured:
+    ``isinstance([], Sequence)`` turned False). Such classes stay in interpreted modules
+    (``router/candidates.py``'s ``FleetView``); this guards the list in ``native.MODULES``."""
+    import abc
+    import importlib
+    import inspect
+
+    for path in native.MODULES:
+        mod = importlib.import_module(native.module_name(path))
+        for _, cls in inspect.getmembers(mod, inspect.isclass):
+            if cls.__module__ != mod.__name__ or not isinstance(cls, abc.ABCMeta):
+                continue
+            if getattr(cls, "_is_protocol", False):
+                continue  # a typing.Protocol: never instantiated nor isinstance-checked
+            assert "_abc_impl" in cls.__dict__, f"{cls.__module__}.{cls.__qualname__} shares its base's ABC cache"
