@@ -68,3 +68,23 @@ def test_no_compiled_class_shares_an_abc_cache() -> None:
             if getattr(cls, "_is_protocol", False):
                 continue  # a typing.Protocol: never instantiated nor isinstance-checked
             assert "_abc_impl" in cls.__dict__, f"{cls.__module__}.{cls.__qualname__} shares its base's ABC cache"
+
+
+def test_the_index_keeps_the_callers_int_objects() -> None:
+    """Index memory (README, "Compiled routing core"): entries share the event's / request's hash objects and a
+    lone holder's mask is its worker's bit object. Compiled, an int typed ``int`` below 2**62 is a native
+    integer boxed anew at each store; ``kv/index.py`` and ``kv/predictions.py`` keep them as objects."""
+    from thunderagent.kv.index import KvIndex
+    from thunderagent.types import BlockStored
+
+    index = KvIndex(prediction_ttl=5.0)
+    for i in range(40):
+        index.add_worker(f"w{i}")
+    stored = tuple((1 << 40) + k for k in range(4))  # below 2**62 and above the small-int cache
+    index.apply_event(BlockStored("w30", 0, stored, None), 0.0)
+    predicted = [(1 << 41) + k for k in range(4)]
+    index.predict("w31", predicted, 0.0)
+    keys = {id(k) for k in index._confirmed} | {id(k) for k in index._predicted}
+    assert keys == {id(h) for h in stored} | {id(h) for h in predicted}
+    bit = index._workers["w30"].bit
+    assert bit == 1 << 30 and all(index._confirmed[h] is bit for h in stored)

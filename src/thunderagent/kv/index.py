@@ -43,6 +43,7 @@ import enum
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from thunderagent.kv.check import CheckMap, cut_levels, cut_unverified
 from thunderagent.kv.predictions import PredBatch as _PredBatch
@@ -71,7 +72,9 @@ class _Worker:
 
     def __init__(self, worker_id: str, bit: int) -> None:
         self.worker_id = worker_id
-        self.bit = bit  # 1 << slot
+        # 1 << slot. Typed Any so that, compiled (setup.py), it stays the one Python int object every lone
+        # holder's entry shares: a native int would be boxed anew at each store (a new object per entry).
+        self.bit: Any = bit
         self.blocks: set[int] = set()  # hashes this worker has an entry for (either map)
         self.last_seq = -1
         self.stale = False
@@ -392,11 +395,15 @@ class KvIndex:
 
     def _confirm(self, w: _Worker, block_hashes: Iterable[int]) -> None:
         """Set confirmed entries for ``w`` (moving any prediction of the same hash over)."""
-        bit = w.bit
-        confirmed = self._confirmed
-        predicted = self._predicted
-        mine = w.blocks
-        for h in block_hashes:
+        # Typed Any: compiled (setup.py), an int below 2**62 is a native integer, boxed anew at each store; as
+        # objects the event's own hashes are the keys of both maps, as they are interpreted (one int per hash)
+        bit: Any = w.bit
+        confirmed: dict[Any, Any] = self._confirmed
+        predicted: dict[Any, Any] = self._predicted
+        mine: set[Any] = w.blocks
+        h: Any
+        items: Iterable[Any] = block_hashes  # (iterating an Iterable[int] unboxes each item too)
+        for h in items:
             old = confirmed.get(h)  # a lone holder shares its worker's bit object (bit 999: a 160-byte int)
             confirmed[h] = bit if old is None else old | bit
             if h in mine:  # only then can a prediction of ours exist for h

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class PredBatch:
@@ -77,20 +77,26 @@ def record(confirmed: Mapping[int, int], predicted: dict[int, PredBatch | Predic
     # One batch for the whole call: a block nobody else predicted maps to it, which costs one dict
     # store, and the batch is the call's single expiry-queue item.
     batch = PredBatch(bit, expiry)
-    push = batch.hashes.append
-    for h in block_hashes:
+    # Typed Any: compiled (setup.py), an int below 2**62 is a native integer, boxed anew at each store; as
+    # objects the request's own hashes are the keys and the queue's items, as they are interpreted
+    hashes: list[Any] = batch.hashes
+    push = hashes.append
+    table: dict[Any, Any] = predicted
+    h: Any
+    items: Iterable[Any] = block_hashes  # (iterating an Iterable[int] unboxes each item too)
+    for h in items:
         if confirmed.get(h, 0) & bit:
             continue  # never downgrade a confirmed entry
-        preds = predicted.get(h)
+        preds = table.get(h)
         if preds is None:
-            predicted[h] = batch
+            table[h] = batch
         elif isinstance(preds, PredBatch):
             if preds.bit == bit:
                 if preds.expiry >= expiry:
                     continue  # already valid at least as long
-                predicted[h] = batch  # refreshed
+                table[h] = batch  # refreshed
             else:  # a second holder
-                many = predicted[h] = Predictions.of(preds, now)
+                many = table[h] = Predictions.of(preds, now)
                 many.expiry[bit] = expiry
                 many.live_mask |= bit
                 if expiry < many.live_until:
