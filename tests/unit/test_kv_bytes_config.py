@@ -114,8 +114,12 @@ def test_cli_refuses_bad_endpoints_and_live_only_fields_in_the_simulator(tmp_pat
     strict = tmp_path / "strict.yaml"
     strict.write_text("execution_group: {nodes: [{role: prefill, kv_cache_transfer: {enabled: true}}, "
                       "{role: decode}]}\nrouting: {fallback_to_local: false, disaggregation: {mode: always}}\n")
-    res = run(app, ["sim", "--trace", str(trace), "--config", str(strict), "--pd", "1:1"])
-    assert res.exit_code == 2 and "fallback_to_local: false (strict disaggregation) is not modelled" in res.output
+    # strict disaggregation is simulated with prefill and decode workers in mode always only
+    for args in ([], ["--pd", "1:1", "--pd-mode", "conditional"]):
+        res = run(app, ["sim", "--trace", str(trace), "--config", str(strict), *args])
+        assert res.exit_code == 2 and "strict disaggregation) needs --pd P:D" in res.output, args
+    res = run(app, ["sim", "--trace", str(trace), "--config", str(strict), "--pd", "1:1", "--policy", "kv_aware"])
+    assert res.exit_code == 0, res.output
 
 
 def test_a_real_engine_config_dumped_and_read_again_is_accepted() -> None:

@@ -98,3 +98,50 @@ def test_the_prefill_group_keeps_its_own_batch_limits():
                     pd=PdSetup(1, 3, DisaggConfig(mode="always"), FAST, prefill_node=pnode))
     assert [e.node.max_batch_size for e in sim.engines] == [32, 256, 256, 256]
     assert [(s.role, s.queue_depth_threshold) for s in sim._states] == [("prefill", 8)] + [("decode", 64)] * 3
+
+
+def run_strict(faults: PdFaults, p: int = 1, d: int = 3, reqs=None):
+    reqs = reqs if reqs is not None else load_trace(EXCERPT)
+    routing = RoutingConfig.model_validate({"seed": 0, "fallback_to_local": False,
+                                            "disaggregation": {"mode": "always"}})
+    sim = Simulator(NODE, routing, 4, Policy.kv_aware, seed=0,
+                    pd=PdSetup(p, d, DisaggConfig(mode="always"), FAST, faults))
+    out = sim.run(reqs, 4.0)
+    assert sim.pd is not None
+    return out, sim
+
+
+def test_strict_never_prefills_on_a_decode_worker():
+    """routing.fallback_to_local false: a failed transfer is routed again without the decode worker at fault
+    (never prefilled there), at most once per decode worker; a request every decode worker failed is refused
+    (it ends without a token, as a live 503 / UNAVAILABLE), and nothing is lost."""
+    out, sim = run_strict(PdFaults(interrupt_p=0.5, seed=3))
+    r, pd = out.result, sim.pd
+    st = pd.plane.stats
+    assert r.requests == 200 and r.extra["incomplete_requests"] == 0
+    assert st.fallbacks == {} and st.failures["interrupted"] == pd.rerouted["interrupted"] > 100
+    refused = r.extra["refused_requests"]
+    assert refused == r.extra["rejected_requests"] == 200 - pd.remote > 0  # the rest decoded a moved KV
+    assert len(out.ttft_by_id) == pd.remote
+    # each refused request was tried on all 3 decode workers; a request is never tried twice on one
+    assert pd.rerouted["interrupted"] >= 3 * refused
+    assert all(len(t) == len(set(t)) <= 3 for t in sim._tried.values())
+    assert sum(len(t) == 3 for t in sim._tried.values()) == refused
+    # the decode engines computed only each prompt's last partial block: no prompt was prefilled there
+    assert sum(e.prefill_tokens for e in pd.engines[1:]) < 200 * NODE.block_size
+    assert not pd.jobs and all(e.pinned_transfers == 0 for e in pd.engines)
+
+
+def test_strict_with_a_dead_link_refuses_everything_and_loses_nothing():
+    out, sim = run_strict(PdFaults(slow_link=50.0))
+    r, pd = out.result, sim.pd
+    assert r.requests == 200 and r.extra["refused_requests"] == 200 and pd.remote == 0
+    assert pd.rerouted == {"timeout": 600} and pd.plane.stats.fallbacks == {}  # 3 decode workers each
+
+
+def test_strict_needs_prefill_and_decode_workers_in_mode_always():
+    routing = RoutingConfig.model_validate({"fallback_to_local": False, "disaggregation": {"mode": "always"}})
+    with pytest.raises(ValueError, match="strict disaggregation"):
+        Simulator(NODE, routing, 4, Policy.kv_aware)
+    with pytest.raises(ValueError, match="mode always"):
+        Simulator(NODE, routing, 4, Policy.kv_aware, pd=PdSetup(1, 3, DisaggConfig(mode="conditional"), FAST))

@@ -133,9 +133,9 @@ def sim(
         nodes = cfg.execution_group.nodes
         shape = {"kv_blocks": kv_blocks, "block_size": block_size}
         node = next((n for n in nodes if n.role.value != "prefill"), nodes[0]).model_copy(update=shape)
-        if not cfg.routing.fallback_to_local:
-            raise ConfigError(f"{config}: routing.fallback_to_local: false (strict disaggregation) is not modelled by "
-                              "the simulator (its --pd prefills locally after a failed transfer): leave it true")
+        if not cfg.routing.fallback_to_local and (pd is None or any(m is not PdMode.always for m in pd_mode or [])):
+            raise ConfigError(f"{config}: routing.fallback_to_local: false (strict disaggregation) needs --pd P:D "
+                              "(prefill and decode workers) and --pd-mode always")
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -361,13 +361,21 @@ def _report(console: Any, trace: list[str], results: list[Any], outcomes: list[A
                 f"p99 {r.decision_us.p99:,.0f} µs; replay {r.wall_s:,.1f} s wall; KV events into the index "
                 f"{r.extra['kv_event_blocks'] / dur if dur > 0 else 0.0:,.0f} blocks per virtual second")
         rejected, unfinished = r.extra.get("rejected_requests", 0), r.extra.get("incomplete_requests", 0)
+        refused = r.extra.get("refused_requests", 0)
         lost = []
-        if rejected:
-            lost.append(f"{rejected:,} ended without a token (refused by their worker: longer than its KV cache)")
+        if refused:
+            lost.append(f"{refused:,} refused by the router (strict disaggregation: no prefill worker or room left "
+                        "for them; or fallback reject with every worker busy)")
+        if rejected > refused:
+            lost.append(f"{rejected - refused:,} ended without a token (refused by their worker: longer than its "
+                        "KV cache)")
         if unfinished:
             lost.append(f"{unfinished:,} not finished" + (" by the horizon" if r.extra.get("horizon_s") else ""))
         if lost:  # the table's requests column counts what ended, these included
             out_console.print(f"{r.system} {r.policy}: of {meta['requests']:,} requests, {'; '.join(lost)}")
+        if rerouted := r.extra.get("pd", {}).get("rerouted"):
+            out_console.print(f"{r.system} {r.policy}: strict, failures routed again without the worker at fault: "
+                              + ", ".join(f"{n:,} {cause}" for cause, n in sorted(rerouted.items())))
     if json_out:
         write_json(json_out, results, bounds, meta)
         console.print(f"wrote {json_out}")

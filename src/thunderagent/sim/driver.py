@@ -34,7 +34,7 @@ from thunderagent.kv.feed import KvFeed
 from thunderagent.kv.index import KvIndex
 from thunderagent.observe.decision_log import DecisionLog
 from thunderagent.router.autotune import WeightTuner, feed
-from thunderagent.router.router import KvRouter
+from thunderagent.router.router import KvRouter, NoWorkerAvailable
 from thunderagent.scheduler.disagg import Disaggregator
 from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
 from thunderagent.sim.arrivals import ClosedLoop, OpenLoop, session_stats
@@ -218,8 +218,12 @@ class Simulator:
             self.feed.add_worker(e.worker_id, live=True)
         if scheduler is not None:  # a replay refuses nothing: only the count bounds act (as before the time bound)
             scheduler = scheduler.model_copy(update={"max_queue_delay_s": None, "admit_ttft_factor": None})
+        strict = not routing.fallback_to_local  # strict disaggregation: a decode worker never prefills
+        if strict and (pd is None or pd.disagg.mode != "always"):
+            raise ValueError("routing.fallback_to_local: false (strict disaggregation) needs prefill/decode workers "
+                             "(--pd P:D) in mode always")
         disagg = None if pd is None else Disaggregator(pd.disagg, TransferPlane(pd.transfer), make_timing(node.timing),
-                                                       node.block_size)
+                                                       node.block_size, strict=strict)
         self.dispatcher = Dispatcher(KvRouter(routing, self.index, random.Random(seed), policy), node.block_size,
                                      scheduler, disagg)
         # a maintained view (router/candidates.py): every load change below goes through set_load
@@ -232,6 +236,13 @@ class Simulator:
         #: the workers routing sees (all by default; ``sim/scaling.py`` starts and drains engines by editing it)
         self.routable: list[WorkerState] = self._states
         self.pd = None if disagg is None or pd is None else PdSim(self.engines, self._pos, disagg, pd.faults)
+        #: requests the router refused (strict disaggregation without room or a prefill worker; fallback
+        #: reject with every worker busy): they end at once without a token, as a 503 does live
+        self.refused = 0
+        self._run: _Run | None = None
+        self._tried: dict[str, tuple[str, ...]] = {}  # strict: the workers each rerouted request was blamed on
+        if self.pd is not None:
+            self.pd.reroute = self._reroute
         for e in self.engines:  # transfers move on the virtual clock: blocks stay pinned until PdSim ends them
             e.pin_transfers = self.pd is not None
         self.mig = sim_migration(routing, node, self.engines, self._pos, self.index, self.pd, self.apply_events,
@@ -271,10 +282,14 @@ class Simulator:
             a.finals.clear()
         self._decision_ns = []
         self.kv_event_blocks = 0
+        self.refused = 0
+        self._tried.clear()
         src = ClosedLoop(requests, speedup) if closed_loop else OpenLoop(requests, speedup)
         run = _Run(self, SimOutcome(RunResult("thunderagent", self.policy.value, 0, *([Dist.of([])] * 3), 0, 0, 0, 0),
                                     []), src)
+        self._run = run
         self._replay(run, progress, math.inf if horizon_s is None else horizon_s)
+        self._run = None
         out = run.out
         out.result = summarize(self, run.tracks, time.perf_counter() - wall0, self._decision_ns)
         out.ttft_by_id = {rid: (t.first - t.arrival) * 1e3 for rid, t in run.tracks.items() if t.first >= 0}
@@ -396,9 +411,42 @@ class Simulator:
         t0 = time.perf_counter_ns()
         req = dispatcher.prepare(tr.request_id, tokens, tr.output_length, ignore_eos=True,  # type: ignore[arg-type]
                                  priority=tr.priority, arrival=now)
-        d = dispatcher.submit(req, tr.session or "", self.routable, now, program=program)
-        self._decision_ns.append(time.perf_counter_ns() - t0)
+        try:
+            d = dispatcher.submit(req, tr.session or "", self.routable, now, program=program)
+        except NoWorkerAvailable:  # (submit already ended the program's step)
+            self._refuse(tr.request_id, now)
+            return -1
+        finally:
+            self._decision_ns.append(time.perf_counter_ns() - t0)
         return -1 if d is None else self._place(d, now, tracks)
+
+    def _refuse(self, request_id: str, now: float) -> None:
+        """The router refused the request: it ends now without a token (a closed-loop session goes on)."""
+        assert self._run is not None
+        tr = self._run.tracks[request_id]
+        tr.done, tr.end = True, now
+        self.refused += 1
+        self._run.src.finished(request_id, now, now)
+
+    def _reroute(self, first: Dispatch, blamed: str, now: float) -> int:
+        """Strict disaggregation (``sim/pd.py``): a failed prefill or transfer routed again without the worker at
+        fault, as the live fleet does (``control/migration.route_again``: the blocks predicted on the first
+        decode worker are retracted, they never arrived; every worker blamed so far is left out, so a request
+        is routed again at most once per worker). The engine given work, or -1 when refused."""
+        assert self._run is not None
+        self.dispatcher.retract(first)
+        req = first.request
+        tried = self._tried[req.request_id] = (*self._tried.get(req.request_id, ()), blamed)
+        try:
+            d = self.dispatcher.dispatch(req, self.routable, now, exclude=tried)
+        except NoWorkerAvailable:
+            tr = self._run.tracks[req.request_id]
+            self.dispatcher.progressed(req.request_id, ok=False)  # a leader's followers go on their own
+            if tr.program is not None:
+                self.dispatcher.finished(tr.program, tr.input_length, now, completed=False)
+            self._refuse(req.request_id, now)
+            return -1
+        return self._place(d, now, self._run.tracks)
 
     def _pump(self, now: float, tracks: dict[str, Track]) -> list[int]:
         """Held requests that can go now, placed one at a time (each placement updates its engine's
@@ -406,7 +454,10 @@ class Simulator:
         placed = []
         while True:
             t0 = time.perf_counter_ns()
-            d = self.dispatcher.pump(self.routable, now)
+            try:
+                d = self.dispatcher.pump(self.routable, now)
+            except NoWorkerAvailable:  # strict, no room yet: it stays first in line, as live
+                return placed
             if d is None:
                 return placed
             self._decision_ns.append(time.perf_counter_ns() - t0)

@@ -13,13 +13,20 @@ this module only carries a plan out, as the live fleet does with real workers:
 4. the prefill engine unpins the blocks; the request goes to the decode engine with ``kv_from``, or,
    after any failure, without it: it prefills there (local fallback, counted by cause).
 
-Every request completes: no failure path drops one.
+Strict (``routing.fallback_to_local: false``, the disaggregator's ``strict``): a decode worker never
+prefills. A failure is routed again through the driver's ``reroute`` without the worker at fault (the
+prefill worker for ``prefill_failed``, else the decode worker), counted by cause in ``rerouted``; the
+router may refuse it then (no other prefill worker, no room), and it ends without a token, as the live
+relay's ``UNAVAILABLE`` does. A transfer waiting for the plane's cap waits (both modes).
+
+Every request completes or, strict, is refused: no failure path drops one.
 """
 
 from __future__ import annotations
 
 import heapq
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from thunderagent.engine.simulated import SimulatedEngine
@@ -58,6 +65,7 @@ class _Job:
     transfer: Transfer | None = None
     ok: bool = True
     cause: str = ""
+    dispatch: Dispatch | None = None  # strict: what ``reroute`` retracts (the decode worker's predicted blocks)
 
 
 class PdSim:
@@ -78,6 +86,11 @@ class PdSim:
         #: run's prefix reuse does not)
         self.moved: dict[str, int] = {}
         self.inflight_trace: list[int] = []  # in-flight transfers after every plane change (tests)
+        self.strict = disagg.strict
+        #: strict: routes a dispatch's request again without a worker (its blocks predicted on the decode worker
+        #: retracted first: they never arrived); the engine given work, -1 when refused (the driver's)
+        self.reroute: Callable[[Dispatch, str, float], int] | None = None
+        self.rerouted: dict[str, int] = {}  # strict: failures routed again, by cause
 
     def place(self, d: Dispatch, now: float) -> int:
         """Start ``d``'s plan: its prefill job on the prefill engine (returned)."""
@@ -85,7 +98,7 @@ class PdSim:
         req = d.request
         p, dec = self.pos[d.pd.prefill_worker], self.pos[d.decision.worker_id]
         jid = req.request_id + JOB_SUFFIX
-        self.jobs[jid] = _Job(req, p, dec)
+        self.jobs[jid] = _Job(req, p, dec, dispatch=d)
         job = replace(req, request_id=jid, max_tokens=1, remote_decode=True, kv_from=None)
         self.engines[p].add_request(job, now)
         return p
@@ -96,7 +109,7 @@ class PdSim:
             return
         job = self.jobs[o.request_id]
         if o.kv_transfer is None:
-            return self._fallback(o.request_id, job, "prefill_failed", now)
+            return self._fallback(o.request_id, job, "prefill_failed", now, blame_prefill=True)
         job.kv = o.kv_transfer
         dec = self.engines[job.decode]
         bm = dec.blocks
@@ -163,10 +176,17 @@ class PdSim:
         dec.add_request(job.req, now)
         self.touched.append(job.decode)
 
-    def _fallback(self, jid: str, job: _Job, cause: str, now: float) -> None:
-        self.plane.fallback(cause)
+    def _fallback(self, jid: str, job: _Job, cause: str, now: float, blame_prefill: bool = False) -> None:
         self.engines[job.prefill].release_transfer(jid)
         del self.jobs[jid]
+        if self.strict and self.reroute is not None and job.dispatch is not None:
+            self.rerouted[cause] = self.rerouted.get(cause, 0) + 1
+            blamed = self.engines[job.prefill if blame_prefill else job.decode].worker_id
+            j = self.reroute(job.dispatch, blamed, now)
+            if j >= 0:
+                self.touched.append(j)
+            return
+        self.plane.fallback(cause)
         self.engines[job.decode].add_request(job.req, now)
         self.touched.append(job.decode)
 
@@ -174,4 +194,5 @@ class PdSim:
         return {"remote_prefills": self.remote, "decisions": dict(self.disagg.outcomes),
                 "plane": self.plane.stats.as_dict(),
                 "kv_imported_blocks": sum(e.kv_imported_blocks for e in self.engines),
-                "kv_import_failed": sum(e.kv_import_failed for e in self.engines)}
+                "kv_import_failed": sum(e.kv_import_failed for e in self.engines),
+                **({"rerouted": dict(self.rerouted)} if self.strict else {})}

@@ -50,6 +50,7 @@ class Replay(Protocol):
     pd: PdSim | None
     mig: MigrationSim | None
     kv_event_blocks: int
+    refused: int
 
 
 def summarize(sim: Replay, tracks: dict[str, Track], wall_s: float, decision_ns: Sequence[int]) -> RunResult:
@@ -81,9 +82,10 @@ def summarize(sim: Replay, tracks: dict[str, Track], wall_s: float, decision_ns:
         wall_s=wall_s,
         extra={
             "incomplete_requests": len(tracks) - len(done),
-            # ended without a token: refused by the engine (longer than its KV cache); only when some were,
-            # so results of runs without any keep their shape
+            # ended without a token: refused by the engine (longer than its KV cache) or by the router
+            # (``refused_requests``); only when some were, so results of runs without any keep their shape
             **({"rejected_requests": len(done) - len(ttft)} if len(ttft) < len(done) else {}),
+            **({"refused_requests": sim.refused} if sim.refused else {}),
             "prompt_tokens": prompt,
             "recomputed_prompt_tokens": prompt - cached,  # prompt tokens not served from cache
             "preemptions": sum(e.preemptions for e in engines),
