@@ -145,3 +145,22 @@ def test_strict_needs_prefill_and_decode_workers_in_mode_always():
         Simulator(NODE, routing, 4, Policy.kv_aware)
     with pytest.raises(ValueError, match="mode always"):
         Simulator(NODE, routing, 4, Policy.kv_aware, pd=PdSetup(1, 3, DisaggConfig(mode="conditional"), FAST))
+
+
+def test_strict_refuses_an_arrival_the_decode_workers_have_no_room_for():
+    """Decode workers of 1,200 blocks (a target watermark of 0.7): strict dispatches that would overfill the
+    target raise, and the arrival is refused (ends at once without a token, as a live 503) where the default
+    prefills it locally; every request still ends."""
+    routing = RoutingConfig.model_validate({"seed": 0, "fallback_to_local": False,
+                                            "disaggregation": {"mode": "always"}})
+    small = NodeConfig(kv_blocks=1200, block_size=64)
+    sim = Simulator(small, routing, 4, Policy.kv_aware, seed=0, pd=PdSetup(1, 3, DisaggConfig(mode="always"), FAST))
+    r = sim.run(load_trace(EXCERPT), 4.0).result
+    pd = sim.pd
+    assert pd is not None
+    decisions = r.extra["pd"]["decisions"]
+    assert decisions["refused_target_full"] > 50 and r.extra["incomplete_requests"] == 0
+    # refused at arrival, or after every decode worker refused its transfer
+    tried_all = sum(len(t) == 3 for t in sim._tried.values())
+    assert r.extra["refused_requests"] == decisions["refused_target_full"] + tried_all
+    assert pd.remote + r.extra["refused_requests"] == 200 and pd.plane.stats.fallbacks == {}
