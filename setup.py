@@ -29,7 +29,7 @@ def native_extensions() -> list:
     # the build environment has none of the runtime dependencies: their types are unknown (Any) there, and
     # the modules imported from the compiled ones are read for their types only (errors there not reported)
     opts = ["--ignore-missing-imports", "--follow-imports=silent"]
-    exts = mypycify(opts + NATIVE, opt_level="3", group_name="thunderagent.native")
+    exts = mypycify(opts + NATIVE, group_name="thunderagent.native")
     for ext in exts:
         ext.optional = True  # no compiler: warn and keep the pure-Python modules
     return exts

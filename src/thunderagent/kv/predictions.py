@@ -110,7 +110,7 @@ def record(confirmed: Mapping[int, int], predicted: dict[int, PredBatch | Predic
             if expiry < preds.live_until:  # live set was empty (inf), or clock went back
                 preds.live_until = expiry
         push(h)
-    mine.update(batch.hashes)  # one C-level call for the whole prompt instead of an add per block
+    mine.update(hashes)  # one C-level call for the whole prompt instead of an add per block
     return batch
 
 

@@ -61,11 +61,11 @@ class _Job:
     req: EngineRequest  # the client's request (decoded on ``decode``)
     prefill: int  # engine index
     decode: int
+    dispatch: Dispatch  # the plan's dispatch (strict: ``reroute`` retracts its decode worker's predicted blocks)
     kv: KvTransfer | None = None
     transfer: Transfer | None = None
     ok: bool = True
     cause: str = ""
-    dispatch: Dispatch | None = None  # strict: what ``reroute`` retracts (the decode worker's predicted blocks)
 
 
 class PdSim:
@@ -98,7 +98,7 @@ class PdSim:
         req = d.request
         p, dec = self.pos[d.pd.prefill_worker], self.pos[d.decision.worker_id]
         jid = req.request_id + JOB_SUFFIX
-        self.jobs[jid] = _Job(req, p, dec, dispatch=d)
+        self.jobs[jid] = _Job(req, p, dec, d)
         job = replace(req, request_id=jid, max_tokens=1, remote_decode=True, kv_from=None)
         self.engines[p].add_request(job, now)
         return p
@@ -179,7 +179,8 @@ class PdSim:
     def _fallback(self, jid: str, job: _Job, cause: str, now: float, blame_prefill: bool = False) -> None:
         self.engines[job.prefill].release_transfer(jid)
         del self.jobs[jid]
-        if self.strict and self.reroute is not None and job.dispatch is not None:
+        if self.strict:
+            assert self.reroute is not None  # (the driver's, set when it builds this)
             self.rerouted[cause] = self.rerouted.get(cause, 0) + 1
             blamed = self.engines[job.prefill if blame_prefill else job.decode].worker_id
             j = self.reroute(job.dispatch, blamed, now)
