@@ -1,9 +1,11 @@
-"""Build: the routing decision's modules compiled to C with mypyc, the rest pure Python.
+"""Build: the routing decision's and the simulated engine's modules compiled to C with mypyc, the rest
+pure Python.
 
 Why: a decision is many small Python steps (index match, scoring a few workers, the policy, the
 prediction); compiled, the full decision took 0.58x Dynamo's hash + match alone against 0.82x
-interpreted (medians of three runs each, ``bench/route_decision.py``). mypyc compiles the same typed
-source (no second copy of any policy): the modules run unchanged when not compiled.
+interpreted (medians of three runs each, ``bench/route_decision.py``). The simulated engine's passes
+were most of a replay's time (``bench/sim_speed.py``). mypyc compiles the same typed source (no second
+copy of any policy): the modules run unchanged when not compiled.
 
 ``THUNDERAGENT_PURE_PYTHON=1`` at install time skips the compilation. Without a C compiler, the
 extensions are optional: the build warns and installs the pure-Python modules.

@@ -1,11 +1,13 @@
 """Which modules the build compiles with mypyc (``setup.py``), and whether this install runs them.
 
-The routing decision (``KvRouter.route`` and what it calls) is many small Python steps; mypyc compiles
-the same typed source to C (no second copy of any policy): the full decision went from 0.82x to 0.58x
-Dynamo's hash + match (``bench/route_decision.py``). Compiled modules sit beside their sources in an
-editable install, and Python loads an extension module before a ``.py`` of the same name: a source edited
-after the build would be silently ignored, so :func:`state` names those (``NativeState.stale``: ``serve``
-and ``frontend`` print them, and the test suite fails on them). Rebuild with ``pip install -e .``.
+The routing decision (``KvRouter.route`` and what it calls) and the simulated engine are many small
+Python steps; mypyc compiles the same typed source to C (no second copy of any policy or engine): the
+full decision went from 0.82x to 0.58x Dynamo's hash + match (``bench/route_decision.py``), and the
+full Mooncake replay's CPU time fell by about a fifth (``bench/sim_speed.py``). Compiled modules sit
+beside their sources in an editable install, and Python loads an extension module before a ``.py`` of
+the same name: a source edited after the build would be silently ignored, so :func:`state` names those
+(``NativeState.stale``: ``serve`` and ``frontend`` print them, and the test suite fails on them). Rebuild
+with ``pip install -e .``.
 
 This module imports nothing of the package: ``setup.py`` reads :data:`MODULES` from it before install.
 """
@@ -29,6 +31,19 @@ MODULES = (
     "thunderagent/router/policies.py",
     "thunderagent/router/router.py",
     "thunderagent/router/selection.py",
+    # the simulated engine: most of a replay's time (``bench/sim_speed.py``), and every simulated worker's
+    "thunderagent/engine/accounting.py",
+    "thunderagent/engine/blocks.py",
+    "thunderagent/engine/eviction.py",
+    "thunderagent/engine/fields.py",
+    "thunderagent/engine/kv_handoff.py",
+    "thunderagent/engine/pass_end.py",
+    "thunderagent/engine/preemption.py",
+    "thunderagent/engine/sim_state.py",
+    "thunderagent/engine/simulated.py",
+    "thunderagent/engine/stretch.py",
+    "thunderagent/engine/textgen.py",
+    "thunderagent/engine/timing.py",
 )
 
 
@@ -41,8 +56,8 @@ class NativeState:
     @property
     def summary(self) -> str:
         if not self.compiled:
-            return "routing core: pure Python (not compiled: no C compiler at install, or THUNDERAGENT_PURE_PYTHON)"
-        text = f"routing core: {len(self.compiled)} of {len(MODULES)} modules compiled (mypyc)"
+            return "compiled core: none, pure Python (no C compiler at install, or THUNDERAGENT_PURE_PYTHON)"
+        text = f"compiled core: {len(self.compiled)} of {len(MODULES)} modules compiled (mypyc)"
         if self.stale:
             text += f"; STALE, sources edited after the build: {', '.join(self.stale)} (pip install -e . again)"
         return text

@@ -108,7 +108,9 @@ class EngineRequest:
     """
 
     request_id: str
-    prompt_tokens: list[int]
+    # a list, or an ``array('I')`` (the simulator's synthetic prompts): the compiled engine checks reads
+    # against this annotation, so it names what flows (``native.py``)
+    prompt_tokens: Sequence[int]
     block_hashes: list[int]
     hash_seed: int
     max_tokens: int

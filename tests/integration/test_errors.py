@@ -7,6 +7,7 @@ import json
 import aiohttp
 import pytest
 
+from support.faults import crash_engine
 from support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -171,11 +172,7 @@ async def test_prompt_longer_than_a_pass_without_chunked_prefill_is_a_clear_400(
 async def test_failed_engine_ends_requests_with_an_error_and_leaves_routing(server_factory):
     async with server_factory(execution_group={"nodes": [{"count": 2}]}) as srv:
         victim = srv.fleet.workers["worker-0"]
-
-        def broken(now: float) -> list:
-            raise RuntimeError("simulated engine bug")
-
-        victim.engine.advance = broken  # type: ignore[method-assign]
+        crash_engine(victim, "simulated engine bug")
         async with aiohttp.ClientSession() as s:
             statuses = []
             for i in range(6):

@@ -10,6 +10,7 @@ import json
 import aiohttp
 import pytest
 
+from support.faults import crash_engine
 from support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -90,11 +91,7 @@ async def test_a_cut_non_streaming_request_is_a_5xx_never_a_200_with_error(serve
             task = asyncio.create_task(s.post(srv.base_url + "/v1/completions", data=body(1, False, 400), headers=JSON))
             await wait_until(lambda: any(g.queue.produced for g in srv.fleet._generations_on(victim)), 5,
                              "the request streams on the only worker")
-
-            def broken(now: float) -> list:
-                raise RuntimeError("simulated engine crash")
-
-            victim.engine.advance = broken  # type: ignore[attr-defined]
+            crash_engine(victim)
             victim._wake.set()  # type: ignore[attr-defined]
             async with await task as r:
                 err = await r.json()

@@ -125,7 +125,9 @@ async def test_past_max_programs_the_program_idle_longest_is_forgotten_and_count
 
 
 async def test_programs_are_listed_by_state_and_limit_and_one_by_id(server_factory):
-    async with server_factory() as srv:
+    # engine time at the wall clock's pace: p4's 400 tokens take seconds, so it still reasons while every
+    # query below runs, also on a loaded machine (at the suite's 20x they took ~0.2 s of wall time)
+    async with server_factory(simulation={"speedup": 1.0}) as srv:
         c = srv.client
         for pid in ("p1", "p2", "p3"):
             await c.completions.create(model=MODEL, prompt=f"step of {pid}", max_tokens=2,
@@ -155,5 +157,4 @@ async def test_programs_are_listed_by_state_and_limit_and_one_by_id(server_facto
                 assert status == 400 and body["error"]["param"] == param, (path, body)
             status, body = await get("/v1/programs/p9")
             assert status == 404 and body["error"]["code"] == "program_not_found"
-        async for _ in stream:
-            pass
+        await stream.close()  # p4 is aborted: no need to wait for its 400 tokens

@@ -13,6 +13,8 @@ from thunderagent.control.fleet import Fleet, Generation
 from thunderagent.frontend.tokenizer import ByteTokenizer
 from thunderagent.types import FinishReason, TokenOutput
 
+from support.faults import crash_engine
+
 PROMPT = list(b"Tell me about the river and the mill, please. " * 3)
 
 
@@ -57,10 +59,7 @@ async def reference(fleet: Fleet, max_tokens: int = 40) -> list[int]:
 
 def fail_engine(gen: Generation) -> None:
     """The engine of the request's worker raises in its next step (a crashed engine)."""
-    def broken(now: float) -> list:
-        raise RuntimeError("simulated engine crash")
-
-    gen.worker.engine.advance = broken  # type: ignore[attr-defined]
+    crash_engine(gen.worker)
     gen.worker._wake.set()  # type: ignore[attr-defined]
 
 

@@ -143,8 +143,8 @@ class TimingConfig(_Strict):
     prefill_coeffs: tuple[float, float, float] = (4.209989e-07, 1.518344e-02, 16.50142)
     decode_coeffs: tuple[float, float, float] = (-25.74, 54.01, 5.74)
     decode_floor_ms: float = 1.0
-    speedup: float = Field(1.0, gt=0, description="divides every pass time (engine speed)")
-    decode_speedup: float = Field(1.0, gt=0, description="divides decode time only")
+    speedup: float = Field(default=1.0, gt=0, description="divides every pass time (engine speed)")
+    decode_speedup: float = Field(default=1.0, gt=0, description="divides decode time only")
 
 
 class EndpointConfig(_Strict):

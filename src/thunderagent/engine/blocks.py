@@ -230,7 +230,8 @@ class BlockManager:
                 if h is not None:
                     removed.append(h)
         else:  # no copies anywhere: each block is its hash's only (lookup) copy
-            removed = [hash_[b] for b in taken]
+            # cached blocks: every hash is set
+            removed = [hash_[b] for b in taken]  # type: ignore[misc]
             for h in removed:
                 del by_hash[h]
             for b in taken:
@@ -244,6 +245,7 @@ class BlockManager:
     def _evict_hash(self, b: int) -> int | None:
         """Drop block ``b``'s hash; return it if that was the hash's last copy."""
         h = self._hash[b]
+        assert h is not None  # only cached blocks are evicted
         self._hash[b] = None
         self._cached -= 1
         if self._by_hash.get(h) == b:

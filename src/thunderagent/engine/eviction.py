@@ -2,42 +2,19 @@
 allocate, priority preemption when it pays (``engine/preemption.py`` decides which), and rejecting a
 waiting request that can never run.
 
-A mixin of :class:`~thunderagent.engine.simulated.SimulatedEngine`: a victim leaves ``running`` with
+A link of :class:`~thunderagent.engine.simulated.SimulatedEngine`'s class chain: a victim leaves ``running`` with
 recompute semantics (its blocks released, its work in the pass being packed undone) and goes back to
 the waiting queue; a rejected request leaves the engine, reported at the pass's end.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import TYPE_CHECKING
-
+from thunderagent.engine.fields import EngineFields
 from thunderagent.engine.sim_state import DONE, WAITING, _Pass, _Seq
 
-if TYPE_CHECKING:
-    from thunderagent.engine.blocks import BlockManager
-    from thunderagent.engine.preemption import PriorityPreemption
 
-
-class Eviction:
-    """Mixin of :class:`~thunderagent.engine.simulated.SimulatedEngine` (its state, typed here)."""
-
-    __slots__ = ()
-
-    _pp: PriorityPreemption | None
-    _bm: BlockManager
-    _running: list[_Seq]
-    _waiting: deque[_Seq]
-    _q_prefill: int
-    _q_hit: int
-    _dec_tokens: int
-    _seqs: dict[str, _Seq]
-    preemptions: int
-    priority_preemptions: int
-
-    if TYPE_CHECKING:  # SimulatedEngine's (a stub here would shadow it in the engine's MRO)
-
-        def _enqueue(self, seq: _Seq, front: bool = False) -> None: ...
+class Eviction(EngineFields):
+    """A link of :class:`~thunderagent.engine.simulated.SimulatedEngine` (``engine/fields.py``)."""
 
     def _preempt_for(self, seq: _Seq, p: _Pass, hits: int, deficit: int, full: bool) -> bool:
         """Evict the lower-priority running requests ``seq`` needs room from, when it pays."""

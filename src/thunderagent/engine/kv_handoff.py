@@ -19,24 +19,14 @@ Kept apart from the engine's hot loop (``engine/simulated.py`` calls in at two p
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from thunderagent.engine.blocks import BlockManager
+from thunderagent.engine.eviction import Eviction
 from thunderagent.types import EngineRequest, FinishReason, KvTransfer, TokenOutput
 
 
-class KvHandoff:
-    """Mixin of :class:`~thunderagent.engine.simulated.SimulatedEngine` (state set by ``_handoff_init``)."""
-
-    worker_id: str
-    _bm: BlockManager
-    _bs: int
-    _remote_jobs: dict[str, tuple[int, ...]]  # remote_decode request id -> its prompt's full-block hashes
-    _pinned: dict[str, list[int]]  # finished remote_decode request id -> its pinned block table
-
-    if TYPE_CHECKING:  # SimulatedEngine's (a stub here would shadow it in the engine's MRO)
-
-        def _touch(self) -> None: ...
+class KvHandoff(Eviction):
+    """A link of :class:`~thunderagent.engine.simulated.SimulatedEngine` (``engine/fields.py``; its state set by
+    ``_handoff_init``)."""
 
     def _handoff_init(self) -> None:
         self._remote_jobs = {}

@@ -9,41 +9,13 @@ per-token objects. Kept apart from the packing code so the engine module stays a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from thunderagent.engine.sim_state import DONE, RUNNING, _Pass, _Seq
+from thunderagent.engine.stretch import DecodeStretch
 from thunderagent.types import FinishReason, TokenOutput
 
-if TYPE_CHECKING:
-    from thunderagent.engine.accounting import TokenAccounting
-    from thunderagent.engine.blocks import BlockManager
-    from thunderagent.engine.textgen import TextSource
-    from thunderagent.types import KvEvent
 
-
-class PassEnd:
-    """Mixin of :class:`~thunderagent.engine.simulated.SimulatedEngine`: the end of a pass."""
-
-    __slots__ = ()
-
-    _pass: _Pass | None
-    _pass_end: int
-    _last_end: int
-    _outbox: list[TokenOutput]
-    _events: list[KvEvent]
-    _text: TextSource
-    _dec_tokens: int
-    _bm: BlockManager
-    _seqs: dict[str, _Seq]
-    _running: list[_Seq]
-    _acct: TokenAccounting | None
-    _plain: _Pass
-
-    if TYPE_CHECKING:  # engine/stretch.py (a stub here would shadow it in the engine's MRO)
-
-        def _end_plain(self) -> None: ...
-
-        def _open_stretch(self, t: int) -> None: ...
+class PassEnd(DecodeStretch):
+    """A link of :class:`~thunderagent.engine.simulated.SimulatedEngine` (``engine/fields.py``): the end of a pass."""
 
     def _end_pass(self) -> None:
         p = self._pass
@@ -79,6 +51,7 @@ class PassEnd:
                 continue
             req = seq.req
             g = seq.generated
+            ids: list[int]
             reason = None
             if g >= req.max_tokens:  # max_tokens == 0: done once the prompt is in
                 ids, reason = [], FinishReason.LENGTH
@@ -115,6 +88,7 @@ class PassEnd:
             req = seq.req
             g = seq.generated
             mt = req.max_tokens
+            ids: list[int]
             if g >= mt:  # max_tokens == 0: done once the prompt is in
                 ids, reason = [], FinishReason.LENGTH
             elif g == seq.natural:  # the model samples EOS (not returned as a token)

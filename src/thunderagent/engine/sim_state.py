@@ -5,34 +5,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import IntEnum
+from typing import Final
 
 from thunderagent.engine.textgen import TextSource
 from thunderagent.kv.hashing import check_block, check_seed, hash_block
 from thunderagent.types import EngineRequest, KvEvent
 
+# Where a request is inside the simulated engine (``_Seq.state``). Final ints, not an IntEnum: the
+# compiled build (``native.py``) inlines them as native constants in the hot loops, where an enum member
+# is a global lookup and an object comparison.
+BUFFERED: Final = 0  # arrived, not yet due (arrival after the pass being packed)
+WAITING: Final = 1
+RUNNING: Final = 2
+DONE: Final = 3
 
-class SeqState(IntEnum):
-    """Where a request is inside the simulated engine."""
+# What scheduling one request into a pass did.
+SCHEDULED: Final = 0
+BLOCKED: Final = 1  # no room: stop packing
+SELF_PREEMPTED: Final = 2  # it preempted itself out of ``running``
 
-    BUFFERED = 0  # arrived, not yet due (arrival after the pass being packed)
-    WAITING = 1
-    RUNNING = 2
-    DONE = 3
-
-
-class ScheduleResult(IntEnum):
-    """What scheduling one request into a pass did."""
-
-    SCHEDULED = 0
-    BLOCKED = 1  # no room: stop packing
-    SELF_PREEMPTED = 2  # it preempted itself out of ``running``
-
-
-# Module-level names for the engine's hot loops: a global load is cheaper than an attribute lookup.
-BUFFERED, WAITING, RUNNING, DONE = SeqState
-SCHEDULED, BLOCKED, SELF_PREEMPTED = ScheduleResult
-NEVER = -(1 << 62)
+NEVER: Final = -(1 << 62)
 
 
 @dataclass(slots=True, eq=False)

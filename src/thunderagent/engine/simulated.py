@@ -32,11 +32,8 @@ from heapq import heappush
 from thunderagent.config import NodeConfig
 from thunderagent.engine.accounting import TokenAccounting
 from thunderagent.engine.blocks import BlockManager
-from thunderagent.engine.eviction import Eviction
-from thunderagent.engine.kv_handoff import KvHandoff
 from thunderagent.engine.pass_end import PassEnd
 from thunderagent.engine.preemption import PreemptKnobs, PriorityPreemption
-from thunderagent.engine.stretch import DecodeStretch
 from thunderagent.engine.textgen import CorpusText, TextSource
 from thunderagent.engine.timing import TimingModel, make_timing
 from thunderagent.types import EngineRequest, FinishReason, KvEvent, LoadReport, TokenOutput
@@ -54,7 +51,7 @@ def _ns(t: float) -> int:
 _FOREVER = 1 << 62  # ``_quiet_ns`` of an engine with nothing to run and nothing buffered
 
 
-class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
+class SimulatedEngine(PassEnd):
     """Engine protocol implementation backed by the mocker model (see module docstring; handoffs: kv_handoff.py)."""
 
     def __init__(
@@ -195,7 +192,8 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
             s = self._next_start()
             if s is None:  # idle; outputs a load report's run left behind (rejections: no time) are due now
                 return self._seen_ns / 1e9 if self._outbox else None
-            self._begin_pass(s)
+            if self._begin_pass(s):
+                break
         if self._pass is self._plain:  # replays: wake at the stretch's end (engine/stretch.py)
             return self._plain_horizon() / 1e9
         return self._pass_end / 1e9
@@ -274,21 +272,22 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
                 s = self._next_start()
                 if s is None or s >= t:
                     return
-                self._begin_pass(s)
-                if self._pass is None:  # nothing could run: wait for an arrival or an abort
+                if not self._begin_pass(s):  # nothing could run: wait for an arrival or an abort
                     continue
             if self._pass_end > t:
                 return
             self._end_pass()
 
     # ------------------------------------------------------------------------------ packing
-    def _begin_pass(self, s: int) -> None:
-        """Pack the pass starting at ``s`` (vLLM's scheduler step) and fix its end time."""
+    def _begin_pass(self, s: int) -> bool:
+        """Pack the pass starting at ``s`` (vLLM's scheduler step) and fix its end time. False when
+        nothing could run (no pass in flight: callers learn it here, as a re-read of ``_pass`` after
+        the call would be narrowed away by the type checker, and the compiled build follows it)."""
         arr = self._arrivals
         if self._plain_left or self._plain_done:
             if self._plain_left and not (arr and arr[0].arrival_ns <= s):
                 self._begin_plain(s)
-                return
+                return True
             self._materialize()
         self._pid += 1
         p = _Pass(self._pid, self._max_tokens)
@@ -307,13 +306,14 @@ class SimulatedEngine(PassEnd, DecodeStretch, KvHandoff, Eviction):
             self._stalled = True
             self._last_end = max(self._last_end, s)
             self._events.extend(p.events)
-            return
+            return False
         dur = round(self._timing.pass_time(T, p.A, self._total_kv, p.A > 0) * 1e9)
         self.busy_ns += dur
         self.prefill_tokens += p.isl - p.prefix
         self._pass = p
         self._pass_end = s + dur
         self.last_pass = PassInfo(s / 1e9, (s + dur) / 1e9, T, p.A, n, p.n_dec, self._max_tokens - p.budget)
+        return True
 
     def _step_running(self, p: _Pass) -> None:
         """(a) Running requests, in admission order, while the token budget lasts."""

@@ -20,48 +20,12 @@ The live server never opens a stretch: it streams every token.
 
 from __future__ import annotations
 
-from collections import deque
-from typing import TYPE_CHECKING
-
-from thunderagent.engine.sim_state import PassInfo, _Pass, _Seq
-
-if TYPE_CHECKING:
-    from thunderagent.engine.accounting import TokenAccounting
-    from thunderagent.engine.blocks import BlockManager
-    from thunderagent.engine.preemption import PriorityPreemption
-    from thunderagent.engine.timing import TimingModel
+from thunderagent.engine.kv_handoff import KvHandoff
+from thunderagent.engine.sim_state import PassInfo, _Pass
 
 
-class DecodeStretch:
-    """Mixin of :class:`~thunderagent.engine.simulated.SimulatedEngine`: plain decode passes."""
-
-    __slots__ = ()
-
-    _bs: int
-    _max_tokens: int
-    _max_seqs: int
-    _total_kv: int
-    _timing: TimingModel
-    _pp: PriorityPreemption | None
-    _bm: BlockManager
-    _running: list[_Seq]
-    _waiting: deque[_Seq]
-    _pass: _Pass | None
-    _pass_end: int
-    _last_end: int
-    _pid: int
-    _stalled: bool
-    _dec_tokens: int
-    _acct: TokenAccounting | None
-    busy_ns: int
-    last_pass: PassInfo | None
-    # stretch state
-    _plain: _Pass  # the marker pass object of plain passes (reused; its lists stay empty)
-    _plain_left: int  # plain passes still certain
-    _plain_done: int  # plain passes ended since the per-request counters were last brought up to date
-    _plain_A: int  # decoders' summed length in the next plain pass
-    _ahead: deque[int]  # durations of the plain passes after the one in flight, computed ahead
-    _arrivals: deque[_Seq]
+class DecodeStretch(KvHandoff):
+    """A link of :class:`~thunderagent.engine.simulated.SimulatedEngine` (``engine/fields.py``): plain decode passes."""
 
     def _open_stretch(self, t: int) -> None:
         """The regular pass ending at ``t`` is over: count the plain passes that follow."""
