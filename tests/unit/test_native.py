@@ -1,4 +1,5 @@
-"""The mypyc-compiled routing core (``thunderagent/native.py``, ``setup.py``): what this install runs."""
+"""The mypyc-compiled core, routing and simulated engine (``thunderagent/native.py``, ``setup.py``): what
+this install runs."""
 
 from __future__ import annotations
 
