@@ -3,9 +3,9 @@
 :class:`~thunderagent.engine.simulated.SimulatedEngine` is split by concern into modules that each
 hold one link of a single-inheritance chain (``EngineFields`` → ``Eviction`` → ``KvHandoff`` →
 ``DecodeStretch`` → ``PassEnd`` → ``SimulatedEngine``), so that every link reads and writes the same
-typed fields. Why a chain and not mixins: mypyc (``setup.py``) compiles a class to a C struct with
-direct field access only under single inheritance; mixins would need traits, whose fields go through
-a lookup. The engine sets every field in its ``__init__``.
+typed fields. Why a chain and not mixins: mypyc (``setup.py``) compiles a class only under single
+inheritance (other bases must be mypyc traits, a decorator from ``mypy_extensions``, which the runtime
+does not install). The engine sets every field in its ``__init__``.
 """
 
 from __future__ import annotations
