@@ -31,7 +31,8 @@ MODULES = (
     "thunderagent/router/policies.py",
     "thunderagent/router/router.py",
     "thunderagent/router/selection.py",
-    # the simulated engine: most of a replay's time (``bench/sim_speed.py``), and every simulated worker's
+    # the simulated engine: most of a replay's time (``bench/sim_speed.py``); also what serves each simulated
+    # worker of ``thunderagent serve``
     "thunderagent/engine/accounting.py",
     "thunderagent/engine/blocks.py",
     "thunderagent/engine/eviction.py",
