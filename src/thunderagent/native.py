@@ -31,6 +31,7 @@ MODULES = (
     "thunderagent/router/policies.py",
     "thunderagent/router/router.py",
     "thunderagent/router/selection.py",
+    "thunderagent/decision.py",
     # the simulated engine: most of a replay's time (``bench/sim_speed.py``); also what serves each simulated
     # worker of ``thunderagent serve``
     "thunderagent/engine/accounting.py",

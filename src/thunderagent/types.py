@@ -8,8 +8,11 @@ in the simulator); the core never reads a clock itself.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
+
+# re-exported: the routing decision's data (compiled, in its own module)
+from thunderagent.decision import CandidateScore, Decision, HotPrefixNote, PdPlan  # noqa: F401
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,95 +269,3 @@ class WorkerState:
         smaller worker of a mixed fleet would end it unserved (vLLM refuses past its max_model_len)."""
         seq, most = self.max_seq_tokens, self.max_prompt_tokens
         return (not seq or total <= seq) and (not most or prompt <= most)
-
-
-@dataclass(slots=True)  # not frozen: built 8x per request on the hot path, frozen init is ~2x slower
-class CandidateScore:
-    worker_id: str
-    overlap_blocks: int
-    prefill_tokens: int  # uncached prompt tokens after the overlap credit
-    queued_prefill_tokens: int
-    decode_tokens: int
-    kv_usage: float
-    busy: bool
-    cost: float
-
-
-@dataclass(slots=True, frozen=True)
-class HotPrefixNote:
-    """Why a request went to a replica of a hot prefix (``router/hot.py``)."""
-
-    prefix_blocks: int  # the prefix: the request's leading blocks held by its deepest holders
-    holders: tuple[str, ...]  # workers holding it, all overloaded when a replica was added
-    replicas: tuple[str, ...]  # the prefix's replica set after this decision, oldest first
-    added: bool  # this request warms a new replica
-
-
-@dataclass(slots=True, frozen=True)
-class PdPlan:
-    """A disaggregated request's plan (prefill on one worker, KV moved, decode on another).
-
-    The decode worker is the :class:`Decision`'s ``worker_id``; a request without a plan prefills
-    where it decodes. Drivers run it as: a ``remote_decode`` job on ``prefill_worker``, its
-    ``KvTransfer`` moved by the transfer plane, then the request on the decode worker with
-    ``kv_from`` set; any failure on the way falls back to prefilling on the decode worker."""
-
-    prefill_worker: str
-    transfer_tokens: int  # prompt tokens whose KV moves (full blocks the decode worker lacks)
-    transfer_bytes: int
-    estimate_s: float  # estimated transfer time on that link (bytes / bandwidth + latency)
-    saved_s: float  # estimated local prefill time it saves on the decode worker
-    reason: str
-
-
-@dataclass(slots=True, frozen=True)
-class Decision:
-    """A routing decision and its explanation."""
-
-    request_id: str
-    worker_id: str
-    policy: str
-    reason: str
-    # every routable worker's score, in the workers' order; a decision that scored part of the fleet
-    # holds a lazy sequence (router/candidates.py LazyScores) that computes them on first read
-    candidates: Sequence[CandidateScore] = field(default=())
-    overlap_blocks: int = 0  # blocks the winner is believed to hold
-    hot_prefix: HotPrefixNote | None = None  # set when the winner is a hot prefix's replica
-    best_overlap_blocks: int = 0  # the most blocks any routable worker is believed to hold
-    #: workers routing left out because their breaker is open or probing (``control/breaker.py``): (id, why)
-    skipped: tuple[tuple[str, str], ...] = ()
-    pd: PdPlan | None = None  # prefill elsewhere, KV moved here (``scheduler/disagg.py``)
-
-    def explain(self) -> dict[str, object]:
-        """JSON-ready explanation (returned in the response body when asked)."""
-        out: dict[str, object] = {
-            "worker": self.worker_id,
-            "policy": self.policy,
-            "reason": self.reason,
-            "overlap_blocks": self.overlap_blocks,
-            "candidates": [
-                {
-                    "worker": c.worker_id,
-                    "overlap_blocks": c.overlap_blocks,
-                    "prefill_tokens": c.prefill_tokens,
-                    "queued_prefill_tokens": c.queued_prefill_tokens,
-                    "decode_tokens": c.decode_tokens,
-                    "kv_usage": round(c.kv_usage, 4),
-                    "busy": c.busy,
-                    "cost": round(c.cost, 3),
-                }
-                for c in self.candidates
-            ],
-        }
-        hot = self.hot_prefix
-        if hot is not None:
-            out["hot_prefix"] = {"prefix_blocks": hot.prefix_blocks, "holders": list(hot.holders),
-                                 "replicas": list(hot.replicas), "added": hot.added}
-        if self.skipped:
-            out["skipped"] = {wid: why for wid, why in self.skipped}
-        pd = self.pd
-        if pd is not None:
-            out["pd"] = {"prefill_worker": pd.prefill_worker, "decode_worker": self.worker_id,
-                         "transfer_tokens": pd.transfer_tokens, "transfer_bytes": pd.transfer_bytes,
-                         "estimate_s": round(pd.estimate_s, 6), "saved_s": round(pd.saved_s, 6), "reason": pd.reason}
-        return out

@@ -89,3 +89,31 @@ def test_the_index_keeps_the_callers_int_objects() -> None:
     assert keys == {id(h) for h in stored} | {id(h) for h in predicted}
     bit = index._workers["w30"].bit
     assert bit == 1 << 30 and all(index._confirmed[h] is bit for h in stored)
+
+
+def test_the_decision_classes_init_is_the_dataclass_fields_and_compiled(monkeypatch) -> None:
+    """``decision.py``'s classes write their ``__init__`` out (mypyc keeps a generated one interpreted): it must
+    take exactly the fields, in order, with the fields' defaults, or ``dataclasses.replace`` and positional
+    construction would disagree with the declared fields."""
+    import dataclasses
+    import importlib.util
+    import inspect
+    import sys
+
+    from thunderagent import decision
+
+    # the source run as Python (a compiled method shows no signature)
+    spec = importlib.util.spec_from_file_location("decision_source", SRC / "thunderagent" / "decision.py")
+    assert spec is not None and spec.loader is not None
+    source = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, source)  # dataclass() looks its module up
+    spec.loader.exec_module(source)
+    for name in ("CandidateScore", "Decision"):
+        cls = getattr(source, name)
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        fields = dataclasses.fields(cls)
+        assert [p.name for p in params] == [f.name for f in fields], name
+        assert [p.default for p in params] == [
+            inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default for f in fields], name
+        if "thunderagent.decision" in native.state().compiled:  # a native method, not a generated Python one
+            assert not inspect.isfunction(getattr(decision, name).__init__), name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -10,7 +11,7 @@ from thunderagent.config import CostWeights, Policy, RoutingConfig
 from thunderagent.kv.index import KvIndex
 from thunderagent.router.cost import is_busy, score
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
-from thunderagent.types import BlockStored, LoadReport, RouteRequest, WorkerState
+from thunderagent.types import BlockStored, Decision, LoadReport, RouteRequest, WorkerState
 
 BS = 16
 
@@ -108,13 +109,15 @@ def test_busy_filtered_and_fallback():
     store(index, "a", HASHES)
     d = router.route(RouteRequest("r", 128, HASHES), [worker("a", waiting=8), worker("b")], 1.0)
     assert d.worker_id == "b" and "1 busy filtered" in d.reason
+    assert (d.busy_filtered, d.fallback) == (1, False)  # what the decision metrics read
     # all busy, default fallback "policy": the cache still decides
     d = router.route(RouteRequest("r", 128, HASHES), [worker("a", waiting=9), worker("b", waiting=8)], 1.0)
     assert d.worker_id == "a" and "all workers busy" in d.reason
+    assert (d.busy_filtered, d.fallback) == (0, True)
     ll, ll_index = make_router(fallback="least_loaded")
     store(ll_index, "a", HASHES)
     d = ll.route(RouteRequest("r", 128, HASHES), [worker("a", waiting=9), worker("b", waiting=8)], 1.0)
-    assert d.worker_id == "b" and "fallback" in d.reason
+    assert d.worker_id == "b" and "fallback" in d.reason and d.fallback
     rej, _ = make_router(fallback="reject")
     with pytest.raises(NoWorkerAvailable):
         rej.route(RouteRequest("r", 128, HASHES), [worker("a", waiting=9)], 1.0)
@@ -180,3 +183,22 @@ def test_hit_is_not_a_miss_even_with_recent_traffic():
     store(index, "a", HASHES)
     for i in range(5):  # a keeps getting its conversation's turns: still the cheapest, so it stays
         assert router.route(RouteRequest(str(i), 128, HASHES), ws, 1.0).worker_id == "a"
+
+
+def test_reason_is_formatted_when_read_and_worker_ids_stay_literal():
+    """The reason is kept as a format string and its arguments; a worker id with braces (ids are the
+    operator's) is an argument or escaped text, never format syntax."""
+    router, index = make_router()
+    for wid in ("a{0}", "b}"):
+        index.add_worker(wid)
+    store(index, "a{0}", HASHES[:4])
+    d = router.route(RouteRequest("r", 128, HASHES), [worker("a{0}"), worker("b}")], 1.0)
+    assert d.worker_id == "a{0}" and d.why_args  # not formatted yet
+    assert d.reason == d.why.format(*d.why_args) and "4 cached blocks" in d.reason
+    joined = replace(d, why=d.why_plus("prefill on p{1} (x})"))
+    assert joined.reason == d.reason + "; prefill on p{1} (x})"
+    plain = Decision("r", "w", "kv_aware", "text {kept}")  # no arguments: taken as it is
+    assert plain.reason == "text {kept}" and plain.why_plus("{x}") == "text {kept}; {x}"
+    p2, _ = make_router(policy=Policy.power_of_two)
+    d = p2.route(RouteRequest("r", 128, HASHES), [worker("x{"), worker("y}")], 1.0)
+    assert d.reason.startswith("less loaded of two sampled (vs ") and ("x{" in d.reason or "y}" in d.reason)

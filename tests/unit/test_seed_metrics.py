@@ -27,18 +27,18 @@ def test_window_sums_cover_the_last_window_to_one_slice():
         WindowSums(0.0, 1)
 
 
-def dispatch(reason: str = "cost", overlap: int = 0, best_known: int = 0, predicted: int = 0, wait: float = 0.0,
-             grouped: bool = False) -> Dispatch:
+def dispatch(overlap: int = 0, best_known: int = 0, predicted: int = 0, wait: float = 0.0,
+             grouped: bool = False, fallback: bool = False, busy: int = 0) -> Dispatch:
     req = EngineRequest("r", [1] * 10, [], 0, 4)
-    return Dispatch(req, Decision("r", "w0", "kv_aware", reason, overlap_blocks=overlap), best_known, predicted,
-                    queue_wait=wait, grouped=grouped)
+    dec = Decision("r", "w0", "kv_aware", "cost", overlap_blocks=overlap, fallback=fallback, busy_filtered=busy)
+    return Dispatch(req, dec, best_known, predicted, queue_wait=wait, grouped=grouped)
 
 
 def test_decision_kinds_in_precedence_order():
     assert decision_kind(dispatch(grouped=True, wait=1.0)) == "grouped"
     assert decision_kind(dispatch(wait=0.5, overlap=2)) == "held"
-    assert decision_kind(dispatch("all workers busy: fallback to least loaded", overlap=1)) == "fallback"
-    assert decision_kind(dispatch("1 busy filtered; cost", overlap=1)) == "busy_filtered"
+    assert decision_kind(dispatch(fallback=True, overlap=1)) == "fallback"
+    assert decision_kind(dispatch(busy=1, overlap=1)) == "busy_filtered"
     assert decision_kind(dispatch(overlap=1, best_known=64, predicted=64)) == "hit"
     assert decision_kind(dispatch(best_known=64)) == "miss_balance"
     assert decision_kind(dispatch()) == "miss"

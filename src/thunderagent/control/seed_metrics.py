@@ -56,10 +56,9 @@ def decision_kind(d: Dispatch) -> str:
         return "grouped"
     if d.queue_wait > 0:
         return "held"
-    reason = d.decision.reason
-    if "all workers busy" in reason:  # (after "N cannot hold it; " in a mixed fleet)
+    if d.decision.fallback:
         return "fallback"
-    if "busy filtered" in reason:
+    if d.decision.busy_filtered:
         return "busy_filtered"
     if d.decision.overlap_blocks > 0:
         return "hit"

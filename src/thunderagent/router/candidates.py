@@ -24,7 +24,8 @@ from typing import overload
 
 from thunderagent.config import Role, RoutingConfig
 from thunderagent.router.cost import base_load, cost_terms, is_busy, score_terms
-from thunderagent.types import CandidateScore, LoadReport, WorkerState
+from thunderagent.decision import CandidateScore
+from thunderagent.types import LoadReport, WorkerState
 
 
 _NO_LIMIT = 1 << 62  # a FleetView floor where no worker states a limit

@@ -34,7 +34,8 @@ Pure functions over plain data; no I/O, no clock.
 from __future__ import annotations
 
 from thunderagent.config import RoutingConfig
-from thunderagent.types import CandidateScore, WorkerState
+from thunderagent.decision import CandidateScore
+from thunderagent.types import WorkerState
 
 
 def queued_prefill(w: WorkerState) -> int:
@@ -72,6 +73,18 @@ def base_load(w: WorkerState, cfg: RoutingConfig) -> float:
         + weights.decode * w.load.decode_tokens
         + weights.memory * over * w.max_num_batched_tokens
     )
+
+
+def round_half_even(x: float) -> int:
+    """``round(x)``, exactly (halves to even). Compiled, ``round`` is a generic call on a boxed float; this is
+    native arithmetic. ``x - int(x)`` is exact for any float below 2**52, so the half test is too."""
+    n = int(x)
+    frac = x - n
+    if frac > 0.5 or (frac == 0.5 and n & 1):
+        return n + 1
+    if frac < -0.5 or (frac == -0.5 and n & 1):
+        return n - 1
+    return n
 
 
 #: the cost's constants, read off ``RoutingConfig`` once per decision (:func:`cost_terms`): weights
@@ -148,7 +161,7 @@ def score_terms(
         + memory_w * over * mnbt
     )
     return CandidateScore(
-        w.worker_id, overlap_blocks, round(prefill), queued, decode, usage,
+        w.worker_id, overlap_blocks, round_half_even(prefill), queued, decode, usage,
         waiting >= w.queue_depth_threshold or usage >= busy_usage,  # is_busy
         cost,
     )

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from thunderagent.config import HotPrefixConfig
 from thunderagent.router.cost import queued_prefill
 from thunderagent.router.policies import Candidate
-from thunderagent.types import HotPrefixNote
+from thunderagent.decision import HotPrefixNote
 
 
 class _Hot:

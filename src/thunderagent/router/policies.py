@@ -1,7 +1,8 @@
 """Routing policies: small strategy classes chosen by name (``make_policy``).
 
 A policy sees the scored candidates (already filtered of busy workers by the router) and returns the
-index of its choice and a one-line reason. Scores are computed for every policy so each decision can
+index of its choice and a one-line reason, as a format string and its arguments (a :class:`Reason`):
+the decision formats it only when read. Scores are computed for every policy so each decision can
 be explained and the predicted hit rate measured, whatever the policy. Over a maintained fleet view,
 kv_aware is handed only the workers that can win (``router/selection.py``): it must choose as it
 would among all of them, so a new rule here must keep ``selection.py``'s bound true.
@@ -17,7 +18,11 @@ from typing import Protocol
 from thunderagent.config import Policy, RoutingConfig
 from thunderagent.router.balance import RecentRequests
 from thunderagent.router.cost import load_key, queued_prefill
-from thunderagent.types import CandidateScore, WorkerState
+from thunderagent.decision import CandidateScore
+from thunderagent.types import WorkerState
+
+#: a one-line reason: ``str.format`` text and its arguments (no arguments: the text as it is)
+Reason = tuple[str, tuple[object, ...]]
 
 #: costs closer than this (relative) are ties: the engine's pass time cannot tell them apart.
 TIE_RELATIVE = 1e-6
@@ -39,7 +44,7 @@ class RoutingPolicy(Protocol):
 
     def choose(
         self, cands: Sequence[Candidate], rng: random.Random, num_tokens: int, now: float
-    ) -> tuple[int, str]: ...
+    ) -> tuple[int, Reason]: ...
 
 
 class KvAware:
@@ -69,7 +74,7 @@ class KvAware:
 
     def choose(
         self, cands: Sequence[Candidate], rng: random.Random, num_tokens: int, now: float
-    ) -> tuple[int, str]:
+    ) -> tuple[int, Reason]:
         i, reason = self._choose(cands, rng, num_tokens, now)
         self.record(cands[i], num_tokens, now)
         return i, reason
@@ -89,20 +94,38 @@ class KvAware:
 
     def _choose(
         self, cands: Sequence[Candidate], rng: random.Random, num_tokens: int, now: float
-    ) -> tuple[int, str]:
-        overlaps = [c.score.overlap_blocks * c.worker.block_size for c in cands]
-        if max(overlaps) - min(overlaps) <= self.miss_fraction * num_tokens:
+    ) -> tuple[int, Reason]:
+        # Plain loops rather than min()/max() over lists: compiled, those are generic calls (this runs once per
+        # request over every candidate).
+        lo_cached = hi_cached = cands[0].score.overlap_blocks * cands[0].worker.block_size
+        for c in cands:
+            cached = c.score.overlap_blocks * c.worker.block_size
+            if cached > hi_cached:
+                hi_cached = cached
+            elif cached < lo_cached:
+                lo_cached = cached
+        if hi_cached - lo_cached <= self.miss_fraction * num_tokens:
             ready = [i for i, c in enumerate(cands) if queued_prefill(c.worker) < c.worker.max_num_batched_tokens]
             if ready:
-                rates = {i: self.recent.rate(cands[i].worker.worker_id, now) for i in ready}
-                low = min(rates.values())
-                tied = [i for i in ready if rates[i] - low < 1e-9]
-                small = min(cands[i].footprint for i in tied)
+                rates = [self.recent.rate(cands[i].worker.worker_id, now) for i in ready]
+                low = rates[0]
+                for r in rates:
+                    if r < low:
+                        low = r
+                tied = [i for i, r in zip(ready, rates) if r - low < 1e-9]
+                small = cands[tied[0]].footprint
+                for i in tied:
+                    if cands[i].footprint < small:
+                        small = cands[i].footprint
                 tied = [i for i in tied if cands[i].footprint == small]
                 i = tied[0] if len(tied) == 1 else rng.choice(tied)
-                return i, f"cache miss everywhere: least recent prefill traffic ({rates[i]:.0f} tokens) among workers ready within a pass"
+                return i, ("cache miss everywhere: least recent prefill traffic ({:.0f} tokens) among workers "
+                           "ready within a pass", (rates[ready.index(i)],))
         costs = [c.score.cost for c in cands]
-        lo = min(costs)
+        lo = costs[0]
+        for cost in costs:
+            if cost < lo:
+                lo = cost
         tol = TIE_RELATIVE * max(1.0, abs(lo))
         if self.temperature > 0 and self.tie_margin > tol:
             # Near-ties only: a worker far above the best is never sampled, whatever the fleet's size
@@ -112,22 +135,26 @@ class KvAware:
             if span > 0:
                 weights = [math.exp(-((costs[i] - lo) / span) / self.temperature) for i in near]
                 i = near[rng.choices(range(len(near)), weights=weights)[0]]
-                return i, (f"softmax(T={self.temperature}) among {len(near)} near-ties, cost {costs[i]:.1f} "
-                           f"(min {lo:.1f})")
+                return i, ("softmax(T={}) among {} near-ties, cost {:.1f} (min {:.1f})",
+                           (self.temperature, len(near), costs[i], lo))
         tied = [i for i, c in enumerate(costs) if c - lo <= tol]
         best = cands[tied[0]]
         if len(tied) == 1:
             return tied[0], _why_lowest(best.score)
-        small = min(cands[i].footprint for i in tied)
+        small = best.footprint
+        for i in tied:
+            if cands[i].footprint < small:
+                small = cands[i].footprint
         tied = [i for i in tied if cands[i].footprint == small]
         i = tied[0] if len(tied) == 1 else rng.choice(tied)
-        return i, f"lowest cost {lo:.1f}, tie among workers broken by smallest cache then random"
+        return i, ("lowest cost {:.1f}, tie among workers broken by smallest cache then random", (lo,))
 
 
-def _why_lowest(s: CandidateScore) -> str:
+def _why_lowest(s: CandidateScore) -> Reason:
     if s.overlap_blocks:
-        return f"lowest cost {s.cost:.1f}: {s.overlap_blocks} cached blocks, {s.queued_prefill_tokens} queued prefill tokens"
-    return f"lowest cost {s.cost:.1f}: no cached prefix, least backlog"
+        return ("lowest cost {:.1f}: {} cached blocks, {} queued prefill tokens",
+                (s.cost, s.overlap_blocks, s.queued_prefill_tokens))
+    return "lowest cost {:.1f}: no cached prefix, least backlog", (s.cost,)
 
 
 class RoundRobin:
@@ -138,13 +165,13 @@ class RoundRobin:
 
     def choose(
         self, cands: Sequence[Candidate], rng: random.Random, num_tokens: int, now: float
-    ) -> tuple[int, str]:
+    ) -> tuple[int, Reason]:
         # Rotate over worker ids, not list positions, so a worker leaving does not skew the cycle.
         ids = sorted(c.worker.worker_id for c in cands)
         wid = ids[self._next % len(ids)]
         self._next += 1
         i = next(k for k, c in enumerate(cands) if c.worker.worker_id == wid)
-        return i, "round robin"
+        return i, ("round robin", ())
 
 
 class RandomChoice:
@@ -152,8 +179,8 @@ class RandomChoice:
 
     def choose(
         self, cands: Sequence[Candidate], rng: random.Random, num_tokens: int, now: float
-    ) -> tuple[int, str]:
-        return rng.randrange(len(cands)), "uniform random"
+    ) -> tuple[int, Reason]:
+        return rng.randrange(len(cands)), ("uniform random", ())
 
 
 class LeastLoaded:
@@ -161,11 +188,11 @@ class LeastLoaded:
 
     def choose(
         self, cands: Sequence[Candidate], rng: random.Random, num_tokens: int, now: float
-    ) -> tuple[int, str]:
+    ) -> tuple[int, Reason]:
         keys = [load_key(c.worker) for c in cands]
         lo = min(keys)
         tied = [i for i, k in enumerate(keys) if k == lo]
-        return rng.choice(tied), f"least loaded ({lo[0]} requests, {lo[1]} queued prefill tokens)"
+        return rng.choice(tied), ("least loaded ({} requests, {} queued prefill tokens)", (lo[0], lo[1]))
 
 
 class PowerOfTwo:
@@ -173,13 +200,13 @@ class PowerOfTwo:
 
     def choose(
         self, cands: Sequence[Candidate], rng: random.Random, num_tokens: int, now: float
-    ) -> tuple[int, str]:
+    ) -> tuple[int, Reason]:
         if len(cands) == 1:
-            return 0, "only candidate"
+            return 0, ("only candidate", ())
         a, b = rng.sample(range(len(cands)), 2)
         i = a if load_key(cands[a].worker) <= load_key(cands[b].worker) else b
         other = cands[b if i == a else a].worker.worker_id
-        return i, f"less loaded of two sampled (vs {other})"
+        return i, ("less loaded of two sampled (vs {})", (other,))
 
 
 def make_policy(cfg: RoutingConfig, name: Policy | None = None) -> RoutingPolicy:

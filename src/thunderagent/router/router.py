@@ -21,12 +21,13 @@ from collections.abc import Sequence
 from thunderagent.config import Policy, RoutingConfig
 from thunderagent.kv.index import KvIndex
 from thunderagent.router.candidates import FleetView, LazyScores
-from thunderagent.router.cost import cost_terms, load_key, queued_prefill, score_terms
+from thunderagent.router.cost import CostTerms, cost_terms, load_key, queued_prefill, score_terms
 from thunderagent.router.errors import NoWorkerAvailable
 from thunderagent.router.hot import HotPrefixes
 from thunderagent.router.policies import Candidate, KvAware, make_policy
 from thunderagent.router.selection import select
-from thunderagent.types import Decision, HotPrefixNote, RouteRequest, WorkerState
+from thunderagent.decision import Decision, HotPrefixNote
+from thunderagent.types import RouteRequest, WorkerState
 
 
 def holding(req: RouteRequest, workers: Sequence[WorkerState]) -> Sequence[WorkerState]:
@@ -70,6 +71,8 @@ class KvRouter:
         self._tracked: tuple[FleetView | None, int, int] = (None, -1, -1)
         self._bits: list[int] = []  # index bit of each view position
         self._view_mask = 0
+        self._terms_of = cfg  # the config ``_terms`` were read from
+        self._terms: CostTerms = cost_terms(cfg)
 
     def route(self, req: RouteRequest, workers: Sequence[WorkerState], now: float, *,
               predict: bool = True) -> Decision:
@@ -83,20 +86,20 @@ class KvRouter:
             return self._route_view(req, workers, now, predict)
         cands = self._candidates(req, workers, now)
         free = [c for c in cands if not c.score.busy]
-        prefix = ""
+        prefix = ""  # literal text before the reason's format string: no braces in it
         hot: HotPrefixNote | None = None
         if not free and self.cfg.fallback == "policy":
             # Every worker is saturated: busy filtering tells nothing apart, so choose among all.
             # Cache hits matter most here: they cut the work the whole fleet is queued behind.
-            i, reason = self.policy.choose(cands, self.rng, req.num_tokens, now)
+            i, (why, args) = self.policy.choose(cands, self.rng, req.num_tokens, now)
             chosen, prefix = cands[i], "all workers busy; "
         elif not free:
             if self.cfg.fallback == "reject":
                 raise NoWorkerAvailable(f"all {len(cands)} workers are busy", retry_after=1.0)
             best = min(cands, key=lambda c: load_key(c.worker))
-            chosen, reason = best, "all workers busy: fallback to least loaded"
+            chosen, why, args = best, "all workers busy: fallback to least loaded", ()
         else:
-            chosen, reason, hot = self._choose_free(req, cands, free, now)
+            chosen, why, args, hot = self._choose_free(req, cands, free, now)
             if len(free) < len(cands):
                 prefix = f"{len(cands) - len(free)} busy filtered; "
         if too_small:  # a mixed fleet's workers too small for it were never candidates
@@ -108,11 +111,14 @@ class KvRouter:
             request_id=req.request_id,
             worker_id=wid,
             policy=self.policy.name,
-            reason=prefix + reason,
+            why=prefix + why if prefix else why,
+            why_args=args,
             candidates=tuple(c.score for c in cands),
             overlap_blocks=chosen.score.overlap_blocks,
             hot_prefix=hot,
-            best_overlap_blocks=max((c.score.overlap_blocks for c in cands), default=0),
+            best_overlap_blocks=_best_overlap(cands),
+            fallback=not free,
+            busy_filtered=len(cands) - len(free) if free else 0,
         )
 
     def _route_view(self, req: RouteRequest, view: FleetView, now: float, predict: bool) -> Decision:
@@ -137,11 +143,11 @@ class KvRouter:
         sel = select(req.num_tokens, levels, view, self._bits, self._view_mask, index, policy, self.cfg, now,
                      req.held)
         free = [c for c in sel.cands if not c.score.busy]
-        i, reason = policy.choose(free, self.rng, req.num_tokens, now)
+        i, (why, args) = policy.choose(free, self.rng, req.num_tokens, now)
         chosen = free[i]
         busy = len(view) - view.free_count
         if busy:
-            reason = f"{busy} busy filtered; " + reason
+            why = f"{busy} busy filtered; " + why
         wid = chosen.worker.worker_id
         if predict and req.block_hashes:
             self.index.predict(wid, req.block_hashes, now, req.check_hashes)
@@ -149,32 +155,54 @@ class KvRouter:
             request_id=req.request_id,
             worker_id=wid,
             policy=policy.name,
-            reason=reason,
+            why=why,
+            why_args=args,
             candidates=LazyScores(view, req.num_tokens, sel.levels, self._bits, sel.min_queued, sel.best_cached,
                                   self.cfg, req.held),
             overlap_blocks=chosen.score.overlap_blocks,
             best_overlap_blocks=sel.best_overlap,
+            busy_filtered=busy,
         )
 
     def _candidates(self, req: RouteRequest, workers: Sequence[WorkerState], now: float) -> list[Candidate]:
-        overlaps = self.index.find_matches(req.block_hashes, now, req.check_hashes) if req.block_hashes else {}
-        min_queued = min(queued_prefill(w) for w in workers)
-        best_cached = max((overlaps.get(w.worker_id, 0) * w.block_size for w in workers), default=0)
-        terms = cost_terms(self.cfg)
-        return [
-            Candidate(
-                w,
-                score_terms(w, req.num_tokens, overlaps.get(w.worker_id, 0), terms, min_queued, best_cached,
-                            req.held),
-                self.index.num_blocks(w.worker_id),
-            )
-            for w in workers
-        ]
+        """Every worker scored, in the workers' order. Plain loops: compiled, a generator handed to ``min`` /
+        ``max`` is a generic call, a loop is native code."""
+        index = self.index
+        overlaps = index.find_matches(req.block_hashes, now, req.check_hashes) if req.block_hashes else {}
+        ws = list(workers)  # one pass of the view's iterator, which is interpreted
+        min_queued = queued_prefill(ws[0])
+        best_cached = 0
+        for w in ws:
+            queued = queued_prefill(w)
+            if queued < min_queued:
+                min_queued = queued
+            if overlaps:
+                cached = overlaps.get(w.worker_id, 0) * w.block_size
+                if cached > best_cached:
+                    best_cached = cached
+        terms = self._cost_terms()
+        num_tokens, held = req.num_tokens, req.held
+        out: list[Candidate] = []
+        for w in ws:
+            wid = w.worker_id
+            s = score_terms(w, num_tokens, overlaps.get(wid, 0), terms, min_queued, best_cached, held)
+            out.append(Candidate(w, s, index.num_blocks(wid)))
+        return out
+
+    def _cost_terms(self) -> CostTerms:
+        """The cost's constants, read off the config once per config: the config is frozen, and a new one
+        (the weight tuner's step, ``router/autotune.py``) is a new object."""
+        cfg = self.cfg
+        if cfg is not self._terms_of:
+            self._terms = cost_terms(cfg)
+            self._terms_of = cfg
+        return self._terms
 
     def _choose_free(
         self, req: RouteRequest, cands: list[Candidate], free: list[Candidate], now: float
-    ) -> tuple[Candidate, str, HotPrefixNote | None]:
-        """Some worker is not busy: a hot prefix's new replica, else the policy among the free ones."""
+    ) -> tuple[Candidate, str, tuple[object, ...], HotPrefixNote | None]:
+        """Some worker is not busy: a hot prefix's new replica, else the policy among the free ones.
+        Returns the choice, its reason (format string and arguments) and the hot prefix's note."""
         hot, note = self.hot, None
         if hot is not None and req.block_hashes:
             i, note = hot.steer(req.block_hashes, cands, now)
@@ -183,10 +211,25 @@ class KvRouter:
                 chosen = cands[i]
                 self.policy.record(chosen, req.num_tokens, now)
                 hot.to_replicas += 1
-                return chosen, hot.reason(note, chosen.worker.block_size, chosen.worker.worker_id, True), note
-        i, reason = self.policy.choose(free, self.rng, req.num_tokens, now)
+                # no arguments: the reason is taken as it is, never formatted
+                return chosen, hot.reason(note, chosen.worker.block_size, chosen.worker.worker_id, True), (), note
+        i, (why, args) = self.policy.choose(free, self.rng, req.num_tokens, now)
         chosen = free[i]
         if note is not None and hot is not None and chosen.worker.worker_id in note.replicas:
             hot.to_replicas += 1
-            return chosen, hot.reason(note, chosen.worker.block_size, chosen.worker.worker_id, False) + reason, note
-        return chosen, reason, None
+            head = hot.reason(note, chosen.worker.block_size, chosen.worker.worker_id, False)
+            return chosen, _literal(head) + why if args else head + why, args, note
+        return chosen, why, args, None
+
+
+def _best_overlap(cands: list[Candidate]) -> int:
+    best = 0
+    for c in cands:
+        if c.score.overlap_blocks > best:
+            best = c.score.overlap_blocks
+    return best
+
+
+def _literal(text: str) -> str:
+    """``text`` as literal text inside a format string (worker ids may hold braces)."""
+    return text.replace("{", "{{").replace("}", "}}")

@@ -407,7 +407,7 @@ class Dispatcher:
             except NoWorkerAvailable:  # strict: no prefill worker or no room; the decode route never happened
                 self.index.report_missing(decision.worker_id, req.block_hashes, predicted_only=True)
                 raise
-            decision = replace(decision, pd=plan, reason=f"{decision.reason}; {why}")
+            decision = replace(decision, pd=plan, why=decision.why_plus(why))
         bs = self.block_size
         best = decision.best_overlap_blocks  # not from candidates: those may be built lazily
         best_known = min(best, (n - 1) // bs) * bs
