@@ -152,3 +152,40 @@ async def test_strict_failed_pulls_are_routed_again_then_refused(server_factory)
             assert engine.kv_imported_blocks == 0 and engine.prefill_tokens == 0, "never prefilled there"
         async with aiohttp.ClientSession() as http, http.get(f"{srv.base_url}/health") as health:
             assert health.status == 200
+
+
+async def test_always_a_backlogged_prefill_tier_holds_requests_in_the_scheduler_with_its_429(server_factory):
+    """Decode workers prefill nothing under mode always, so they look free whatever the prefill tier's queue:
+    the scheduler also waits for a prefill worker with a backlog under ``engine_backlog_passes`` passes. Past
+    that, requests are held (bounded: ``max_queued``, then 429 with Retry-After) instead of queueing in the
+    prefill engine; every admitted request completes, disaggregated."""
+    from support.waiting import wait_until
+
+    slow_prefill = {"role": "prefill", "count": 1, "max_batch_size": 1, "max_num_batched_tokens": 64,
+                    "timing": {"speedup": 0.1}, "kv_cache_transfer": {"enabled": True, "sim_block_bytes": 16 << 10}}
+    group = {"nodes": [slow_prefill, {"role": "decode", "count": 2}]}
+    sched = {"enabled": True, "max_queued": 2, "max_queue_delay_s": None, "max_wait_s": 60.0,
+             "engine_backlog_passes": 1.0}
+    async with server_factory(execution_group=group, routing={"seed": 7, "disaggregation": {"mode": "always"}},
+                              scheduler=sched, simulation={"speedup": 5.0}) as srv:
+        def one(i: int):  # type: ignore[no-untyped-def]
+            return asyncio.create_task(srv.client.completions.create(
+                model=MODEL, prompt=f"held {i} " + "long prompt " * 60, max_tokens=4))
+
+        held = lambda: srv.fleet.health_summary()["scheduler"]["held"]  # noqa: E731
+        first = [one(0)]
+        await wait_until(lambda: srv.fleet.registry.loads()["worker-0"].queued_prefill_tokens >= 64, 10,
+                         "the prefill worker's backlog reported")
+        first += [one(i) for i in (1, 2)]
+        await wait_until(lambda: held() == 2, 10, "two requests held in the scheduler")
+        with pytest.raises(openai.RateLimitError) as err:
+            await srv.client.with_options(max_retries=0).completions.create(model=MODEL, prompt="one too many " * 60,
+                                                                            max_tokens=4)
+        assert int(err.value.response.headers["retry-after"]) >= 1
+        assert err.value.response.json()["error"]["code"] == "queue_full"
+        done = await asyncio.gather(*first)
+        assert all(r.choices[0].finish_reason == "length" for r in done)
+        m = srv.fleet.metrics
+        assert m.pd_ok._value.get() == 3  # type: ignore[attr-defined]  (each prefilled on the prefill tier)
+        assert m.scheduler_wait._sum.get() > 0  # type: ignore[attr-defined]
+        assert held() == 0

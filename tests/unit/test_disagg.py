@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from thunderagent.config import DisaggConfig, KvTransferConfig, RoutingConfig, TimingConfig
+from thunderagent.config import DisaggConfig, KvTransferConfig, RoutingConfig, SchedulerConfig, TimingConfig
 from thunderagent.engine.timing import PolynomialTiming
 from thunderagent.kv.index import KvIndex
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
@@ -23,7 +23,8 @@ def worker(wid: str, role: str, *, queued: int = 0, active: int = 0, waiting: in
     return WorkerState(wid, BS, 8192, 64, LoadReport(wid, 0.0, 0, waiting, queued, 0, active, active, TOTAL), role)
 
 
-def dispatcher(mode: str = "conditional", disagg: bool = True, strict: bool = False, **transfer: object) -> Dispatcher:
+def dispatcher(mode: str = "conditional", disagg: bool = True, strict: bool = False,
+               scheduler: SchedulerConfig | None = None, **transfer: object) -> Dispatcher:
     index = KvIndex(prediction_ttl=60.0)
     for wid in ("p0", "p1", "d0", "d1", "b0"):
         index.add_worker(wid)
@@ -33,7 +34,7 @@ def dispatcher(mode: str = "conditional", disagg: bool = True, strict: bool = Fa
         plane = TransferPlane(KvTransferConfig(enabled=True, **transfer))
         cfg = DisaggConfig(mode=mode, min_uncached_tokens=512, max_prefill_queue_passes=2.0, max_ttft_cost_s=0.05)
         dis = Disaggregator(cfg, plane, PolynomialTiming(TimingConfig()), BS, strict=strict)
-    return Dispatcher(router, BS, None, dis)
+    return Dispatcher(router, BS, scheduler, dis)
 
 
 def go(d: Dispatcher, workers: list[WorkerState], n: int, rid: str = "r", base: int = 0):
@@ -193,6 +194,37 @@ def test_a_held_request_that_cannot_be_routed_stays_first_in_line():
     assert [h.req.request_id for h in d._ready] == ["r"]
     out = d.pump(FLEET, 1.0)
     assert out is not None and out.request.request_id == "r" and out.pd is not None and not d._ready
+
+
+def test_always_holds_requests_while_the_prefill_tier_is_backlogged():
+    """With every request prefilled on the prefill tier, the decode workers look free whatever that tier's
+    queue: requests wait in the scheduler (bounded, ordered, refusable) until a prefill worker's backlog is
+    under ``engine_backlog_passes`` passes. One above the default priority goes on the decode tier's room
+    (the prefill engine's priority queue lets it overtake there); conditional mode is not gated (it prefills
+    locally when the prefill tier is backlogged)."""
+    sched = SchedulerConfig(enabled=True, engine_backlog_passes=1.0)
+    d = dispatcher("always", scheduler=sched, **FAST)
+    backlogged = [worker("p0", "prefill", queued=8192), worker("d0", "decode"), worker("d1", "decode")]
+    low = d.prepare("low", list(range(4096)), 16)
+    assert d.submit(low, "k", backlogged, 0.0) is None and d.held() == 1  # a full pass queued: held
+    assert d.pump(backlogged, 0.1) is None
+    high = d.prepare("high", list(range(10_000, 14_096)), 16, priority=1)
+    assert d.submit(high, "k", backlogged, 0.2) is None  # queued behind "low" (drivers pump after a submit)
+    out = d.pump(backlogged, 0.2)  # it outranks "low", and its tier does not wait for the prefill tier's room
+    assert out is not None and out.request.request_id == "high" and out.pd is not None
+    assert out.pd.prefill_worker == "p0" and d.held() == 1
+    assert d.pump(backlogged, 0.25) is None  # "low" still waits
+    drained = [worker("p0", "prefill", queued=8191), worker("d0", "decode"), worker("d1", "decode")]
+    out = d.pump(drained, 0.3)
+    assert out is not None and out.request.request_id == "low" and out.pd is not None and d.held() == 0
+    assert out.queue_wait == pytest.approx(0.3)
+    # another prefill worker with room is enough; a busy one is not room
+    two = [worker("p0", "prefill", queued=50_000), worker("p1", "prefill", waiting=64), worker("d0", "decode")]
+    assert d.submit(d.prepare("x", list(range(20_000, 24_096)), 16), "k", two, 1.0) is None
+    two[1] = worker("p1", "prefill")
+    assert d.pump(two, 1.1) is not None
+    cond = dispatcher("conditional", scheduler=sched, **FAST)
+    assert cond.submit(cond.prepare("c", list(range(4096)), 16), "k", backlogged, 0.0) is not None
 
 
 def test_make_disaggregator_from_the_example_config():

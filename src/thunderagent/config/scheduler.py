@@ -172,7 +172,9 @@ class SchedulerConfig(_Strict):
     )
     engine_backlog_passes: float = Field(
         1.0, gt=0,
-        description="queued prefill tokens (in passes of max_num_batched_tokens) under which a worker can start a request",
+        description="queued prefill tokens (in passes of max_num_batched_tokens) under which a worker can start a "
+        "request; with routing.disaggregation.mode always, a prefill worker too must be under it for a request of "
+        "priority <= 0 to leave the scheduler (decode workers prefill nothing there, so they alone always look free)",
     )
     max_queued: int = Field(4096, ge=1, description="requests held at most; past it new ones get 429")
     max_queue_delay_s: float | None = Field(
