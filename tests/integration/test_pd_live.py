@@ -189,3 +189,37 @@ async def test_always_a_backlogged_prefill_tier_holds_requests_in_the_scheduler_
         assert m.pd_ok._value.get() == 3  # type: ignore[attr-defined]  (each prefilled on the prefill tier)
         assert m.scheduler_wait._sum.get() > 0  # type: ignore[attr-defined]
         assert held() == 0
+
+
+async def test_strict_a_held_request_whose_kv_never_fits_the_decode_worker_gets_503_when_it_comes_up(server_factory):
+    """Strict: a request held behind the prefill tier whose KV is more than the decode worker may take even
+    empty (``target_watermark`` of its pool) is refused with 503 when it comes up, not held first in line for
+    good; the request behind it is served."""
+    from support.waiting import wait_until
+
+    slow_prefill = {"role": "prefill", "count": 1, "max_batch_size": 1, "max_num_batched_tokens": 64,
+                    "timing": {"speedup": 0.1}, "kv_cache_transfer": {"enabled": True, "sim_block_bytes": 16 << 10}}
+    group = {"nodes": [slow_prefill, {"role": "decode", "count": 1, "kv_blocks": 32}]}  # 0.7 x 32 blocks may move
+    sched = {"enabled": True, "max_queue_delay_s": None, "max_wait_s": 60.0}
+    async with server_factory(execution_group=group, scheduler=sched, simulation={"speedup": 5.0},
+                              routing={"seed": 7, "fallback_to_local": False,
+                                       "disaggregation": {"mode": "always"}}) as srv:
+        def one(text: str):  # type: ignore[no-untyped-def]
+            return asyncio.create_task(srv.client.with_options(max_retries=0).completions.create(
+                model=MODEL, prompt=text, max_tokens=4))
+
+        held = lambda: srv.fleet.health_summary()["scheduler"]["held"]  # noqa: E731
+        first = one("first " + "long prompt " * 60)
+        await wait_until(lambda: srv.fleet.registry.loads()["worker-0"].queued_prefill_tokens >= 64, 10,
+                         "the prefill worker's backlog reported")
+        big = one("big " + "x y " * 700)
+        await wait_until(lambda: held() == 1, 10, "the big request held")
+        after = one("after " + "short " * 40)
+        await wait_until(lambda: held() == 2, 10, "the next one held behind it")
+        with pytest.raises(openai.InternalServerError) as err:
+            await big
+        assert err.value.status_code == 503 and "target_full" in err.value.message
+        assert "fallback_to_local is false" in err.value.message
+        for r in (await first, await after):
+            assert r.choices[0].finish_reason == "length"
+        assert held() == 0

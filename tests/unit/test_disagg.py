@@ -227,6 +227,36 @@ def test_always_holds_requests_while_the_prefill_tier_is_backlogged():
     assert cond.submit(cond.prepare("c", list(range(4096)), 16), "k", backlogged, 0.0) is not None
 
 
+def test_strict_a_held_request_that_can_never_fit_or_waited_max_wait_s_is_refused_not_held_for_good():
+    """Strict: a held request whose KV exceeds what its decode worker may take even empty is refused at once
+    (``HeldRefused``, out of the queue); one refused for want of room stays first in line until it has waited
+    ``max_wait_s``, then is refused."""
+    from thunderagent.router.errors import HeldRefused
+
+    sched = SchedulerConfig(enabled=True, max_wait_s=10.0)
+    d = dispatcher("always", strict=True, scheduler=sched, **FAST)
+    backlogged = [worker("p0", "prefill", queued=8192), worker("d0", "decode")]
+    room = [worker("p0", "prefill"), worker("d0", "decode")]
+    huge = d.prepare("huge", list(range(0, 64 * 16_000)), 16)  # 16,000 blocks: more than 0.8 x 16,384 blocks
+    small = d.prepare("small", list(range(2_000_000, 2_004_096)), 16)
+    assert d.submit(huge, "k", backlogged, 0.0) is None and d.submit(small, "k", backlogged, 0.0) is None
+    out = d.pump(room, 1.0)  # (the shorter one first)
+    assert out is not None and out.request.request_id == "small" and out.pd is not None
+    with pytest.raises(HeldRefused) as err:
+        d.pump(room, 1.0)
+    assert err.value.request_id == "huge" and "transfer refused" in str(err.value) and d.held() == 0
+    # for want of room only (the decode worker nearly full now): first in line, then refused at max_wait_s
+    busy = d.prepare("busy", list(range(3_000_000, 3_004_096)), 16)
+    assert d.submit(busy, "k", backlogged, 2.0) is None
+    full = [worker("p0", "prefill"), worker("d0", "decode", active=16_000)]
+    with pytest.raises(NoWorkerAvailable) as err:
+        d.pump(full, 5.0)
+    assert not isinstance(err.value, HeldRefused) and d.held() == 1
+    with pytest.raises(HeldRefused):
+        d.pump(full, 12.0)
+    assert d.held() == 0
+
+
 def test_make_disaggregator_from_the_example_config():
     from pathlib import Path
 

@@ -164,3 +164,26 @@ def test_strict_refuses_an_arrival_the_decode_workers_have_no_room_for():
     tried_all = sum(len(t) == 3 for t in sim._tried.values())
     assert r.extra["refused_requests"] == decisions["refused_target_full"] + tried_all
     assert pd.remote + r.extra["refused_requests"] == 200 and pd.plane.stats.fallbacks == {}
+
+
+def test_strict_with_the_scheduler_held_requests_that_cannot_go_are_refused_and_nothing_is_lost():
+    """The holding queue on, strict, decode workers of 1,200 blocks: requests wait for the prefill tier; one
+    whose KV never fits its decode worker (even empty) is refused when it comes up, one that waits for room
+    is refused once it has waited max_wait_s, and every request ends: served from a moved KV, or refused.
+    (Before, the first that never fit stayed first in line for good: 102 of 200 never ended.)"""
+    from thunderagent.config import SchedulerConfig
+
+    routing = RoutingConfig.model_validate({"seed": 0, "fallback_to_local": False,
+                                            "disaggregation": {"mode": "always"}})
+    small = NodeConfig(kv_blocks=1200, block_size=64)
+    sim = Simulator(small, routing, 4, Policy.kv_aware, seed=0, scheduler=SchedulerConfig(enabled=True),
+                    pd=PdSetup(1, 3, DisaggConfig(mode="always"), FAST))
+    out = sim.run(load_trace(EXCERPT), 4.0)
+    r, pd = out.result, sim.pd
+    assert pd is not None
+    assert r.extra["incomplete_requests"] == 0 and r.extra.get("held_at_end", 0) == 0
+    refused = r.extra["refused_requests"]
+    assert pd.remote + refused == 200 and len(out.ttft_by_id) == pd.remote and refused > 0
+    assert r.extra["queue_wait_ms"]["max"] >= 30_000 * 0.99  # someone waited out max_wait_s
+    assert sum(e.prefill_tokens for e in pd.engines[1:]) < 200 * small.block_size  # no prompt prefilled there
+    assert pd.plane.stats.fallbacks == {}

@@ -45,6 +45,7 @@ from thunderagent.control.registry import Health, WorkerRegistry
 from thunderagent.execution.handle import STALL_TIMEOUT_S, WorkerCallbacks, WorkerHandle
 from thunderagent.kv.feed import KvFeed
 from thunderagent.kv.index import KvIndex
+from thunderagent.router.errors import HeldRefused
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
 from thunderagent.scheduler.disagg import make_disaggregator
 from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
@@ -253,7 +254,9 @@ class Fleet:
         self.decisions.tick()  # buffered decision-log lines reach the file
         self.metrics.observe_fleet(self.registry.loads().values(), now)
         self.planner.tick(now)
-        self._observe_pacing()
+        self.metrics.observe_scheduler(self.dispatcher, now)
+        if self.dispatcher.pacer is not None:
+            self._observe_programs()
         if self._held:
             self._pump()  # requests past max_wait_s (or of resumed programs) go even when no worker has room
         if self.programs.expire(now):
@@ -380,6 +383,11 @@ class Fleet:
             t0 = time.perf_counter()
             try:
                 d = self.dispatcher.pump(self.routable(), now)
+            except HeldRefused as e:  # it could not be routed for good, or after max_wait_s: its caller gets 503
+                refused = self._held.pop(e.request_id, None)
+                if refused is not None and not refused.fut.done():
+                    refused.fut.set_exception(e)
+                continue
             except NoWorkerAvailable:
                 break
             if d is None:
@@ -397,17 +405,6 @@ class Fleet:
 
     def _observe_programs(self) -> None:
         self.metrics.observe_programs(self.programs.by_state(), self.programs.take_evictions())
-
-    def _observe_pacing(self) -> None:
-        pacer = self.dispatcher.pacer
-        if pacer is not None:
-            self.metrics.observe_pacing(pacer.pauses, pacer.resumes)
-            self._observe_programs()
-        grouper, hot = self.dispatcher.grouper, self.dispatcher.router.hot
-        if grouper is not None:
-            self.metrics.observe_grouping(grouper.stats)
-        if hot is not None:
-            self.metrics.observe_hot(hot.live_replicas(self.now()), hot.added, hot.to_replicas)
 
     def release_program(self, program_id: str) -> bool:
         """A client ended the program (over NATS, through any frontend): forgotten, counted; its held requests go."""

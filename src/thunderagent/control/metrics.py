@@ -11,7 +11,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from thunderagent.control.metric_children import LabelledChildren
 from thunderagent.control.seed_metrics import Latency, SeedMetrics
 from thunderagent.execution.kv_stream import StreamStats
-from thunderagent.scheduler.dispatch import Dispatch
+from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
 from thunderagent.scheduler.programs import PROGRAM_CAP_CODE
 from thunderagent.types import KvPull, LoadReport
 
@@ -305,6 +305,16 @@ class Metrics:
     def tenant_in_flight(self, tenant: str, n: int) -> None:
         # a tenant past max_route_keys shares _other with others: its last write wins there
         self.tenant_in_flight_now.labels(self.seed.route_key(tenant)).set(n)
+
+    def observe_scheduler(self, d: Dispatcher, now: float) -> None:
+        """The dispatcher's pacing, grouping and hot-prefix counters (each health tick)."""
+        if d.pacer is not None:
+            self.observe_pacing(d.pacer.pauses, d.pacer.resumes)
+        if d.grouper is not None:
+            self.observe_grouping(d.grouper.stats)
+        hot = d.router.hot
+        if hot is not None:
+            self.observe_hot(hot.live_replicas(now), hot.added, hot.to_replicas)
 
     def observe_pacing(self, pauses: int, resumes: int) -> None:
         """The pacer's running totals: counters advance by what is new since the last call."""

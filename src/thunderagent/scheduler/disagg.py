@@ -84,8 +84,9 @@ class Disaggregator:
         nbytes = plane.bytes_for(tokens)
         load = decode.load
         why = plane.refusal(nbytes, blocks, load.kv_active_blocks, load.kv_total_blocks)
-        if why is not None:
-            return self._local(why, f"prefill local: transfer refused ({why}, {nbytes} bytes)")
+        if why is not None:  # (lasting: refused even with the decode worker empty, so no wait helps)
+            return self._local(why, f"prefill local: transfer refused ({why}, {nbytes} bytes)",
+                               lasting=plane.refusal(nbytes, blocks, 0, load.kv_total_blocks) is not None)
         if conditional and not plane.room(nbytes):
             return self._local("plane_full", "prefill local: transfer plane at its in-flight cap")
         try:
@@ -121,13 +122,14 @@ class Disaggregator:
         q, m = w.load.queued_prefill_tokens, w.max_num_batched_tokens
         return q / m * self.timing.pass_time(m, 0, 1, False) if q > 0 else 0.0
 
-    def _local(self, outcome: str, reason: str) -> tuple[None, str]:
+    def _local(self, outcome: str, reason: str, lasting: bool = False) -> tuple[None, str]:
         """No remote prefill: prefill on the decode worker. Strict, only a prompt it holds in full (``cached``)
-        goes there; anything else is refused (:class:`NoWorkerAvailable`, counted ``refused_<outcome>``)."""
+        goes there; anything else is refused (:class:`NoWorkerAvailable`, counted ``refused_<outcome>``;
+        ``lasting``: no wait would change it)."""
         if self.strict and outcome != "cached":
             self._count(f"refused_{outcome}")
             raise NoWorkerAvailable(f"{reason.removeprefix('prefill local: ')}, and routing.fallback_to_local is "
-                                    "false: a decode worker never prefills")
+                                    "false: a decode worker never prefills", lasting=lasting)
         self._count(outcome)
         return None, reason
 

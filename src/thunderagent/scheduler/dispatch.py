@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 from thunderagent.config import SchedulerConfig
 from thunderagent.kv.hashing import block_hash_pairs, block_hashes, hash_seed
 from thunderagent.router.cost import is_busy
+from thunderagent.router.errors import HeldRefused
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
 from thunderagent.scheduler.disagg import Disaggregator, split_pools
 from thunderagent.scheduler.grouping import Grouper
@@ -278,8 +279,14 @@ class Dispatcher:
         then it goes anyway). None when nothing can go now. The driver submits it and calls again."""
         if self._ready and workers:
             held = self._ready[0]
-            d = self.dispatch(held.req, workers, now, program=held.program, pin=held.pin,
-                              backlog=self._backlog() - 1)
+            try:
+                d = self.dispatch(held.req, workers, now, program=held.program, pin=held.pin,
+                                  backlog=self._backlog() - 1)
+            except NoWorkerAvailable as e:
+                if not (e.lasting or self._overdue(held, now)):
+                    raise  # it stays first in line: room may come (a prefill worker back, the plane freed...)
+                self._ready.popleft()
+                raise self._refused(held, e, now) from e
             self._ready.popleft()  # routed: not before (a request that could not be routed stays first in line)
             d.queue_wait, d.route_key, d.grouped = now - held.enqueued, held.key, held.pin is not None
             return d
@@ -294,11 +301,27 @@ class Dispatcher:
         forced = queue.forced(held, now)
         if not forced and not (self.can_start(workers) and self._prefill_room(workers, held.req.priority)):
             return None
-        d = self.dispatch(held.req, workers if forced else self._gated(workers), now, program=held.program,
-                          backlog=self._backlog() - 1)
+        try:
+            d = self.dispatch(held.req, workers if forced else self._gated(workers), now, program=held.program,
+                              backlog=self._backlog() - 1)
+        except NoWorkerAvailable as e:
+            if not (e.lasting or forced):
+                raise  # it stays first in line, as above
+            queue.cancel(held.req.request_id)
+            raise self._refused(held, e, now) from e
         queue.take(held, now)
         d.queue_wait, d.route_key = now - held.enqueued, held.key
         return d
+
+    def _refused(self, held: Held, e: NoWorkerAvailable, now: float) -> HeldRefused:
+        """``held`` left the scheduler unrouted (no wait would help, or it waited ``max_wait_s``): the error
+        its driver ends it with. A program's request is no step of it."""
+        if held.program is not None:
+            self.programs.request_finished(held.program, 0, now, completed=False)
+        return HeldRefused(held.req.request_id, f"{e} (held {now - held.enqueued:.1f}s)", e.retry_after)
+
+    def _overdue(self, held: Held, now: float) -> bool:
+        return self.scheduler is not None and now - held.enqueued >= self.scheduler.max_wait_s
 
     def cancel(self, request_id: str) -> bool:
         """Drop a held request (client gone): True if it was held."""

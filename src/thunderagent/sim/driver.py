@@ -34,6 +34,7 @@ from thunderagent.kv.feed import KvFeed
 from thunderagent.kv.index import KvIndex
 from thunderagent.observe.decision_log import DecisionLog
 from thunderagent.router.autotune import WeightTuner, feed
+from thunderagent.router.errors import HeldRefused
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
 from thunderagent.scheduler.disagg import Disaggregator
 from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
@@ -456,6 +457,9 @@ class Simulator:
             t0 = time.perf_counter_ns()
             try:
                 d = self.dispatcher.pump(self.routable, now)
+            except HeldRefused as e:  # it could not go for good, or after max_wait_s: refused, as live (503)
+                self._refuse(e.request_id, now)
+                continue
             except NoWorkerAvailable:  # strict, no room yet: it stays first in line, as live
                 return placed
             if d is None:
