@@ -191,6 +191,27 @@ async def test_always_a_backlogged_prefill_tier_holds_requests_in_the_scheduler_
         assert held() == 0
 
 
+async def test_always_a_burst_at_once_is_held_behind_the_prefill_it_started(server_factory):
+    """Six requests in the same instant: the prefill halves start in tasks, after the next decisions, so the
+    prefill worker is charged each plan at once (``PlaneObserver.on_planned``): the first goes, the rest are
+    held in the scheduler instead of all passing its prefill gate. All complete."""
+    slow_prefill = {"role": "prefill", "count": 1, "max_batch_size": 1, "max_num_batched_tokens": 64,
+                    "timing": {"speedup": 0.1}, "kv_cache_transfer": {"enabled": True, "sim_block_bytes": 16 << 10}}
+    group = {"nodes": [slow_prefill, {"role": "decode", "count": 2}]}
+    sched = {"enabled": True, "max_queue_delay_s": None, "max_wait_s": 60.0}
+    async with server_factory(execution_group=group, routing={"seed": 7, "disaggregation": {"mode": "always"}},
+                              scheduler=sched, simulation={"speedup": 5.0}) as srv:
+        tasks = [asyncio.create_task(srv.client.completions.create(
+            model=MODEL, prompt=f"burst {i} " + "long prompt " * 60, max_tokens=4)) for i in range(6)]
+        peak = 0
+        while not all(t.done() for t in tasks):
+            peak = max(peak, srv.fleet.health_summary()["scheduler"]["held"])
+            await asyncio.sleep(0.005)
+        assert all(r.choices[0].finish_reason == "length" for r in await asyncio.gather(*tasks))
+        assert peak == 5, peak  # all but the first (without the charge: 3, the rest went to the engine's queue)
+        assert srv.fleet.metrics.pd_ok._value.get() == 6  # type: ignore[attr-defined]
+
+
 async def test_strict_a_held_request_whose_kv_never_fits_the_decode_worker_gets_503_when_it_comes_up(server_factory):
     """Strict: a request held behind the prefill tier whose KV is more than the decode worker may take even
     empty (``target_watermark`` of its pool) is refused with 503 when it comes up, not held first in line for

@@ -107,6 +107,10 @@ class Observer:
 
     room: bool = True
     pulls: list[object] = field(default_factory=list)
+    planned: list[str] = field(default_factory=list)  # (told before the flow's task starts)
+
+    def on_planned(self, plan: PdPlan) -> None:
+        self.planned.append(plan.prefill_worker)
 
     def on_transfer_start(self, request_id: str, plan: PdPlan, decode_worker: str, now: float) -> bool:
         self.events.append(("start", plan.prefill_worker, decode_worker))
@@ -168,6 +172,7 @@ async def test_planned_request_prefills_remotely_and_decodes_with_the_transfer()
     assert req.kv_from is not None and json.loads(req.kv_from.engine_params or "") == PARAMS
     assert req.kv_from.source_worker == "worker-0" and req.kv_from.block_hashes == tuple(job.block_hashes)
     assert obs.events == [("start", "worker-0", "worker-1"), ("end", True, "ok", 4096)]
+    assert obs.planned == ["worker-0"]  # told at submit, before the task ran
     m = f.metrics
     assert value(m.pd_started) == 1 and value(m.pd_ok) == 1
     assert m.pd_seconds._sum.get() > 0  # type: ignore[attr-defined]

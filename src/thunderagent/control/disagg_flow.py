@@ -73,6 +73,9 @@ class TransferObserver(Protocol):
     #: ``routing.fallback_to_local: false``: never prefill on the decode worker (module docstring)
     strict: bool
 
+    def on_planned(self, plan: PdPlan) -> None:
+        """A plan was handed to the flow; its prefill half starts in a task, after this call returns."""
+
     def on_transfer_start(self, request_id: str, plan: PdPlan, decode_worker: str, now: float) -> bool:
         """A plan starts (its prefill half first): True to go on, False when the plane has no room
         for its transfer now (the request then prefills on its decode worker: backpressure; strict:
@@ -164,6 +167,8 @@ class DisaggFlow:
         if plan is None or plan.prefill_worker == decode.worker_id:
             return decode, decode.submit(d.request)
         attempt = PdAttempt(d.request.request_id, plan, decode)
+        if self.observer is not None:
+            self.observer.on_planned(plan)
         relay = RelayQueue(self.clock())
         attempt.task = asyncio.create_task(self._run(attempt, d.request, relay), name=f"pd-{d.request.request_id}")
         return attempt, relay

@@ -114,7 +114,7 @@ class Fleet:
         self._health_task: asyncio.Task[None] | None = None
         self.disagg = DisaggFlow(self.workers, self.metrics, self.now, self.loop_lag, stall_timeout=stall_timeout)
         if self.dispatcher.disagg is not None:  # the plans' transfers on the plane (caps, backpressure)
-            self.disagg.observer = PlaneObserver(self.dispatcher.disagg, self.metrics)
+            self.disagg.observer = PlaneObserver(self.dispatcher.disagg, self.metrics, self.registry)
         self.cache_migration = make_cache_migration(  # routing.migration: copies on the health tick
             cfg, None if self.dispatcher.disagg is None else self.dispatcher.disagg.plane, self.workers, self.index,
             self.now, Policy(self.router.policy.name))

@@ -14,6 +14,7 @@ link (``TransferPlane.learn``).
 from __future__ import annotations
 
 from thunderagent.control.metrics import Metrics
+from thunderagent.control.registry import WorkerRegistry
 from thunderagent.scheduler.disagg import Disaggregator
 from thunderagent.types import KvPull, PdPlan
 
@@ -21,10 +22,17 @@ ABORTED = "aborted"
 
 
 class PlaneObserver:
-    def __init__(self, disagg: Disaggregator, metrics: Metrics) -> None:
+    def __init__(self, disagg: Disaggregator, metrics: Metrics, registry: WorkerRegistry) -> None:
         self.plane = disagg.plane
         self.strict = disagg.strict
         self.metrics = metrics
+        self.registry = registry
+
+    def on_planned(self, plan: PdPlan) -> None:
+        """A plan's prefill half is about to start (in a task): count it on its prefill worker at once, or the
+        requests routed before that task runs would all see the worker's backlog without it (the scheduler's
+        prefill gate let a whole burst through). Its tokens: the ones moved, about what it prefills."""
+        self.registry.add_pending(plan.prefill_worker, 1, plan.transfer_tokens)
 
     def on_transfer_start(self, request_id: str, plan: PdPlan, decode_worker: str, now: float) -> bool:
         plane = self.plane

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from thunderagent.config import RoutingConfig
+from thunderagent.execution.handle import with_pending
 from thunderagent.router.candidates import FleetView
 from thunderagent.types import LoadReport, WorkerInfo, WorkerState
 
@@ -100,6 +101,15 @@ class WorkerRegistry:
         e = self._entries.get(worker_id)
         if e is not None:
             self._set_load(worker_id, e, load)
+
+    def add_pending(self, worker_id: str, requests: int, tokens: int) -> None:
+        """Work handed to ``worker_id`` that its reports cannot include yet (a disaggregated request's prefill
+        half starts in a task, after the next routing decisions of the same loop turn): counted as waiting
+        there, until the worker's next report, which includes it."""
+        e = self._entries.get(worker_id)
+        if e is not None:
+            read = self._stale.get(worker_id)
+            self._set_load(worker_id, e, with_pending(read() if read is not None else e.load, requests, tokens))
 
     def stale(self, worker_id: str, read: Callable[[], LoadReport]) -> None:
         """``worker_id``'s load changed; ``read()`` returns it. Called before the registry's loads are
