@@ -13,7 +13,7 @@ machine hits all of them alike; we report medians per decision.
 - ours, full decision: ``block_hashes`` + ``KvRouter.route`` over a fleet view (index match + cost
   of every worker: fleets of up to ``routing.whole_scan_max_workers`` are scored whole, larger ones
   through ``router/selection.py``; + kv_aware policy + prediction of the chosen worker's blocks; the
-  explanation is not built), clock advancing 1 ms per decision.
+  explanation is not built, nor the reason's text: both are made when read), clock advancing 1 ms per decision.
 - ours, hash + match: ``block_hashes`` + ``KvIndex.find_matches`` on an index fed only by events.
 - peer: ``dynamo.llm.compute_block_hash_for_seq`` + ``RadixTree.find_matches`` called from Python.
   Dynamo's cost/selection step runs elsewhere (in Rust, in its KvRouter) and is NOT included, so the
@@ -273,7 +273,7 @@ def main() -> None:
                 ["stage", "ours µs", "dynamo µs", "ours/dynamo"], rows)
     print(f"(*) ours: hash + match + cost of the 8 workers (fleets of up to "
           f"{RoutingConfig().whole_scan_max_workers} are scored whole) + kv_aware policy + prediction,")
-    print("    explanation not built; dynamo: hash + match only")
+    print("    explanation and reason text not built; dynamo: hash + match only")
     print("    (its cost/selection runs in Rust elsewhere and is excluded, which favours the peer).")
     print_table("ours: where the full decision goes (median µs)", ["part", "µs"], [
         ["block_hashes (16 blocks)", p("ours_hash_us")],
