@@ -227,6 +227,37 @@ def test_always_holds_requests_while_the_prefill_tier_is_backlogged():
     assert cond.submit(cond.prepare("c", list(range(4096)), 16), "k", backlogged, 0.0) is not None
 
 
+def test_always_high_priority_waits_only_for_work_of_its_priority_or_higher():
+    """A request above the default priority skips the lower tiers' backlog, but not the work of its own tier
+    or higher that this gate sent the prefill worker (counted until its first token): past one pass more than
+    ``engine_backlog_passes`` of it, a flood of high-priority requests is held too."""
+    sched = SchedulerConfig(enabled=True, engine_backlog_passes=1.0)
+    d = dispatcher("always", scheduler=sched, **FAST)
+    gate = d.prefill_gate
+    assert gate is not None
+    fleet = [worker("p0", "prefill", queued=50_000), worker("d0", "decode"), worker("d1", "decode")]
+
+    def high(i: int, priority: int = 1):  # type: ignore[no-untyped-def]
+        return d.prepare(f"h{i}", list(range(100_000 * (i + 1), 100_000 * (i + 1) + 8192)), 16, priority=priority)
+
+    first, second = d.submit(high(0), "k", fleet, 0.0), d.submit(high(1), "k", fleet, 0.0)
+    assert first is not None and second is not None and gate.pending() == 2  # 16,384 tokens: 2 x 8,192 ahead
+    assert d.submit(high(2), "k", fleet, 0.1) is None  # held behind its own tier's work
+    assert d.pump(fleet, 0.1) is None
+    top = d.submit(high(3, priority=2), "k", fleet, 0.1)  # queued behind h2 (drivers pump next) ...
+    assert top is None
+    out = d.pump(fleet, 0.1)  # ... and it outranks all the priority-1 work ahead there
+    assert out is not None and out.request.request_id == "h3"
+    assert d.progressed("h0", ok=True) == 1  # its first token: the driver should pump ...
+    assert d.pump(fleet, 0.2) is None  # ... but h1 and h3 (priority 2 is ahead of priority 1 too) fill the bound
+    d.progressed("h3", ok=True)
+    out = d.pump(fleet, 0.3)
+    assert out is not None and out.request.request_id == "h2" and d.held() == 0
+    d.retract(out)  # it never ran there: not counted any more
+    d.progressed("h1", ok=False)
+    assert gate.pending() == 0
+
+
 def test_strict_a_held_request_that_can_never_fit_or_waited_max_wait_s_is_refused_not_held_for_good():
     """Strict: a held request whose KV exceeds what its decode worker may take even empty is refused at once
     (``HeldRefused``, out of the queue); one refused for want of room stays first in line until it has waited

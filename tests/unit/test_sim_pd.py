@@ -187,3 +187,27 @@ def test_strict_with_the_scheduler_held_requests_that_cannot_go_are_refused_and_
     assert r.extra["queue_wait_ms"]["max"] >= 30_000 * 0.99  # someone waited out max_wait_s
     assert sum(e.prefill_tokens for e in pd.engines[1:]) < 200 * small.block_size  # no prompt prefilled there
     assert pd.plane.stats.fallbacks == {}
+
+
+def test_always_a_flood_of_high_priority_requests_is_held_and_every_count_is_released():
+    """Every request at priority 1, faster than the one prefill worker prefills: the scheduler holds them behind
+    the high-priority work it sent there (before, a flood above the default priority was never held), every
+    request completes, and the gate's count of what it sent is back to zero at the end (no leak)."""
+    import random
+
+    from thunderagent.config import SchedulerConfig
+
+    rng = random.Random(0)
+    reqs, t = [], 0.0
+    for k in range(150):
+        t += rng.expovariate(16.0)
+        n = rng.randint(1024, 6144)
+        reqs.append(TraceRequest(f"r{k}", t, n, 50, [rng.getrandbits(30) for _ in range(n // 512)], 512, priority=1))
+    sim = Simulator(NODE, RoutingConfig(seed=0), 4, Policy.kv_aware, seed=0, scheduler=SchedulerConfig(enabled=True),
+                    pd=PdSetup(1, 3, DisaggConfig(mode="always"), FAST))
+    out = sim.run(reqs, 1.0)
+    r = out.result
+    assert r.requests == 150 and r.extra["incomplete_requests"] == 0 and len(out.ttft_by_id) == 150
+    assert r.extra["queue_wait_ms"]["mean"] > 100  # held here, not in the prefill engine's queue
+    gate = sim.dispatcher.prefill_gate
+    assert gate is not None and gate.pending() == 0

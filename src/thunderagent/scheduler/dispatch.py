@@ -46,6 +46,7 @@ from thunderagent.router.router import KvRouter, NoWorkerAvailable
 from thunderagent.scheduler.disagg import Disaggregator, split_pools
 from thunderagent.scheduler.grouping import Grouper
 from thunderagent.scheduler.pacing import ProgramPacer
+from thunderagent.scheduler.prefill_gate import PrefillGate
 from thunderagent.scheduler.programs import ProgramTable
 from thunderagent.scheduler.queue import Held, HoldingQueue, QueueFull
 from thunderagent.types import Decision, EngineRequest, PdPlan, RouteRequest, Sampling, WorkerState
@@ -120,9 +121,9 @@ class Dispatcher:
         self._pending: dict[str, int] = {}
         self._unprefilled: dict[str, tuple[str, int]] = {}
         self._ready: deque[Held] = deque()  # released requests (resumed programs, followers), to dispatch first
-        # disaggregation always: the prefill tier's backlog bound, in passes (:meth:`_prefill_room`)
-        self._prefill_gate = (cfg.engine_backlog_passes if self.scheduler is not None and disagg is not None
-                              and disagg.cfg.mode == "always" else None)
+        # disaggregation always: the prefill tier's gate (scheduler/prefill_gate.py)
+        self.prefill_gate = (PrefillGate(cfg.engine_backlog_passes) if self.scheduler is not None
+                             and disagg is not None and disagg.cfg.mode == "always" else None)
         self.grouper = (Grouper(cfg.grouping, self.index, block_size, self._ready, cfg.max_queued)
                         if cfg.grouping.active else None)
 
@@ -231,9 +232,12 @@ class Dispatcher:
     def progressed(self, request_id: str, *, ok: bool) -> int:
         """A dispatched request produced its first token or ended (``ok``: without an error): if it
         leads a group, its followers are released. Returns how many, plus 1 when the tracked gate
-        (``scheduler.tracked_prefill_passes``) may have opened while requests are held: non-zero
+        (``scheduler.tracked_prefill_passes``, or the prefill tier's for the tiers above the default) may have
+        opened while requests are held: non-zero
         means the driver should pump."""
-        freed = self._prefilled(request_id) and self.queue is not None and len(self.queue) > 0
+        gate = self.prefill_gate
+        counted = self._prefilled(request_id) | (gate is not None and gate.done(request_id))  # both forget: |
+        freed = counted and self.queue is not None and len(self.queue) > 0
         return (self.grouper.progressed(request_id, ok) if self.grouper is not None else 0) + freed
 
     def _prefilled(self, request_id: str) -> bool:
@@ -380,27 +384,10 @@ class Dispatcher:
                 and w.load.queued_prefill_tokens < sched.engine_backlog_passes * w.max_num_batched_tokens)
 
     def _prefill_room(self, workers: Sequence[WorkerState], priority: int) -> bool:
-        """With disaggregation ``always`` (every request prefills on the prefill tier), some prefill worker
-        can take a prefill now: not busy, and its reported prefill backlog under ``engine_backlog_passes``
-        passes. Without this the decode workers, which prefill nothing, always look free, and the prefill
-        engines' queues would hold the overload instead of the scheduler (no 429, no ageing, no bound).
-
-        A request above the default priority (``priority > 0``) does not wait for it: the prefill engine
-        runs its queue by priority, so such a request overtakes the backlog there at the next pass,
-        while held here it would go only after a pass ended and miss the pass formed then (measured in
-        the simulator: high-priority TTFT p99 692 against 530 ms when it waited too). No prefill worker
-        routable: the plan falls back (or strict raises) as before."""
-        if self._prefill_gate is None or priority > 0:
-            return True
-        passes = self._prefill_gate
-        cfg = self.router.cfg
-        prefill = False
-        for w in workers:
-            if w.role == "prefill":
-                prefill = True
-                if not is_busy(w, cfg) and w.load.queued_prefill_tokens < passes * w.max_num_batched_tokens:
-                    return True
-        return not prefill
+        """With disaggregation ``always``, a prefill worker can take a request of ``priority`` now
+        (:class:`~thunderagent.scheduler.prefill_gate.PrefillGate`)."""
+        gate = self.prefill_gate
+        return gate is None or gate.room(workers, priority, self.router.cfg)
 
     def _gated(self, workers: Sequence[WorkerState]) -> Sequence[WorkerState]:
         """With the latency gate in effect, the request goes only to a worker that can start it now
@@ -458,6 +445,8 @@ class Dispatcher:
                 self.index.report_missing(decision.worker_id, req.block_hashes, predicted_only=True)
                 raise
             decision = replace(decision, pd=plan, why=decision.why_plus(why))
+            if plan is not None and req.priority > 0 and self.prefill_gate is not None:
+                self.prefill_gate.sent(req.request_id, plan.prefill_worker, req.priority, plan.transfer_tokens)
         bs = self.block_size
         best = decision.best_overlap_blocks  # not from candidates: those may be built lazily
         best_known = min(best, (n - 1) // bs) * bs
@@ -482,6 +471,8 @@ class Dispatcher:
         predicted there, so the next request is not drawn to a cache that was never filled.
         Returns how many index entries were dropped."""
         self._prefilled(d.request.request_id)
+        if self.prefill_gate is not None:
+            self.prefill_gate.done(d.request.request_id)
         return self.index.report_missing(d.decision.worker_id, d.request.block_hashes, predicted_only=True)
 
     def settle(self, now: float) -> None:
