@@ -407,13 +407,12 @@ class Dispatcher:
     def dispatch(self, req: EngineRequest, workers: Sequence[WorkerState], now: float,
                  exclude: tuple[str, ...] = (), program: str | None = None, pin: str | None = None,
                  backlog: int = 0) -> Dispatch:
-        """Route ``req`` among ``workers`` (less ``exclude``: workers that already could not take
-        it, or that a sibling should not wait on); a request of a program the pacer pinned, or
-        pinned by ``pin`` (a follower released to its leader's worker), goes to that worker while it
-        is routable. ``backlog``: other requests held in the scheduler, waiting for this fleet: the
-        router's contention charge counts each worker's share of them (``RouteRequest.held``), so a
-        fleet whose overload sits in our queue rather than in the engines' still counts as saturated
-        and keeps cache hits. Raises :class:`~thunderagent.router.router.NoWorkerAvailable`."""
+        """Route ``req`` among ``workers`` (less ``exclude``: workers that already could not take it, or that a
+        sibling should not wait on); a request of a program the pacer pinned, or pinned by ``pin`` (a follower
+        released to its leader's worker), goes to that worker while it is routable. ``backlog``: other requests
+        held in the scheduler, waiting for this fleet: the router's contention charge counts each worker's share
+        of them (``RouteRequest.held``), so a fleet whose overload sits in our queue rather than in the engines'
+        still counts as saturated and keeps cache hits. Raises :class:`NoWorkerAvailable`."""
         if exclude:
             workers = [w for w in workers if w.worker_id not in exclude]
         workers, prefill_pool = split_pools(workers)
