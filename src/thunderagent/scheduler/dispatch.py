@@ -231,10 +231,9 @@ class Dispatcher:
 
     def progressed(self, request_id: str, *, ok: bool) -> int:
         """A dispatched request produced its first token or ended (``ok``: without an error): if it
-        leads a group, its followers are released. Returns how many, plus 1 when the tracked gate
-        (``scheduler.tracked_prefill_passes``, or the prefill tier's for the tiers above the default) may have
-        opened while requests are held: non-zero
-        means the driver should pump."""
+        leads a group, its followers are released. Returns how many, plus 1 when a gate that counts what
+        we sent (``scheduler.tracked_prefill_passes``; the prefill tier's, for the tiers above the default)
+        may have opened while requests are held: non-zero means the driver should pump."""
         gate = self.prefill_gate
         counted = self._prefilled(request_id) | (gate is not None and gate.done(request_id))  # both forget: |
         freed = counted and self.queue is not None and len(self.queue) > 0
@@ -280,7 +279,10 @@ class Dispatcher:
 
     def pump(self, workers: Sequence[WorkerState], now: float) -> Dispatch | None:
         """The next held request, routed, once a worker can start it (or it waited ``max_wait_s``:
-        then it goes anyway). None when nothing can go now. The driver submits it and calls again."""
+        then it goes anyway). None when nothing can go now. The driver submits it and calls again.
+        Routing it may raise: :class:`HeldRefused` when it can never go, or still cannot once it waited
+        ``max_wait_s`` (it left the scheduler: the driver ends it refused); else ``NoWorkerAvailable``
+        (it stays first in line: the driver stops pumping until something changes)."""
         if self._ready and workers:
             held = self._ready[0]
             try:
