@@ -60,6 +60,12 @@ async def test_three_times_capacity_is_refused_not_fatal(tmp_path, gate):
         rep = await load_bench("overload").run(seconds, 3.0, unloaded_s=2.0, capacity_s=4.0, settle_s=2.0,
                                  log_path=tmp_path / f"serve{attempt}.log",
                                  extra_config="scheduler: {prefills_in_flight: 1}" if gate else "")
+        if attempt == 0 and rep.overload.count(429) == 0:
+            # Nothing refused at "3x": the capacity phase under-measured (a stall of the shared machine during
+            # its 4 s: one CI run measured 3.0/s, then served all 71 requests of the "3x" phase at 1.5x
+            # unloaded TTFT), so the offered load was no overload. Measured again, as a timing miss is below.
+            reports.append("\n".join(rep.lines()))
+            continue
         reports.append(_check_liveness(rep, seconds))
         if rep.ttft_ratio(0.9) < p90_bound and rep.ttft_ratio_p99 < 8.0:
             return
@@ -67,7 +73,8 @@ async def test_three_times_capacity_is_refused_not_fatal(tmp_path, gate):
         # 2-core machine (quiet: 1.4-1.6x in 8 of 8 runs; a CI run under a load average of 2.8 saw
         # 3.9x with the gate), and the liveness checks above hold in every run.
     joined = "\n--- measured again ---\n".join(reports)
-    raise AssertionError(f"admitted TTFT p90 >= {p90_bound}x unloaded or p99 >= 8x in two runs:\n{joined}")
+    raise AssertionError(f"admitted TTFT p90 >= {p90_bound}x unloaded or p99 >= 8x, or capacity under-measured, "
+                         f"in two runs:\n{joined}")
 
 
 @pytest.mark.parametrize("speedup", [1.0, 0.5])
