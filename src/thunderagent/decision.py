@@ -13,6 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
+def literal(text: str) -> str:
+    """``text`` as literal text inside a ``str.format`` string (worker ids may hold braces)."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
 @dataclass
 class CandidateScore:
     """A worker's score for one request: the routing cost's terms (``router/cost.py``)."""
@@ -121,9 +126,7 @@ class Decision:
     def why_plus(self, text: str) -> str:
         """``why`` followed by ``"; "`` and ``text`` as literal text (braces escaped where ``why`` is a
         format string), for ``dataclasses.replace(decision, why=...)``: the reason stays unformatted."""
-        if self.why_args:
-            text = text.replace("{", "{{").replace("}", "}}")
-        return f"{self.why}; {text}"
+        return f"{self.why}; {literal(text) if self.why_args else text}"
 
     def explain(self) -> dict[str, object]:
         """JSON-ready explanation (returned in the response body when asked)."""

@@ -113,11 +113,7 @@ class KvAware:
                     if r < low:
                         low = r
                 tied = [i for i, r in zip(ready, rates) if r - low < 1e-9]
-                small = cands[tied[0]].footprint
-                for i in tied:
-                    if cands[i].footprint < small:
-                        small = cands[i].footprint
-                tied = [i for i in tied if cands[i].footprint == small]
+                tied = _smallest_footprint(cands, tied)
                 i = tied[0] if len(tied) == 1 else rng.choice(tied)
                 return i, ("cache miss everywhere: least recent prefill traffic ({:.0f} tokens) among workers "
                            "ready within a pass", (rates[ready.index(i)],))
@@ -138,16 +134,20 @@ class KvAware:
                 return i, ("softmax(T={}) among {} near-ties, cost {:.1f} (min {:.1f})",
                            (self.temperature, len(near), costs[i], lo))
         tied = [i for i, c in enumerate(costs) if c - lo <= tol]
-        best = cands[tied[0]]
         if len(tied) == 1:
-            return tied[0], _why_lowest(best.score)
-        small = best.footprint
-        for i in tied:
-            if cands[i].footprint < small:
-                small = cands[i].footprint
-        tied = [i for i in tied if cands[i].footprint == small]
+            return tied[0], _why_lowest(cands[tied[0]].score)
+        tied = _smallest_footprint(cands, tied)
         i = tied[0] if len(tied) == 1 else rng.choice(tied)
         return i, ("lowest cost {:.1f}, tie among workers broken by smallest cache then random", (lo,))
+
+
+def _smallest_footprint(cands: Sequence[Candidate], tied: list[int]) -> list[int]:
+    """Of the ``tied`` positions, those whose worker holds the smallest indexed cache."""
+    small = cands[tied[0]].footprint
+    for i in tied:  # (a loop: compiled, ``min`` over a generator is a generic call)
+        if cands[i].footprint < small:
+            small = cands[i].footprint
+    return [i for i in tied if cands[i].footprint == small]
 
 
 def _why_lowest(s: CandidateScore) -> Reason:

@@ -26,7 +26,7 @@ from thunderagent.router.errors import NoWorkerAvailable
 from thunderagent.router.hot import HotPrefixes
 from thunderagent.router.policies import Candidate, KvAware, make_policy
 from thunderagent.router.selection import select
-from thunderagent.decision import Decision, HotPrefixNote
+from thunderagent.decision import Decision, HotPrefixNote, literal
 from thunderagent.types import RouteRequest, WorkerState
 
 
@@ -218,7 +218,7 @@ class KvRouter:
         if note is not None and hot is not None and chosen.worker.worker_id in note.replicas:
             hot.to_replicas += 1
             head = hot.reason(note, chosen.worker.block_size, chosen.worker.worker_id, False)
-            return chosen, _literal(head) + why if args else head + why, args, note
+            return chosen, literal(head) + why if args else head + why, args, note
         return chosen, why, args, None
 
 
@@ -228,8 +228,3 @@ def _best_overlap(cands: list[Candidate]) -> int:
         if c.score.overlap_blocks > best:
             best = c.score.overlap_blocks
     return best
-
-
-def _literal(text: str) -> str:
-    """``text`` as literal text inside a format string (worker ids may hold braces)."""
-    return text.replace("{", "{{").replace("}", "}}")
