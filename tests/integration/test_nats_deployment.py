@@ -294,3 +294,63 @@ def test_tenant_limits_hold_across_the_frontends(cluster: Cluster):
     for f in ("fa", "fb"):
         got = health(f)["frontend"]["tenant_reports"]
         assert got["sent"] > 0 and got["taken"] > 0, (f, got)
+
+
+_RECORD_PID = "import os, sys; open(sys.argv[1], 'a').write(f'{os.getppid()} {sys.argv[2]} {sys.argv[3]}\\n')"
+
+
+def test_one_frontend_acts_for_the_planner_and_the_next_oldest_takes_over_when_it_dies(cluster: Cluster):
+    """Both frontends run the planner on their own view; only the oldest runs the command (the other one
+    records its step as not acted on). When that one is killed, the other acts one lease later."""
+    import json
+    import sys
+    import urllib.request
+
+    calls = cluster.tmp / "calls.txt"
+    planner = {"enabled": True, "interval_s": 0.1, "window_s": 0.5, "cooldown_s": 0.5, "warm_requests": 1,
+               "up_ttft_s": 0.0001, "down_ttft_s": 0.0, "command": [sys.executable, "-c", _RECORD_PID, str(calls)]}
+    config = cluster.write_config("planner.yaml", f"planner: {json.dumps(planner)}\n")
+    cluster.start_nats()
+    cluster.start_worker("w0", config=config)
+    cluster.start_frontend("fa", config=config)
+    wait_until(lambda: cluster.workers("fa") == {"w0"}, 30, "fa to discover its worker")
+    cluster.start_frontend("fb", config=config)
+    wait_until(lambda: cluster.workers("fb") == {"w0"}, 30, "fb to discover its worker")
+
+    def planner_view(f: str) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.ports[f]}/v1/planner", timeout=5) as r:
+            return json.loads(r.read())
+
+    def states() -> tuple[str, str]:
+        return planner_view("fa")["leadership"]["state"], planner_view("fb")["leadership"]["state"]
+
+    wait_until(lambda: states() == ("leader", "follower"), 15, "fa (the older) to lead, fb to follow")
+    fa_id = planner_view("fa")["leadership"]["id"]
+    assert planner_view("fb")["leadership"]["leader"] == fa_id
+    assert (planner_view("fa")["acting"], planner_view("fb")["acting"]) == (True, False)
+
+    def load(fronts: tuple[str, ...], until) -> None:  # noqa: ANN001
+        end = time.monotonic() + 30
+        i = 0
+        while not until():
+            assert time.monotonic() < end, "timed out"
+            for f in fronts:
+                complete(cluster.client(f), f"{i} {f} " + TEXT, max_tokens=2)
+            i += 1
+
+    def pids() -> list[int]:
+        return [int(line.split()[0]) for line in calls.read_text().splitlines()] if calls.exists() else []
+
+    def not_acted(f: str) -> list[dict]:
+        return [a for a in planner_view(f)["actions"] if a["kind"] == "not_acted"]
+
+    load(("fa", "fb"), lambda: len(pids()) >= 2 and not_acted("fb"))
+    assert set(pids()) == {cluster.procs["fa"].pid}, "only the leader runs the command"
+    assert calls.read_text().splitlines()[0].split()[1:] == ["both", "+1"]
+    assert not_acted("fb")[0]["leader"] == fa_id and not_acted("fb")[0]["delta"] == 1
+    assert not_acted("fa") == []
+
+    cluster.kill("fa")
+    wait_until(lambda: planner_view("fb")["leadership"]["state"] == "alone", 10, "fb to find itself alone")
+    load(("fb",), lambda: cluster.procs["fb"].pid in pids())
+    assert set(pids()) == {cluster.procs["fa"].pid, cluster.procs["fb"].pid}

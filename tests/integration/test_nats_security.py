@@ -160,6 +160,9 @@ def test_tls_and_per_role_users_refuse_strangers_and_forgeries(tmp_path):
         c.start_frontend("f", config=by_env,
                          env={"TA_NATS_USER": "frontend", "TA_NATS_PASSWORD": sec.passwords["frontend"]})
         wait_until(lambda: c.workers("f") == {"a", "b"}, 30, "workers a and b over TLS with their own users")
+        # the frontend's user may hear the frontends' beats (its own among them): it knows who acts for the planner
+        wait_until(lambda: c.health("f")["frontend"]["planner_leadership"]["state"] == "alone", 10,
+                   "the frontend to hear its own beat under its user's permissions")
         client = c.client("f")
         before = c.health("f")["frontend"]
 

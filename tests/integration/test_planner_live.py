@@ -67,6 +67,7 @@ async def test_planner_overload_then_idle(server_factory, tmp_path):
                 assert up["role"] == "both" and any(r.startswith("TTFT: mean") for r in up["reasons"])
                 body = await status()
                 assert body["enabled"] is True
+                assert (body["acting"], body["leadership"]) == (True, None)  # one process: it acts
                 rec = body["recommendations"][0]
                 assert rec["role"] == "both" and rec["decided_at"] is not None and rec["signals"]["workers"] == 2
 
@@ -96,7 +97,8 @@ async def test_planner_off_by_default(server_factory):
     async with server_factory() as srv, aiohttp.ClientSession() as http:
         async with http.get(f"{srv.base_url}/v1/planner") as r:
             assert r.status == 200
-            assert await r.json() == {"enabled": False, "recommendations": [], "actions": []}
+            assert await r.json() == {"enabled": False, "acting": False, "leadership": None, "recommendations": [],
+                                      "actions": []}
 
 
 async def test_planner_reads_the_live_ttft_histogram_with_a_quantile(server_factory):

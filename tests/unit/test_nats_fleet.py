@@ -76,7 +76,8 @@ def accepted(n: int = 0) -> wire.TokenBatch:
 
 async def test_start_asks_workers_to_announce_themselves(fleet):
     assert fleet.bus.published[0] == ("ta.discover", b"", "")
-    assert set(fleet.bus.subs) == {"ta.worker.>", f"ta.reply.*.{fleet.fid}.*", "ta.programs.release"}
+    assert set(fleet.bus.subs) == {"ta.worker.>", f"ta.reply.*.{fleet.fid}.*", "ta.programs.release",
+                                   "ta.frontend.*.hb"}  # the other frontends: who acts for the planner
     assert fleet.membership.index_rebuild_s is not None
 
 

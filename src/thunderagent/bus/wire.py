@@ -17,7 +17,8 @@ Subjects (``<p>`` is the deployment prefix, ``ta`` by default; ``<id>`` a worker
     <p>.rpc.<id>.dump          frontend -> worker    (empty) request; DumpChunk replies
     <p>.rpc.<id>.ping          frontend -> worker    (empty) request; Pong reply: "which instance are you?"
     <p>.discover               frontend -> workers   (empty): every worker answers with a hello
-    <p>.frontend.<frontend>.hb frontend -> workers   (empty), every heartbeat_interval: the lease of its requests
+    <p>.frontend.<frontend>.hb frontend -> workers, frontends  FrontendBeat, every heartbeat_interval: the
+                               lease of its requests (workers); which frontend acts for the planner (frontends)
     <p>.programs.release       frontend -> frontends ProgramRelease: a client released an agent program
     <p>.programs.reply.<frontend>.<token>  frontend -> frontend  (any payload): "I held it and released it"
     <p>.tenants.usage          frontend -> frontends TenantUsage: tenants' use since the last report (shared limits)
@@ -249,6 +250,14 @@ class TenantUsage(msgspec.Struct, array_like=True, frozen=True):
     uses: list[TenantUse]
 
 
+class FrontendBeat(msgspec.Struct, array_like=True, frozen=True):
+    """A frontend's heartbeat. Workers read only its subject (the lease of its requests); frontends read
+    the body to agree on which of them acts for the scaling planner (``control/leadership.py``)."""
+
+    started_at: float  # its wall clock at start: the oldest frontend whose planner can act leads
+    planner_acts: bool  # its planner is on, with a command or a webhook
+
+
 class Unavailable(msgspec.Struct, array_like=True, frozen=True):
     """The worker cannot serve now (its engine unreachable, a block-size mismatch...)."""
 
@@ -408,6 +417,7 @@ decode_bye = msgspec.msgpack.Decoder(Bye).decode
 decode_pong = msgspec.msgpack.Decoder(Pong).decode
 decode_program_release = msgspec.msgpack.Decoder(ProgramRelease).decode
 decode_tenant_usage = msgspec.msgpack.Decoder(TenantUsage).decode
+decode_frontend_beat = msgspec.msgpack.Decoder(FrontendBeat).decode
 decode_unavailable = msgspec.msgpack.Decoder(Unavailable).decode
 decode_generate = msgspec.msgpack.Decoder(GenerateRequest).decode
 decode_abort = msgspec.msgpack.Decoder(Abort).decode

@@ -50,6 +50,7 @@ from thunderagent.bus.wire import (
     load_from_wire,
     max_prompt_tokens,
 )
+from thunderagent.control.frontend_beats import FrontendBeats
 from thunderagent.control.program_peers import ProgramPeers
 from thunderagent.control.tenant_peers import TenantPeers
 from thunderagent.control.remote_worker import RemoteLink, RemoteWorker
@@ -79,6 +80,7 @@ class NatsMembership:
         self.link = RemoteLink(bus, self.subjects, self.frontend_id, self.drop)  # no responders: the worker is gone
         self.peers = ProgramPeers(bus, self.subjects, self.frontend_id)  # program releases reach every frontend
         self.tenants = TenantPeers(bus, self.subjects, self.frontend_id)  # tenant limits hold across frontends
+        self.beats = FrontendBeats(bus, self.subjects, self.frontend_id)  # request lease; who acts for the planner
         self.discovery_window = discovery_window
         self.sync_timeout = sync_timeout
         self.dump_timeout = dump_timeout
@@ -100,7 +102,6 @@ class NatsMembership:
         self._probes: dict[str, asyncio.Task[None]] = {}
         self._challengers: dict[str, Heartbeat] = {}  # worker -> latest heartbeat of an unproven new instance
         self._probe_after: dict[str, float] = {}  # worker -> no new probe before (a refuted claim)
-        self._beats: asyncio.Task[None] | None = None
 
     @property
     def fleet(self) -> Fleet:
@@ -114,7 +115,10 @@ class NatsMembership:
         await self.bus.connect()
         fleet.prompt_limit = PromptLimit(max_prompt_tokens(self.bus.max_payload, fleet.block_size),
                                          "one request message to a worker can carry (the NATS server's max_payload)")
-        self._beats = asyncio.create_task(self._beat(fleet.cfg.control_plane.heartbeat_interval), name="frontend-beat")
+        cp = fleet.cfg.control_plane
+        await self.beats.start(cp.heartbeat_interval, cp.heartbeat_interval * cp.heartbeat_misses,
+                               fleet.planner.can_act, fleet.now)
+        fleet.planner.lead = self.beats.leadership  # one frontend runs the planner's command / webhook
         await self.bus.subscribe(self.subjects.all_workers(), self._on_worker_msg)
         await self.bus.subscribe(self.subjects.replies(self.frontend_id), self._on_reply)
         await self.peers.start(fleet.release_program)  # another frontend's client released a program
@@ -129,19 +133,13 @@ class NatsMembership:
                  self.frontend_id, len(self.remotes), fleet.index.num_blocks(), self.index_rebuild_s)
 
     async def stop(self) -> None:
-        for task in [*self._syncs.values(), *self._probes.values(), *([self._beats] if self._beats else [])]:
+        for task in [*self._syncs.values(), *self._probes.values()]:
             task.cancel()
+        await self.beats.stop()
         # every worker still serving a request of ours, draining ones included
         for worker in {*self.remotes.values(), *self.link.owners.values()}:
             await worker.stop()
         await self.bus.close()
-
-    async def _beat(self, interval: float) -> None:
-        """This frontend's heartbeat: workers abort its requests when it stops (the request lease)."""
-        subject = self.subjects.frontend_beat(self.frontend_id)
-        while True:
-            self.bus.publish(subject, b"")
-            await asyncio.sleep(interval)
 
     def summary(self) -> dict[str, object]:
         feed = self.fleet.feed
@@ -154,6 +152,8 @@ class NatsMembership:
             "ignored_messages": dict(self.ignored),
             "programs_released_for_peers": self.peers.released_for_peers,
             "tenant_reports": {"sent": self.tenants.reports_sent, "taken": self.tenants.reports_taken},
+            "planner_leadership": (None if self.beats.leadership is None
+                                   else self.beats.leadership.summary(self.fleet.now())),
         }}
 
     # -- worker messages (one subscription: in publication order per worker) ----------------

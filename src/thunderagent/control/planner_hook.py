@@ -13,6 +13,11 @@ part of their prompt, and its TTFT histogram's count and sum). A step decided on
 
 Each action's outcome (exit status, HTTP status or the error) is kept (the last 20) and shown at
 ``GET /v1/planner``; a failed action is logged and does not stop the planner.
+
+With several frontends on one bus, each runs the planner on its own view, and only one acts
+(``lead``: :class:`~thunderagent.control.leadership.Leadership`, set by the NATS membership); the
+others show their advice, log a step they would have taken, and keep it in ``actions`` as not acted on.
+In ``serve`` (one process) ``lead`` is None: it acts.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Gauge
 
 from thunderagent.config.planner import PlannerConfig
+from thunderagent.control.leadership import Leadership
 from thunderagent.control.planner import Planner, Recommendation, WorkerSample
 from thunderagent.control.registry import WorkerRegistry
 from thunderagent.types import WorkerState
@@ -53,6 +59,18 @@ class PlannerHook:
         self._tasks: set[asyncio.Task[None]] = set()
         self.gauge = Gauge("thunderagent_planner_recommendation", "The scaling planner's recommendation per worker "
                            "role: +1 add a worker, -1 remove one, 0 hold", ["role"], registry=metrics)
+        #: which frontend of a bus acts (None: this is the only one)
+        self.lead: Leadership | None = None
+        self.acting_gauge = Gauge("thunderagent_planner_acting", "1 if this frontend runs the planner's command / "
+                                  "webhook (the one frontend of a bus that acts), else 0", registry=metrics)
+
+    @property
+    def can_act(self) -> bool:
+        """The planner is on and has a command or a webhook to call."""
+        return self.planner is not None and bool(self.cfg.command or self.cfg.webhook_url)
+
+    def acting(self, now: float) -> bool:
+        return self.can_act and (self.lead is None or self.lead.acting(now))
 
     def tick(self, now: float) -> None:
         """The fleet's health tick: a look every ``interval_s`` (nothing while the planner is off)."""
@@ -60,11 +78,21 @@ class PlannerHook:
             return
         self._next = now + self.cfg.interval_s
         self.planner.observe(now, self.samples())
+        acting = self.acting(now)
+        self.acting_gauge.set(int(acting))
         for role, rec in self.planner.recommend(now).items():
             self.gauge.labels(role).set(rec.delta)
-            if rec.fresh:
+            if not rec.fresh:
+                continue
+            if acting or not self.can_act:  # (without a command or webhook there is nothing to act with)
                 log.info("planner: %s %+d (%s)", role, rec.delta, "; ".join(rec.reasons))
                 self._act(rec)
+            else:
+                leader = None if self.lead is None else self.lead.leader()
+                log.info("planner: %s %+d (%s); not acted on here: %s", role, rec.delta, "; ".join(rec.reasons),
+                         f"frontend {leader} acts for the fleet" if leader else "leadership not settled")
+                self.actions.append({"kind": "not_acted", "role": role, "delta": rec.delta, "at": rec.at,
+                                     "leader": leader})
 
     def samples(self) -> list[WorkerSample]:
         counters: dict[str, dict[str, float]] = {}
@@ -143,11 +171,13 @@ class PlannerHook:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, now: float) -> dict[str, Any]:
         """The ``GET /v1/planner`` body."""
         recs = self.planner.latest if self.planner is not None else {}
         return {
             "enabled": self.planner is not None,
+            "acting": self.acting(now),
+            "leadership": None if self.lead is None else self.lead.summary(now),
             "recommendations": [{
                 "role": r.role, "delta": r.delta, "reasons": list(r.reasons), "at": r.at, "decided_at": r.decided_at,
                 "signals": {"workers": r.signals.workers, "cold": list(r.signals.cold),

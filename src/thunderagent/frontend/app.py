@@ -342,7 +342,7 @@ class Frontend:
         return await self._run(request, req, ids, chat=False)
 
     async def planner(self, request: web.Request) -> web.Response:
-        return web.json_response(self.fleet.planner.summary())
+        return web.json_response(self.fleet.planner.summary(self.fleet.now()))
 
     async def models(self, request: web.Request) -> web.Response:
         body = {"object": "list", "data": [

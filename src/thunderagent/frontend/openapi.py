@@ -145,8 +145,10 @@ def openapi_document(cfg: Config) -> dict[str, Any]:
             "responses": {"200": _json(_RELEASED, "released"), **_errors(400, 403, 404, 408, 413, 415)},
         }},
         "/v1/planner": get("The scaling planner's recommendation per worker role, with its reasons", {
-            "200": _json({"type": "object", "required": ["enabled", "recommendations", "actions"], "properties": {
-                "enabled": {"type": "boolean"}, "recommendations": {"type": "array"},
+            "200": _json({"type": "object", "required": ["enabled", "acting", "leadership", "recommendations",
+                                                         "actions"], "properties": {
+                "enabled": {"type": "boolean"}, "acting": {"type": "boolean"},
+                "leadership": {"type": ["object", "null"]}, "recommendations": {"type": "array"},
                 "actions": {"type": "array"}}}, "recommendations"), **_errors()}),
         "/health": get("Fleet health", {"200": _json({"type": "object"}, "healthy"),
                                          "503": _json({"type": "object"}, "no healthy worker"), **_errors()}),
