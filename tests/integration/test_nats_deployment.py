@@ -300,8 +300,9 @@ _RECORD_PID = "import os, sys; open(sys.argv[1], 'a').write(f'{os.getppid()} {sy
 
 
 def test_one_frontend_acts_for_the_planner_and_the_next_oldest_takes_over_when_it_dies(cluster: Cluster):
-    """Both frontends run the planner on their own view; only the oldest runs the command (the other one
-    records its step as not acted on). When that one is killed, the other acts one lease later."""
+    """Both frontends run the planner on the fleet's traffic (each adds the other's counters); only the oldest
+    runs the command (the other one records its step as not acted on). All traffic goes through the other
+    one here: the oldest acts on what it hears of it. When the oldest is killed, the other acts one lease later."""
     import json
     import sys
     import urllib.request
@@ -344,7 +345,9 @@ def test_one_frontend_acts_for_the_planner_and_the_next_oldest_takes_over_when_i
     def not_acted(f: str) -> list[dict]:
         return [a for a in planner_view(f)["actions"] if a["kind"] == "not_acted"]
 
-    load(("fa", "fb"), lambda: len(pids()) >= 2 and not_acted("fb"))
+    load(("fb",), lambda: len(pids()) >= 2 and not_acted("fb"))  # fa routes nothing, and acts on fb's traffic
+    fb_id = planner_view("fb")["leadership"]["id"]
+    assert cluster.health("fa")["frontend"]["planner_counters_from"] == [fb_id]
     assert set(pids()) == {cluster.procs["fa"].pid}, "only the leader runs the command"
     assert calls.read_text().splitlines()[0].split()[1:] == ["both", "+1"]
     assert not_acted("fb")[0]["leader"] == fa_id and not_acted("fb")[0]["delta"] == 1

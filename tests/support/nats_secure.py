@@ -47,11 +47,11 @@ def make_nkey_user(d: Path, name: str) -> tuple[str, Path]:
 def frontend_permissions(prefix: str = "ta") -> str:
     """A frontend sends RPCs, discovers and beats; it hears every worker and the replies to it, and
     tells the other frontends (and hears from them) which programs their clients released and what
-    their tenants used; it hears the frontends' beats (which one acts for the scaling planner)."""
+    their tenants used; it hears the other frontends' beats and planner counters (the scaling planner)."""
     return (f'{{publish: {{allow: ["{prefix}.rpc.>", "{prefix}.discover", "{prefix}.frontend.>", '
             f'"{prefix}.programs.>", "{prefix}.tenants.>"]}}, '
             f'subscribe: {{allow: ["{prefix}.worker.>", "{prefix}.reply.>", "{prefix}.programs.>", '
-            f'"{prefix}.tenants.>", "{prefix}.frontend.*.hb"]}}}}')
+            f'"{prefix}.tenants.>", "{prefix}.frontend.>"]}}}}')
 
 
 def worker_permissions(wid: str, prefix: str = "ta") -> str:

@@ -19,6 +19,8 @@ Subjects (``<p>`` is the deployment prefix, ``ta`` by default; ``<id>`` a worker
     <p>.discover               frontend -> workers   (empty): every worker answers with a hello
     <p>.frontend.<frontend>.hb frontend -> workers, frontends  FrontendBeat, every heartbeat_interval: the
                                lease of its requests (workers); which frontend acts for the planner (frontends)
+    <p>.frontend.<frontend>.planner  frontend -> frontends  PlannerCounters, every planner.interval_s: what
+                               it routed to each worker (the planner judges the fleet's, not one frontend's)
     <p>.programs.release       frontend -> frontends ProgramRelease: a client released an agent program
     <p>.programs.reply.<frontend>.<token>  frontend -> frontend  (any payload): "I held it and released it"
     <p>.tenants.usage          frontend -> frontends TenantUsage: tenants' use since the last report (shared limits)
@@ -123,6 +125,13 @@ class Subjects:
 
     def frontend_beats(self) -> str:
         return f"{self.prefix}.frontend.*.hb"
+
+    def planner_counters(self, frontend_id: str) -> str:
+        """Where a frontend shares what it routed to each worker (frontends only: workers hear ``*.hb``)."""
+        return f"{self.prefix}.frontend.{frontend_id}.planner"
+
+    def all_planner_counters(self) -> str:
+        return f"{self.prefix}.frontend.*.planner"
 
     def program_release(self) -> str:
         """Where a frontend tells the others that a client released a program (each holds its own table)."""
@@ -256,6 +265,25 @@ class FrontendBeat(msgspec.Struct, array_like=True, frozen=True):
 
     started_at: float  # its wall clock at start: the oldest frontend whose planner can act leads
     planner_acts: bool  # its planner is on, with a command or a webhook
+
+
+class WorkerCounters(msgspec.Struct, array_like=True, frozen=True):
+    """One frontend's cumulative counts for one worker since it started (the planner's ``WorkerSample``
+    counters): requests routed, of them to a holder of part of their prompt, first tokens and their TTFT."""
+
+    worker_id: str
+    routed: int
+    hits: int
+    ttft_count: int
+    ttft_sum: float
+    ttft_buckets: list[tuple[float, int]] = []  # (upper bound s, cumulative count); only with planner.ttft_quantile
+
+
+class PlannerCounters(msgspec.Struct, array_like=True, frozen=True):
+    """Frontend ``origin``'s counters per worker, for the other frontends' planners."""
+
+    origin: str
+    workers: list[WorkerCounters]
 
 
 class Unavailable(msgspec.Struct, array_like=True, frozen=True):
@@ -418,6 +446,7 @@ decode_pong = msgspec.msgpack.Decoder(Pong).decode
 decode_program_release = msgspec.msgpack.Decoder(ProgramRelease).decode
 decode_tenant_usage = msgspec.msgpack.Decoder(TenantUsage).decode
 decode_frontend_beat = msgspec.msgpack.Decoder(FrontendBeat).decode
+decode_planner_counters = msgspec.msgpack.Decoder(PlannerCounters).decode
 decode_unavailable = msgspec.msgpack.Decoder(Unavailable).decode
 decode_generate = msgspec.msgpack.Decoder(GenerateRequest).decode
 decode_abort = msgspec.msgpack.Decoder(Abort).decode

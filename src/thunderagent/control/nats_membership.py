@@ -51,6 +51,7 @@ from thunderagent.bus.wire import (
     max_prompt_tokens,
 )
 from thunderagent.control.frontend_beats import FrontendBeats
+from thunderagent.control.planner_peers import PlannerPeers
 from thunderagent.control.program_peers import ProgramPeers
 from thunderagent.control.tenant_peers import TenantPeers
 from thunderagent.control.remote_worker import RemoteLink, RemoteWorker
@@ -81,6 +82,7 @@ class NatsMembership:
         self.peers = ProgramPeers(bus, self.subjects, self.frontend_id)  # program releases reach every frontend
         self.tenants = TenantPeers(bus, self.subjects, self.frontend_id)  # tenant limits hold across frontends
         self.beats = FrontendBeats(bus, self.subjects, self.frontend_id)  # request lease; who acts for the planner
+        self.planner_peers = PlannerPeers(bus, self.subjects, self.frontend_id)  # the fleet's traffic, not ours
         self.discovery_window = discovery_window
         self.sync_timeout = sync_timeout
         self.dump_timeout = dump_timeout
@@ -119,6 +121,9 @@ class NatsMembership:
         await self.beats.start(cp.heartbeat_interval, cp.heartbeat_interval * cp.heartbeat_misses,
                                fleet.planner.can_act, fleet.now)
         fleet.planner.lead = self.beats.leadership  # one frontend runs the planner's command / webhook
+        if fleet.planner.planner is not None:
+            await self.planner_peers.start(fleet.now)
+            fleet.planner.peers = self.planner_peers  # every planner judges every frontend's requests
         await self.bus.subscribe(self.subjects.all_workers(), self._on_worker_msg)
         await self.bus.subscribe(self.subjects.replies(self.frontend_id), self._on_reply)
         await self.peers.start(fleet.release_program)  # another frontend's client released a program
@@ -154,6 +159,7 @@ class NatsMembership:
             "tenant_reports": {"sent": self.tenants.reports_sent, "taken": self.tenants.reports_taken},
             "planner_leadership": (None if self.beats.leadership is None
                                    else self.beats.leadership.summary(self.fleet.now())),
+            "planner_counters_from": self.planner_peers.shared.origins(),
         }}
 
     # -- worker messages (one subscription: in publication order per worker) ----------------

@@ -14,10 +14,11 @@ part of their prompt, and its TTFT histogram's count and sum). A step decided on
 Each action's outcome (exit status, HTTP status or the error) is kept (the last 20) and shown at
 ``GET /v1/planner``; a failed action is logged and does not stop the planner.
 
-With several frontends on one bus, each runs the planner on its own view, and only one acts
-(``lead``: :class:`~thunderagent.control.leadership.Leadership`, set by the NATS membership); the
-others show their advice, log a step they would have taken, and keep it in ``actions`` as not acted on.
-In ``serve`` (one process) ``lead`` is None: it acts.
+With several frontends on one bus, each adds the others' counters to its own (``peers``:
+``control/planner_peers.py``), so every planner judges the whole fleet's traffic, and only one acts
+(``lead``: :class:`~thunderagent.control.leadership.Leadership`); both are set by the NATS membership.
+The others show their advice, log a step they would have taken, and keep it in ``actions`` as not
+acted on. In ``serve`` (one process) both are None: it acts on its own counters.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Gauge
 
+from thunderagent.bus.wire import WorkerCounters
 from thunderagent.config.planner import PlannerConfig
 from thunderagent.control.leadership import Leadership
 from thunderagent.control.planner import Planner, Recommendation, WorkerSample
@@ -44,6 +46,11 @@ log = logging.getLogger(__name__)
 _COUNTERS = {"thunderagent_routed_total": "routed", "thunderagent_routed_hits_total": "hits",
              "thunderagent_worker_ttft_seconds_count": "ttft_count", "thunderagent_worker_ttft_seconds_sum": "ttft_sum"}
 _TTFT_BUCKET = "thunderagent_worker_ttft_seconds_bucket"
+
+
+class _Peers(Protocol):  # control/planner_peers.py: the other frontends' counters
+    def share(self, local: dict[str, WorkerCounters]) -> None: ...
+    def merged(self, local: dict[str, WorkerCounters]) -> dict[str, WorkerCounters]: ...
 
 
 class PlannerHook:
@@ -61,6 +68,8 @@ class PlannerHook:
                            "role: +1 add a worker, -1 remove one, 0 hold", ["role"], registry=metrics)
         #: which frontend of a bus acts (None: this is the only one)
         self.lead: Leadership | None = None
+        #: the other frontends' counters (None: this is the only one)
+        self.peers: _Peers | None = None
         self.acting_gauge = Gauge("thunderagent_planner_acting", "1 if this frontend runs the planner's command / "
                                   "webhook (the one frontend of a bus that acts), else 0", registry=metrics)
 
@@ -77,7 +86,11 @@ class PlannerHook:
         if self.planner is None or now < self._next:
             return
         self._next = now + self.cfg.interval_s
-        self.planner.observe(now, self.samples())
+        counters = self.counters()
+        if self.peers is not None:  # other frontends on the bus: judge the fleet's traffic, not ours alone
+            self.peers.share(counters)
+            counters = self.peers.merged(counters)
+        self.planner.observe(now, self.samples(counters))
         acting = self.acting(now)
         self.acting_gauge.set(int(acting))
         for role, rec in self.planner.recommend(now).items():
@@ -94,7 +107,8 @@ class PlannerHook:
                 self.actions.append({"kind": "not_acted", "role": role, "delta": rec.delta, "at": rec.at,
                                      "leader": leader})
 
-    def samples(self) -> list[WorkerSample]:
+    def counters(self) -> dict[str, WorkerCounters]:
+        """This frontend's cumulative counters per worker, from its metrics."""
         counters: dict[str, dict[str, float]] = {}
         buckets: dict[str, list[tuple[float, int]]] = {}
         quantile = self.cfg.ttft_quantile is not None  # the histograms are read only when the planner uses them
@@ -105,13 +119,22 @@ class PlannerHook:
                     counters.setdefault(s.labels["worker"], {})[field] = s.value
                 elif quantile and s.name == _TTFT_BUCKET and "worker" in s.labels and s.labels["le"] != "+Inf":
                     buckets.setdefault(s.labels["worker"], []).append((float(s.labels["le"]), int(s.value)))
+        return {wid: WorkerCounters(wid, int(c.get("routed", 0)), int(c.get("hits", 0)), int(c.get("ttft_count", 0)),
+                                    c.get("ttft_sum", 0.0), sorted(buckets.get(wid, ())))
+                for wid, c in counters.items()}
+
+    def samples(self, counters: dict[str, WorkerCounters] | None = None) -> list[WorkerSample]:
+        """One sample per routable worker: its load, and ``counters`` (default: this frontend's)."""
+        counters = self.counters() if counters is None else counters
         out = []
         for w in self._routable():
-            c = counters.get(w.worker_id, {})
-            out.append(WorkerSample(w.worker_id, self._registry.info(w.worker_id).role, w.load.waiting,
-                                    w.load.running, w.load.kv_usage, int(c.get("routed", 0)), int(c.get("hits", 0)),
-                                    int(c.get("ttft_count", 0)), c.get("ttft_sum", 0.0),
-                                    tuple(sorted(buckets.get(w.worker_id, ())))))
+            c = counters.get(w.worker_id)
+            role = self._registry.info(w.worker_id).role
+            if c is None:
+                out.append(WorkerSample(w.worker_id, role, w.load.waiting, w.load.running, w.load.kv_usage))
+            else:
+                out.append(WorkerSample(w.worker_id, role, w.load.waiting, w.load.running, w.load.kv_usage,
+                                        c.routed, c.hits, c.ttft_count, c.ttft_sum, tuple(c.ttft_buckets)))
         return out
 
     # -- actions -------------------------------------------------------------------------------
