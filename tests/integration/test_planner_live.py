@@ -12,6 +12,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from support.fake_k8s import FakeKube
+
 pytestmark = pytest.mark.integration
 
 MODEL = "thunderagent-sim"
@@ -40,9 +42,13 @@ async def test_planner_overload_then_idle(server_factory, tmp_path):
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     calls = tmp_path / "calls.txt"
+    kube = await FakeKube(token="t0ken", replicas={("fleet", "vllm"): 2}).start()  # the API server, faked
+    (tmp_path / "token").write_text("t0ken")
     planner = {"enabled": True, "interval_s": 0.1, "window_s": 1.0, "cooldown_s": 1.5, "max_workers": 4,
                "up_ttft_s": 0.05, "down_ttft_s": 0.02, "command": [sys.executable, "-c", _RECORD, str(calls)],
-               "webhook_url": f"http://127.0.0.1:{port}/scale", "action_timeout_s": 5.0}
+               "webhook_url": f"http://127.0.0.1:{port}/scale", "action_timeout_s": 5.0,
+               "kubernetes": {"deployments": {"both": "vllm"}, "namespace": "fleet", "api_url": kube.url,
+                              "token_file": str(tmp_path / "token")}}
     try:
         async with server_factory(execution_group={"nodes": [{"count": 2}]}, simulation={"speedup": 1.0},
                                   scheduler={"enabled": False}, planner=planner) as srv:
@@ -85,12 +91,18 @@ async def test_planner_overload_then_idle(server_factory, tmp_path):
                     return "both +1" in lines and "both -1" in lines[lines.index("both +1"):]
 
                 await wait_for(recorded, 10)
+                # the Deployment went one up on the +1 (2 workers, 2 replicas), then one down on the -1
+                async def scaled() -> bool:
+                    return [w["spec"]["replicas"] for w in kube.writes][:2] == [3, 2]
+
+                await wait_for(scaled, 10)
                 assert all(a.get("exit_status") == 0 or a.get("status") == 200 for a in (await status())["actions"])
                 async with http.get(f"{srv.base_url}/metrics") as r:
                     text = await r.text()
                 assert 'thunderagent_planner_recommendation{role="both"}' in text
     finally:
         await runner.cleanup()
+        await kube.stop()
 
 
 async def test_planner_off_by_default(server_factory):

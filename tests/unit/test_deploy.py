@@ -26,7 +26,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-TARGETS = {"base": K8S / "base", "dev": K8S / "overlays" / "dev", "prod": K8S / "overlays" / "prod"}
+TARGETS = {"base": K8S / "base", "dev": K8S / "overlays" / "dev", "prod": K8S / "overlays" / "prod",
+           "prod-autoscale": K8S / "overlays" / "prod-autoscale"}
 #: the Kubernetes version whose schemas the objects must pass (kubernetes-validate ships them)
 K8S_VERSION = "1.33.0"
 
@@ -157,7 +158,7 @@ def test_vllm_pod_matches_the_worker_config(target):
     assert args["model"] == cfg.model
 
 
-@pytest.mark.parametrize("target,frontends", [("base", 2), ("dev", 1), ("prod", 2)])
+@pytest.mark.parametrize("target,frontends", [("base", 2), ("dev", 1), ("prod", 2), ("prod-autoscale", 2)])
 def test_frontend_replicas_probes_budget_and_hardening(target, frontends):
     objs = render(target)
     dep = find(objs, "Deployment", "thunderagent-frontend")
@@ -178,7 +179,7 @@ def test_frontend_replicas_probes_budget_and_hardening(target, frontends):
     assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
 
 
-@pytest.mark.parametrize("target,servers", [("base", 1), ("dev", 1), ("prod", 3)])
+@pytest.mark.parametrize("target,servers", [("base", 1), ("dev", 1), ("prod", 3), ("prod-autoscale", 3)])
 def test_nats_statefulset_with_jetstream_and_a_valid_config(target, servers, tmp_path):
     objs = render(target)
     sts = find(objs, "StatefulSet", "thunderagent-nats")
@@ -190,7 +191,7 @@ def test_nats_statefulset_with_jetstream_and_a_valid_config(target, servers, tmp
     nats_server = _tool("nats-server")
     if nats_server is None:
         pytest.skip("nats-server not found (the nats extra)")
-    if target == "prod":  # the Secret's files, at a test location: a throwaway certificate, the example users
+    if target.startswith("prod"):  # the Secret's files, at a test location: a throwaway certificate, the example users
         openssl = shutil.which("openssl")
         if openssl is None:
             pytest.skip("openssl not found: cannot make a test certificate for the prod nats.conf")
@@ -207,8 +208,9 @@ def test_nats_statefulset_with_jetstream_and_a_valid_config(target, servers, tmp
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_prod_mounts_every_secret_file_and_inlines_none():
-    objs = render("prod")
+@pytest.mark.parametrize("target", ["prod", "prod-autoscale"])
+def test_prod_mounts_every_secret_file_and_inlines_none(target):
+    objs = render(target)
     assert not [o for o in objs if o["kind"] == "Secret"], "secrets are created by hand, not kept in the repository"
     cfg = ta_config(objs)
     assert cfg.nats.servers[0].startswith("tls://") and cfg.nats.tls.ca_file and cfg.nats.auth.password_file
@@ -238,3 +240,29 @@ def test_prod_mounts_every_secret_file_and_inlines_none():
     sources = vols["config"]["projected"]["sources"]
     assert [s for s in sources if "secret" in s][0]["secret"]["name"] == "thunderagent-nats-users"
     assert len(sources) == 2  # the ConfigMap and the users Secret, nothing else merged in
+
+
+def test_the_planner_scales_only_its_deployment_as_its_own_account():
+    """prod-autoscale: prod's config plus a planner that scales Deployment/vllm; the frontends run as a
+    ServiceAccount whose only right is that Deployment's scale (get, update), with its token mounted;
+    no other pod gets a token."""
+    objs = render("prod-autoscale")
+    cfg = ta_config(objs)
+    prod = ta_config(render("prod"))
+    assert cfg.model_copy(update={"planner": prod.planner}) == prod, "prod-autoscale's config drifted from prod's"
+    assert cfg.planner.enabled and cfg.planner.kubernetes is not None
+    deployments = set(cfg.planner.kubernetes.deployments.values())
+    assert deployments == {"vllm"} and find(objs, "Deployment", "vllm")
+    role = find(objs, "Role", "thunderagent-planner")
+    assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["deployments/scale"],
+                              "resourceNames": sorted(deployments), "verbs": ["get", "update"]}]
+    binding = find(objs, "RoleBinding", "thunderagent-planner")
+    assert binding["roleRef"]["name"] == "thunderagent-planner"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "thunderagent-frontend",
+                                    "namespace": "thunderagent"}]
+    frontend = find(objs, "Deployment", "thunderagent-frontend")["spec"]["template"]["spec"]
+    assert frontend["serviceAccountName"] == "thunderagent-frontend"
+    assert frontend["automountServiceAccountToken"] is True
+    assert find(objs, "ServiceAccount", "thunderagent-frontend")["automountServiceAccountToken"] is False
+    for kind, name in (("Deployment", "vllm"), ("StatefulSet", "thunderagent-nats")):
+        assert find(objs, kind, name)["spec"]["template"]["spec"].get("automountServiceAccountToken") is False

@@ -264,7 +264,7 @@ class FrontendBeat(msgspec.Struct, array_like=True, frozen=True):
     the body to agree on which of them acts for the scaling planner (``control/leadership.py``)."""
 
     started_at: float  # its wall clock at start: the oldest frontend whose planner can act leads
-    planner_acts: bool  # its planner is on, with a command or a webhook
+    planner_acts: bool  # its planner is on, with a command, a webhook or a Deployment to scale
 
 
 class WorkerCounters(msgspec.Struct, array_like=True, frozen=True):

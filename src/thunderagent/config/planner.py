@@ -4,6 +4,8 @@ Off by default. Every knob below acts only with ``enabled: true`` (refused other
 
 from __future__ import annotations
 
+import re
+
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from thunderagent.config._base import _Strict, knob_needs_switch
@@ -11,7 +13,51 @@ from thunderagent.config._base import _Strict, knob_needs_switch
 _KNOBS = ("interval_s", "window_s", "cooldown_s", "min_workers", "max_workers", "warm_requests", "max_cold_s",
           "up_queue_per_worker", "up_ttft_s", "up_kv_usage", "down_queue_per_worker", "down_ttft_s",
           "down_kv_usage", "target_utilization", "forecast_lead_s", "trend_window_s", "service_rate_per_worker",
-          "ttft_quantile", "command", "webhook_url", "action_timeout_s")
+          "ttft_quantile", "command", "webhook_url", "kubernetes", "action_timeout_s")
+
+_SA = "/var/run/secrets/kubernetes.io/serviceaccount"
+_DNS1123 = re.compile(r"[a-z0-9]([-a-z0-9]{0,251}[a-z0-9])?$")
+
+
+class KubernetesScale(_Strict):
+    """Scale a Deployment per worker role through the Kubernetes API (its ``/scale`` subresource): a +1 / -1
+    sets its replicas one up / down, within min_workers..max_workers (``control/planner_k8s.py``)."""
+
+    deployments: dict[str, str] = Field(description="worker role (prefill, decode, both) -> the Deployment that "
+                                        "runs its workers (in deploy/k8s: both: vllm)")
+    namespace: str | None = Field(None, description="the Deployments' namespace (default: this pod's, from its "
+                                  "service account)")
+    api_url: str | None = Field(None, description="the API server (default in a pod: https://$KUBERNETES_SERVICE_"
+                                "HOST:$KUBERNETES_SERVICE_PORT)")
+    token_file: str = Field(f"{_SA}/token", description="bearer token, read at every action (tokens rotate)")
+    ca_file: str | None = Field(f"{_SA}/ca.crt", description="CA bundle the API server's certificate is checked "
+                                "against (null: the system's)")
+
+    @field_validator("deployments")
+    @classmethod
+    def _roles(cls, v: dict[str, str]) -> dict[str, str]:
+        if not v:
+            raise ValueError("name at least one role's Deployment, e.g. {both: vllm}")
+        for role, name in v.items():
+            if role not in ("prefill", "decode", "both"):
+                raise ValueError(f"unknown worker role {role!r} (prefill, decode or both)")
+            if not _DNS1123.match(name):
+                raise ValueError(f"{name!r} is not a Deployment name (lowercase letters, digits and '-')")
+        return v
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, v: str | None) -> str | None:
+        if v is not None and (len(v) > 63 or not _DNS1123.match(v)):
+            raise ValueError(f"{v!r} is not a namespace name")
+        return v
+
+    @field_validator("api_url")
+    @classmethod
+    def _api(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("an http:// or https:// URL is needed")
+        return v.rstrip("/") if v is not None else v
 
 
 class PlannerConfig(_Strict):
@@ -58,6 +104,8 @@ class PlannerConfig(_Strict):
     command: list[str] | None = Field(None, description="argv run on every step, with the role and the delta "
                                       "(+1 / -1) appended; not through a shell")
     webhook_url: str | None = Field(None, description="POSTed a JSON body {role, delta, reasons, at} on every step")
+    kubernetes: KubernetesScale | None = Field(None, description="scale each role's Deployment through the "
+                                               "Kubernetes API on every step")
     action_timeout_s: float = Field(10.0, gt=0, description="the command is killed / the webhook given up after this")
 
     @field_validator(*_KNOBS)

@@ -1,9 +1,9 @@
-"""Which frontend of a bus acts for the fleet: the one that runs the scaling planner's command or webhook.
+"""Which frontend of a bus acts for the fleet: the one that runs the scaling planner's actions.
 
-Every frontend replica (``thunderagent frontend``) runs the planner on its own view (README: "Scaling
-planner"), so with two replicas both would call the operator's command for the same step and scale twice.
-One acts: among the frontends heard within the lease whose planner can act (on, with a command or a
-webhook), the one that started first (ties: the smaller id). Each frontend computes this from the same
+Every frontend replica (``thunderagent frontend``) runs the planner (README: "Scaling planner"), so with
+two replicas both would call the operator's command for the same step and scale twice. One acts: among
+the frontends heard within the lease whose planner can act (on, with a command, a webhook or a Deployment
+to scale), the one that started first (ties: the smaller id). Each frontend computes this from the same
 beats (``<p>.frontend.<id>.hb`` carries its start time), so they agree without a vote; a frontend that
 starts later never takes over from a live leader, and when the leader stops beating the next oldest takes
 over one lease later. The others still compute and show their advice; they do not act on it.
@@ -36,7 +36,7 @@ FORGET_LEASES = 20
 class Peer:
     frontend_id: str
     started_at: float  # its wall clock at start
-    acts: bool  # its planner can act (on, with a command or webhook)
+    acts: bool  # its planner can act (on, with a command, webhook or Kubernetes Deployment)
     seen: float  # when its latest beat arrived here (our clock)
 
 

@@ -1,6 +1,6 @@
 """The scaling planner in the live fleet: fed on the health tick, read at ``GET /v1/planner`` and as
 ``thunderagent_planner_recommendation{role}`` (-1 / 0 / +1), and acting through the operator's
-command or webhook (``planner:`` config; ``control/planner.py`` decides).
+command, webhook or Kubernetes Deployment (``planner:`` config; ``control/planner.py`` decides).
 
 Every ``planner.interval_s`` the fleet's health tick (:meth:`PlannerHook.tick`) hands the planner one
 sample per routable worker: its role, its latest load report (waiting, running, KV use) and four
@@ -9,7 +9,8 @@ part of their prompt, and its TTFT histogram's count and sum). A step decided on
 *fresh* +1 / -1) fires the action once, in a task of its own: the event loop never waits for it.
 
 - ``planner.command``: argv + ``[role, "+1" | "-1"]``, no shell, killed after ``action_timeout_s``;
-- ``planner.webhook_url``: POST ``{"role", "delta", "reasons", "at"}``, given up after the same time.
+- ``planner.webhook_url``: POST ``{"role", "delta", "reasons", "at"}``, given up after the same time;
+- ``planner.kubernetes``: the role's Deployment one replica up / down (``control/planner_k8s.py``).
 
 Each action's outcome (exit status, HTTP status or the error) is kept (the last 20) and shown at
 ``GET /v1/planner``; a failed action is logged and does not stop the planner.
@@ -38,6 +39,7 @@ from thunderagent.bus.wire import WorkerCounters
 from thunderagent.config.planner import PlannerConfig
 from thunderagent.control.leadership import Leadership
 from thunderagent.control.planner import Planner, Recommendation, WorkerSample
+from thunderagent.control.planner_k8s import KubeTarget, resolve, scale_step
 from thunderagent.control.registry import WorkerRegistry
 from thunderagent.types import WorkerState
 
@@ -60,6 +62,8 @@ class PlannerHook:
         routable workers now; ``registry``: their roles."""
         self.cfg = cfg
         self.planner = Planner(cfg) if cfg.enabled else None
+        #: the Kubernetes API to scale Deployments through (raises ValueError here, at start, if not found)
+        self._kube: KubeTarget | None = resolve(cfg.kubernetes) if cfg.kubernetes is not None else None
         self._metrics, self._routable, self._registry = metrics, routable, registry
         self._next = 0.0
         self.actions: deque[dict[str, Any]] = deque(maxlen=20)  # outcomes of the latest actions
@@ -76,7 +80,7 @@ class PlannerHook:
     @property
     def can_act(self) -> bool:
         """The planner is on and has a command or a webhook to call."""
-        return self.planner is not None and bool(self.cfg.command or self.cfg.webhook_url)
+        return self.planner is not None and bool(self.cfg.command or self.cfg.webhook_url or self.cfg.kubernetes)
 
     def acting(self, now: float) -> bool:
         return self.can_act and (self.lead is None or self.lead.acting(now))
@@ -97,7 +101,7 @@ class PlannerHook:
             self.gauge.labels(role).set(rec.delta)
             if not rec.fresh:
                 continue
-            if acting or not self.can_act:  # (without a command or webhook there is nothing to act with)
+            if acting or not self.can_act:  # (without a command, webhook or Deployment there is nothing to act with)
                 log.info("planner: %s %+d (%s)", role, rec.delta, "; ".join(rec.reasons))
                 self._act(rec)
             else:
@@ -139,8 +143,9 @@ class PlannerHook:
 
     # -- actions -------------------------------------------------------------------------------
     def _act(self, rec: Recommendation) -> None:
+        kube = self._kube is not None and rec.role in (self.cfg.kubernetes.deployments if self.cfg.kubernetes else {})
         for coro in ((self._command(rec),) if self.cfg.command else ()) + \
-                ((self._webhook(rec),) if self.cfg.webhook_url else ()):
+                ((self._webhook(rec),) if self.cfg.webhook_url else ()) + ((self._kubernetes(rec),) if kube else ()):
             task = asyncio.get_running_loop().create_task(coro)
             self._tasks.add(task)  # a reference, so the task is not collected mid-run
             task.add_done_callback(self._tasks.discard)
@@ -180,6 +185,14 @@ class PlannerHook:
                     entry["error"] = f"HTTP {resp.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             entry["error"] = f"{type(exc).__name__}: {exc}"
+        self._done(entry)
+
+    async def _kubernetes(self, rec: Recommendation) -> None:
+        assert self._kube is not None and self.cfg.kubernetes is not None
+        entry: dict[str, Any] = {"kind": "kubernetes", "role": rec.role, "delta": rec.delta, "at": rec.at}
+        entry.update(await scale_step(self._kube, self.cfg.kubernetes.deployments[rec.role], rec.delta,
+                                      rec.signals.workers, self.cfg.min_workers, self.cfg.max_workers,
+                                      self.cfg.action_timeout_s))
         self._done(entry)
 
     def _done(self, entry: dict[str, Any]) -> None:
