@@ -357,3 +357,49 @@ def test_one_frontend_acts_for_the_planner_and_the_next_oldest_takes_over_when_i
     wait_until(lambda: planner_view("fb")["leadership"]["state"] == "alone", 10, "fb to find itself alone")
     load(("fb",), lambda: cluster.procs["fb"].pid in pids())
     assert set(pids()) == {cluster.procs["fa"].pid, cluster.procs["fb"].pid}
+
+
+def test_a_sharded_index_splits_the_workers_and_routes_on_the_other_frontends_answers(cluster: Cluster):
+    """``nats.index: sharded``: each worker's events are indexed by one frontend (rendezvous over the live
+    frontends); a prompt sent first through one frontend and continued through the other goes back to the
+    worker holding it, from the other frontend's answer; when one frontend dies, the survivor indexes all."""
+    config = cluster.write_config("sharded.yaml", "nats: {index: sharded, lookup_timeout_s: 0.5}\n")
+    cluster.start_nats()
+    workers = {f"w{i}" for i in range(4)}
+    for w in sorted(workers):
+        cluster.start_worker(w, config=config)
+    for f in ("fa", "fb"):
+        cluster.start_frontend(f, config=config)
+    for f in ("fa", "fb"):
+        wait_until(lambda f=f: cluster.workers(f) == workers, 30, f"{f} to discover its workers")
+
+    def index(f: str) -> dict:
+        return cluster.health(f)["frontend"]["index"]
+
+    def split() -> bool:
+        a, b = index("fa"), index("fb")
+        return len(a["frontends"]) == 2 and a["frontends"] == b["frontends"] and \
+            set(a["owned"]) | set(b["owned"]) == workers and not set(a["owned"]) & set(b["owned"])
+
+    wait_until(split, 15, "the two frontends to split the workers between them")
+    owned = {f: set(index(f)["owned"]) for f in ("fa", "fb")}
+    assert owned["fa"] and owned["fb"], owned  # (4 workers over 2 frontends: both own some, for these ids)
+
+    routed: dict[str, str] = {}
+    for i in range(6):  # each conversation's first turn through fa, its second through fb
+        first = f"conversation {i} " + TEXT
+        w1, _ = complete(cluster.client("fa"), first, max_tokens=4)
+        wait_until(lambda w1=w1: cluster.indexed("fa" if w1 in owned["fa"] else "fb")[w1] > 0, 10,
+                   "the holder's owner to index its blocks")
+        w2, body = complete(cluster.client("fb"), first + " and then some more words", max_tokens=4)
+        routed[first] = w2
+        assert w2 == w1, f"turn 2 went to {w2}, its history is on {w1}"
+    remote = [w for w in routed.values() if w in owned["fa"]]
+    assert remote, "no conversation landed on a worker fb does not own: the lookup path was not exercised"
+    assert index("fb")["answered"] > 0 and index("fa")["answered_for_peers"] > 0
+    assert index("fb")["late"] == 0
+
+    cluster.kill("fa")
+    wait_until(lambda: set(index("fb")["owned"]) == workers, 15, "fb to index every worker once fa is gone")
+    held = remote[0]
+    wait_until(lambda: cluster.indexed("fb")[held] > 0, 10, f"fb to dump {held}'s cache")

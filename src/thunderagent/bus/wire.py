@@ -21,6 +21,8 @@ Subjects (``<p>`` is the deployment prefix, ``ta`` by default; ``<id>`` a worker
                                lease of its requests (workers); which frontend acts for the planner (frontends)
     <p>.frontend.<frontend>.planner  frontend -> frontends  PlannerCounters, every planner.interval_s: what
                                it routed to each worker (the planner judges the fleet's, not one frontend's)
+    <p>.frontend.<frontend>.match    frontend -> frontend   MatchAsk request, MatchAnswer reply (sharded
+                               index: how much of a prompt the workers that frontend indexes hold)
     <p>.programs.release       frontend -> frontends ProgramRelease: a client released an agent program
     <p>.programs.reply.<frontend>.<token>  frontend -> frontend  (any payload): "I held it and released it"
     <p>.tenants.usage          frontend -> frontends TenantUsage: tenants' use since the last report (shared limits)
@@ -132,6 +134,13 @@ class Subjects:
 
     def all_planner_counters(self) -> str:
         return f"{self.prefix}.frontend.*.planner"
+
+    def match(self, frontend_id: str) -> str:
+        """Where a frontend answers lookups into the part of a sharded index it holds."""
+        return f"{self.prefix}.frontend.{frontend_id}.match"
+
+    def match_reply(self, frontend_id: str, token: str) -> str:
+        return f"{self.prefix}.frontend.{frontend_id}.reply.{token}"
 
     def program_release(self) -> str:
         """Where a frontend tells the others that a client released a program (each holds its own table)."""
@@ -284,6 +293,18 @@ class PlannerCounters(msgspec.Struct, array_like=True, frozen=True):
 
     origin: str
     workers: list[WorkerCounters]
+
+
+class MatchAsk(msgspec.Struct, array_like=True, frozen=True):
+    """Sharded index: how many leading blocks of this prompt does each worker you index hold?"""
+
+    hashes: bytes  # packed u64
+    checks: bytes | None = None  # packed u64: the double-hash guard's, same order
+
+
+class MatchAnswer(msgspec.Struct, array_like=True, frozen=True):
+    origin: str  # the answering frontend
+    matches: list[tuple[str, int]]  # (worker, leading blocks held), workers it indexes only, 0s left out
 
 
 class Unavailable(msgspec.Struct, array_like=True, frozen=True):
@@ -447,6 +468,8 @@ decode_program_release = msgspec.msgpack.Decoder(ProgramRelease).decode
 decode_tenant_usage = msgspec.msgpack.Decoder(TenantUsage).decode
 decode_frontend_beat = msgspec.msgpack.Decoder(FrontendBeat).decode
 decode_planner_counters = msgspec.msgpack.Decoder(PlannerCounters).decode
+decode_match_ask = msgspec.msgpack.Decoder(MatchAsk).decode
+decode_match_answer = msgspec.msgpack.Decoder(MatchAnswer).decode
 decode_unavailable = msgspec.msgpack.Decoder(Unavailable).decode
 decode_generate = msgspec.msgpack.Decoder(GenerateRequest).decode
 decode_abort = msgspec.msgpack.Decoder(Abort).decode

@@ -45,6 +45,9 @@ def serve(
             raise ConfigError(f"--engine must be vllm, sglang or openai, got {engine!r}")
         cfg = build_config(config, host, port, workers, speedup, policy, model=model, engine=engine,
                            worker_endpoints=worker, block_size=block_size)
+        if cfg.nats.index != "replica":
+            raise ConfigError("nats.index: sharded splits the index between `thunderagent frontend` replicas; "
+                              "`serve` is one process with the whole index: remove it")
         application = create_app(cfg)  # loads the model's tokenizer (before serving)
     except (ConfigError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)

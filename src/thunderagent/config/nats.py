@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator, model_validator
 
 from thunderagent.config._base import _Strict
@@ -67,6 +69,17 @@ class NatsConfig(_Strict):
     )
     tls: NatsTlsConfig | None = Field(None, description="TLS settings; tls:// URLs need none with public CAs")
     auth: NatsAuthConfig | None = Field(None, description="credentials; none = an open server")
+    index: Literal["replica", "sharded"] = Field(
+        "replica", description="replica: every frontend indexes every worker's KV events; sharded: each indexes "
+        "the workers it owns (rendezvous over the live frontends) and asks the others at each routing decision")
+    lookup_timeout_s: float = Field(0.05, gt=0, le=5, description="sharded: how long a routing decision waits "
+                                    "for the other frontends' answers (a late one counts as no match)")
+
+    @model_validator(mode="after")
+    def _lookup_needs_sharded(self) -> NatsConfig:
+        if self.index != "sharded" and self.lookup_timeout_s != type(self).model_fields["lookup_timeout_s"].default:
+            raise ValueError("lookup_timeout_s acts only with index: sharded; set it or remove lookup_timeout_s")
+        return self
 
     @field_validator("servers")
     @classmethod

@@ -25,7 +25,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
 from thunderagent.config import Config, Policy, program_caps
@@ -102,6 +102,7 @@ class Fleet:
         self.max_context_tokens: int | None = None
         #: longest prompt a worker takes (over NATS: one message's max_payload; without chunked prefill: a pass)
         self.prompt_limit: PromptLimit | None = None
+        self.remote_lookup: Callable[[Sequence[int], Sequence[int] | None, float], Awaitable[None]] | None = None
         self.workers: dict[str, WorkerHandle] = {}
         #: workers that reported they cannot serve (reason); back in routing with their next heartbeat
         self.unavailable: dict[str, str] = {}
@@ -313,6 +314,8 @@ class Fleet:
         req = self.dispatcher.prepare(rid, prompt_ids, max_tokens, cache_salt=cache_salt, lora_name=lora_name,
                                       priority=priority, ignore_eos=ignore_eos, sampling=sampling, arrival=received)
         req.passthrough = passthrough  # engine openai: the client's body, relayed unchanged
+        if self.remote_lookup is not None:  # a sharded index (control/index_shards.py): ask the other frontends
+            await self.remote_lookup(req.block_hashes, req.check_hashes, received)
         try:
             d = self.dispatcher.submit(req, route_key, self.routable(), received, program=program_id, tenant=tenant)
         except QueueFull as exc:

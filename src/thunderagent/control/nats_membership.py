@@ -51,6 +51,7 @@ from thunderagent.bus.wire import (
     max_prompt_tokens,
 )
 from thunderagent.control.frontend_beats import FrontendBeats
+from thunderagent.control.index_shards import IndexShards
 from thunderagent.control.planner_peers import PlannerPeers
 from thunderagent.control.program_peers import ProgramPeers
 from thunderagent.control.tenant_peers import TenantPeers
@@ -83,6 +84,7 @@ class NatsMembership:
         self.tenants = TenantPeers(bus, self.subjects, self.frontend_id)  # tenant limits hold across frontends
         self.beats = FrontendBeats(bus, self.subjects, self.frontend_id)  # request lease; who acts for the planner
         self.planner_peers = PlannerPeers(bus, self.subjects, self.frontend_id)  # the fleet's traffic, not ours
+        self.shards: IndexShards | None = None  # nats.index: sharded (control/index_shards.py)
         self.discovery_window = discovery_window
         self.sync_timeout = sync_timeout
         self.dump_timeout = dump_timeout
@@ -124,6 +126,11 @@ class NatsMembership:
         if fleet.planner.planner is not None:
             await self.planner_peers.start(fleet.now)
             fleet.planner.peers = self.planner_peers  # every planner judges every frontend's requests
+        if fleet.cfg.nats.index == "sharded":
+            assert self.beats.leadership is not None
+            self.shards = IndexShards(self.bus, self.subjects, self.frontend_id, fleet.cfg.nats.lookup_timeout_s)
+            await self.shards.start(fleet, self.beats.leadership, self.claim, self.release, cp.heartbeat_interval)
+            fleet.remote_lookup = self.shards.lookup
         await self.bus.subscribe(self.subjects.all_workers(), self._on_worker_msg)
         await self.bus.subscribe(self.subjects.replies(self.frontend_id), self._on_reply)
         await self.peers.start(fleet.release_program)  # another frontend's client released a program
@@ -141,6 +148,8 @@ class NatsMembership:
         for task in [*self._syncs.values(), *self._probes.values()]:
             task.cancel()
         await self.beats.stop()
+        if self.shards is not None:
+            await self.shards.stop()
         # every worker still serving a request of ours, draining ones included
         for worker in {*self.remotes.values(), *self.link.owners.values()}:
             await worker.stop()
@@ -160,6 +169,7 @@ class NatsMembership:
             "planner_leadership": (None if self.beats.leadership is None
                                    else self.beats.leadership.summary(self.fleet.now())),
             "planner_counters_from": self.planner_peers.shared.origins(),
+            "index": {"mode": "replica"} if self.shards is None else self.shards.summary(),
         }}
 
     # -- worker messages (one subscription: in publication order per worker) ----------------
@@ -173,6 +183,8 @@ class NatsMembership:
             if kind in ("hb", "hello"):
                 self.on_heartbeat_msg(wid, decode_heartbeat(msg.data))
             elif kind == "kv":
+                if fleet.feed.is_remote(wid):  # sharded: another frontend indexes it
+                    return
                 batch = decode_kv(msg.data)
                 if self._instance(wid) == batch.instance:
                     fleet.on_events(wid, events_from_wire(wid, batch.events))
@@ -240,7 +252,10 @@ class NatsMembership:
         self.remotes[wid] = worker
         fleet.join(worker, info, synced=False)  # its events wait for its dump
         self._update_context_limit()
-        self._syncs[wid] = asyncio.create_task(self._sync(wid, hb.instance), name=f"sync-{wid}")
+        if self.shards is not None and not self.shards.owns(wid):
+            fleet.feed.release(wid)  # another frontend indexes it: asked at each decision
+        else:
+            self._syncs[wid] = asyncio.create_task(self._sync(wid, hb.instance), name=f"sync-{wid}")
         log.info("worker %s joined (%s engine, instance %s)", wid, hb.info.engine, hb.instance)
         return True
 
@@ -323,10 +338,27 @@ class NatsMembership:
     # -- KV index ----------------------------------------------------------------------------
     def resync(self, worker_id: str) -> None:
         worker = self.remotes.get(worker_id)
-        if worker_id in self._syncs or worker is None:
+        if worker_id in self._syncs or worker is None or self.fleet.feed.is_remote(worker_id):
             return
         self.fleet.feed.begin_sync(worker_id)
         self._syncs[worker_id] = asyncio.create_task(self._sync(worker_id, worker.instance), name=f"sync-{worker_id}")
+
+    def claim(self, worker_id: str) -> None:
+        """Sharded index: this frontend indexes the worker from now on (its dump, then its events)."""
+        worker = self.remotes.get(worker_id)
+        if worker is None:
+            return
+        self.fleet.feed.claim(worker_id)
+        if worker_id not in self._syncs:
+            self._syncs[worker_id] = asyncio.create_task(self._sync(worker_id, worker.instance),
+                                                         name=f"sync-{worker_id}")
+
+    def release(self, worker_id: str) -> None:
+        """Sharded index: another frontend indexes the worker from now on."""
+        task = self._syncs.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
+        self.fleet.feed.release(worker_id)
 
     async def _sync(self, wid: str, instance: str) -> None:
         """Dump the worker's cache into the index; retried with backoff while the worker is here."""

@@ -14,6 +14,11 @@ a different subscription than the events, so the two can arrive in any order. Th
 
 Events never reach the index out of order and none are applied twice, whichever of dump and
 events comes first. Every method that returns ``True`` means "request a (new) dump of this worker".
+
+With a sharded index (``nats.index: sharded``) a worker whose events another frontend indexes is
+*remote* here (``release``): its entries are purged, its events and heartbeats' sequence numbers are
+ignored, and routing learns its cache by asking that frontend; ``claim`` makes it indexed here again
+(syncing: the caller then requests its dump).
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ MAX_BUFFERED_EVENTS = 200_000
 
 
 class _State:
-    __slots__ = ("syncing", "buffer", "overflow")
+    __slots__ = ("syncing", "buffer", "overflow", "remote")
 
     def __init__(self) -> None:
+        self.remote = False  # indexed by another frontend (sharded index)
         self.syncing = False
         self.buffer: list[KvEvent] = []
         self.overflow = False
@@ -55,13 +61,30 @@ class KvFeed:
         self._st.pop(worker_id, None)
         return self.index.remove_worker(worker_id)
 
+    def release(self, worker_id: str) -> None:
+        """Another frontend indexes this worker from now on: purge its entries, ignore its events."""
+        st = self._st.get(worker_id)
+        if st is not None:
+            st.remote, st.syncing, st.buffer, st.overflow = True, False, [], False
+            self.index.resync(worker_id, (), -1)  # (its predictions go too)
+
+    def claim(self, worker_id: str) -> None:
+        """This frontend indexes the worker again: syncing, as when first met (request its dump)."""
+        st = self._st.get(worker_id)
+        if st is not None:
+            st.remote, st.syncing, st.buffer, st.overflow = False, True, [], False
+
+    def is_remote(self, worker_id: str) -> bool:
+        st = self._st.get(worker_id)
+        return st is not None and st.remote
+
     def is_syncing(self, worker_id: str) -> bool:
         st = self._st.get(worker_id)
         return st is not None and st.syncing
 
     def events(self, worker_id: str, events: Sequence[KvEvent], now: float) -> bool:
         st = self._st.get(worker_id)
-        if st is None:
+        if st is None or st.remote:
             return False
         if st.syncing:
             if len(st.buffer) + len(events) > self.max_buffered:
@@ -76,13 +99,13 @@ class KvFeed:
         """A heartbeat says the worker published events up to ``last_seq``; if the index has fewer,
         the tail of the stream was lost (no later event would reveal the gap)."""
         st = self._st.get(worker_id)
-        if st is None or st.syncing:
+        if st is None or st.syncing or st.remote:
             return False
         return last_seq > self.index.last_seq(worker_id)
 
     def begin_sync(self, worker_id: str) -> None:
         st = self._st.get(worker_id)
-        if st is not None and not st.syncing:
+        if st is not None and not st.syncing and not st.remote:
             st.syncing, st.buffer, st.overflow = True, [], False
 
     def apply_dump(self, worker_id: str, hashes: Sequence[int], last_seq: int, now: float,
@@ -90,7 +113,7 @@ class KvFeed:
         """``checks``: the dumped blocks' check hashes (double-hash guard); without them, with the
         guard on, the dumped entries are unverified (``kv.check``)."""
         st = self._st.get(worker_id)
-        if st is None:
+        if st is None or st.remote:  # (a dump that arrives after the worker was released)
             return False
         self.index.resync(worker_id, hashes, last_seq, checks)
         return self._finish(st, now)
@@ -98,7 +121,7 @@ class KvFeed:
     def abandon_sync(self, worker_id: str, now: float) -> bool:
         """The worker cannot dump its cache: go live on events alone (the index stays as it is)."""
         st = self._st.get(worker_id)
-        if st is None:
+        if st is None or st.remote:
             return False
         self._finish(st, now)
         return False  # asking again would get the same answer

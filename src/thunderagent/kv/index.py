@@ -34,8 +34,7 @@ Confidence levels
 Double hash: with ``double_hash`` on, a :class:`~thunderagent.kv.check.CheckMap` verifies primary hashes against a
 second, independent hash (see that module for the exact guarantee).
 
-Time semantics: a prediction made at ``t`` is valid while ``now < t + ttl`` and absent from ``now >= t + ttl`` on
-(the boundary instant counts as expired)."""
+Time semantics: a prediction made at ``t`` is valid while ``now < t + ttl`` (the boundary instant is expired)."""
 
 from __future__ import annotations
 
@@ -98,6 +97,8 @@ class KvIndex:
         "_next_slot",
         "_stale_mask",
         "_expiry_queue",
+        "_short_queue",
+        "short_ttl",
         "checks",
         "epoch",
     )
@@ -126,6 +127,8 @@ class KvIndex:
         # item is a *candidate*: the entry may since have been confirmed, refreshed (a later item
         # exists) or removed; the sweep deletes it only if the stored expiry is still exactly this one.
         self._expiry_queue: deque[_PredBatch] = deque()
+        self._short_queue: deque[_PredBatch] = deque()
+        self.short_ttl = 1.0  #: seconds a ``predict(short=True)`` entry lives
         #: the double-hash guard (None: off; check hashes passed in are then ignored)
         self.checks: CheckMap | None = CheckMap() if double_hash else None
         self.epoch = 0  #: bumped by add_worker / remove_worker (workers' bits may change)
@@ -219,11 +222,13 @@ class KvIndex:
 
     # -- predictions and lazy verification -----------------------------------------------------
     def predict(
-        self, worker_id: str, block_hashes: Sequence[int], now: float, check_hashes: Sequence[int] | None = None
+        self, worker_id: str, block_hashes: Sequence[int], now: float, check_hashes: Sequence[int] | None = None,
+        short: bool = False,
     ) -> None:
         """Record that the router just sent these blocks to ``worker_id``: they are assumed held
-        until ``now + ttl`` unless a ``BlockStored`` confirms them. A confirmed entry is never
-        downgraded; an unexpired prediction is refreshed to the new expiry.
+        until ``now + ttl`` (``short``: ``short_ttl``, for what another frontend's index said: see
+        ``control/index_shards.py``) unless a ``BlockStored`` confirms them. A confirmed entry is never
+        downgraded; an unexpired prediction is extended to the new expiry, never shortened.
 
         ``check_hashes`` (the prompt's, guard on) bind to every hash: each one has an entry of this
         worker afterwards (confirmed or predicted), so the binding's lifetime is tied to it.
@@ -236,9 +241,10 @@ class KvIndex:
             return
         if check_hashes is not None and self.checks is not None:
             self.checks.bind(block_hashes, check_hashes)
-        batch = _record(self._confirmed, self._predicted, w.blocks, w.bit, now + self._ttl, now, block_hashes)
-        if batch.hashes:
-            self._expiry_queue.append(batch)
+        expiry = now + (self.short_ttl if short else self._ttl)
+        batch = _record(self._confirmed, self._predicted, w.blocks, w.bit, expiry, now, block_hashes)
+        if batch.hashes:  # (one queue per ttl: each stays in expiry order)
+            (self._short_queue if short else self._expiry_queue).append(batch)
             self._sweep(now, _SWEEP_PER_PREDICTION * len(batch.hashes))
 
     def report_missing(self, worker_id: str, block_hashes: Iterable[int], *, predicted_only: bool = False) -> int:
@@ -258,8 +264,8 @@ class KvIndex:
     def expire(self, now: float, max_items: int | None = None) -> int:
         """Sweep predictions expired at ``now`` (expiry <= now); returns how many entries were
         removed. Work bound: at most ``max_items`` expiry-queue items are popped per call (each
-        O(1)); items of predictions since confirmed, refreshed or removed are popped without
-        counting. ``None`` sweeps everything already expired.
+        O(1); per ttl's queue); items of predictions since confirmed, refreshed or removed are popped
+        without counting. ``None`` sweeps everything already expired.
 
         Expired-but-unswept entries are already absent for ``find_matches``; sweeping only frees
         memory and keeps ``num_blocks`` honest.
@@ -488,4 +494,7 @@ class KvIndex:
         ttl and a non-decreasing clock the queue is in expiry order. (If the driver's clock ever
         went backwards, some expired items could sit behind an unexpired one and be swept late;
         ``find_matches`` ignores them meanwhile, so results stay correct.)"""
-        return _sweep(self._expiry_queue, self._predicted, self._by_bit, self._unbind, now, budget)
+        n = _sweep(self._expiry_queue, self._predicted, self._by_bit, self._unbind, now, budget)
+        if self._short_queue:
+            n += _sweep(self._short_queue, self._predicted, self._by_bit, self._unbind, now, budget)
+        return n

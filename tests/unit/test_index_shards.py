@@ -1,0 +1,54 @@
+"""The sharded index's pure parts: who owns a worker (rendezvous), a released worker in the feed, and the
+index's short-lived entries for what other frontends answered."""
+
+from __future__ import annotations
+
+from thunderagent.control.index_shards import owner
+from thunderagent.kv.feed import KvFeed
+from thunderagent.kv.index import KvIndex
+from thunderagent.types import BlockStored
+
+WORKERS = [f"w{i}" for i in range(200)]
+
+
+def test_ownership_is_the_same_everywhere_and_a_leaving_frontend_moves_only_its_workers():
+    three = ["fa", "fb", "fc"]
+    assert [owner(w, three) for w in WORKERS] == [owner(w, list(reversed(three))) for w in WORKERS]
+    shares = {f: sum(owner(w, three) == f for w in WORKERS) for f in three}
+    assert all(40 <= n <= 95 for n in shares.values()), shares  # about a third each
+    two = ["fa", "fc"]  # fb left: only its workers move
+    for w in WORKERS:
+        if owner(w, three) != "fb":
+            assert owner(w, two) == owner(w, three)
+    assert {owner(w, ["fa"]) for w in WORKERS} == {"fa"}
+
+
+def test_a_released_worker_is_purged_and_its_events_and_heartbeats_ignored_until_claimed():
+    index = KvIndex(prediction_ttl=10.0, double_hash=False)
+    feed = KvFeed(index)
+    feed.add_worker("w0", live=True)
+    feed.events("w0", [BlockStored("w0", 0, (11, 12), None)], now=0.0)
+    assert index.find_matches([11, 12], 0.0) == {"w0": 2}
+    feed.release("w0")
+    assert feed.is_remote("w0") and index.find_matches([11, 12], 0.0) == {} and index.num_blocks("w0") == 0
+    assert feed.events("w0", [BlockStored("w0", 5, (13,), 12)], now=1.0) is False  # ignored, no gap
+    assert feed.heartbeat("w0", 99) is False  # its sequence is another frontend's business
+    assert feed.apply_dump("w0", [11], 5, now=1.0) is False and index.num_blocks("w0") == 0  # a late dump
+    feed.claim("w0")
+    assert not feed.is_remote("w0") and feed.is_syncing("w0")
+    assert feed.apply_dump("w0", [11, 12], 7, now=2.0) is False
+    assert index.find_matches([11, 12], 2.0) == {"w0": 2} and index.last_seq("w0") == 7
+
+
+def test_short_entries_live_a_second_and_never_shorten_a_longer_prediction():
+    index = KvIndex(prediction_ttl=10.0, double_hash=False)
+    for w in ("w0", "w1"):
+        index.add_worker(w)
+    index.predict("w1", [1, 2, 3], now=0.0, short=True)  # another frontend said w1 holds 3 blocks
+    index.predict("w0", [1, 2], now=0.0)  # our own routing sent 2 of them to w0 (10 s)
+    index.predict("w0", [1, 2], now=0.5, short=True)  # an answer about w0 does not cut that to 1.5 s
+    assert index.find_matches([1, 2, 3], 0.99) == {"w1": 3, "w0": 2}
+    assert index.find_matches([1, 2, 3], 1.0) == {"w0": 2}  # w1's answer expired at 1 s
+    assert index.find_matches([1, 2, 3], 9.99) == {"w0": 2}
+    assert index.expire(2.0) == 3 and index.num_blocks("w1") == 0  # the short queue is swept on its own clock
+    assert index.num_blocks("w0") == 2
