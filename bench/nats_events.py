@@ -61,6 +61,7 @@ CTL = "bench.ctl"  # control subjects of this benchmark (not the deployment's pr
 CONFIG = """\
 control_plane: {{heartbeat_interval: {hb}, heartbeat_misses: 5}}
 routing: {{seed: 7}}
+nats: {{index: {index}}}
 execution_group:
   nodes: [{{count: 1, kv_blocks: {capacity}, block_size: 16}}]
 """
@@ -168,7 +169,8 @@ async def worker_main(args: argparse.Namespace) -> None:
         return handles[0]
 
     bus = NatsBus(args.nats, f"bench worker {args.id}")
-    service = WorkerService(bus, Subjects("ta"), info, "synthetic", build, frontend_lease=args.hb * 5)
+    service = WorkerService(bus, Subjects("ta"), info, "synthetic", build, frontend_lease=args.hb * 5,
+                            sharded_kv=args.index == "sharded")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -232,7 +234,7 @@ async def frontend_main(args: argparse.Namespace) -> None:
             report["workers"] = {
                 w: {"digest": digest(list(index.confirmed_blocks(w)), index.last_seq(w)),
                     "stale": index.is_stale(w), "syncing": feed.is_syncing(w), "seq": index.last_seq(w),
-                    "blocks": len(index.confirmed_blocks(w))}
+                    "blocks": len(index.confirmed_blocks(w)), "remote": feed.is_remote(w)}
                 for w in sorted(index.workers())}
         bus.publish(msg.reply, json.dumps(report).encode())
 
@@ -251,7 +253,7 @@ class Run:
         self.tmp = tmp
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.config = tmp / "bench.yaml"
-        self.config.write_text(CONFIG.format(hb=args.hb, capacity=args.capacity))
+        self.config.write_text(CONFIG.format(hb=args.hb, capacity=args.capacity, index=args.index))
         self.url = ""
 
     def spawn(self, name: str, argv: list[str]) -> None:
@@ -354,8 +356,14 @@ async def orchestrate(run: Run) -> dict[str, Any]:
             truth = await _truths(nc, live)
             states = {f: (await _ask(nc, f"{CTL}.frontend.{f}.state"))["workers"] for f in frontends}
             want = {w: t["digest"] for w, t in truth.items()}
+            # replica: every frontend holds every worker's cache; sharded: exactly one frontend (its owner)
+            # holds each, and the others hold none of it
+            held = {w: [st[w]["digest"] for st in states.values() if w in st and not st[w]["remote"]]
+                    for w in want}
+            owners = 1 if a.index == "sharded" else len(frontends)
             if len(truth) == len(live) and all(t["paused"] for t in truth.values()) and all(
-                    {w: s["digest"] for w, s in st.items()} == want for st in states.values()):
+                    len(held[w]) == owners and set(held[w]) == {want[w]} for w in want) and all(
+                    s["blocks"] == 0 for st in states.values() for s in st.values() if s["remote"]):
                 agreement = True
                 break
         return {"samples": samples, "total": {f: last[f][1] - first[f][1] for f in frontends},
@@ -449,6 +457,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p.add_argument("--id", default="")
     p.add_argument("--name", default="")
     p.add_argument("--config", default="")
+    p.add_argument("--index", choices=["replica", "sharded"], default="replica",
+                   help="nats.index of the frontends (sharded: each applies the events of the workers it owns)")
     args = p.parse_args(argv)
     if args.role == "worker":
         asyncio.run(worker_main(args))
@@ -481,8 +491,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if args.json:
         print(json.dumps({k: v for k, v in res.items() if k != "states"}))
         return res
-    print(f"{args.workers} worker processes -> {args.frontends} frontend processes over NATS, offered "
-          f"{args.rate:,.0f} blocks/s ({args.blocks_per_event} blocks/event), {args.seconds:g} s, "
+    print(f"{args.workers} worker processes -> {args.frontends} frontend processes over NATS ({args.index} index), "
+          f"offered {args.rate:,.0f} blocks/s ({args.blocks_per_event} blocks/event), {args.seconds:g} s, "
           f"churn {'on' if args.churn else 'off'}, {os.cpu_count()} CPUs")
     for f in sorted(res["median_blocks_s"]):
         print(f"  {f}: median {res['median_blocks_s'][f]:>10,.0f} blocks/s  mean {res['mean_blocks_s'][f]:>10,.0f} "
@@ -499,7 +509,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if per_block:  # what NATS, the event loop and the membership add to each block's decode + apply
         print(f"  a frontend's CPU per block over NATS / in process: {min(per_block) * base / 1e6:.2f}x-"
               f"{max(per_block) * base / 1e6:.2f}x")
-    print(f"  replicas agree with each other and with all {len(res['truth'])} workers' caches: {res['agreement']}")
+    offered = sum(res["mean_blocks_s"].values()) if args.index == "sharded" else max(res["mean_blocks_s"].values())
+    for f in sorted(res["busy"]):  # per block the fleet published: what a frontend pays for the whole fleet's events
+        if offered > 0:
+            print(f"  {f}: {res['busy'][f] * 1e6 / offered:.2f} us of CPU per block the fleet published "
+                  f"(~{offered / res['busy'][f]:,.0f} fleet blocks/s per frontend core)" if res["busy"][f] > 0 else "")
+    what = "each worker's cache is held by exactly one frontend (its owner), equal to the worker's" \
+        if args.index == "sharded" else "replicas agree with each other and"
+    print(f"  {what} with all {len(res['truth'])} workers' caches: {res['agreement']}")
     if not res["agreement"]:
         for w in sorted(set(res["truth"]) | {w for st in res["states"].values() for w in st}):
             print(f"    {w}: worker {res['truth_detail'].get(w)}, frontends "

@@ -52,3 +52,29 @@ def test_short_entries_live_a_second_and_never_shorten_a_longer_prediction():
     assert index.find_matches([1, 2, 3], 9.99) == {"w0": 2}
     assert index.expire(2.0) == 3 and index.num_blocks("w1") == 0  # the short queue is swept on its own clock
     assert index.num_blocks("w0") == 2
+
+
+def test_sharded_kv_events_have_a_subject_the_frontends_control_subscription_does_not_match():
+    from thunderagent.bus.wire import Subjects
+
+    s = Subjects("ta")
+    assert s.worker_kv("w1", sharded=False) == "ta.worker.w1.kv"
+    assert s.worker_kv("w1", sharded=True) == "ta.worker.w1.kv.s"
+    assert s.parse_worker("ta.worker.w1.kv.s") == ("w1", "kv") == s.parse_worker("ta.worker.w1.kv")
+    assert s.parse_worker("ta.worker.w1.kv.x") is None and s.parse_worker("ta.worker.w1.hb.s") is None
+    # NATS: ``*`` is one token, ``>`` one or more: a replica frontend (``ta.worker.>``) hears both forms
+    assert s.worker_control() == "ta.worker.*.*" and s.all_workers() == "ta.worker.>"
+
+
+def test_with_events_on_their_own_subscription_a_lost_tail_is_judged_a_heartbeat_later():
+    index = KvIndex(prediction_ttl=10.0, double_hash=False)
+    feed = KvFeed(index)
+    feed.lagged = True
+    feed.add_worker("w0", live=True)
+    feed.events("w0", [BlockStored("w0", 0, (1,), None)], now=0.0)
+    assert feed.heartbeat("w0", 3) is False  # seq 1..3 may still be on their way
+    assert feed.heartbeat("w0", 3) is False  # (the same heartbeat seen twice does not shift the window)
+    feed.events("w0", [BlockStored("w0", 1, (2,), 1), BlockStored("w0", 2, (3,), 2), BlockStored("w0", 3, (4,), 3)],
+                now=0.5)
+    assert feed.heartbeat("w0", 5) is False  # the previous beat's 3 arrived
+    assert feed.heartbeat("w0", 6) is True  # the previous beat's 5 did not, a beat later: lost

@@ -57,6 +57,9 @@ class Bus(Protocol):
     async def subscribe(self, subject: str, handler: Handler) -> None:
         """Handle every message on ``subject`` (wildcards allowed), one at a time, in order."""
 
+    async def unsubscribe(self, subject: str) -> None:
+        """Stop handling ``subject`` (every subscription made to exactly that subject)."""
+
     def publish(self, subject: str, data: bytes, reply: str = "") -> None:
         """Enqueue a message; messages leave in enqueue order. Never blocks, never raises for a
         message the server would refuse (it is logged and dropped)."""
@@ -88,6 +91,7 @@ class NatsBus:
         self._nc: Any = None
         self._out: asyncio.Queue[tuple[str, bytes, str]] = asyncio.Queue()
         self._sender: asyncio.Task[None] | None = None
+        self._subs: dict[str, list[Any]] = {}  # subject -> its nats-py subscriptions (unsubscribe)
         self._busy = False  # the sender holds a message it has not handed to nats-py yet
         self._closing = False
 
@@ -165,8 +169,13 @@ class NatsBus:
             # seconds (bench/nats_events.py found it). One yield per message; order is unchanged.
             await asyncio.sleep(0)
 
-        await self._nc.subscribe(subject, cb=cb)
+        self._subs.setdefault(subject, []).append(await self._nc.subscribe(subject, cb=cb))
         await self._nc.flush(timeout=5)  # the server has the interest before we announce ourselves
+
+    async def unsubscribe(self, subject: str) -> None:
+        for sub in self._subs.pop(subject, []):
+            with contextlib.suppress(Exception):  # (closing, or the connection went: nothing to stop)
+                await sub.unsubscribe()
 
     def publish(self, subject: str, data: bytes, reply: str = "") -> None:
         self._out.put_nowait((subject, data, reply))

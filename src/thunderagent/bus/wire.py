@@ -10,6 +10,7 @@ Subjects (``<p>`` is the deployment prefix, ``ta`` by default; ``<id>`` a worker
     <p>.worker.<id>.hello      worker -> frontends   Heartbeat, on start and on every discover
     <p>.worker.<id>.hb         worker -> frontends   Heartbeat: lease renewal + load report
     <p>.worker.<id>.kv         worker -> frontends   KvBatch: KV events with per-worker seq
+    <p>.worker.<id>.kv.s       worker -> its owner   the same, with nats.index: sharded (one frontend indexes it)
     <p>.worker.<id>.bye        worker -> frontends   Bye: clean shutdown: leave routing, drain
     <p>.worker.<id>.unavailable  worker -> frontends Unavailable: out of routing until the next heartbeat
     <p>.rpc.<id>.generate      frontend -> worker    GenerateRequest; outputs go to its reply subject
@@ -184,11 +185,23 @@ class Subjects:
         return parts[3]
 
     def parse_worker(self, subject: str) -> tuple[str, str] | None:
-        """``<p>.worker.<id>.<kind>`` -> (id, kind); None for anything else."""
+        """``<p>.worker.<id>.<kind>`` (or ``<p>.worker.<id>.kv.s``: ``kv``) -> (id, kind); None for anything else."""
         parts = subject.split(".")
+        if len(parts) == 5 and parts[3:] == ["kv", "s"]:
+            parts = parts[:4]
         if len(parts) != 4 or parts[0] != self.prefix or parts[1] != "worker":
             return None
         return parts[2], parts[3]
+
+    def worker_kv(self, worker_id: str, sharded: bool) -> str:
+        """Where a worker publishes its KV events: ``<p>.worker.<id>.kv``, or with a sharded index
+        ``<p>.worker.<id>.kv.s``, which the frontends' ``<p>.worker.*.*`` does not match (each frontend
+        subscribes to the workers it indexes only)."""
+        return f"{self.prefix}.worker.{worker_id}.kv.s" if sharded else f"{self.prefix}.worker.{worker_id}.kv"
+
+    def worker_control(self) -> str:
+        """Every worker's hello, heartbeats, bye and unavailable, not its sharded KV events."""
+        return f"{self.prefix}.worker.*.*"
 
 
 # ---------------------------------------------------------------------------------------------

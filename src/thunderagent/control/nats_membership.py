@@ -85,6 +85,8 @@ class NatsMembership:
         self.beats = FrontendBeats(bus, self.subjects, self.frontend_id)  # request lease; who acts for the planner
         self.planner_peers = PlannerPeers(bus, self.subjects, self.frontend_id)  # the fleet's traffic, not ours
         self.shards: IndexShards | None = None  # nats.index: sharded (control/index_shards.py)
+        self._watched: set[str] = set()  # sharded: workers whose KV-event subject we subscribe to
+        self._tasks: set[asyncio.Task[None]] = set()
         self.discovery_window = discovery_window
         self.sync_timeout = sync_timeout
         self.dump_timeout = dump_timeout
@@ -131,7 +133,10 @@ class NatsMembership:
             self.shards = IndexShards(self.bus, self.subjects, self.frontend_id, fleet.cfg.nats.lookup_timeout_s)
             await self.shards.start(fleet, self.beats.leadership, self.claim, self.release, cp.heartbeat_interval)
             fleet.remote_lookup = self.shards.lookup
-        await self.bus.subscribe(self.subjects.all_workers(), self._on_worker_msg)
+            fleet.feed.lagged = True  # events on their own subscriptions: heartbeats may overtake them
+        # sharded: hellos, heartbeats, byes only; each owned worker's events on a subscription of its own
+        workers = self.subjects.all_workers() if self.shards is None else self.subjects.worker_control()
+        await self.bus.subscribe(workers, self._on_worker_msg)
         await self.bus.subscribe(self.subjects.replies(self.frontend_id), self._on_reply)
         await self.peers.start(fleet.release_program)  # another frontend's client released a program
         self.bus.publish(self.subjects.discover(), b"")
@@ -324,6 +329,7 @@ class NatsMembership:
         task = self._syncs.pop(wid, None)
         if task is not None:
             task.cancel()
+        self._unwatch(wid)
         self.fleet.leave(wid, reason, drain=drain)
         self._update_context_limit()
 
@@ -344,7 +350,7 @@ class NatsMembership:
         self._syncs[worker_id] = asyncio.create_task(self._sync(worker_id, worker.instance), name=f"sync-{worker_id}")
 
     def claim(self, worker_id: str) -> None:
-        """Sharded index: this frontend indexes the worker from now on (its dump, then its events)."""
+        """Sharded index: this frontend indexes the worker from now on (its events, its dump)."""
         worker = self.remotes.get(worker_id)
         if worker is None:
             return
@@ -359,12 +365,25 @@ class NatsMembership:
         if task is not None:
             task.cancel()
         self.fleet.feed.release(worker_id)
+        self._unwatch(worker_id)
+
+    def _unwatch(self, worker_id: str) -> None:
+        """Stop receiving a worker's sharded KV events (released, or gone)."""
+        if worker_id in self._watched:
+            self._watched.discard(worker_id)
+            task = asyncio.get_running_loop().create_task(
+                self.bus.unsubscribe(self.subjects.worker_kv(worker_id, sharded=True)))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def _sync(self, wid: str, instance: str) -> None:
         """Dump the worker's cache into the index; retried with backoff while the worker is here."""
         delay = 0.1
         feed = self.fleet.feed
         try:
+            if self.shards is not None and wid not in self._watched:  # its events first (buffered), then the dump
+                await self.bus.subscribe(self.subjects.worker_kv(wid, sharded=True), self._on_worker_msg)
+                self._watched.add(wid)
             while self._instance(wid) == instance:
                 try:
                     replies = await self.bus.request_many(

@@ -93,6 +93,7 @@ class WorkerService:
         keepalive: float = KEEPALIVE_S,
         drain_timeout: float = 30.0,
         frontend_lease: float = 3.0,
+        sharded_kv: bool = False,
     ) -> None:
         self.bus = bus
         self.subjects = subjects
@@ -117,6 +118,8 @@ class WorkerService:
         self._replies = subjects.reply_prefix(self.worker_id)
         self._refused_replies = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: where the KV events go (nats.index: sharded: a subject only the worker's owner subscribes to)
+        self._kv_subject = subjects.worker_kv(self.worker_id, sharded_kv)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -166,8 +169,7 @@ class WorkerService:
         if not events:
             return
         self.last_seq = events[-1].seq
-        self.bus.publish(self.subjects.worker(self.worker_id, "kv"),
-                         encode(KvBatch(self.instance, events_to_wire(events))))
+        self.bus.publish(self._kv_subject, encode(KvBatch(self.instance, events_to_wire(events))))
 
     def _on_heartbeat(self, worker_id: str, load: LoadReport) -> None:
         self._load = load
@@ -356,7 +358,8 @@ async def run_worker(cfg: Config, worker_id: str, node_index: int = 0, endpoint:
     bus = NatsBus(cfg.nats.servers, f"worker {worker_id}", options=connect_options(cfg.nats))
     cp = cfg.control_plane  # frontends beat every heartbeat_interval, like workers
     service = WorkerService(bus, Subjects(prefix), info, node.engine, build,
-                            frontend_lease=cp.heartbeat_interval * cp.heartbeat_misses)
+                            frontend_lease=cp.heartbeat_interval * cp.heartbeat_misses,
+                            sharded_kv=cfg.nats.index == "sharded")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -34,10 +34,11 @@ MAX_BUFFERED_EVENTS = 200_000
 
 
 class _State:
-    __slots__ = ("syncing", "buffer", "overflow", "remote")
+    __slots__ = ("syncing", "buffer", "overflow", "remote", "hb_seq", "hb_prev")
 
     def __init__(self) -> None:
         self.remote = False  # indexed by another frontend (sharded index)
+        self.hb_seq = self.hb_prev = -1  # the last two heartbeats' seqs (``lagged``)
         self.syncing = False
         self.buffer: list[KvEvent] = []
         self.overflow = False
@@ -47,6 +48,9 @@ class KvFeed:
     def __init__(self, index: KvIndex, max_buffered: int = MAX_BUFFERED_EVENTS) -> None:
         self.index = index
         self.max_buffered = max_buffered
+        #: events and heartbeats come on separate subscriptions (sharded index): a heartbeat may overtake
+        #: events sent before it, so a lost tail is judged on the previous heartbeat (a beat interval back)
+        self.lagged = False
         self._st: dict[str, _State] = {}
 
     def add_worker(self, worker_id: str, *, live: bool = False) -> None:
@@ -101,6 +105,10 @@ class KvFeed:
         st = self._st.get(worker_id)
         if st is None or st.syncing or st.remote:
             return False
+        if self.lagged:
+            if last_seq != st.hb_seq:
+                st.hb_prev, st.hb_seq = st.hb_seq, last_seq
+            last_seq = st.hb_prev
         return last_seq > self.index.last_seq(worker_id)
 
     def begin_sync(self, worker_id: str) -> None:
