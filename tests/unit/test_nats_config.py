@@ -35,6 +35,9 @@ def test_default_is_one_open_local_server():
     ({"auth": {"user": "u", "password_env": "P", "token_env": "T"}}, "exactly one auth method"),
     ({"auth": {"token_file": "t", "token_env": "T"}}, "give token_file or token_env, not both"),
     ({"auth": {"password": "inline"}}, "nats.auth.password"),  # no inline secrets: unknown field
+    ({"index": "hybrid"}, "'replica' or 'sharded'"),
+    ({"lookup_timeout_s": 0.1}, "lookup_timeout_s acts only with index: sharded"),
+    ({"index": "sharded", "lookup_timeout_s": 0}, "greater than 0"),
 ])
 def test_inconsistent_settings_are_refused_naming_the_field(section, message):
     with pytest.raises(ConfigError) as err:
@@ -109,3 +112,15 @@ def test_cli_refuses_a_missing_secret_before_connecting(tmp_path, monkeypatch, c
     result = CliRunner().invoke(app, [command, "--config", str(cfg)])
     assert result.exit_code == 2
     assert "nats.auth.password_env: environment variable TA_TEST_UNSET is not set" in result.output
+
+
+def test_serve_refuses_a_sharded_index(tmp_path):
+    from typer.testing import CliRunner
+
+    from thunderagent.cli import app
+
+    cfg = tmp_path / "one.yaml"
+    cfg.write_text("nats: {index: sharded}\n")
+    result = CliRunner().invoke(app, ["serve", "--config", str(cfg)])
+    assert result.exit_code == 2
+    assert "nats.index: sharded splits the index between `thunderagent frontend` replicas" in result.output
