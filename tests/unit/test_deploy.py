@@ -266,3 +266,4 @@ def test_the_planner_scales_only_its_deployment_as_its_own_account():
     assert find(objs, "ServiceAccount", "thunderagent-frontend")["automountServiceAccountToken"] is False
     for kind, name in (("Deployment", "vllm"), ("StatefulSet", "thunderagent-nats")):
         assert find(objs, kind, name)["spec"]["template"]["spec"].get("automountServiceAccountToken") is False
+    assert "replicas" not in find(objs, "Deployment", "vllm")["spec"]  # the planner's to set: apply keeps it
