@@ -78,3 +78,44 @@ def test_with_events_on_their_own_subscription_a_lost_tail_is_judged_a_heartbeat
                 now=0.5)
     assert feed.heartbeat("w0", 5) is False  # the previous beat's 3 arrived
     assert feed.heartbeat("w0", 6) is True  # the previous beat's 5 did not, a beat later: lost
+
+
+def test_a_held_request_is_routed_on_the_answers_it_got_long_after_they_expired():
+    """The dispatcher re-enters a request's answers just before routing it (``IndexShards.reenter``): a request
+    held in the queue for 10 s still goes to the worker another frontend said holds its prompt."""
+    import random
+    from types import SimpleNamespace
+
+    from thunderagent.bus.wire import Subjects
+    from thunderagent.config import RoutingConfig, SchedulerConfig
+    from thunderagent.control.index_shards import IndexShards
+    from thunderagent.router.router import KvRouter
+    from thunderagent.scheduler.dispatch import Dispatcher
+    from thunderagent.types import EngineRequest, LoadReport, WorkerState
+
+    workers = [WorkerState(w, 16, 8192, 64, LoadReport(w, 0.0, 0, 0, q, 0, 0, 0, 1000), "both", 4)
+               for w, q in (("w0", 0), ("w1", 16))]  # w1 a little busier: without its cache, w0 wins
+    req = EngineRequest("r1", list(range(64)), [101, 102, 103, 104], 0, 4)
+
+    def fleet(answers: list[tuple[str, int]] | None) -> tuple[KvIndex, Dispatcher, IndexShards]:
+        index = KvIndex(prediction_ttl=60.0, double_hash=False)
+        feed = KvFeed(index)
+        for w in ("w0", "w1"):
+            feed.add_worker(w, live=True)
+        feed.release("w1")  # another frontend indexes w1
+        shards = IndexShards(None, Subjects("ta"), "fa", 0.05)  # type: ignore[arg-type]  # (no bus needed here)
+        shards._fleet = SimpleNamespace(index=index, feed=feed)  # type: ignore[assignment]  # noqa: SLF001
+        d = Dispatcher(KvRouter(RoutingConfig(seed=1), index, random.Random(1)), 16, SchedulerConfig(enabled=True))
+        if answers is not None:
+            shards._answers["r1"] = answers  # noqa: SLF001 - what the lookup at arrival (t=0) got
+            d.before_route = shards.reenter
+        return index, d, shards
+
+    _, d, _ = fleet(None)
+    assert d.dispatch(req, workers, now=10.0).decision.worker_id == "w0"  # nothing known of w1's cache
+    _, d, _ = fleet([("w1", 4), ("w0", 3)])
+    assert d.dispatch(req, workers, now=10.0).decision.worker_id == "w1"
+    index, _, shards = fleet([("w1", 4), ("w0", 3)])
+    shards.reenter(req, 20.0)
+    assert index.find_matches(req.block_hashes, 20.5) == {"w1": 4}  # w0 is ours: its answer is not entered
+    assert index.find_matches(req.block_hashes, 21.0) == {}  # fresh 1 s entries, gone again

@@ -50,8 +50,8 @@ from thunderagent.router.router import KvRouter, NoWorkerAvailable
 from thunderagent.scheduler.disagg import make_disaggregator
 from thunderagent.scheduler.dispatch import Dispatch, Dispatcher
 from thunderagent.scheduler.queue import QueueFull
-from thunderagent.types import (FinishReason, KvEvent, LoadReport, Passthrough, PromptLimit, Sampling, TokenOutput,
-                                WorkerInfo, WorkerState)
+from thunderagent.types import (EngineRequest, FinishReason, KvEvent, LoadReport, Passthrough, PromptLimit, Sampling,
+                                TokenOutput, WorkerInfo, WorkerState)
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class Fleet:
         self.max_context_tokens: int | None = None
         #: longest prompt a worker takes (over NATS: one message's max_payload; without chunked prefill: a pass)
         self.prompt_limit: PromptLimit | None = None
-        self.remote_lookup: Callable[[Sequence[int], Sequence[int] | None, float], Awaitable[None]] | None = None
+        self.remote_lookup: Callable[[EngineRequest, float], Awaitable[None]] | None = None
         self.workers: dict[str, WorkerHandle] = {}
         #: workers that reported they cannot serve (reason); back in routing with their next heartbeat
         self.unavailable: dict[str, str] = {}
@@ -315,7 +315,7 @@ class Fleet:
                                       priority=priority, ignore_eos=ignore_eos, sampling=sampling, arrival=received)
         req.passthrough = passthrough  # engine openai: the client's body, relayed unchanged
         if self.remote_lookup is not None:  # a sharded index (control/index_shards.py): ask the other frontends
-            await self.remote_lookup(req.block_hashes, req.check_hashes, received)
+            await self.remote_lookup(req, received)
         try:
             d = self.dispatcher.submit(req, route_key, self.routable(), received, program=program_id, tenant=tenant)
         except QueueFull as exc:

@@ -22,9 +22,9 @@ decision:
 What it costs: one round trip per decision (the lookups to all the other frontends go out together), and
 each frontend answers every other frontend's decisions (an index lookup each). What it saves: each
 frontend applies 1/N of the fleet's events. ``bench/index_lookup.py`` measures both sides; README "At
-fleet scale" shows the crossover. Not shared: a request held in the scheduler queue is routed on what the
-lookup said when it arrived (the answers live 1 s), and the KV events of workers a frontend does not own
-still reach it over its one worker subscription (dropped there before they are decoded).
+fleet scale" shows the crossover. A request held in the scheduler queue is routed on what the lookup said
+when it arrived: the dispatcher re-enters its answers just before routing it (``reenter``), as fresh 1 s
+entries, however long it waited (the workers may have evicted since: as stale as a prediction).
 """
 
 from __future__ import annotations
@@ -43,12 +43,15 @@ from thunderagent.bus.nats import Bus, BusMsg
 from thunderagent.bus.packing import pack_u64, unpack_u64
 from thunderagent.bus.wire import MatchAnswer, MatchAsk, Subjects, decode_match_answer, decode_match_ask, encode
 from thunderagent.control.leadership import Leadership
+from thunderagent.types import EngineRequest
 
 if TYPE_CHECKING:
     from thunderagent.control.fleet import Fleet
 
 log = logging.getLogger(__name__)
 
+#: requests whose answers are kept for a later dispatch (the oldest go first: bounds cancelled requests')
+MAX_KEPT = 65_536
 #: the frontends' states in which the set of live frontends is known (see ``Leadership.state``)
 _SETTLED = ("alone", "leader", "follower")
 
@@ -73,6 +76,7 @@ class IndexShards:
         self._claim: Callable[[str], None] = lambda wid: None
         self._release: Callable[[str], None] = lambda wid: None
         self._pending: dict[str, asyncio.Future[MatchAnswer | None]] = {}
+        self._answers: dict[str, list[tuple[str, int]]] = {}  # request id -> the others' answers (insertion order)
         self._tokens = itertools.count()
         self._task: asyncio.Task[None] | None = None
 
@@ -115,9 +119,10 @@ class IndexShards:
                 self._release(wid)
 
     # -- lookups ---------------------------------------------------------------------------------
-    async def lookup(self, block_hashes: Sequence[int], check_hashes: Sequence[int] | None, now: float) -> None:
-        """Ask the other frontends how much of this prompt their workers hold; enter the answers into the
-        index as short predictions (a late answer: none)."""
+    async def lookup(self, req: EngineRequest, now: float) -> None:
+        """Ask the other frontends how much of this request's prompt their workers hold; enter the answers
+        into the index as short predictions (a late answer: none), and keep them for :meth:`reenter`."""
+        block_hashes, check_hashes = req.block_hashes, req.check_hashes
         peers = [f for f in self.frontends if f != self.frontend_id]
         if not peers or not block_hashes or self._fleet is None:
             return
@@ -136,7 +141,7 @@ class IndexShards:
         finally:
             for token, _ in futs:
                 self._pending.pop(token, None)
-        index, feed = self._fleet.index, self._fleet.feed
+        found: list[tuple[str, int]] = []
         for _, fut in futs:
             if not fut.done():
                 fut.cancel()
@@ -147,10 +152,23 @@ class IndexShards:
                 self.stats["gone"] += 1
                 continue
             self.stats["answered"] += 1
-            for wid, n in answer.matches:
-                if 0 < n <= len(block_hashes) and feed.is_remote(wid):  # (ours: our own entries are exact)
-                    index.predict(wid, block_hashes[:n], now, None if check_hashes is None else check_hashes[:n],
-                                  short=True)
+            found.extend((wid, n) for wid, n in answer.matches if 0 < n <= len(block_hashes))
+        if found:
+            self._answers[req.request_id] = found
+            if len(self._answers) > MAX_KEPT:
+                del self._answers[next(iter(self._answers))]  # the oldest (a request long gone, cancelled)
+            self.reenter(req, now)
+
+    def reenter(self, req: EngineRequest, now: float) -> None:
+        """Enter the answers this request got into the index again, valid from ``now`` (the dispatcher calls
+        it just before routing: a request held in the queue is routed on them past their first second)."""
+        found = self._answers.get(req.request_id)
+        if not found or self._fleet is None:
+            return
+        index, feed, checks = self._fleet.index, self._fleet.feed, req.check_hashes
+        for wid, n in found:
+            if feed.is_remote(wid):  # (ours: our own entries are exact)
+                index.predict(wid, req.block_hashes[:n], now, None if checks is None else checks[:n], short=True)
 
     async def _on_answer(self, msg: BusMsg) -> None:
         fut = self._pending.get(msg.subject.rsplit(".", 1)[-1])

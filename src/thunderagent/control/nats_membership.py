@@ -133,6 +133,7 @@ class NatsMembership:
             self.shards = IndexShards(self.bus, self.subjects, self.frontend_id, fleet.cfg.nats.lookup_timeout_s)
             await self.shards.start(fleet, self.beats.leadership, self.claim, self.release, cp.heartbeat_interval)
             fleet.remote_lookup = self.shards.lookup
+            fleet.dispatcher.before_route = self.shards.reenter  # held requests: their answers, again
             fleet.feed.lagged = True  # events on their own subscriptions: heartbeats may overtake them
         # sharded: hellos, heartbeats, byes only; each owned worker's events on a subscription of its own
         workers = self.subjects.all_workers() if self.shards is None else self.subjects.worker_control()

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from thunderagent.config import SchedulerConfig
@@ -121,6 +121,8 @@ class Dispatcher:
         self._pending: dict[str, int] = {}
         self._unprefilled: dict[str, tuple[str, int]] = {}
         self._ready: deque[Held] = deque()  # released requests (resumed programs, followers), to dispatch first
+        #: called with each request about to be routed (a sharded index re-enters other frontends' answers)
+        self.before_route: Callable[[EngineRequest, float], None] | None = None
         # disaggregation always: the prefill tier's gate (scheduler/prefill_gate.py)
         self.prefill_gate = (PrefillGate(cfg.engine_backlog_passes) if self.scheduler is not None
                              and disagg is not None and disagg.cfg.mode == "always" else None)
@@ -409,12 +411,12 @@ class Dispatcher:
     def dispatch(self, req: EngineRequest, workers: Sequence[WorkerState], now: float,
                  exclude: tuple[str, ...] = (), program: str | None = None, pin: str | None = None,
                  backlog: int = 0) -> Dispatch:
-        """Route ``req`` among ``workers`` (less ``exclude``: workers that already could not take it, or that a
-        sibling should not wait on); a request of a program the pacer pinned, or pinned by ``pin`` (a follower
-        released to its leader's worker), goes to that worker while it is routable. ``backlog``: other requests
-        held in the scheduler, waiting for this fleet: the router's contention charge counts each worker's share
-        of them (``RouteRequest.held``), so a fleet whose overload sits in our queue rather than in the engines'
-        still counts as saturated and keeps cache hits. Raises :class:`NoWorkerAvailable`."""
+        """Route ``req`` among ``workers`` less ``exclude`` (could not take it, or a sibling should not wait on
+        them); a program the pacer pinned, or ``pin`` (a follower released to its leader's), goes there while
+        routable. ``backlog``: requests held here; the contention charge counts each worker's share (``RouteRequest
+        .held``): overload in our queue still saturates and keeps cache hits. Raises :class:`NoWorkerAvailable`."""
+        if self.before_route is not None:
+            self.before_route(req, now)
         if exclude:
             workers = [w for w in workers if w.worker_id not in exclude]
         workers, prefill_pool = split_pools(workers)
