@@ -101,7 +101,10 @@ class IndexShards:
     async def _refresh_loop(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
-            self.refresh()
+            try:
+                self.refresh()
+            except Exception:  # one bad look must not end ownership for good
+                log.exception("sharded index: ownership refresh failed")
 
     def refresh(self) -> None:
         """Recompute the live set (when it is known) and claim / release the workers whose owner changed."""
