@@ -405,6 +405,19 @@ def test_a_sharded_index_splits_the_workers_and_routes_on_the_other_frontends_an
     assert len(remote) >= 3, "conversations did not land on workers fb does not own: the lookup path was not run"
     assert index("fb")["answered"] > 0 and index("fa")["answered_for_peers"] > 0
     assert index("fb")["late"] == 0
+    import re
+    import urllib.request
+
+    def metric(f: str, name: str) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.ports[f]}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        assert m, f"{name} not exported by {f}"
+        return float(m.group(1))
+
+    assert metric("fb", 'thunderagent_index_lookups_total{outcome="answered"}') == index("fb")["answered"]
+    assert metric("fa", "thunderagent_index_lookups_served_total") == index("fa")["answered_for_peers"]
+    assert metric("fb", "thunderagent_index_owned_workers") == len(owned["fb"])
 
     cluster.kill("fa")
     wait_until(lambda: set(index("fb")["owned"]) == workers, 15, "fb to index every worker once fa is gone")

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import xxhash
+from prometheus_client import Counter, Gauge
 
 from thunderagent.bus.nats import Bus, BusMsg
 from thunderagent.bus.packing import pack_u64, unpack_u64
@@ -84,6 +85,14 @@ class IndexShards:
                     release: Callable[[str], None], interval: float) -> None:
         """``claim`` / ``release``: the membership's (dump a worker into the index / purge it)."""
         self._fleet, self._lead, self._claim, self._release = fleet, lead, claim, release
+        r = fleet.metrics.registry
+        self._asks = Counter("thunderagent_index_lookups_total", "Sharded index: asks to the other frontends, by "
+                             "outcome (answered, late: past nats.lookup_timeout_s, gone: nobody answers there)",
+                             ["outcome"], registry=r)
+        self._served = Counter("thunderagent_index_lookups_served_total", "Sharded index: the other frontends' "
+                               "asks this one answered", registry=r)
+        self._owned = Gauge("thunderagent_index_owned_workers", "Sharded index: workers whose KV events this "
+                            "frontend applies", registry=r)
         await self.bus.subscribe(self.subjects.match(self.frontend_id), self._on_ask)
         await self.bus.subscribe(self.subjects.match_reply(self.frontend_id, "*"), self._on_answer)
         self._task = asyncio.create_task(self._refresh_loop(interval), name="index-shards")
@@ -112,14 +121,17 @@ class IndexShards:
         if self._lead.state(self._fleet.now()) in _SETTLED:
             self.frontends = sorted([self.frontend_id, *(p.frontend_id for p in self._lead.live_peers())])
         feed = self._fleet.feed
+        owned = 0
         for wid in list(self._fleet.workers):
             mine = self.owns(wid)
+            owned += mine
             if mine and feed.is_remote(wid):
                 self.stats["claimed"] += 1
                 self._claim(wid)
             elif not mine and not feed.is_remote(wid):
                 self.stats["released"] += 1
                 self._release(wid)
+        self._owned.set(owned)
 
     # -- lookups ---------------------------------------------------------------------------------
     async def lookup(self, req: EngineRequest, now: float) -> None:
@@ -148,13 +160,13 @@ class IndexShards:
         for _, fut in futs:
             if not fut.done():
                 fut.cancel()
-                self.stats["late"] += 1
+                self._count("late")
                 continue
             answer = fut.result()
             if answer is None:
-                self.stats["gone"] += 1
+                self._count("gone")
                 continue
-            self.stats["answered"] += 1
+            self._count("answered")
             found.extend((wid, n) for wid, n in answer.matches if 0 < n <= len(block_hashes))
         if found:
             self._answers[req.request_id] = found
@@ -172,6 +184,10 @@ class IndexShards:
         for wid, n in found:
             if feed.is_remote(wid):  # (ours: our own entries are exact)
                 index.predict(wid, req.block_hashes[:n], now, None if checks is None else checks[:n], short=True)
+
+    def _count(self, outcome: str) -> None:
+        self.stats[outcome] += 1
+        self._asks.labels(outcome).inc()
 
     async def _on_answer(self, msg: BusMsg) -> None:
         fut = self._pending.get(msg.subject.rsplit(".", 1)[-1])
@@ -201,6 +217,7 @@ class IndexShards:
         found = fleet.index.find_matches(hashes, fleet.now(), checks)
         matches = [(w, n) for w, n in found.items() if not feed.is_remote(w) and not feed.is_syncing(w)]
         self.stats["answered_for_peers"] += 1
+        self._served.inc()
         self.bus.publish(msg.reply, encode(MatchAnswer(self.frontend_id, matches)))
 
     def summary(self) -> dict[str, object]:
