@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -78,6 +79,7 @@ class IndexShards:
         self._release: Callable[[str], None] = lambda wid: None
         self._pending: dict[str, asyncio.Future[MatchAnswer | None]] = {}
         self._answers: dict[str, list[tuple[str, int]]] = {}  # request id -> the others' answers (insertion order)
+        self._entered: dict[str, float] = {}  # request id -> when its answers were last entered into the index
         self._tokens = itertools.count()
         self._task: asyncio.Task[None] | None = None
 
@@ -171,7 +173,9 @@ class IndexShards:
         if found:
             self._answers[req.request_id] = found
             if len(self._answers) > MAX_KEPT:
-                del self._answers[next(iter(self._answers))]  # the oldest (a request long gone, cancelled)
+                oldest = next(iter(self._answers))  # a request long gone (cancelled)
+                del self._answers[oldest]
+                self._entered.pop(oldest, None)
             self.reenter(req, now)
 
     def reenter(self, req: EngineRequest, now: float) -> None:
@@ -181,6 +185,9 @@ class IndexShards:
         if not found or self._fleet is None:
             return
         index, feed, checks = self._fleet.index, self._fleet.feed, req.check_hashes
+        if now < self._entered.get(req.request_id, -math.inf) + index.short_ttl:
+            return  # entered at the lookup and still live (a request routed at once: no second pass over them)
+        self._entered[req.request_id] = now
         for wid, n in found:
             if feed.is_remote(wid):  # (ours: our own entries are exact)
                 index.predict(wid, req.block_hashes[:n], now, None if checks is None else checks[:n], short=True)

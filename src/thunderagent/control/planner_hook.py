@@ -64,6 +64,7 @@ class PlannerHook:
         self.planner = Planner(cfg) if cfg.enabled else None
         #: the Kubernetes API to scale Deployments through (raises ValueError here, at start, if not found)
         self._kube: KubeTarget | None = resolve(cfg.kubernetes) if cfg.kubernetes is not None else None
+        self._deployments = cfg.kubernetes.deployments if cfg.kubernetes is not None else {}  # role -> Deployment
         self._metrics, self._routable, self._registry = metrics, routable, registry
         self._next = 0.0
         self.actions: deque[dict[str, Any]] = deque(maxlen=20)  # outcomes of the latest actions
@@ -143,7 +144,7 @@ class PlannerHook:
 
     # -- actions -------------------------------------------------------------------------------
     def _act(self, rec: Recommendation) -> None:
-        kube = self._kube is not None and rec.role in (self.cfg.kubernetes.deployments if self.cfg.kubernetes else {})
+        kube = rec.role in self._deployments
         for coro in ((self._command(rec),) if self.cfg.command else ()) + \
                 ((self._webhook(rec),) if self.cfg.webhook_url else ()) + ((self._kubernetes(rec),) if kube else ()):
             task = asyncio.get_running_loop().create_task(coro)
@@ -188,9 +189,9 @@ class PlannerHook:
         self._done(entry)
 
     async def _kubernetes(self, rec: Recommendation) -> None:
-        assert self._kube is not None and self.cfg.kubernetes is not None
+        assert self._kube is not None
         entry: dict[str, Any] = {"kind": "kubernetes", "role": rec.role, "delta": rec.delta, "at": rec.at}
-        entry.update(await scale_step(self._kube, self.cfg.kubernetes.deployments[rec.role], rec.delta,
+        entry.update(await scale_step(self._kube, self._deployments[rec.role], rec.delta,
                                       rec.signals.workers, self.cfg.min_workers, self.cfg.max_workers,
                                       self.cfg.action_timeout_s))
         self._done(entry)
