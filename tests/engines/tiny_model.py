@@ -17,8 +17,13 @@ SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>
 
 # Prefix-stable: the prompt of turn k is a token prefix of the prompt of turn k+1 (every message
 # ends with the special token <|end|> and a newline, so BPE merges never cross a message boundary).
+# Tools, when a request has them, come first as a system block, and an assistant's tool calls after its
+# text, both as JSON (as tool-calling templates render them), so relayed tool requests render for real.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if tools %}<|system|>\n{{ tools | tojson }}<|end|>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{% if m['tool_calls'] is defined and m['tool_calls'] %}{{ m['tool_calls'] | tojson }}{% endif %}<|end|>\n"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

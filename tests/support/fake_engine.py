@@ -9,6 +9,10 @@ ZMQ KV events with replay, so the real-engine adapter can be tested without a mo
   kept for the replay ROUTER socket; the publisher is an XPUB, so :meth:`FakeEngine.wait_subscribed`
   can wait until a subscriber's subscription has arrived (a PUB drops what it sends before that:
   ZMQ's slow joiner, which a test's first request would otherwise race on a loaded machine);
+- ``POST /v1/chat/completions`` (a relayed request: the client's body): the prompt is what ``render``
+  makes of the body (the test passes the model's template; none: empty), cached as above; the answer
+  calls the first of the request's ``tools`` (``tool_choice`` not ``"none"``) or says ``"ok"``, whole or
+  as SSE events, with the same usage;
 - ``GET /metrics``: running / waiting / KV usage (and vLLM's ``cache_config_info``);
 - a client that hangs up aborts its request.
 Runs inside the test's event loop; every socket is on 127.0.0.1.
@@ -20,6 +24,7 @@ import asyncio
 import json
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -39,6 +44,8 @@ class FakeEngine:
     running: int = 0
     max_model_len: int | None = None  # in its model card, as vLLM's and SGLang's
     requests: list[dict] = field(default_factory=list)  # bodies received
+    chats: list[dict] = field(default_factory=list)  # chat bodies received (relayed requests)
+    render: Callable[[dict], list[int]] | None = None  # a chat body -> the prompt's token ids
     _cache: OrderedDict[int, None] = field(default_factory=OrderedDict)  # engine hash -> (LRU order)
     _batches: list[list[bytes]] = field(default_factory=list)
     _start: float = field(default_factory=time.time)
@@ -49,6 +56,7 @@ class FakeEngine:
 
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None)
@@ -112,8 +120,17 @@ class FakeEngine:
         body = await request.json()
         self.requests.append(body)
         prompt: list[int] = body["prompt"]
+        if isinstance(prompt, str):  # a relayed completion: the client's text (bytes stand in for tokens)
+            prompt = list(prompt.encode())
         max_tokens = int(body.get("max_tokens", 16))
         cached = self._prefill(prompt)
+        if not body.get("stream"):  # a relayed completion the client did not stream (the token path streams)
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": max_tokens, "total_tokens": len(prompt) +
+                     max_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+            text = "".join(chr(97 + k % 26) for k in range(max_tokens))
+            return web.json_response({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": body["model"],
+                                      "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                                      "usage": usage})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         self.running += 1
@@ -134,6 +151,34 @@ class FakeEngine:
             pass  # the client hung up: the request is aborted
         finally:
             self.running -= 1
+        return resp
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.chats.append(body)
+        prompt = self.render(body) if self.render is not None else []
+        cached = self._prefill(prompt)
+        tools = body.get("tools") or []
+        if tools and body.get("tool_choice") != "none":
+            name = tools[0]["function"]["name"]
+            message: dict[str, object] = {"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"call-{len(self.chats)}", "type": "function", "function": {"name": name, "arguments": "{}"}}]}
+            finish = "tool_calls"
+        else:
+            message, finish = {"role": "assistant", "content": "ok"}, "stop"
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        head = {"id": f"chatcmpl-{len(self.chats)}", "model": body["model"], "created": 0}
+        if not body.get("stream"):
+            return web.json_response({**head, "object": "chat.completion", "usage": usage,
+                                      "choices": [{"index": 0, "message": message, "finish_reason": finish}]})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {**head, "object": "chat.completion.chunk"}
+        await resp.write(_sse({**chunk, "choices": [{"index": 0, "delta": message, "finish_reason": None}]}))
+        await resp.write(_sse({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}))
+        await resp.write(_sse({**chunk, "choices": [], "usage": usage}))
+        await resp.write(b"data: [DONE]\n\n")
         return resp
 
     # -- prefix cache and KV events --------------------------------------------------------------

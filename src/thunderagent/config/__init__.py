@@ -187,6 +187,13 @@ class NodeConfig(_Strict):
         "one, 0.32 ignores it), "
         "so priorities act only in ThunderAgent's holding queue",
     )
+    relay_unmodelled: bool | None = Field(
+        None, description="vllm/sglang: a request asking for what ThunderAgent does not model (tools, tool calls, "
+        "response_format, logprobs, penalties, n, images, the engine's own sampling fields) goes to the server's "
+        "OpenAI endpoint with the client's body, routed on ThunderAgent's rendering of its prompt; false: such a "
+        "request is a 400 naming the field. Default: true for vllm/sglang (false in a fleet with simulated "
+        "workers or a prefill group), openai always relays, simulated engines cannot",
+    )
     kv_cache_transfer: KvTransferConfig = KvTransferConfig()
     timing: TimingConfig = TimingConfig()
 
@@ -204,6 +211,14 @@ class NodeConfig(_Strict):
         sim = self.engine == "simulated"
         return (self.kv_blocks * self.block_size if sim else 0,
                 self.max_num_batched_tokens if sim and not self.enable_chunked_prefill else 0)
+
+    @model_validator(mode="after")
+    def _relay(self) -> NodeConfig:
+        if self.relay_unmodelled and self.engine == "simulated":
+            raise ValueError("relay_unmodelled: a simulated engine has no OpenAI endpoint to relay to")
+        if self.relay_unmodelled is False and self.engine == "openai":
+            raise ValueError("relay_unmodelled: engine openai relays every request (it has no token path)")
+        return self
 
     @model_validator(mode="after")
     def _endpoints_match_engine(self) -> NodeConfig:
@@ -243,6 +258,20 @@ def check_roles(nodes: list[NodeConfig], disagg_set: bool) -> None:
     if len(planes) > 1:
         raise ValueError("execution_group.nodes.*.kv_cache_transfer: the prefill groups configure one fleet-wide "
                          "transfer plane and must agree")
+
+
+def resolve_relay(nodes: list[NodeConfig]) -> None:
+    """``relay_unmodelled`` for the whole fleet: a relayed request may land on any worker, so it acts only when
+    every group can relay and none prefills for another (a relayed body has no prefill/decode split)."""
+    blocked = next((f"engine {n.engine}" for n in nodes if n.engine == "simulated"), None) or next(
+        ("a role: prefill group" for n in nodes if n.role is Role.prefill), None)
+    for k, n in enumerate(nodes):
+        if n.relay_unmodelled and blocked is not None and n.engine != "openai":
+            raise ValueError(f"execution_group.nodes.{k}.relay_unmodelled: a relayed request may go to any worker, "
+                             f"and this fleet has {blocked}, which cannot serve one; leave it unset (false here)")
+        if n.relay_unmodelled is None:
+            object.__setattr__(n, "relay_unmodelled", n.engine == "openai" or (
+                n.engine in ("vllm", "sglang") and blocked is None))
 
 
 class ExecutionGroupConfig(_Strict):
@@ -306,6 +335,7 @@ class Config(_Strict):
             )
         # (defaults accepted: a dumped config, defaults filled in, must load again)
         check_roles(self.execution_group.nodes, self.routing.disaggregation != DisaggConfig())
+        resolve_relay(self.execution_group.nodes)
         return self
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from thunderagent.execution.http_transport import TransportConnectionError, TransportError
+from thunderagent.execution.relay_body import engine_body
 from thunderagent.types import FinishReason, TokenOutput
 
 if TYPE_CHECKING:
@@ -85,10 +86,13 @@ def _has_token(c: _Choice) -> bool:
 
 
 class Relay:
-    """The passthrough side of one server's :class:`RequestStreamer` (its ``relay``)."""
+    """The passthrough side of one server's :class:`RequestStreamer` (its ``relay``). ``rewrite``: a vLLM /
+    SGLang server's, whose body gets the server's model name and ThunderAgent's fields as the token path
+    sends them (``execution/relay_body.py``); an ``engine: openai`` server gets the client's bytes."""
 
-    def __init__(self, streamer: RequestStreamer) -> None:
+    def __init__(self, streamer: RequestStreamer, *, rewrite: bool = False) -> None:
         self._s = streamer
+        self._rewrite = rewrite
 
     async def __call__(self, r: Inflight) -> None:
         s = self._s
@@ -99,7 +103,10 @@ class Relay:
         # max_batch_size and adds what the server's /metrics say waits there.
         s._progress(r, 0)
         try:
-            async with s._transport.stream_post(s.url + pt.path, pt.body) as resp:
+            body = pt.body
+            if self._rewrite:
+                body = engine_body(body, r.req, await s._served_model(), send_priority=s.send_priority)
+            async with s._transport.stream_post(s.url + pt.path, body) as resp:
                 if resp.status != 200:
                     body = (await resp.text()).encode()
                     log.warning("%s refused request %s: HTTP %d %s", s.worker_id, r.req.request_id, resp.status,

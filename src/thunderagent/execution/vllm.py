@@ -36,6 +36,7 @@ from thunderagent.execution.handle import (
 from thunderagent.execution.http_transport import AiohttpTransport, HttpTransport
 from thunderagent.execution.kv_pump import KvPump, require_pyzmq
 from thunderagent.execution.kv_stream import KvEventStream, StreamStats, StreamStep
+from thunderagent.execution.openai_relay import Relay
 from thunderagent.types import EngineRequest, LoadReport
 
 __all__ = ["REASON_BLOCK_SIZE", "REASON_UNREACHABLE", "EngineWorker", "engine_factory"]
@@ -89,6 +90,8 @@ class EngineWorker:
             served_model=self._health.served_model, on_lost=self._health.lost, on_change=self._push_load,
             send_priority=node.scheduling_policy == "priority",
         )
+        if node.relay_unmodelled:  # requests ThunderAgent does not model go with the client's body
+            self._requests.relay = Relay(self._requests, rewrite=True)
         self._pump = None
         if endpoint.kv_events:
             self._pump = KvPump(worker_id, endpoint.kv_events, endpoint.kv_replay, self.stream, self._publish,

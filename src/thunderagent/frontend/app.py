@@ -48,6 +48,7 @@ from thunderagent.frontend.protocol import (
     CompletionRequest,
     SERVER,
     RequestError,
+    Unmodelled,
     check_program_id,
     decode_request,
     error_body,
@@ -57,6 +58,7 @@ from thunderagent.frontend.protocol import (
 )
 from thunderagent.frontend.programs_api import Peers, ProgramsApi
 from thunderagent.frontend.relay import RelayFrontend
+from thunderagent.frontend.relay_fields import RelayFields
 from thunderagent.frontend.streaming import TextChunk, stream_text
 from thunderagent.frontend.tokenizer import ChatMessage, Tokenizer
 from thunderagent.scheduler.programs import program_key
@@ -128,6 +130,8 @@ class Frontend:
         self.route_key = route_key
         #: an engine openai fleet: requests and answers pass through unchanged (frontend/relay.py)
         self.relay: RelayFrontend | None = None
+        #: a vLLM / SGLang fleet with relay_unmodelled: the requests the token path does not model
+        self.unmodelled: RelayFrontend | None = None
 
     def _text(self, gen: Generation, stops: list[str]) -> AsyncIterator[TextChunk]:
         return stream_text(self.fleet.outputs(gen), self.tokenizer.decoder(), stops)
@@ -325,16 +329,26 @@ class Frontend:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         if self.relay is not None:
             return await self.relay.handle(request, chat=True)
-        req = decode_request(await request.read(), ChatCompletionRequest)
-        assert isinstance(req, ChatCompletionRequest)
+        try:
+            req = decode_request(await request.read(), ChatCompletionRequest)
+            assert isinstance(req, ChatCompletionRequest)
+            messages = [ChatMessage(m.role, message_text(m, i)) for i, m in enumerate(req.messages)]
+        except Unmodelled:
+            if self.unmodelled is None:
+                raise
+            return await self.unmodelled.handle(request, chat=True)
         self._check_model(req.model)
-        messages = [ChatMessage(m.role, message_text(m, i)) for i, m in enumerate(req.messages)]
         return await self._run(request, req, self.tokenizer.apply_chat_template(messages), chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         if self.relay is not None:
             return await self.relay.handle(request, chat=False)
-        req = decode_request(await request.read(), CompletionRequest)
+        try:
+            req = decode_request(await request.read(), CompletionRequest)
+        except Unmodelled:
+            if self.unmodelled is None:
+                raise
+            return await self.unmodelled.handle(request, chat=False)
         assert isinstance(req, CompletionRequest)
         self._check_model(req.model)
         prompt = prompt_input(req.prompt)
@@ -398,6 +412,8 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     nodes = cfg.execution_group.nodes
     if nodes and all(n.engine == "openai" for n in nodes):
         fe.relay = RelayFrontend(fe)
+    elif nodes and all(n.relay_unmodelled for n in nodes):  # vllm / sglang (config.resolve_relay)
+        fe.unmodelled = RelayFrontend(fe, RelayFields(n.engine for n in nodes))
     access: dict[str | None, Access] = {}  # what a route needs with API keys on (frontend/auth.py)
 
     def route(method: str, path: str, handler: Handler, needs: Access) -> None:

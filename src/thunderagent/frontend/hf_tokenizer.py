@@ -11,11 +11,15 @@ server starts, never in a request handler.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from thunderagent.frontend.chat_render import conversation
 from thunderagent.frontend.tokenizer import ChatMessage, StreamDecoder
+
+log = logging.getLogger(__name__)
 
 
 class HfTokenizer:
@@ -53,6 +57,28 @@ class HfTokenizer:
 
     def apply_chat_template(self, messages: Sequence[ChatMessage]) -> list[int]:
         return list(self._tok.encode(self.render_chat(messages), add_special_tokens=False))
+
+    def apply_openai_chat(self, doc: Mapping[str, Any]) -> list[int]:
+        """A relayed chat request rendered as vLLM renders it (``frontend/chat_render.py``): the model's
+        template with ``tools``, ``documents``, ``chat_template_kwargs``, ``add_generation_prompt`` and
+        ``continue_final_message``. A request's own ``chat_template`` is never rendered here (the server
+        judges whether it trusts one); a template that fails on the request falls back to its text."""
+        conv = conversation(doc.get("messages") or ())
+        extra = doc.get("chat_template_kwargs")
+        kwargs: dict[str, Any] = dict(extra) if isinstance(extra, dict) else {}
+        try:
+            text = self._tok.apply_chat_template(
+                conv, tools=doc.get("tools") or None, documents=doc.get("documents") or None, tokenize=False,
+                add_generation_prompt=bool(doc.get("add_generation_prompt", True)),
+                continue_final_message=bool(doc.get("continue_final_message", False)), **kwargs)
+        except Exception as exc:  # the server will say what is wrong; routing needs only some prefix
+            log.debug("chat template failed on a relayed request (%r): hashing its text alone", exc)
+            try:
+                text = self.render_chat([ChatMessage(str(m["role"]), m["content"]) for m in conv])
+            except Exception:  # a template that refuses even that (a role it does not know)
+                text = "\n".join(m["content"] for m in conv)
+        assert isinstance(text, str), "apply_chat_template(tokenize=False) returns text"
+        return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))

@@ -20,6 +20,7 @@ from thunderagent.frontend.protocol import (
     MAX_STOP, NEUTRAL, NEUTRAL_COMPLETION, NEUTRAL_MESSAGE, PROGRAMS_LIMIT_DEFAULT,
     PROGRAMS_LIMIT_MAX, ChatCompletionRequest, CompletionRequest, ReleaseRequest,
 )
+from thunderagent.frontend.relay_fields import MESSAGE_KEYS, RelayFields
 from thunderagent.scheduler.programs import LIVE_STATES, PROGRAM_ID
 
 PATH = "/openapi.json"
@@ -91,14 +92,21 @@ def _generate(summary: str, body: str, result: dict[str, Any]) -> dict[str, Any]
     }}
 
 
-def _narrow(components: dict[str, Any], model_name: str) -> None:
-    """Say in the schema what the server checks after decoding."""
+def _narrow(components: dict[str, Any], model_name: str, relay: RelayFields | None) -> None:
+    """Say in the schema what the server checks after decoding (``relay``: the fields a vLLM / SGLang fleet
+    relays to its servers instead of refusing them)."""
     for name, table in (("ChatCompletionRequest", NEUTRAL), ("CompletionRequest", NEUTRAL_COMPLETION),
                         ("Message", NEUTRAL_MESSAGE)):
         props = components[name]["properties"]
         for field, allowed in table.items():
             if field in props:
-                props[field] = {"enum": list(allowed), "description": "not implemented: only the neutral value"}
+                props[field] = {"description": "relayed to the servers: ThunderAgent does not model it"} if relay \
+                    else {"enum": list(allowed), "description": "not implemented: only the neutral value"}
+        if relay is not None:
+            extra = MESSAGE_KEYS if name == "Message" else relay.chat if name == "ChatCompletionRequest" \
+                else relay.completion
+            for field in sorted(extra - set(props)):
+                props[field] = {"description": f"engine {'/'.join(relay.engines)}'s own field: relayed to the servers"}
         if "model" in props:
             props["model"] = {"enum": [model_name], "description": "the served model (GET /v1/models); others: 404"}
         if "program_id" in props:
@@ -116,7 +124,10 @@ def get(summary: str, responses: dict[str, Any]) -> dict[str, Any]:
 def openapi_document(cfg: Config) -> dict[str, Any]:
     (_, _, _), components = msgspec.json.schema_components(
         [ChatCompletionRequest, CompletionRequest, ReleaseRequest], ref_template="#/components/schemas/{name}")
-    _narrow(components, cfg.model_name)
+    nodes = cfg.execution_group.nodes
+    relay = RelayFields(n.engine for n in nodes) if all(n.relay_unmodelled and n.engine != "openai" for n in nodes) \
+        else None
+    _narrow(components, cfg.model_name, relay)
     paths: dict[str, Any] = {
         "/v1/chat/completions": _generate("Chat completion (OpenAI)", "ChatCompletionRequest", _CHAT),
         "/v1/completions": _generate("Text completion (OpenAI)", "CompletionRequest", _COMPLETION),

@@ -52,7 +52,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop: str | list[str] | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    n: Literal[1] = 1
+    n: Annotated[int, Meta(ge=1, le=128)] | None = 1  # only 1 is served here: see NEUTRAL
     seed: Seed | None = None
     # OpenAI fields not implemented: accepted only with their "off" value (NEUTRAL)
     frequency_penalty: float | None = None
@@ -106,6 +106,7 @@ NEUTRAL: dict[str, tuple[object, ...]] = {
     "echo": (False,),
     "best_of": (None, 1),
     "suffix": (None, ""),
+    "n": (None, 1),
 }
 NEUTRAL_COMPLETION = {**NEUTRAL, "logprobs": (None,)}  # an int there: 0 still returns logprobs
 NEUTRAL_MESSAGE: dict[str, tuple[object, ...]] = {
@@ -137,6 +138,12 @@ class RequestError(Exception):
         self.type = type_
 
 
+class Unmodelled(RequestError):
+    """A request that asks for something ThunderAgent does not model itself (an OpenAI field it does not
+    implement, a field unknown to it, a content part other than text). A fleet of servers that take the
+    client's body (``relay_unmodelled``) relays it to them unchanged; otherwise it is this 400."""
+
+
 _PATH = re.compile(r" - at `\$\.?([^`]*)`")
 _NAMED = re.compile(r"(?:missing required|unknown) field `([^`]*)`")
 
@@ -153,7 +160,7 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
             param = f"{param}.{named.group(1)}" if param else named.group(1)
         if "unknown field" in msg:
             msg = f"unsupported field `{param}`: this server does not implement it; remove it from the request"
-            raise RequestError(msg, param=param, code="unsupported_parameter") from exc
+            raise Unmodelled(msg, param=param, code="unsupported_parameter") from exc
         raise RequestError(msg, param=param or None) from exc
     except msgspec.DecodeError as exc:
         raise RequestError(f"request body is not valid JSON: {exc}") from exc
@@ -176,7 +183,7 @@ def _check_neutral(obj: msgspec.Struct, table: dict[str, tuple[object, ...]], pr
         value = getattr(obj, name)
         if not any(_is(value, a) for a in allowed):
             shown = " or ".join(msgspec.json.encode(a).decode() for a in allowed)
-            raise RequestError(
+            raise Unmodelled(
                 f"`{prefix}{name}` is not supported by this server: leave it out (or {shown})",
                 param=prefix + name, code="unsupported_parameter",
             )
@@ -202,8 +209,9 @@ def message_text(msg: Message, index: int) -> str:
     out = []
     for j, part in enumerate(msg.content):
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise RequestError(
-                "only text content parts are supported", param=f"messages[{index}].content[{j}]"
+            raise Unmodelled(
+                "only text content parts are supported", param=f"messages[{index}].content[{j}]",
+                code="unsupported_content",
             )
         out.append(part["text"])
     return "".join(out)

@@ -1,4 +1,11 @@
-"""The frontend of an ``engine: openai`` fleet: requests and answers pass through unchanged.
+"""Relayed requests: the client's body to the server, the server's answer to the client, unchanged.
+
+Two fleets relay: an ``engine: openai`` fleet relays every request; a vLLM / SGLang fleet
+(``relay_unmodelled``, on by default) relays the requests that ask for what ThunderAgent does not model
+(tools, tool-call history, ``response_format``, logprobs, penalties, ``n``, images, the engine's own
+sampling fields: ``frontend/relay_fields.py``) and serves the others as token ids. There the name in
+``model`` is ThunderAgent's (checked here; the worker sends the server's own), fields neither side
+takes are refused by name, and the worker rewrites ThunderAgent's fields (``execution/relay_body.py``).
 
 The client's body is forwarded byte for byte to the server the router picks, and the server's
 answer (SSE bytes or JSON) is relayed as it came (``execution/openai_relay.py``): one HTTP hop. What
@@ -33,9 +40,10 @@ from msgspec import Meta
 
 from thunderagent.frontend.auth import DETAIL, TENANT, tenant_salt
 from thunderagent.frontend.protocol import MaxTokens, Priority, RequestError, prompt_input
+from thunderagent.frontend.relay_fields import RelayFields
 from thunderagent.frontend.tenant_gate import count_completion, rate_headers, take_prompt_tokens
 from thunderagent.control.fleet import Fleet
-from thunderagent.frontend.tokenizer import ChatMessage, Tokenizer
+from thunderagent.frontend.tokenizer import Tokenizer
 from thunderagent.types import FinishReason, Passthrough, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -86,12 +94,7 @@ def _decode(body: bytes) -> _Request:
         raise RequestError("request body is nested too deeply", code="nesting_too_deep") from exc
 
 
-def _text(m: _Message) -> str:
-    """What is hashed of a message: its text (other content parts are the server's business)."""
-    c = m.content
-    if c is None or isinstance(c, str):
-        return c or ""
-    return "".join(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+_doc = msgspec.json.Decoder(dict[str, Any])
 
 
 def upstream_error(worker: str | None, out: TokenOutput) -> web.Response:
@@ -130,6 +133,7 @@ class _Frontend(Protocol):
     tokenizer: Tokenizer
     max_tokens_default: int
 
+    def _check_model(self, model: str) -> None: ...
     def _route_key(self, request: web.Request, req: Any) -> str: ...
     @staticmethod
     def _program_id(request: web.Request, req: Any) -> str | None: ...
@@ -139,20 +143,29 @@ class _Frontend(Protocol):
 
 
 class RelayFrontend:
-    """``POST /v1/chat/completions`` and ``/v1/completions`` of an ``engine: openai`` fleet."""
+    """``POST /v1/chat/completions`` and ``/v1/completions`` relayed: every request of an ``engine: openai``
+    fleet (``fields`` None: the server checks everything), or a vLLM / SGLang fleet's unmodelled ones
+    (``fields``: what those engines take)."""
 
-    def __init__(self, fe: _Frontend) -> None:
+    def __init__(self, fe: _Frontend, fields: RelayFields | None = None) -> None:
         self.fe = fe
+        self.fields = fields
 
     async def handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
         fe = self.fe
         body = await request.read()
         req = _decode(body)
+        doc = _doc.decode(body) if chat or self.fields is not None else None  # (valid JSON: _decode read it)
+        if self.fields is not None:
+            assert doc is not None
+            fe._check_model(req.model)  # ThunderAgent's name: the worker sends the server's own
+            self.fields.check(doc, chat)
         tok = fe.tokenizer
         if chat:
             if req.messages is None:
                 raise RequestError("`messages` is required", param="messages")
-            ids = tok.apply_chat_template([ChatMessage(m.role, _text(m)) for m in req.messages])
+            assert doc is not None
+            ids = tok.apply_openai_chat(doc)  # with tools and tool calls, as the server renders it
         else:
             if req.prompt is None:
                 raise RequestError("`prompt` is required", param="prompt")

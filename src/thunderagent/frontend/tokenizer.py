@@ -9,9 +9,11 @@ bring their model's own tokenizer (a later adapter implements the same protocol)
 from __future__ import annotations
 
 import codecs
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+from thunderagent.frontend.chat_render import canonical, conversation
 
 
 @dataclass(slots=True, frozen=True)
@@ -26,6 +28,11 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def apply_chat_template(self, messages: Sequence[ChatMessage]) -> list[int]: ...
+
+    def apply_openai_chat(self, doc: Mapping[str, Any]) -> list[int]:
+        """The token ids a server renders for a relayed chat request (decoded JSON, with ``tools`` and
+        tool calls: ``frontend/chat_render.py``), for hashing only."""
+        ...
 
     def decoder(self) -> StreamDecoder: ...
 
@@ -74,6 +81,17 @@ class ByteTokenizer:
 
     def apply_chat_template(self, messages: Sequence[ChatMessage]) -> list[int]:
         return self.encode(self.render_chat(messages))
+
+    def apply_openai_chat(self, doc: Mapping[str, Any]) -> list[int]:
+        """The same template, with the request's tools first and each message's tool calls after its text
+        (a stand-in: without a model nothing renders them for real; deterministic, so repeats hash alike)."""
+        msgs = [ChatMessage(m["role"] if isinstance(m["role"], str) else "?",
+                            m["content"] + (canonical(m["tool_calls"]) if "tool_calls" in m else ""))
+                for m in conversation(doc.get("messages") or ())]
+        tools = doc.get("tools")
+        if tools:
+            msgs.insert(0, ChatMessage("tools", canonical(tools)))
+        return self.apply_chat_template(msgs)
 
     def decoder(self) -> StreamDecoder:
         return _ByteStreamDecoder()
