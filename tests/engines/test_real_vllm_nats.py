@@ -1,4 +1,4 @@
-"""Sampling parameters reach a real vLLM server behind a NATS worker.
+"""Sampling parameters reach a real vLLM server behind a NATS worker; so does a relayed request.
 
 nats-server, one ``thunderagent worker`` process attached to one of the session's vLLM servers and one
 ``thunderagent frontend`` process, all on 127.0.0.1, driven with the official OpenAI client. The
@@ -125,6 +125,16 @@ def test_sampling_parameters_reach_vllm_behind_a_nats_worker(
             assert direct(temperature=1.0, seed=seed) == samples[seed], f"seed {seed}: vLLM itself samples otherwise"
         assert len(set(samples.values())) > 1, f"different seeds gave one text: {samples}"
         assert any(s != greedy for s in samples.values()), "temperature 1.0 sampled exactly the greedy text"
+
+        # (c) a request the token path does not model (tools, logprobs) is relayed over the bus with the
+        # client's body (GenerateRequest.passthrough) and answered by vLLM as it would answer it directly
+        raw = front.chat.completions.with_raw_response.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": PROMPT}], max_tokens=4, logprobs=True,
+            top_logprobs=2, tools=[{"type": "function", "function": {"name": "read_file", "parameters": {}}}],
+            tool_choice="none", extra_body={"ignore_eos": True})
+        assert raw.headers["x-thunderagent-worker"] == "w0"
+        content = raw.parse().choices[0].logprobs.content  # type: ignore[union-attr]
+        assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
     finally:
         front.close()
         engine.close()

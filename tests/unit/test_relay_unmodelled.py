@@ -10,7 +10,7 @@ import pytest
 
 from thunderagent.config import ConfigError, parse_config
 from thunderagent.execution.relay_body import engine_body
-from thunderagent.frontend.chat_render import conversation, part_text
+from thunderagent.frontend.chat_render import conversation, part_text, template_tools
 from thunderagent.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -114,6 +114,21 @@ def test_conversation_is_what_vllm_hands_the_template() -> None:
         {"role": "tool", "content": "r", "tool_call_id": "1"},
     ]
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == "{\"k\": [1, 2]}"  # the body is not touched
+    call = conversation([{"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{}"}, "id": "9"}]}])[0]["tool_calls"][0]
+    assert json.dumps(call) == '{"id": "9", "function": {"arguments": {}, "name": "f"}, "type": "function"}'  # vLLM's
+
+
+def test_tools_as_vllms_request_model_hands_them_over() -> None:
+    tools = [{"function": {"name": "f", "extra": 1}},
+             {"type": "function", "defer_loading": True,
+              "function": {"parameters": {"a": 1}, "name": "g", "description": "d", "strict": False}},
+             "junk"]
+    assert json.dumps(template_tools(tools)) == json.dumps([
+        {"type": "function", "function": {"name": "f", "description": None, "parameters": None}},
+        {"type": "function", "function": {"name": "g", "description": "d", "parameters": {"a": 1}, "strict": False,
+                                          "defer_loading": True}, "defer_loading": True}])
+    assert template_tools([]) is None and template_tools(None) is None
     assert part_text(None) == "" and part_text(7) == ""
 
 

@@ -7,8 +7,13 @@ server's KV events announced. What vLLM 0.32 does for a template of the "string"
 (``vllm/renderers/chat_utils.py``), kept here: text parts joined by newlines (other parts are not
 text: left out), an assistant's ``tool_calls`` with JSON ``arguments`` parsed into objects (empty or
 malformed: ``{}``), empty ``tool_calls`` dropped, ``reasoning`` copied to ``reasoning_content``, a tool
-message's ``tool_call_id`` and any message's ``name`` kept. A mismatch costs cache hits, never
-correctness: the server renders the prompt it serves.
+message's ``tool_call_id`` and any message's ``name`` kept; and what its request models make of the JSON
+before the template sees it: a tool call's keys in the order ``id``, ``function`` (``arguments``,
+``name``), ``type``; a tool as ``{type, function: {name, description, parameters}}`` (absent ones null,
+unknown keys dropped, ``strict`` / ``defer_loading`` only when set). A mismatch costs cache hits, never
+correctness: the server renders the prompt it serves. (A server started with
+``--exclude-tools-when-tool-choice-none`` leaves tools out when ``tool_choice`` is ``"none"``; we cannot
+see that flag and render them.)
 """
 
 from __future__ import annotations
@@ -31,15 +36,44 @@ def part_text(content: object) -> str:
 def _call(call: object) -> object:
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
         return call  # the server refuses it; the hash only has to be deterministic
-    function = dict(call["function"])
-    args = function.get("arguments")
+    fn = call["function"]
+    args = fn.get("arguments")
     if isinstance(args, str):
         try:
             args = json.loads(args) if args else {}
         except ValueError:
             args = {}
-    function["arguments"] = args if args else {}
-    return {**call, "function": function}
+    function = {"arguments": args if isinstance(args, dict) else {}}
+    if "name" in fn:
+        function["name"] = fn["name"]
+    out = {k: call[k] for k in ("id",) if k in call}
+    out["function"] = function
+    if "type" in call:
+        out["type"] = call["type"]
+    return out
+
+
+def template_tools(tools: object) -> list[dict[str, Any]] | None:
+    """``tools`` as vLLM's request model hands them to the template (``None``: no tools)."""
+    if not isinstance(tools, list) or not tools:
+        return None
+    out = []
+    for t in tools:
+        if not isinstance(t, dict) or not isinstance(t.get("function"), dict):
+            continue  # the server refuses it
+        fn = t["function"]
+        defer = t.get("defer_loading")
+        function: dict[str, Any] = {"name": fn.get("name"), "description": fn.get("description"),
+                                    "parameters": fn.get("parameters")}
+        if fn.get("strict") is not None:
+            function["strict"] = fn["strict"]
+        if fn.get("defer_loading", defer) is not None:
+            function["defer_loading"] = fn.get("defer_loading", defer)
+        tool: dict[str, Any] = {"type": t.get("type", "function"), "function": function}
+        if defer is not None:
+            tool["defer_loading"] = defer
+        out.append(tool)
+    return out or None
 
 
 def conversation(messages: Sequence[object]) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from thunderagent.frontend.chat_render import conversation
+from thunderagent.frontend.chat_render import conversation, template_tools
 from thunderagent.frontend.tokenizer import ChatMessage, StreamDecoder
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class HfTokenizer:
         kwargs: dict[str, Any] = dict(extra) if isinstance(extra, dict) else {}
         try:
             text = self._tok.apply_chat_template(
-                conv, tools=doc.get("tools") or None, documents=doc.get("documents") or None, tokenize=False,
+                conv, tools=template_tools(doc.get("tools")), documents=doc.get("documents") or None, tokenize=False,
                 add_generation_prompt=bool(doc.get("add_generation_prompt", True)),
                 continue_final_message=bool(doc.get("continue_final_message", False)), **kwargs)
         except Exception as exc:  # the server will say what is wrong; routing needs only some prefix

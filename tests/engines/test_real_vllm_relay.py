@@ -1,0 +1,71 @@
+"""Relayed requests (``relay_unmodelled``) against two real vLLM servers (CPU build, tiny random Llama whose
+template renders tools and tool calls): ThunderAgent renders a tool conversation to exactly the tokens vLLM
+renders (its ``/tokenize``), so the router's hashes are the blocks vLLM's KV events announce; tool
+requests and logprobs, which the token path does not model, are served by vLLM through ThunderAgent."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from support.waiting import wait_until
+from tests.engines.conftest import front_config, thunderagent
+from tests.engines.vllm_env import BLOCK_SIZE, VllmServer
+from thunderagent.frontend.hf_tokenizer import HfTokenizer
+from thunderagent.kv.hashing import block_hashes, hash_seed
+
+pytestmark = pytest.mark.real_engine
+
+TOOLS = [{"type": "function", "function": {
+    "name": "read_file", "description": "Read a file of the repository.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+SYSTEM = "You are a coding agent: read the files you need, then answer in one short paragraph. " * 5
+
+
+def _history(calls: int) -> list[dict]:
+    msgs: list[dict] = [{"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": [{"type": "text", "text": "Fix the parser."},
+                                                     {"type": "text", "text": "Tests fail since Monday."}]}]
+    for k in range(calls):
+        call = {"id": f"call-{k}", "type": "function",
+                "function": {"name": "read_file", "arguments": json.dumps({"path": f"src/parser/{k}.py"})}}
+        msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        msgs.append({"role": "tool", "tool_call_id": call["id"], "content": f"def parse_{k}(text):\n    return text\n"})
+    return msgs
+
+
+async def test_relayed_tool_requests_on_real_vllm(tiny_model_dir: Path, vllm_servers: list[VllmServer]) -> None:
+    tok = HfTokenizer(tiny_model_dir)
+    served = str(tiny_model_dir)
+    async with aiohttp.ClientSession() as s:  # vLLM's own rendering of the same requests
+        for doc in ({"messages": _history(0)}, {"messages": _history(2), "tools": TOOLS},
+                    {"messages": _history(1), "tools": TOOLS, "add_generation_prompt": False}):
+            async with s.post(vllm_servers[0].url + "/tokenize", json={"model": served, **doc}) as r:
+                assert r.status == 200, await r.text()
+                theirs = (await r.json())["tokens"]
+            assert tok.apply_openai_chat(doc) == theirs, doc
+    async with thunderagent(front_config(tiny_model_dir, vllm_servers), vllm_servers) as front:
+        c, fleet = front.client, front.fleet
+        first = await c.chat.completions.with_raw_response.create(
+            model=front.model, messages=_history(1), tools=TOOLS, tool_choice="none", max_tokens=4,
+            extra_body={"ignore_eos": True, "program_id": "agent-1"})
+        r1 = first.parse()
+        assert r1.choices[0].finish_reason == "length" and r1.usage.completion_tokens == 4
+        worker = first.headers["x-thunderagent-worker"]
+        hashes = block_hashes(tok.apply_openai_chat({"messages": _history(1), "tools": TOOLS}), BLOCK_SIZE, hash_seed())
+        full = len(hashes)
+        await wait_until(lambda: fleet.index.is_confirmed(worker, hashes[-1]), 20, "vLLM's events of the first step")
+        grown = await c.chat.completions.with_raw_response.create(
+            model=front.model, messages=_history(2), tools=TOOLS, tool_choice="none", max_tokens=4,
+            extra_body={"ignore_eos": True, "program_id": "agent-1"}, extra_headers={"x-thunderagent-explain": "1"})
+        why = json.loads(grown.headers["x-thunderagent-explanation"])
+        cached = grown.parse().usage.prompt_tokens_details.cached_tokens
+        assert grown.headers["x-thunderagent-worker"] == worker
+        assert why["overlap_blocks"] == full and cached == full * BLOCK_SIZE, (why, cached)  # block for block
+        lp = await c.chat.completions.create(model=front.model, messages=_history(0), max_tokens=3, logprobs=True,
+                                             top_logprobs=2, extra_body={"ignore_eos": True})
+        content = lp.choices[0].logprobs.content
+        assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
