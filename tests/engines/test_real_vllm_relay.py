@@ -1,4 +1,4 @@
-"""Relayed requests (``relay_unmodelled``) against two real vLLM servers (CPU build, tiny random Llama whose
+"""Relayed requests (``relay: unmodelled``) against two real vLLM servers (CPU build, tiny random Llama whose
 template renders tools and tool calls): ThunderAgent renders a tool conversation to exactly the tokens vLLM
 renders (its ``/tokenize``), so the router's hashes are the blocks vLLM's KV events announce; tool
 requests and logprobs, which the token path does not model, are served by vLLM through ThunderAgent."""

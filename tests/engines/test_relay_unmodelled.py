@@ -1,5 +1,5 @@
-"""A vLLM fleet relays what ThunderAgent does not model (``relay_unmodelled``): tools, a tool-call history,
-logprobs, the engine's own fields go to the server's chat endpoint with the client's body, routed on
+"""A vLLM fleet relays what ThunderAgent does not model (``relay: unmodelled``, the default): tools, a tool-call
+history, logprobs, the engine's own fields go to the server's chat endpoint with the client's body, routed on
 ThunderAgent's rendering of the prompt (tools included), while plain requests stay on the token path.
 
 Real sockets on 127.0.0.1: two fake vLLM servers (``support.fake_engine``) that render a chat body with
@@ -36,9 +36,9 @@ def _config(engines: list[FakeEngine], model_dir: Path, **node: object):
             {"url": e.url, "kv_events": e.events, "kv_replay": e.replay} for e in engines]}]})
 
 
-async def _engines(model_dir: Path) -> list[FakeEngine]:
+async def _engines(model_dir: Path, max_model_len: int | None = None) -> list[FakeEngine]:
     tok = HfTokenizer(model_dir)
-    engines = [FakeEngine(block_size=BS, render=tok.apply_openai_chat) for _ in range(2)]
+    engines = [FakeEngine(block_size=BS, render=tok.apply_openai_chat, max_model_len=max_model_len) for _ in range(2)]
     for e in engines:
         await e.start()
     return engines
@@ -92,6 +92,9 @@ async def test_tool_calling_agents_are_relayed_and_follow_their_cache(tiny_model
                     assert why["overlap_blocks"] * BS == cached > len(SYSTEM) // 2, (task, calls, why, cached)
             async with aiohttp.ClientSession() as s, s.get(srv.base_url + "/v1/programs") as resp:
                 programs = {p["id"]: p for p in (await resp.json())["data"]}
+            relayed = {dict(s.labels)["field"]: s.value for m in srv.fleet.metrics.registry.collect()
+                       if m.name == "thunderagent_relayed_requests" for s in m.samples if s.name.endswith("_total")}
+            assert relayed == {"top_k": 4.0, "tools": 8.0}  # the first field each had that the token path lacks
             assert programs["agent-parser"]["steps"] == 3  # relayed steps count as the program's
             # a streamed relayed request: the server's events, unchanged
             stream = await c.chat.completions.create(model=model, messages=_history("parser", 2), tools=TOOLS,
@@ -111,10 +114,33 @@ async def test_tool_calling_agents_are_relayed_and_follow_their_cache(tiny_model
 
 
 async def test_relayed_requests_are_checked_and_can_be_switched_off(tiny_model_dir: Path) -> None:
-    engines = await _engines(tiny_model_dir)
+    engines = await _engines(tiny_model_dir, max_model_len=1024)
     try:
-        async with running_server(_config(engines, tiny_model_dir)) as srv:
-            await wait_until(lambda: len(srv.fleet.routable()) == 2, 10, "both servers routable")
+        async with running_server(_config(engines, tiny_model_dir, relay="unmodelled")) as srv:
+            await wait_until(lambda: srv.fleet.max_context_tokens == 1024, 10, "both servers stated their limit")
+            # the servers' max_model_len binds relayed requests as it does the others: without max_tokens
+            # the accounting takes what fits (the body goes without it: the server decides), past it a 400
+            def tokens(chars: int) -> int:
+                return len(srv.tokenizer.apply_openai_chat({"messages": [
+                    {"role": "system", "content": (SYSTEM * 4)[:chars]}, {"role": "user", "content": "go"}],
+                    "tools": TOOLS}))
+
+            lo, hi = 0, len(SYSTEM) * 4  # the longest system prompt whose request is under 1,024 tokens
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if tokens(mid) < 1024 else (lo, mid - 1)
+            long = [{"role": "system", "content": (SYSTEM * 4)[:lo]}, {"role": "user", "content": "go"}]
+            n = tokens(lo)
+            assert 1024 - 16 < n < 1024  # the default max_tokens (16) would not fit
+            r = await srv.client.chat.completions.create(model=srv.fleet.model_name, messages=long, tools=TOOLS)
+            assert r.choices[0].finish_reason == "tool_calls"
+            assert "max_tokens" not in next(e for e in engines if e.chats).chats[-1]
+            with pytest.raises(openai.BadRequestError) as too_long:
+                await srv.client.chat.completions.create(model=srv.fleet.model_name, messages=long, tools=TOOLS,
+                                                         max_tokens=64)
+            assert too_long.value.body["code"] == "context_length_exceeded"
+            for e in engines:
+                e.chats.clear()
             c, model = srv.client, srv.fleet.model_name
             msgs = [{"role": "user", "content": "hello"}]
             for extra, param in (({"tools": TOOLS, "toppk": 3}, "toppk"),  # a misspelt field: no server reads it
@@ -133,11 +159,43 @@ async def test_relayed_requests_are_checked_and_can_be_switched_off(tiny_model_d
             assert len(sent) == 1 and sent[0]["prompt"] == "hello" and sent[0]["echo"] is True
             assert sent[0]["model"] == "fake-model"
             assert not any(e.chats for e in engines)  # the refusals above reached no server
-        async with running_server(_config(engines, tiny_model_dir, relay_unmodelled=False)) as srv:
+        async with running_server(_config(engines, tiny_model_dir, relay="off")) as srv:
             await wait_until(lambda: len(srv.fleet.routable()) == 2, 10, "both servers routable")
             with pytest.raises(openai.BadRequestError) as err:  # switched off: refused by name, as before
                 await srv.client.chat.completions.create(model=srv.fleet.model_name, messages=msgs, tools=TOOLS)
             assert err.value.body["param"] == "tools" and err.value.body["code"] == "unsupported_parameter"
+    finally:
+        for e in engines:
+            await e.stop()
+
+
+async def test_relay_all_sends_every_request_with_its_body(tiny_model_dir: Path) -> None:
+    """``relay: all``: plain requests too go to the server's own endpoints (its tool-call and reasoning parsers
+    on every answer), still routed on ThunderAgent's rendering and still checked field by field."""
+    engines = await _engines(tiny_model_dir)
+    try:
+        async with running_server(_config(engines, tiny_model_dir, relay="all")) as srv:
+            await wait_until(lambda: len(srv.fleet.routable()) == 2, 10, "both servers routable")
+            for e in engines:
+                await e.wait_subscribed()
+            c, model = srv.client, srv.fleet.model_name
+            msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello"}]
+            first = await c.chat.completions.with_raw_response.create(model=model, messages=msgs, max_tokens=5)
+            assert first.parse().choices[0].message.content == "ok"  # the server's answer, not the token path's
+            worker = first.headers["x-thunderagent-worker"]
+            r = await c.completions.create(model=model, prompt="hello", max_tokens=2)
+            assert r.choices[0].text == "ab"
+            assert [b["prompt"] for e in engines for b in e.requests] == ["hello"]  # the text, not token ids
+            grown = [*msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+            again = await c.chat.completions.with_raw_response.create(model=model, messages=grown, max_tokens=5)
+            assert again.headers["x-thunderagent-worker"] == worker  # its conversation's blocks are there
+            assert again.parse().usage.prompt_tokens_details.cached_tokens > 0
+            with pytest.raises(openai.BadRequestError) as err:  # checked as the unmodelled ones are
+                await c.chat.completions.create(model=model, messages=msgs, extra_body={"toppk": 1})
+            assert err.value.body["param"] == "toppk"
+            relayed = {dict(s.labels)["field"]: s.value for m in srv.fleet.metrics.registry.collect()
+                       if m.name == "thunderagent_relayed_requests" for s in m.samples if s.name.endswith("_total")}
+            assert relayed == {"all": 3.0}
     finally:
         for e in engines:
             await e.stop()

@@ -1,4 +1,4 @@
-"""What a vLLM / SGLang fleet relays instead of refusing (``relay_unmodelled``): which requests, which of
+"""What a vLLM / SGLang fleet relays instead of refusing (``relay``): which requests, which of
 their fields, the body the server gets, and how ThunderAgent renders a relayed chat to hash it."""
 
 from __future__ import annotations
@@ -151,23 +151,27 @@ def _node(**kw: object) -> dict:
     return {"engine": "vllm", "endpoints": [{"url": "http://127.0.0.1:1"}], **kw}
 
 
-def test_relay_unmodelled_defaults_and_refusals() -> None:
+def test_relay_defaults_and_refusals() -> None:
     def nodes(*groups: dict) -> list:
         return parse_config({"model": "/m", "execution_group": {"nodes": list(groups)}}, "t").execution_group.nodes
 
-    assert [n.relay_unmodelled for n in nodes(_node(), _node(engine="sglang"))] == [True, True]
-    assert nodes(_node(relay_unmodelled=False))[0].relay_unmodelled is False
-    assert [n.relay_unmodelled for n in nodes(_node(), {"engine": "simulated"})] == [False, False]
-    assert parse_config({}, "t").execution_group.nodes[0].relay_unmodelled is False
-    assert nodes({"engine": "openai", "endpoints": [{"url": "http://x"}]})[0].relay_unmodelled is True
-    for groups, words in (([{"engine": "simulated", "relay_unmodelled": True}], "no OpenAI endpoint"),
-                          ([{"engine": "openai", "endpoints": [{"url": "http://x"}], "relay_unmodelled": False}],
+    assert [n.relay for n in nodes(_node(), _node(engine="sglang"))] == ["unmodelled", "unmodelled"]
+    assert nodes(_node(relay="off"))[0].relay == "off"
+    assert [n.relay for n in nodes(_node(relay="all"), _node(relay="all"))] == ["all", "all"]
+    assert [n.relay for n in nodes(_node(), {"engine": "simulated"})] == ["off", "off"]
+    assert [n.relay for n in nodes(_node(relay="off"), _node())] == ["off", "unmodelled"]  # one group refuses: 400s
+    assert parse_config({}, "t").execution_group.nodes[0].relay == "off"
+    assert nodes({"engine": "openai", "endpoints": [{"url": "http://x"}]})[0].relay == "all"
+    for groups, words in (([{"engine": "simulated", "relay": "unmodelled"}], "no OpenAI endpoint"),
+                          ([{"engine": "openai", "endpoints": [{"url": "http://x"}], "relay": "off"}],
                            "relays every request"),
-                          ([_node(relay_unmodelled=True), {"engine": "simulated"}], "nodes.0.relay_unmodelled")):
+                          ([_node(relay="all"), {"engine": "simulated"}], "nodes.0.relay"),
+                          ([_node(relay="all"), _node()], "relay alike"),
+                          ([_node(relay="sometimes")], "relay")):
         with pytest.raises(ConfigError, match=words):
             nodes(*groups)
     cfg = parse_config({"model": "/m", "execution_group": {"nodes": [_node()]}}, "t")
-    assert parse_config(cfg.model_dump(), "again").execution_group.nodes[0].relay_unmodelled is True  # dumped, reloads
+    assert parse_config(cfg.model_dump(), "again").execution_group.nodes[0].relay == "unmodelled"  # dumped, reloads
 
 
 def test_completion_request_neutral_fields_unmodelled() -> None:

@@ -187,12 +187,14 @@ class NodeConfig(_Strict):
         "one, 0.32 ignores it), "
         "so priorities act only in ThunderAgent's holding queue",
     )
-    relay_unmodelled: bool | None = Field(
-        None, description="vllm/sglang: a request asking for what ThunderAgent does not model (tools, tool calls, "
-        "response_format, logprobs, penalties, n, images, the engine's own sampling fields) goes to the server's "
-        "OpenAI endpoint with the client's body, routed on ThunderAgent's rendering of its prompt; false: such a "
-        "request is a 400 naming the field. Default: true for vllm/sglang (false in a fleet with simulated "
-        "workers or a prefill group), openai always relays, simulated engines cannot",
+    relay: Literal["off", "unmodelled", "all"] | None = Field(
+        None, description="vllm/sglang: which requests go to the server's own OpenAI endpoint with the client's body "
+        "(routed on ThunderAgent's rendering of the prompt, the answer relayed as the server sends it) instead of as "
+        "token ids. unmodelled: those asking for what ThunderAgent does not model (tools, tool calls, "
+        "response_format, logprobs, penalties, n, images, the engine's own fields); all: every request (the server's "
+        "tool-call and reasoning parsers on every answer; no mid-stream migration); off: such requests are a 400 "
+        "naming the field. Default: unmodelled for vllm/sglang (off in a fleet with simulated workers or a prefill "
+        "group); openai is always all, simulated always off",
     )
     kv_cache_transfer: KvTransferConfig = KvTransferConfig()
     timing: TimingConfig = TimingConfig()
@@ -214,10 +216,10 @@ class NodeConfig(_Strict):
 
     @model_validator(mode="after")
     def _relay(self) -> NodeConfig:
-        if self.relay_unmodelled and self.engine == "simulated":
-            raise ValueError("relay_unmodelled: a simulated engine has no OpenAI endpoint to relay to")
-        if self.relay_unmodelled is False and self.engine == "openai":
-            raise ValueError("relay_unmodelled: engine openai relays every request (it has no token path)")
+        if self.relay not in (None, "off") and self.engine == "simulated":
+            raise ValueError(f"relay: {self.relay}: a simulated engine has no OpenAI endpoint to relay to")
+        if self.relay not in (None, "all") and self.engine == "openai":
+            raise ValueError(f"relay: {self.relay}: engine openai relays every request (it has no token path)")
         return self
 
     @model_validator(mode="after")
@@ -261,17 +263,23 @@ def check_roles(nodes: list[NodeConfig], disagg_set: bool) -> None:
 
 
 def resolve_relay(nodes: list[NodeConfig]) -> None:
-    """``relay_unmodelled`` for the whole fleet: a relayed request may land on any worker, so it acts only when
-    every group can relay and none prefills for another (a relayed body has no prefill/decode split)."""
+    """``relay`` for the whole fleet: a relayed request may land on any worker, so vLLM / SGLang groups relay only
+    when every group can and none prefills for another (a relayed body has no prefill/decode split), and all in one
+    mode."""
     blocked = next((f"engine {n.engine}" for n in nodes if n.engine == "simulated"), None) or next(
         ("a role: prefill group" for n in nodes if n.role is Role.prefill), None)
     for k, n in enumerate(nodes):
-        if n.relay_unmodelled and blocked is not None and n.engine != "openai":
-            raise ValueError(f"execution_group.nodes.{k}.relay_unmodelled: a relayed request may go to any worker, "
-                             f"and this fleet has {blocked}, which cannot serve one; leave it unset (false here)")
-        if n.relay_unmodelled is None:
-            object.__setattr__(n, "relay_unmodelled", n.engine == "openai" or (
-                n.engine in ("vllm", "sglang") and blocked is None))
+        if n.relay not in (None, "off") and blocked is not None and n.engine != "openai":
+            raise ValueError(f"execution_group.nodes.{k}.relay: a relayed request may go to any worker, and this fleet "
+                             f"has {blocked}, which cannot serve one; leave it unset (off here)")
+        if n.relay is None:
+            default = "all" if n.engine == "openai" else "unmodelled" if blocked is None and n.engine != "simulated" \
+                else "off"
+            object.__setattr__(n, "relay", default)
+    modes = {n.relay for n in nodes}
+    if len(modes) > 1 and "off" not in modes:
+        raise ValueError(f"execution_group.nodes.*.relay: the groups of one fleet relay alike (the frontend decides "
+                         f"per request before routing), got {sorted(modes)}")
 
 
 class ExecutionGroupConfig(_Strict):

@@ -73,7 +73,7 @@ class Metrics:
             buckets=_DECISION_BUCKETS, registry=r,
         )
         for add in (self._rate_metrics, self._liveness_metrics, self._scheduler_metrics, self._grouping_metrics,
-                    self._pd_metrics):
+                    self._pd_metrics, self._relay_metrics):
             add(r)
         self._tiers: set[str] = set()
         self._paced = (0, 0)  # the pacer's pauses and resumes already counted
@@ -370,6 +370,14 @@ class Metrics:
         self.hot_added.inc(added - self._hot[0])
         self.hot_routed.inc(routed - self._hot[1])
         self._hot = (added, routed)
+
+    def _relay_metrics(self, r: CollectorRegistry) -> None:
+        """Requests relayed with the client's body (``frontend/relay.py``)."""
+        self.relayed = Counter(
+            "thunderagent_relayed_requests", "Requests of a vLLM / SGLang fleet relayed to the servers with the "
+            "client's body (relay), by the first field ThunderAgent does not model (all: every request with relay: "
+            "all)", ["field"], registry=r,
+        )
 
     def _pd_metrics(self, r: CollectorRegistry) -> None:
         """Disaggregated requests run by ``control.disagg_flow`` (prefill on one worker, KV moved)."""

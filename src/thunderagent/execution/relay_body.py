@@ -1,4 +1,4 @@
-"""The body a vLLM / SGLang server receives for a relayed request (``relay_unmodelled``).
+"""The body a vLLM / SGLang server receives for a relayed request (``relay``).
 
 The client's JSON is kept as it came but for ThunderAgent's own fields, rewritten as the token path
 (``engine_requests.request_body``) sends them, so both paths reach the server alike:

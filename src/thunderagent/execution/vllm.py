@@ -90,7 +90,7 @@ class EngineWorker:
             served_model=self._health.served_model, on_lost=self._health.lost, on_change=self._push_load,
             send_priority=node.scheduling_policy == "priority",
         )
-        if node.relay_unmodelled:  # requests ThunderAgent does not model go with the client's body
+        if node.relay != "off":  # requests relayed with the client's body (all, or those the token path lacks)
             self._requests.relay = Relay(self._requests, rewrite=True)
         self._pump = None
         if endpoint.kv_events:

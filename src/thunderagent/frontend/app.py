@@ -130,7 +130,7 @@ class Frontend:
         self.route_key = route_key
         #: an engine openai fleet: requests and answers pass through unchanged (frontend/relay.py)
         self.relay: RelayFrontend | None = None
-        #: a vLLM / SGLang fleet with relay_unmodelled: the requests the token path does not model
+        #: a vLLM / SGLang fleet's relay: the requests the token path does not model (relay: unmodelled)
         self.unmodelled: RelayFrontend | None = None
 
     def _text(self, gen: Generation, stops: list[str]) -> AsyncIterator[TextChunk]:
@@ -142,6 +142,29 @@ class Frontend:
             raise RequestError(
                 f"The model `{model}` does not exist", param="model", status=404, code="model_not_found"
             )
+
+    def budget(self, prompt_ids: list[int], asked: int | None, max_param: str, prompt_param: str) -> int:
+        """The request's max_tokens: what it asked, else the default cut to what fits the largest worker (as
+        vLLM defaults); a 400 up front for what no worker holds or no bus message carries."""
+        max_tokens = asked or self.max_tokens_default
+        limit = self.fleet.max_context_tokens
+        if limit is not None and not asked and len(prompt_ids) < limit:
+            max_tokens = min(max_tokens, limit - len(prompt_ids))  # not asked for: what fits (as vLLM defaults)
+        if limit is not None and len(prompt_ids) + max_tokens > limit:
+            # The engine would reject it anyway (it can never hold the sequence): say why, up front.
+            too_long = len(prompt_ids) >= limit
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the {limit} tokens "
+                "the largest worker holds (its KV cache, or the max_model_len its server reported)",
+                param=prompt_param if too_long else max_param,
+                code="context_length_exceeded",
+            )
+        carried = self.fleet.prompt_limit
+        if carried is not None and len(prompt_ids) > carried.tokens:
+            # Sent anyway, it would end unserved (a NATS message too large is dropped by the bus).
+            raise RequestError(f"prompt ({len(prompt_ids)} tokens) exceeds the {carried.tokens} tokens {carried.why}",
+                               param=prompt_param, code="context_length_exceeded")
+        return max_tokens
 
     def _route_key(self, request: web.Request, req: ChatCompletionRequest | CompletionRequest) -> str:
         """The request's route key: its tenant with API keys on, else from where ``routing.route_key`` says."""
@@ -195,28 +218,11 @@ class Frontend:
     ) -> web.StreamResponse:
         asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
         max_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
-        max_tokens = asked or self.max_tokens_default
         stops = stop_list(req.stop)
         prompt_param = "messages" if chat else "prompt"
         if not prompt_ids:
             raise RequestError("prompt is empty after tokenization", param=prompt_param)
-        limit = self.fleet.max_context_tokens
-        if limit is not None and not asked and len(prompt_ids) < limit:
-            max_tokens = min(max_tokens, limit - len(prompt_ids))  # not asked for: what fits (as vLLM defaults)
-        if limit is not None and len(prompt_ids) + max_tokens > limit:
-            # The engine would reject it anyway (it can never hold the sequence): say why, up front.
-            too_long = len(prompt_ids) >= limit
-            raise RequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the {limit} tokens "
-                "the largest worker holds (its KV cache, or the max_model_len its server reported)",
-                param=prompt_param if too_long else max_param,
-                code="context_length_exceeded",
-            )
-        carried = self.fleet.prompt_limit
-        if carried is not None and len(prompt_ids) > carried.tokens:
-            # Sent anyway, it would end unserved (a NATS message too large is dropped by the bus).
-            raise RequestError(f"prompt ({len(prompt_ids)} tokens) exceeds the {carried.tokens} tokens {carried.why}",
-                               param=prompt_param, code="context_length_exceeded")
+        max_tokens = self.budget(prompt_ids, asked, max_param, prompt_param)
         sampling = Sampling(req.temperature, req.top_p, req.seed)
         explained = self._explain(request, req.explain)
         take_prompt_tokens(request, len(prompt_ids), prompt_param,  # the tenant's token limit, if any
@@ -333,10 +339,10 @@ class Frontend:
             req = decode_request(await request.read(), ChatCompletionRequest)
             assert isinstance(req, ChatCompletionRequest)
             messages = [ChatMessage(m.role, message_text(m, i)) for i, m in enumerate(req.messages)]
-        except Unmodelled:
+        except Unmodelled as why:
             if self.unmodelled is None:
                 raise
-            return await self.unmodelled.handle(request, chat=True)
+            return await self.unmodelled.handle(request, chat=True, why=why.param or "unknown")
         self._check_model(req.model)
         return await self._run(request, req, self.tokenizer.apply_chat_template(messages), chat=True)
 
@@ -345,10 +351,10 @@ class Frontend:
             return await self.relay.handle(request, chat=False)
         try:
             req = decode_request(await request.read(), CompletionRequest)
-        except Unmodelled:
+        except Unmodelled as why:
             if self.unmodelled is None:
                 raise
-            return await self.unmodelled.handle(request, chat=False)
+            return await self.unmodelled.handle(request, chat=False, why=why.param or "unknown")
         assert isinstance(req, CompletionRequest)
         self._check_model(req.model)
         prompt = prompt_input(req.prompt)
@@ -412,8 +418,12 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     nodes = cfg.execution_group.nodes
     if nodes and all(n.engine == "openai" for n in nodes):
         fe.relay = RelayFrontend(fe)
-    elif nodes and all(n.relay_unmodelled for n in nodes):  # vllm / sglang (config.resolve_relay)
-        fe.unmodelled = RelayFrontend(fe, RelayFields(n.engine for n in nodes))
+    elif nodes and all(n.relay != "off" for n in nodes):  # vllm / sglang, one mode (config.resolve_relay)
+        fields = RelayFields(n.engine for n in nodes)
+        if nodes[0].relay == "all":
+            fe.relay = RelayFrontend(fe, fields)  # every request, checked as the unmodelled ones
+        else:
+            fe.unmodelled = RelayFrontend(fe, fields)
     access: dict[str | None, Access] = {}  # what a route needs with API keys on (frontend/auth.py)
 
     def route(method: str, path: str, handler: Handler, needs: Access) -> None:

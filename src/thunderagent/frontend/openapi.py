@@ -125,7 +125,7 @@ def openapi_document(cfg: Config) -> dict[str, Any]:
     (_, _, _), components = msgspec.json.schema_components(
         [ChatCompletionRequest, CompletionRequest, ReleaseRequest], ref_template="#/components/schemas/{name}")
     nodes = cfg.execution_group.nodes
-    relay = RelayFields(n.engine for n in nodes) if all(n.relay_unmodelled and n.engine != "openai" for n in nodes) \
+    relay = RelayFields(n.engine for n in nodes) if all(n.relay != "off" and n.engine != "openai" for n in nodes) \
         else None
     _narrow(components, cfg.model_name, relay)
     paths: dict[str, Any] = {

@@ -141,7 +141,7 @@ class RequestError(Exception):
 class Unmodelled(RequestError):
     """A request that asks for something ThunderAgent does not model itself (an OpenAI field it does not
     implement, a field unknown to it, a content part other than text). A fleet of servers that take the
-    client's body (``relay_unmodelled``) relays it to them unchanged; otherwise it is this 400."""
+    client's body (``relay: unmodelled``) relays it to them unchanged; otherwise it is this 400."""
 
 
 _PATH = re.compile(r" - at `\$\.?([^`]*)`")

@@ -1,7 +1,7 @@
 """Relayed requests: the client's body to the server, the server's answer to the client, unchanged.
 
 Two fleets relay: an ``engine: openai`` fleet relays every request; a vLLM / SGLang fleet
-(``relay_unmodelled``, on by default) relays the requests that ask for what ThunderAgent does not model
+(``relay: unmodelled``, the default) relays the requests that ask for what ThunderAgent does not model
 (tools, tool-call history, ``response_format``, logprobs, penalties, ``n``, images, the engine's own
 sampling fields: ``frontend/relay_fields.py``) and serves the others as token ids. There the name in
 ``model`` is ThunderAgent's (checked here; the worker sends the server's own), fields neither side
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Annotated, Any, Protocol
 
 import msgspec
@@ -40,7 +41,7 @@ from msgspec import Meta
 
 from thunderagent.frontend.auth import DETAIL, TENANT, tenant_salt
 from thunderagent.frontend.protocol import MaxTokens, Priority, RequestError, prompt_input
-from thunderagent.frontend.relay_fields import RelayFields
+from thunderagent.frontend.relay_fields import MESSAGE_KEYS, RelayFields
 from thunderagent.frontend.tenant_gate import count_completion, rate_headers, take_prompt_tokens
 from thunderagent.control.fleet import Fleet
 from thunderagent.frontend.tokenizer import Tokenizer
@@ -95,6 +96,18 @@ def _decode(body: bytes) -> _Request:
 
 
 _doc = msgspec.json.Decoder(dict[str, Any])
+_INDEX = re.compile(r"\[\d+\]")
+
+
+def _label(why: str | None) -> str:
+    """The relayed requests' label: the top-level field (one the check let through), or ``messages.<key>`` for a
+    message's; nothing deeper, so the label set stays bounded whatever clients nest."""
+    if why is None:
+        return "all"  # relay: all (every request)
+    parts = _INDEX.sub("", why).split(".")
+    if parts[0] == "messages" and len(parts) > 1 and parts[1] in MESSAGE_KEYS:
+        return f"messages.{parts[1]}"
+    return parts[0] or "unknown"
 
 
 def upstream_error(worker: str | None, out: TokenOutput) -> web.Response:
@@ -134,6 +147,7 @@ class _Frontend(Protocol):
     max_tokens_default: int
 
     def _check_model(self, model: str) -> None: ...
+    def budget(self, prompt_ids: list[int], asked: int | None, max_param: str, prompt_param: str) -> int: ...
     def _route_key(self, request: web.Request, req: Any) -> str: ...
     @staticmethod
     def _program_id(request: web.Request, req: Any) -> str | None: ...
@@ -151,7 +165,9 @@ class RelayFrontend:
         self.fe = fe
         self.fields = fields
 
-    async def handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def handle(self, request: web.Request, chat: bool, why: str | None = None) -> web.StreamResponse:
+        """``why``: the field that sent a vLLM / SGLang fleet's request here (the relayed requests' metric; None with
+        ``relay: all``)."""
         fe = self.fe
         body = await request.read()
         req = _decode(body)
@@ -160,6 +176,7 @@ class RelayFrontend:
             assert doc is not None
             fe._check_model(req.model)  # ThunderAgent's name: the worker sends the server's own
             self.fields.check(doc, chat)
+            fe.fleet.metrics.relayed.labels(_label(why)).inc()
         tok = fe.tokenizer
         if chat:
             if req.messages is None:
@@ -173,12 +190,14 @@ class RelayFrontend:
             ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
         if not ids:
             raise RequestError("prompt is empty", param="messages" if chat else "prompt")
-        max_tokens = req.max_completion_tokens or req.max_tokens or fe.max_tokens_default
+        max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        # the fleet's accounting (the body is sent as it is: without max_tokens the server picks what fits)
+        max_tokens = fe.budget(ids, req.max_completion_tokens or req.max_tokens, max_param,
+                               "messages" if chat else "prompt")
         path = "/v1/chat/completions" if chat else "/v1/completions"
         explained = fe._explain(request, req.explain)
         take_prompt_tokens(request, len(ids), "messages" if chat else "prompt",  # the tenant's token limit, if any
-                           req.max_completion_tokens or req.max_tokens or 0,
-                           "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
+                           req.max_completion_tokens or req.max_tokens or 0, max_param)
         gen = await fe.fleet.start_generation(
             ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt), lora_name=req.lora_name,
             priority=req.priority, route_key=fe._route_key(request, req), program_id=fe._program_id(request, req),

@@ -1,4 +1,4 @@
-"""Which fields a vLLM / SGLang server takes in a relayed request (``relay_unmodelled``).
+"""Which fields a vLLM / SGLang server takes in a relayed request (``relay``).
 
 A request that asks for something ThunderAgent does not model (tools, a tool-call history,
 ``response_format``, logprobs, penalties, ``n``, images, an engine's own sampling fields...) goes to
