@@ -4,7 +4,7 @@ that never go down (the planner takes differences of them)."""
 from __future__ import annotations
 
 from thunderagent.bus.wire import PlannerCounters, WorkerCounters, decode_planner_counters, encode
-from thunderagent.control.planner_peers import SharedCounters, add
+from thunderagent.control.planner_peers import HEADROOM, SharedCounters, add, messages
 
 
 def wc(wid: str, routed: int, hits: int = 0, count: int = 0, total: float = 0.0,
@@ -44,3 +44,18 @@ def test_sums_never_go_down_when_a_peer_stops_resets_or_is_forgotten():
 def test_the_message_round_trips():
     msg = PlannerCounters("fa", [wc("w0", 3, 2, 1, 0.5, [(0.5, 1)])])
     assert decode_planner_counters(encode(msg)) == msg
+
+
+def test_counters_past_one_message_go_in_several_each_a_subset():
+    workers = [wc(f"worker-{i:05d}", i, i // 2, i, 0.25 * i, [(0.5, i), (1.0, i + 1)]) for i in range(3000)]
+    one = encode(PlannerCounters("fa", workers))
+    assert messages("fa", workers, len(one) + HEADROOM) == [one]  # it fits: one message, as before
+    limit = 32 * 1024
+    bodies = messages("fa", workers, limit)
+    assert len(bodies) > len(one) // limit and all(len(b) <= limit - HEADROOM for b in bodies)
+    got = [decode_planner_counters(b) for b in bodies]
+    assert [w for g in got for w in g.workers] == workers and {g.origin for g in got} == {"fa"}
+    sc = SharedCounters("fb")
+    for g in got:
+        sc.absorb(g.origin, g.workers, now=1.0)
+    assert sc.merged({}) == {w.worker_id: w for w in workers}  # whatever message each worker came in

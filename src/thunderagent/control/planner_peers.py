@@ -12,7 +12,9 @@ stay counted at their latest values after it stops (it contributed nothing since
 later difference is 0), a peer whose counter for a worker went down (its metrics for that worker were
 reset) has the old values kept as a base, and a peer silent for ``forget_s`` is folded into that base
 (its id is random per process: restarts would pile up). A peer's counters lag by up to one of its
-intervals.
+intervals. A frontend routing to more workers than one message carries (the bus's ``max_payload``: ~1 MiB,
+some 10,000 workers with TTFT buckets) sends its counters in several messages, each a self-contained subset
+of its workers: a receiver takes each worker's latest counters wherever they come from.
 """
 
 from __future__ import annotations
@@ -29,6 +31,23 @@ log = logging.getLogger(__name__)
 
 #: a frontend not heard for this long is folded into the base (seconds)
 FORGET_S = 600.0
+#: bytes of a message kept free of counters (the bus adds the subject and its headers)
+HEADROOM = 4096
+
+
+def messages(origin: str, workers: list[WorkerCounters], max_payload: int) -> list[bytes]:
+    """``origin``'s counters as messages of at most ``max_payload - HEADROOM`` bytes each (one when they fit;
+    a worker's counters are never split)."""
+    limit = max(1, max_payload - HEADROOM)
+    body = encode(PlannerCounters(origin, workers))
+    if len(body) <= limit or len(workers) <= 1:
+        return [body]
+    parts = -(-len(body) // limit) + 1  # the size per worker varies (ids, buckets): one part more, then check
+    step = -(-len(workers) // parts)
+    out: list[bytes] = []
+    for i in range(0, len(workers), step):
+        out.extend(messages(origin, workers[i:i + step], max_payload))  # a part still too big is split again
+    return out
 
 
 def add(a: WorkerCounters | None, b: WorkerCounters) -> WorkerCounters:
@@ -102,8 +121,9 @@ class PlannerPeers:
         await self.bus.subscribe(self.subjects.all_planner_counters(), self._on_counters)
 
     def share(self, local: dict[str, WorkerCounters]) -> None:
-        self.bus.publish(self.subjects.planner_counters(self.frontend_id),
-                         encode(PlannerCounters(self.frontend_id, list(local.values()))))
+        subject = self.subjects.planner_counters(self.frontend_id)
+        for body in messages(self.frontend_id, list(local.values()), self.bus.max_payload):
+            self.bus.publish(subject, body)
 
     def merged(self, local: dict[str, WorkerCounters]) -> dict[str, WorkerCounters]:
         return self.shared.merged(local)
