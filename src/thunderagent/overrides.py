@@ -24,11 +24,13 @@ def build_config(
     worker_endpoints: list[str] | None = None,
     block_size: int | None = None,
     nats_servers: str | None = None,
+    relay: str | None = None,
 ) -> Config:
     """The config file (or the embedded default) with command-line overrides applied on top.
 
     ``worker_endpoints`` (``--worker URL[=EVENTS[,REPLAY]]``) replace the node groups by one group of
-    real ``engine`` servers; ``model`` is the local model directory they serve."""
+    real ``engine`` servers; ``model`` is the local model directory they serve; ``relay`` sets every group's
+    ``relay``."""
     cfg = load_config(config) if config else Config()
     data = cfg.model_dump(mode="json")
     if model is not None:
@@ -48,6 +50,9 @@ def build_config(
     elif block_size is not None:
         for node in data["execution_group"]["nodes"]:
             node["block_size"] = block_size
+    if relay is not None:  # --relay: every node group's (validated with the rest: off / unmodelled / all)
+        for node in data["execution_group"]["nodes"]:
+            node["relay"] = relay
     if host is not None:
         data["control_plane"]["host"] = host
     if port is not None:

@@ -177,3 +177,16 @@ def test_relay_defaults_and_refusals() -> None:
 def test_completion_request_neutral_fields_unmodelled() -> None:
     with pytest.raises(Unmodelled):
         decode_request(json.dumps({"model": "m", "prompt": "x", "echo": True}).encode(), CompletionRequest)
+
+
+def test_serve_relay_flag_sets_every_group() -> None:
+    from thunderagent.overrides import build_config
+
+    cfg = build_config(None, model="/m", worker_endpoints=["http://127.0.0.1:1=tcp://127.0.0.1:2"], relay="all")
+    assert [n.relay for n in cfg.execution_group.nodes] == ["all"]
+    cfg = build_config(None, model="/m", worker_endpoints=["http://127.0.0.1:1=tcp://127.0.0.1:2"])
+    assert [n.relay for n in cfg.execution_group.nodes] == ["unmodelled"]
+    with pytest.raises(ConfigError, match="relay"):
+        build_config(None, relay="all")  # simulated workers cannot relay
+    with pytest.raises(ConfigError, match="relay"):
+        build_config(None, model="/m", worker_endpoints=["http://127.0.0.1:1"], relay="maybe")

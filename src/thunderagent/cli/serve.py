@@ -32,6 +32,9 @@ def serve(
              "tcp://127.0.0.1:5572 (repeat per server)")] = None,
     block_size: Annotated[Optional[int], typer.Option(
         help="KV block size in tokens: must equal the engines' --block-size", min=1)] = None,
+    relay: Annotated[Optional[str], typer.Option(
+        help="vllm/sglang: which requests go to the servers with the client's body: unmodelled (default: those "
+             "with tools, logprobs... that the token path lacks), all, or off (those are a 400)")] = None,
     log_level: Annotated[str, typer.Option(help="debug shows every routing decision")] = "info",
 ) -> None:
     """Run the OpenAI-compatible frontend and the KV-aware router in one process, in front of simulated
@@ -44,7 +47,7 @@ def serve(
         if engine is not None and engine not in ("vllm", "sglang", "openai", "simulated"):
             raise ConfigError(f"--engine must be vllm, sglang or openai, got {engine!r}")
         cfg = build_config(config, host, port, workers, speedup, policy, model=model, engine=engine,
-                           worker_endpoints=worker, block_size=block_size)
+                           worker_endpoints=worker, block_size=block_size, relay=relay)
         if cfg.nats.index != "replica":
             raise ConfigError("nats.index: sharded splits the index between `thunderagent frontend` replicas; "
                               "`serve` is one process with the whole index: remove it")
