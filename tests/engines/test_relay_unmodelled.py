@@ -199,3 +199,24 @@ async def test_relay_all_sends_every_request_with_its_body(tiny_model_dir: Path)
     finally:
         for e in engines:
             await e.stop()
+
+
+async def test_sglang_fleets_relay_sglangs_own_fields(tiny_model_dir: Path) -> None:
+    tok = HfTokenizer(tiny_model_dir)
+    engines = [FakeEngine(flavor="sglang", block_size=BS, render=tok.apply_openai_chat) for _ in range(2)]
+    for e in engines:
+        await e.start()
+    try:
+        async with running_server(_config(engines, tiny_model_dir, engine="sglang")) as srv:
+            await wait_until(lambda: len(srv.fleet.routable()) == 2, 10, "both servers routable")
+            c, model = srv.client, srv.fleet.model_name
+            msgs = [{"role": "user", "content": "a date please"}]
+            r = await c.chat.completions.create(model=model, messages=msgs, extra_body={"regex": r"\d{4}"})
+            assert r.choices[0].message.content == "ok"
+            assert [b["regex"] for e in engines for b in e.chats] == [r"\d{4}"]
+            with pytest.raises(openai.BadRequestError) as err:  # vLLM's, not SGLang's
+                await c.chat.completions.create(model=model, messages=msgs, extra_body={"structured_outputs": {}})
+            assert err.value.body["param"] == "structured_outputs" and "sglang" in err.value.body["message"]
+    finally:
+        for e in engines:
+            await e.stop()

@@ -67,7 +67,8 @@ def test_fields_relayed_are_those_the_engine_takes() -> None:
     vllm.check({"model": "m", "prompt": "x", "echo": True, "suffix": "s", "prompt_logprobs": 1}, chat=False)
     with pytest.raises(RequestError):
         vllm.check({"model": "m", "prompt": "x", "chat_template": "t"}, chat=False)  # a chat field
-    both = RelayFields(["vllm", "sglang"])  # a mixed fleet: only what every engine takes
+    both = RelayFields(e for e in ("vllm", "sglang", "vllm"))  # a mixed fleet: only what every engine takes
+    assert both.engines == ["sglang", "vllm"]
     assert "regex" in RelayFields(["sglang"]).chat and "regex" not in both.chat
     assert "top_k" in both.chat and "structured_outputs" not in both.chat
 

@@ -79,15 +79,15 @@ class RelayFields:
     """The fields a relayed request may carry on a fleet of ``engines`` (the ones every engine takes)."""
 
     def __init__(self, engines: Iterable[str]) -> None:
+        self.engines = sorted(set(engines))
         chat: frozenset[str] | None = None
         completion: frozenset[str] | None = None
-        for e in set(engines):
+        for e in self.engines:
             c, p = ENGINE_FIELDS[e]
             chat = c if chat is None else chat & c
             completion = p if completion is None else completion & p
         if chat is None or completion is None:
             raise ValueError("no engine to relay to")
-        self.engines = sorted(set(engines))
         self.chat = (_MODELLED_CHAT | chat) - FORBIDDEN
         self.completion = (_MODELLED_COMPLETION | completion) - FORBIDDEN
 
