@@ -71,6 +71,8 @@ class WorkerInfo:
     #: said). A mixed fleet routes a request only to workers that hold it (``WorkerState.holds``).
     max_seq_tokens: int = 0
     max_prompt_tokens: int = 0
+    #: LoRA adapters its server serves by name (vLLM's ``/v1/models`` entries with a ``parent``)
+    adapters: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ class FakeEngine:
     requests: list[dict] = field(default_factory=list)  # bodies received
     chats: list[dict] = field(default_factory=list)  # chat bodies received (relayed requests)
     render: Callable[[dict], list[int]] | None = None  # a chat body -> the prompt's token ids
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters it lists in /v1/models (parent: the base)
     _cache: OrderedDict[int, None] = field(default_factory=OrderedDict)  # engine hash -> (LRU order)
     _batches: list[list[bytes]] = field(default_factory=list)
     _start: float = field(default_factory=time.time)
@@ -100,7 +101,8 @@ class FakeEngine:
         card: dict[str, object] = {"id": "fake-model", "object": "model"}
         if self.max_model_len is not None:
             card["max_model_len"] = self.max_model_len
-        return web.json_response({"object": "list", "data": [card]})
+        loras = [{"id": a, "object": "model", "root": f"/loras/{a}", "parent": "fake-model"} for a in self.adapters]
+        return web.json_response({"object": "list", "data": [card, *loras]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         usage = len(self._cache) / self.num_blocks

@@ -65,6 +65,10 @@ def test_heartbeat_round_trip_carries_info_load_and_seq():
     old = wire.WireInfo("w-2", "both", "simulated", 64, 8192, 64, 1000)
     assert (wire.info_from_wire(old).max_seq_tokens, wire.info_from_wire(old).max_prompt_tokens) == (64000, 0)
     assert wire.info_from_wire(wire.WireInfo("w-3", "both", "vllm", 16, 8192, 64, 1000)).max_seq_tokens == 0
+    lora = WorkerInfo("w-4", "both", 16, 8192, 64, 1000, 16, 4096, 0, ("math-lora", "sql-lora"))
+    assert wire.info_from_wire(wire.decode_heartbeat(wire.encode(wire.Heartbeat(
+        wire.WIRE_VERSION, "abc", wire.info_to_wire(lora, "vllm"), wire.load_to_wire(load), 0))).info) == lora
+    assert wire.info_from_wire(wire.WireInfo("w-5", "both", "vllm", 16, 8192, 64, 1000)).adapters == ()  # older
 
 
 def test_generate_request_and_token_batch_round_trip():

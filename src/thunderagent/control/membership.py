@@ -36,7 +36,7 @@ class StaticMembership:
 
     async def start(self, fleet: Fleet) -> None:
         self._fleet = fleet
-        callbacks = replace(fleet.callbacks(), on_limits=self._on_limits)
+        callbacks = replace(fleet.callbacks(), on_limits=self._on_limits, on_adapters=self._on_adapters)
         n = 0
         for node in self.group.nodes:
             factory = self.factories[node.engine]
@@ -71,6 +71,12 @@ class StaticMembership:
             return
         registry.restate(replace(info, max_seq_tokens=max_seq, max_prompt_tokens=max_prompt))
         fleet.max_context_tokens = registry.context_limit()  # once all stated one: refused up front
+
+    def _on_adapters(self, worker_id: str, adapters: tuple[str, ...]) -> None:
+        """A real engine's LoRA adapters (vLLM's /v1/models): the frontend serves them by name."""
+        registry = self._fleet.registry if self._fleet is not None else None
+        if registry is not None and worker_id in registry.worker_ids():
+            registry.restate(replace(registry.info(worker_id), adapters=adapters))
 
     async def stop(self) -> None:
         for handle in self.handles.values():

@@ -244,8 +244,11 @@ class NatsMembership:
             return
         new = info_from_wire(hb.info)
         if (info.max_seq_tokens, info.max_prompt_tokens) != (new.max_seq_tokens, new.max_prompt_tokens):
-            registry.restate(replace(info, max_seq_tokens=new.max_seq_tokens, max_prompt_tokens=new.max_prompt_tokens))
+            info = replace(info, max_seq_tokens=new.max_seq_tokens, max_prompt_tokens=new.max_prompt_tokens)
+            registry.restate(info)
             self._update_context_limit()
+        if info.adapters != new.adapters:
+            registry.restate(replace(info, adapters=new.adapters))
 
     def _add(self, wid: str, hb: Heartbeat, load: LoadReport) -> bool:
         fleet = self.fleet

@@ -83,6 +83,15 @@ class WorkerRegistry:
         limits = [e.info.max_seq_tokens for e in self._entries.values()]
         return max(limits) if limits and all(limits) else None
 
+    def adapter(self, name: str) -> tuple[int, int]:
+        """(workers whose server serves LoRA adapter ``name`` by name, registered workers)."""
+        return sum(name in e.info.adapters for e in self._entries.values()), len(self._entries)
+
+    def adapters_everywhere(self) -> list[str]:
+        """The LoRA adapters every registered worker serves (what the frontend serves by name)."""
+        sets = [set(e.info.adapters) for e in self._entries.values()]
+        return sorted(set.intersection(*sets)) if sets else []
+
     def deregister(self, worker_id: str) -> bool:
         self._stale.pop(worker_id, None)
         if self._view is not None:

@@ -31,6 +31,8 @@ REASON_BLOCK_SIZE = "block_size_mismatch"
 #: how long one poll may take to answer (half the stall bound: a poll answered in time still leaves
 #: the keepalive a round to touch the requests in flight before the fleet cuts them), lease allowing
 POLL_TIMEOUT_S = STALL_TIMEOUT_S / 2
+#: the model list (/v1/models: LoRA adapters loaded or unloaded at runtime) is read again every this many polls
+MODELS_EVERY = 10
 
 
 class EnginePoller:
@@ -80,6 +82,8 @@ class EnginePoller:
         self.stats = EngineStats()
         self.model: str | None = None
         self.max_model_len: int | None = None  # from /v1/models, when the server says
+        self.adapters: tuple[str, ...] = ()  # LoRA adapters it serves by name (from /v1/models)
+        self._polls = 0
         self.reachable: bool | None = None  # None: not polled yet
         self.last_poll_ok: float | None = None  # control-plane time of the last answered poll
         #: reason code while this worker keeps itself out of routing (None: routable)
@@ -94,8 +98,16 @@ class EnginePoller:
     async def fetch_model(self) -> str:
         """The served model name (vLLM: ``--served-model-name``, by default the model path)."""
         body = await self._transport.get_json(f"{self.url}/v1/models", self._connect_timeout)
-        card = body["data"][0]
+        cards = body["data"]
+        # vLLM lists the base model, then each LoRA adapter with its base as ``parent``
+        card = next((c for c in cards if not c.get("parent")), cards[0])
         self.model = str(card["id"])
+        adapters = tuple(sorted(str(c["id"]) for c in cards if c.get("parent") and c is not card))
+        if adapters != self.adapters:
+            log.info("%s: %s serves LoRA adapters %s", self.worker_id, self.url, list(adapters) or "none")
+            self.adapters = adapters
+            if self._cb.on_adapters is not None:
+                self._cb.on_adapters(self.worker_id, adapters)
         limit = card.get("max_model_len")  # vLLM's and SGLang's model cards carry it; OpenAI's has none
         if self.flavor.states_limits and type(limit) is int and limit > 0 and limit != self.max_model_len:
             log.info("%s: %s serves sequences of up to %d tokens (max_model_len)", self.worker_id, self.url, limit)
@@ -110,7 +122,8 @@ class EnginePoller:
         while True:
             try:
                 text = await self._metrics_text(timeout)
-                if self.model is None:
+                self._polls += 1
+                if self.model is None or self._polls % MODELS_EVERY == 0:  # adapters load and unload at runtime
                     await self.fetch_model()
             except TimeoutError as exc:  # a busy engine answers late: skip this heartbeat
                 log.debug("%s: metrics poll timed out: %r", self.worker_id, exc)

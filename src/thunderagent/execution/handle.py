@@ -107,6 +107,8 @@ class WorkerCallbacks:
     #: the engine stated how long a sequence / prompt it takes (vLLM's max_model_len): routing sends a
     #: worker only what it holds (None: not passed on)
     on_limits: Callable[[str, int, int], None] | None = None
+    #: the LoRA adapters its server serves by name changed (vLLM's /v1/models; None: not passed on)
+    on_adapters: Callable[[str, tuple[str, ...]], None] | None = None
 
 
 class WorkerHandle(Protocol):

@@ -126,7 +126,8 @@ class WorkerService:
         self._loop = asyncio.get_running_loop()
         await self.bus.connect()
         self.handle = self._build(WorkerCallbacks(self._on_events, self._on_heartbeat, self._on_load,
-                                                  self._on_unavailable, self._now, on_limits=self._on_limits))
+                                                  self._on_unavailable, self._now, on_limits=self._on_limits,
+                                                  on_adapters=self._on_adapters))
         # Subscribe (and flush) before saying hello: a frontend dumps a worker as soon as it meets it.
         await self.bus.subscribe(self.subjects.rpcs(self.worker_id), self._on_rpc)
         await self.bus.subscribe(self.subjects.discover(), self._on_discover)
@@ -139,6 +140,11 @@ class WorkerService:
     def _on_limits(self, worker_id: str, max_seq: int, max_prompt: int) -> None:
         """The engine stated its limits (vLLM: max_model_len): every heartbeat from now on carries them."""
         self.info = replace(self.info, max_seq_tokens=max_seq, max_prompt_tokens=max_prompt)
+        self.wire_info = info_to_wire(self.info, self._engine_kind)
+
+    def _on_adapters(self, worker_id: str, adapters: tuple[str, ...]) -> None:
+        """The engine's LoRA adapters: every heartbeat from now on carries them."""
+        self.info = replace(self.info, adapters=adapters)
         self.wire_info = info_to_wire(self.info, self._engine_kind)
 
     async def stop(self) -> None:

@@ -137,11 +137,18 @@ class Frontend:
         return stream_text(self.fleet.outputs(gen), self.tokenizer.decoder(), stops)
 
     # -- helpers -----------------------------------------------------------------------------
-    def _check_model(self, model: str) -> None:
-        if model != self.fleet.model_name:
-            raise RequestError(
-                f"The model `{model}` does not exist", param="model", status=404, code="model_not_found"
-            )
+    def _check_model(self, model: str) -> str | None:
+        """The LoRA adapter ``model`` names (None: the base model), one every worker's server serves by name
+        (vLLM's ``/v1/models``; routing may pick any worker); a 404 for any other name."""
+        if model == self.fleet.model_name:
+            return None
+        serving, total = self.fleet.registry.adapter(model)
+        if serving and serving == total:
+            return model
+        why = (f"; it is a LoRA adapter {serving} of the fleet's {total} workers serve, and ThunderAgent serves an "
+               "adapter by name once every worker does (load it on all of them)") if serving else ""
+        raise RequestError(f"The model `{model}` does not exist{why}", param="model", status=404,
+                           code="model_not_found")
 
     def budget(self, prompt_ids: list[int], asked: int | None, max_param: str, prompt_param: str) -> int:
         """The request's max_tokens: what it asked, else the default cut to what fits the largest worker (as
@@ -215,7 +222,9 @@ class Frontend:
         req: ChatCompletionRequest | CompletionRequest,
         prompt_ids: list[int],
         chat: bool,
+        lora: str | None = None,
     ) -> web.StreamResponse:
+        """``lora``: the LoRA adapter ``model`` named (:meth:`_check_model`), else the ``lora_name`` field's."""
         asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
         max_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
         stops = stop_list(req.stop)
@@ -228,7 +237,7 @@ class Frontend:
         take_prompt_tokens(request, len(prompt_ids), prompt_param,  # the tenant's token limit, if any
                            max_tokens if asked else 0, max_param)
         gen = await self.fleet.start_generation(
-            prompt_ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt), lora_name=req.lora_name, priority=req.priority,
+            prompt_ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt), lora_name=lora or req.lora_name, priority=req.priority,
             sampling=sampling, route_key=self._route_key(request, req), program_id=self._program_id(request, req),
             tenant=request.get(TENANT),
         )
@@ -343,8 +352,8 @@ class Frontend:
             if self.unmodelled is None:
                 raise
             return await self.unmodelled.handle(request, chat=True, why=why.param or "unknown")
-        self._check_model(req.model)
-        return await self._run(request, req, self.tokenizer.apply_chat_template(messages), chat=True)
+        lora = self._check_model(req.model)
+        return await self._run(request, req, self.tokenizer.apply_chat_template(messages), chat=True, lora=lora)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         if self.relay is not None:
@@ -356,17 +365,20 @@ class Frontend:
                 raise
             return await self.unmodelled.handle(request, chat=False, why=why.param or "unknown")
         assert isinstance(req, CompletionRequest)
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         prompt = prompt_input(req.prompt)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        return await self._run(request, req, ids, chat=False)
+        return await self._run(request, req, ids, chat=False, lora=lora)
 
     async def planner(self, request: web.Request) -> web.Response:
         return web.json_response(self.fleet.planner.summary(self.fleet.now()))
 
     async def models(self, request: web.Request) -> web.Response:
+        base = self.fleet.model_name
         body = {"object": "list", "data": [
-            {"id": self.fleet.model_name, "object": "model", "created": 0, "owned_by": "thunderagent"}
+            {"id": base, "object": "model", "created": 0, "owned_by": "thunderagent"},
+            *({"id": a, "object": "model", "created": 0, "owned_by": "thunderagent", "parent": base}
+              for a in self.fleet.registry.adapters_everywhere()),  # the LoRA adapters every worker serves
         ]}
         return web.json_response(body)
 

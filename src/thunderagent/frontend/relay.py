@@ -146,7 +146,7 @@ class _Frontend(Protocol):
     tokenizer: Tokenizer
     max_tokens_default: int
 
-    def _check_model(self, model: str) -> None: ...
+    def _check_model(self, model: str) -> str | None: ...
     def budget(self, prompt_ids: list[int], asked: int | None, max_param: str, prompt_param: str) -> int: ...
     def _route_key(self, request: web.Request, req: Any) -> str: ...
     @staticmethod
@@ -172,9 +172,10 @@ class RelayFrontend:
         body = await request.read()
         req = _decode(body)
         doc = _doc.decode(body) if chat or self.fields is not None else None  # (valid JSON: _decode read it)
+        lora = None
         if self.fields is not None:
             assert doc is not None
-            fe._check_model(req.model)  # ThunderAgent's name: the worker sends the server's own
+            lora = fe._check_model(req.model)  # ThunderAgent's name (or an adapter's): the worker sends the server's
             self.fields.check(doc, chat)
             fe.fleet.metrics.relayed.labels(_label(why)).inc()
         tok = fe.tokenizer
@@ -199,7 +200,7 @@ class RelayFrontend:
         take_prompt_tokens(request, len(ids), "messages" if chat else "prompt",  # the tenant's token limit, if any
                            req.max_completion_tokens or req.max_tokens or 0, max_param)
         gen = await fe.fleet.start_generation(
-            ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt), lora_name=req.lora_name,
+            ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt), lora_name=lora or req.lora_name,
             priority=req.priority, route_key=fe._route_key(request, req), program_id=fe._program_id(request, req),
             tenant=request.get(TENANT), passthrough=Passthrough(path, body, req.stream),
         )

@@ -1,0 +1,105 @@
+"""LoRA adapters by name: a vLLM server lists its adapters in ``/v1/models`` (``parent``: the base model),
+and clients name one as the ``model``, as they would talking to vLLM. ThunderAgent serves an adapter by
+name once every worker's server lists it (routing may pick any worker), sends it as the model on both the
+token path and the relayed one, lists it in its own ``/v1/models``, and follows adapters loaded at runtime.
+
+Real sockets on 127.0.0.1: two fake vLLM servers (``support.fake_engine``), ThunderAgent's HTTP server,
+the official ``openai`` client."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import openai
+import pytest
+
+from integration.conftest import test_config as make_config
+from support.fake_engine import FakeEngine
+from support.server import running_server
+from support.waiting import wait_until
+from thunderagent.frontend.hf_tokenizer import HfTokenizer
+
+BS = 16
+
+
+async def test_adapters_served_by_every_worker_are_models(tiny_model_dir: Path) -> None:
+    tok = HfTokenizer(tiny_model_dir)
+    engines = [FakeEngine(block_size=BS, render=tok.apply_openai_chat, adapters=["sql-lora", *extra])
+               for extra in ([], ["math-lora"])]
+    for e in engines:
+        await e.start()
+    cfg = make_config(model=str(tiny_model_dir), control_plane={"heartbeat_interval": 0.1, "heartbeat_misses": 5},
+                      execution_group={"nodes": [{"engine": "vllm", "block_size": BS,
+                                                  "endpoints": [{"url": e.url} for e in engines]}]})
+    try:
+        async with running_server(cfg) as srv:
+            c = srv.client
+            await wait_until(lambda: srv.fleet.registry.adapters_everywhere() == ["sql-lora"], 10, "adapters listed")
+            listed = await c.models.list()
+            assert [(m.id, getattr(m, "parent", None)) for m in listed.data] == [
+                (srv.fleet.model_name, None), ("sql-lora", srv.fleet.model_name)]
+            msgs = [{"role": "user", "content": "select every row"}]
+            r = await c.chat.completions.create(model="sql-lora", messages=msgs, max_tokens=3)
+            assert r.usage.completion_tokens == 3
+            sent = [b for e in engines for b in e.requests]
+            assert [b["model"] for b in sent] == ["sql-lora"] and isinstance(sent[0]["prompt"], list)  # token path
+            tools = [{"type": "function", "function": {"name": "run_sql", "parameters": {}}}]
+            r = await c.chat.completions.create(model="sql-lora", messages=msgs, tools=tools)
+            assert r.choices[0].finish_reason == "tool_calls"
+            assert [b["model"] for e in engines for b in e.chats] == ["sql-lora"]  # relayed, rewritten the same way
+            with pytest.raises(openai.NotFoundError) as err:  # on one worker of two: not served by name
+                await c.chat.completions.create(model="math-lora", messages=msgs, max_tokens=3)
+            assert "1 of the fleet's 2 workers" in err.value.body["message"]
+            with pytest.raises(openai.NotFoundError):
+                await c.chat.completions.create(model="no-such-lora", messages=msgs, max_tokens=3)
+            engines[0].adapters.append("math-lora")  # loaded at runtime on the other server too
+            await wait_until(lambda: "math-lora" in srv.fleet.registry.adapters_everywhere(), 15,
+                             "the runtime-loaded adapter to be seen")
+            r = await c.completions.create(model="math-lora", prompt="two plus two", max_tokens=2)
+            assert r.usage.completion_tokens == 2
+            assert [b["model"] for e in engines for b in e.requests][-1] == "math-lora"
+    finally:
+        for e in engines:
+            await e.stop()
+
+
+@pytest.mark.nats
+async def test_adapters_cross_the_bus(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Over NATS the worker's heartbeats carry its server's adapters: the frontend process serves them."""
+    from integration.nats_cluster import Cluster
+
+    engine = FakeEngine(block_size=BS, adapters=["sql-lora"])
+    await engine.start()
+    cluster = Cluster(tmp_path)
+    cluster.config.write_text(
+        f"model: {tiny_model_dir}\ncontrol_plane: {{heartbeat_interval: 0.2, heartbeat_misses: 5}}\n"
+        f"execution_group:\n  nodes:\n    - {{engine: vllm, block_size: {BS}, "
+        f"endpoints: [{{url: \"{engine.url}\"}}]}}\n")
+    try:
+        cluster.start_nats()
+        cluster.start_worker("w0")
+        cluster.start_frontend("fa")
+        client = cluster.client("fa")
+
+        def served() -> list[str]:  # (blocking HTTP: called off the loop, which serves the fake engine)
+            try:
+                return [m.id for m in client.models.list().data]
+            except openai.APIConnectionError:
+                return []
+
+        async def listed() -> list[str]:
+            return await asyncio.to_thread(served)
+
+        for _ in range(300):  # the frontend up, the worker met, its adapters heard (60 s at most)
+            if "sql-lora" in await listed():
+                break
+            assert not cluster.exited("fa") and not cluster.exited("w0"), cluster.logs()
+            await asyncio.sleep(0.2)
+        assert await listed() == ["thunderagent-sim", "sql-lora"], cluster.logs()  # (model_name: the default)
+        r = await asyncio.to_thread(client.completions.create, model="sql-lora", prompt="select", max_tokens=2)
+        assert r.usage is not None and r.usage.completion_tokens == 2
+        assert engine.requests[-1]["model"] == "sql-lora"
+    finally:
+        cluster.close()
+        await engine.stop()
