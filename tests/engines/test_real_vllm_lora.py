@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from support.waiting import wait_until
-from tests.engines.conftest import front_config, note, thunderagent
-from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, VllmSetupError, cpu_binding, start_ready, vllm_python
+from tests.engines.conftest import engine_python, front_config, note, thunderagent
+from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, VllmSetupError, cpu_binding, start_ready
 from thunderagent.frontend.hf_tokenizer import HfTokenizer
 from thunderagent.kv.hashing import block_hashes, hash_seed
 
@@ -48,11 +48,7 @@ def build_adapter(out: Path, model_dir: Path, rank: int = 4) -> Path:
 @pytest.fixture(scope="module")
 def lora_server(engine_tmp: Path, tiny_model_dir: Path) -> Iterator[VllmServer]:
     workdir = engine_tmp / "vllm-lora"
-    workdir.mkdir(exist_ok=True)
-    try:
-        python = vllm_python(workdir)
-    except VllmSetupError as exc:
-        pytest.fail(f"cannot install vLLM for the real_engine tests: {exc}", pytrace=False)
+    python = engine_python(workdir)
     adapter = build_adapter(workdir / ADAPTER, tiny_model_dir)
     server = VllmServer("lora", python, tiny_model_dir, workdir, cpu=cpu_binding(0), extra_args=(
         "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{ADAPTER}={adapter}"))

@@ -28,10 +28,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.engines.conftest import Front, front_config, note, thunderagent, wait_until
+from tests.engines.conftest import Front, engine_python, front_config, note, thunderagent, wait_until
 from tests.engines.tiny_model import _WORDS
-from tests.engines.vllm_env import (BLOCK_SIZE, VllmServer, VllmSetupError, cpu_binding, start_ready,
-                                    vllm_python)
+from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, VllmSetupError, cpu_binding, start_ready
 from thunderagent.config import Config
 from thunderagent.control.fleet import Fleet
 from thunderagent.frontend.hf_tokenizer import HfTokenizer
@@ -50,11 +49,7 @@ HANDSHAKE_TIMEOUT_S = 180
 @pytest.fixture(scope="module")
 def pd_pair(engine_tmp: Path, tiny_model_dir: Path) -> Iterator[tuple[VllmServer, VllmServer]]:
     workdir = engine_tmp / "vllm-pd"
-    workdir.mkdir(exist_ok=True)
-    try:
-        python = vllm_python(workdir)
-    except VllmSetupError as exc:
-        pytest.fail(f"cannot install vLLM for the real_engine tests: {exc}", pytrace=False)
+    python = engine_python(workdir)
     pre = VllmServer("prefill", python, tiny_model_dir, workdir, cpu=cpu_binding(0), kv_role="kv_producer")
     dec = VllmServer("decode", python, tiny_model_dir, workdir, cpu=cpu_binding(1), kv_role="kv_consumer")
     try:
