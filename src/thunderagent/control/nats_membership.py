@@ -236,19 +236,20 @@ class NatsMembership:
             fleet.resync_worker(wid, "tail_lost")
 
     def _restate(self, wid: str, hb: Heartbeat) -> None:
-        """A known worker's heartbeat states other limits (its engine reported max_model_len): take them."""
+        """A known worker's heartbeat states other limits (its engine reported max_model_len) or LoRA adapters:
+        take them (one restate; the common heartbeat, unchanged, allocates nothing more)."""
         registry = self.fleet.registry
         try:
             info = registry.info(wid)
         except KeyError:  # left meanwhile
             return
         new = info_from_wire(hb.info)
-        if (info.max_seq_tokens, info.max_prompt_tokens) != (new.max_seq_tokens, new.max_prompt_tokens):
-            info = replace(info, max_seq_tokens=new.max_seq_tokens, max_prompt_tokens=new.max_prompt_tokens)
-            registry.restate(info)
+        limits = (new.max_seq_tokens, new.max_prompt_tokens)
+        if limits == (info.max_seq_tokens, info.max_prompt_tokens) and new.adapters == info.adapters:
+            return
+        registry.restate(replace(info, max_seq_tokens=limits[0], max_prompt_tokens=limits[1], adapters=new.adapters))
+        if limits != (info.max_seq_tokens, info.max_prompt_tokens):
             self._update_context_limit()
-        if info.adapters != new.adapters:
-            registry.restate(replace(info, adapters=new.adapters))
 
     def _add(self, wid: str, hb: Heartbeat, load: LoadReport) -> bool:
         fleet = self.fleet

@@ -23,8 +23,10 @@ from thunderagent.types import EngineRequest
 
 _doc = msgspec.json.Decoder(dict[str, Any])
 _enc = msgspec.json.Encoder()
-_OURS = ("program_id", "explain", "lora_name", "cache_salt", "priority", "kv_transfer_params", "ec_transfer_params",
-         "request_id")
+#: fleet-internal: a client must not steer where the engine pushes or pulls KV, nor its request ids (the
+#: frontend refuses them: ``frontend/relay_fields.py``; dropped here too)
+FLEET_FIELDS = frozenset({"kv_transfer_params", "ec_transfer_params", "request_id"})
+_OURS = ("program_id", "explain", "lora_name", "cache_salt", "priority", *sorted(FLEET_FIELDS))
 
 
 def engine_body(body: bytes, req: EngineRequest, model: str, *, send_priority: bool) -> bytes:

@@ -58,7 +58,7 @@ from thunderagent.frontend.protocol import (
 )
 from thunderagent.frontend.programs_api import Peers, ProgramsApi
 from thunderagent.frontend.relay import RelayFrontend
-from thunderagent.frontend.relay_fields import RelayFields
+from thunderagent.frontend.relay_fields import fleet_relay
 from thunderagent.frontend.streaming import TextChunk, stream_text
 from thunderagent.frontend.tokenizer import ChatMessage, Tokenizer
 from thunderagent.scheduler.programs import program_key
@@ -430,8 +430,7 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     nodes = cfg.execution_group.nodes
     if nodes and all(n.engine == "openai" for n in nodes):
         fe.relay = RelayFrontend(fe)
-    elif nodes and all(n.relay != "off" for n in nodes):  # vllm / sglang, one mode (config.resolve_relay)
-        fields = RelayFields(n.engine for n in nodes)
+    elif (fields := fleet_relay(nodes)) is not None:  # vllm / sglang, one mode (config.resolve_relay)
         if nodes[0].relay == "all":
             fe.relay = RelayFrontend(fe, fields)  # every request, checked as the unmodelled ones
         else:

@@ -20,7 +20,7 @@ from thunderagent.frontend.protocol import (
     MAX_STOP, NEUTRAL, NEUTRAL_COMPLETION, NEUTRAL_MESSAGE, PROGRAMS_LIMIT_DEFAULT,
     PROGRAMS_LIMIT_MAX, ChatCompletionRequest, CompletionRequest, ReleaseRequest,
 )
-from thunderagent.frontend.relay_fields import MESSAGE_KEYS, RelayFields
+from thunderagent.frontend.relay_fields import MESSAGE_KEYS, RelayFields, fleet_relay
 from thunderagent.scheduler.programs import LIVE_STATES, PROGRAM_ID
 
 PATH = "/openapi.json"
@@ -124,10 +124,7 @@ def get(summary: str, responses: dict[str, Any]) -> dict[str, Any]:
 def openapi_document(cfg: Config) -> dict[str, Any]:
     (_, _, _), components = msgspec.json.schema_components(
         [ChatCompletionRequest, CompletionRequest, ReleaseRequest], ref_template="#/components/schemas/{name}")
-    nodes = cfg.execution_group.nodes
-    relay = RelayFields(n.engine for n in nodes) if all(n.relay != "off" and n.engine != "openai" for n in nodes) \
-        else None
-    _narrow(components, cfg.model_name, relay)
+    _narrow(components, cfg.model_name, fleet_relay(cfg.execution_group.nodes))
     paths: dict[str, Any] = {
         "/v1/chat/completions": _generate("Chat completion (OpenAI)", "ChatCompletionRequest", _CHAT),
         "/v1/completions": _generate("Text completion (OpenAI)", "CompletionRequest", _COMPLETION),

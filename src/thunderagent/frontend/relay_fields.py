@@ -15,9 +15,11 @@ The vLLM lists are the request models' fields of vLLM 0.32 (``ChatCompletionRequ
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from thunderagent.config import NodeConfig
+from thunderagent.execution.relay_body import FLEET_FIELDS
 from thunderagent.frontend.protocol import (
     NEUTRAL,
     NEUTRAL_COMPLETION,
@@ -26,8 +28,7 @@ from thunderagent.frontend.protocol import (
     RequestError,
 )
 
-#: fleet-internal: a client must not steer where the engine pushes or pulls KV, nor its request ids
-FORBIDDEN = frozenset({"kv_transfer_params", "ec_transfer_params", "request_id"})
+FORBIDDEN = FLEET_FIELDS  # (the worker drops them from a relayed body too)
 
 _VLLM_COMMON = frozenset({
     "add_special_tokens", "allowed_token_ids", "bad_words", "echo", "frequency_penalty", "ignore_eos",
@@ -73,6 +74,15 @@ def _modelled(kind: type, neutral: dict[str, tuple[object, ...]]) -> frozenset[s
 
 _MODELLED_CHAT = _modelled(ChatCompletionRequest, NEUTRAL)
 _MODELLED_COMPLETION = _modelled(CompletionRequest, NEUTRAL_COMPLETION)
+
+
+def fleet_relay(nodes: Sequence[NodeConfig]) -> RelayFields | None:
+    """The fields a fleet of vLLM / SGLang servers relays, when all its groups relay (``relay`` resolved in
+    ``config.resolve_relay``); None for a fleet that relays nothing, or an ``engine: openai`` one (which relays
+    everything, unchecked)."""
+    if not nodes or any(n.relay == "off" or n.engine == "openai" for n in nodes):
+        return None
+    return RelayFields(n.engine for n in nodes)
 
 
 class RelayFields:
