@@ -147,9 +147,13 @@ class Passthrough:
     """A client's HTTP request as it arrived: ``body`` is POSTed byte for byte to the server's
     ``path``; its answer comes back in :attr:`TokenOutput.raw` (``execution/openai_relay.py``)."""
 
-    path: str  # "/v1/chat/completions" or "/v1/completions"
+    path: str  # "/v1/chat/completions", "/v1/completions" or MESSAGES_PATH
     body: bytes
     stream: bool
+
+
+#: Anthropic's Messages API, the one relayed path that is not OpenAI's
+MESSAGES_PATH = "/v1/messages"
 
 
 @dataclass(slots=True, frozen=True)

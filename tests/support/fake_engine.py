@@ -13,6 +13,10 @@ ZMQ KV events with replay, so the real-engine adapter can be tested without a mo
   makes of the body (the test passes the model's template; none: empty), cached as above; the answer
   calls the first of the request's ``tools`` (``tool_choice`` not ``"none"``) or says ``"ok"``, whole or
   as SSE events, with the same usage;
+- ``POST /v1/messages`` (Anthropic's Messages API, relayed): the prompt is what ``render_messages`` makes
+  of the body, cached as above; the answer uses the first tool (``tool_choice`` not ``none``) or says
+  ``"ok"``, as a message or as Anthropic's event stream, its usage with ``cache_read_input_tokens``; a
+  ``temperature`` above 1 is refused with Anthropic's error (400), as Anthropic's API does;
 - ``GET /metrics``: running / waiting / KV usage (and vLLM's ``cache_config_info``);
 - a client that hangs up aborts its request.
 Runs inside the test's event loop; every socket is on 127.0.0.1.
@@ -46,6 +50,8 @@ class FakeEngine:
     requests: list[dict] = field(default_factory=list)  # bodies received
     chats: list[dict] = field(default_factory=list)  # chat bodies received (relayed requests)
     render: Callable[[dict], list[int]] | None = None  # a chat body -> the prompt's token ids
+    render_messages: Callable[[dict], list[int]] | None = None  # a Messages API body -> the prompt's token ids
+    messages: list[dict] = field(default_factory=list)  # Messages API bodies received
     adapters: list[str] = field(default_factory=list)  # LoRA adapters it lists in /v1/models (parent: the base)
     _cache: OrderedDict[int, None] = field(default_factory=OrderedDict)  # engine hash -> (LRU order)
     _batches: list[list[bytes]] = field(default_factory=list)
@@ -58,6 +64,7 @@ class FakeEngine:
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/messages", self._messages)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None)
@@ -181,6 +188,41 @@ class FakeEngine:
         await resp.write(_sse({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}))
         await resp.write(_sse({**chunk, "choices": [], "usage": usage}))
         await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.messages.append(body)
+        if body.get("temperature", 0) > 1:
+            return web.json_response({"type": "error", "error": {
+                "type": "invalid_request_error", "message": "temperature: must be at most 1"}}, status=400)
+        prompt = self.render_messages(body) if self.render_messages is not None else []
+        cached = self._prefill(prompt)
+        tools = body.get("tools") or []
+        if tools and (body.get("tool_choice") or {}).get("type") != "none":
+            block: dict[str, object] = {"type": "tool_use", "id": f"toolu_{len(self.messages)}",
+                                        "name": tools[0]["name"], "input": {}}
+            stop, delta = "tool_use", {"type": "input_json_delta", "partial_json": "{}"}
+        else:
+            block, stop, delta = {"type": "text", "text": "ok"}, "end_turn", {"type": "text_delta", "text": "ok"}
+        usage = {"input_tokens": len(prompt) - cached, "output_tokens": 1, "cache_read_input_tokens": cached}
+        head = {"id": f"msg_{len(self.messages)}", "type": "message", "role": "assistant", "model": body["model"]}
+        if not body.get("stream"):
+            return web.json_response({**head, "content": [block], "stop_reason": stop, "stop_sequence": None,
+                                      "usage": usage})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        start = {**block, "input": {}} if block["type"] == "tool_use" else {"type": "text", "text": ""}
+        for kind, data in (
+                ("message_start", {"message": {**head, "content": [], "stop_reason": None, "stop_sequence": None,
+                                               "usage": {**usage, "output_tokens": 0}}}),
+                ("content_block_start", {"index": 0, "content_block": start}),
+                ("content_block_delta", {"index": 0, "delta": delta}),
+                ("content_block_stop", {"index": 0}),
+                ("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None}, "usage": usage}),
+                ("message_stop", {})):
+            payload = json.dumps({"type": kind, **data}, separators=(",", ":")).encode()
+            await resp.write(b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n")
         return resp
 
     # -- prefix cache and KV events --------------------------------------------------------------

@@ -8,7 +8,7 @@ import random
 import types
 from collections.abc import AsyncIterator
 
-from thunderagent.execution.openai_relay import Relay
+from thunderagent.execution.openai_relay import _READERS, Relay
 from thunderagent.types import FinishReason, TokenOutput
 
 EVENTS = [
@@ -39,7 +39,7 @@ class _Streamer:
         self.progress.append(n)
 
 
-def _relay(pieces: list[bytes]) -> tuple[list[TokenOutput], list[int]]:
+def _relay(pieces: list[bytes], path: str = "/v1/chat/completions") -> tuple[list[TokenOutput], list[int]]:
     outs: list[TokenOutput] = []
     queue = types.SimpleNamespace(put_output=lambda out, now: outs.append(out))
     r = types.SimpleNamespace(req=types.SimpleNamespace(request_id="r1", prompt_tokens=[1, 2, 3]), queue=queue,
@@ -50,7 +50,7 @@ def _relay(pieces: list[bytes]) -> tuple[list[TokenOutput], list[int]]:
         for p in pieces:
             yield p
 
-    asyncio.run(Relay(streamer)._stream(reads(), r))  # type: ignore[arg-type]
+    asyncio.run(Relay(streamer)._stream(reads(), r, _READERS[path]))  # type: ignore[arg-type]
     return outs, streamer.progress
 
 

@@ -1,7 +1,8 @@
 """One hop through ThunderAgent: a client's request relayed unchanged to an OpenAI-compatible server.
 
 A request with :attr:`~thunderagent.types.EngineRequest.passthrough` is ``POST``-ed byte for byte to
-the server's path (``/v1/chat/completions`` or ``/v1/completions``); the answer comes back in
+the server's path (``/v1/chat/completions``, ``/v1/completions`` or Anthropic's ``/v1/messages``: each
+read by its own reader); the answer comes back in
 :attr:`TokenOutput.raw <thunderagent.types.TokenOutput.raw>` as the server sent it, so fields
 ThunderAgent does not model (tools, logprobs, response formats...) still work end to end:
 
@@ -26,13 +27,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
 from thunderagent.execution.http_transport import TransportConnectionError, TransportError
 from thunderagent.execution.relay_body import engine_body
-from thunderagent.types import FinishReason, TokenOutput
+from thunderagent.types import MESSAGES_PATH, FinishReason, TokenOutput
 
 if TYPE_CHECKING:
     from thunderagent.execution.engine_requests import Inflight, RequestStreamer
@@ -85,6 +86,142 @@ def _has_token(c: _Choice) -> bool:
     return bool(c.text)
 
 
+class _Read:
+    """What a relayed answer's events told so far (one per request)."""
+
+    __slots__ = ("cached", "end", "error", "reason", "reported", "tokens")
+
+    def __init__(self) -> None:
+        self.reason: FinishReason | None = None
+        self.cached = 0  # prompt tokens the server found in its cache
+        self.reported: int | None = None  # completion tokens, as the server's usage says
+        self.tokens = 0  # produced in the event being read (streams) or in all (whole answers)
+        self.end = False  # the stream's last event
+        self.error: Any = None  # the server reported a failure in the stream
+
+
+class _Reader(Protocol):
+    def event(self, data: bytes, st: _Read) -> None: ...
+    def whole(self, body: bytes, st: _Read) -> None: ...
+
+
+class _OpenAIReader:
+    """OpenAI's chat / text completions: ``data:`` chunks with ``choices``, ended by ``data: [DONE]``."""
+
+    @staticmethod
+    def event(data: bytes, st: _Read) -> None:
+        if data == _DONE:
+            st.end = True
+            return
+        chunk = _chunk.decode(data)
+        if chunk.error is not None:
+            st.error = chunk.error
+            return
+        for c in chunk.choices or ():
+            if _has_token(c):
+                st.tokens += 1
+            if c.finish_reason is not None:
+                st.reason = FinishReason(c.finish_reason) if c.finish_reason in _REASONS else FinishReason.STOP
+        if chunk.usage is not None:
+            st.reported = chunk.usage.completion_tokens
+            st.cached = _cached(chunk.usage)
+
+    @staticmethod
+    def whole(body: bytes, st: _Read) -> None:
+        try:
+            chunk = _chunk.decode(body)
+        except msgspec.DecodeError:
+            return  # not ours to judge: the client gets the server's bytes
+        usage = chunk.usage
+        st.reported = (usage.completion_tokens or 0) if usage is not None else 0
+        st.cached = _cached(usage)
+        if chunk.choices and chunk.choices[0].finish_reason in _REASONS:
+            st.reason = FinishReason(chunk.choices[0].finish_reason)
+
+
+# Anthropic's Messages API (``/v1/messages``): typed, lenient, as above.
+class _AnthropicDelta(msgspec.Struct):
+    text: Any = None
+    thinking: Any = None
+    partial_json: Any = None
+    stop_reason: str | None = None
+
+
+class _AnthropicUsage(msgspec.Struct):
+    output_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+
+
+class _AnthropicMessage(msgspec.Struct):
+    stop_reason: str | None = None
+    usage: _AnthropicUsage | None = None
+
+
+class _AnthropicEvent(msgspec.Struct):
+    type: str = ""
+    delta: _AnthropicDelta | None = None
+    usage: _AnthropicUsage | None = None
+    message: _AnthropicMessage | None = None
+    error: Any = None
+
+
+_anthropic_event = msgspec.json.Decoder(_AnthropicEvent)
+_anthropic_message = msgspec.json.Decoder(_AnthropicMessage)
+
+
+def _anthropic_reason(stop_reason: str | None) -> FinishReason:
+    """``max_tokens`` is a length end; ``end_turn``, ``stop_sequence`` and ``tool_use`` are stops."""
+    return FinishReason.LENGTH if stop_reason == "max_tokens" else FinishReason.STOP
+
+
+def _anthropic_usage(usage: _AnthropicUsage | None, st: _Read) -> None:
+    if usage is not None:
+        if usage.output_tokens is not None:
+            st.reported = usage.output_tokens
+        if usage.cache_read_input_tokens is not None:
+            st.cached = usage.cache_read_input_tokens
+
+
+class _AnthropicReader:
+    """Events ``message_start``, ``content_block_*`` (text, thinking and tool-input deltas: one token each),
+    ``message_delta`` (the stop reason, usage), ``message_stop`` (the end), ``error``."""
+
+    @staticmethod
+    def event(data: bytes, st: _Read) -> None:
+        ev = _anthropic_event.decode(data)
+        kind = ev.type
+        if kind == "content_block_delta":
+            d = ev.delta
+            if d is not None and (d.text or d.thinking or d.partial_json):
+                st.tokens += 1
+        elif kind == "message_delta":
+            if ev.delta is not None and ev.delta.stop_reason is not None:
+                st.reason = _anthropic_reason(ev.delta.stop_reason)
+            _anthropic_usage(ev.usage, st)
+        elif kind == "message_start":
+            _anthropic_usage(ev.message.usage if ev.message is not None else None, st)
+        elif kind == "message_stop":
+            st.end = True
+            st.reason = st.reason or FinishReason.STOP
+        elif kind == "error":
+            st.error = ev.error or "error event"
+
+    @staticmethod
+    def whole(body: bytes, st: _Read) -> None:
+        try:
+            msg = _anthropic_message.decode(body)
+        except msgspec.DecodeError:
+            return
+        st.reported = 0
+        _anthropic_usage(msg.usage, st)
+        st.reason = _anthropic_reason(msg.stop_reason)
+
+
+#: how each relayed path's answer reads; a path not here is refused (only these are served)
+_READERS: dict[str, _Reader] = {"/v1/chat/completions": _OpenAIReader(), "/v1/completions": _OpenAIReader(),
+                                MESSAGES_PATH: _AnthropicReader()}
+
+
 class Relay:
     """The passthrough side of one server's :class:`RequestStreamer` (its ``relay``). ``rewrite``: a vLLM /
     SGLang server's, whose body gets the server's model name and ThunderAgent's fields as the token path
@@ -101,11 +238,16 @@ class Relay:
         # No queue of the server's is visible from outside (a non-streamed answer's first byte is its
         # last): a request sent counts as running at once; OpenAIWorker.load caps that at the node's
         # max_batch_size and adds what the server's /metrics say waits there.
+        read = _READERS.get(pt.path)
+        if read is None:  # a frontend's mistake (or a forged request over the bus): nothing else is served
+            self._finish(r, _NO_IDS, FinishReason.ERROR, 0, b'{"error": {"message": "not a relayed path"}}', 400)
+            return
         s._progress(r, 0)
         try:
             body = pt.body
-            if self._rewrite:
-                body = engine_body(body, r.req, await s._served_model(), send_priority=s.send_priority)
+            if self._rewrite:  # (the Messages API has no priority field)
+                body = engine_body(body, r.req, await s._served_model(),
+                                   send_priority=s.send_priority and pt.path != MESSAGES_PATH)
             async with s._transport.stream_post(s.url + pt.path, body) as resp:
                 if resp.status != 200:
                     body = (await resp.text()).encode()
@@ -116,9 +258,9 @@ class Relay:
                     return
                 r.queue.accepted = True
                 if pt.stream:
-                    await self._stream(resp.chunks(), r)
+                    await self._stream(resp.chunks(), r, read)
                 else:
-                    await self._whole(resp.chunks(), r)
+                    await self._whole(resp.chunks(), r, read)
         except (TransportError, TimeoutError) as exc:
             if r.queue.accepted:
                 raise  # lost after the server took it: the streamer ends it ERROR
@@ -135,31 +277,21 @@ class Relay:
         r.queue.put_output(TokenOutput(r.req.request_id, ids, s._loop_time(), len(r.req.prompt_tokens), cached,
                                        True, reason, "", raw=raw, raw_status=status), s._clock())
 
-    async def _whole(self, chunks: AsyncIterable[bytes], r: Inflight) -> None:
+    async def _whole(self, chunks: AsyncIterable[bytes], r: Inflight, read: _Reader) -> None:
         body = b"".join([c async for c in chunks])
-        try:
-            chunk = _chunk.decode(body)
-        except msgspec.DecodeError:
-            chunk = _Chunk()  # not ours to judge: the client gets the server's bytes
-        usage = chunk.usage
-        n = (usage.completion_tokens or 0) if usage is not None else 0
-        cached = _cached(usage)
-        reason = FinishReason.STOP
-        if chunk.choices and chunk.choices[0].finish_reason in _REASONS:
-            reason = FinishReason(chunk.choices[0].finish_reason)
+        st = _Read()
+        read.whole(body, st)
         self._s._progress(r, 0)
-        self._finish(r, [-1] * n, reason, cached, body)
+        self._finish(r, [-1] * (st.reported or 0), st.reason or FinishReason.STOP, st.cached, body)
 
-    async def _stream(self, chunks: AsyncIterable[bytes], r: Inflight) -> None:
+    async def _stream(self, chunks: AsyncIterable[bytes], r: Inflight, read: _Reader) -> None:
         """Relay the server's events; all complete events of one network read go out as one output
         (fewer queue hops and socket writes when a server writes faster than we relay)."""
         s = self._s
         rid, n_prompt, clock, queue = r.req.request_id, len(r.req.prompt_tokens), s._clock, r.queue
-        reason: FinishReason | None = None
-        cached = counted = 0
-        tokens = 0  # of the event being read
-        ready = 0  # of the complete events not relayed yet
-        reported: int | None = None
+        st = _Read()  # st.tokens: of the event being read
+        counted = 0
+        ready = 0  # tokens of the complete events not relayed yet
         buf = b""
         scan = 0  # buf is parsed up to here (complete lines)
         async for piece in chunks:
@@ -173,35 +305,27 @@ class Relay:
                 scan += len(line) + 1
                 if line.startswith(b"data:"):
                     data = line[5:].strip()
-                    if data == _DONE:  # the event's blank line is not waited for: the socket may stay open
-                        self._done(r, reason, cached, ready + max(tokens, (reported or 0) - counted - ready),
-                                   buf[:scan] + b"\n")
-                        return
-                    chunk = _chunk.decode(data)
-                    if chunk.error is not None:
-                        log.warning("%s: request %s failed in the server: %s", s.worker_id, rid, chunk.error)
+                    read.event(data, st)
+                    if st.error is not None:
+                        log.warning("%s: request %s failed in the server: %s", s.worker_id, rid, st.error)
                         self._finish(r, _NO_IDS, FinishReason.ERROR, 0, data, 500)
                         return
-                    for c in chunk.choices or ():
-                        if _has_token(c):
-                            tokens += 1
-                        if c.finish_reason is not None:
-                            reason = FinishReason(c.finish_reason) if c.finish_reason in _REASONS else FinishReason.STOP
-                    if chunk.usage is not None:
-                        reported = chunk.usage.completion_tokens
-                        cached = _cached(chunk.usage)
+                    if st.end:  # the event's blank line is not waited for: the socket may stay open
+                        self._done(r, st.reason, st.cached,
+                                   ready + max(st.tokens, (st.reported or 0) - counted - ready), buf[:scan] + b"\n")
+                        return
                 elif not line.strip():  # a blank line ends an event (comments, "event:", "id:" ride along)
                     cut = scan
-                    ready += tokens
-                    tokens = 0
+                    ready += st.tokens
+                    st.tokens = 0
             if cut:
                 s._progress(r, ready)
                 counted += ready
                 ids = _NO_IDS if not ready else _ONE if ready == 1 else [-1] * ready
                 queue.put_output(TokenOutput(rid, ids, s._loop_time(), n_prompt, 0, text="", raw=buf[:cut]), clock())
                 buf, scan, ready = buf[cut:], scan - cut, 0
-        if reason is not None:  # a server that ends its stream without [DONE] (older llama.cpp)
-            self._done(r, reason, cached, max(tokens, (reported or 0) - counted), buf)
+        if st.reason is not None:  # a server that ends its stream without [DONE] (older llama.cpp)
+            self._done(r, st.reason, st.cached, max(st.tokens, (st.reported or 0) - counted), buf)
             return
         log.warning("%s: stream of request %s ended without a finish reason", s.worker_id, rid)
         s._end(r, FinishReason.ERROR if r.started else FinishReason.UNAVAILABLE)

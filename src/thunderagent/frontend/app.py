@@ -19,6 +19,7 @@ from aiohttp import web
 
 from thunderagent.config import Config
 from thunderagent.control.fleet import Fleet, Generation, NoWorkerAvailable, QueueFull
+from thunderagent.frontend.anthropic import ANTHROPIC_PATHS, COUNT_TOKENS_PATH, MESSAGES_PATH
 from thunderagent.frontend.auth import (
     ACCESS_KEY,
     AUTH_KEY,
@@ -57,6 +58,7 @@ from thunderagent.frontend.protocol import (
     stop_list,
 )
 from thunderagent.frontend.programs_api import Peers, ProgramsApi
+from thunderagent.frontend.messages_api import MessagesApi, anthropic_error
 from thunderagent.frontend.relay import RelayFrontend
 from thunderagent.frontend.relay_fields import fleet_relay
 from thunderagent.frontend.streaming import TextChunk, stream_text
@@ -73,7 +75,7 @@ PROGRAM_HEADER = "x-thunderagent-program-id"
 DYNAMO_SESSION_HEADER = "x-dynamo-session-id"
 EXPLAIN_HEADER = "x-thunderagent-explain"
 #: the routes that generate (what control_plane.tenant_limits counts)
-INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions")
+INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", MESSAGES_PATH)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _enc = msgspec.json.Encoder()
 
@@ -118,6 +120,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except Exception as exc:  # logged once per cause per interval: a flood of one bug is one line
         request.app[ERROR_LOG_KEY].exception(exc, "internal error on %s %s", request.method, request.path)
         resp = _error(RequestError("internal server error", status=500, type_="server_error"))
+    if endpoint in ANTHROPIC_PATHS and resp.status >= 400:
+        resp = anthropic_error(resp)
     fleet.metrics.count_request(endpoint, resp.status)
     return resp
 
@@ -132,6 +136,8 @@ class Frontend:
         self.relay: RelayFrontend | None = None
         #: a vLLM / SGLang fleet's relay: the requests the token path does not model (relay: unmodelled)
         self.unmodelled: RelayFrontend | None = None
+        #: Anthropic's Messages API, relayed (frontend/messages_api.py; a 404 on a fleet that cannot relay)
+        self.messages_api = MessagesApi(None, checked=False)
 
     def _text(self, gen: Generation, stops: list[str]) -> AsyncIterator[TextChunk]:
         return stream_text(self.fleet.outputs(gen), self.tokenizer.decoder(), stops)
@@ -430,20 +436,24 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     nodes = cfg.execution_group.nodes
     if nodes and all(n.engine == "openai" for n in nodes):
         fe.relay = RelayFrontend(fe)
+        fe.messages_api = MessagesApi(fe.relay, checked=False)
     elif (fields := fleet_relay(nodes)) is not None:  # vllm / sglang, one mode (config.resolve_relay)
         if nodes[0].relay == "all":
             fe.relay = RelayFrontend(fe, fields)  # every request, checked as the unmodelled ones
         else:
             fe.unmodelled = RelayFrontend(fe, fields)
+        fe.messages_api = MessagesApi(fe.relay or fe.unmodelled, checked=True)
     access: dict[str | None, Access] = {}  # what a route needs with API keys on (frontend/auth.py)
 
     def route(method: str, path: str, handler: Handler, needs: Access) -> None:
         (app.router.add_get if method == "GET" else app.router.add_post)(path, handler)  # GET also serves HEAD
         access[path] = needs
 
-    chat_path, completions_path = INFERENCE_PATHS
+    chat_path, completions_path, messages_path = INFERENCE_PATHS
     route("POST", chat_path, fe.chat_completions, Access.TENANT)
     route("POST", completions_path, fe.completions, Access.TENANT)
+    route("POST", messages_path, fe.messages_api.messages, Access.TENANT)  # Anthropic's (Claude Code)
+    route("POST", COUNT_TOKENS_PATH, fe.messages_api.count_tokens, Access.TENANT)
     route("GET", "/v1/models", fe.models, Access.TENANT)
     programs = ProgramsApi(fleet, peers)  # a tenant key: its own programs; an admin key: everyone's
     route("GET", "/v1/programs", programs.listing, Access.ANY)

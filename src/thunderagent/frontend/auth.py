@@ -1,8 +1,10 @@
 """API keys and tenants (``control_plane.api_keys*``, ``admin_keys*``).
 
-With keys on, every request carries ``Authorization: Bearer <key>`` (what the openai client sends):
+With keys on, every request carries ``Authorization: Bearer <key>`` (what the openai client sends) or
+``x-api-key: <key>`` (what Anthropic's clients send):
 
-- inference (``/v1/chat/completions``, ``/v1/completions``) and ``/v1/models`` need a tenant key;
+- inference (``/v1/chat/completions``, ``/v1/completions``, ``/v1/messages``) and ``/v1/models`` need a
+  tenant key;
   the request then belongs to that key's tenant: its cache salt is derived from the tenant
   (:func:`tenant_salt`), so tenants never share a cached prefix (here or in vLLM's own cache), and
   the tenant is its route key (fairness across tenants, not across client-chosen names);
@@ -87,9 +89,12 @@ def tenant_salt(tenant: str | None, client_salt: str | None) -> str | None:
 
 
 def bearer(request: web.Request) -> str | None:
+    """The key: ``Authorization: Bearer <key>`` (OpenAI's clients), else ``x-api-key`` (Anthropic's)."""
     scheme, _, value = request.headers.get("Authorization", "").strip().partition(" ")
     value = value.strip()
-    return value if scheme.lower() == "bearer" and value else None
+    if scheme.lower() == "bearer" and value:
+        return value
+    return request.headers.get("x-api-key", "").strip() or None
 
 
 def _unauthorized(message: str, code: str) -> web.Response:
@@ -117,7 +122,8 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         if access is Access.PUBLIC:
             request[DETAIL] = False
             return await handler(request)
-        return _unauthorized("no API key: send it as `Authorization: Bearer <key>`", "missing_api_key")
+        return _unauthorized("no API key: send it as `Authorization: Bearer <key>` (or `x-api-key: <key>`)",
+                             "missing_api_key")
     admin = ring.is_admin(key)
     tenant = ring.tenant(key)
     if not admin and tenant is None:

@@ -45,6 +45,8 @@ class HfTokenizer:
                              "tokenizer_config.json's chat_template)")
         self.eos_token_id: int = int(eos)
         self.name = str(path)
+        self._system_first: bool | None = None  # probed once, when first asked (Messages API requests)
+        self._thinking_off: str | None = None
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=True))
@@ -60,31 +62,91 @@ class HfTokenizer:
 
     def apply_openai_chat(self, doc: Mapping[str, Any]) -> list[int]:
         """A relayed chat request rendered as vLLM renders it (``frontend/chat_render.py``): the model's
-        template with ``tools``, ``documents``, ``chat_template_kwargs``, ``add_generation_prompt`` and
-        ``continue_final_message``. A request's own ``chat_template`` is never rendered here (the server
-        judges whether it trusts one); a template that fails on the request falls back to its text."""
+        template with ``tools`` and the template arguments (:func:`template_kwargs`). A request's own
+        ``chat_template`` is never rendered here (the server judges whether it trusts one); a template
+        that fails on the request falls back to its text."""
         conv = conversation(doc.get("messages") or ())
-        extra = doc.get("chat_template_kwargs")
-        kwargs: dict[str, Any] = dict(extra) if isinstance(extra, dict) else {}
         try:
-            text = self._tok.apply_chat_template(
-                conv, tools=template_tools(doc.get("tools")), documents=doc.get("documents") or None, tokenize=False,
-                add_generation_prompt=bool(doc.get("add_generation_prompt", True)),
-                continue_final_message=bool(doc.get("continue_final_message", False)), **kwargs)
+            text = self._render(conv, doc)
         except Exception as exc:  # the server will say what is wrong; routing needs only some prefix
             log.debug("chat template failed on a relayed request (%r): hashing its text alone", exc)
             try:
                 text = self.render_chat([ChatMessage(str(m["role"]), m["content"]) for m in conv])
             except Exception:  # a template that refuses even that (a role it does not know)
                 text = "\n".join(m["content"] for m in conv)
-        assert isinstance(text, str), "apply_chat_template(tokenize=False) returns text"
         return list(self._tok.encode(text, add_special_tokens=False))
+
+    def _render(self, conv: list[dict[str, Any]], doc: Mapping[str, Any]) -> str:
+        text = self._tok.apply_chat_template(conv, tools=template_tools(doc.get("tools")), tokenize=False,
+                                             **template_kwargs(doc))
+        assert isinstance(text, str), "apply_chat_template(tokenize=False) returns text"
+        return text
+
+    @property
+    def system_first(self) -> bool:
+        """Whether the template needs every system message first: vLLM's probe (it renders ``[system, user,
+        system, user]`` in a sandbox; a template that raises, or none, needs them merged), so that the
+        Messages API's inline system messages are placed as the server places them."""
+        if self._system_first is None:
+            self._system_first = _needs_system_first(self._tok.chat_template)
+        return self._system_first
+
+    def thinking_off_effort(self) -> str:
+        """The ``reasoning_effort`` vLLM's Messages API gives ``thinking: disabled``: ``none``, or ``low`` when the
+        template refuses ``none`` or renders it as one of the efforts (it ignores it)."""
+        if self._thinking_off is None:
+            def probe(effort: str) -> list[int] | None:
+                try:
+                    text = self._render([{"role": "user", "content": "Hi"}], {"reasoning_effort": effort})
+                except Exception:
+                    return None
+                return list(self._tok.encode(text, add_special_tokens=False))
+
+            off = probe("none")
+            same = off is None or any(probe(e) == off for e in ("low", "medium", "high", "xhigh", "max"))
+            self._thinking_off = "low" if same else "none"
+        return self._thinking_off
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
 
     def decoder(self) -> StreamDecoder:
         return _HfStreamDecoder(self)
+
+
+def template_kwargs(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """The template's arguments for a chat request, merged as vLLM 0.32 merges them (``build_chat_params``):
+    ``chat_template_kwargs``, overridden by the request's ``add_generation_prompt`` (default true),
+    ``continue_final_message``, ``documents`` and ``reasoning_effort`` when set, and ``enable_thinking``
+    derived from ``reasoning_effort`` unless the kwargs set it."""
+    extra = doc.get("chat_template_kwargs")
+    kwargs: dict[str, Any] = dict(extra) if isinstance(extra, dict) else {}
+    own = {"add_generation_prompt": doc.get("add_generation_prompt", True),
+           "continue_final_message": doc.get("continue_final_message", False),
+           "documents": doc.get("documents"), "reasoning_effort": doc.get("reasoning_effort")}
+    effort = own["reasoning_effort"]
+    if effort is not None and "enable_thinking" not in kwargs:
+        own["enable_thinking"] = effort != "none"
+    kwargs.update((k, v) for k, v in own.items() if v is not None and v != "auto")
+    return kwargs
+
+
+def _needs_system_first(template: object) -> bool:
+    if isinstance(template, dict):  # named templates: the default and the tool-use one
+        return any(_needs_system_first(template.get(k)) for k in ("default", "tool_use") if k in template)
+    if not isinstance(template, str) or not template:
+        return True
+    import jinja2.ext
+    import jinja2.sandbox
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+    try:
+        env.from_string(template).render(messages=[{"role": r, "content": "t"} for r in ("system", "user") * 2],
+                                          add_generation_prompt=False)
+    except jinja2.TemplateError:
+        return True
+    return False
 
 
 class _HfStreamDecoder:

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from thunderagent.config import Config
 from thunderagent.config.auth import TENANT_NAME
+from thunderagent.frontend.anthropic import COUNT_TOKENS_PATH, MESSAGES_PATH
 from thunderagent.frontend.protocol import (
     MAX_STOP, NEUTRAL, NEUTRAL_COMPLETION, NEUTRAL_MESSAGE, PROGRAMS_LIMIT_DEFAULT,
     PROGRAMS_LIMIT_MAX, ChatCompletionRequest, CompletionRequest, ReleaseRequest,
@@ -68,6 +69,33 @@ _TENANT_PARAM = {"name": "tenant", "in": "query", "required": False,
                  "schema": {"type": "string", "pattern": TENANT_NAME.pattern}}
 _RELEASED = {"type": "object", "required": ["id", "tenant", "released"],
              "properties": {"id": {"type": "string"}, "tenant": _TENANT, "released": {"const": True}}}
+
+
+#: Anthropic's Messages API (relayed to the servers: frontend/messages_api.py); its errors in Anthropic's shape
+_ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"}}}}}
+_BLOCKS = {"type": "array", "items": {"type": "object", "required": ["type"],
+                                     "properties": {"type": {"type": "string"}}}}
+_MESSAGES_REQUEST = {"type": "object", "required": ["model", "max_tokens", "messages"], "properties": {
+    "model": {"type": "string", "minLength": 1}, "max_tokens": {"type": "integer", "minimum": 1},
+    "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"],
+                 "properties": {"role": {"enum": ["user", "assistant", "system"]},
+                                "content": {"anyOf": [{"type": "string"}, _BLOCKS]}}}},
+    "system": {"anyOf": [{"type": "string"}, _BLOCKS]}, "stream": {"type": "boolean"},
+    "program_id": {"anyOf": [PROGRAM_ID_SCHEMA, {"type": "null"}]},
+    "priority": {"type": "integer", "description": "the holding queue's tier (not sent to the server)"}},
+    "description": "Anthropic's Messages API (its other fields and vLLM's extensions are relayed to the servers)"}
+_MESSAGE = {"type": "object", "required": ["type", "role", "content"], "properties": {
+    "type": {"const": "message"}, "role": {"const": "assistant"}, "content": _BLOCKS}}
+_COUNT = {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": {"type": "integer"}}}
+
+
+def _anthropic(summary: str, ok: dict[str, Any], statuses: tuple[int, ...]) -> dict[str, Any]:
+    errors = {str(s): _json(_ANTHROPIC_ERROR, "error (Anthropic's shape)") for s in statuses}
+    errors["default"] = _json({"anyOf": [_ANTHROPIC_ERROR, _ERROR]}, "error (a malformed HTTP request: OpenAI's shape)")
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {
+        "schema": _MESSAGES_REQUEST}}}, "responses": {"200": ok, **errors}}}
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
@@ -128,6 +156,12 @@ def openapi_document(cfg: Config) -> dict[str, Any]:
     paths: dict[str, Any] = {
         "/v1/chat/completions": _generate("Chat completion (OpenAI)", "ChatCompletionRequest", _CHAT),
         "/v1/completions": _generate("Text completion (OpenAI)", "CompletionRequest", _COMPLETION),
+        MESSAGES_PATH: _anthropic("Messages (Anthropic), relayed to a vLLM / SGLang / OpenAI-compatible server", {
+            "description": "the server's message; `stream: true` gives its server-sent events", "content": {
+                "application/json": {"schema": _MESSAGE}, "text/event-stream": {"schema": _SSE_EVENT}}},
+            (400, 401, 404, 408, 413, 415, 429, 502, 503)),
+        COUNT_TOKENS_PATH: _anthropic("Prompt tokens of a Messages request, as the servers render it",
+                                      _json(_COUNT, "the count"), (400, 401, 404, 408, 413, 415, 429)),
         "/v1/models": get("The served model", {"200": _json(_LIST, "models"), **_errors()}),
         "/v1/programs": {"get": {
             "summary": "Agent programs known to the scheduler, oldest first", "parameters": [

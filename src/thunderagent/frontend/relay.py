@@ -39,6 +39,7 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta
 
+from thunderagent.frontend.anthropic import error_doc
 from thunderagent.frontend.auth import DETAIL, TENANT, tenant_salt
 from thunderagent.frontend.protocol import MaxTokens, Priority, RequestError, prompt_input
 from thunderagent.frontend.relay_fields import MESSAGE_KEYS, RelayFields
@@ -110,13 +111,14 @@ def _label(why: str | None) -> str:
     return parts[0] or "unknown"
 
 
-def upstream_error(worker: str | None, out: TokenOutput) -> web.Response:
-    """A server's refusal as an OpenAI error: its own body when it is OpenAI-shaped (with its status),
-    else wrapped (502 for a server fault, the server's status for a 4xx). ``worker``: its id, or None
-    where the caller may not see it (a tenant)."""
+def upstream_error(worker: str | None, out: TokenOutput, anthropic: bool = False) -> web.Response:
+    """A server's refusal as an OpenAI error (``anthropic``: an Anthropic one): its own body when it has that
+    shape (with its status), else wrapped (502 for a server fault, the server's status for a 4xx). ``worker``:
+    its id, or None where the caller may not see it (a tenant)."""
     raw, status = out.raw or b"", out.raw_status
     try:
-        shaped = isinstance(json.loads(raw).get("error"), dict)
+        doc = json.loads(raw)
+        shaped = isinstance(doc.get("error"), dict) and (not anthropic or doc.get("type") == "error")
     except (ValueError, AttributeError):
         shaped = False
     if shaped and 400 <= status:
@@ -124,17 +126,22 @@ def upstream_error(worker: str | None, out: TokenOutput) -> web.Response:
     # a body that is not OpenAI's shape (a proxy's error page, a trace) may name the fleet's hosts: admins only
     text = raw[:200].decode(errors="replace") if worker is not None else ""
     why = (f"HTTP {status}: {text}" if text else f"HTTP {status}") if raw else f"the request {out.finish_reason}"
-    err = {"message": f"{_who(worker)} failed the request ({why})", "type": "server_error", "param": None,
-           "code": "upstream_error"}
-    return web.json_response({"error": err}, status=status if 400 <= status < 500 else 502)
+    message = f"{_who(worker)} failed the request ({why})"
+    status = status if 400 <= status < 500 else 502
+    if anthropic:
+        return web.json_response(error_doc(status, message), status=status)
+    err = {"message": message, "type": "server_error", "param": None, "code": "upstream_error"}
+    return web.json_response({"error": err}, status=status)
 
 
 def _who(worker: str | None) -> str:
     return "the worker" if worker is None else f"worker {worker}"
 
 
-def _error_event(worker: str | None, out: TokenOutput) -> bytes:
+def _error_event(worker: str | None, out: TokenOutput, anthropic: bool = False) -> bytes:
     msg = f"{_who(worker)} failed while streaming the request ({out.finish_reason}); it cannot be resumed"
+    if anthropic:
+        return b"event: error\ndata: " + json.dumps(error_doc(502, msg)).encode() + b"\n\n"
     err = {"message": msg, "type": "server_error", "param": None, "code": "worker_failed"}
     return b"data: " + json.dumps({"error": err}).encode() + b"\n\ndata: [DONE]\n\n"
 
@@ -189,20 +196,29 @@ class RelayFrontend:
                 raise RequestError("`prompt` is required", param="prompt")
             prompt = prompt_input(req.prompt)
             ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
-        if not ids:
-            raise RequestError("prompt is empty", param="messages" if chat else "prompt")
-        max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        # the fleet's accounting (the body is sent as it is: without max_tokens the server picks what fits)
-        max_tokens = fe.budget(ids, req.max_completion_tokens or req.max_tokens, max_param,
-                               "messages" if chat else "prompt")
         path = "/v1/chat/completions" if chat else "/v1/completions"
+        return await self.dispatch(request, req, ids, Passthrough(path, body, req.stream), lora,
+                                   "messages" if chat else "prompt")
+
+    async def dispatch(self, request: web.Request, req: Any, ids: list[int], pt: Passthrough, lora: str | None,
+                       prompt_param: str, anthropic: bool = False) -> web.StreamResponse:
+        """Route ``pt`` (the client's body) on the prompt ``ids`` and relay the server's answer. ``req``: the
+        fields routing reads (``max_tokens`` / ``max_completion_tokens``, ``cache_salt``, ``lora_name``,
+        ``priority``, ``program_id``, ``explain``, ``user``); ``anthropic``: errors in the Messages API's shape."""
+        fe = self.fe
+        if not ids:
+            raise RequestError("prompt is empty", param=prompt_param)
+        asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        max_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+        # the fleet's accounting (the body is sent as it is: without max_tokens the server picks what fits)
+        max_tokens = fe.budget(ids, asked, max_param, prompt_param)
         explained = fe._explain(request, req.explain)
-        take_prompt_tokens(request, len(ids), "messages" if chat else "prompt",  # the tenant's token limit, if any
-                           req.max_completion_tokens or req.max_tokens or 0, max_param)
+        take_prompt_tokens(request, len(ids), prompt_param, asked or 0, max_param)  # the tenant's token limit, if any
         gen = await fe.fleet.start_generation(
-            ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt), lora_name=lora or req.lora_name,
-            priority=req.priority, route_key=fe._route_key(request, req), program_id=fe._program_id(request, req),
-            tenant=request.get(TENANT), passthrough=Passthrough(path, body, req.stream),
+            ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt),
+            lora_name=lora or getattr(req, "lora_name", None), priority=req.priority,
+            route_key=fe._route_key(request, req), program_id=fe._program_id(request, req),
+            tenant=request.get(TENANT), passthrough=pt,
         )
         count_completion(request, gen)
         shown = request[DETAIL]
@@ -218,23 +234,23 @@ class RelayFrontend:
         try:
             out = await anext(outputs)
             if out.finished and _failed(out):  # refused before any byte: an error answer
-                return upstream_error(worker(), out)
-            if not req.stream:
+                return upstream_error(worker(), out, anthropic)
+            if not pt.stream:
                 while not out.finished:
                     out = await anext(outputs)
                 if _failed(out):
-                    return upstream_error(worker(), out)
+                    return upstream_error(worker(), out, anthropic)
                 if shown:
                     headers["x-thunderagent-worker"] = gen.decision.worker_id  # routed again: the one that served
                 return web.Response(body=out.raw, content_type="application/json", headers=headers)
-            return await self._stream(request, worker(), out, outputs, headers)
+            return await self._stream(request, worker(), out, outputs, headers, anthropic)
         finally:
             await outputs.aclose()  # aborts the server's request if it did not finish
             fe.tenant_usage(request, gen)
 
     @staticmethod
     async def _stream(request: web.Request, worker: str | None, out: TokenOutput, outputs: Any,
-                      headers: dict[str, str]) -> web.StreamResponse:
+                      headers: dict[str, str], anthropic: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
         try:
             await resp.prepare(request)  # aiohttp holds the headers back until the first bytes
@@ -244,7 +260,7 @@ class RelayFrontend:
                 out = await anext(outputs)
             # the last bytes go with the end of the chunked body: one send, not two (a stream that
             # arrived in one read leaves in one write, headers included)
-            await resp.write_eof(_error_event(worker, out) if _failed(out) else out.raw or b"")
+            await resp.write_eof(_error_event(worker, out, anthropic) if _failed(out) else out.raw or b"")
         except (ConnectionResetError, ConnectionError) as exc:
             log.info("client went away during a relayed stream: %s", exc)
         return resp

@@ -34,6 +34,15 @@ class Tokenizer(Protocol):
         tool calls: ``frontend/chat_render.py``), for hashing only."""
         ...
 
+    @property
+    def system_first(self) -> bool:
+        """The chat template needs every system message first (inline ones are merged: the Messages API)."""
+        ...
+
+    def thinking_off_effort(self) -> str:
+        """The ``reasoning_effort`` a Messages API request's ``thinking: disabled`` renders with."""
+        ...
+
     def decoder(self) -> StreamDecoder: ...
 
 
@@ -92,6 +101,13 @@ class ByteTokenizer:
         if tools:
             msgs.insert(0, ChatMessage("tools", canonical(tools)))
         return self.apply_chat_template(msgs)
+
+    @property
+    def system_first(self) -> bool:
+        return False  # the stand-in template renders system messages anywhere
+
+    def thinking_off_effort(self) -> str:
+        return "none"  # the stand-in renders no effort
 
     def decoder(self) -> StreamDecoder:
         return _ByteStreamDecoder()
