@@ -69,3 +69,79 @@ async def test_relayed_tool_requests_on_real_vllm(tiny_model_dir: Path, vllm_ser
                                              top_logprobs=2, extra_body={"ignore_eos": True})
         content = lp.choices[0].logprobs.content
         assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+
+
+# -- Anthropic's Messages API (/v1/messages): vLLM converts it to a chat request and renders that -----------------
+A_TOOLS = [{"name": "read_file", "description": "Read a file of the repository.",
+            "input_schema": {"properties": {"path": {"type": "string"}}, "required": ["path"]}}]  # no "type": vLLM adds it
+A_SYSTEM = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.3; cch=4f0a1;"},
+            {"type": "text", "text": SYSTEM}, {"type": "text", "text": "Be brief."}]
+
+
+def _a_history(calls: int) -> list[dict]:
+    """Claude Code's shapes: text blocks, tool_use (with and without text), tool_result as text and as blocks,
+    a thinking block, an inline system reminder."""
+    msgs: list[dict] = [{"role": "user", "content": [{"type": "text", "text": "Fix the parser."},
+                                                     {"type": "text", "text": "Tests fail since Monday."}]}]
+    for k in range(calls):
+        use = {"type": "tool_use", "id": f"toolu_{k}", "name": "read_file", "input": {"path": f"src/parser/{k}.py"}}
+        blocks = [{"type": "thinking", "thinking": "I should read it.", "signature": "sig"}, use] if k % 2 else \
+            [{"type": "text", "text": "Reading the file."}, use]
+        msgs.append({"role": "assistant", "content": blocks})
+        result = f"def parse_{k}(text):\n    return text\n"
+        content = [{"type": "text", "text": result}, {"type": "text", "text": "(end of file)"}] if k % 2 else result
+        msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": content}]})
+        if k == 0:
+            msgs.append({"role": "system", "content": "<system-reminder>Keep going.</system-reminder>"})
+    return msgs
+
+
+async def test_messages_api_on_real_vllm(tiny_model_dir: Path, vllm_servers: list[VllmServer]) -> None:
+    import anthropic
+
+    from thunderagent.frontend.anthropic import to_chat
+
+    tok = HfTokenizer(tiny_model_dir)
+    served = str(tiny_model_dir)
+    docs = [{"system": A_SYSTEM, "messages": _a_history(0)},
+            {"system": A_SYSTEM, "messages": _a_history(3), "tools": A_TOOLS, "tool_choice": {"type": "none"}},
+            {"system": "plain system text", "messages": _a_history(2), "tools": A_TOOLS, "tool_choice": {"type": "none"},
+             "thinking": {"type": "disabled"}, "output_config": {"effort": "high"}}]
+    async with aiohttp.ClientSession() as s:  # vLLM's own count of the same requests
+        for doc in docs:
+            async with s.post(vllm_servers[0].url + "/v1/messages/count_tokens", json={"model": served, **doc}) as r:
+                assert r.status == 200, await r.text()
+                theirs = (await r.json())["input_tokens"]
+            ours = tok.apply_openai_chat(to_chat(doc, system_first=tok.system_first, effort_off=tok.thinking_off_effort()))
+            assert len(ours) == theirs, doc
+    async with thunderagent(front_config(tiny_model_dir, vllm_servers), vllm_servers) as front:
+        fleet = front.fleet
+        async with anthropic.AsyncAnthropic(base_url=front.base_url, api_key="unused", max_retries=0,
+                                            timeout=120) as c:
+            count = await c.messages.count_tokens(model=front.model, system=A_SYSTEM, tools=A_TOOLS,
+                                                  tool_choice={"type": "none"}, messages=_a_history(3))
+            assert count.input_tokens == len(tok.apply_openai_chat(to_chat(docs[1], system_first=False,
+                                                                            effort_off="none")))
+            program = {"x-thunderagent-program-id": "claude-1"}
+            first = await c.messages.with_raw_response.create(
+                model=front.model, system=A_SYSTEM, tools=A_TOOLS, messages=_a_history(2), max_tokens=4,
+                tool_choice={"type": "none"}, extra_headers=program)
+            m1 = await first.parse()
+            # vLLM's answer, relayed (random weights: an early end of sequence is possible)
+            assert m1.stop_reason in ("max_tokens", "end_turn") and 1 <= m1.usage.output_tokens <= 4, m1
+            worker = first.headers["x-thunderagent-worker"]
+            ids = tok.apply_openai_chat(to_chat({"system": A_SYSTEM, "tools": A_TOOLS, "messages": _a_history(2)},
+                                                system_first=False, effort_off="none"))
+            hashes = block_hashes(ids, BLOCK_SIZE, hash_seed())
+            await wait_until(lambda: fleet.index.is_confirmed(worker, hashes[-1]), 20, "vLLM's events of the first step")
+            grown = await c.messages.with_raw_response.create(
+                model=front.model, system=A_SYSTEM, tools=A_TOOLS, messages=_a_history(3), max_tokens=4,
+                tool_choice={"type": "none"}, extra_headers={**program, "x-thunderagent-explain": "1"})
+            why = json.loads(grown.headers["x-thunderagent-explanation"])
+            cached = (await grown.parse()).usage.cache_read_input_tokens
+            assert grown.headers["x-thunderagent-worker"] == worker
+            assert why["overlap_blocks"] == len(hashes) and cached == len(hashes) * BLOCK_SIZE, (why, cached)
+            async with c.messages.stream(model=front.model, max_tokens=3, messages=_a_history(0),
+                                         system=A_SYSTEM) as stream:
+                final = await stream.get_final_message()
+            assert final.stop_reason in ("max_tokens", "end_turn") and 1 <= final.usage.output_tokens <= 3, final

@@ -72,3 +72,50 @@ def test_any_cuts_give_the_same_bytes_whole_events_and_count() -> None:
         assert outs[-1].finished and not any(o.finished for o in outs[:-1])
         assert outs[-1].finish_reason == FinishReason.LENGTH and outs[-1].cached_tokens == 3
         assert sum(progress) == 4
+
+
+# Anthropic's Messages API (/v1/messages): named events, ended by message_stop (no [DONE])
+A_EVENTS = [
+    b'event: message_start\ndata: {"type":"message_start","message":{"id":"m","usage":'
+    b'{"input_tokens":5,"output_tokens":0,"cache_read_input_tokens":32}}}\n\n',
+    b'event: content_block_start\ndata: {"type":"content_block_start","index":0,"content_block":{"type":"text"}}\n\n',
+    b'event: ping\ndata: {"type":"ping"}\n\n',
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"a"}}\n\n',
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":""}}\n\n',
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":1,'
+    b'"delta":{"type":"input_json_delta","partial_json":"{}"}}\n\n',
+    b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"max_tokens"},'
+    b'"usage":{"output_tokens":3,"cache_read_input_tokens":48}}\n\n',
+    b'event: message_stop\ndata: {"type":"message_stop"}\n\n',
+]
+A_BODY = b"".join(A_EVENTS)
+
+
+def test_anthropic_streams_read_alike_under_any_cuts() -> None:
+    rng = random.Random(11)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(A_BODY)), rng.randint(0, 10)))
+        pieces = [A_BODY[a:b] for a, b in zip([0, *cuts], [*cuts, len(A_BODY)])]
+        outs, progress = _relay(pieces, "/v1/messages")
+        assert b"".join(o.raw or b"" for o in outs) == A_BODY, cuts
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert outs[-1].finish_reason == FinishReason.LENGTH and outs[-1].cached_tokens == 48
+        assert sum(progress) == 3  # two deltas with content, topped up to usage.output_tokens
+
+
+def test_an_anthropic_error_event_fails_the_request() -> None:
+    body = A_EVENTS[0] + b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":"x"}}\n\n'
+    outs, _ = _relay([body], "/v1/messages")
+    assert outs[-1].finished and outs[-1].finish_reason == FinishReason.ERROR
+
+
+def test_a_whole_anthropic_message_is_read_for_its_end_and_usage() -> None:
+    from thunderagent.execution.openai_relay import _Read
+
+    st = _Read()
+    _READERS["/v1/messages"].whole(b'{"type":"message","stop_reason":"tool_use","usage":{"input_tokens":1,'
+                                   b'"output_tokens":7,"cache_read_input_tokens":16}}', st)
+    assert (st.reason, st.reported, st.cached) == (FinishReason.STOP, 7, 16)
+    st = _Read()
+    _READERS["/v1/messages"].whole(b"not json", st)  # the client gets the bytes; nothing counted
+    assert (st.reason, st.reported) == (None, None)
