@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
 
@@ -100,6 +101,14 @@ async def test_adapters_cross_the_bus(tmp_path: Path, tiny_model_dir: Path) -> N
         r = await asyncio.to_thread(client.completions.create, model="sql-lora", prompt="select", max_tokens=2)
         assert r.usage is not None and r.usage.completion_tokens == 2
         assert engine.requests[-1]["model"] == "sql-lora"
+        # Anthropic's Messages API crosses the bus too: the client's body in the worker's request, the
+        # server's message back
+        base = str(client.base_url).rstrip("/").removesuffix("/v1")
+        with anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=30) as a:
+            m = await asyncio.to_thread(a.messages.create, model="sql-lora", max_tokens=3,
+                                        messages=[{"role": "user", "content": "select"}])
+        assert m.content[0].text == "ok" and m.stop_reason == "end_turn"
+        assert engine.messages[-1]["model"] == "sql-lora" and engine.messages[-1]["max_tokens"] == 3
     finally:
         cluster.close()
         await engine.stop()

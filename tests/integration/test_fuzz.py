@@ -26,6 +26,7 @@ from schemathesis.specs.openapi.checks import (
 
 from integration.conftest import test_config as make_config
 from support.server import running_server
+from thunderagent.frontend.anthropic import ANTHROPIC_PATHS
 
 pytestmark = [pytest.mark.integration, pytest.mark.reliability]
 
@@ -81,7 +82,11 @@ class ServerThread:
 def assert_sane(response: requests.Response, case: schemathesis.Case) -> None:
     assert response.status_code < 500, f"{response.status_code} for {case.as_curl_command()}: {response.text[:500]}"
     if response.status_code >= 400:
-        err = response.json()["error"]
+        doc = response.json()
+        err = doc["error"]
+        if response.request.path_url.split("?")[0] in ANTHROPIC_PATHS:  # Anthropic's shape there
+            assert doc["type"] == "error" and set(err) == {"type", "message"} and err["message"], response.text[:500]
+            return
         assert set(err) == {"message", "type", "param", "code"} and err["message"], response.text[:500]
 
 
