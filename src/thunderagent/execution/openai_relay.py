@@ -290,6 +290,7 @@ class Relay:
         s = self._s
         rid, n_prompt, clock, queue = r.req.request_id, len(r.req.prompt_tokens), s._clock, r.queue
         st = _Read()  # st.tokens: of the event being read
+        event = read.event  # (bound once: called per event)
         counted = 0
         ready = 0  # tokens of the complete events not relayed yet
         buf = b""
@@ -305,7 +306,7 @@ class Relay:
                 scan += len(line) + 1
                 if line.startswith(b"data:"):
                     data = line[5:].strip()
-                    read.event(data, st)
+                    event(data, st)
                     if st.error is not None:
                         log.warning("%s: request %s failed in the server: %s", s.worker_id, rid, st.error)
                         self._finish(r, _NO_IDS, FinishReason.ERROR, 0, data, 500)
