@@ -269,6 +269,8 @@ class WorkerState:
     #: as in :class:`WorkerInfo` (0: no limit known)
     max_seq_tokens: int = 0
     max_prompt_tokens: int = 0
+    #: LoRA adapters its server serves by name: a request for one goes only to workers listing it
+    adapters: frozenset[str] = frozenset()
 
     def holds(self, prompt: int, total: int) -> bool:
         """Can this worker take a ``prompt``-token request that may grow to ``total`` tokens? A

@@ -1,6 +1,6 @@
 """LoRA adapters by name: a vLLM server lists its adapters in ``/v1/models`` (``parent``: the base model),
 and clients name one as the ``model``, as they would talking to vLLM. ThunderAgent serves an adapter by
-name once every worker's server lists it (routing may pick any worker), sends it as the model on both the
+name once some worker's server lists it (routing sends it only to those), sends it as the model on both the
 token path and the relayed one, lists it in its own ``/v1/models``, and follows adapters loaded at runtime.
 
 Real sockets on 127.0.0.1: two fake vLLM servers (``support.fake_engine``), ThunderAgent's HTTP server,
@@ -24,7 +24,7 @@ from thunderagent.frontend.hf_tokenizer import HfTokenizer
 BS = 16
 
 
-async def test_adapters_served_by_every_worker_are_models(tiny_model_dir: Path) -> None:
+async def test_adapters_are_models_routed_to_the_servers_that_list_them(tiny_model_dir: Path) -> None:
     tok = HfTokenizer(tiny_model_dir)
     engines = [FakeEngine(block_size=BS, render=tok.apply_openai_chat, adapters=["sql-lora", *extra])
                for extra in ([], ["math-lora"])]
@@ -36,10 +36,11 @@ async def test_adapters_served_by_every_worker_are_models(tiny_model_dir: Path) 
     try:
         async with running_server(cfg) as srv:
             c = srv.client
-            await wait_until(lambda: srv.fleet.registry.adapters_everywhere() == ["sql-lora"], 10, "adapters listed")
+            await wait_until(lambda: srv.fleet.registry.adapters_anywhere() == ["math-lora", "sql-lora"], 10,
+                             "adapters listed")
             listed = await c.models.list()
             assert [(m.id, getattr(m, "parent", None)) for m in listed.data] == [
-                (srv.fleet.model_name, None), ("sql-lora", srv.fleet.model_name)]
+                (srv.fleet.model_name, None), ("math-lora", srv.fleet.model_name), ("sql-lora", srv.fleet.model_name)]
             msgs = [{"role": "user", "content": "select every row"}]
             r = await c.chat.completions.create(model="sql-lora", messages=msgs, max_tokens=3)
             assert r.usage.completion_tokens == 3
@@ -49,17 +50,25 @@ async def test_adapters_served_by_every_worker_are_models(tiny_model_dir: Path) 
             r = await c.chat.completions.create(model="sql-lora", messages=msgs, tools=tools)
             assert r.choices[0].finish_reason == "tool_calls"
             assert [b["model"] for e in engines for b in e.chats] == ["sql-lora"]  # relayed, rewritten the same way
-            with pytest.raises(openai.NotFoundError) as err:  # on one worker of two: not served by name
-                await c.chat.completions.create(model="math-lora", messages=msgs, max_tokens=3)
-            assert "1 of the fleet's 2 workers" in err.value.body["message"]
+            # an adapter one server of two lists goes only there, whatever the load and the cache say
+            r = await c.completions.create(model="math-lora", prompt="one plus one is", max_tokens=2,
+                                           extra_body={"explain": True})
+            assert [x["worker"] for x in r.model_extra["thunderagent"]["candidates"]] == [r.model_extra[
+                "thunderagent"]["worker"]]  # the one candidate
+            for k in range(8):
+                prompt = [{"role": "user", "content": f"two plus {k}"}]
+                await c.chat.completions.create(model="math-lora", messages=prompt, max_tokens=2)
+                await c.chat.completions.create(model="math-lora", messages=prompt, tools=tools)
+            assert [b["model"] for b in engines[0].requests + engines[0].chats].count("math-lora") == 0
+            assert [b["model"] for b in engines[1].requests + engines[1].chats].count("math-lora") == 17
             with pytest.raises(openai.NotFoundError):
                 await c.chat.completions.create(model="no-such-lora", messages=msgs, max_tokens=3)
             engines[0].adapters.append("math-lora")  # loaded at runtime on the other server too
-            await wait_until(lambda: "math-lora" in srv.fleet.registry.adapters_everywhere(), 15,
+            await wait_until(lambda: srv.fleet.registry.adapter("math-lora") == (2, 2), 15,
                              "the runtime-loaded adapter to be seen")
-            r = await c.completions.create(model="math-lora", prompt="two plus two", max_tokens=2)
-            assert r.usage.completion_tokens == 2
-            assert [b["model"] for e in engines for b in e.requests][-1] == "math-lora"
+            r = await c.completions.create(model="math-lora", prompt="one plus one is", max_tokens=2,
+                                           extra_body={"explain": True})
+            assert len(r.model_extra["thunderagent"]["candidates"]) == 2  # now both may take it
     finally:
         for e in engines:
             await e.stop()

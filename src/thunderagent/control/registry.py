@@ -87,10 +87,10 @@ class WorkerRegistry:
         """(workers whose server serves LoRA adapter ``name`` by name, registered workers)."""
         return sum(name in e.info.adapters for e in self._entries.values()), len(self._entries)
 
-    def adapters_everywhere(self) -> list[str]:
-        """The LoRA adapters every registered worker serves (what the frontend serves by name)."""
-        sets = [set(e.info.adapters) for e in self._entries.values()]
-        return sorted(set.intersection(*sets)) if sets else []
+    def adapters_anywhere(self) -> list[str]:
+        """The LoRA adapters some registered worker serves (what the frontend serves by name: routing sends a
+        request for one only to the workers listing it)."""
+        return sorted({a for e in self._entries.values() for a in e.info.adapters})
 
     def deregister(self, worker_id: str) -> bool:
         self._stale.pop(worker_id, None)
@@ -156,7 +156,7 @@ class WorkerRegistry:
     def _state(wid: str, e: _Entry) -> WorkerState:
         i = e.info
         return WorkerState(wid, i.block_size, i.max_num_batched_tokens, i.queue_depth_threshold, e.load, i.role,
-                           i.max_num_seqs, i.max_seq_tokens, i.max_prompt_tokens)
+                           i.max_num_seqs, i.max_seq_tokens, i.max_prompt_tokens, frozenset(i.adapters))
 
     def check(self, now: float, silent_for: Callable[[float, float], float] | None = None) -> list[HealthChange]:
         """Health changes at ``now``. ``silent_for(since, now)`` measures a worker's silence (default:

@@ -144,17 +144,13 @@ class Frontend:
 
     # -- helpers -----------------------------------------------------------------------------
     def _check_model(self, model: str) -> str | None:
-        """The LoRA adapter ``model`` names (None: the base model), one every worker's server serves by name
-        (vLLM's ``/v1/models``; routing may pick any worker); a 404 for any other name."""
+        """The LoRA adapter ``model`` names (None: the base model), one some worker's server serves by name
+        (vLLM's ``/v1/models``; routing sends the request only to workers listing it); a 404 for any other name."""
         if model == self.fleet.model_name:
             return None
-        serving, total = self.fleet.registry.adapter(model)
-        if serving and serving == total:
+        if self.fleet.registry.adapter(model)[0]:
             return model
-        why = (f"; it is a LoRA adapter {serving} of the fleet's {total} workers serve, and ThunderAgent serves an "
-               "adapter by name once every worker does (load it on all of them)") if serving else ""
-        raise RequestError(f"The model `{model}` does not exist{why}", param="model", status=404,
-                           code="model_not_found")
+        raise RequestError(f"The model `{model}` does not exist", param="model", status=404, code="model_not_found")
 
     def budget(self, prompt_ids: list[int], asked: int | None, max_param: str, prompt_param: str) -> int:
         """The request's max_tokens: what it asked, else the default cut to what fits the largest worker (as
@@ -384,7 +380,7 @@ class Frontend:
         body = {"object": "list", "data": [
             {"id": base, "object": "model", "created": 0, "owned_by": "thunderagent"},
             *({"id": a, "object": "model", "created": 0, "owned_by": "thunderagent", "parent": base}
-              for a in self.fleet.registry.adapters_everywhere()),  # the LoRA adapters every worker serves
+              for a in self.fleet.registry.adapters_anywhere()),  # the LoRA adapters some worker serves
         ]}
         return web.json_response(body)
 

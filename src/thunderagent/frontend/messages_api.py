@@ -119,6 +119,8 @@ class MessagesApi:
             lora = relay.fe._check_model(req.model)  # the worker sends the server's name (or the adapter's)
             check_fields(doc)
             relay.fe.fleet.metrics.relayed.labels("messages_api").inc()
+        elif relay.fe.fleet.registry.adapter(req.model)[0]:  # engine openai: an adapter goes to the servers listing it
+            lora = req.model
         fields = _Fields(req.max_tokens, req.cache_salt, req.priority, req.explain, req.program_id,
                          req.metadata.user_id if req.metadata is not None else None)
         pt = Passthrough(MESSAGES_PATH, body, bool(req.stream))

@@ -185,6 +185,8 @@ class RelayFrontend:
             lora = fe._check_model(req.model)  # ThunderAgent's name (or an adapter's): the worker sends the server's
             self.fields.check(doc, chat)
             fe.fleet.metrics.relayed.labels(_label(why)).inc()
+        elif fe.fleet.registry.adapter(req.model)[0]:  # engine openai: a LoRA adapter some servers list goes there
+            lora = req.model
         tok = fe.tokenizer
         if chat:
             if req.messages is None:

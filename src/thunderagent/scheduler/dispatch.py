@@ -417,9 +417,7 @@ class Dispatcher:
         .held``): overload in our queue still saturates and keeps cache hits. Raises :class:`NoWorkerAvailable`."""
         if self.before_route is not None:
             self.before_route(req, now)
-        if exclude:
-            workers = [w for w in workers if w.worker_id not in exclude]
-        workers, prefill_pool = split_pools(workers)
+        workers, prefill_pool = split_pools(_eligible(workers, exclude, req.lora_name))
         if not workers:
             raise NoWorkerAvailable("no decode (or both) worker is routable; role prefill workers only prefill")
         if not prefill_pool and self.disagg is not None and self.disagg.strict:
@@ -481,3 +479,13 @@ class Dispatcher:
     def settle(self, now: float) -> None:
         """End of an instant's dispatches: sweep a bounded number of expired predictions."""
         self.index.expire(now, EXPIRE_PER_SETTLE)
+
+
+def _eligible(workers: Sequence[WorkerState], exclude: tuple[str, ...], lora: str | None) -> Sequence[WorkerState]:
+    """``workers`` less ``exclude``; for a LoRA adapter some of them list by name, only those (one no routable
+    worker lists goes as asked: a simulated fleet's ``lora_name``, or the server says it does not have it)."""
+    if exclude:
+        workers = [w for w in workers if w.worker_id not in exclude]
+    if lora is not None and (serving := [w for w in workers if lora in w.adapters]):
+        return serving
+    return workers
