@@ -56,7 +56,8 @@ def _history(task: str, calls: int) -> list[dict]:
     """A Claude Code-like conversation after ``calls`` tool round trips (tool_use, then a user tool_result)."""
     msgs: list[dict] = [{"role": "user", "content": [{"type": "text", "text": f"Fix the bug in {task}."}]}]
     for k in range(calls):
-        use = {"type": "tool_use", "id": f"toolu_{task}_{k}", "name": "read_file", "input": {"path": f"src/{task}/{k}.py"}}
+        use = {"type": "tool_use", "id": f"toolu_{task}_{k}", "name": "read_file",
+               "input": {"path": f"src/{task}/{k}.py"}}
         msgs.append({"role": "assistant", "content": [{"type": "text", "text": "Reading it."}, use]})
         msgs.append({"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": use["id"], "content": f"def f{k}(x):\n    return x + {k}\n" * 3}]})
@@ -172,3 +173,32 @@ async def test_a_simulated_fleet_says_it_has_no_server_to_relay_to() -> None:
                 await c.messages.create(model=srv.fleet.model_name, max_tokens=4,
                                         messages=[{"role": "user", "content": "hi"}])
             assert "has none to relay to" in missing.value.body["error"]["message"]
+
+
+async def test_claude_code_sessions_are_programs(tiny_model_dir: Path) -> None:
+    engines = await _engines(tiny_model_dir)
+    try:
+        async with running_server(_config(engines, tiny_model_dir)) as srv:
+            await wait_until(lambda: len(srv.fleet.routable()) == 2, 10, "both servers routable")
+            model, hi = srv.fleet.model_name, [{"role": "user", "content": "hi"}]
+            current = json.dumps({"device_id": "d" * 64, "account_uuid": "",
+                                  "session_id": "6f1c2a9e-4b7d-4e1a-9c3b-2d5e8f0a1b2c"})
+            legacy = "user_" + "a" * 64 + "_account__session_435395a4-cecb-4661-b9ec-c38edb6ec9c5"
+            async with _client(srv) as c:
+                for _ in range(2):
+                    await c.messages.create(model=model, max_tokens=2, messages=hi, metadata={"user_id": current})
+                await c.messages.create(model=model, max_tokens=2, messages=hi, metadata={"user_id": legacy})
+                await c.messages.create(model=model, max_tokens=2, messages=hi,
+                                        extra_headers={"x-claude-code-session-id": "cc-header-session"})
+                await c.messages.create(model=model, max_tokens=2, messages=hi,  # ours wins over Claude Code's
+                                        metadata={"user_id": legacy}, extra_headers={"x-thunderagent-program-id": "mine"})
+                await c.messages.create(model=model, max_tokens=2, messages=hi, metadata={"user_id": "user-42"})
+                await c.messages.create(model=model, max_tokens=2, messages=hi,  # not an id: no program, no error
+                                        extra_headers={"x-claude-code-session-id": "bad id/with space"})
+            async with aiohttp.ClientSession() as s, s.get(srv.base_url + "/v1/programs") as resp:
+                steps = {p["id"]: p["steps"] for p in (await resp.json())["data"]}
+            assert steps == {"6f1c2a9e-4b7d-4e1a-9c3b-2d5e8f0a1b2c": 2, "435395a4-cecb-4661-b9ec-c38edb6ec9c5": 1,
+                             "cc-header-session": 1, "mine": 1}
+    finally:
+        for e in engines:
+            await e.stop()

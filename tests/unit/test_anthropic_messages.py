@@ -143,3 +143,12 @@ def test_fields_and_errors() -> None:
         "invalid_request_error", "authentication_error", "permission_error", "not_found_error", "request_too_large",
         "invalid_request_error", "api_error", "api_error", "overloaded_error"]
     json.dumps(error_doc(400, "x"))
+
+
+def test_claude_code_session_ids_from_metadata() -> None:
+    from thunderagent.frontend.messages_api import claude_session
+
+    assert claude_session(json.dumps({"device_id": "x", "session_id": "6f1c2a9e-4b7d"})) == "6f1c2a9e-4b7d"
+    assert claude_session("user_" + "a" * 64 + "_account__session_435395a4-cecb-4661-b9ec-c38edb6ec9c5") == \
+        "435395a4-cecb-4661-b9ec-c38edb6ec9c5"
+    assert [claude_session(u) for u in (None, "", "user-42", "{not json", '{"session_id": 7}', "[1]")] == [None] * 6

@@ -63,7 +63,7 @@ from thunderagent.frontend.relay import RelayFrontend
 from thunderagent.frontend.relay_fields import fleet_relay
 from thunderagent.frontend.streaming import TextChunk, stream_text
 from thunderagent.frontend.tokenizer import ChatMessage, Tokenizer
-from thunderagent.scheduler.programs import program_key
+from thunderagent.scheduler.programs import PROGRAM_ID, program_key
 from thunderagent.types import FinishReason, Sampling
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ FRONTEND_KEY: web.AppKey[Frontend] = web.AppKey("frontend")
 WORKER_HEADER = "x-thunderagent-worker"
 PROGRAM_HEADER = "x-thunderagent-program-id"
 DYNAMO_SESSION_HEADER = "x-dynamo-session-id"
+CLAUDE_SESSION_HEADER = "x-claude-code-session-id"  # Claude Code's, one per session
 EXPLAIN_HEADER = "x-thunderagent-explain"
 #: the routes that generate (what control_plane.tenant_limits counts)
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", MESSAGES_PATH)
@@ -188,14 +189,17 @@ class Frontend:
     @staticmethod
     def _program_id(request: web.Request, req: ChatCompletionRequest | CompletionRequest) -> str | None:
         """The agent program a request belongs to: our header, the body's ``program_id`` (top level
-        or in ``extra_body``, as the ThunderAgent paper's proxy reads it), or Dynamo's session header;
-        as the program table's key: the tenant's own program with API keys on (``tenant/id``)."""
+        or in ``extra_body``, as the ThunderAgent paper's proxy reads it), Dynamo's session header, or else
+        Claude Code's session (its header, or its ``metadata.user_id`` on the Messages API: a malformed one
+        is no program, not an error); as the program table's key: the tenant's own program with API keys
+        on (``tenant/id``)."""
         nested = (req.extra_body or {}).get("program_id")
         for value in (request.headers.get(PROGRAM_HEADER), req.program_id, nested,
                       request.headers.get(DYNAMO_SESSION_HEADER)):
             if value is not None:
                 return program_key(request.get(TENANT), check_program_id(value))
-        return None
+        session = request.headers.get(CLAUDE_SESSION_HEADER) or getattr(req, "client_session", None)
+        return program_key(request.get(TENANT), session) if session and PROGRAM_ID.match(session) else None
 
     @staticmethod
     def _explain(request: web.Request, body_flag: bool) -> bool:

@@ -21,6 +21,7 @@ Anthropic clients send as ``x-api-key``). ThunderAgent reads only what routing n
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -72,6 +73,7 @@ class _Fields:
     explain: bool
     program_id: str | None
     user: str | None
+    client_session: str | None = None  # Claude Code's session (``metadata.user_id``): the program, if no other
     extra_body: dict[str, Any] | None = None
 
 
@@ -87,6 +89,24 @@ def _decode(body: bytes, kind: type) -> tuple[Any, dict[str, Any]]:
         raise RequestError(f"request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:
         raise RequestError("request body is nested too deeply", code="nesting_too_deep") from exc
+
+
+_LEGACY_SESSION = re.compile(r"_session_([0-9A-Za-z-]{8,64})$")
+
+
+def claude_session(user_id: str | None) -> str | None:
+    """Claude Code's session id in ``metadata.user_id``: a JSON object's ``session_id`` (current clients), or the
+    ``..._session_<uuid>`` suffix (older ones). None for anything else."""
+    if not user_id:
+        return None
+    if user_id.startswith("{"):
+        try:
+            session = json.loads(user_id).get("session_id")
+        except (ValueError, AttributeError):
+            return None
+        return session if isinstance(session, str) else None
+    legacy = _LEGACY_SESSION.search(user_id)
+    return legacy.group(1) if legacy else None
 
 
 class MessagesApi:
@@ -121,8 +141,9 @@ class MessagesApi:
             relay.fe.fleet.metrics.relayed.labels("messages_api").inc()
         elif relay.fe.fleet.registry.adapter(req.model)[0]:  # engine openai: an adapter goes to the servers listing it
             lora = req.model
-        fields = _Fields(req.max_tokens, req.cache_salt, req.priority, req.explain, req.program_id,
-                         req.metadata.user_id if req.metadata is not None else None)
+        user = req.metadata.user_id if req.metadata is not None else None
+        fields = _Fields(req.max_tokens, req.cache_salt, req.priority, req.explain, req.program_id, user,
+                         claude_session(user))
         pt = Passthrough(MESSAGES_PATH, body, bool(req.stream))
         return await relay.dispatch(request, fields, self._prompt(doc), pt, lora, "messages", anthropic=True)
 
