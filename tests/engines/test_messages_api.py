@@ -19,7 +19,7 @@ import pytest
 
 from integration.conftest import test_config as make_config
 from support.fake_engine import FakeEngine
-from support.server import running_server
+from support.server import relayed_counts, running_server
 from support.waiting import wait_until
 from thunderagent.frontend.anthropic import to_chat
 from thunderagent.frontend.hf_tokenizer import HfTokenizer
@@ -115,8 +115,7 @@ async def test_claude_code_like_agents_are_relayed_and_follow_their_cache(tiny_m
             async with aiohttp.ClientSession() as s, s.get(srv.base_url + "/v1/programs") as resp:
                 programs = {p["id"]: p for p in (await resp.json())["data"]}
             assert programs["agent-parser"]["steps"] == 3  # relayed steps count as the program's
-            relayed = {dict(s.labels)["field"]: s.value for m in srv.fleet.metrics.registry.collect()
-                       if m.name == "thunderagent_relayed_requests" for s in m.samples if s.name.endswith("_total")}
+            relayed = relayed_counts(srv.fleet)
             assert relayed == {"messages_api": 13.0}
     finally:
         for e in engines:

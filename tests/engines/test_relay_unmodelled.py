@@ -17,7 +17,7 @@ import pytest
 
 from integration.conftest import test_config as make_config
 from support.fake_engine import FakeEngine
-from support.server import running_server
+from support.server import relayed_counts, running_server
 from support.waiting import wait_until
 from thunderagent.frontend.hf_tokenizer import HfTokenizer
 
@@ -92,8 +92,7 @@ async def test_tool_calling_agents_are_relayed_and_follow_their_cache(tiny_model
                     assert why["overlap_blocks"] * BS == cached > len(SYSTEM) // 2, (task, calls, why, cached)
             async with aiohttp.ClientSession() as s, s.get(srv.base_url + "/v1/programs") as resp:
                 programs = {p["id"]: p for p in (await resp.json())["data"]}
-            relayed = {dict(s.labels)["field"]: s.value for m in srv.fleet.metrics.registry.collect()
-                       if m.name == "thunderagent_relayed_requests" for s in m.samples if s.name.endswith("_total")}
+            relayed = relayed_counts(srv.fleet)
             assert relayed == {"top_k": 4.0, "tools": 8.0}  # the first field each had that the token path lacks
             assert programs["agent-parser"]["steps"] == 3  # relayed steps count as the program's
             # a streamed relayed request: the server's events, unchanged
@@ -193,8 +192,7 @@ async def test_relay_all_sends_every_request_with_its_body(tiny_model_dir: Path)
             with pytest.raises(openai.BadRequestError) as err:  # checked as the unmodelled ones are
                 await c.chat.completions.create(model=model, messages=msgs, extra_body={"toppk": 1})
             assert err.value.body["param"] == "toppk"
-            relayed = {dict(s.labels)["field"]: s.value for m in srv.fleet.metrics.registry.collect()
-                       if m.name == "thunderagent_relayed_requests" for s in m.samples if s.name.endswith("_total")}
+            relayed = relayed_counts(srv.fleet)
             assert relayed == {"all": 3.0}
     finally:
         for e in engines:

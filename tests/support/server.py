@@ -43,3 +43,9 @@ async def running_server(cfg: Config, *, fleet: Fleet | None = None, timeout: fl
     finally:
         await client.close()
         await runner.cleanup()
+
+
+def relayed_counts(fleet: Fleet) -> dict[str, float]:
+    """``thunderagent_relayed_requests_total`` by its ``field`` label, as the fleet's registry holds it now."""
+    return {dict(s.labels)["field"]: s.value for m in fleet.metrics.registry.collect()
+            if m.name == "thunderagent_relayed_requests" for s in m.samples if s.name.endswith("_total")}

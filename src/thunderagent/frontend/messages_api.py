@@ -31,7 +31,7 @@ from msgspec import Meta
 
 from thunderagent.frontend.anthropic import MESSAGES_PATH, check_fields, error_doc, to_chat
 from thunderagent.frontend.protocol import MaxTokens, Priority, RequestError
-from thunderagent.frontend.relay import RelayFrontend
+from thunderagent.frontend.relay import RelayFrontend, decode_body
 from thunderagent.frontend.tokenizer import ByteTokenizer
 from thunderagent.types import Passthrough
 
@@ -80,15 +80,13 @@ class _Fields:
 _doc = msgspec.json.Decoder(dict[str, Any])
 
 
-def _decode(body: bytes, kind: type) -> tuple[Any, dict[str, Any]]:
-    try:
-        return msgspec.json.decode(body, type=kind), _doc.decode(body)
-    except msgspec.ValidationError as exc:
-        raise RequestError(str(exc)) from exc
-    except msgspec.DecodeError as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}") from exc
-    except RecursionError as exc:
-        raise RequestError("request body is nested too deeply", code="nesting_too_deep") from exc
+_messages = msgspec.json.Decoder(_Request)
+_count = msgspec.json.Decoder(_Count)
+
+
+def _decode(body: bytes, decoder: msgspec.json.Decoder[Any]) -> tuple[Any, dict[str, Any]]:
+    """The typed fields routing reads, and the whole document (valid JSON once the first decoded)."""
+    return decode_body(decoder, body), _doc.decode(body)
 
 
 _LEGACY_SESSION = re.compile(r"_session_([0-9A-Za-z-]{8,64})$")
@@ -133,7 +131,7 @@ class MessagesApi:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         relay = self._relay()
         body = await request.read()
-        req, doc = _decode(body, _Request)
+        req, doc = _decode(body, _messages)
         lora = None
         if self.checked:
             lora = relay.fe._check_model(req.model)  # the worker sends the server's name (or the adapter's)
@@ -152,7 +150,7 @@ class MessagesApi:
         if isinstance(relay.fe.tokenizer, ByteTokenizer):
             raise RequestError("counting tokens needs the model's tokenizer: set `model` in the configuration",
                                status=404, code="not_found")
-        req, doc = _decode(await request.read(), _Count)
+        req, doc = _decode(await request.read(), _count)
         check_fields(doc)  # answered here: a field that would change nothing is a mistake to name
         if self.checked:
             relay.fe._check_model(req.model)

@@ -86,8 +86,13 @@ _decoder = msgspec.json.Decoder(_Request)
 
 
 def _decode(body: bytes) -> _Request:
+    return decode_body(_decoder, body)
+
+
+def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+    """A request body through its lenient struct's decoder, failures as the 400s that name what is wrong."""
     try:
-        return _decoder.decode(body)
+        return decoder.decode(body)
     except msgspec.ValidationError as exc:
         raise RequestError(str(exc)) from exc
     except msgspec.DecodeError as exc:
