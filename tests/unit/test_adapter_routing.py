@@ -53,3 +53,6 @@ def test_registry_lists_adapters_served_anywhere_and_puts_them_in_routing() -> N
     assert reg.adapters_anywhere() == ["math", "sql"] and reg.adapter("math") == (1, 2)
     assert {w.worker_id: w.adapters for w in reg.routable()} == {"a": frozenset({"sql"}),
                                                                   "b": frozenset({"math", "sql"})}
+    reg.deregister("b")  # its adapters leave with it
+    assert reg.adapters_anywhere() == ["sql"] and reg.adapter("math") == (0, 1) and reg.adapter("sql") == (1, 1)
+    assert reg.adapter("never-listed") == (0, 1)
