@@ -131,6 +131,11 @@ def test_tools_as_vllms_request_model_hands_them_over() -> None:
                                           "defer_loading": True}, "defer_loading": True}])
     assert template_tools([]) is None and template_tools(None) is None
     assert part_text(None) == "" and part_text(7) == ""
+    # what vLLM reads as text: text, input_text / output_text (the Responses API's), refusal, thinking, bare strings
+    assert part_text([{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}, "c",
+                      {"type": "output_text", "text": "d"}, {"type": "refusal", "refusal": "e"},
+                      {"type": "thinking", "thinking": "f"}, {"type": "image_url", "image_url": {"url": "x"}},
+                      {"type": "text", "text": None}, {"text": "no type"}]) == "a\nb\nc\nd\ne\nf"
 
 
 def test_byte_tokenizer_renders_tools_and_calls_deterministically() -> None:

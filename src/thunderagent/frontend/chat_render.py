@@ -4,8 +4,8 @@ A relayed chat request (``frontend/relay.py``) is rendered by the server, with `
 history; ThunderAgent renders the same conversation with the same template only to hash it for routing,
 so the closer this is to the server's own preparation, the more of the prompt matches the blocks the
 server's KV events announced. What vLLM 0.32 does for a template of the "string" content format
-(``vllm/renderers/chat_utils.py``), kept here: text parts joined by newlines (other parts are not
-text: left out), an assistant's ``tool_calls`` with JSON ``arguments`` parsed into objects (empty or
+(``vllm/renderers/chat_utils.py``), kept here: text parts joined by newlines (``text``, ``input_text``,
+``output_text``, ``refusal``, ``thinking``; other parts are not text: left out), an assistant's ``tool_calls`` with JSON ``arguments`` parsed into objects (empty or
 malformed: ``{}``), empty ``tool_calls`` dropped, ``reasoning`` copied to ``reasoning_content``, a tool
 message's ``tool_call_id`` and any message's ``name`` kept; and what its request models make of the JSON
 before the template sees it: a tool call's keys in the order ``id``, ``function`` (``arguments``,
@@ -23,14 +23,26 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 
+#: content parts vLLM reads as text, and the key holding it (``renderers/chat_utils.py``: TEXT_PART_TYPES)
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+               "thinking": "thinking"}
+
+
 def part_text(content: object) -> str:
-    """A message's text: a string as is, text parts joined by newlines, anything else empty."""
+    """A message's text: a string as is; of a list, the text parts (``text``, the Responses API's
+    ``input_text`` / ``output_text``, ``refusal``, ``thinking``, bare strings) joined by newlines; anything
+    else empty."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         return ""
-    return "\n".join(p["text"] for p in content
-                     if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str))
+    out = []
+    for p in content:
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, dict) and (key := _TEXT_PARTS.get(p.get("type"))) and isinstance(p.get(key), str):
+            out.append(p[key])
+    return "\n".join(out)
 
 
 def _call(call: object) -> object:
