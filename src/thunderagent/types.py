@@ -147,13 +147,14 @@ class Passthrough:
     """A client's HTTP request as it arrived: ``body`` is POSTed byte for byte to the server's
     ``path``; its answer comes back in :attr:`TokenOutput.raw` (``execution/openai_relay.py``)."""
 
-    path: str  # "/v1/chat/completions", "/v1/completions" or MESSAGES_PATH
+    path: str  # "/v1/chat/completions", "/v1/completions", MESSAGES_PATH or RESPONSES_PATH
     body: bytes
     stream: bool
 
 
-#: Anthropic's Messages API, the one relayed path that is not OpenAI's
+#: Anthropic's Messages API and OpenAI's Responses API: relayed paths besides the completions
 MESSAGES_PATH = "/v1/messages"
+RESPONSES_PATH = "/v1/responses"
 
 
 @dataclass(slots=True, frozen=True)

@@ -190,7 +190,8 @@ async def test_claude_code_sessions_are_programs(tiny_model_dir: Path) -> None:
                 await c.messages.create(model=model, max_tokens=2, messages=hi,
                                         extra_headers={"x-claude-code-session-id": "cc-header-session"})
                 await c.messages.create(model=model, max_tokens=2, messages=hi,  # ours wins over Claude Code's
-                                        metadata={"user_id": legacy}, extra_headers={"x-thunderagent-program-id": "mine"})
+                                        metadata={"user_id": legacy},
+                                        extra_headers={"x-thunderagent-program-id": "mine"})
                 await c.messages.create(model=model, max_tokens=2, messages=hi, metadata={"user_id": "user-42"})
                 await c.messages.create(model=model, max_tokens=2, messages=hi,  # not an id: no program, no error
                                         extra_headers={"x-claude-code-session-id": "bad id/with space"})

@@ -151,8 +151,8 @@ def plan_every_request(fleet: Fleet) -> None:
     fleet.disagg.silence_s = 30.0
     submit = fleet.dispatcher.submit
 
-    def planned(req, key, workers, now, program=None, tenant=None):  # type: ignore[no-untyped-def]
-        d = submit(req, key, [w for w in workers if w.worker_id == "worker-1"], now, program, tenant)
+    def planned(req, key, workers, now, program=None, tenant=None, pin=None):  # type: ignore[no-untyped-def]
+        d = submit(req, key, [w for w in workers if w.worker_id == "worker-1"], now, program, tenant, pin)
         if d is not None:
             n = len(req.prompt_tokens) // BLOCK_SIZE * BLOCK_SIZE
             d.pd = PdPlan("worker-0", n, 0, 0.0, 0.0, "test: forced")

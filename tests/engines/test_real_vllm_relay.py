@@ -73,7 +73,8 @@ async def test_relayed_tool_requests_on_real_vllm(tiny_model_dir: Path, vllm_ser
 
 # -- Anthropic's Messages API (/v1/messages): vLLM converts it to a chat request and renders that -----------------
 A_TOOLS = [{"name": "read_file", "description": "Read a file of the repository.",
-            "input_schema": {"properties": {"path": {"type": "string"}}, "required": ["path"]}}]  # no "type": vLLM adds it
+            # no "type": vLLM adds it
+            "input_schema": {"properties": {"path": {"type": "string"}}, "required": ["path"]}}]
 A_SYSTEM = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.3; cch=4f0a1;"},
             {"type": "text", "text": SYSTEM}, {"type": "text", "text": "Be brief."}]
 
@@ -90,7 +91,8 @@ def _a_history(calls: int) -> list[dict]:
         msgs.append({"role": "assistant", "content": blocks})
         result = f"def parse_{k}(text):\n    return text\n"
         content = [{"type": "text", "text": result}, {"type": "text", "text": "(end of file)"}] if k % 2 else result
-        msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": content}]})
+        result_block = {"type": "tool_result", "tool_use_id": use["id"], "content": content}
+        msgs.append({"role": "user", "content": [result_block]})
         if k == 0:
             msgs.append({"role": "system", "content": "<system-reminder>Keep going.</system-reminder>"})
     return msgs
@@ -103,16 +105,19 @@ async def test_messages_api_on_real_vllm(tiny_model_dir: Path, vllm_servers: lis
 
     tok = HfTokenizer(tiny_model_dir)
     served = str(tiny_model_dir)
-    docs = [{"system": A_SYSTEM, "messages": _a_history(0)},
-            {"system": A_SYSTEM, "messages": _a_history(3), "tools": A_TOOLS, "tool_choice": {"type": "none"}},
-            {"system": "plain system text", "messages": _a_history(2), "tools": A_TOOLS, "tool_choice": {"type": "none"},
+    counted = [*A_SYSTEM[:1], {"type": "text", "text": "(counted directly) "}, *A_SYSTEM[1:]]  # a cold prefix later
+    docs = [{"system": counted, "messages": _a_history(0)},
+            {"system": counted, "messages": _a_history(3), "tools": A_TOOLS, "tool_choice": {"type": "none"}},
+            {"system": "plain system text", "messages": _a_history(2), "tools": A_TOOLS,
+             "tool_choice": {"type": "none"},
              "thinking": {"type": "disabled"}, "output_config": {"effort": "high"}}]
     async with aiohttp.ClientSession() as s:  # vLLM's own count of the same requests
         for doc in docs:
             async with s.post(vllm_servers[0].url + "/v1/messages/count_tokens", json={"model": served, **doc}) as r:
                 assert r.status == 200, await r.text()
                 theirs = (await r.json())["input_tokens"]
-            ours = tok.apply_openai_chat(to_chat(doc, system_first=tok.system_first, effort_off=tok.thinking_off_effort()))
+            chat = to_chat(doc, system_first=tok.system_first, effort_off=tok.thinking_off_effort())
+            ours = tok.apply_openai_chat(chat)
             assert len(ours) == theirs, doc
     async with thunderagent(front_config(tiny_model_dir, vllm_servers), vllm_servers) as front:
         fleet = front.fleet
@@ -120,8 +125,9 @@ async def test_messages_api_on_real_vllm(tiny_model_dir: Path, vllm_servers: lis
                                             timeout=120) as c:
             count = await c.messages.count_tokens(model=front.model, system=A_SYSTEM, tools=A_TOOLS,
                                                   tool_choice={"type": "none"}, messages=_a_history(3))
-            assert count.input_tokens == len(tok.apply_openai_chat(to_chat(docs[1], system_first=False,
-                                                                            effort_off="none")))
+            asked = {"system": A_SYSTEM, "tools": A_TOOLS, "messages": _a_history(3)}
+            expected = tok.apply_openai_chat(to_chat(asked, system_first=False, effort_off="none"))
+            assert count.input_tokens == len(expected)
             program = {"x-thunderagent-program-id": "claude-1"}
             first = await c.messages.with_raw_response.create(
                 model=front.model, system=A_SYSTEM, tools=A_TOOLS, messages=_a_history(2), max_tokens=4,
@@ -133,7 +139,8 @@ async def test_messages_api_on_real_vllm(tiny_model_dir: Path, vllm_servers: lis
             ids = tok.apply_openai_chat(to_chat({"system": A_SYSTEM, "tools": A_TOOLS, "messages": _a_history(2)},
                                                 system_first=False, effort_off="none"))
             hashes = block_hashes(ids, BLOCK_SIZE, hash_seed())
-            await wait_until(lambda: fleet.index.is_confirmed(worker, hashes[-1]), 20, "vLLM's events of the first step")
+            await wait_until(lambda: fleet.index.is_confirmed(worker, hashes[-1]), 20,
+                             "vLLM's events of the first step")
             grown = await c.messages.with_raw_response.create(
                 model=front.model, system=A_SYSTEM, tools=A_TOOLS, messages=_a_history(3), max_tokens=4,
                 tool_choice={"type": "none"}, extra_headers={**program, "x-thunderagent-explain": "1"})
@@ -145,3 +152,68 @@ async def test_messages_api_on_real_vllm(tiny_model_dir: Path, vllm_servers: lis
                                          system=A_SYSTEM) as stream:
                 final = await stream.get_final_message()
             assert final.stop_reason in ("max_tokens", "end_turn") and 1 <= final.usage.output_tokens <= 3, final
+
+
+# -- OpenAI's Responses API (/v1/responses): vLLM builds chat messages from the input and renders those ----------
+R_TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file of the repository.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
+
+
+def _r_input(calls: int) -> list[dict]:
+    """Codex's shapes: a developer message, input_text parts, function calls and their outputs, an assistant
+    message item, a reasoning item."""
+    items: list[dict] = [{"role": "developer", "content": "Prefer small diffs."},
+                         {"role": "user", "content": [{"type": "input_text", "text": "Fix the parser."},
+                                                      {"type": "input_text", "text": "Tests fail since Monday."}]}]
+    for k in range(calls):
+        if k % 2:
+            items.append({"type": "reasoning", "id": f"rs_{k}", "summary": [],
+                          "content": [{"type": "reasoning_text", "text": "Read the next file."}]})
+        else:
+            items.append({"type": "message", "role": "assistant", "id": f"msg_{k}", "status": "completed",
+                          "content": [{"type": "output_text", "text": "Reading it.", "annotations": []}]})
+        items.append({"type": "function_call", "call_id": f"call_{k}", "name": "read_file",
+                      "arguments": json.dumps({"path": f"src/parser/{k}.py"})})
+        items.append({"type": "function_call_output", "call_id": f"call_{k}",
+                      "output": f"def parse_{k}(text):\n    return text\n"})
+    return items
+
+
+async def test_responses_api_on_real_vllm(tiny_model_dir: Path, vllm_servers: list[VllmServer]) -> None:
+    from thunderagent.frontend.responses import to_chat
+
+    tok = HfTokenizer(tiny_model_dir)
+    served = str(tiny_model_dir)
+    counting = "(counted directly) " + SYSTEM  # not the routed requests' prefix: they must find a cold cache
+    docs = [{"instructions": counting, "input": "Fix the parser."},
+            {"instructions": counting, "input": _r_input(3), "tools": R_TOOLS, "tool_choice": "none"},
+            {"input": _r_input(2), "reasoning": {"effort": "high"}}]
+    async with aiohttp.ClientSession() as s:  # vLLM's own count of the same requests (its usage)
+        for doc in docs:
+            body = {"model": served, "max_output_tokens": 1, "store": False, **doc}
+            async with s.post(vllm_servers[0].url + "/v1/responses", json=body) as r:
+                assert r.status == 200, await r.text()
+                theirs = (await r.json())["usage"]["input_tokens"]
+            assert len(tok.apply_openai_chat(to_chat(doc), keep_call_order=True)) == theirs, doc
+    async with thunderagent(front_config(tiny_model_dir, vllm_servers), vllm_servers) as front:
+        c, fleet = front.client, front.fleet
+        step = {"instructions": SYSTEM, "tools": R_TOOLS, "tool_choice": "none", "max_output_tokens": 4,
+                "store": False}
+        first = await c.responses.with_raw_response.create(model=front.model, input=_r_input(2), **step)
+        r1 = first.parse()
+        assert r1.status in ("completed", "incomplete") and 1 <= r1.usage.output_tokens <= 4, r1
+        worker = first.headers["x-thunderagent-worker"]
+        ids = tok.apply_openai_chat(to_chat({**step, "input": _r_input(2)}), keep_call_order=True)
+        hashes = block_hashes(ids, BLOCK_SIZE, hash_seed())
+        await wait_until(lambda: fleet.index.is_confirmed(worker, hashes[-1]), 20, "vLLM's events of the first step")
+        grown = await c.responses.with_raw_response.create(model=front.model, input=_r_input(3), **step,
+                                                           extra_headers={"x-thunderagent-explain": "1"})
+        why = json.loads(grown.headers["x-thunderagent-explanation"])
+        cached = grown.parse().usage.input_tokens_details.cached_tokens
+        assert grown.headers["x-thunderagent-worker"] == worker
+        assert why["overlap_blocks"] == len(hashes) and cached == len(hashes) * BLOCK_SIZE, (why, cached)
+        stream = await c.responses.create(model=front.model, input="hello", max_output_tokens=3, stream=True,
+                                          store=False)
+        events = [ev async for ev in stream]
+        assert events[0].type == "response.created" and events[-1].type == "response.completed"
+        assert 1 <= events[-1].response.usage.output_tokens <= 3

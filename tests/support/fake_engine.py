@@ -17,6 +17,10 @@ ZMQ KV events with replay, so the real-engine adapter can be tested without a mo
   of the body, cached as above; the answer uses the first tool (``tool_choice`` not ``none``) or says
   ``"ok"``, as a message or as Anthropic's event stream, its usage with ``cache_read_input_tokens``; a
   ``temperature`` above 1 is refused with Anthropic's error (400), as Anthropic's API does;
+- ``POST /v1/responses`` (OpenAI's Responses API, relayed): the prompt is what ``render_responses`` makes of
+  the body, cached as above; the answer calls the first function tool or says ``"ok"``, as a response or
+  as its event stream, with ``usage.input_tokens_details.cached_tokens``; each response id is kept, and a
+  ``previous_response_id`` this server did not answer is a 404 (vLLM keeps stored responses in memory);
 - ``GET /metrics``: running / waiting / KV usage (and vLLM's ``cache_config_info``);
 - a client that hangs up aborts its request.
 Runs inside the test's event loop; every socket is on 127.0.0.1.
@@ -52,9 +56,12 @@ class FakeEngine:
     render: Callable[[dict], list[int]] | None = None  # a chat body -> the prompt's token ids
     render_messages: Callable[[dict], list[int]] | None = None  # a Messages API body -> the prompt's token ids
     messages: list[dict] = field(default_factory=list)  # Messages API bodies received
+    render_responses: Callable[[dict], list[int]] | None = None  # a Responses API body -> the prompt's token ids
+    responses: list[dict] = field(default_factory=list)  # Responses API bodies received
     adapters: list[str] = field(default_factory=list)  # LoRA adapters it lists in /v1/models (parent: the base)
     _cache: OrderedDict[int, None] = field(default_factory=OrderedDict)  # engine hash -> (LRU order)
     _batches: list[list[bytes]] = field(default_factory=list)
+    _answered: set[str] = field(default_factory=set)  # the Responses API ids it answered (its "store")
     _start: float = field(default_factory=time.time)
 
     async def start(self) -> None:
@@ -65,6 +72,7 @@ class FakeEngine:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/messages", self._messages)
+        app.router.add_post("/v1/responses", self._responses)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None)
@@ -222,6 +230,44 @@ class FakeEngine:
                 ("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None}, "usage": usage}),
                 ("message_stop", {})):
             payload = json.dumps({"type": kind, **data}, separators=(",", ":")).encode()
+            await resp.write(b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n")
+        return resp
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.responses.append(body)
+        prev = body.get("previous_response_id")
+        if prev is not None and prev not in self._answered:
+            return web.json_response({"error": {"message": f"Response with id '{prev}' not found.",
+                                                "type": "invalid_request_error", "param": "previous_response_id",
+                                                "code": None}}, status=404)
+        prompt = self.render_responses(body) if self.render_responses is not None else []
+        cached = self._prefill(prompt)
+        rid = f"resp_{self.url.rsplit(':', 1)[-1]}_{len(self.responses)}"
+        self._answered.add(rid)
+        tools = [t for t in body.get("tools") or [] if t.get("type") == "function"]
+        if tools:
+            item: dict[str, object] = {"type": "function_call", "id": f"fc_{rid}", "call_id": f"call_{rid}",
+                                       "name": tools[0]["name"], "arguments": "{}", "status": "completed"}
+            delta = ("response.function_call_arguments.delta", "{}")
+        else:
+            item = {"type": "message", "id": f"msg_{rid}", "role": "assistant", "status": "completed",
+                    "content": [{"type": "output_text", "text": "ok", "annotations": []}]}
+            delta = ("response.output_text.delta", "ok")
+        usage = {"input_tokens": len(prompt), "input_tokens_details": {"cached_tokens": cached},
+                 "output_tokens": 1, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": len(prompt) + 1}
+        done = {"id": rid, "object": "response", "created_at": 0, "model": body["model"], "status": "completed",
+                "output": [item], "usage": usage, "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
+        if not body.get("stream"):
+            return web.json_response(done)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        started = {**done, "status": "in_progress", "output": [], "usage": None}
+        for n, (kind, data) in enumerate((
+                ("response.created", {"response": started}),
+                (delta[0], {"item_id": item["id"], "output_index": 0, "content_index": 0, "delta": delta[1]}),
+                ("response.completed", {"response": done}))):
+            payload = json.dumps({"type": kind, "sequence_number": n, **data}, separators=(",", ":")).encode()
             await resp.write(b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n")
         return resp
 

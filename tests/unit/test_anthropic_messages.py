@@ -35,7 +35,8 @@ def test_inline_system_messages_stay_in_place_or_merge_into_the_first_when_the_t
         {"role": "system", "content": "Top."}, {"role": "user", "content": "a"},
         {"role": "system", "content": "Reminder."}, {"role": "user", "content": "b"}]
     assert to_chat(doc, system_first=True, effort_off="none")["messages"] == [
-        {"role": "system", "content": "Top.Reminder."}, {"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+        {"role": "system", "content": "Top.Reminder."}, {"role": "user", "content": "a"},
+        {"role": "user", "content": "b"}]
 
 
 def test_tool_use_and_results_become_tool_calls_and_tool_messages_in_vllm_order() -> None:
@@ -73,7 +74,8 @@ def test_tool_use_and_results_become_tool_calls_and_tool_messages_in_vllm_order(
 def test_a_message_of_only_tool_calls_has_no_content_key() -> None:
     doc = {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}
     assert to_chat(doc, system_first=False, effort_off="none")["messages"] == [
-        {"role": "assistant", "tool_calls": [{"id": "t", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+        {"role": "assistant",
+         "tool_calls": [{"id": "t", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
 
 
 def test_tools_as_function_tools_after_additions_and_removals() -> None:
@@ -138,7 +140,8 @@ def test_fields_and_errors() -> None:
     assert bad.value.param == "max_token" and "`max_token`" in bad.value.message
     with pytest.raises(RequestError, match="set by ThunderAgent"):
         check_fields({"kv_transfer_params": {}})
-    assert error_doc(429, "slow down") == {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
+    assert error_doc(429, "slow down") == {"type": "error",
+                                           "error": {"type": "rate_limit_error", "message": "slow down"}}
     assert [error_doc(s, "")["error"]["type"] for s in (400, 401, 403, 404, 413, 422, 500, 502, 503)] == [
         "invalid_request_error", "authentication_error", "permission_error", "not_found_error", "request_too_large",
         "invalid_request_error", "api_error", "api_error", "overloaded_error"]

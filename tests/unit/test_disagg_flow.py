@@ -142,8 +142,8 @@ async def pd_fleet(prefill: str, plan: PdPlan = PLAN, *,
     f.disagg.prefill_timeout = prefill_timeout
     submit = f.dispatcher.submit
 
-    def planned(req, key, workers, now, program=None, tenant=None):  # type: ignore[no-untyped-def]
-        d = submit(req, key, [w for w in workers if w.worker_id == "worker-1"], now, program, tenant)
+    def planned(req, key, workers, now, program=None, tenant=None, pin=None):  # type: ignore[no-untyped-def]
+        d = submit(req, key, [w for w in workers if w.worker_id == "worker-1"], now, program, tenant, pin)
         d.pd = plan
         return d
 

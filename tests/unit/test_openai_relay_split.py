@@ -80,8 +80,10 @@ A_EVENTS = [
     b'{"input_tokens":5,"output_tokens":0,"cache_read_input_tokens":32}}}\n\n',
     b'event: content_block_start\ndata: {"type":"content_block_start","index":0,"content_block":{"type":"text"}}\n\n',
     b'event: ping\ndata: {"type":"ping"}\n\n',
-    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"a"}}\n\n',
-    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":""}}\n\n',
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+    b'"delta":{"type":"text_delta","text":"a"}}\n\n',
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+    b'"delta":{"type":"text_delta","text":""}}\n\n',
     b'event: content_block_delta\ndata: {"type":"content_block_delta","index":1,'
     b'"delta":{"type":"input_json_delta","partial_json":"{}"}}\n\n',
     b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"max_tokens"},'

@@ -303,11 +303,11 @@ class Fleet:
         sampling: Sampling | None = None,
         route_key: str = "",
         program_id: str | None = None, tenant: str | None = None,  # (the program's key, and whose it is)
-        passthrough: Passthrough | None = None,
+        passthrough: Passthrough | None = None, pin: str | None = None,
     ) -> Generation:
-        """Hash once, then route and submit now, or hold the request in the scheduler until a
-        worker can start it (the dispatch path). Raises NoWorkerAvailable, or QueueFull when the
-        scheduler's queue is full. A caller cancelled while its request is held leaves the queue."""
+        """Hash once, then route and submit now (to ``pin`` while routable, if given), or hold the request until a
+        worker can start it. Raises NoWorkerAvailable, or QueueFull when the scheduler's queue is full. A caller
+        cancelled while its request is held leaves the queue."""
         received = self.now()
         t0 = time.perf_counter()
         rid = secrets.token_hex(12)  # unguessable: ids appear in responses and abort paths
@@ -317,7 +317,7 @@ class Fleet:
         if self.remote_lookup is not None:  # a sharded index (control/index_shards.py): ask the other frontends
             await self.remote_lookup(req, received)
         try:
-            d = self.dispatcher.submit(req, route_key, self.routable(), received, program=program_id, tenant=tenant)
+            d = self.dispatcher.submit(req, route_key, self.routable(), received, program_id, tenant, pin)
         except QueueFull as exc:
             self.metrics.queue_refused(exc.code, tenant)
             raise

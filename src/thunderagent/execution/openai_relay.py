@@ -1,8 +1,8 @@
 """One hop through ThunderAgent: a client's request relayed unchanged to an OpenAI-compatible server.
 
 A request with :attr:`~thunderagent.types.EngineRequest.passthrough` is ``POST``-ed byte for byte to
-the server's path (``/v1/chat/completions``, ``/v1/completions`` or Anthropic's ``/v1/messages``: each
-read by its own reader); the answer comes back in
+the server's path (``/v1/chat/completions``, ``/v1/completions``, Anthropic's ``/v1/messages`` or the
+Responses API's ``/v1/responses``: each read by its own reader); the answer comes back in
 :attr:`TokenOutput.raw <thunderagent.types.TokenOutput.raw>` as the server sent it, so fields
 ThunderAgent does not model (tools, logprobs, response formats...) still work end to end:
 
@@ -33,7 +33,7 @@ import msgspec
 
 from thunderagent.execution.http_transport import TransportConnectionError, TransportError
 from thunderagent.execution.relay_body import engine_body
-from thunderagent.types import MESSAGES_PATH, FinishReason, TokenOutput
+from thunderagent.types import MESSAGES_PATH, RESPONSES_PATH, FinishReason, TokenOutput
 
 if TYPE_CHECKING:
     from thunderagent.execution.engine_requests import Inflight, RequestStreamer
@@ -217,9 +217,88 @@ class _AnthropicReader:
         st.reason = _anthropic_reason(msg.stop_reason)
 
 
+# OpenAI's Responses API (``/v1/responses``): typed, lenient, as above.
+class _ResponsesDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _ResponsesUsage(msgspec.Struct):
+    output_tokens: int | None = None
+    input_tokens_details: _ResponsesDetails | None = None
+
+
+class _Incomplete(msgspec.Struct):
+    reason: str | None = None
+
+
+class _Response(msgspec.Struct):
+    status: str | None = None
+    incomplete_details: _Incomplete | None = None
+    usage: _ResponsesUsage | None = None
+
+
+class _ResponsesEvent(msgspec.Struct):
+    type: str = ""
+    delta: Any = None
+    response: _Response | None = None
+
+
+_responses_event = msgspec.json.Decoder(_ResponsesEvent)
+_response = msgspec.json.Decoder(_Response)
+#: the events that carry produced text, reasoning or tool-call arguments (one token each)
+_DELTAS = frozenset({"response.output_text.delta", "response.reasoning_text.delta",
+                     "response.reasoning_summary_text.delta", "response.function_call_arguments.delta",
+                     "response.custom_tool_call_input.delta", "response.refusal.delta"})
+_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+def _response_end(resp: _Response | None, st: _Read) -> None:
+    if resp is None:
+        st.reason = FinishReason.STOP
+        return
+    incomplete = resp.incomplete_details
+    st.reason = FinishReason.LENGTH if incomplete is not None and incomplete.reason == "max_output_tokens" \
+        else FinishReason.STOP
+    usage = resp.usage
+    if usage is not None:
+        st.reported = usage.output_tokens
+        details = usage.input_tokens_details
+        st.cached = (details.cached_tokens or 0) if details is not None else 0
+
+
+class _ResponsesReader:
+    """Events ``response.*``: the deltas (one token each), ``response.completed`` / ``incomplete`` (the end, its
+    usage; ``max_output_tokens`` is a length end), ``response.failed`` and ``error`` (failures)."""
+
+    @staticmethod
+    def event(data: bytes, st: _Read) -> None:
+        ev = _responses_event.decode(data)
+        kind = ev.type
+        if kind in _DELTAS:
+            if ev.delta:
+                st.tokens += 1
+        elif kind in _ENDS:
+            if kind == "response.failed":
+                st.error = "response.failed"
+                return
+            _response_end(ev.response, st)
+            st.end = True
+        elif kind == "error":
+            st.error = data
+
+    @staticmethod
+    def whole(body: bytes, st: _Read) -> None:
+        try:
+            resp = _response.decode(body)
+        except msgspec.DecodeError:
+            return
+        st.reported = 0
+        _response_end(resp, st)
+
+
 #: how each relayed path's answer reads; a path not here is refused (only these are served)
 _READERS: dict[str, _Reader] = {"/v1/chat/completions": _OpenAIReader(), "/v1/completions": _OpenAIReader(),
-                                MESSAGES_PATH: _AnthropicReader()}
+                                MESSAGES_PATH: _AnthropicReader(), RESPONSES_PATH: _ResponsesReader()}
 
 
 class Relay:

@@ -60,11 +60,12 @@ from thunderagent.frontend.protocol import (
 from thunderagent.frontend.programs_api import Peers, ProgramsApi
 from thunderagent.frontend.messages_api import MessagesApi, anthropic_error
 from thunderagent.frontend.relay import RelayFrontend
+from thunderagent.frontend.responses_api import ResponsesApi
 from thunderagent.frontend.relay_fields import fleet_relay
 from thunderagent.frontend.streaming import TextChunk, stream_text
 from thunderagent.frontend.tokenizer import ChatMessage, Tokenizer
 from thunderagent.scheduler.programs import PROGRAM_ID, program_key
-from thunderagent.types import FinishReason, Sampling
+from thunderagent.types import RESPONSES_PATH, FinishReason, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ DYNAMO_SESSION_HEADER = "x-dynamo-session-id"
 CLAUDE_SESSION_HEADER = "x-claude-code-session-id"  # Claude Code's, one per session
 EXPLAIN_HEADER = "x-thunderagent-explain"
 #: the routes that generate (what control_plane.tenant_limits counts)
-INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", MESSAGES_PATH)
+INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", MESSAGES_PATH, RESPONSES_PATH)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _enc = msgspec.json.Encoder()
 
@@ -139,6 +140,8 @@ class Frontend:
         self.unmodelled: RelayFrontend | None = None
         #: Anthropic's Messages API, relayed (frontend/messages_api.py; a 404 on a fleet that cannot relay)
         self.messages_api = MessagesApi(None, checked=False)
+        #: OpenAI's Responses API, relayed (frontend/responses_api.py; a 404 on a fleet that cannot relay)
+        self.responses_api = ResponsesApi(None, checked=False)
 
     def _text(self, gen: Generation, stops: list[str]) -> AsyncIterator[TextChunk]:
         return stream_text(self.fleet.outputs(gen), self.tokenizer.decoder(), stops)
@@ -437,23 +440,26 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     if nodes and all(n.engine == "openai" for n in nodes):
         fe.relay = RelayFrontend(fe)
         fe.messages_api = MessagesApi(fe.relay, checked=False)
+        fe.responses_api = ResponsesApi(fe.relay, checked=False)
     elif (fields := fleet_relay(nodes)) is not None:  # vllm / sglang, one mode (config.resolve_relay)
         if nodes[0].relay == "all":
             fe.relay = RelayFrontend(fe, fields)  # every request, checked as the unmodelled ones
         else:
             fe.unmodelled = RelayFrontend(fe, fields)
         fe.messages_api = MessagesApi(fe.relay or fe.unmodelled, checked=True)
+        fe.responses_api = ResponsesApi(fe.relay or fe.unmodelled, checked=True)
     access: dict[str | None, Access] = {}  # what a route needs with API keys on (frontend/auth.py)
 
     def route(method: str, path: str, handler: Handler, needs: Access) -> None:
         (app.router.add_get if method == "GET" else app.router.add_post)(path, handler)  # GET also serves HEAD
         access[path] = needs
 
-    chat_path, completions_path, messages_path = INFERENCE_PATHS
+    chat_path, completions_path, messages_path, responses_path = INFERENCE_PATHS
     route("POST", chat_path, fe.chat_completions, Access.TENANT)
     route("POST", completions_path, fe.completions, Access.TENANT)
     route("POST", messages_path, fe.messages_api.messages, Access.TENANT)  # Anthropic's (Claude Code)
     route("POST", COUNT_TOKENS_PATH, fe.messages_api.count_tokens, Access.TENANT)
+    route("POST", responses_path, fe.responses_api.responses, Access.TENANT)  # OpenAI's (Codex, Agents SDK)
     route("GET", "/v1/models", fe.models, Access.TENANT)
     programs = ProgramsApi(fleet, peers)  # a tenant key: its own programs; an admin key: everyone's
     route("GET", "/v1/programs", programs.listing, Access.ANY)

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from thunderagent.frontend.chat_render import conversation, template_tools
+from thunderagent.frontend.chat_render import conversation, developer_as_system, template_tools
 from thunderagent.frontend.tokenizer import ChatMessage, StreamDecoder
 
 log = logging.getLogger(__name__)
@@ -60,12 +60,13 @@ class HfTokenizer:
     def apply_chat_template(self, messages: Sequence[ChatMessage]) -> list[int]:
         return list(self._tok.encode(self.render_chat(messages), add_special_tokens=False))
 
-    def apply_openai_chat(self, doc: Mapping[str, Any]) -> list[int]:
+    def apply_openai_chat(self, doc: Mapping[str, Any], keep_call_order: bool = False) -> list[int]:
         """A relayed chat request rendered as vLLM renders it (``frontend/chat_render.py``): the model's
         template with ``tools`` and the template arguments (:func:`template_kwargs`). A request's own
         ``chat_template`` is never rendered here (the server judges whether it trusts one); a template
-        that fails on the request falls back to its text."""
-        conv = conversation(doc.get("messages") or ())
+        that fails on the request falls back to its text. ``keep_call_order``: messages vLLM builds itself
+        (a Responses request's) keep their tool calls' key order."""
+        conv = developer_as_system(conversation(doc.get("messages") or (), keep_call_order), self._tok.chat_template)
         try:
             text = self._render(conv, doc)
         except Exception as exc:  # the server will say what is wrong; routing needs only some prefix

@@ -18,11 +18,19 @@ from thunderagent.config import Config
 from thunderagent.config.auth import TENANT_NAME
 from thunderagent.frontend.anthropic import COUNT_TOKENS_PATH, MESSAGES_PATH
 from thunderagent.frontend.protocol import (
-    MAX_STOP, NEUTRAL, NEUTRAL_COMPLETION, NEUTRAL_MESSAGE, PROGRAMS_LIMIT_DEFAULT,
-    PROGRAMS_LIMIT_MAX, ChatCompletionRequest, CompletionRequest, ReleaseRequest,
+    MAX_STOP,
+    NEUTRAL,
+    NEUTRAL_COMPLETION,
+    NEUTRAL_MESSAGE,
+    PROGRAMS_LIMIT_DEFAULT,
+    PROGRAMS_LIMIT_MAX,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ReleaseRequest,
 )
 from thunderagent.frontend.relay_fields import MESSAGE_KEYS, RelayFields, fleet_relay
 from thunderagent.scheduler.programs import LIVE_STATES, PROGRAM_ID
+from thunderagent.types import RESPONSES_PATH
 
 PATH = "/openapi.json"
 PROGRAM_ID_SCHEMA = {"type": "string", "pattern": PROGRAM_ID.pattern}
@@ -89,6 +97,15 @@ _MESSAGES_REQUEST = {"type": "object", "required": ["model", "max_tokens", "mess
 _MESSAGE = {"type": "object", "required": ["type", "role", "content"], "properties": {
     "type": {"const": "message"}, "role": {"const": "assistant"}, "content": _BLOCKS}}
 _COUNT = {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": {"type": "integer"}}}
+#: OpenAI's Responses API (relayed: frontend/responses_api.py)
+_RESPONSES_REQUEST = {"type": "object", "required": ["input"], "properties": {
+    "model": {"type": "string", "minLength": 1}, "input": {"anyOf": [{"type": "string"}, _BLOCKS]},
+    "instructions": {"type": "string"}, "stream": {"type": "boolean"},
+    "max_output_tokens": {"type": "integer", "minimum": 1}, "previous_response_id": {"type": "string"},
+    "program_id": {"anyOf": [PROGRAM_ID_SCHEMA, {"type": "null"}]}},
+    "description": "OpenAI's Responses API (its other fields and vLLM's extensions are relayed to the servers)"}
+_RESPONSE = {"type": "object", "required": ["id", "object", "output"], "properties": {
+    "id": {"type": "string"}, "object": {"const": "response"}, "output": {"type": "array"}}}
 
 
 def _anthropic(summary: str, ok: dict[str, Any], statuses: tuple[int, ...]) -> dict[str, Any]:
@@ -162,6 +179,13 @@ def openapi_document(cfg: Config) -> dict[str, Any]:
             (400, 401, 404, 408, 413, 415, 429, 502, 503)),
         COUNT_TOKENS_PATH: _anthropic("Prompt tokens of a Messages request, as the servers render it",
                                       _json(_COUNT, "the count"), (400, 401, 404, 408, 413, 415, 429)),
+        RESPONSES_PATH: {"post": {
+            "summary": "Responses (OpenAI), relayed to a vLLM / SGLang / OpenAI-compatible server",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _RESPONSES_REQUEST}}},
+            "responses": {"200": {"description": "the server's response; `stream: true` gives its server-sent events",
+                                  "content": {"application/json": {"schema": _RESPONSE},
+                                              "text/event-stream": {"schema": _SSE_EVENT}}},
+                          **_errors(400, 401, 404, 408, 413, 415, 429, 502, 503)}}},
         "/v1/models": get("The served model", {"200": _json(_LIST, "models"), **_errors()}),
         "/v1/programs": {"get": {
             "summary": "Agent programs known to the scheduler, oldest first", "parameters": [

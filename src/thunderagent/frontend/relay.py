@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, Protocol
 
 import msgspec
@@ -208,15 +209,19 @@ class RelayFrontend:
                                    "messages" if chat else "prompt")
 
     async def dispatch(self, request: web.Request, req: Any, ids: list[int], pt: Passthrough, lora: str | None,
-                       prompt_param: str, anthropic: bool = False) -> web.StreamResponse:
+                       prompt_param: str, anthropic: bool = False, pin: str | None = None,
+                       on_answer: Callable[[bytes, str], None] | None = None) -> web.StreamResponse:
         """Route ``pt`` (the client's body) on the prompt ``ids`` and relay the server's answer. ``req``: the
         fields routing reads (``max_tokens`` / ``max_completion_tokens``, ``cache_salt``, ``lora_name``,
-        ``priority``, ``program_id``, ``explain``, ``user``); ``anthropic``: errors in the Messages API's shape."""
+        ``priority``, ``program_id``, ``explain``, ``user``); ``anthropic``: errors in the Messages API's shape;
+        ``pin``: the worker it goes to while routable; ``on_answer(first bytes, worker)``: told of the server's
+        answer once it starts (a whole body, or the first events of a stream)."""
         fe = self.fe
         if not ids:
             raise RequestError("prompt is empty", param=prompt_param)
         asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        max_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+        max_param = getattr(req, "max_param", None) or (
+            "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens")
         # the fleet's accounting (the body is sent as it is: without max_tokens the server picks what fits)
         max_tokens = fe.budget(ids, asked, max_param, prompt_param)
         explained = fe._explain(request, req.explain)
@@ -225,7 +230,7 @@ class RelayFrontend:
             ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt),
             lora_name=lora or getattr(req, "lora_name", None), priority=req.priority,
             route_key=fe._route_key(request, req), program_id=fe._program_id(request, req),
-            tenant=request.get(TENANT), passthrough=pt,
+            tenant=request.get(TENANT), passthrough=pt, pin=pin,
         )
         count_completion(request, gen)
         shown = request[DETAIL]
@@ -242,6 +247,8 @@ class RelayFrontend:
             out = await anext(outputs)
             if out.finished and _failed(out):  # refused before any byte: an error answer
                 return upstream_error(worker(), out, anthropic)
+            if on_answer is not None:
+                on_answer(out.raw or b"", gen.decision.worker_id)
             if not pt.stream:
                 while not out.finished:
                     out = await anext(outputs)

@@ -29,7 +29,7 @@ class Tokenizer(Protocol):
 
     def apply_chat_template(self, messages: Sequence[ChatMessage]) -> list[int]: ...
 
-    def apply_openai_chat(self, doc: Mapping[str, Any]) -> list[int]:
+    def apply_openai_chat(self, doc: Mapping[str, Any], keep_call_order: bool = False) -> list[int]:
         """The token ids a server renders for a relayed chat request (decoded JSON, with ``tools`` and
         tool calls: ``frontend/chat_render.py``), for hashing only."""
         ...
@@ -91,7 +91,7 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: Sequence[ChatMessage]) -> list[int]:
         return self.encode(self.render_chat(messages))
 
-    def apply_openai_chat(self, doc: Mapping[str, Any]) -> list[int]:
+    def apply_openai_chat(self, doc: Mapping[str, Any], keep_call_order: bool = False) -> list[int]:
         """The same template, with the request's tools first and each message's tool calls after its text
         (a stand-in: without a model nothing renders them for real; deterministic, so repeats hash alike)."""
         msgs = [ChatMessage(m["role"] if isinstance(m["role"], str) else "?",

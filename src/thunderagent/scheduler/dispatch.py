@@ -154,8 +154,9 @@ class Dispatcher:
                              check_hashes=checks)
 
     def submit(self, req: EngineRequest, key: str, workers: Sequence[WorkerState], now: float,
-               program: str | None = None, tenant: str | None = None) -> Dispatch | None:
-        """A new request (of agent ``program``, if any; ``tenant``: whose program, API keys on): routed
+               program: str | None = None, tenant: str | None = None, pin: str | None = None) -> Dispatch | None:
+        """A new request (of agent ``program``, if any; ``tenant``: whose program, API keys on; ``pin``: the
+        worker it must go to while routable, e.g. the one holding its stored conversation): routed
         now (returned) when nothing is held and a worker can start it, else held (None) until
         :meth:`pump` routes it. Raises :class:`QueueFull` past the queue's bounds and
         :class:`~thunderagent.router.router.NoWorkerAvailable` when no worker is there at all."""
@@ -171,10 +172,10 @@ class Dispatcher:
                 if now >= pacer.next_tick and workers:
                     self.tick(workers, now)
                 if pacer.must_hold(prog, len(req.prompt_tokens), now):
-                    pacer.hold(program, Held(req, key, req.priority, now, 0, program))
+                    pacer.hold(program, Held(req, key, req.priority, now, 0, program, pin))
                     return None
         avoid: tuple[str, ...] = ()
-        if self.grouper is not None:
+        if self.grouper is not None and pin is None:
             offered = self.grouper.offer(Held(req, key, req.priority, now, 0, program), workers, now)
             if offered is None:
                 return None
@@ -187,10 +188,10 @@ class Dispatcher:
                 if queue is None or ((self.can_start(workers) if pool is workers else
                                       any(w.role != "prefill" and w.worker_id not in avoid for w in pool))
                                      and self._prefill_room(workers, req.priority)):
-                    d = self.dispatch(req, pool, now, exclude=avoid, program=program)
+                    d = self.dispatch(req, pool, now, exclude=avoid, program=program, pin=pin)
                     d.route_key = key
                     return d
-            queue.push(Held(req, key, req.priority, now, self._uncached(req, now), program,
+            queue.push(Held(req, key, req.priority, now, self._uncached(req, now), program, pin,
                             admitted=program is not None and prog.admitted), now)
         except (QueueFull, NoWorkerAvailable) as e:
             if program is not None:  # refused: not a step of the program
