@@ -18,7 +18,7 @@ import anthropic
 import pytest
 
 from integration.conftest import test_config as make_config
-from support.fake_engine import FakeEngine
+from support.fake_engine import FakeEngine, fake_vllm_config
 from support.server import relayed_counts, running_server
 from support.waiting import wait_until
 from thunderagent.frontend.anthropic import to_chat
@@ -32,12 +32,8 @@ SYSTEM = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.3
 TENANT_KEY = "sk-tenant-a-0123456789abcdef"
 
 
-def _config(engines: list[FakeEngine], model_dir: Path, **extra: object):
-    return make_config(
-        model=str(model_dir), routing={"seed": 3},
-        control_plane={"heartbeat_interval": 0.1, "heartbeat_misses": 5, "default_max_tokens": 16, **extra},
-        execution_group={"nodes": [{"engine": "vllm", "block_size": BS, "endpoints": [
-            {"url": e.url, "kv_events": e.events, "kv_replay": e.replay} for e in engines]}]})
+def _config(engines: list[FakeEngine], model_dir: Path, **control: object):
+    return fake_vllm_config(engines, model_dir, BS, control=control)
 
 
 async def _engines(model_dir: Path) -> list[FakeEngine]:

@@ -15,8 +15,7 @@ import aiohttp
 import openai
 import pytest
 
-from integration.conftest import test_config as make_config
-from support.fake_engine import FakeEngine
+from support.fake_engine import FakeEngine, fake_vllm_config
 from support.server import relayed_counts, running_server
 from support.waiting import wait_until
 from thunderagent.frontend.hf_tokenizer import HfTokenizer
@@ -29,11 +28,7 @@ SYSTEM = "You are a coding agent. Read the files you need, then answer in one sh
 
 
 def _config(engines: list[FakeEngine], model_dir: Path, **node: object):
-    return make_config(
-        model=str(model_dir), routing={"seed": 3},
-        control_plane={"heartbeat_interval": 0.1, "heartbeat_misses": 5, "default_max_tokens": 16},
-        execution_group={"nodes": [{"engine": "vllm", "block_size": BS, **node, "endpoints": [
-            {"url": e.url, "kv_events": e.events, "kv_replay": e.replay} for e in engines]}]})
+    return fake_vllm_config(engines, model_dir, BS, **node)
 
 
 async def _engines(model_dir: Path, max_model_len: int | None = None) -> list[FakeEngine]:

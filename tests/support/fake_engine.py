@@ -34,6 +34,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -322,3 +323,17 @@ class FakeEngine:
 
 def _sse(obj: object) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def fake_vllm_config(engines: list[FakeEngine], model_dir: object, block_size: int, *,
+                     control: dict[str, object] | None = None, **node: object) -> Any:
+    """The config of a vLLM fleet of ``engines`` (their HTTP, events and replay endpoints) with ``model_dir``'s
+    tokenizer, fast heartbeats and a 16-token default ``max_tokens``; ``control``: more control-plane settings,
+    ``node``: more node-group settings."""
+    from integration.conftest import test_config
+
+    return test_config(
+        model=str(model_dir), routing={"seed": 3},
+        control_plane={"heartbeat_interval": 0.1, "heartbeat_misses": 5, "default_max_tokens": 16, **(control or {})},
+        execution_group={"nodes": [{"engine": "vllm", "block_size": block_size, **node, "endpoints": [
+            {"url": e.url, "kv_events": e.events, "kv_replay": e.replay} for e in engines]}]})

@@ -34,8 +34,7 @@ import json
 import time
 from typing import Any
 
-from thunderagent.execution.relay_body import FLEET_FIELDS
-from thunderagent.frontend.protocol import RequestError
+from thunderagent.frontend.relay_fields import refuse
 from thunderagent.types import MESSAGES_PATH
 
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
@@ -69,13 +68,8 @@ def error_doc(status: int, message: str) -> dict[str, Any]:
 def check_fields(doc: dict[str, Any]) -> None:
     """A 400 naming the first field that is neither the Messages API's, vLLM's nor ThunderAgent's."""
     for key in doc:
-        if key in FIELDS:
-            continue
-        if key in FLEET_FIELDS:
-            raise RequestError(f"`{key}` is set by ThunderAgent (disaggregation, request ids), not by clients",
-                               param=key, code="unsupported_parameter")
-        raise RequestError(f"unsupported field `{key}`: not a field of the Messages API; remove it from the request",
-                           param=key, code="unsupported_parameter")
+        if key not in FIELDS:
+            refuse(key, "not a field of the Messages API")
 
 
 def _text(block: object) -> str | None:

@@ -16,7 +16,7 @@ The vLLM lists are the request models' fields of vLLM 0.32 (``ChatCompletionRequ
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from thunderagent.config import NodeConfig
 from thunderagent.execution.relay_body import FLEET_FIELDS
@@ -76,6 +76,15 @@ _MODELLED_CHAT = _modelled(ChatCompletionRequest, NEUTRAL)
 _MODELLED_COMPLETION = _modelled(CompletionRequest, NEUTRAL_COMPLETION)
 
 
+def refuse(key: str, why: str) -> NoReturn:
+    """The 400 for a request field ``key``: the fleet's own (disaggregation, request ids), or unknown (``why``)."""
+    if key in FORBIDDEN:
+        raise RequestError(f"`{key}` is set by ThunderAgent (disaggregation, request ids), not by clients",
+                           param=key, code="unsupported_parameter")
+    raise RequestError(f"unsupported field `{key}`: {why}; remove it from the request", param=key,
+                       code="unsupported_parameter")
+
+
 def fleet_relay(nodes: Sequence[NodeConfig]) -> RelayFields | None:
     """The fields a fleet of vLLM / SGLang servers relays, when all its groups relay (``relay`` resolved in
     ``config.resolve_relay``); None for a fleet that relays nothing, or an ``engine: openai`` one (which relays
@@ -108,13 +117,10 @@ class RelayFields:
         for key, value in doc.items():
             if key in allowed:
                 continue
-            if key in FORBIDDEN:
-                raise RequestError(f"`{key}` is set by ThunderAgent (disaggregation, request ids), not by clients",
-                                   param=key, code="unsupported_parameter")
-            if key in neutral and any(value is a or (type(value) is type(a) and value == a) for a in neutral[key]):
+            if key in neutral and key not in FORBIDDEN and any(
+                    value is a or (type(value) is type(a) and value == a) for a in neutral[key]):
                 continue  # asks for nothing: harmless whoever reads it
-            raise RequestError(f"unsupported field `{key}`: neither ThunderAgent nor engine {'/'.join(self.engines)} "
-                               "implements it; remove it from the request", param=key, code="unsupported_parameter")
+            refuse(key, f"neither ThunderAgent nor engine {'/'.join(self.engines)} implements it")
         if not chat:
             return
         messages = doc.get("messages")

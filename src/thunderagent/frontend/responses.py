@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from thunderagent.execution.relay_body import FLEET_FIELDS
 from thunderagent.frontend.protocol import RequestError
+from thunderagent.frontend.relay_fields import refuse
 
 #: vLLM 0.32's ResponsesRequest fields, the Responses API's fields it ignores, ThunderAgent's own
 FIELDS = frozenset({
@@ -54,13 +54,8 @@ def check_fields(doc: dict[str, Any]) -> None:
     for key, value in doc.items():
         if key in _REFUSED and value:
             raise RequestError(_REFUSED[key], param=key, code="unsupported_parameter")
-        if key in FIELDS:
-            continue
-        if key in FLEET_FIELDS:
-            raise RequestError(f"`{key}` is set by ThunderAgent (disaggregation, request ids), not by clients",
-                               param=key, code="unsupported_parameter")
-        raise RequestError(f"unsupported field `{key}`: not a field of the Responses API; remove it from the request",
-                           param=key, code="unsupported_parameter")
+        if key not in FIELDS:
+            refuse(key, "not a field of the Responses API")
 
 
 def _type(item: dict[str, Any]) -> Any:
