@@ -135,3 +135,10 @@ def test_program_table_in_process() -> None:
     res = pt.measure(sizes=(50, 500), steps=20)
     for n in ("50", "500"):
         _positive(res[n], ["step_us", "tick_us"])
+
+
+def test_relay_reader_times_every_apis_stream() -> None:
+    rr = load_bench("relay_reader")
+    res = rr.measure(3)
+    _positive(res, [f"{api}|{cut}" for api in ("chat", "messages", "responses")
+                    for cut in ("one event per read", "one read")])
