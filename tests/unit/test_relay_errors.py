@@ -45,3 +45,23 @@ def test_a_broken_stream_names_the_worker_for_admins_only() -> None:
     assert msg.startswith("worker w3 failed while streaming the request")
     msg = json.loads(hidden.split(b"\n\n")[0][6:])["error"]["message"]
     assert msg.startswith("the worker failed while streaming the request") and "w3" not in msg
+
+
+def test_the_messages_api_gets_anthropic_shaped_failures() -> None:
+    anthropic_body = json.dumps({"type": "error", "error": {"type": "invalid_request_error",
+                                                            "message": "bad max_tokens"}}).encode()
+    resp = upstream_error("w3", _out(anthropic_body, 400), anthropic=True)
+    assert resp.status == 400 and resp.body == anthropic_body  # the server's own, unchanged
+    openai_body = json.dumps({"error": {"message": "bad", "type": "invalid_request_error"}}).encode()
+    for raw, status, expect_status, kind in ((openai_body, 400, 400, "invalid_request_error"),
+                                             (b"<html>down</html>", 503, 502, "api_error")):
+        resp = upstream_error(None, _out(raw, status), anthropic=True)  # wrapped in Anthropic's shape
+        doc = json.loads(resp.body)
+        assert resp.status == expect_status and doc["type"] == "error" and doc["error"]["type"] == kind
+        assert doc["error"]["message"] == f"the worker failed the request (HTTP {status})"
+    event = _error_event(None, _out(None, 0), anthropic=True)  # a stream that broke: Anthropic's error event
+    head, data = event.split(b"\n", 1)
+    assert head == b"event: error" and event.endswith(b"\n\n") and b"[DONE]" not in event
+    doc = json.loads(data[len(b"data: "):])
+    assert doc["type"] == "error" and doc["error"]["type"] == "api_error"
+    assert doc["error"]["message"].startswith("the worker failed while streaming the request")
