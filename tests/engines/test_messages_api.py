@@ -182,7 +182,9 @@ async def test_claude_code_sessions_are_programs(tiny_model_dir: Path) -> None:
             async with _client(srv) as c:
                 for _ in range(2):
                     await c.messages.create(model=model, max_tokens=2, messages=hi, metadata={"user_id": current})
-                await c.messages.create(model=model, max_tokens=2, messages=hi, metadata={"user_id": legacy})
+                # (the beta client, as Claude Code, posts to /v1/messages?beta=true)
+                await c.beta.messages.create(model=model, max_tokens=2, messages=hi, metadata={"user_id": legacy},
+                                             betas=["context-management-2025-06-27"])
                 await c.messages.create(model=model, max_tokens=2, messages=hi,
                                         extra_headers={"x-claude-code-session-id": "cc-header-session"})
                 await c.messages.create(model=model, max_tokens=2, messages=hi,  # ours wins over Claude Code's
