@@ -139,9 +139,9 @@ class Frontend:
         #: a vLLM / SGLang fleet's relay: the requests the token path does not model (relay: unmodelled)
         self.unmodelled: RelayFrontend | None = None
         #: Anthropic's Messages API, relayed (frontend/messages_api.py; a 404 on a fleet that cannot relay)
-        self.messages_api = MessagesApi(None, checked=False)
+        self.messages_api = MessagesApi(None)
         #: OpenAI's Responses API, relayed (frontend/responses_api.py; a 404 on a fleet that cannot relay)
-        self.responses_api = ResponsesApi(None, checked=False)
+        self.responses_api = ResponsesApi(None)
 
     def _text(self, gen: Generation, stops: list[str]) -> AsyncIterator[TextChunk]:
         return stream_text(self.fleet.outputs(gen), self.tokenizer.decoder(), stops)
@@ -439,15 +439,15 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     nodes = cfg.execution_group.nodes
     if nodes and all(n.engine == "openai" for n in nodes):
         fe.relay = RelayFrontend(fe)
-        fe.messages_api = MessagesApi(fe.relay, checked=False)
-        fe.responses_api = ResponsesApi(fe.relay, checked=False)
+        fe.messages_api = MessagesApi(fe.relay)
+        fe.responses_api = ResponsesApi(fe.relay)
     elif (fields := fleet_relay(nodes)) is not None:  # vllm / sglang, one mode (config.resolve_relay)
         if nodes[0].relay == "all":
             fe.relay = RelayFrontend(fe, fields)  # every request, checked as the unmodelled ones
         else:
             fe.unmodelled = RelayFrontend(fe, fields)
-        fe.messages_api = MessagesApi(fe.relay or fe.unmodelled, checked=True)
-        fe.responses_api = ResponsesApi(fe.relay or fe.unmodelled, checked=True)
+        fe.messages_api = MessagesApi(fe.relay or fe.unmodelled)
+        fe.responses_api = ResponsesApi(fe.relay or fe.unmodelled)
     access: dict[str | None, Access] = {}  # what a route needs with API keys on (frontend/auth.py)
 
     def route(method: str, path: str, handler: Handler, needs: Access) -> None:

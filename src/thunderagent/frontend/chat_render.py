@@ -150,14 +150,15 @@ def developer_as_system(conv: list[dict[str, Any]], template: object) -> list[di
     """vLLM's handling of ``developer`` messages for a template that never names that role: they become
     ``system`` messages, and then every system message is merged into one first message (texts joined by a
     blank line) when one is not first or there are several."""
+    if not any(m.get("role") == "developer" for m in conv):
+        return conv  # (the common case: the template is not searched)
     named = template if isinstance(template, str) else " ".join(v for v in template.values()
                                                                 if isinstance(v, str)) \
         if isinstance(template, dict) else ""
-    if not any(m.get("role") == "developer" for m in conv) or '"developer"' in named or "'developer'" in named:
+    if '"developer"' in named or "'developer'" in named:
         return conv
     conv = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in conv]
-    texts = [m["content"] for m in conv if m.get("role") == "system" and m.get("content")]
-    firsts = [i for i, m in enumerate(conv) if m.get("role") == "system"]
-    if not firsts or firsts == [0]:
-        return conv
-    return [{"role": "system", "content": "\n\n".join(texts)}, *(m for m in conv if m.get("role") != "system")]
+    if [i for i, m in enumerate(conv) if m["role"] == "system"] == [0]:
+        return conv  # one system message, first: nothing to merge
+    texts = [m["content"] for m in conv if m["role"] == "system" and m["content"]]
+    return [{"role": "system", "content": "\n\n".join(texts)}, *(m for m in conv if m["role"] != "system")]

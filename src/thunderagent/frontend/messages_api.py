@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
@@ -31,7 +30,7 @@ from msgspec import Meta
 
 from thunderagent.frontend.anthropic import MESSAGES_PATH, check_fields, error_doc, to_chat
 from thunderagent.frontend.protocol import MaxTokens, Priority, RequestError
-from thunderagent.frontend.relay import RelayFrontend, decode_body
+from thunderagent.frontend.relay import RelayFrontend, Routed, decode_both, no_servers
 from thunderagent.frontend.tokenizer import ByteTokenizer
 from thunderagent.types import Passthrough
 
@@ -63,32 +62,6 @@ class _Count(msgspec.Struct, kw_only=True):
     messages: Annotated[list[_Message], Meta(min_length=1)]
 
 
-@dataclass(slots=True)
-class _Fields:
-    """What :meth:`RelayFrontend.dispatch` and the frontend's route-key / program readers take."""
-
-    max_tokens: int
-    cache_salt: str | None
-    priority: int
-    explain: bool
-    program_id: str | None
-    user: str | None
-    client_session: str | None = None  # Claude Code's session (``metadata.user_id``): the program, if no other
-    extra_body: dict[str, Any] | None = None
-
-
-_doc = msgspec.json.Decoder(dict[str, Any])
-
-
-_messages = msgspec.json.Decoder(_Request)
-_count = msgspec.json.Decoder(_Count)
-
-
-def _decode(body: bytes, decoder: msgspec.json.Decoder[Any]) -> tuple[Any, dict[str, Any]]:
-    """The typed fields routing reads, and the whole document (valid JSON once the first decoded)."""
-    return decode_body(decoder, body), _doc.decode(body)
-
-
 _LEGACY_SESSION = re.compile(r"_session_([0-9A-Za-z-]{8,64})$")
 
 
@@ -108,19 +81,15 @@ def claude_session(user_id: str | None) -> str | None:
 
 
 class MessagesApi:
-    """The Messages API on a relaying fleet (``relay``: its frontend side; ``checked``: a vLLM / SGLang
-    fleet, whose model names and fields ThunderAgent checks; an ``engine: openai`` fleet's servers check
-    their own)."""
+    """The Messages API on a relaying fleet (``relay``: its frontend side; None: a fleet with no server to relay
+    to, where both paths are a 404 that says so)."""
 
-    def __init__(self, relay: RelayFrontend | None, checked: bool) -> None:
+    def __init__(self, relay: RelayFrontend | None) -> None:
         self.relay = relay
-        self.checked = checked
 
     def _relay(self) -> RelayFrontend:
         if self.relay is None:
-            raise RequestError("the Messages API is relayed to vLLM, SGLang or OpenAI-compatible servers; this "
-                               "fleet has none to relay to (simulated workers, or relay: off)", status=404,
-                               code="not_found")
+            raise no_servers("Messages API")
         return self.relay
 
     def _prompt(self, doc: dict[str, Any]) -> list[int]:
@@ -131,17 +100,11 @@ class MessagesApi:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         relay = self._relay()
         body = await request.read()
-        req, doc = _decode(body, _messages)
-        lora = None
-        if self.checked:
-            lora = relay.fe._check_model(req.model)  # the worker sends the server's name (or the adapter's)
-            check_fields(doc)
-            relay.fe.fleet.metrics.relayed.labels("messages_api").inc()
-        elif relay.fe.fleet.registry.adapter(req.model)[0]:  # engine openai: an adapter goes to the servers listing it
-            lora = req.model
+        req, doc = decode_both(_Request, body)
+        lora = relay.admit(req.model, lambda: check_fields(doc), "messages_api")
         user = req.metadata.user_id if req.metadata is not None else None
-        fields = _Fields(req.max_tokens, req.cache_salt, req.priority, req.explain, req.program_id, user,
-                         claude_session(user))
+        fields = Routed(req.max_tokens, req.cache_salt, req.priority, req.explain, req.program_id, user,
+                        claude_session(user))
         pt = Passthrough(MESSAGES_PATH, body, bool(req.stream))
         return await relay.dispatch(request, fields, self._prompt(doc), pt, lora, "messages", anthropic=True)
 
@@ -150,9 +113,9 @@ class MessagesApi:
         if isinstance(relay.fe.tokenizer, ByteTokenizer):
             raise RequestError("counting tokens needs the model's tokenizer: set `model` in the configuration",
                                status=404, code="not_found")
-        req, doc = _decode(await request.read(), _count)
+        req, doc = decode_both(_Count, await request.read())
         check_fields(doc)  # answered here: a field that would change nothing is a mistake to name
-        if self.checked:
+        if relay.fields is not None:  # (a vLLM / SGLang fleet checks model names; engine openai's servers do)
             relay.fe._check_model(req.model)
         n = len(self._prompt(doc))
         return web.json_response({"input_tokens": n, "context_management": {"original_input_tokens": n}})

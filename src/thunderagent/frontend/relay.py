@@ -34,7 +34,8 @@ import json
 import logging
 import re
 from collections.abc import Callable
-from typing import Annotated, Any, Protocol
+from dataclasses import dataclass
+from typing import Annotated, Any, Protocol, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -84,6 +85,8 @@ class _Request(msgspec.Struct, kw_only=True):
 
 
 _decoder = msgspec.json.Decoder(_Request)
+_doc = msgspec.json.Decoder(dict[str, Any])
+T = TypeVar("T")
 
 
 def _decode(body: bytes) -> _Request:
@@ -102,7 +105,36 @@ def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
         raise RequestError("request body is nested too deeply", code="nesting_too_deep") from exc
 
 
-_doc = msgspec.json.Decoder(dict[str, Any])
+def decode_both(kind: type[T], body: bytes) -> tuple[T, dict[str, Any]]:
+    """A relayed body parsed once: the whole document (what is checked and rendered), and the fields routing
+    reads typed from it (``kind``, a lenient struct), failures as the same 400s."""
+    doc: dict[str, Any] = decode_body(_doc, body)
+    try:
+        return msgspec.convert(doc, kind), doc
+    except msgspec.ValidationError as exc:
+        raise RequestError(str(exc)) from exc
+
+
+@dataclass(slots=True)
+class Routed:
+    """What :meth:`RelayFrontend.dispatch` and the frontend's route-key and program readers take of a request
+    of an API with its own body (the Messages and Responses APIs)."""
+
+    max_tokens: int | None
+    cache_salt: str | None
+    priority: int
+    explain: bool
+    program_id: str | None
+    user: str | None
+    client_session: str | None = None  # Claude Code's session: the program when the request names none
+    max_param: str = "max_tokens"  # the budget field, named in its errors
+    extra_body: dict[str, Any] | None = None
+
+
+def no_servers(api: str) -> RequestError:
+    """The 404 of an API only servers serve, on a fleet with none to relay to."""
+    return RequestError(f"the {api} is relayed to vLLM, SGLang or OpenAI-compatible servers; this fleet has none to "
+                        "relay to (simulated workers, or relay: off)", status=404, code="not_found")
 _INDEX = re.compile(r"\[\d+\]")
 
 
@@ -183,16 +215,18 @@ class RelayFrontend:
         ``relay: all``)."""
         fe = self.fe
         body = await request.read()
-        req = _decode(body)
-        doc = _doc.decode(body) if chat or self.fields is not None else None  # (valid JSON: _decode read it)
-        lora = None
-        if self.fields is not None:
-            assert doc is not None
-            lora = fe._check_model(req.model)  # ThunderAgent's name (or an adapter's): the worker sends the server's
-            self.fields.check(doc, chat)
-            fe.fleet.metrics.relayed.labels(_label(why)).inc()
-        elif fe.fleet.registry.adapter(req.model)[0]:  # engine openai: a LoRA adapter some servers list goes there
-            lora = req.model
+        doc: dict[str, Any] | None = None
+        if chat or self.fields is not None:
+            req, doc = decode_both(_Request, body)
+        else:  # an engine openai completion: the typed fields only
+            req = _decode(body)
+        fields = self.fields
+
+        def check() -> None:  # (admit calls it only on a fleet that checks fields, where doc was parsed)
+            assert fields is not None and doc is not None
+            fields.check(doc, chat)
+
+        lora = self.admit(req.model, check, _label(why))
         tok = fe.tokenizer
         if chat:
             if req.messages is None:
@@ -207,6 +241,19 @@ class RelayFrontend:
         path = "/v1/chat/completions" if chat else "/v1/completions"
         return await self.dispatch(request, req, ids, Passthrough(path, body, req.stream), lora,
                                    "messages" if chat else "prompt")
+
+    def admit(self, model: str | None, check: Callable[[], None], label: str) -> str | None:
+        """The LoRA adapter ``model`` names, if any. On a vLLM / SGLang fleet the name is checked (a 404 for one no
+        server serves; the worker sends the server's own), then the request's fields (``check``), and the request is
+        counted as relayed (``label``); on an ``engine: openai`` fleet the servers check both, and a name is an
+        adapter when some server lists it (routed only to those)."""
+        fe = self.fe
+        if self.fields is None:
+            return model if model is not None and fe.fleet.registry.adapter(model)[0] else None
+        lora = fe._check_model(model) if model is not None else None
+        check()
+        fe.fleet.metrics.relayed.labels(label).inc()
+        return lora
 
     async def dispatch(self, request: web.Request, req: Any, ids: list[int], pt: Passthrough, lora: str | None,
                        prompt_param: str, anthropic: bool = False, pin: str | None = None,

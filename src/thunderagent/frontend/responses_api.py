@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
 from aiohttp import web
 from msgspec import Meta
 
-from thunderagent.frontend.protocol import MaxTokens, Priority, RequestError
-from thunderagent.frontend.relay import RelayFrontend, decode_body
+from thunderagent.frontend.protocol import MaxTokens, Priority
+from thunderagent.frontend.relay import RelayFrontend, Routed, decode_both, no_servers
 from thunderagent.frontend.responses import check_fields, to_chat
 from thunderagent.types import RESPONSES_PATH, Passthrough
 
@@ -49,31 +48,12 @@ class _Request(msgspec.Struct, kw_only=True):
     user: str | None = None
 
 
-_decoder = msgspec.json.Decoder(_Request)
-_doc = msgspec.json.Decoder(dict[str, Any])
-
-
-@dataclass(slots=True)
-class _Fields:
-    """What :meth:`RelayFrontend.dispatch` and the frontend's route-key / program readers take."""
-
-    max_tokens: int | None
-    cache_salt: str | None
-    priority: int
-    explain: bool
-    program_id: str | None
-    user: str | None
-    extra_body: dict[str, Any] | None = None
-    max_param: str = "max_output_tokens"  # (named in the budget's errors)
-
-
 class ResponsesApi:
-    """The Responses API on a relaying fleet (``checked``: a vLLM / SGLang fleet, whose model names and fields
-    ThunderAgent checks; an ``engine: openai`` fleet's servers check their own)."""
+    """The Responses API on a relaying fleet (``relay``: its frontend side; None: a fleet with no server to relay
+    to, where it is a 404 that says so)."""
 
-    def __init__(self, relay: RelayFrontend | None, checked: bool) -> None:
+    def __init__(self, relay: RelayFrontend | None) -> None:
         self.relay = relay
-        self.checked = checked
         self._answered: OrderedDict[str, str] = OrderedDict()  # response id -> the worker that answered it
 
     def _remember(self, first: bytes, worker: str) -> None:
@@ -88,27 +68,17 @@ class ResponsesApi:
     async def responses(self, request: web.Request) -> web.StreamResponse:
         relay = self.relay
         if relay is None:
-            raise RequestError("the Responses API is relayed to vLLM, SGLang or OpenAI-compatible servers; this "
-                               "fleet has none to relay to (simulated workers, or relay: off)", status=404,
-                               code="not_found")
+            raise no_servers("Responses API")
         body = await request.read()
-        req = decode_body(_decoder, body)
-        doc = _doc.decode(body)
-        fe = relay.fe
-        lora = None
-        if self.checked:
-            if req.model is not None:
-                lora = fe._check_model(req.model)  # the worker sends the server's name (or the adapter's)
-            check_fields(doc)
-            fe.fleet.metrics.relayed.labels("responses_api").inc()
-        elif req.model is not None and fe.fleet.registry.adapter(req.model)[0]:
-            lora = req.model
+        req, doc = decode_both(_Request, body)
+        lora = relay.admit(req.model, lambda: check_fields(doc), "responses_api")
         pin = None
         if req.previous_response_id is not None:
             pin = self._answered.get(req.previous_response_id)  # its conversation is stored there
             if pin is not None:
                 self._answered.move_to_end(req.previous_response_id)
-        fields = _Fields(req.max_output_tokens, req.cache_salt, req.priority, req.explain, req.program_id, req.user)
-        ids = fe.tokenizer.apply_openai_chat(to_chat(doc), keep_call_order=True)  # (vLLM builds these messages)
+        fields = Routed(req.max_output_tokens, req.cache_salt, req.priority, req.explain, req.program_id, req.user,
+                        max_param="max_output_tokens")
+        ids = relay.fe.tokenizer.apply_openai_chat(to_chat(doc), keep_call_order=True)  # (vLLM builds these messages)
         return await relay.dispatch(request, fields, ids, Passthrough(RESPONSES_PATH, body, bool(req.stream)), lora,
                                     "input", pin=pin, on_answer=self._remember)
