@@ -3,7 +3,8 @@
 A relayed answer's server-sent events are read by the worker for what routing needs (a token per event with
 content, the end, usage) and passed on unchanged. This times that reading alone, in process, on a 64-token
 chat stream (OpenAI's chunks; and, where the checkout has them, Anthropic's Messages events and the Responses
-API's events), cut as a server writes it (one event per network read) and in one read. ``--base-src DIR``
+API's events), cut as a server writes it (one event per network read) and in one read; and the frontend's
+parse of a 26 kB relayed chat body (typed fields and whole document). ``--base-src DIR``
 runs the same on another checkout's code (a subprocess with its ``src`` first on the path), interleaved.
 
 Run: ``python bench/relay_reader.py [--base-src DIR] [--streams N] [--rounds R]``.
@@ -96,7 +97,37 @@ def measure(streams: int) -> dict[str, float]:
             t0 = time.process_time()
             asyncio.run(go())
             out[f"{api}|{cut}"] = (time.process_time() - t0) / streams * 1e6
+    out["chat body|parsed by the frontend"] = parse_us(streams * 5)
     return out
+
+
+def _chat_body() -> bytes:
+    """A relayed chat request of an agent 30 tool calls in (~26 kB)."""
+    msgs: list[dict] = [{"role": "system", "content": "You are a coding agent. " * 200}]
+    for k in range(30):
+        call = {"id": f"c{k}", "type": "function", "function": {"name": "read", "arguments": f'{{"path": "{k}.py"}}'}}
+        msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        msgs.append({"role": "tool", "tool_call_id": f"c{k}", "content": "def f(x):\n    return x\n" * 20})
+    tools = [{"type": "function", "function": {"name": "read", "parameters": {}}}]
+    return json.dumps({"model": "m", "messages": msgs, "tools": tools, "max_tokens": 8}).encode()
+
+
+def parse_us(n: int) -> float:
+    """µs for the frontend to read a relayed chat body (its typed fields and its whole document)."""
+    from thunderagent.frontend import relay
+
+    body = _chat_body()
+    both = getattr(relay, "decode_both", None)
+    if both is not None:
+        def parse() -> object:
+            return both(relay._Request, body)
+    else:  # an older checkout: two parses
+        def parse() -> object:
+            return relay._decode(body), relay._doc.decode(body)
+    t0 = time.process_time()
+    for _ in range(n):
+        parse()
+    return (time.process_time() - t0) / n * 1e6
 
 
 def _measure_in(src: str | None, streams: int) -> dict[str, float]:
@@ -138,7 +169,7 @@ def main() -> None:
             else:
                 row.append("-")
         rows.append(row)
-    header = ["api", "network reads", *(f"{name}: CPU µs / 64-token stream" for name, _ in arms)]
+    header = ["api", "network reads", *(f"{name}: CPU µs per stream (per parse)" for name, _ in arms)]
     if args.base_src:
         header.append("this / base")
     print_table(f"the relay's event reader, medians of {args.rounds} interleaved rounds", header, rows)

@@ -141,4 +141,4 @@ def test_relay_reader_times_every_apis_stream() -> None:
     rr = load_bench("relay_reader")
     res = rr.measure(3)
     _positive(res, [f"{api}|{cut}" for api in ("chat", "messages", "responses")
-                    for cut in ("one event per read", "one read")])
+                    for cut in ("one event per read", "one read")] + ["chat body|parsed by the frontend"])
