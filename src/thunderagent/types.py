@@ -7,6 +7,7 @@ in the simulator); the core never reads a clock itself.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -145,16 +146,26 @@ class EngineRequest:
 @dataclass(slots=True, frozen=True)
 class Passthrough:
     """A client's HTTP request as it arrived: ``body`` is POSTed byte for byte to the server's
-    ``path``; its answer comes back in :attr:`TokenOutput.raw` (``execution/openai_relay.py``)."""
+    ``path`` (``method`` GET: a stored response read, no body); its answer comes back in
+    :attr:`TokenOutput.raw` (``execution/openai_relay.py``)."""
 
-    path: str  # "/v1/chat/completions", "/v1/completions", MESSAGES_PATH or RESPONSES_PATH
+    path: str  # "/v1/chat/completions", "/v1/completions", MESSAGES_PATH, RESPONSES_PATH, a SERVER_PATHS one...
     body: bytes
     stream: bool
+    method: str = "POST"
 
 
 #: Anthropic's Messages API and OpenAI's Responses API: relayed paths besides the completions
 MESSAGES_PATH = "/v1/messages"
 RESPONSES_PATH = "/v1/responses"
+#: vLLM's paths that generate nothing (pooling, scoring, its tokenizer): relayed to a server that serves the model,
+#: their JSON answer passed back as it came (``frontend/server_api.py``)
+SERVER_PATHS = ("/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score", "/v1/score", "/rerank",
+                "/v1/rerank", "/v2/rerank", "/tokenize", "/detokenize")
+#: a stored response's id as vLLM makes them (``resp_`` + hex); the relayed paths that name one: its read
+#: (``GET /v1/responses/{id}``) and its cancel (``POST /v1/responses/{id}/cancel``)
+RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+STORED_RESPONSE_PATH = re.compile(r"/v1/responses/[A-Za-z0-9_-]{1,128}(?:/cancel)?")
 
 
 @dataclass(slots=True, frozen=True)

@@ -67,8 +67,10 @@ class VllmCluster:
 
     def __init__(self, python: Path, model: Path, workdir: Path, n: int = 2) -> None:
         self.model = model
+        # (the Responses API's store on: stored responses are read and continued through ThunderAgent)
         self.servers = [VllmServer(f"vllm{i}", python, model, workdir, cpu=cpu_binding(i),
-                                   scheduling_policy="priority" if i == 0 else "fcfs") for i in range(n)]
+                                   scheduling_policy="priority" if i == 0 else "fcfs",
+                                   extra_env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"}) for i in range(n)]
 
     def start(self) -> None:
         t0 = time.monotonic()

@@ -118,6 +118,13 @@ async def test_adapters_cross_the_bus(tmp_path: Path, tiny_model_dir: Path) -> N
                                         messages=[{"role": "user", "content": "select"}])
         assert m.content[0].text == "ok" and m.stop_reason == "end_turn"
         assert engine.messages[-1]["model"] == "sql-lora" and engine.messages[-1]["max_tokens"] == 3
+        # vLLM's paths that generate nothing, and a stored response's read (a GET), cross it as well
+        e = await asyncio.to_thread(client.embeddings.create, model="sql-lora", input="x", encoding_format="float")
+        assert e.data[0].embedding == [0.5, 0.25] and engine.pooled[-1] == ("/v1/embeddings", {
+            "model": "sql-lora", "input": "x", "encoding_format": "float"})
+        made = await asyncio.to_thread(client.responses.create, model="thunderagent-sim", input="hi")
+        got = await asyncio.to_thread(client.responses.retrieve, made.id)
+        assert got.id == made.id and engine.reads == [f"/v1/responses/{made.id}"]
     finally:
         cluster.close()
         await engine.stop()

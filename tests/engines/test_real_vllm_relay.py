@@ -217,3 +217,46 @@ async def test_responses_api_on_real_vllm(tiny_model_dir: Path, vllm_servers: li
         events = [ev async for ev in stream]
         assert events[0].type == "response.created" and events[-1].type == "response.completed"
         assert 1 <= events[-1].response.usage.output_tokens <= 3
+
+
+async def test_tokenizer_paths_and_stored_responses_on_real_vllm(tiny_model_dir: Path,
+                                                                 vllm_servers: list[VllmServer]) -> None:
+    """vLLM's paths that generate nothing answer through ThunderAgent as they answer directly (its tokenizer and
+    chat template; its refusal of embeddings on a generative model, with its status), and a stored response is
+    read, refused a cancel and continued on the server that stored it (the servers run with the store on)."""
+    served = str(tiny_model_dir)
+    chat = {"messages": _history(1), "tools": TOOLS, "add_generation_prompt": True}
+    asks = [("/tokenize", {"prompt": "Hello, world: fix the parser."}), ("/tokenize", chat),
+            ("/detokenize", {"tokens": []}), ("/v1/embeddings", {"input": "hello"})]
+    async with aiohttp.ClientSession() as s:
+        direct = []
+        for path, body in asks:
+            if path == "/detokenize":  # the ids the first call gave
+                body["tokens"] = direct[0][1]["tokens"]
+            async with s.post(vllm_servers[1].url + path, json={"model": served, **body}) as r:
+                direct.append((r.status, await r.json()))
+        assert direct[0][0] == direct[1][0] == direct[2][0] == 200 and direct[3][0] >= 400, direct
+        async with thunderagent(front_config(tiny_model_dir, vllm_servers), vllm_servers) as front:
+            for (path, body), (status, theirs) in zip(asks, direct):
+                async with s.post(front.base_url + path, json={"model": front.model, **body}) as r:
+                    ours = await r.json()
+                    assert r.status == status, (path, ours)
+                    if status == 200:
+                        assert ours == theirs, path
+                    else:  # vLLM's refusal (FastAPI's 404: a generative server has no such route), in OpenAI's shape
+                        assert theirs == {"detail": "Not Found"} and "HTTP 404" in ours["error"]["message"]
+            c = front.client
+            made = await c.responses.with_raw_response.create(model=front.model, input="Fix the parser.",
+                                                              max_output_tokens=3, store=True)
+            r1 = made.parse()
+            got = await c.responses.with_raw_response.retrieve(r1.id)
+            assert got.parse().id == r1.id and got.parse().output == r1.output
+            assert got.headers["x-thunderagent-worker"] == made.headers["x-thunderagent-worker"]
+            async with s.post(front.base_url + f"/v1/responses/{r1.id}/cancel") as r:
+                assert r.status == 400 and "synchronous" in (await r.json())["error"]["message"]
+            follow = await c.responses.with_raw_response.create(model=front.model, input="and then?",
+                                                                max_output_tokens=3, previous_response_id=r1.id)
+            assert follow.headers["x-thunderagent-worker"] == made.headers["x-thunderagent-worker"]
+            assert follow.parse().usage.input_tokens > r1.usage.input_tokens  # the stored conversation came along
+            async with s.get(front.base_url + "/v1/responses/resp_nowhere") as r:
+                assert r.status == 404

@@ -21,6 +21,11 @@ ZMQ KV events with replay, so the real-engine adapter can be tested without a mo
   the body, cached as above; the answer calls the first function tool or says ``"ok"``, as a response or
   as its event stream, with ``usage.input_tokens_details.cached_tokens``; each response id is kept, and a
   ``previous_response_id`` this server did not answer is a 404 (vLLM keeps stored responses in memory);
+  ``GET /v1/responses/{id}`` answers a stored one (404 for any other), ``POST .../cancel`` a 400 as vLLM does
+  for a response that is not a background one;
+- ``POST /v1/embeddings``, ``/score``, ``/rerank``, ``/tokenize``, ``/detokenize`` (and vLLM's other pooling
+  paths): a JSON answer naming this server (``served_by``) and echoing the body's ``model``; the bodies land
+  in ``pooled``; a body with ``"fail": true`` is a 400 in OpenAI's shape;
 - ``GET /metrics``: running / waiting / KV usage (and vLLM's ``cache_config_info``);
 - a client that hangs up aborts its request.
 Runs inside the test's event loop; every socket is on 127.0.0.1.
@@ -59,10 +64,12 @@ class FakeEngine:
     messages: list[dict] = field(default_factory=list)  # Messages API bodies received
     render_responses: Callable[[dict], list[int]] | None = None  # a Responses API body -> the prompt's token ids
     responses: list[dict] = field(default_factory=list)  # Responses API bodies received
+    pooled: list[tuple[str, dict]] = field(default_factory=list)  # (path, body) of pooling / tokenizer requests
+    reads: list[str] = field(default_factory=list)  # the stored-response paths asked for (GET and cancel)
     adapters: list[str] = field(default_factory=list)  # LoRA adapters it lists in /v1/models (parent: the base)
     _cache: OrderedDict[int, None] = field(default_factory=OrderedDict)  # engine hash -> (LRU order)
     _batches: list[list[bytes]] = field(default_factory=list)
-    _answered: set[str] = field(default_factory=set)  # the Responses API ids it answered (its "store")
+    _answered: dict[str, dict] = field(default_factory=dict)  # the responses it answered, by id (its "store")
     _start: float = field(default_factory=time.time)
 
     async def start(self) -> None:
@@ -74,6 +81,11 @@ class FakeEngine:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/messages", self._messages)
         app.router.add_post("/v1/responses", self._responses)
+        app.router.add_get("/v1/responses/{rid}", self._stored)
+        app.router.add_post("/v1/responses/{rid}/cancel", self._stored)
+        for path in ("/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score", "/v1/score", "/rerank",
+                     "/v1/rerank", "/v2/rerank", "/tokenize", "/detokenize"):
+            app.router.add_post(path, self._pooling)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None)
@@ -245,7 +257,6 @@ class FakeEngine:
         prompt = self.render_responses(body) if self.render_responses is not None else []
         cached = self._prefill(prompt)
         rid = f"resp_{self.url.rsplit(':', 1)[-1]}_{len(self.responses)}"
-        self._answered.add(rid)
         tools = [t for t in body.get("tools") or [] if t.get("type") == "function"]
         if tools:
             item: dict[str, object] = {"type": "function_call", "id": f"fc_{rid}", "call_id": f"call_{rid}",
@@ -259,6 +270,7 @@ class FakeEngine:
                  "output_tokens": 1, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": len(prompt) + 1}
         done = {"id": rid, "object": "response", "created_at": 0, "model": body["model"], "status": "completed",
                 "output": [item], "usage": usage, "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
+        self._answered[rid] = done
         if not body.get("stream"):
             return web.json_response(done)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -271,6 +283,29 @@ class FakeEngine:
             payload = json.dumps({"type": kind, "sequence_number": n, **data}, separators=(",", ":")).encode()
             await resp.write(b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n")
         return resp
+
+    async def _stored(self, request: web.Request) -> web.Response:
+        rid = request.match_info["rid"]
+        self.reads.append(request.path)
+        if rid not in self._answered:
+            return web.json_response({"error": {"message": f"Response with id '{rid}' not found.",
+                                                "type": "invalid_request_error", "param": None, "code": None}},
+                                     status=404)
+        if request.method == "POST":
+            return web.json_response({"error": {"message": "Cannot cancel a synchronous response.",
+                                                "type": "invalid_request_error", "param": None, "code": None}},
+                                     status=400)
+        return web.json_response(self._answered[rid])
+
+    async def _pooling(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.pooled.append((request.path, body))
+        if body.get("fail"):
+            return web.json_response({"error": {"message": "bad input", "type": "BadRequestError", "param": "input",
+                                                "code": 400}}, status=400)
+        return web.json_response({"object": "list", "served_by": self.url, "model": body.get("model"),
+                                  "data": [{"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}],
+                                  "usage": {"prompt_tokens": 3, "total_tokens": 3}})
 
     # -- prefix cache and KV events --------------------------------------------------------------
     def cache_prompt(self, prompt: list[int]) -> int:

@@ -129,7 +129,7 @@ def _non_default(field: dataclasses.Field, k: int) -> object:
         "sampling": Sampling(temperature=0.25, top_p=0.5, seed=4242), "resumed": 5,
         "check_hashes": [2**64 - 2, 0], "remote_decode": True,
         "kv_from": KvTransfer("w-prefill", 130, (2**64 - 1, 5), '{"remote_engine_id": "e1"}'),
-        "passthrough": Passthrough("/v1/chat/completions", b'{"model": "m", "tools": []}', True),
+        "passthrough": Passthrough("/v1/chat/completions", b'{"model": "m", "tools": []}', True, "GET"),
     }
     assert field.name in values, f"EngineRequest.{field.name} is new: give it a wire test value here and a wire field"
     value = values[field.name]

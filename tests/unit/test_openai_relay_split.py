@@ -8,8 +8,8 @@ import random
 import types
 from collections.abc import AsyncIterator
 
-from thunderagent.execution.openai_relay import _READERS, Relay
-from thunderagent.types import FinishReason, TokenOutput
+from thunderagent.execution.openai_relay import _PLAIN, _READERS, Relay, _Read, _reader
+from thunderagent.types import SERVER_PATHS, FinishReason, Passthrough, TokenOutput
 
 EVENTS = [
     b": keep-alive comment\r\n\r\n",
@@ -121,3 +121,32 @@ def test_a_whole_anthropic_message_is_read_for_its_end_and_usage() -> None:
     st = _Read()
     _READERS["/v1/messages"].whole(b"not json", st)  # the client gets the bytes; nothing counted
     assert (st.reason, st.reported) == (None, None)
+
+
+def test_only_the_served_paths_and_methods_are_relayed() -> None:
+    """A worker relays what a frontend may send, nothing else (a forged request over the bus included): vLLM's
+    paths that generate nothing as POSTs, a stored response's read as a GET and its cancel as a POST, both without
+    a body, its id one path segment."""
+    for path in SERVER_PATHS:
+        assert _reader(Passthrough(path, b"{}", False)) is _PLAIN
+        assert _reader(Passthrough(path, b"", False, "GET")) is None
+    assert _reader(Passthrough("/v1/responses/resp_1", b"", False, "GET")) is _PLAIN
+    assert _reader(Passthrough("/v1/responses/resp_1/cancel", b"", False)) is _PLAIN
+    for refused in (Passthrough("/v1/responses/resp_1", b"", False),  # (a POST there is not vLLM's)
+                    Passthrough("/v1/responses/resp_1/cancel", b"", False, "GET"),
+                    Passthrough("/v1/responses/resp_1", b"{}", False, "GET"),  # a body on a read
+                    Passthrough("/v1/responses/resp_1", b"", True, "GET"),  # a stream
+                    Passthrough("/v1/responses/../sleep", b"", False, "GET"),
+                    Passthrough("/v1/responses/a/b", b"", False, "GET"),
+                    Passthrough("/v1/responses", b"", False, "GET"),
+                    Passthrough("/metrics", b"", False, "GET"),
+                    Passthrough("/sleep", b"{}", False),
+                    Passthrough("/v1/chat/completions", b"{}", False, "DELETE")):
+        assert _reader(refused) is None, refused
+    assert _reader(Passthrough("/v1/chat/completions", b"{}", True)) is _READERS["/v1/chat/completions"]
+
+
+def test_an_answer_that_generates_nothing_ends_with_no_tokens() -> None:
+    st = _Read()
+    _PLAIN.whole(b'{"object": "list", "data": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}', st)
+    assert (st.reported, st.reason, st.cached) == (0, FinishReason.STOP, 0)

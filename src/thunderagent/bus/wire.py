@@ -394,7 +394,7 @@ class GenerateRequest(msgspec.Struct, array_like=True, frozen=True):
     check_hashes: bytes | None = None  # packed u64: the double-hash guard's (kv.check), None when off
     remote_decode: bool = False  # a prefill-only job (prefill/decode disaggregation)
     kv_from: WireKvTransfer | None = None  # the decode side: where the prompt's KV is pulled from
-    passthrough: tuple[str, bytes, bool] | None = None  # engine openai: path, body, stream (relayed unchanged)
+    passthrough: tuple[str, bytes, bool, str] | None = None  # relayed unchanged: path, body, stream, method
 
 
 class Abort(msgspec.Struct, array_like=True, frozen=True):
@@ -435,7 +435,7 @@ def request_to_wire(req: EngineRequest) -> GenerateRequest:
                            sampling, req.resumed,
                            None if req.check_hashes is None else pack_u64(req.check_hashes),
                            req.remote_decode, _kv_to_wire(req.kv_from),
-                           None if (p := req.passthrough) is None else (p.path, p.body, p.stream))
+                           None if (p := req.passthrough) is None else (p.path, p.body, p.stream, p.method))
 
 
 def request_from_wire(g: GenerateRequest) -> EngineRequest:

@@ -60,6 +60,10 @@ class HttpTransport(Protocol):
         the connection (an engine aborts the request)."""
         ...
 
+    def stream_get(self, url: str) -> AbstractAsyncContextManager[StreamedResponse]:
+        """GET ``url`` whatever its status (a relayed read of a stored response), open while the context lasts."""
+        ...
+
     async def get_text(self, url: str, timeout: float) -> str:
         """GET a 2xx answer's body as text, within ``timeout`` seconds."""
         ...
@@ -167,6 +171,13 @@ class AiohttpTransport:
             # went away) is closed, which makes the engine abort the request
             resp.release()
             await resp.wait_for_close()
+
+    @contextlib.asynccontextmanager
+    async def stream_get(self, url: str) -> AsyncIterator[StreamedResponse]:
+        assert self._posts is not None, "open() was not called"
+        # (a GET is idempotent: aiohttp itself retries one sent on a pooled connection the server just closed)
+        async with self._posts.get(url) as resp:
+            yield _AiohttpStream(resp)
 
     async def get_text(self, url: str, timeout: float) -> str:
         async with self._opened().get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:

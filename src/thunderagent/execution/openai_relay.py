@@ -33,7 +33,15 @@ import msgspec
 
 from thunderagent.execution.http_transport import TransportConnectionError, TransportError
 from thunderagent.execution.relay_body import engine_body
-from thunderagent.types import MESSAGES_PATH, RESPONSES_PATH, FinishReason, TokenOutput
+from thunderagent.types import (
+    MESSAGES_PATH,
+    RESPONSES_PATH,
+    SERVER_PATHS,
+    STORED_RESPONSE_PATH,
+    FinishReason,
+    Passthrough,
+    TokenOutput,
+)
 
 if TYPE_CHECKING:
     from thunderagent.execution.engine_requests import Inflight, RequestStreamer
@@ -296,9 +304,35 @@ class _ResponsesReader:
         _response_end(resp, st)
 
 
+class _PlainReader:
+    """An answer that generates nothing (embeddings, scores, tokenization, a stored response read): one JSON
+    body, no tokens; an event stream is not relayed on these paths (the frontend refuses ``stream``)."""
+
+    @staticmethod
+    def event(data: bytes, st: _Read) -> None:  # (never called: these are sent unstreamed, read whole)
+        st.end = True
+        st.reason = FinishReason.STOP
+
+    @staticmethod
+    def whole(body: bytes, st: _Read) -> None:
+        st.reported = 0
+        st.reason = FinishReason.STOP
+
+
+_PLAIN = _PlainReader()
 #: how each relayed path's answer reads; a path not here is refused (only these are served)
 _READERS: dict[str, _Reader] = {"/v1/chat/completions": _OpenAIReader(), "/v1/completions": _OpenAIReader(),
-                                MESSAGES_PATH: _AnthropicReader(), RESPONSES_PATH: _ResponsesReader()}
+                                MESSAGES_PATH: _AnthropicReader(), RESPONSES_PATH: _ResponsesReader(),
+                                **dict.fromkeys(SERVER_PATHS, _PLAIN)}
+
+
+def _reader(pt: Passthrough) -> _Reader | None:
+    """The reader of a relayed request's answer; None for a request no server is sent: a path not served, a GET of
+    anything but a stored response, a POST to one but its cancel, either with a body or a stream."""
+    if pt.method == "GET" or STORED_RESPONSE_PATH.fullmatch(pt.path):
+        ok = STORED_RESPONSE_PATH.fullmatch(pt.path) and pt.path.endswith("/cancel") == (pt.method == "POST")
+        return _PLAIN if ok and not pt.body and not pt.stream else None
+    return _READERS.get(pt.path) if pt.method == "POST" else None
 
 
 class Relay:
@@ -317,17 +351,19 @@ class Relay:
         # No queue of the server's is visible from outside (a non-streamed answer's first byte is its
         # last): a request sent counts as running at once; OpenAIWorker.load caps that at the node's
         # max_batch_size and adds what the server's /metrics say waits there.
-        read = _READERS.get(pt.path)
+        read = _reader(pt)
         if read is None:  # a frontend's mistake (or a forged request over the bus): nothing else is served
             self._finish(r, _NO_IDS, FinishReason.ERROR, 0, b'{"error": {"message": "not a relayed path"}}', 400)
             return
         s._progress(r, 0)
         try:
             body = pt.body
-            if self._rewrite:  # (the Messages API has no priority field)
+            if self._rewrite and body:  # (the Messages API has no priority field; a stored response's has no body)
                 body = engine_body(body, r.req, await s._served_model(),
                                    send_priority=s.send_priority and pt.path != MESSAGES_PATH)
-            async with s._transport.stream_post(s.url + pt.path, body) as resp:
+            url = s.url + pt.path
+            async with (s._transport.stream_get(url) if pt.method == "GET" else s._transport.stream_post(url, body)) \
+                    as resp:
                 if resp.status != 200:
                     body = (await resp.text()).encode()
                     log.warning("%s refused request %s: HTTP %d %s", s.worker_id, r.req.request_id, resp.status,

@@ -61,11 +61,12 @@ from thunderagent.frontend.programs_api import Peers, ProgramsApi
 from thunderagent.frontend.messages_api import MessagesApi, anthropic_error
 from thunderagent.frontend.relay import RelayFrontend
 from thunderagent.frontend.responses_api import ResponsesApi
+from thunderagent.frontend.server_api import ServerApi, add_routes
 from thunderagent.frontend.relay_fields import fleet_relay
 from thunderagent.frontend.streaming import TextChunk, stream_text
 from thunderagent.frontend.tokenizer import ChatMessage, Tokenizer
 from thunderagent.scheduler.programs import PROGRAM_ID, program_key
-from thunderagent.types import RESPONSES_PATH, FinishReason, Sampling
+from thunderagent.types import RESPONSES_PATH, SERVER_PATHS, FinishReason, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -430,7 +431,7 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     ring = load_keyring(cfg.control_plane)  # reads key files and variables: a ConfigError names the field
     if ring is not None:
         app[AUTH_KEY] = ring
-        gate = make_gate(cfg.control_plane.tenant_limits, ring.tenants, INFERENCE_PATHS, fleet.metrics,
+        gate = make_gate(cfg.control_plane.tenant_limits, ring.tenants, INFERENCE_PATHS + SERVER_PATHS, fleet.metrics,
                          shared=shared_limits is not None)
         if gate is not None:
             app[GATE_KEY] = gate
@@ -460,6 +461,10 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     route("POST", messages_path, fe.messages_api.messages, Access.TENANT)  # Anthropic's (Claude Code)
     route("POST", COUNT_TOKENS_PATH, fe.messages_api.count_tokens, Access.TENANT)
     route("POST", responses_path, fe.responses_api.responses, Access.TENANT)  # OpenAI's (Codex, Agents SDK)
+    route("GET", f"{RESPONSES_PATH}/{{response_id}}", fe.responses_api.stored, Access.TENANT)  # a stored one
+    route("POST", f"{RESPONSES_PATH}/{{response_id}}/cancel", fe.responses_api.stored, Access.TENANT)
+    add_routes(lambda method, path, handler: route(method, path, handler, Access.TENANT),
+               ServerApi(fe.relay or fe.unmodelled))  # embeddings, scores, the server's tokenizer
     route("GET", "/v1/models", fe.models, Access.TENANT)
     programs = ProgramsApi(fleet, peers)  # a tenant key: its own programs; an admin key: everyone's
     route("GET", "/v1/programs", programs.listing, Access.ANY)

@@ -30,7 +30,7 @@ from thunderagent.frontend.protocol import (
 )
 from thunderagent.frontend.relay_fields import MESSAGE_KEYS, RelayFields, fleet_relay
 from thunderagent.scheduler.programs import LIVE_STATES, PROGRAM_ID
-from thunderagent.types import RESPONSES_PATH
+from thunderagent.types import RESPONSES_PATH, SERVER_PATHS
 
 PATH = "/openapi.json"
 PROGRAM_ID_SCHEMA = {"type": "string", "pattern": PROGRAM_ID.pattern}
@@ -106,6 +106,28 @@ _RESPONSES_REQUEST = {"type": "object", "required": ["input"], "properties": {
     "description": "OpenAI's Responses API (its other fields and vLLM's extensions are relayed to the servers)"}
 _RESPONSE = {"type": "object", "required": ["id", "object", "output"], "properties": {
     "id": {"type": "string"}, "object": {"const": "response"}, "output": {"type": "array"}}}
+_RESPONSE_ID_PARAM = {"name": "response_id", "in": "path", "required": True,
+                      "schema": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,128}$"}}
+#: vLLM's paths that generate nothing, relayed (frontend/server_api.py)
+_SERVER_REQUEST = {"type": "object", "properties": {
+    "model": {"type": "string", "minLength": 1}, "priority": {"type": "integer"}},
+    "description": "vLLM's request of this path (its fields are the server's to check)"}
+
+
+def _server_paths() -> dict[str, Any]:
+    relayed = (400, 401, 404, 408, 413, 415, 429, 502, 503)
+    paths: dict[str, Any] = {path: {"post": {
+        "summary": f"vLLM's {path}, relayed to a server of the model (no KV routing: on load)",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _SERVER_REQUEST}}},
+        "responses": {"200": _json({"type": "object"}, "the server's answer"), **_errors(*relayed)}}}
+        for path in SERVER_PATHS}
+    paths[f"{RESPONSES_PATH}/{{response_id}}"] = {"get": {
+        "summary": "A stored response, read on the server storing it", "parameters": [_RESPONSE_ID_PARAM],
+        "responses": {"200": _json(_RESPONSE, "the stored response"), **_errors(*relayed)}}}
+    paths[f"{RESPONSES_PATH}/{{response_id}}/cancel"] = {"post": {
+        "summary": "Cancel a stored (background) response, on the server storing it", "parameters": [
+            _RESPONSE_ID_PARAM], "responses": {"200": _json(_RESPONSE, "the cancelled response"), **_errors(*relayed)}}}
+    return paths
 
 
 def _anthropic(summary: str, ok: dict[str, Any], statuses: tuple[int, ...]) -> dict[str, Any]:
@@ -186,6 +208,7 @@ def openapi_document(cfg: Config) -> dict[str, Any]:
                                   "content": {"application/json": {"schema": _RESPONSE},
                                               "text/event-stream": {"schema": _SSE_EVENT}}},
                           **_errors(400, 401, 404, 408, 413, 415, 429, 502, 503)}}},
+        **_server_paths(),
         "/v1/models": get("The served model", {"200": _json(_LIST, "models"), **_errors()}),
         "/v1/programs": {"get": {
             "summary": "Agent programs known to the scheduler, oldest first", "parameters": [

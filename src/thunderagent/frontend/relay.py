@@ -257,26 +257,31 @@ class RelayFrontend:
 
     async def dispatch(self, request: web.Request, req: Any, ids: list[int], pt: Passthrough, lora: str | None,
                        prompt_param: str, anthropic: bool = False, pin: str | None = None,
-                       on_answer: Callable[[bytes, str], None] | None = None) -> web.StreamResponse:
+                       on_answer: Callable[[bytes, str], None] | None = None,
+                       plain: int | None = None) -> web.StreamResponse:
         """Route ``pt`` (the client's body) on the prompt ``ids`` and relay the server's answer. ``req``: the
         fields routing reads (``max_tokens`` / ``max_completion_tokens``, ``cache_salt``, ``lora_name``,
         ``priority``, ``program_id``, ``explain``, ``user``); ``anthropic``: errors in the Messages API's shape;
         ``pin``: the worker it goes to while routable; ``on_answer(first bytes, worker)``: told of the server's
-        answer once it starts (a whole body, or the first events of a stream)."""
+        answer once it starts (a whole body, or the first events of a stream); ``plain``: a request that generates
+        nothing (``ids`` empty: routed on load alone, no program step), charging the tenant these tokens."""
         fe = self.fe
-        if not ids:
+        if not ids and plain is None:
             raise RequestError("prompt is empty", param=prompt_param)
         asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
         max_param = getattr(req, "max_param", None) or (
             "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens")
         # the fleet's accounting (the body is sent as it is: without max_tokens the server picks what fits)
-        max_tokens = fe.budget(ids, asked, max_param, prompt_param)
+        max_tokens = fe.budget(ids, asked, max_param, prompt_param) if plain is None else 1
         explained = fe._explain(request, req.explain)
-        take_prompt_tokens(request, len(ids), prompt_param, asked or 0, max_param)  # the tenant's token limit, if any
+        # the tenant's token limit, if any (nothing to reserve for a plain request: it generates nothing)
+        take_prompt_tokens(request, len(ids) if plain is None else plain, prompt_param,
+                           asked or 0 if plain is None else 0, max_param)
         gen = await fe.fleet.start_generation(
-            ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt),
+            ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt) if plain is None else None,
             lora_name=lora or getattr(req, "lora_name", None), priority=req.priority,
-            route_key=fe._route_key(request, req), program_id=fe._program_id(request, req),
+            route_key=fe._route_key(request, req),
+            program_id=fe._program_id(request, req) if plain is None else None,
             tenant=request.get(TENANT), passthrough=pt, pin=pin,
         )
         count_completion(request, gen)

@@ -10,25 +10,34 @@ accounting). ThunderAgent reads only what routing needs: ``model`` (optional, as
 ``user`` is the route key with ``routing.route_key: body:user``).
 
 A request continuing a stored response (``previous_response_id``) goes to the worker that answered it:
-the server keeps that conversation in its own memory. This frontend remembers which worker answered each
-of the last ``REMEMBERED`` responses it relayed (a frontend of a NATS deployment knows only its own: keep a
-client's conversation on one frontend, e.g. with the Service's ``sessionAffinity: ClientIP``).
+the server keeps that conversation in its own memory. So do ``GET /v1/responses/{id}`` (the stored response)
+and ``POST /v1/responses/{id}/cancel``. This frontend remembers which worker answered each of the last
+``REMEMBERED`` responses it relayed. An id it does not know (answered through another frontend of a NATS
+deployment, or before a restart) is looked for: each routable server is asked for it in turn (a ``GET``
+through the fleet's usual dispatch), and the first that has it answers, and is remembered.
+
+With API keys on, a tenant reaches only the stored responses it created through this frontend: another
+tenant's id, or one this frontend does not remember, is a 404 (nothing is looked for: a server's store does
+not say whose a response is). Keep a tenant's conversations on one frontend (the Service's
+``sessionAffinity: ClientIP``, README "Deploying on Kubernetes").
 """
 
 from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
 from aiohttp import web
 from msgspec import Meta
 
-from thunderagent.frontend.protocol import MaxTokens, Priority
+from thunderagent.frontend.auth import TENANT
+from thunderagent.frontend.protocol import MaxTokens, Priority, RequestError
 from thunderagent.frontend.relay import RelayFrontend, Routed, decode_both, no_servers
 from thunderagent.frontend.responses import check_fields, to_chat
-from thunderagent.types import RESPONSES_PATH, Passthrough
+from thunderagent.types import RESPONSE_ID, RESPONSES_PATH, Passthrough
 
 REMEMBERED = 100_000  # response id -> worker entries kept (~100 bytes each)
 _ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
@@ -48,37 +57,93 @@ class _Request(msgspec.Struct, kw_only=True):
     user: str | None = None
 
 
+_READ = Routed(1, None, 0, False, None, None)  # a stored response's read or cancel: what dispatch reads of it
+
+
 class ResponsesApi:
     """The Responses API on a relaying fleet (``relay``: its frontend side; None: a fleet with no server to relay
     to, where it is a 404 that says so)."""
 
     def __init__(self, relay: RelayFrontend | None) -> None:
         self.relay = relay
-        self._answered: OrderedDict[str, str] = OrderedDict()  # response id -> the worker that answered it
+        # response id -> (the worker that answered it, the tenant whose it is: None with API keys off)
+        self._answered: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
 
-    def _remember(self, first: bytes, worker: str) -> None:
-        found = _ID.search(first)
-        if found is None:
-            return
+    def _relay(self) -> RelayFrontend:
+        if self.relay is None:
+            raise no_servers("Responses API")
+        return self.relay
+
+    def _remember(self, rid: str, worker: str, tenant: str | None) -> None:
         answered = self._answered
-        answered[found.group(1).decode(errors="replace")] = worker
+        answered[rid] = (worker, tenant)
+        answered.move_to_end(rid)
         if len(answered) > REMEMBERED:
             answered.popitem(last=False)
 
+    def _remembering(self, tenant: str | None) -> Callable[[bytes, str], None]:
+        def on_answer(first: bytes, worker: str) -> None:
+            found = _ID.search(first)
+            if found is not None:
+                self._remember(found.group(1).decode(errors="replace"), worker, tenant)
+        return on_answer
+
+    async def _worker_of(self, request: web.Request, rid: str) -> str | None:
+        """The worker storing response ``rid`` for this request's client: remembered, or (API keys off) looked for
+        on every routable server; None where it is not found (or is another tenant's)."""
+        tenant = request.get(TENANT)
+        known = self._answered.get(rid)
+        if known is not None:
+            if known[1] != tenant:
+                return None
+            self._answered.move_to_end(rid)
+            return known[0]
+        if tenant is not None:
+            return None
+        relay = self._relay()
+        served: list[str] = []  # the worker that answered (a server that failed the read: another one)
+        for w in [w.worker_id for w in relay.fe.fleet.routable()]:
+            resp = await relay.dispatch(request, _READ, [], Passthrough(f"{RESPONSES_PATH}/{rid}", b"", False, "GET"),
+                                        None, "response_id", pin=w, on_answer=lambda _, w: served.append(w), plain=0)
+            if resp.status == 200 and served:
+                self._remember(rid, served[-1], None)
+                return served[-1]
+        return None
+
+    async def stored(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/responses/{response_id}`` (a stored response) and ``POST .../cancel``, on the server storing it."""
+        relay = self._relay()
+        rid = request.match_info["response_id"]
+        cancel = request.method == "POST"
+        if not RESPONSE_ID.fullmatch(rid):
+            raise RequestError(f"{rid[:64]!r} is not a response id", param="response_id")
+        if request.query:  # (vLLM's stream / starting_after replay a background response: not relayed here)
+            name = sorted(request.query)[0]
+            raise RequestError(f"query parameter {name!r} is not taken: background responses are not relayed",
+                               param=name)
+        if cancel and await request.read():
+            raise RequestError("cancelling a response takes no body")
+        worker = await self._worker_of(request, rid)
+        if worker is None:
+            raise RequestError(f"no stored response {rid!r} is known", param="response_id", status=404,
+                               code="not_found")
+        path = f"{RESPONSES_PATH}/{rid}" + ("/cancel" if cancel else "")
+        return await relay.dispatch(request, _READ, [], Passthrough(path, b"", False, "POST" if cancel else "GET"),
+                                    None, "response_id", pin=worker, plain=0)
+
     async def responses(self, request: web.Request) -> web.StreamResponse:
-        relay = self.relay
-        if relay is None:
-            raise no_servers("Responses API")
+        relay = self._relay()
         body = await request.read()
         req, doc = decode_both(_Request, body)
         lora = relay.admit(req.model, lambda: check_fields(doc), "responses_api")
         pin = None
-        if req.previous_response_id is not None:
-            pin = self._answered.get(req.previous_response_id)  # its conversation is stored there
-            if pin is not None:
-                self._answered.move_to_end(req.previous_response_id)
+        if req.previous_response_id is not None:  # its conversation is stored there
+            pin = await self._worker_of(request, req.previous_response_id)
+            if pin is None and request.get(TENANT) is not None:
+                raise RequestError(f"no stored response {req.previous_response_id!r} is known",
+                                   param="previous_response_id", status=404, code="not_found")
         fields = Routed(req.max_output_tokens, req.cache_salt, req.priority, req.explain, req.program_id, req.user,
                         max_param="max_output_tokens")
         ids = relay.fe.tokenizer.apply_openai_chat(to_chat(doc), keep_call_order=True)  # (vLLM builds these messages)
         return await relay.dispatch(request, fields, ids, Passthrough(RESPONSES_PATH, body, bool(req.stream)), lora,
-                                    "input", pin=pin, on_answer=self._remember)
+                                    "input", pin=pin, on_answer=self._remembering(request.get(TENANT)))

@@ -451,8 +451,9 @@ class Dispatcher:
                 self.prefill_gate.sent(req.request_id, plan.prefill_worker, req.priority, plan.transfer_tokens)
         bs = self.block_size
         best = decision.best_overlap_blocks  # not from candidates: those may be built lazily
-        best_known = min(best, (n - 1) // bs) * bs
-        predicted = min(decision.overlap_blocks, (n - 1) // bs) * bs  # an engine recomputes the last token
+        hittable = max(0, n - 1) // bs  # an engine recomputes the last token (n 0: a relayed request of no prompt)
+        best_known = min(best, hittable) * bs
+        predicted = min(decision.overlap_blocks, hittable) * bs
         if prog is not None:
             self.programs.request_placed(prog.program_id, decision.worker_id)
         if self.grouper is not None:

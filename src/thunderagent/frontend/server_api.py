@@ -1,0 +1,82 @@
+"""vLLM's endpoints that generate nothing, relayed: pooling, scoring and the server's own tokenizer.
+
+``POST /v1/embeddings``, ``/v2/embed``, ``/pooling``, ``/classify`` (pooling models), ``/score``,
+``/v1/score``, ``/rerank``, ``/v1/rerank``, ``/v2/rerank`` (scoring models) and ``/tokenize``,
+``/detokenize`` (any model: the server's tokenizer and chat template, exactly what it would run) go to a
+server that serves the request's ``model`` (or the LoRA adapter it names) with the client's body; the
+server's JSON answer, or its error, comes back as it came. Fleets that relay serve them (``engine: openai``,
+and vLLM / SGLang with ``relay`` not ``off``); elsewhere they are a 404 that says why.
+
+What ThunderAgent reads: a JSON object, ``model`` (optional, as vLLM takes it: a fleet of one model's servers
+serves it anyway; on a vLLM / SGLang fleet a name must be the fleet's or an adapter's, and the worker sends the
+server's own) and ``priority`` (the holding queue's tier, passed on as vLLM's priority where the token path
+would pass it). Everything else is the server's to check.
+
+Routing: these requests hold no KV cache worth finding again, so they are routed on load alone (in-flight
+requests and queues, as any request's cost reads them), go through the holding queue and count in flight on
+their server. A request a server did not take (refused connection, a 5xx before it answered) is routed again.
+With API keys on, each counts against its tenant's request and in-flight limits; a token limit takes an
+estimate of the input (one token per 4 bytes of body: the pooling and scoring paths; the tokenizer's paths
+take none, they use no accelerator), as the server's tokenizer is not run here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import msgspec
+from aiohttp import web
+from msgspec import Meta
+
+from thunderagent.frontend.protocol import Priority, RequestError
+from thunderagent.frontend.relay import RelayFrontend, Routed, decode_body, no_servers
+from thunderagent.types import SERVER_PATHS, Passthrough
+
+#: bytes of a request body per input token, for a tenant's token limit (English text and JSON run 3-5)
+BYTES_PER_TOKEN = 4
+_TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
+# Lenient (unknown fields are the server's): what routing reads, typed.
+class _Request(msgspec.Struct, kw_only=True):
+    model: Annotated[str, Meta(min_length=1)] | None = None
+    priority: Priority = 0
+
+
+_decoder = msgspec.json.Decoder(_Request)
+
+
+def charged_tokens(path: str, body: bytes) -> int:
+    """What a request on ``path`` takes from its tenant's token limit: an estimate of its input, none for the
+    tokenizer's paths."""
+    return 0 if path in _TOKENIZER_PATHS else -(-len(body) // BYTES_PER_TOKEN)
+
+
+class ServerApi:
+    """The paths of :data:`~thunderagent.types.SERVER_PATHS` on a relaying fleet (``relay``: its frontend side;
+    None: a fleet with no server to relay to, where each is a 404 that says so)."""
+
+    def __init__(self, relay: RelayFrontend | None) -> None:
+        self.relay = relay
+
+    async def relayed(self, request: web.Request) -> web.StreamResponse:
+        relay = self.relay
+        path = request.path
+        if relay is None:
+            raise no_servers(f"{path} endpoint")
+        if request.query:
+            raise RequestError(f"query parameters are not taken on {path}: {sorted(request.query)[0]!r}",
+                               param=sorted(request.query)[0])
+        body = await request.read()
+        req: _Request = decode_body(_decoder, body)
+        lora = relay.admit(req.model, lambda: None, path.lstrip("/"))  # (the fields are the server's to check)
+        fields = Routed(1, None, req.priority, False, None, None)
+        return await relay.dispatch(request, fields, [], Passthrough(path, body, False), lora, "input",
+                                    plain=charged_tokens(path, body))
+
+
+def add_routes(route: Callable[[str, str, Any], None], api: ServerApi) -> None:
+    """Each path of :data:`~thunderagent.types.SERVER_PATHS`, a ``POST`` to :meth:`ServerApi.relayed`."""
+    for path in SERVER_PATHS:
+        route("POST", path, api.relayed)

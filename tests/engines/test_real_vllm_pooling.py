@@ -1,0 +1,70 @@
+"""A pooling model behind ThunderAgent: a real vLLM server (CPU build) running the tiny random Llama as an
+embedding model (``--runner pooling --convert embed``); its embeddings, pooling and score paths answer through
+ThunderAgent exactly as they answer directly, and the official ``openai`` client's embeddings call works."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.engines.conftest import engine_python, front_config, note, thunderagent
+from tests.engines.vllm_env import VllmServer, VllmSetupError, cpu_binding, start_ready
+
+pytestmark = pytest.mark.real_engine
+
+
+@pytest.fixture(scope="module")
+def pooling_server(engine_tmp: Path, tiny_model_dir: Path) -> Iterator[VllmServer]:
+    workdir = engine_tmp / "vllm-pooling"
+    server = VllmServer("pooling", engine_python(workdir), tiny_model_dir, workdir, cpu=cpu_binding(0),
+                        extra_args=("--runner", "pooling", "--convert", "embed"))
+    try:
+        t0 = time.monotonic()
+        start_ready([server])
+        note(f"vLLM pooling server ready in {time.monotonic() - t0:.0f}s")
+        yield server
+    except VllmSetupError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    finally:
+        server.stop()
+
+
+def _same(ours: dict, theirs: dict) -> None:
+    """The same answer but for what each call makes anew (its id and time)."""
+    drop = ("id", "created")
+    assert {k: v for k, v in ours.items() if k not in drop} == {k: v for k, v in theirs.items() if k not in drop}
+
+
+async def test_embeddings_pooling_and_scores_on_a_real_pooling_server(tiny_model_dir: Path,
+                                                                      pooling_server: VllmServer) -> None:
+    served = str(tiny_model_dir)
+    asks = [("/v1/embeddings", {"input": ["the router", "the scheduler holds requests"]}),
+            ("/pooling", {"input": "hello world"}),
+            ("/score", {"text_1": "which worker holds the prefix?", "text_2": ["worker one", "worker two"]})]
+    async with aiohttp.ClientSession() as s:
+        direct = []
+        for path, body in asks:
+            async with s.post(pooling_server.url + path, json={"model": served, **body}) as r:
+                assert r.status == 200, (path, await r.text())
+                direct.append(await r.json())
+        async with thunderagent(front_config(tiny_model_dir, [pooling_server]), [pooling_server]) as front:
+            for (path, body), theirs in zip(asks, direct):
+                async with s.post(front.base_url + path, json={"model": front.model, **body}) as r:
+                    assert r.status == 200, (path, await r.text())
+                    assert r.headers["x-thunderagent-worker"] == next(iter(front.fleet.workers))
+                    ours = await r.json()
+                    # ThunderAgent's model name is the server's here (front_config names the model by its path)
+                    _same(ours, theirs)
+            emb = await front.client.embeddings.create(model=front.model, input="the router",
+                                                       encoding_format="float")
+            assert emb.data[0].embedding == direct[0]["data"][0]["embedding"]
+            bad = {"input": "the router", "dimensions": 7}  # not a matryoshka model: vLLM refuses it
+            async with s.post(pooling_server.url + "/v1/embeddings", json={"model": served, **bad}) as r:
+                theirs_refusal = (r.status, await r.json())
+            async with s.post(front.base_url + "/v1/embeddings", json={"model": front.model, **bad}) as r:
+                assert (r.status, await r.json()) == theirs_refusal  # its own refusal, as it came
+            assert theirs_refusal[0] == 400 and theirs_refusal[1]["error"]["message"]
