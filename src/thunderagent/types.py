@@ -72,7 +72,8 @@ class WorkerInfo:
     #: said). A mixed fleet routes a request only to workers that hold it (``WorkerState.holds``).
     max_seq_tokens: int = 0
     max_prompt_tokens: int = 0
-    #: LoRA adapters its server serves by name (vLLM's ``/v1/models`` entries with a ``parent``)
+    #: names its server serves (routing sends a request naming one only to workers listing it): a vLLM / SGLang
+    #: server's LoRA adapters (its ``/v1/models`` entries with a ``parent``), an ``engine: openai`` server's every model
     adapters: tuple[str, ...] = ()
 
 
@@ -281,7 +282,8 @@ class WorkerState:
     #: as in :class:`WorkerInfo` (0: no limit known)
     max_seq_tokens: int = 0
     max_prompt_tokens: int = 0
-    #: LoRA adapters its server serves by name: a request for one goes only to workers listing it
+    #: names its server serves (LoRA adapters; an ``engine: openai`` server's models): a request naming one goes
+    #: only to workers listing it
     adapters: frozenset[str] = frozenset()
 
     def holds(self, prompt: int, total: int) -> bool:

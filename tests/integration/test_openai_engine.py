@@ -150,13 +150,36 @@ async def test_a_server_dying_mid_stream_ends_with_an_error_event() -> None:
 async def test_validation_left_to_ours_and_the_servers() -> None:
     async with fleet(OpenAIBackend("a")) as srv:
         status, _, raw = await _post(srv, "/v1/completions", {"model": "served-name", "prompt": "x"})
-        assert status == 200  # the model name is the server's to check: forwarded unchanged
+        # a name no server lists is the server's to check: forwarded unchanged, its refusal passed on
+        assert status == 404 and json.loads(raw)["error"]["message"] == "The model `served-name` does not exist."
         status, _, raw = await _post(srv, "/v1/completions", {"prompt": "x"})
         assert status == 400 and "model" in json.loads(raw)["error"]["message"]
         status, _, raw = await _post(srv, "/v1/chat/completions", {"model": MODEL})
         assert status == 400 and json.loads(raw)["error"]["param"] == "messages"
         status, _, raw = await _post(srv, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0})
         assert status == 400
+
+
+async def test_several_models_each_routed_to_the_servers_that_list_it() -> None:
+    """A fleet of OpenAI-compatible servers serving different models: ``/v1/models`` lists what they list, a request
+    goes only to a server listing its model, and a model a server starts serving is followed."""
+    a, b, both = OpenAIBackend("a", models=["llama"]), OpenAIBackend("b", models=["qwen"]), \
+        OpenAIBackend("both", models=["llama", "qwen"])
+    async with fleet(a, b, both) as srv:
+        await wait_until(lambda: srv.fleet.registry.adapters_anywhere() == ["llama", "qwen"], 10, "models polled")
+        assert [m.id for m in (await srv.client.models.list()).data] == ["llama", "qwen"]
+        for k in range(12):  # unique prompts: no prefix draws them anywhere, only the model does
+            for model, allowed in (("llama", {"a", "both"}), ("qwen", {"b", "both"})):
+                r = await srv.client.with_raw_response.completions.create(model=model, prompt=f"{model} {k} " * 8,
+                                                                         max_tokens=2)
+                assert r.parse().model == model and r.parse().model_extra["served_by"] in allowed, (model, k)
+        assert {x["model"] for x in a.bodies} == {"llama"} and {x["model"] for x in b.bodies} == {"qwen"}
+        assert len(both.bodies) >= 1  # (its share of both models)
+        b.models.append("mistral")  # the server loads another model: listed and routed once polled again
+        await wait_until(lambda: "mistral" in srv.fleet.registry.adapters_anywhere(), 10, "the new model polled")
+        for k in range(4):
+            r = await srv.client.completions.create(model="mistral", prompt=f"m{k}", max_tokens=2)
+            assert r.model_extra["served_by"] == "b"
 
 
 async def test_load_comes_from_metrics_when_served_and_in_flight_accounting_otherwise() -> None:

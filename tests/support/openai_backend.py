@@ -4,7 +4,8 @@ Like ``bench/fake_backend.py`` (``max_tokens`` letters ``x``, SSE or JSON, chat 
 plus what the tests steer: every body received is kept (``bodies``), ``status`` makes it refuse
 requests with that HTTP status and an OpenAI error body, ``die_after`` cuts a stream's connection
 after that many tokens, ``metrics`` serves a vLLM-shaped ``/metrics`` page (else 404), ``step_s``
-paces the tokens. 127.0.0.1 only.
+paces the tokens, ``models`` are what it lists in ``/v1/models`` and serves (another name is a 404, as
+vLLM answers it). 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class OpenAIBackend:
     delay_s: float = 0.0  # a non-streamed answer takes this long
     bodies: list[dict] = field(default_factory=list)
     url: str = ""
+    models: list[str] = field(default_factory=lambda: [MODEL])
 
     async def start(self) -> None:
         app = web.Application()
@@ -53,7 +55,7 @@ class OpenAIBackend:
         await self._runner.cleanup()
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=f"vllm:num_requests_running {self.running}\nvllm:num_requests_waiting 3\n"
@@ -68,6 +70,10 @@ class OpenAIBackend:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        if body.get("model") not in self.models:
+            err = {"error": {"message": f"The model `{body.get('model')}` does not exist.", "type": "NotFoundError",
+                             "param": None, "code": 404}}
+            return web.json_response(err, status=404)
         if self.status != 200:
             err = {"error": {"message": f"{self.name} refuses", "type": "BadRequestError", "param": None,
                              "code": self.status}}
@@ -85,7 +91,8 @@ class OpenAIBackend:
             choice: dict = ({"index": 0, "message": {"role": "assistant", "content": "x" * n}} if chat
                             else {"index": 0, "text": "x" * n})
             choice["finish_reason"] = "length"
-            return web.json_response({"id": cid, "object": obj, "model": MODEL, "choices": [choice], "usage": usage,
+            return web.json_response({"id": cid, "object": obj, "model": body["model"], "choices": [choice],
+                                      "usage": usage,
                                       "served_by": self.name})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)

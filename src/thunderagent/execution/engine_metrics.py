@@ -25,6 +25,10 @@ class EngineFlavor:
     #: token ids). Not for a relay (``openai``): its prompts are counted by an estimate, which would refuse
     #: requests the server takes
     states_limits: bool = True
+    #: every model the server lists in ``/v1/models`` is a name it serves (routing sends a request naming one only
+    #: to the servers listing it: a fleet of several models); else only its LoRA adapters (``parent`` set) are
+    #: (vLLM / SGLang: one base model per fleet, ThunderAgent's ``model``)
+    lists_models: bool = False
 
     @property
     def wanted(self) -> frozenset[str]:

@@ -82,7 +82,7 @@ class EnginePoller:
         self.stats = EngineStats()
         self.model: str | None = None
         self.max_model_len: int | None = None  # from /v1/models, when the server says
-        self.adapters: tuple[str, ...] = ()  # LoRA adapters it serves by name (from /v1/models)
+        self.adapters: tuple[str, ...] = ()  # names it serves (from /v1/models): its LoRA adapters, or every model
         self._polls = 0
         self.reachable: bool | None = None  # None: not polled yet
         self.last_poll_ok: float | None = None  # control-plane time of the last answered poll
@@ -102,9 +102,13 @@ class EnginePoller:
         # vLLM lists the base model, then each LoRA adapter with its base as ``parent``
         card = next((c for c in cards if not c.get("parent")), cards[0])
         self.model = str(card["id"])
-        adapters = tuple(sorted(str(c["id"]) for c in cards if c.get("parent") and c is not card))
+        if self.flavor.lists_models:  # every model listed (an OpenAI-compatible server may serve several)
+            adapters = tuple(sorted({str(c["id"]) for c in cards}))
+        else:
+            adapters = tuple(sorted(str(c["id"]) for c in cards if c.get("parent") and c is not card))
         if adapters != self.adapters:
-            log.info("%s: %s serves LoRA adapters %s", self.worker_id, self.url, list(adapters) or "none")
+            log.info("%s: %s serves %s %s", self.worker_id, self.url,
+                     "models" if self.flavor.lists_models else "LoRA adapters", list(adapters) or "none")
             self.adapters = adapters
             if self._cb.on_adapters is not None:
                 self._cb.on_adapters(self.worker_id, adapters)

@@ -41,6 +41,7 @@ OPENAI = EngineFlavor(
     hints="any OpenAI-compatible server; /metrics optional",
     metrics_optional=True,
     states_limits=False,
+    lists_models=True,
 )
 
 

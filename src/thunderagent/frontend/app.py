@@ -384,11 +384,14 @@ class Frontend:
         return web.json_response(self.fleet.planner.summary(self.fleet.now()))
 
     async def models(self, request: web.Request) -> web.Response:
-        base = self.fleet.model_name
+        base, served = self.fleet.model_name, self.fleet.registry.adapters_anywhere()
+        if self.relay is not None and self.relay.fields is None and served:  # engine openai: the servers' models
+            return web.json_response({"object": "list", "data": [
+                {"id": m, "object": "model", "created": 0, "owned_by": "thunderagent"} for m in served]})
         body = {"object": "list", "data": [
             {"id": base, "object": "model", "created": 0, "owned_by": "thunderagent"},
             *({"id": a, "object": "model", "created": 0, "owned_by": "thunderagent", "parent": base}
-              for a in self.fleet.registry.adapters_anywhere()),  # the LoRA adapters some worker serves
+              for a in served),  # the LoRA adapters some worker serves
         ]}
         return web.json_response(body)
 

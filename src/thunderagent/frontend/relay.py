@@ -243,13 +243,15 @@ class RelayFrontend:
                                    "messages" if chat else "prompt")
 
     def admit(self, model: str | None, check: Callable[[], None], label: str) -> str | None:
-        """The LoRA adapter ``model`` names, if any. On a vLLM / SGLang fleet the name is checked (a 404 for one no
-        server serves; the worker sends the server's own), then the request's fields (``check``), and the request is
-        counted as relayed (``label``); on an ``engine: openai`` fleet the servers check both, and a name is an
-        adapter when some server lists it (routed only to those)."""
+        """The name routing keys the request on (its ``lora_name``), if any. On a vLLM / SGLang fleet: the LoRA adapter
+        ``model`` names, the name checked (a 404 for one no server serves; the worker sends the server's own), then
+        the request's fields (``check``), and the request is counted as relayed (``label``). On an ``engine: openai``
+        fleet the servers check both, and every ``model`` is the key: its prompts hash apart from other models'
+        (whether or not a server listed it yet: a hash must not change when a poll lands), and where some servers
+        list it, it goes only to those (a fleet of several models, LoRA adapters alike)."""
         fe = self.fe
         if self.fields is None:
-            return model if model is not None and fe.fleet.registry.adapter(model)[0] else None
+            return model
         lora = fe._check_model(model) if model is not None else None
         check()
         fe.fleet.metrics.relayed.labels(label).inc()
