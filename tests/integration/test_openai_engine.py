@@ -261,3 +261,48 @@ async def test_a_tenants_token_limit_counts_relayed_prompts_and_completions(stre
             await c.close()
     finally:
         await b.stop()
+
+
+@pytest.mark.nats
+async def test_several_models_over_nats(tmp_path) -> None:
+    """Worker processes in front of OpenAI-compatible servers of different models, a frontend process: the
+    servers' model lists cross the bus in the heartbeats, and each request reaches a server of its model."""
+    from integration.nats_cluster import Cluster
+
+    llama, qwen = OpenAIBackend("a", models=["llama"]), OpenAIBackend("b", models=["qwen"])
+    for b in (llama, qwen):
+        await b.start()
+    cluster = Cluster(tmp_path)
+    base = "control_plane: {heartbeat_interval: 0.2, heartbeat_misses: 5}\nexecution_group:\n  nodes:\n"
+    node = "    - {{engine: openai, block_size: 16, endpoints: [{{url: \"{}\"}}]}}\n"
+    cluster.config.write_text(base + node.format(llama.url))
+    try:
+        cluster.start_nats()
+        cluster.start_worker("wa")
+        (tmp_path / "b.yaml").write_text(base + node.format(qwen.url))
+        cluster.start_worker("wb", config=tmp_path / "b.yaml")
+        cluster.start_frontend("fa")
+        client = cluster.client("fa")
+
+        def listed() -> list[str]:  # (blocking HTTP: off the loop, which serves the backends)
+            try:
+                return [m.id for m in client.models.list().data]
+            except openai.APIConnectionError:
+                return []
+
+        for _ in range(300):  # the frontend up, both workers met, their models heard (60 s at most)
+            if await asyncio.to_thread(listed) == ["llama", "qwen"]:
+                break
+            assert not any(cluster.exited(p) for p in ("fa", "wa", "wb")), cluster.logs()
+            await asyncio.sleep(0.2)
+        assert await asyncio.to_thread(listed) == ["llama", "qwen"], cluster.logs()
+        for k in range(6):
+            for model, backend in (("llama", llama), ("qwen", qwen)):
+                r = await asyncio.to_thread(client.completions.create, model=model, prompt=f"{model} {k}",
+                                            max_tokens=2)
+                assert r.model == model and r.model_extra["served_by"] == backend.name
+        assert len(llama.bodies) == len(qwen.bodies) == 6
+    finally:
+        cluster.close()
+        for b in (llama, qwen):
+            await b.stop()
