@@ -25,12 +25,13 @@ def build_config(
     block_size: int | None = None,
     nats_servers: str | None = None,
     relay: str | None = None,
+    worker_api_key_env: str | None = None,
 ) -> Config:
     """The config file (or the embedded default) with command-line overrides applied on top.
 
     ``worker_endpoints`` (``--worker URL[=EVENTS[,REPLAY]]``) replace the node groups by one group of
     real ``engine`` servers; ``model`` is the local model directory they serve; ``relay`` sets every group's
-    ``relay``."""
+    ``relay``; ``worker_api_key_env`` every ``--worker`` server's ``api_key_env``."""
     cfg = load_config(config) if config else Config()
     data = cfg.model_dump(mode="json")
     if model is not None:
@@ -42,9 +43,13 @@ def build_config(
             raise ConfigError("--workers counts simulated workers; with --worker the servers are the workers")
         data["execution_group"]["nodes"] = [{
             "engine": engine or "vllm",
-            "endpoints": [parse_worker_endpoint(w) for w in worker_endpoints],
+            "endpoints": [{**parse_worker_endpoint(w), **({"api_key_env": worker_api_key_env}
+                                                           if worker_api_key_env is not None else {})}
+                          for w in worker_endpoints],
             "block_size": block_size or data["execution_group"]["nodes"][0]["block_size"],
         }]
+    elif worker_api_key_env is not None:
+        raise ConfigError("--worker-api-key-env is the key of the --worker servers: give them with --worker")
     elif engine is not None and engine != "simulated":
         raise ConfigError(f"--engine {engine} needs at least one --worker URL=EVENTS (or endpoints in --config)")
     elif block_size is not None:

@@ -171,3 +171,25 @@ async def test_a_simulated_fleet_says_it_has_no_server_to_relay_to() -> None:
         with pytest.raises(openai.NotFoundError) as missing:
             await srv.client.responses.retrieve("resp_1")
         assert "has none to relay to" in missing.value.body["message"]
+
+
+async def test_a_vllm_fleet_whose_servers_demand_a_key(tiny_model_dir: Path, monkeypatch) -> None:
+    """vLLM's ``--api-key``: the token path, the relayed paths and the polls all carry the endpoint's key."""
+    monkeypatch.setenv("VLLM_KEY", "sk-vllm-0123456789")
+    engines = [FakeEngine(block_size=BS, api_key="sk-vllm-0123456789")]
+    await engines[0].start()
+    try:
+        cfg = fake_vllm_config(engines, tiny_model_dir, BS)
+        data = cfg.model_dump(mode="json")
+        data["execution_group"]["nodes"][0]["endpoints"][0]["api_key_env"] = "VLLM_KEY"
+        from thunderagent.config import parse_config
+
+        async with running_server(parse_config(data, "test")) as srv:
+            await wait_until(lambda: len(srv.fleet.routable()) == 1, 10, "the server routable")
+            model = srv.fleet.model_name
+            r = await srv.client.completions.create(model=model, prompt="hello there", max_tokens=3)  # token path
+            assert r.usage.completion_tokens == 3 and engines[0].requests
+            status, body, _ = await _post(srv.base_url, "/tokenize", {"prompt": "hi"})  # a relayed path
+            assert status == 200 and engines[0].pooled == [("/tokenize", {"model": "fake-model", "prompt": "hi"})]
+    finally:
+        await engines[0].stop()

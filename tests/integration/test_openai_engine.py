@@ -182,6 +182,33 @@ async def test_several_models_each_routed_to_the_servers_that_list_it() -> None:
             assert r.model_extra["served_by"] == "b"
 
 
+async def test_servers_that_demand_an_api_key_get_it_on_every_call(monkeypatch) -> None:
+    """``api_key_env``: the key goes as ``Authorization: Bearer`` on the polls, relayed requests (pooled lean client
+    and aiohttp alike) and stored-response reads; a server whose key is missing from the environment stops the
+    start with an error naming the field."""
+    monkeypatch.setenv("SERVER_KEY", "sk-server-0123456789")
+    a = OpenAIBackend("a", api_key="sk-server-0123456789", metrics=True)
+    await a.start()
+    try:
+        data = _config([a]).model_dump(mode="json")
+        data["execution_group"]["nodes"][0]["endpoints"][0]["api_key_env"] = "SERVER_KEY"
+        async with running_server(parse_config(data, "test")) as srv:
+            await wait_until(lambda: len(srv.fleet.routable()) == 1, 10, "the server heartbeats")
+            for stream in (False, True):
+                r = await srv.client.completions.create(model=MODEL, prompt="hi", max_tokens=3, stream=stream)
+                if stream:
+                    r = [c async for c in r][-1]
+                assert r.choices[0].finish_reason == "length"
+            await wait_until(lambda: {"/v1/models", "/metrics"} <= set(a.seen_keys), 10, "polls with the key")
+            assert a.seen_keys["/v1/completions"] == 2
+        monkeypatch.delenv("SERVER_KEY")
+        with pytest.raises(ConfigError, match="api_key_env': environment variable SERVER_KEY is not set"):
+            async with running_server(parse_config(data, "test")):
+                pass
+    finally:
+        await a.stop()
+
+
 async def test_load_comes_from_metrics_when_served_and_in_flight_accounting_otherwise() -> None:
     with_metrics, without = OpenAIBackend("m", metrics=True, step_s=0.01), OpenAIBackend("n")
     async with fleet(with_metrics, without) as srv:

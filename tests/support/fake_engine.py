@@ -27,6 +27,8 @@ ZMQ KV events with replay, so the real-engine adapter can be tested without a mo
   paths): a JSON answer naming this server (``served_by``) and echoing the body's ``model``; the bodies land
   in ``pooled``; a body with ``"fail": true`` is a 400 in OpenAI's shape;
 - ``GET /metrics``: running / waiting / KV usage (and vLLM's ``cache_config_info``);
+- ``api_key``: the paths under ``/v1`` demand it as ``Authorization: Bearer`` (a 401 without it), as vLLM's
+  ``--api-key`` does (``/metrics`` stays open);
 - a client that hangs up aborts its request.
 Runs inside the test's event loop; every socket is on 127.0.0.1.
 """
@@ -67,6 +69,7 @@ class FakeEngine:
     pooled: list[tuple[str, dict]] = field(default_factory=list)  # (path, body) of pooling / tokenizer requests
     reads: list[str] = field(default_factory=list)  # the stored-response paths asked for (GET and cancel)
     adapters: list[str] = field(default_factory=list)  # LoRA adapters it lists in /v1/models (parent: the base)
+    api_key: str | None = None  # what its /v1 paths demand (vLLM's --api-key)
     _cache: OrderedDict[int, None] = field(default_factory=OrderedDict)  # engine hash -> (LRU order)
     _batches: list[list[bytes]] = field(default_factory=list)
     _answered: dict[str, dict] = field(default_factory=dict)  # the responses it answered, by id (its "store")
@@ -76,7 +79,7 @@ class FakeEngine:
         import zmq
         import zmq.asyncio
 
-        app = web.Application()
+        app = web.Application(middlewares=[self._auth])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/messages", self._messages)
@@ -106,6 +109,13 @@ class FakeEngine:
         self._replayer = asyncio.create_task(self._serve_replay())
         self._subscribed = asyncio.Event()
         self._watcher = asyncio.create_task(self._watch_subscriptions())
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler) -> web.StreamResponse:  # type: ignore[no-untyped-def]
+        if self.api_key is not None and request.path.startswith("/v1") and \
+                request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     async def wait_subscribed(self, timeout: float = 30.0) -> None:
         """Until a subscriber's subscription reached the publisher: what is published then arrives."""

@@ -5,7 +5,8 @@ plus what the tests steer: every body received is kept (``bodies``), ``status`` 
 requests with that HTTP status and an OpenAI error body, ``die_after`` cuts a stream's connection
 after that many tokens, ``metrics`` serves a vLLM-shaped ``/metrics`` page (else 404), ``step_s``
 paces the tokens, ``models`` are what it lists in ``/v1/models`` and serves (another name is a 404, as
-vLLM answers it). 127.0.0.1 only.
+vLLM answers it), ``api_key`` the key it demands on every path (a 401 without it; ``seen_keys`` counts the
+Authorization headers it got, by path). 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ class OpenAIBackend:
     bodies: list[dict] = field(default_factory=list)
     url: str = ""
     models: list[str] = field(default_factory=lambda: [MODEL])
+    api_key: str | None = None
+    seen_keys: dict[str, int] = field(default_factory=dict)  # path -> requests that carried the right key
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=[self._auth])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -53,6 +56,14 @@ class OpenAIBackend:
 
     async def stop(self) -> None:
         await self._runner.cleanup()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler) -> web.StreamResponse:  # type: ignore[no-untyped-def]
+        if self.api_key is not None:
+            if request.headers.get("Authorization") != f"Bearer {self.api_key}":
+                return web.json_response({"error": "Unauthorized"}, status=401)
+            self.seen_keys[request.path] = self.seen_keys.get(request.path, 0) + 1
+        return await handler(request)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})

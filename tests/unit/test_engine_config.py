@@ -36,6 +36,8 @@ def test_engine_defaults_to_vllm_and_sglang_is_accepted() -> None:
     ({"model": "m", "worker_endpoints": ["h:1"]}, "url must start with http"),
     ({"model": "m", "worker_endpoints": ["http://h:1=udp://h:2"]}, "kv_events must be a tcp:// or ipc://"),
     ({"model": "m", "workers": 2, "worker_endpoints": ["http://h:1"]}, "--workers counts simulated"),
+    ({"model": "m", "worker_api_key_env": "K"}, "--worker-api-key-env is the key of the --worker servers"),
+    ({"model": "m", "worker_api_key_env": "", "worker_endpoints": ["http://h:1"]}, "api_key_env"),
 ])
 def test_bad_engine_options(kwargs: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -47,3 +49,29 @@ def test_yaml_form_needs_a_model_dir() -> None:
     with pytest.raises(ConfigError, match="engine vllm needs `model`"):
         parse_config({"execution_group": nodes})
     assert parse_config({"execution_group": nodes, "model": "/m"}).execution_group.nodes[0].count == 1
+
+
+def test_a_servers_api_key_comes_from_its_environment_variable_or_file(tmp_path, monkeypatch) -> None:
+    from thunderagent.config.auth import server_api_key
+
+    cfg = build_config(None, model="m", engine="openai", worker_endpoints=["http://h:1", "http://h:2"],
+                       worker_api_key_env="VLLM_KEY")
+    assert [e.api_key_env for e in cfg.execution_group.nodes[0].endpoints] == ["VLLM_KEY", "VLLM_KEY"]
+    monkeypatch.setenv("VLLM_KEY", " sk-server-123\n")
+    assert server_api_key("VLLM_KEY", None, "http://h:1") == "sk-server-123"
+    (tmp_path / "key").write_text("sk-from-file\n# a comment line after it\n")
+    assert server_api_key(None, str(tmp_path / "key"), "http://h:1") == "sk-from-file"
+    assert server_api_key(None, None, "http://h:1") is None
+    monkeypatch.delenv("VLLM_KEY")
+    with pytest.raises(ConfigError, match="'api_key_env': environment variable VLLM_KEY is not set"):
+        server_api_key("VLLM_KEY", None, "http://h:1")
+    for bad in ("", "two words", "sk-\x7f"):
+        monkeypatch.setenv("VLLM_KEY", bad)
+        with pytest.raises(ConfigError, match="'api_key_env' of the endpoint http://h:1: holds no key") as err:
+            server_api_key("VLLM_KEY", None, "http://h:1")
+        assert bad.strip() == "" or bad not in str(err.value)  # the key is never shown
+    with pytest.raises(ConfigError, match="api_key_file': cannot read"):
+        server_api_key(None, str(tmp_path / "missing"), "http://h:1")
+    with pytest.raises(ConfigError, match="set one"):
+        parse_config({"model": "m", "execution_group": {"nodes": [{"engine": "openai", "endpoints": [
+            {"url": "http://h:1", "api_key_env": "A", "api_key_file": "/k"}]}]}}, "test")

@@ -35,6 +35,9 @@ def serve(
     relay: Annotated[Optional[str], typer.Option(
         help="vllm/sglang: which requests go to the servers with the client's body: unmodelled (default: those "
              "with tools, logprobs... that the token path lacks), all, or off (those are a 400)")] = None,
+    worker_api_key_env: Annotated[Optional[str], typer.Option(
+        help="environment variable holding the API key the --worker servers demand (their --api-key): sent as "
+             "Authorization: Bearer")] = None,
     log_level: Annotated[str, typer.Option(help="debug shows every routing decision")] = "info",
 ) -> None:
     """Run the OpenAI-compatible frontend and the KV-aware router in one process, in front of simulated
@@ -47,7 +50,8 @@ def serve(
         if engine is not None and engine not in ("vllm", "sglang", "openai", "simulated"):
             raise ConfigError(f"--engine must be vllm, sglang or openai, got {engine!r}")
         cfg = build_config(config, host, port, workers, speedup, policy, model=model, engine=engine,
-                           worker_endpoints=worker, block_size=block_size, relay=relay)
+                           worker_endpoints=worker, block_size=block_size, relay=relay,
+                           worker_api_key_env=worker_api_key_env)
         if cfg.nats.index != "replica":
             raise ConfigError("nats.index: sharded splits the index between `thunderagent frontend` replicas; "
                               "`serve` is one process with the whole index: remove it")

@@ -153,11 +153,19 @@ class EndpointConfig(_Strict):
     url: str = Field(description="OpenAI-compatible base URL, e.g. http://127.0.0.1:8101")
     kv_events: str | None = Field(None, description="ZMQ PUB endpoint of KV events, e.g. tcp://127.0.0.1:5571")
     kv_replay: str | None = Field(None, description="ZMQ ROUTER endpoint for replaying missed events")
+    # The secret itself is read by the process that talks to the server, when its worker is built (a worker
+    # process over NATS reads its own environment: a pod's Secret), never stored in the config
+    api_key_env: str | None = Field(None, min_length=1, description="environment variable holding the key the "
+                                    "server demands (vLLM / SGLang --api-key, llama.cpp --api-key): sent as "
+                                    "Authorization: Bearer on every call to this server")
+    api_key_file: str | None = Field(None, min_length=1, description="file holding that key (its first line)")
 
     @model_validator(mode="after")
     def _schemes(self) -> EndpointConfig:
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+        if self.api_key_env is not None and self.api_key_file is not None:
+            raise ValueError("api_key_env and api_key_file name the same key: set one")
         for name in ("kv_events", "kv_replay"):
             v = getattr(self, name)
             if v is not None and not v.startswith(("tcp://", "ipc://")):

@@ -123,3 +123,17 @@ def load_key_sources(
     if sources and not tenants:
         raise ConfigError(f"field 'control_plane.{sources[0]}': holds no key (every request would get 401)")
     return tenants, admins
+
+
+def server_api_key(env: str | None, path: str | None, url: str) -> str | None:
+    """The API key an engine server at ``url`` demands, read now from its endpoint's ``api_key_env`` or
+    ``api_key_file`` (None: neither set). A ConfigError names the field and the server, never the key."""
+    texts = read_secret(path, env, "api_key")
+    if not texts:
+        return None
+    text, field = texts[0]
+    lines = text.strip().splitlines()
+    key = lines[0].strip() if lines else ""
+    if not _KEY.fullmatch(key):  # (an empty or multi-word key, or one a header cannot carry)
+        raise ConfigError(f"field '{field}' of the endpoint {url}: holds no key (printable ASCII, no spaces)")
+    return key

@@ -96,8 +96,11 @@ class _AiohttpStream:
 class AiohttpTransport:
     """:class:`HttpTransport` over one aiohttp session, opened by :meth:`open` inside the event loop."""
 
-    def __init__(self, connect_timeout: float) -> None:
+    def __init__(self, connect_timeout: float, api_key: str | None = None) -> None:
         self._connect_timeout = connect_timeout
+        #: a server that demands an API key gets it on every call (relayed bodies, polls, the token path)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self._api_key = api_key
         self._session: aiohttp.ClientSession | None = None
         self._posts: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None
@@ -108,7 +111,8 @@ class AiohttpTransport:
         # engine's queue for long; a hung engine is caught by the liveness rule instead (no keepalives
         # once its metrics stop answering).
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout)
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout,
+                                              headers=self._headers)
         # Streamed POSTs reuse pooled keep-alive connections: a connect (and the server's accept and
         # close) per request was most of a relayed request's cost. A server closes an idle keep-alive
         # connection after a while (uvicorn, vLLM's and SGLang's servers, llama.cpp: 5 s); a POST sent
@@ -118,13 +122,14 @@ class AiohttpTransport:
         # _POOL_IDLE_S, well under those servers' timeouts, so ours closes first; and a POST that still
         # fails that way before any answer is sent once more on a new connection (stream_post).
         self._posts = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_POOL_IDLE_S), timeout=timeout
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_POOL_IDLE_S), timeout=timeout,
+            headers=self._headers,
         )
         self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
-                                            timeout=timeout)
+                                            timeout=timeout, headers=self._headers)
         # relayed client bodies (engine openai) go through a lean client of their own: the same pool
         # rules, a fraction of aiohttp's CPU per request (execution/openai_http.py)
-        self._relay = RelayClient(self._connect_timeout, _POOL_IDLE_S)
+        self._relay = RelayClient(self._connect_timeout, _POOL_IDLE_S, self._api_key)
 
     async def close(self) -> None:
         for session in (self._session, self._posts, self._fresh):

@@ -308,9 +308,10 @@ class RelayResponse:
 class RelayClient:
     """Pooled keep-alive connections per server (``host:port``); open inside the event loop."""
 
-    def __init__(self, connect_timeout: float, idle_s: float) -> None:
+    def __init__(self, connect_timeout: float, idle_s: float, api_key: str | None = None) -> None:
         self._connect_timeout = connect_timeout
         self._idle_s = idle_s
+        self._bearer = f"Authorization: Bearer {api_key}\r\n" if api_key else ""  # (checked: no CR/LF in a key)
         self._idle: dict[tuple[str, int], list[tuple[_Conn, float]]] = {}
         self._heads: dict[str, tuple[tuple[str, int], bytes]] = {}  # url -> (server, request head up to the length)
 
@@ -322,7 +323,7 @@ class RelayClient:
                 raise ValueError(f"the relay client speaks plain http only, got {url!r}")
             port = u.port or 80
             path = (u.path or "/") + (f"?{u.query}" if u.query else "")
-            auth = ""  # user:password@ in the URL: HTTP basic authentication, as aiohttp sends it
+            auth = self._bearer  # the server's API key; user:password@ in the URL: basic authentication instead
             if u.username is not None:
                 cred = f"{unquote(u.username)}:{unquote(u.password or '')}".encode()
                 auth = f"Authorization: Basic {base64.b64encode(cred).decode()}\r\n"

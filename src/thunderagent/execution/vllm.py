@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from thunderagent.config import Config, EndpointConfig, NodeConfig
+from thunderagent.config.auth import server_api_key
 from thunderagent.execution.engine_metrics import VLLM, EngineFlavor
 from thunderagent.execution.engine_poll import REASON_BLOCK_SIZE, REASON_UNREACHABLE, EnginePoller
 from thunderagent.execution.engine_requests import RequestStreamer, request_body
@@ -75,8 +76,9 @@ class EngineWorker:
                                     checks=double_hash)  # events carry check hashes for the guard (kv.check)
         self._cb = callbacks
         self._own_transport: AiohttpTransport | None = None
-        if transport is None:
-            transport = self._own_transport = AiohttpTransport(connect_timeout)
+        if transport is None:  # (the server's API key is read now: a missing one stops the start, naming it)
+            key = server_api_key(endpoint.api_key_env, endpoint.api_key_file, endpoint.url)
+            transport = self._own_transport = AiohttpTransport(connect_timeout, key)
         self._transport = transport
         self._tasks: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
