@@ -64,6 +64,11 @@ class ControlPlaneConfig(_Strict):
         1024, ge=1, description="open client connections at most; past it a new connection gets 503 and is closed "
         "(keep it under the process's open-file limit, ulimit -n)",
     )
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="a request not finished this long after it arrived (time held in the scheduler "
+        "included) is aborted on its worker and answered 504 (a stream already begun ends with an error event); "
+        "None: no limit",
+    )
     error_log_interval_s: float = Field(
         60.0, gt=0, description="an error cause is logged once per this many seconds, with a count of the "
         "repeats suppressed in between",

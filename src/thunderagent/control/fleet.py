@@ -2,24 +2,21 @@
 
 One :class:`Fleet` runs in every frontend. *Which* workers it has is its :class:`Membership`'s business (from the
 config: ``control.membership``; over NATS: ``control.nats_membership``). Everything else is here, for every worker:
-
 - worker reports (:class:`~thunderagent.execution.handle.WorkerCallbacks`): KV events through the
   :class:`~thunderagent.kv.feed.KvFeed` (a gap asks the membership for a resync), heartbeats renew the lease, pushed
   load reports refresh the registry, "unavailable" takes a worker out of routing until its next heartbeat;
 - health: a worker whose lease expires leaves routing, its index entries are purged and its requests end (``ERROR``
-  once accepted, else ``UNAVAILABLE``: routed again); a request whose queue heard nothing for ``stall_timeout`` ends
-  the same way, whatever runs it;
+  once accepted, else ``UNAVAILABLE``: routed again); so does a request whose queue heard nothing for
+  ``stall_timeout``, and one past its deadline ends ``ERROR`` (``control/deadline.py``);
 - requests: :meth:`start_generation` runs the one dispatch path (:class:`~thunderagent.scheduler.dispatch.Dispatcher`)
   over the registry's routable workers and submits; :meth:`outputs` streams a request's outputs, routing it again when
   its worker could not take it, with TTFT / ITL metrics, and aborts it when the consumer stops early.
-
 The clock is injected (``clock``; the event loop's by default): tests move time by hand.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import logging
 import math
@@ -30,6 +27,7 @@ from typing import Protocol
 
 from thunderagent.config import Config, Policy, program_caps
 from thunderagent.control import migration
+from thunderagent.control.deadline import Deadlines
 from thunderagent.control.decision_hook import DecisionHook
 from thunderagent.control.cache_migration import make_cache_migration
 from thunderagent.control.disagg_flow import DisaggFlow
@@ -42,7 +40,7 @@ from thunderagent.control.generation import Generation, HeldCall
 from thunderagent.control.autotune_hook import AutotuneHook
 from thunderagent.control.planner_hook import PlannerHook
 from thunderagent.control.registry import Health, WorkerRegistry
-from thunderagent.execution.handle import STALL_TIMEOUT_S, WorkerCallbacks, WorkerHandle
+from thunderagent.execution.handle import STALL_TIMEOUT_S, WorkerCallbacks, WorkerHandle, cancel_and_wait
 from thunderagent.kv.feed import KvFeed
 from thunderagent.kv.index import KvIndex
 from thunderagent.router.errors import HeldRefused
@@ -97,6 +95,7 @@ class Fleet:
         self.planner = PlannerHook(cfg.planner, self.metrics.registry, self.routable, self.registry)  # scaling advice
         self.autotune = AutotuneHook(cfg.routing, self.router, self.metrics.registry)  # self-tuning weights
         self.stall_timeout = stall_timeout
+        self.deadlines = Deadlines(cp.request_timeout_s, self._cut, self.metrics.registry)  # request_timeout_s
         self.loop_lag = LoopLag(2 * max(self.registry.timeout, stall_timeout))  # our loop's lateness (liveness.py)
         #: longest sequence any worker can hold (simulated workers: their KV pool); None = unknown
         self.max_context_tokens: int | None = None
@@ -139,10 +138,7 @@ class Fleet:
         log.info("fleet up: %d workers, policy %s", len(self.workers), self.router.policy.name)
 
     async def stop(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+        await cancel_and_wait([t for t in (self._health_task,) if t is not None])
         if self.cache_migration is not None:
             await self.cache_migration.stop()
         await self.membership.stop()
@@ -278,7 +274,8 @@ class Fleet:
         self._inflight.pop(gen.request_id, None)
         gen.lost = why
         gen.worker.abort(gen.request_id)
-        reason = FinishReason.ERROR if gen.queue.accepted or gen.queue.produced else FinishReason.UNAVAILABLE
+        reason = FinishReason.ERROR if gen.queue.accepted or gen.queue.produced or gen.timed_out \
+            else FinishReason.UNAVAILABLE
         log.debug("request %s ended (%s): %s", gen.request_id, why, reason.value)
         now = self.now()
         gen.queue.put_output(TokenOutput(gen.request_id, [], now, gen.prompt_tokens, 0, True, reason), now)
@@ -331,20 +328,21 @@ class Fleet:
         self._held[rid] = call
         self._observe_queue()
         self._schedule_pump()  # (it arms the grouping timer)
-        try:
-            return await call.fut
-        except asyncio.CancelledError:
-            self._held.pop(rid, None)
-            if self.dispatcher.cancel(rid):
-                self.metrics.scheduler_cancelled.inc()
-                self._observe_queue()
-            elif call.fut.done() and not call.fut.cancelled():  # dispatched just as the caller left
-                gen = call.fut.result()
-                self._inflight.pop(rid, None)
-                gen.worker.abort(rid)
-            if program_id is not None:  # its outputs were never read: the step ends here
-                self.dispatcher.finished(program_id, 0, self.now(), completed=False)
-            raise
+        async with self.deadlines.held(received, self.now()):  # (past it: DeadlineExceeded, after the cleanup)
+            try:
+                return await call.fut
+            except asyncio.CancelledError:
+                self._held.pop(rid, None)
+                if self.dispatcher.cancel(rid):
+                    self.metrics.scheduler_cancelled.inc()
+                    self._observe_queue()
+                elif call.fut.done() and not call.fut.cancelled():  # dispatched just as the caller left
+                    gen = call.fut.result()
+                    self._inflight.pop(rid, None)
+                    gen.worker.abort(rid)
+                if program_id is not None:  # its outputs were never read: the step ends here
+                    self.dispatcher.finished(program_id, 0, self.now(), completed=False)
+                raise
 
     def _launch(self, d: Dispatch, route_s: float, program_id: str | None) -> Generation:
         """Submit a routed request to its worker."""
@@ -359,6 +357,7 @@ class Fleet:
         gen = Generation(req.request_id, d, *self.disagg.submit(d, worker), received, program_id=program_id,
                          latency=self.metrics.seed.latency(worker.worker_id, d.route_key))
         self._inflight[req.request_id] = gen
+        self.deadlines.arm(gen, self.now())
         return gen
 
     def _schedule_pump(self) -> None:
@@ -446,7 +445,7 @@ class Fleet:
             while True:
                 out = await gen.queue.get()
                 now = self.now()
-                if out.finished:
+                if out.finished and not gen.timed_out:  # (one past its deadline goes nowhere else)
                     if out.finish_reason == FinishReason.UNAVAILABLE or migration.is_lost(gen, out):
                         self.outliers.failed(gen.worker, now)
                     if (out.finish_reason == FinishReason.UNAVAILABLE and not out.token_ids
@@ -477,6 +476,7 @@ class Fleet:
                     return
         finally:
             self._inflight.pop(gen.request_id, None)
+            self.deadlines.disarm(gen)
             if self.dispatcher.progressed(gen.request_id, ok=False):  # a leader gone before its first token
                 self._schedule_pump()
             if last_t is not None:

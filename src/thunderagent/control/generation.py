@@ -26,6 +26,8 @@ class Generation:
     migrations: int = 0
     lost: str | None = None  # why the fleet cut the attempt in progress
     latency: Latency | None = None  # its worker's and route key's TTFT/ITL histograms
+    timer: asyncio.TimerHandle | None = None  # its deadline (control/deadline.py), while armed
+    timed_out: bool = False  # ended by the fleet at its deadline: not routed again, not migrated
 
     @property
     def decision(self) -> Decision:

@@ -18,6 +18,7 @@ import msgspec
 from aiohttp import web
 
 from thunderagent.config import Config
+from thunderagent.control.deadline import DeadlineExceeded
 from thunderagent.control.fleet import Fleet, Generation, NoWorkerAvailable, QueueFull
 from thunderagent.frontend.anthropic import ANTHROPIC_PATHS, COUNT_TOKENS_PATH, MESSAGES_PATH
 from thunderagent.frontend.auth import (
@@ -86,9 +87,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _error(err: RequestError, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        body=error_body(err), status=err.status, content_type="application/json", headers=headers
-    )
+    return web.Response(body=error_body(err), status=err.status, content_type="application/json", headers=headers)
 
 
 @web.middleware
@@ -105,6 +104,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             RequestError(str(exc), status=503, code="no_healthy_worker", type_="server_error"),
             headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))},
         )
+    except DeadlineExceeded as exc:  # (control_plane.request_timeout_s)
+        resp = _error(RequestError(str(exc), status=504, code="request_timeout", type_="server_error"))
     except QueueFull as exc:
         resp = _error(
             RequestError(f"{exc}; retry later", status=429, code=exc.code, type_="rate_limit_error"),
@@ -286,6 +287,8 @@ class Frontend:
         assert last is not None, "a generation always ends with a final chunk"
         text = "".join(text_parts)
         if last.finish_reason == FinishReason.ERROR:  # never a 200 with part of a text: it is an error
+            if gen.timed_out:
+                raise DeadlineExceeded(self.fleet.deadlines.timeout_s)
             moved = f" (migrated {gen.migrations} times)" if gen.migrations else ""
             who = f"worker {gen.decision.worker_id}" if shown else "the worker"
             raise RequestError(f"{who} failed while serving the request{moved} and no worker could take it over; "

@@ -46,7 +46,8 @@ from thunderagent.frontend.auth import DETAIL, TENANT, tenant_salt
 from thunderagent.frontend.protocol import MaxTokens, Priority, RequestError, prompt_input
 from thunderagent.frontend.relay_fields import MESSAGE_KEYS, RelayFields
 from thunderagent.frontend.tenant_gate import count_completion, rate_headers, take_prompt_tokens
-from thunderagent.control.fleet import Fleet
+from thunderagent.control.deadline import DeadlineExceeded, timeout_message
+from thunderagent.control.fleet import Fleet, Generation
 from thunderagent.frontend.tokenizer import Tokenizer
 from thunderagent.types import FinishReason, Passthrough, TokenOutput
 
@@ -176,8 +177,8 @@ def _who(worker: str | None) -> str:
     return "the worker" if worker is None else f"worker {worker}"
 
 
-def _error_event(worker: str | None, out: TokenOutput, anthropic: bool = False) -> bytes:
-    msg = f"{_who(worker)} failed while streaming the request ({out.finish_reason}); it cannot be resumed"
+def _error_event(worker: str | None, out: TokenOutput, anthropic: bool = False, why: str | None = None) -> bytes:
+    msg = why or f"{_who(worker)} failed while streaming the request ({out.finish_reason}); it cannot be resumed"
     if anthropic:
         return b"event: error\ndata: " + json.dumps(error_doc(502, msg)).encode() + b"\n\n"
     err = {"message": msg, "type": "server_error", "param": None, "code": "worker_failed"}
@@ -297,28 +298,33 @@ class RelayFrontend:
         if explained:  # the body is the server's: the explanation goes in a header
             headers["x-thunderagent-explanation"] = json.dumps(gen.decision.explain(), separators=(",", ":"))
         outputs = fe.fleet.outputs(gen)
+
+        def failed(out: TokenOutput) -> web.Response:  # an error answer: the server's, or ours at the deadline
+            if gen.timed_out:
+                raise DeadlineExceeded(fe.fleet.deadlines.timeout_s)
+            return upstream_error(worker(), out, anthropic)
+
         try:
             out = await anext(outputs)
             if out.finished and _failed(out):  # refused before any byte: an error answer
-                return upstream_error(worker(), out, anthropic)
+                return failed(out)
             if on_answer is not None:
                 on_answer(out.raw or b"", gen.decision.worker_id)
             if not pt.stream:
                 while not out.finished:
                     out = await anext(outputs)
                 if _failed(out):
-                    return upstream_error(worker(), out, anthropic)
+                    return failed(out)
                 if shown:
                     headers["x-thunderagent-worker"] = gen.decision.worker_id  # routed again: the one that served
                 return web.Response(body=out.raw, content_type="application/json", headers=headers)
-            return await self._stream(request, worker(), out, outputs, headers, anthropic)
+            return await self._stream(request, worker(), out, outputs, headers, anthropic, gen)
         finally:
             await outputs.aclose()  # aborts the server's request if it did not finish
             fe.tenant_usage(request, gen)
 
-    @staticmethod
-    async def _stream(request: web.Request, worker: str | None, out: TokenOutput, outputs: Any,
-                      headers: dict[str, str], anthropic: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, worker: str | None, out: TokenOutput, outputs: Any,
+                      headers: dict[str, str], anthropic: bool, gen: Generation) -> web.StreamResponse:
         resp = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
         try:
             await resp.prepare(request)  # aiohttp holds the headers back until the first bytes
@@ -328,7 +334,11 @@ class RelayFrontend:
                 out = await anext(outputs)
             # the last bytes go with the end of the chunked body: one send, not two (a stream that
             # arrived in one read leaves in one write, headers included)
-            await resp.write_eof(_error_event(worker, out, anthropic) if _failed(out) else out.raw or b"")
+            end = b""
+            if _failed(out):
+                why = timeout_message(self.fe.fleet.deadlines.timeout_s) if gen.timed_out else None
+                end = _error_event(worker, out, anthropic, why)
+            await resp.write_eof(end or out.raw or b"")
         except (ConnectionResetError, ConnectionError) as exc:
             log.info("client went away during a relayed stream: %s", exc)
         return resp
