@@ -142,6 +142,8 @@ class EngineRequest:
     kv_from: KvTransfer | None = None
     #: the client's own request, relayed unchanged to an OpenAI-compatible server (``engine: openai``)
     passthrough: Passthrough | None = None
+    #: client headers sent on to the engine server (trace context, request id: ``frontend/trace_context.py``)
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(slots=True, frozen=True)

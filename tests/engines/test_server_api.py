@@ -193,3 +193,30 @@ async def test_a_vllm_fleet_whose_servers_demand_a_key(tiny_model_dir: Path, mon
             assert status == 200 and engines[0].pooled == [("/tokenize", {"model": "fake-model", "prompt": "hi"})]
     finally:
         await engines[0].stop()
+
+
+async def test_a_clients_trace_context_reaches_the_server_on_every_path(tiny_model_dir: Path) -> None:
+    """``traceparent`` / ``tracestate`` / ``x-request-id`` go on with the token path, relayed requests and vLLM's
+    other paths; a malformed ``traceparent`` does not, and no other client header does."""
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    engines = await _engines(1)
+    try:
+        async with running_server(fake_vllm_config(engines, tiny_model_dir, BS)) as srv:
+            await wait_until(lambda: len(srv.fleet.routable()) == 1, 10, "the server routable")
+            c, model = srv.client, srv.fleet.model_name
+            traced = {"traceparent": parent, "x-request-id": "req-7"}
+            await c.completions.create(model=model, prompt="hello", max_tokens=2, extra_headers=traced)  # token path
+            await c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                            logprobs=True, extra_headers=traced)  # relayed (logprobs)
+            async with aiohttp.ClientSession() as s:
+                async with s.post(srv.base_url + "/tokenize", json={"prompt": "hi"}, headers=traced) as r:
+                    assert r.status == 200
+                async with s.post(srv.base_url + "/tokenize", json={"prompt": "hi"},
+                                  headers={"traceparent": "not-a-parent", "x-custom": "no"}) as r:
+                    assert r.status == 200
+            seen = engines[0].traced
+            assert seen[:3] == [("/v1/completions", parent, "req-7"), ("/v1/chat/completions", parent, "req-7"),
+                                ("/tokenize", parent, "req-7")]
+            assert seen[3] == ("/tokenize", None, None)
+    finally:
+        await engines[0].stop()

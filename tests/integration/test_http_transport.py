@@ -112,3 +112,48 @@ async def test_a_connect_timed_out_by_a_starved_loop_is_tried_once_more(body: ob
         await transport.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_forwarded_headers_and_the_servers_key_reach_it_and_nothing_splits_a_request() -> None:
+    """A request's forwarded headers (a client's trace context) and the server's API key go on both clients (the
+    lean one of relayed bodies, aiohttp's of the token path); a pair a forged request could carry with a CR / LF
+    is dropped by the lean client, which writes its head itself, so it cannot smuggle a second request."""
+    heads: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+                heads.append(head)
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                await reader.readexactly(length)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+    transport = AiohttpTransport(connect_timeout=5, api_key="sk-server-0123456789")
+    transport.open()
+    trace = (("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"), ("x-request-id", "r-1"))
+    forged = (("x-request-id", "r\r\nContent-Length: 0\r\n\r\nGET /sleep HTTP/1.1"), ("bad name", "v"))
+    try:
+        for body in (b'{"relayed": true}', {"token": "path"}):  # bytes: the lean client; a dict: aiohttp's
+            async with transport.stream_post(url, body, trace) as resp:
+                assert resp.status == 200 and b"".join([c async for c in resp.chunks()]) == BODY
+        async with transport.stream_post(url, b'{"forged": true}', forged) as resp:
+            assert resp.status == 200 and b"".join([c async for c in resp.chunks()]) == BODY
+    finally:
+        await transport.close()
+        server.close()
+        await server.wait_closed()
+    assert len(heads) == 3  # three requests, no smuggled fourth
+    for head in heads[:2]:
+        text = head.decode().lower()
+        assert "traceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01" in text
+        assert "x-request-id: r-1" in text and "authorization: bearer sk-server-0123456789" in text
+    assert b"x-request-id" not in heads[2].lower() and b"/sleep" not in heads[2] and b"bad name" not in heads[2]

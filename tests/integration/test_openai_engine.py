@@ -329,6 +329,11 @@ async def test_several_models_over_nats(tmp_path) -> None:
                                             max_tokens=2)
                 assert r.model == model and r.model_extra["served_by"] == backend.name
         assert len(llama.bodies) == len(qwen.bodies) == 6
+        # a client's trace context crosses the bus with its request
+        parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        await asyncio.to_thread(client.completions.create, model="qwen", prompt="traced", max_tokens=2,
+                                extra_headers={"traceparent": parent})
+        assert qwen.headers[-1]["traceparent"] == parent
     finally:
         cluster.close()
         for b in (llama, qwen):

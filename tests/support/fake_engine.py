@@ -70,6 +70,7 @@ class FakeEngine:
     reads: list[str] = field(default_factory=list)  # the stored-response paths asked for (GET and cancel)
     adapters: list[str] = field(default_factory=list)  # LoRA adapters it lists in /v1/models (parent: the base)
     api_key: str | None = None  # what its /v1 paths demand (vLLM's --api-key)
+    traced: list[tuple[str, str | None, str | None]] = field(default_factory=list)  # (path, traceparent, request id)
     _cache: OrderedDict[int, None] = field(default_factory=OrderedDict)  # engine hash -> (LRU order)
     _batches: list[list[bytes]] = field(default_factory=list)
     _answered: dict[str, dict] = field(default_factory=dict)  # the responses it answered, by id (its "store")
@@ -112,6 +113,8 @@ class FakeEngine:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:  # type: ignore[no-untyped-def]
+        if request.method == "POST":
+            self.traced.append((request.path, request.headers.get("traceparent"), request.headers.get("x-request-id")))
         if self.api_key is not None and request.path.startswith("/v1") and \
                 request.headers.get("Authorization") != f"Bearer {self.api_key}":
             return web.json_response({"error": "Unauthorized"}, status=401)

@@ -39,6 +39,7 @@ class OpenAIBackend:
     models: list[str] = field(default_factory=lambda: [MODEL])
     api_key: str | None = None
     seen_keys: dict[str, int] = field(default_factory=dict)  # path -> requests that carried the right key
+    headers: list[dict[str, str]] = field(default_factory=list)  # each generation request's headers
 
     async def start(self) -> None:
         app = web.Application(middlewares=[self._auth])
@@ -81,6 +82,7 @@ class OpenAIBackend:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.headers.append(dict(request.headers))
         if body.get("model") not in self.models:
             err = {"error": {"message": f"The model `{body.get('model')}` does not exist.", "type": "NotFoundError",
                              "param": None, "code": 404}}

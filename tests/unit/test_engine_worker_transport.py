@@ -53,7 +53,7 @@ class FakeTransport:
         self.posted: list[tuple[str, Any]] = []
 
     @contextlib.asynccontextmanager
-    async def stream_post(self, url: str, json: Any) -> AsyncIterator[FakeStream]:
+    async def stream_post(self, url: str, json: Any, headers: Any = ()) -> AsyncIterator[FakeStream]:
         self.posted.append((url, json))
         yield FakeStream(self.status, self.lines, self.body)
 
@@ -139,7 +139,7 @@ async def test_http_400_ends_error(run_worker):
 async def test_connection_refused_ends_unavailable_and_leaves_routing(run_worker):
     class Refusing(FakeTransport):
         @contextlib.asynccontextmanager
-        async def stream_post(self, url: str, json: Any) -> AsyncIterator[FakeStream]:
+        async def stream_post(self, url: str, json: Any, headers: Any = ()) -> AsyncIterator[FakeStream]:
             raise TransportConnectionError("connection refused")
             yield  # pragma: no cover
 
@@ -242,7 +242,7 @@ async def test_chunks_without_text_keep_a_request_alive_while_metrics_hang():
             return METRICS
 
         @contextlib.asynccontextmanager
-        async def stream_post(self, url: str, json: Any) -> AsyncIterator[Any]:
+        async def stream_post(self, url: str, json: Any, headers: Any = ()) -> AsyncIterator[Any]:
             class Stream(FakeStream):
                 async def _iter(self) -> AsyncIterator[bytes]:
                     yield b'data: {"choices": [{"text": "a", "finish_reason": null}]}\n'
@@ -306,7 +306,7 @@ async def test_a_slow_metrics_answer_still_keeps_a_quiet_request_alive():
             return METRICS
 
         @contextlib.asynccontextmanager
-        async def stream_post(self, url: str, json: Any) -> AsyncIterator[Any]:
+        async def stream_post(self, url: str, json: Any, headers: Any = ()) -> AsyncIterator[Any]:
             class Quiet(FakeStream):
                 async def _iter(self) -> AsyncIterator[bytes]:
                     await release.wait()  # queued: nothing streams yet

@@ -130,6 +130,7 @@ def _non_default(field: dataclasses.Field, k: int) -> object:
         "check_hashes": [2**64 - 2, 0], "remote_decode": True,
         "kv_from": KvTransfer("w-prefill", 130, (2**64 - 1, 5), '{"remote_engine_id": "e1"}'),
         "passthrough": Passthrough("/v1/chat/completions", b'{"model": "m", "tools": []}', True, "GET"),
+        "headers": (("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"), ("x-request-id", "r1")),
     }
     assert field.name in values, f"EngineRequest.{field.name} is new: give it a wire test value here and a wire field"
     value = values[field.name]

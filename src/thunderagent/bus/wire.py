@@ -87,7 +87,7 @@ KEEPALIVE_S = 2.0
 #: ... so a frontend that hears nothing about a request for this long knows it is lost
 STALL_TIMEOUT_S = 4 * KEEPALIVE_S
 #: bytes of a GenerateRequest besides its prompt and hashes: ids, numbers, and room for the
-#: client's cache_salt and lora_name (a longer one is caught when the request is encoded)
+#: client's cache_salt, lora_name and trace headers (longer ones are caught when the request is encoded)
 _REQUEST_OVERHEAD = 4096
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -395,6 +395,7 @@ class GenerateRequest(msgspec.Struct, array_like=True, frozen=True):
     remote_decode: bool = False  # a prefill-only job (prefill/decode disaggregation)
     kv_from: WireKvTransfer | None = None  # the decode side: where the prompt's KV is pulled from
     passthrough: tuple[str, bytes, bool, str] | None = None  # relayed unchanged: path, body, stream, method
+    headers: tuple[tuple[str, str], ...] = ()  # client headers sent on to the engine server (trace context)
 
 
 class Abort(msgspec.Struct, array_like=True, frozen=True):
@@ -435,7 +436,8 @@ def request_to_wire(req: EngineRequest) -> GenerateRequest:
                            sampling, req.resumed,
                            None if req.check_hashes is None else pack_u64(req.check_hashes),
                            req.remote_decode, _kv_to_wire(req.kv_from),
-                           None if (p := req.passthrough) is None else (p.path, p.body, p.stream, p.method))
+                           None if (p := req.passthrough) is None else (p.path, p.body, p.stream, p.method),
+                           req.headers)
 
 
 def request_from_wire(g: GenerateRequest) -> EngineRequest:
@@ -446,7 +448,8 @@ def request_from_wire(g: GenerateRequest) -> EngineRequest:
                          resumed=g.resumed,
                          check_hashes=None if g.check_hashes is None else unpack_u64(g.check_hashes),
                          remote_decode=g.remote_decode, kv_from=_kv_from_wire(g.kv_from),
-                         passthrough=None if g.passthrough is None else Passthrough(*g.passthrough))
+                         passthrough=None if g.passthrough is None else Passthrough(*g.passthrough),
+                         headers=tuple((str(k), str(v)) for k, v in g.headers))
 
 
 def output_to_wire(o: TokenOutput) -> WireToken:

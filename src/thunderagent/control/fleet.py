@@ -300,7 +300,7 @@ class Fleet:
         sampling: Sampling | None = None,
         route_key: str = "",
         program_id: str | None = None, tenant: str | None = None,  # (the program's key, and whose it is)
-        passthrough: Passthrough | None = None, pin: str | None = None,
+        passthrough: Passthrough | None = None, pin: str | None = None, headers: tuple[tuple[str, str], ...] = (),
     ) -> Generation:
         """Hash once, then route and submit now (to ``pin`` while routable, if given), or hold the request until a
         worker can start it. Raises NoWorkerAvailable, or QueueFull when the scheduler's queue is full. A caller
@@ -310,7 +310,7 @@ class Fleet:
         rid = secrets.token_hex(12)  # unguessable: ids appear in responses and abort paths
         req = self.dispatcher.prepare(rid, prompt_ids, max_tokens, cache_salt=cache_salt, lora_name=lora_name,
                                       priority=priority, ignore_eos=ignore_eos, sampling=sampling, arrival=received)
-        req.passthrough = passthrough  # engine openai: the client's body, relayed unchanged
+        req.passthrough, req.headers = passthrough, headers  # relayed: the client's body; its trace headers
         if self.remote_lookup is not None:  # a sharded index (control/index_shards.py): ask the other frontends
             await self.remote_lookup(req, received)
         try:

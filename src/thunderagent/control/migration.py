@@ -121,7 +121,7 @@ def continuation(fleet: Fleet, gen: Generation) -> EngineRequest | str:
         cache_salt=origin.cache_salt, lora_name=origin.lora_name, priority=origin.priority,
         ignore_eos=origin.ignore_eos, sampling=origin.sampling, arrival=origin.arrival,
     )
-    req.resumed = origin.resumed + len(done)
+    req.resumed, req.headers = origin.resumed + len(done), origin.headers
     return req
 
 

@@ -228,7 +228,7 @@ class RequestStreamer:
                 return
             model = await self._served_model()
             body = request_body(req, model, self.flavor, send_priority=self.send_priority)
-            async with self._transport.stream_post(f"{self.url}/v1/completions", body) as resp:
+            async with self._transport.stream_post(f"{self.url}/v1/completions", body, req.headers) as resp:
                 if resp.status != 200:
                     detail = (await resp.text())[:300]
                     log.warning("%s refused request %s: HTTP %d %s", self.worker_id, req.request_id,

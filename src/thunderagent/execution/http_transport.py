@@ -55,9 +55,10 @@ class StreamedResponse(Protocol):
 
 
 class HttpTransport(Protocol):
-    def stream_post(self, url: str, json: Any) -> AbstractAsyncContextManager[StreamedResponse]:
-        """POST ``json`` (bytes: already encoded JSON, sent as they are); leaving the context closes
-        the connection (an engine aborts the request)."""
+    def stream_post(self, url: str, json: Any,
+                    headers: tuple[tuple[str, str], ...] = ()) -> AbstractAsyncContextManager[StreamedResponse]:
+        """POST ``json`` (bytes: already encoded JSON, sent as they are) with ``headers`` besides the transport's
+        own (a client's trace context); leaving the context closes the connection (an engine aborts the request)."""
         ...
 
     def stream_get(self, url: str) -> AbstractAsyncContextManager[StreamedResponse]:
@@ -143,16 +144,17 @@ class AiohttpTransport:
         return self._session
 
     @contextlib.asynccontextmanager
-    async def stream_post(self, url: str, json: Any) -> AsyncIterator[StreamedResponse]:
+    async def stream_post(self, url: str, json: Any,
+                          headers: tuple[tuple[str, str], ...] = ()) -> AsyncIterator[StreamedResponse]:
         assert self._posts is not None and self._fresh is not None and self._relay is not None, "open() was not called"
         if isinstance(json, bytes) and url.startswith("http://"):  # a relayed client body (engine openai)
-            async with self._relay.post(url, json) as relayed:
+            async with self._relay.post(url, json, headers) as relayed:
                 yield relayed
             return
         if isinstance(json, bytes):  # byte for byte (https: aiohttp's client)
-            kw: dict[str, Any] = {"data": json, "headers": _JSON_HEADERS}
+            kw: dict[str, Any] = {"data": json, "headers": {**_JSON_HEADERS, **dict(headers)}}
         else:
-            kw = {"json": json}
+            kw = {"json": json, "headers": dict(headers)} if headers else {"json": json}
         try:
             resp = await self._posts.post(url, **kw)
         except aiohttp.ConnectionTimeoutError:

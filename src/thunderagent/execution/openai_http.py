@@ -28,6 +28,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -41,6 +42,8 @@ _MAX_HEAD = 64 * 1024  # an answer's head past this is refused (aiohttp's own li
 _HIGH_WATER = 256 * 1024  # body bytes buffered before reading from the socket pauses
 _MAX_CHUNK = 64 * 1024 * 1024  # one chunk of a chunked body is held whole: refused past this
 _NO_BODY = frozenset((204, 304))
+_NAME = re.compile(r"[A-Za-z0-9-]{1,64}")  # a forwarded header's name ...
+_VALUE = re.compile(r"[\x20-\x7e]{1,512}")  # ... and value: printable ASCII, no CR / LF
 
 
 class _Conn(asyncio.Protocol):
@@ -313,7 +316,7 @@ class RelayClient:
         self._idle_s = idle_s
         self._bearer = f"Authorization: Bearer {api_key}\r\n" if api_key else ""  # (checked: no CR/LF in a key)
         self._idle: dict[tuple[str, int], list[tuple[_Conn, float]]] = {}
-        self._heads: dict[str, tuple[tuple[str, int], bytes]] = {}  # url -> (server, request head up to the length)
+        self._heads: dict[str, tuple[tuple[str, int], bytes]] = {}  # url -> (server, request head, no length yet)
 
     def _head(self, url: str) -> tuple[tuple[str, int], bytes]:
         got = self._heads.get(url)
@@ -329,7 +332,7 @@ class RelayClient:
                 auth = f"Authorization: Basic {base64.b64encode(cred).decode()}\r\n"
             host = u.netloc.rpartition("@")[2]
             head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\n"
-                    "Accept: */*\r\nContent-Length: ").encode()
+                    "Accept: */*\r\n").encode()
             got = self._heads[url] = ((u.hostname, port), head)
         return got
 
@@ -371,9 +374,14 @@ class RelayClient:
         return resp
 
     @contextlib.asynccontextmanager
-    async def post(self, url: str, body: bytes) -> AsyncIterator[RelayResponse]:
+    async def post(self, url: str, body: bytes,
+                   headers: tuple[tuple[str, str], ...] = ()) -> AsyncIterator[RelayResponse]:
         key, head = self._head(url)
-        request = b"%s%d\r\n\r\n%s" % (head, len(body), body)
+        # headers: a client's trace context, checked by the frontend; checked again here, where a CR / LF would
+        # split the request (a forged request over the bus): a pair that is not a token and printable is dropped
+        extra = b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in headers
+                         if _NAME.fullmatch(k) and _VALUE.fullmatch(v)) if headers else b""
+        request = b"%s%sContent-Length: %d\r\n\r\n%s" % (head, extra, len(body), body)
         conn = self._pooled(key)
         try:
             if conn is not None:

@@ -362,8 +362,8 @@ class Relay:
                 body = engine_body(body, r.req, await s._served_model(),
                                    send_priority=s.send_priority and pt.path != MESSAGES_PATH)
             url = s.url + pt.path
-            async with (s._transport.stream_get(url) if pt.method == "GET" else s._transport.stream_post(url, body)) \
-                    as resp:
+            async with (s._transport.stream_get(url) if pt.method == "GET"
+                        else s._transport.stream_post(url, body, r.req.headers)) as resp:
                 if resp.status != 200:
                     body = (await resp.text()).encode()
                     log.warning("%s refused request %s: HTTP %d %s", s.worker_id, r.req.request_id, resp.status,

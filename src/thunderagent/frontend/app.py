@@ -61,6 +61,7 @@ from thunderagent.frontend.protocol import (
 from thunderagent.frontend.programs_api import Peers, ProgramsApi
 from thunderagent.frontend.messages_api import MessagesApi, anthropic_error
 from thunderagent.frontend.relay import RelayFrontend
+from thunderagent.frontend.trace_context import trace_headers
 from thunderagent.frontend.responses_api import ResponsesApi
 from thunderagent.frontend.server_api import ServerApi, add_routes
 from thunderagent.frontend.relay_fields import fleet_relay
@@ -227,14 +228,8 @@ class Frontend:
             "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
         }
 
-    async def _run(
-        self,
-        request: web.Request,
-        req: ChatCompletionRequest | CompletionRequest,
-        prompt_ids: list[int],
-        chat: bool,
-        lora: str | None = None,
-    ) -> web.StreamResponse:
+    async def _run(self, request: web.Request, req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
+                   chat: bool, lora: str | None = None) -> web.StreamResponse:
         """``lora``: the LoRA adapter ``model`` named (:meth:`_check_model`), else the ``lora_name`` field's."""
         asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
         max_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
@@ -248,9 +243,10 @@ class Frontend:
         take_prompt_tokens(request, len(prompt_ids), prompt_param,  # the tenant's token limit, if any
                            max_tokens if asked else 0, max_param)
         gen = await self.fleet.start_generation(
-            prompt_ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt), lora_name=lora or req.lora_name, priority=req.priority,
-            sampling=sampling, route_key=self._route_key(request, req), program_id=self._program_id(request, req),
-            tenant=request.get(TENANT),
+            prompt_ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt),
+            lora_name=lora or req.lora_name, priority=req.priority, sampling=sampling,
+            route_key=self._route_key(request, req), program_id=self._program_id(request, req),
+            tenant=request.get(TENANT), headers=trace_headers(request.headers),
         )
         count_completion(request, gen)
         shown = request[DETAIL]  # worker ids are the fleet's detail: tenants see none (API keys on, no admin key)
