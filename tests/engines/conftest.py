@@ -10,7 +10,7 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,6 +118,21 @@ def engine_python(workdir: Path) -> Path:
         return vllm_python(workdir)
     except VllmSetupError as exc:
         pytest.fail(f"cannot install vLLM for the real_engine tests: {exc}", pytrace=False)
+
+
+@contextmanager
+def one_server(server: VllmServer, what: str) -> Iterator[VllmServer]:
+    """``server`` started (a test module's own: ``what`` names it in the timing note), stopped afterwards; a failed
+    start fails the test that asked, saying why."""
+    try:
+        t0 = time.monotonic()
+        start_ready([server])
+        note(f"{what} ready in {time.monotonic() - t0:.0f}s")
+        yield server
+    except VllmSetupError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

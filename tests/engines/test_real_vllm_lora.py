@@ -6,7 +6,6 @@ the router's hashes; the base model's request with the same prompt matches nothi
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,8 +13,8 @@ import numpy as np
 import pytest
 
 from support.waiting import wait_until
-from tests.engines.conftest import engine_python, front_config, note, thunderagent
-from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, VllmSetupError, cpu_binding, start_ready
+from tests.engines.conftest import engine_python, front_config, one_server, thunderagent
+from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, cpu_binding
 from thunderagent.frontend.hf_tokenizer import HfTokenizer
 from thunderagent.kv.hashing import block_hashes, hash_seed
 
@@ -52,15 +51,8 @@ def lora_server(engine_tmp: Path, tiny_model_dir: Path) -> Iterator[VllmServer]:
     adapter = build_adapter(workdir / ADAPTER, tiny_model_dir)
     server = VllmServer("lora", python, tiny_model_dir, workdir, cpu=cpu_binding(0), extra_args=(
         "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{ADAPTER}={adapter}"))
-    try:
-        t0 = time.monotonic()
-        start_ready([server])
-        note(f"vLLM server with a LoRA adapter ready in {time.monotonic() - t0:.0f}s")
+    with one_server(server, "vLLM server with a LoRA adapter"):
         yield server
-    except VllmSetupError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    finally:
-        server.stop()
 
 
 async def test_lora_adapter_by_name_on_real_vllm(tiny_model_dir: Path, lora_server: VllmServer) -> None:

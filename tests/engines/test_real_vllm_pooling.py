@@ -5,15 +5,14 @@ from the endpoint's ``api_key_env``), and the official ``openai`` client's embed
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from tests.engines.conftest import engine_python, front_config, note, thunderagent
-from tests.engines.vllm_env import VllmServer, VllmSetupError, cpu_binding, start_ready
+from tests.engines.conftest import engine_python, front_config, one_server, thunderagent
+from tests.engines.vllm_env import VllmServer, cpu_binding
 from thunderagent.config import parse_config
 
 pytestmark = pytest.mark.real_engine
@@ -25,15 +24,8 @@ def pooling_server(engine_tmp: Path, tiny_model_dir: Path) -> Iterator[VllmServe
     workdir = engine_tmp / "vllm-pooling"
     server = VllmServer("pooling", engine_python(workdir), tiny_model_dir, workdir, cpu=cpu_binding(0),
                         extra_args=("--runner", "pooling", "--convert", "embed", "--api-key", KEY))
-    try:
-        t0 = time.monotonic()
-        start_ready([server])
-        note(f"vLLM pooling server ready in {time.monotonic() - t0:.0f}s")
+    with one_server(server, "vLLM pooling server"):
         yield server
-    except VllmSetupError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    finally:
-        server.stop()
 
 
 def _same(ours: dict, theirs: dict) -> None:
