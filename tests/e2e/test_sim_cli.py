@@ -222,3 +222,11 @@ def test_sim_generates_traffic_scaled_to_the_fleet(tmp_path):
 def test_sim_refuses_traffic_options_that_would_not_act(args, message):
     res = run_sim(*args)
     assert res.returncode == 2 and message in " ".join(res.stderr.replace("│", " ").split())  # rich wraps it in a box
+
+
+def test_sim_refuses_a_request_timeout(tmp_path):
+    """control_plane.request_timeout_s acts on a live server only: the simulator says so instead of ignoring it."""
+    cfg = tmp_path / "timeout.yaml"
+    cfg.write_text("control_plane: {request_timeout_s: 30}\n")
+    res = run_sim("--trace", str(EXCERPT), "--config", str(cfg))
+    assert res.returncode == 2 and "control_plane.request_timeout_s acts on a live server" in res.stderr

@@ -136,6 +136,9 @@ def sim(
         if not cfg.routing.fallback_to_local and (pd is None or any(m is not PdMode.always for m in pd_mode or [])):
             raise ConfigError(f"{config}: routing.fallback_to_local: false (strict disaggregation) needs --pd P:D "
                               "(prefill and decode workers) and --pd-mode always")
+        if cfg.control_plane.request_timeout_s is not None:
+            raise ConfigError(f"{config}: control_plane.request_timeout_s acts on a live server; the simulator "
+                              "replays every request to its end: remove it")
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
