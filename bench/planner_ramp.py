@@ -13,6 +13,7 @@ same run.
     .venv/bin/python bench/planner_ramp.py            # the README's table (a few minutes)
     .venv/bin/python bench/planner_ramp.py --quick    # seconds
     .venv/bin/python bench/planner_ramp.py --target-util 0.8 --service-rate 0.75   # + forecast sizing rows
+    .venv/bin/python bench/planner_ramp.py --fixed 8 --misses 150   # + why requests missed, per 150 s
 """
 
 from __future__ import annotations
@@ -35,7 +36,49 @@ from thunderagent.config import (  # noqa: E402
     TimingConfig,
 )
 from thunderagent.sim.generators import ramp  # noqa: E402
-from thunderagent.sim.scaling import ScalingResult, ScalingSim  # noqa: E402
+from thunderagent.sim.scaling import TICK, ScalingResult, ScalingSim  # noqa: E402
+from thunderagent.sim.summary import Track  # noqa: E402
+
+
+class MissSim(ScalingSim):
+    """``--misses``: each request that reused nothing, by cause. ``new``: its prefix's first request anywhere
+    (compulsory); ``evicted``: no worker held any of its blocks when it was routed, though an earlier request had
+    its prefix (the fleet's cache was too small to keep it); ``spilled``: some worker held part of it, the router
+    sent it elsewhere (load outweighed the cache); ``in flight``: sent where its prefix was predicted, which was
+    not stored yet."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.first_seen: set[int] = set()
+        self.kind: dict[str, str] = {}
+        self.predicted: dict[str, int] = {}
+        self.by_id: dict[str, Track] = {}
+
+    def _place(self, d, now, tracks):  # type: ignore[no-untyped-def]
+        self.predicted[d.request.request_id] = d.predicted_tokens
+        return super()._place(d, now, tracks)
+
+    def _dispatch(self, tr, now, tracks):  # type: ignore[no-untyped-def]
+        i = super()._dispatch(tr, now, tracks)
+        if not tr.request_id.startswith(TICK) and tr.block_ids:
+            self.kind[tr.request_id] = "new" if tr.block_ids[0] not in self.first_seen else ""
+            self.first_seen.add(tr.block_ids[0])
+            self.by_id[tr.request_id] = tracks[tr.request_id]
+        return i
+
+    def misses(self, end_s: float, bucket_s: float) -> list[tuple[float, int, dict[str, int]]]:
+        """(bucket start, requests, misses by cause) of the requests arriving before ``end_s``."""
+        out: dict[int, tuple[int, dict[str, int]]] = {}
+        for rid, t in self.by_id.items():
+            if not t.done or t.arrival >= end_s:
+                continue
+            n, causes = out.setdefault(int(t.arrival // bucket_s), (0, {}))
+            out[int(t.arrival // bucket_s)] = (n + 1, causes)
+            if t.cached == 0:
+                cause = self.kind.get(rid) or ("evicted" if t.best_known == 0 else
+                                                "in flight" if self.predicted.get(rid, 0) > 0 else "spilled")
+                causes[cause] = causes.get(cause, 0) + 1
+        return [(k * bucket_s, n, c) for k, (n, c) in sorted(out.items())]
 
 
 def planner_config(a: argparse.Namespace, forecast: bool) -> PlannerConfig:
@@ -94,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(serve's default): requests wait there, not in the engines, and the wait counts in TTFT")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reasons", action="store_true", help="print each step's reasons")
+    ap.add_argument("--misses", type=float, default=0.0, metavar="S", help="> 0: also print, per S seconds of the "
+                    "scale-up, the requests that reused nothing by cause (new prefix, evicted, spilled, in flight)")
     a = ap.parse_args(argv)
     if a.quick:
         a.ramp_up_s, a.hold_s, a.ramp_down_s, a.peak_rate, a.fixed, a.max_workers = 240.0, 60.0, 240.0, 3.0, "2,4", 4
@@ -117,10 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         variants.append(("step", "step-wise (planner)", pc))
     if forecast:
         variants.append(("step", "step-wise + forecast", fc))
+    missed: list[tuple[str, MissSim]] = []
     for mode, label, cfg in variants:
-        sim = ScalingSim(node, routing, Policy.kv_aware, mode=mode, initial=a.min_workers, max_workers=a.max_workers,
-                         planner=cfg, startup_s=a.planner_startup_s, seed=a.seed, scheduler=sched)
+        sim = MissSim(node, routing, Policy.kv_aware, mode=mode, initial=a.min_workers, max_workers=a.max_workers,
+                      planner=cfg, startup_s=a.planner_startup_s, seed=a.seed, scheduler=sched)
         runs.append((label, sim.replay(reqs, a.ramp_up_s)))
+        missed.append((label, sim))
     best_label, best = min((r for r in runs if r[0].startswith("fixed")), key=lambda r: r[1].ttft_ms.p99)
     rows = []
     for label, r in runs:
@@ -141,6 +188,15 @@ def main(argv: list[str] | None = None) -> int:
         for label, r in runs:
             for (t, d, _), why in zip(r.steps, r.reasons):
                 print(f"  {label} {t:.0f}s {d:+d}: {'; '.join(why)}")
+    if a.misses > 0:
+        for label, msim in missed:
+            print(f"{label}: requests that reused nothing, by cause, per {a.misses:g} s of the scale-up")
+            total: dict[str, int] = {}
+            for start, n, causes in msim.misses(a.ramp_up_s, a.misses):
+                print(f"  {start:6.0f} s  {n:5d} requests  " + "  ".join(f"{k} {v}" for k, v in sorted(causes.items())))
+                for k, v in causes.items():
+                    total[k] = total.get(k, 0) + v
+            print("  all: " + "  ".join(f"{k} {v}" for k, v in sorted(total.items())))
     print(f"wall {time.perf_counter() - t0:.1f} s")
     return 0
 
