@@ -187,6 +187,8 @@ class PromptLimit:
 
     tokens: int
     why: str
+    #: the largest body a relayed request may have (None: no such bound; over NATS its prompt is not sent, its body is)
+    body_bytes: int | None = None
 
 
 class FinishReason(StrEnum):

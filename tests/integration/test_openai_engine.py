@@ -334,6 +334,14 @@ async def test_several_models_over_nats(tmp_path) -> None:
         await asyncio.to_thread(client.completions.create, model="qwen", prompt="traced", max_tokens=2,
                                 extra_headers={"traceparent": parent})
         assert qwen.headers[-1]["traceparent"] == parent
+        # a relayed request's prompt is not sent, its body is: a conversation of 600,000 byte-tokens (the byte
+        # stand-in) fits one message of the bus's 1 MiB; one whose body is past a message is refused up front
+        long = "tool output " * 50_000
+        r = await asyncio.to_thread(client.completions.create, model="qwen", prompt=long, max_tokens=2)
+        assert r.usage is not None and qwen.bodies[-1]["prompt"] == long
+        with pytest.raises(openai.APIStatusError) as big:
+            await asyncio.to_thread(client.completions.create, model="qwen", prompt=long * 2, max_tokens=2)
+        assert big.value.status_code == 413 and "max_payload" in big.value.body["message"]
     finally:
         cluster.close()
         for b in (llama, qwen):

@@ -91,7 +91,8 @@ async def test_stream_message_from_another_worker_than_the_one_serving_is_ignore
 async def test_a_request_too_large_for_the_bus_ends_at_once_instead_of_stalling(fleet):
     fleet.bus.dumps["w1"] = ("i1", [], -1)
     await deliver(fleet, "ta.worker.w1.hb", heartbeat("w1"))
-    assert fleet.prompt_limit is not None and fleet.prompt_limit.tokens == wire.max_prompt_tokens(1024 * 1024, 64)
+    limit = fleet.prompt_limit
+    assert limit is not None and (limit.tokens, limit.body_bytes) == wire.message_limits(1024 * 1024, 64)
     fleet.bus.max_payload = 2000  # a server configured small (the frontend's own check uses the real one)
     gen = await fleet.start_generation(list(range(1000)), 4)
     assert gen.queue.get_nowait().finish_reason == "error"

@@ -139,12 +139,22 @@ def _non_default(field: dataclasses.Field, k: int) -> object:
 
 
 def test_every_engine_request_field_crosses_the_wire():
-    """Each field of the engine request, sampling included, survives NATS unchanged."""
+    """Each field of the engine request, sampling included, survives NATS unchanged (a relayed request's prompt as
+    its length alone, and no hashes: the worker sends the client's body, below)."""
     fields = dataclasses.fields(EngineRequest)
-    req = EngineRequest(**{f.name: _non_default(f, k) for k, f in enumerate(fields)})
+    relayed = EngineRequest(**{f.name: _non_default(f, k) for k, f in enumerate(fields)})
+    req = dataclasses.replace(relayed, passthrough=None)
     back = wire.request_from_wire(wire.decode_generate(wire.encode(wire.request_to_wire(req))))
     for f in fields:
         assert getattr(back, f.name) == getattr(req, f.name), f.name
+    back = wire.request_from_wire(wire.decode_generate(wire.encode(wire.request_to_wire(relayed))))
+    for f in fields:
+        if f.name == "prompt_tokens":
+            assert back.prompt_tokens == range(len(relayed.prompt_tokens))  # its length: the worker's accounting
+        elif f.name in ("block_hashes", "check_hashes"):
+            assert not getattr(back, f.name)  # unused by a relay
+        else:
+            assert getattr(back, f.name) == getattr(relayed, f.name), f.name
     # sampling parameters one by one: a request that sets only one of them keeps the others unset
     for only in ("temperature", "top_p", "seed"):
         s = Sampling(**{only: 1})
@@ -169,8 +179,25 @@ def test_finish_reasons_cross_as_the_enum():
 
 @pytest.mark.parametrize(("max_payload", "block_size"), [(1024 * 1024, 64), (8 * 1024 * 1024, 16), (65536, 1)])
 def test_max_prompt_tokens_is_the_longest_prompt_one_message_carries(max_payload, block_size):
-    n = wire.max_prompt_tokens(max_payload, block_size)
-    req = EngineRequest("r" * 32, list(range(n)), list(range(n // block_size)), 1, 16, cache_salt="s" * 1000,
-                        lora_name="l" * 1000)
+    n = wire.message_limits(max_payload, block_size)[0]
+    blocks = list(range(n // block_size))
+    req = EngineRequest("r" * 32, list(range(n)), blocks, 1, 16, cache_salt="s" * 1000, lora_name="l" * 1000,
+                        check_hashes=blocks)  # (the double-hash guard: on by default)
     size = len(wire.encode(wire.request_to_wire(req)))
     assert max_payload - 8192 < size <= max_payload
+
+
+@pytest.mark.parametrize("max_payload", [1024 * 1024, 65536])
+def test_a_relayed_request_carries_its_body_not_its_prompt(max_payload):
+    """A relayed body of up to ``message_limits``' body bytes fits one message whatever its prompt's length (the
+    worker gets the length only): over 1 MiB, a conversation some 4 times longer than with its tokens sent."""
+    body = b"x" * wire.message_limits(max_payload, 16)[1]
+    n = 4 * len(body)  # far past max_prompt_tokens: the prompt is not what crosses
+    req = EngineRequest("r" * 32, list(range(n)), list(range(n // 16)), 1, 16, cache_salt="s" * 1000,
+                        lora_name="l" * 1000, check_hashes=list(range(n // 16)),
+                        passthrough=Passthrough("/v1/chat/completions", body, True),
+                        headers=(("traceparent", "t" * 55), ("tracestate", "s" * 512), ("x-request-id", "r" * 512)))
+    data = wire.encode(wire.request_to_wire(req))
+    assert max_payload - 8192 < len(data) <= max_payload
+    back = wire.request_from_wire(wire.decode_generate(data))
+    assert back.passthrough == req.passthrough and len(back.prompt_tokens) == n and back.block_hashes == []

@@ -396,6 +396,7 @@ class GenerateRequest(msgspec.Struct, array_like=True, frozen=True):
     kv_from: WireKvTransfer | None = None  # the decode side: where the prompt's KV is pulled from
     passthrough: tuple[str, bytes, bool, str] | None = None  # relayed unchanged: path, body, stream, method
     headers: tuple[tuple[str, str], ...] = ()  # client headers sent on to the engine server (trace context)
+    prompt_len: int = 0  # a relayed request's prompt tokens (its prompt and hashes are not sent: request_to_wire)
 
 
 class Abort(msgspec.Struct, array_like=True, frozen=True):
@@ -428,21 +429,26 @@ class TokenBatch(msgspec.Struct, array_like=True, frozen=True):
 
 
 def request_to_wire(req: EngineRequest) -> GenerateRequest:
-    """Every field of :class:`EngineRequest` crosses (a test enumerates them)."""
-    s = req.sampling
+    """Every field of :class:`EngineRequest` crosses (a test enumerates them), but a relayed request's prompt: its
+    server gets the client's body, so its worker needs the prompt's length alone (accounting) and no hashes; they
+    would take as many bytes as the body again (4 a token, 16 a block) and halve what one message carries."""
+    s, p = req.sampling, req.passthrough
     sampling = None if s is None else WireSampling(s.temperature, s.top_p, s.seed)
-    return GenerateRequest(req.request_id, pack_u32(req.prompt_tokens), pack_u64(req.block_hashes), req.hash_seed,
+    return GenerateRequest(req.request_id, b"" if p else pack_u32(req.prompt_tokens),
+                           b"" if p else pack_u64(req.block_hashes), req.hash_seed,
                            req.max_tokens, req.ignore_eos, req.priority, req.arrival, req.cache_salt, req.lora_name,
                            sampling, req.resumed,
-                           None if req.check_hashes is None else pack_u64(req.check_hashes),
+                           None if req.check_hashes is None or p else pack_u64(req.check_hashes),
                            req.remote_decode, _kv_to_wire(req.kv_from),
-                           None if (p := req.passthrough) is None else (p.path, p.body, p.stream, p.method),
-                           req.headers)
+                           None if p is None else (p.path, p.body, p.stream, p.method),
+                           req.headers, len(req.prompt_tokens) if p else 0)
 
 
 def request_from_wire(g: GenerateRequest) -> EngineRequest:
     s = g.sampling
-    return EngineRequest(g.request_id, unpack_u32(g.prompt), unpack_u64(g.block_hashes), g.hash_seed, g.max_tokens,
+    relayed = g.passthrough is not None  # (its prompt: a length; range() stands for it without a list)
+    return EngineRequest(g.request_id, range(g.prompt_len) if relayed else unpack_u32(g.prompt),
+                         unpack_u64(g.block_hashes), g.hash_seed, g.max_tokens,
                          ignore_eos=g.ignore_eos, priority=g.priority, arrival=g.arrival, cache_salt=g.cache_salt,
                          lora_name=g.lora_name, sampling=None if s is None else Sampling(s.temperature, s.top_p, s.seed),
                          resumed=g.resumed,
@@ -463,13 +469,12 @@ def output_from_wire(request_id: str, w: WireToken) -> TokenOutput:
                        _kv_from_wire(w.kv_transfer), w.raw, w.raw_status, w.kv_pull)
 
 
-def max_prompt_tokens(max_payload: int, block_size: int) -> int:
-    """The longest prompt whose GenerateRequest fits in one bus message: 4 bytes per token and 8
-    per full block hash."""
-    per_block = 4 * block_size + 8
+def message_limits(max_payload: int, block_size: int) -> tuple[int, int]:
+    """What one GenerateRequest message carries: the longest prompt (4 bytes a token, 16 a full block: its hash and
+    the double-hash guard's), and the largest relayed body (its prompt is not sent: :func:`request_to_wire`)."""
     budget = max(0, max_payload - _REQUEST_OVERHEAD)
-    blocks, rest = divmod(budget, per_block)
-    return blocks * block_size + min(rest // 4, block_size - 1)
+    blocks, rest = divmod(budget, 4 * block_size + 16)
+    return blocks * block_size + min(rest // 4, block_size - 1), budget
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from thunderagent.bus.wire import (
     info_from_wire,
     join_dump,
     load_from_wire,
-    max_prompt_tokens,
+    message_limits,
 )
 from thunderagent.control.frontend_beats import FrontendBeats
 from thunderagent.control.index_shards import IndexShards
@@ -119,8 +119,9 @@ class NatsMembership:
         self._fleet = fleet
         t0 = fleet.now()
         await self.bus.connect()
-        fleet.prompt_limit = PromptLimit(max_prompt_tokens(self.bus.max_payload, fleet.block_size),
-                                         "one request message to a worker can carry (the NATS server's max_payload)")
+        tokens, body = message_limits(self.bus.max_payload, fleet.block_size)
+        fleet.prompt_limit = PromptLimit(tokens, "one request message to a worker can carry (the NATS server's "
+                                         "max_payload)", body)
         cp = fleet.cfg.control_plane
         await self.beats.start(cp.heartbeat_interval, cp.heartbeat_interval * cp.heartbeat_misses,
                                fleet.planner.can_act, fleet.now)

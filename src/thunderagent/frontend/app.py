@@ -159,9 +159,11 @@ class Frontend:
             return model
         raise RequestError(f"The model `{model}` does not exist", param="model", status=404, code="model_not_found")
 
-    def budget(self, prompt_ids: list[int], asked: int | None, max_param: str, prompt_param: str) -> int:
+    def budget(self, prompt_ids: list[int], asked: int | None, max_param: str, prompt_param: str,
+               relayed: bool = False) -> int:
         """The request's max_tokens: what it asked, else the default cut to what fits the largest worker (as
-        vLLM defaults); a 400 up front for what no worker holds or no bus message carries."""
+        vLLM defaults); a 400 up front for what no worker holds or no bus message carries (``relayed``: its prompt is
+        not sent, the relay checks its body instead)."""
         max_tokens = asked or self.max_tokens_default
         limit = self.fleet.max_context_tokens
         if limit is not None and not asked and len(prompt_ids) < limit:
@@ -176,7 +178,7 @@ class Frontend:
                 code="context_length_exceeded",
             )
         carried = self.fleet.prompt_limit
-        if carried is not None and len(prompt_ids) > carried.tokens:
+        if carried is not None and not relayed and len(prompt_ids) > carried.tokens:
             # Sent anyway, it would end unserved (a NATS message too large is dropped by the bus).
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) exceeds the {carried.tokens} tokens {carried.why}",
                                param=prompt_param, code="context_length_exceeded")

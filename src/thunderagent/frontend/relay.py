@@ -194,7 +194,8 @@ class _Frontend(Protocol):
     max_tokens_default: int
 
     def _check_model(self, model: str) -> str | None: ...
-    def budget(self, prompt_ids: list[int], asked: int | None, max_param: str, prompt_param: str) -> int: ...
+    def budget(self, prompt_ids: list[int], asked: int | None, max_param: str, prompt_param: str,
+               relayed: bool = False) -> int: ...
     def _route_key(self, request: web.Request, req: Any) -> str: ...
     @staticmethod
     def _program_id(request: web.Request, req: Any) -> str | None: ...
@@ -276,7 +277,11 @@ class RelayFrontend:
         max_param = getattr(req, "max_param", None) or (
             "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens")
         # the fleet's accounting (the body is sent as it is: without max_tokens the server picks what fits)
-        max_tokens = fe.budget(ids, asked, max_param, prompt_param) if plain is None else 1
+        max_tokens = fe.budget(ids, asked, max_param, prompt_param, relayed=True) if plain is None else 1
+        carried = fe.fleet.prompt_limit
+        if carried is not None and carried.body_bytes is not None and len(pt.body) > carried.body_bytes:
+            raise RequestError(f"the request's body ({len(pt.body)} bytes) exceeds the {carried.body_bytes} bytes "
+                               f"{carried.why}", status=413, code="request_too_large")
         explained = fe._explain(request, req.explain)
         # the tenant's token limit, if any (nothing to reserve for a plain request: it generates nothing)
         take_prompt_tokens(request, len(ids) if plain is None else plain, prompt_param,
