@@ -155,9 +155,9 @@ async def test_priority_reaches_vllm_negated(vllm_servers: list[VllmServer], tin
         sent: list[dict] = []
         post = transport.stream_post
 
-        def spy(url: str, json: dict):  # the bodies as they go on the wire
+        def spy(url: str, json: dict, headers=()):  # type: ignore[no-untyped-def]  # the bodies as they go out
             sent.append(json)
-            return post(url, json)
+            return post(url, json, headers)
 
         transport.stream_post = spy
         rng = random.Random(4)

@@ -210,9 +210,9 @@ async def test_streams_on_a_killed_vllm_server_continue_exactly(
                 transport = worker._requests._transport  # type: ignore[attr-defined]
                 post = transport.stream_post
 
-                def spy_post(url: str, json: dict, _post=post, _wid=wid):  # type: ignore[no-untyped-def]
+                def spy_post(url: str, json: dict, headers=(), *, _post=post, _wid=wid):  # type: ignore[no-untyped-def]
                     sent.setdefault(_wid, []).append({**json, "_t": time.monotonic()})
-                    return _post(url, json)
+                    return _post(url, json, headers)
 
                 transport.stream_post = spy_post
 

@@ -355,3 +355,25 @@ async def test_the_servers_max_model_len_is_stated_once_and_again_after_a_change
         t.max_model_len = odd
         await w._health.fetch_model()
     assert rec.limits == [(2048, 0), (4096, 0)] and w._health.max_model_len == 4096
+
+
+async def test_a_bug_in_the_request_path_ends_the_request_at_once():
+    """An unexpected exception while sending (a bug of ours, not the server's answer) ends the request ``ERROR``
+    now, logged with its traceback, instead of leaving it to the fleet's stall bound (seconds)."""
+    from thunderagent.execution.openai import OpenAIWorker
+
+    class Broken(FakeTransport):
+        def stream_post(self, url: str, json: Any, headers: Any = ()) -> Any:
+            raise TypeError("a bug")
+
+    rec = Recorder()
+    node = NodeConfig(engine="openai", block_size=4, endpoints=[EndpointConfig(url="http://engine:8000/")])
+    w = OpenAIWorker("w0", node, node.endpoints[0], rec.callbacks(), heartbeat_interval=0.01, transport=Broken())
+    w.start()
+    try:
+        await wait_until(lambda: rec.heartbeats, 2.0, "first heartbeat")
+        q = w.submit(request())
+        out = await asyncio.wait_for(q.get(), 1.0)
+        assert out.finished and out.finish_reason == FinishReason.ERROR
+    finally:
+        await w.stop()

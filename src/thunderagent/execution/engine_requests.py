@@ -242,7 +242,12 @@ class RequestStreamer:
                     await self._read_stream(resp.lines(), r)
         except asyncio.CancelledError:
             raise
-        except (TransportError, TimeoutError, msgspec.DecodeError) as exc:
+        except Exception as exc:
+            if not isinstance(exc, (TransportError, TimeoutError, msgspec.DecodeError)):
+                # a bug of ours, not the server's: said loudly, and the request ends now (not at the stall bound)
+                log.exception("%s: request %s failed", self.worker_id, req.request_id)
+                self._end(r, FinishReason.ERROR)
+                return
             if r.started:
                 log.warning("%s: request %s broke off: %r", self.worker_id, req.request_id, exc)
                 self._end(r, FinishReason.ERROR)
