@@ -168,7 +168,7 @@ SERVER_PATHS = ("/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score"
 #: a stored response's id as vLLM makes them (``resp_`` + hex); the relayed paths that name one: its read
 #: (``GET /v1/responses/{id}``) and its cancel (``POST /v1/responses/{id}/cancel``)
 RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
-STORED_RESPONSE_PATH = re.compile(r"/v1/responses/[A-Za-z0-9_-]{1,128}(?:/cancel)?")
+STORED_RESPONSE_PATH = re.compile(rf"{RESPONSES_PATH}/{RESPONSE_ID.pattern}(?:/cancel)?")
 
 
 @dataclass(slots=True, frozen=True)

@@ -455,7 +455,7 @@ def request_from_wire(g: GenerateRequest) -> EngineRequest:
                          check_hashes=None if g.check_hashes is None else unpack_u64(g.check_hashes),
                          remote_decode=g.remote_decode, kv_from=_kv_from_wire(g.kv_from),
                          passthrough=None if g.passthrough is None else Passthrough(*g.passthrough),
-                         headers=tuple((str(k), str(v)) for k, v in g.headers))
+                         headers=g.headers)
 
 
 def output_to_wire(o: TokenOutput) -> WireToken:

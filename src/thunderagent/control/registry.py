@@ -48,8 +48,6 @@ class WorkerRegistry:
             raise ValueError("heartbeat_interval must be > 0 and misses >= 1")
         self.timeout = heartbeat_interval * misses
         self._entries: dict[str, _Entry] = {}
-        #: every adapter some worker listed since start (may name one no worker lists any more: only a filter)
-        self._adapter_names: frozenset[str] = frozenset()
         self._view = FleetView(routing) if routing is not None else None
         #: workers whose load changed since their last report: a reader of it each, called on the next read
         self._stale: dict[str, Callable[[], LoadReport]] = {}
@@ -62,7 +60,6 @@ class WorkerRegistry:
         self._stale.pop(info.worker_id, None)
         empty = LoadReport(info.worker_id, now, 0, 0, 0, 0, 0, 0, info.kv_total_blocks)
         self._entries[info.worker_id] = _Entry(info, empty, now)
-        self._listed(info)
         if self._view is not None:  # its static facts may have changed: enter it afresh
             self._view.remove(info.worker_id)
             self._view.add(self._state(info.worker_id, self._entries[info.worker_id]))
@@ -75,7 +72,6 @@ class WorkerRegistry:
             return False
         self._flush()
         e.info = info
-        self._listed(info)
         if self._view is not None and self._view.position(info.worker_id) is not None:
             self._view.remove(info.worker_id)
             self._view.add(self._state(info.worker_id, e))
@@ -88,15 +84,8 @@ class WorkerRegistry:
         return max(limits) if limits and all(limits) else None
 
     def adapter(self, name: str) -> tuple[int, int]:
-        """(workers whose server serves LoRA adapter ``name`` by name, registered workers). Asked per relayed
-        request of an ``engine: openai`` fleet: a name no worker lists is answered without a scan."""
-        if name not in self._adapter_names:
-            return 0, len(self._entries)
+        """(workers whose server serves LoRA adapter ``name`` by name, registered workers)."""
         return sum(name in e.info.adapters for e in self._entries.values()), len(self._entries)
-
-    def _listed(self, info: WorkerInfo) -> None:
-        if info.adapters and not self._adapter_names.issuperset(info.adapters):
-            self._adapter_names = self._adapter_names.union(info.adapters)
 
     def adapters_anywhere(self) -> list[str]:
         """The LoRA adapters some registered worker serves (what the frontend serves by name: routing sends a

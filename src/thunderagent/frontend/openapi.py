@@ -30,7 +30,7 @@ from thunderagent.frontend.protocol import (
 )
 from thunderagent.frontend.relay_fields import MESSAGE_KEYS, RelayFields, fleet_relay
 from thunderagent.scheduler.programs import LIVE_STATES, PROGRAM_ID
-from thunderagent.types import RESPONSES_PATH, SERVER_PATHS
+from thunderagent.types import RESPONSE_ID, RESPONSES_PATH, SERVER_PATHS
 
 PATH = "/openapi.json"
 PROGRAM_ID_SCHEMA = {"type": "string", "pattern": PROGRAM_ID.pattern}
@@ -107,7 +107,7 @@ _RESPONSES_REQUEST = {"type": "object", "required": ["input"], "properties": {
 _RESPONSE = {"type": "object", "required": ["id", "object", "output"], "properties": {
     "id": {"type": "string"}, "object": {"const": "response"}, "output": {"type": "array"}}}
 _RESPONSE_ID_PARAM = {"name": "response_id", "in": "path", "required": True,
-                      "schema": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,128}$"}}
+                      "schema": {"type": "string", "pattern": f"^{RESPONSE_ID.pattern}$"}}
 #: vLLM's paths that generate nothing, relayed (frontend/server_api.py)
 _SERVER_REQUEST = {"type": "object", "properties": {
     "model": {"type": "string", "minLength": 1}, "priority": {"type": "integer"}},

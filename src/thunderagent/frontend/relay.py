@@ -285,7 +285,7 @@ class RelayFrontend:
         explained = fe._explain(request, req.explain)
         # the tenant's token limit, if any (nothing to reserve for a plain request: it generates nothing)
         take_prompt_tokens(request, len(ids) if plain is None else plain, prompt_param,
-                           asked or 0 if plain is None else 0, max_param)
+                           (asked or 0) if plain is None else 0, max_param)
         gen = await fe.fleet.start_generation(
             ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt) if plain is None else None,
             lora_name=lora or getattr(req, "lora_name", None), priority=req.priority,

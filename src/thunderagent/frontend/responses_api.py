@@ -88,18 +88,19 @@ class ResponsesApi:
                 self._remember(found.group(1).decode(errors="replace"), worker, tenant)
         return on_answer
 
-    async def _worker_of(self, request: web.Request, rid: str) -> str | None:
+    async def _worker_of(self, request: web.Request, rid: str) -> tuple[str | None, web.StreamResponse | None]:
         """The worker storing response ``rid`` for this request's client: remembered, or (API keys off) looked for
-        on every routable server; None where it is not found (or is another tenant's)."""
+        on every routable server; None where it is not found (or is another tenant's). Found by looking, also
+        that server's answer to the read (a read of it needs no second one)."""
         tenant = request.get(TENANT)
         known = self._answered.get(rid)
         if known is not None:
             if known[1] != tenant:
-                return None
+                return None, None
             self._answered.move_to_end(rid)
-            return known[0]
+            return known[0], None
         if tenant is not None:
-            return None
+            return None, None
         relay = self._relay()
         served: list[str] = []  # the worker that answered (a server that failed the read: another one)
         for w in [w.worker_id for w in relay.fe.fleet.routable()]:
@@ -107,8 +108,8 @@ class ResponsesApi:
                                         None, "response_id", pin=w, on_answer=lambda _, w: served.append(w), plain=0)
             if resp.status == 200 and served:
                 self._remember(rid, served[-1], None)
-                return served[-1]
-        return None
+                return served[-1], resp
+        return None, None
 
     async def stored(self, request: web.Request) -> web.StreamResponse:
         """``GET /v1/responses/{response_id}`` (a stored response) and ``POST .../cancel``, on the server storing it."""
@@ -123,10 +124,12 @@ class ResponsesApi:
                                param=name)
         if cancel and await request.read():
             raise RequestError("cancelling a response takes no body")
-        worker = await self._worker_of(request, rid)
+        worker, read = await self._worker_of(request, rid)
         if worker is None:
             raise RequestError(f"no stored response {rid!r} is known", param="response_id", status=404,
                                code="not_found")
+        if read is not None and not cancel:
+            return read  # (found by reading it)
         path = f"{RESPONSES_PATH}/{rid}" + ("/cancel" if cancel else "")
         return await relay.dispatch(request, _READ, [], Passthrough(path, b"", False, "POST" if cancel else "GET"),
                                     None, "response_id", pin=worker, plain=0)
@@ -138,7 +141,7 @@ class ResponsesApi:
         lora = relay.admit(req.model, lambda: check_fields(doc), "responses_api")
         pin = None
         if req.previous_response_id is not None:  # its conversation is stored there
-            pin = await self._worker_of(request, req.previous_response_id)
+            pin, _ = await self._worker_of(request, req.previous_response_id)
             if pin is None and request.get(TENANT) is not None:
                 raise RequestError(f"no stored response {req.previous_response_id!r} is known",
                                    param="previous_response_id", status=404, code="not_found")
