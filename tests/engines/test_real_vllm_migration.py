@@ -231,7 +231,7 @@ async def test_streams_on_a_killed_vllm_server_continue_exactly(
 
             def on_victim_now() -> dict[int, int]:
                 return {by_prompt[tuple(g.request.prompt_tokens)]: len(g.produced)
-                        for g in fleet._generations_on(on_victim)}
+                        for g in fleet.generations_on(on_victim)}
 
             # A run whose thaw overshot (every stream on the victim ended in it: a thaw stretched by a
             # late wake-up on loaded cores) cannot be cut any more; its streams are let end and the

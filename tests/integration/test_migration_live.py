@@ -63,10 +63,10 @@ async def test_kill_a_worker_during_100_streams_loses_nothing(server_factory) ->
             tasks = [asyncio.create_task(stream(s, srv.base_url, i, started)) for i in range(N)]
             await started.wait()
             on0 = fleet.workers["worker-0"]
-            await wait_until(lambda: sum(len(g.produced) >= 10 for g in fleet._generations_on(on0)) >= 5, 5,
+            await wait_until(lambda: sum(len(g.produced) >= 10 for g in fleet.generations_on(on0)) >= 5, 5,
                              "streams 10 tokens in on worker-0")
             victim = fleet.workers["worker-0"]
-            midway = sum(len(g.produced) >= 10 for g in fleet._generations_on(victim))
+            midway = sum(len(g.produced) >= 10 for g in fleet.generations_on(victim))
             for t in victim._tasks:  # type: ignore[attr-defined]  (kill -9: it just stops)
                 t.cancel()
             got = await asyncio.gather(*tasks)
@@ -89,7 +89,7 @@ async def test_a_cut_non_streaming_request_is_a_5xx_never_a_200_with_error(serve
         victim = srv.fleet.workers["worker-0"]
         async with aiohttp.ClientSession() as s:
             task = asyncio.create_task(s.post(srv.base_url + "/v1/completions", data=body(1, False, 400), headers=JSON))
-            await wait_until(lambda: any(g.queue.produced for g in srv.fleet._generations_on(victim)), 5,
+            await wait_until(lambda: any(g.queue.produced for g in srv.fleet.generations_on(victim)), 5,
                              "the request streams on the only worker")
             crash_engine(victim)
             victim._wake.set()  # type: ignore[attr-defined]

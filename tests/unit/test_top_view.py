@@ -72,3 +72,17 @@ def test_tenants_are_shown_by_tokens_per_minute_over_the_window():
     console.print(render(frame, "http://x"))
     out = console.export_text()
     assert "tenants" in out and "18,000" in out
+
+
+def test_a_cordoned_worker_is_shown_out_of_routing():
+    health = {"status": "ok", "workers": [
+        {"id": "w0", "health": "healthy", "running": 1, "waiting": 0, "kv_usage": 0.5, "cordoned": True},
+        {"id": "w1", "health": "healthy", "running": 0, "waiting": 0, "kv_usage": 0.1, "cordoned": False,
+         "out_of_routing": "unreachable"},
+        {"id": "w2", "health": "healthy", "running": 0, "waiting": 0, "kv_usage": 0.1, "cordoned": False}]}
+    frame = build_frame(Scrape(1.0, health, parse_metrics("")))
+    assert [w.out_of_routing for w in frame.workers] == ["cordoned", "unreachable", None]
+    from rich.console import Console
+    console = Console(width=160, record=True)
+    console.print(render(frame, "http://x"))
+    assert "out (cordoned)" in console.export_text()

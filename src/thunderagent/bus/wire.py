@@ -17,6 +17,7 @@ Subjects (``<p>`` is the deployment prefix, ``ta`` by default; ``<id>`` a worker
     <p>.rpc.<id>.abort         frontend -> worker    Abort
     <p>.rpc.<id>.dump          frontend -> worker    (empty) request; DumpChunk replies
     <p>.rpc.<id>.ping          frontend -> worker    (empty) request; Pong reply: "which instance are you?"
+    <p>.rpc.<id>.cordon        frontend -> worker    b"1" / b"0": cordon or uncordon; a heartbeat, then a Pong reply
     <p>.discover               frontend -> workers   (empty): every worker answers with a hello
     <p>.frontend.<frontend>.hb frontend -> workers, frontends  FrontendBeat, every heartbeat_interval: the
                                lease of its requests (workers); which frontend acts for the planner (frontends)
@@ -243,6 +244,7 @@ class Heartbeat(msgspec.Struct, array_like=True, frozen=True):
     info: WireInfo
     load: WireLoad
     last_seq: int
+    cordoned: bool = False  # an operator took it out of routing (``<p>.rpc.<id>.cordon``); every frontend leaves it out
 
 
 class Bye(msgspec.Struct, array_like=True, frozen=True):

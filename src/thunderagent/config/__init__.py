@@ -69,6 +69,11 @@ class ControlPlaneConfig(_Strict):
         "included) is aborted on its worker and answered 504 (a stream already begun ends with an error event); "
         "None: no limit",
     )
+    admin_api: bool = Field(
+        False, description="the operator's /v1/admin/workers endpoints (cordon, uncordon, add, remove workers). With "
+        "API keys on they need an admin key; with keys off anyone who reaches the port may use them, so turn this on "
+        "only where that is an operator (false: they answer 403)",
+    )
     error_log_interval_s: float = Field(
         60.0, gt=0, description="an error cause is logged once per this many seconds, with a count of the "
         "repeats suppressed in between",

@@ -9,8 +9,8 @@ config: ``control.membership``; over NATS: ``control.nats_membership``). Everyth
   once accepted, else ``UNAVAILABLE``: routed again); so does a request whose queue heard nothing for
   ``stall_timeout``, and one past its deadline ends ``ERROR`` (``control/deadline.py``);
 - requests: :meth:`start_generation` runs the one dispatch path (:class:`~thunderagent.scheduler.dispatch.Dispatcher`)
-  over the registry's routable workers and submits; :meth:`outputs` streams a request's outputs, routing it again when
-  its worker could not take it, with TTFT / ITL metrics, and aborts it when the consumer stops early.
+  over the routable workers (healthy, not cordoned, not skipped) and submits; :meth:`outputs` streams a request's
+  outputs, routing it again when its worker could not take it, with metrics; aborts it when the consumer stops early.
 The clock is injected (``clock``; the event loop's by default): tests move time by hand.
 """
 
@@ -57,22 +57,16 @@ __all__ = ["Fleet", "Generation", "Membership", "NoWorkerAvailable", "QueueFull"
 
 
 class Membership(Protocol):
-    """How a fleet's workers join and leave: the only part that differs between deployments."""
+    """How a fleet's workers join and leave, the only part that differs between deployments: ``start`` brings them
+    in (``fleet.join``) before the frontend serves; ``stop`` stops them or leaves the bus; ``resync``: the index lost
+    track of a worker's cache, reload it (``fleet.feed``'s sync protocol); ``lease_expired``: the fleet took a worker
+    out (no heartbeat for a lease), forget it or wait for it; ``summary``: extra facts for ``/health``."""
 
-    async def start(self, fleet: Fleet) -> None:
-        """Bring the workers in (``fleet.join``) before the frontend serves."""
-
-    async def stop(self) -> None:
-        """Stop the workers or leave the bus."""
-
-    def resync(self, worker_id: str) -> None:
-        """The index lost track of a worker's cache: reload it (``fleet.feed`` sync protocol)."""
-
-    def lease_expired(self, worker_id: str) -> None:
-        """The fleet took the worker out (no heartbeat for a lease): forget it, or wait for it."""
-
-    def summary(self) -> dict[str, object]:
-        """Extra facts for ``/health`` (empty when none)."""
+    async def start(self, fleet: Fleet) -> None: ...
+    async def stop(self) -> None: ...
+    def resync(self, worker_id: str) -> None: ...
+    def lease_expired(self, worker_id: str) -> None: ...
+    def summary(self) -> dict[str, object]: ...
 
 
 class Fleet:
@@ -95,7 +89,7 @@ class Fleet:
         self.planner = PlannerHook(cfg.planner, self.metrics.registry, self.routable, self.registry)  # scaling advice
         self.autotune = AutotuneHook(cfg.routing, self.router, self.metrics.registry)  # self-tuning weights
         self.stall_timeout = stall_timeout
-        self.deadlines = Deadlines(cp.request_timeout_s, self._cut, self.metrics.registry)  # request_timeout_s
+        self.deadlines = Deadlines(cp.request_timeout_s, self.cut, self.metrics.registry)  # request_timeout_s
         self.loop_lag = LoopLag(2 * max(self.registry.timeout, stall_timeout))  # our loop's lateness (liveness.py)
         #: longest sequence any worker can hold (simulated workers: their KV pool); None = unknown
         self.max_context_tokens: int | None = None
@@ -105,6 +99,7 @@ class Fleet:
         self.workers: dict[str, WorkerHandle] = {}
         #: workers that reported they cannot serve (reason); back in routing with their next heartbeat
         self.unavailable: dict[str, str] = {}
+        self.cordoned: set[str] = set()  # out of routing until uncordoned (an operator: control/worker_admin.py)
         self._clock = clock
         self._inflight: dict[str, Generation] = {}
         self._held: dict[str, HeldCall] = {}  # requests waiting in the scheduler, by id
@@ -162,6 +157,7 @@ class Fleet:
         self.registry.deregister(worker_id)
         self.outliers.forget(worker_id)  # else its breaker stays in the ejection cap's base for good
         self.unavailable.pop(worker_id, None)
+        self.cordoned.discard(worker_id)
         purged, gens = self._out_of_routing(worker_id, handle, None if drain else f"worker {worker_id} left")
         log.warning("worker %s left: %s; %d index entries purged, %d requests in flight%s", worker_id, reason,
                     purged, len(gens), " (draining)" if drain and gens else "")
@@ -173,10 +169,10 @@ class Fleet:
         purged = self.feed.remove_worker(worker_id)
         self.metrics.index_purged.labels(worker_id).inc(purged)
         self.metrics.healthy.labels(worker_id).set(0)
-        gens = self._generations_on(handle) if handle is not None else []
+        gens = self.generations_on(handle) if handle is not None else []
         if cut is not None:
             for gen in gens:
-                self._cut(gen, cut)
+                self.cut(gen, cut)
         return purged, gens
 
     # -- worker reports ------------------------------------------------------------------------
@@ -224,8 +220,9 @@ class Fleet:
         log.warning("worker %s out of routing: %s", worker_id, reason)
 
     def routable(self) -> Sequence[WorkerState]:
-        out, ws = self.unavailable, self.registry.routable()  # ws: the registry's FleetView (kept whole)
-        return self.registry.routable(skip.union(out)) if (skip := self.outliers.skipping(ws)) or out else ws
+        out, ws, off = self.unavailable, self.registry.routable(), self.cordoned  # ws: the FleetView (kept whole)
+        skip = self.outliers.skipping(ws)
+        return self.registry.routable(skip.union(out, off)) if skip or out or off else ws
 
     # -- health ------------------------------------------------------------------------------
     def check_health(self) -> None:
@@ -262,12 +259,18 @@ class Fleet:
             if silent_for(gen.queue.last_heard, now) > self.stall_timeout:
                 log.warning("request %s on %s: nothing heard for %.1fs", gen.request_id, gen.worker.worker_id,
                             now - gen.queue.last_heard)
-                self._cut(gen, "stalled")
+                self.cut(gen, "stalled")
 
-    def _generations_on(self, handle: WorkerHandle) -> list[Generation]:
-        return [g for g in self._inflight.values() if getattr(g.worker, "decode", g.worker) is handle]
+    def generations_on(self, handle: WorkerHandle, prefill: bool = False) -> list[Generation]:
+        """Ours running there (disaggregated: on its decode worker; ``prefill``: or prefilling there)."""
+        return [g for g in self._inflight.values() if getattr(g.worker, "decode", g.worker) is handle
+                or (prefill and getattr(g.worker, "prefill", None) is handle)]
 
-    def _cut(self, gen: Generation, why: str) -> None:
+    def wake(self) -> None:  # routing changed (a worker back or added): held requests may go now
+        if self._held:
+            self._schedule_pump()
+
+    def cut(self, gen: Generation, why: str) -> None:
         """End a request its worker can no longer serve: aborted there, and finished here with
         ``ERROR`` if the worker had accepted it (the consumer migrates it), else ``UNAVAILABLE``
         (the consumer routes it again)."""
@@ -290,15 +293,8 @@ class Fleet:
 
     # -- requests ----------------------------------------------------------------------------
     async def start_generation(
-        self,
-        prompt_ids: list[int],
-        max_tokens: int,
-        *,
-        cache_salt: str | None = None, lora_name: str | None = None,
-        priority: int = 0,
-        ignore_eos: bool = False,
-        sampling: Sampling | None = None,
-        route_key: str = "",
+        self, prompt_ids: list[int], max_tokens: int, *, cache_salt: str | None = None, lora_name: str | None = None,
+        priority: int = 0, ignore_eos: bool = False, sampling: Sampling | None = None, route_key: str = "",
         program_id: str | None = None, tenant: str | None = None,  # (the program's key, and whose it is)
         passthrough: Passthrough | None = None, pin: str | None = None, headers: tuple[tuple[str, str], ...] = (),
     ) -> Generation:
@@ -495,6 +491,6 @@ class Fleet:
                 self._observe_programs()
 
     def health_summary(self) -> dict[str, object]:
-        return health_summary(self.registry, self.index, self.unavailable, self.dispatcher.queue, self.now(),
-                              self.membership.summary(), self.outliers.breakers) | self.autotune.health() | (
-                                  {} if self.cache_migration is None else self.cache_migration.health())
+        return health_summary(self.registry, self.index, self.unavailable, self.cordoned, self.dispatcher.queue,
+                              self.now(), self.membership.summary(), self.outliers.breakers) | self.autotune.health() \
+            | ({} if self.cache_migration is None else self.cache_migration.health())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 
 from thunderagent.control.breaker import Breakers
 from thunderagent.control.registry import Health, WorkerRegistry
@@ -10,7 +10,7 @@ from thunderagent.kv.index import KvIndex
 from thunderagent.scheduler.queue import HoldingQueue
 
 
-def health_summary(registry: WorkerRegistry, index: KvIndex, unavailable: Mapping[str, str],
+def health_summary(registry: WorkerRegistry, index: KvIndex, unavailable: Mapping[str, str], cordoned: Set[str],
                    queue: HoldingQueue | None, now: float, membership: Mapping[str, object],
                    breakers: Breakers) -> dict[str, object]:
     loads = registry.loads()
@@ -27,13 +27,14 @@ def health_summary(registry: WorkerRegistry, index: KvIndex, unavailable: Mappin
             "max_seq_tokens": registry.info(wid).max_seq_tokens or None,
             "max_prompt_tokens": registry.info(wid).max_prompt_tokens or None,
             "out_of_routing": unavailable.get(wid),  # reason a worker gave (unreachable, ...)
+            "cordoned": wid in cordoned,  # an operator took it out of routing (POST /v1/admin/workers/{id}/cordon)
             "breaker": breakers.state(wid).value,  # closed, half_open (probing) or open (ejected: slow or failing)
             "skipped": breakers.blocked(wid),  # why routing skips it now, if it does
         }
         for wid in registry.worker_ids()
     ]
     healthy = sum(1 for w in workers if w["health"] == Health.healthy.value and not w["out_of_routing"]
-                  and not w["skipped"])
+                  and not w["skipped"] and not w["cordoned"])
     summary: dict[str, object] = {"status": "ok" if healthy else "unavailable", "healthy_workers": healthy,
                                   "workers": workers}
     if queue is not None:

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from thunderagent.config import ExecutionGroupConfig
-from thunderagent.execution.handle import WorkerFactory, WorkerHandle, snapshot_checks
+from thunderagent.config import EndpointConfig, ExecutionGroupConfig, NodeConfig
+from thunderagent.execution.handle import WorkerCallbacks, WorkerFactory, WorkerHandle, snapshot_checks
 from thunderagent.execution.kv_stream import StreamStats
 from thunderagent.types import PromptLimit, WorkerInfo
 
@@ -32,24 +32,18 @@ class StaticMembership:
         self.group = group
         self.factories = dict(factories)
         self.handles: dict[str, WorkerHandle] = {}
+        self.groups: dict[str, int] = {}  # worker id -> its node group's index
         self._fleet: Fleet | None = None
+        self._callbacks: WorkerCallbacks | None = None
+        self._used: set[str] = set()  # every id a worker had: not made up again (a removed one's series stay its)
+        self._next = 0  # the next worker-<n> to try
 
     async def start(self, fleet: Fleet) -> None:
         self._fleet = fleet
-        callbacks = replace(fleet.callbacks(), on_limits=self._on_limits, on_adapters=self._on_adapters)
-        n = 0
-        for node in self.group.nodes:
-            factory = self.factories[node.engine]
+        self._callbacks = replace(fleet.callbacks(), on_limits=self._on_limits, on_adapters=self._on_adapters)
+        for g, node in enumerate(self.group.nodes):
             for k in range(node.count):
-                wid = f"worker-{n}"
-                n += 1
-                handle = factory(node, wid, k, callbacks)
-                info = WorkerInfo(wid, node.role.value, node.block_size, node.max_num_batched_tokens,
-                                  node.queue_depth_threshold, node.kv_blocks, node.max_batch_size,
-                                  *node.sequence_limits())
-                fleet.join(handle, info, synced=True)  # a new handle: its cache is empty or replayed
-                self.handles[wid] = handle
-                handle.start()
+                self._join(g, node, k, self._new_id())
         fleet.metrics.watch_kv_streams(self._kv_streams)
         fleet.max_context_tokens = fleet.registry.context_limit()  # real engines state theirs later
         if all(node.engine == "simulated" for node in self.group.nodes):
@@ -59,6 +53,53 @@ class StaticMembership:
                 fleet.prompt_limit = PromptLimit(max(node.max_num_batched_tokens for node in self.group.nodes),
                                                  "a worker prefills in one pass (max_num_batched_tokens; "
                                                  "enable_chunked_prefill is off)")
+
+    def _join(self, g: int, node: NodeConfig, k: int, wid: str) -> None:
+        """Build the worker of group ``g``'s ``k``-th server (a simulated engine: its ``k``-th) and let it join."""
+        fleet = self._fleet
+        assert fleet is not None and self._callbacks is not None
+        self._used.add(wid)
+        handle = self.factories[node.engine](node, wid, k, self._callbacks)
+        info = WorkerInfo(wid, node.role.value, node.block_size, node.max_num_batched_tokens,
+                          node.queue_depth_threshold, node.kv_blocks, node.max_batch_size, *node.sequence_limits())
+        fleet.join(handle, info, synced=True)  # a new handle: its cache is empty or replayed
+        self.handles[wid] = handle
+        self.groups[wid] = g
+        handle.start()
+
+    def _new_id(self) -> str:
+        while f"worker-{self._next}" in self._used:
+            self._next += 1
+        return f"worker-{self._next}"
+
+    def add(self, g: int, endpoint: EndpointConfig | None, worker_id: str | None) -> str:
+        """A worker added at runtime to node group ``g`` (``POST /v1/admin/workers``): one more server of a real
+        engine group (``endpoint``), or one more simulated engine; routable at once. Returns its id. Raises
+        ValueError (what is wrong, naming the field) when it cannot be added; the config is not rewritten."""
+        nodes = self.group.nodes
+        if not 0 <= g < len(nodes):
+            raise ValueError(f"group: the fleet has node groups 0..{len(nodes) - 1}, got {g}")
+        node = nodes[g]
+        if (endpoint is None) != (node.engine == "simulated"):
+            raise ValueError(f"url: group {g} runs engine {node.engine}: " + (
+                "a simulated engine has no server to name" if endpoint is not None else "name its server's url"))
+        wid = worker_id or self._new_id()
+        if self._fleet is None or wid in self.handles or wid in self._fleet.workers:
+            raise ValueError(f"id: a worker {wid!r} is already in the fleet")
+        if endpoint is not None:  # a copy of the group with this one server (the factory reads endpoints[k])
+            node = node.model_copy(update={"endpoints": [endpoint], "count": 1})
+        self._join(g, node, 0, wid)
+        self._fleet.max_context_tokens = self._fleet.registry.context_limit()
+        return wid
+
+    async def remove(self, worker_id: str) -> None:
+        """Stop a worker the fleet let go (``fleet.leave`` first: its requests drained or cut)."""
+        handle = self.handles.pop(worker_id, None)
+        self.groups.pop(worker_id, None)
+        if handle is not None:
+            await handle.stop()
+        if self._fleet is not None:
+            self._fleet.max_context_tokens = self._fleet.registry.context_limit()
 
     def _on_limits(self, worker_id: str, max_seq: int, max_prompt: int) -> None:
         """A real engine stated its limits (vLLM: max_model_len): routing and the frontend's check use them."""

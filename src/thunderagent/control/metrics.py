@@ -42,6 +42,8 @@ class Metrics:
         self.running = Gauge("thunderagent_worker_running", "Running requests per worker", ["worker"], registry=r)
         self.kv_usage = Gauge("thunderagent_worker_kv_usage", "Active KV blocks / total", ["worker"], registry=r)
         self.healthy = Gauge("thunderagent_worker_healthy", "1 if the worker is routable", ["worker"], registry=r)
+        self.cordoned = Gauge("thunderagent_worker_cordoned", "1 while an operator keeps the worker out of routing "
+                              "(POST /v1/admin/workers/{id}/cordon)", ["worker"], registry=r)
         self.out_of_routing = Gauge(
             "thunderagent_worker_out_of_routing",
             "1 while a worker keeps itself out of routing (reason: unreachable, block_size_mismatch)",

@@ -74,7 +74,8 @@ class Fleet(Protocol):
     def resubmit(self, gen: Generation, d: Dispatch, tried: tuple[str, ...]) -> None: ...
 
 #: metric label of why a request moved, from the reason the fleet cut it (else the worker ended it)
-_CAUSES = (("stalled", "stalled"), ("lease expired", "lease_expired"), ("left", "worker_left"))
+_CAUSES = (("stalled", "stalled"), ("lease expired", "lease_expired"), ("left", "worker_left"),
+           ("removed by an operator", "removed"))
 
 
 def route_again(fleet: Fleet, gen: Generation) -> bool:

@@ -29,6 +29,7 @@ import logging
 import secrets
 from collections import Counter
 from dataclasses import replace
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -230,11 +231,35 @@ class NatsMembership:
         fleet = self.fleet
         if known is not None:
             self._restate(wid, hb)
+        if hb.cordoned != (wid in fleet.cordoned):
+            self._cordon_mark(wid, hb.cordoned)
         fleet.on_heartbeat(wid, worker.load())
         if fleet.feed.heartbeat(wid, hb.last_seq):
             log.warning("worker %s published events up to seq %d, index has %d: resyncing",
                         wid, hb.last_seq, fleet.index.last_seq(wid))
             fleet.resync_worker(wid, "tail_lost")
+
+    def _cordon_mark(self, wid: str, cordoned: bool) -> None:
+        """The worker's heartbeat says an operator cordoned it (through any frontend), or no longer."""
+        fleet = self.fleet
+        if cordoned:
+            fleet.cordoned.add(wid)
+        else:
+            fleet.cordoned.discard(wid)
+            fleet.wake()
+        fleet.metrics.cordoned.labels(wid).set(1 if cordoned else 0)
+        log.warning("worker %s %s (its heartbeat says so)", wid, "cordoned: out of routing" if cordoned else
+                    "uncordoned: back in routing")
+
+    async def set_cordon(self, worker_id: str, cordoned: bool) -> None:
+        """Tell the worker to keep (or drop) its cordon mark; returns once it confirmed (its heartbeat with the mark
+        went out before the answer). TimeoutError: no answer within ``probe_timeout``."""
+        reply = self.subjects.call_reply(worker_id, self.frontend_id, secrets.token_hex(6))
+        try:
+            await self.bus.request_many(self.subjects.rpc(worker_id, "cordon"), b"1" if cordoned else b"0",
+                                        self.probe_timeout, _pong_from(self._instance(worker_id)), reply)
+        except BusError as e:
+            raise TimeoutError(str(e)) from None
 
     def _restate(self, wid: str, hb: Heartbeat) -> None:
         """A known worker's heartbeat states other limits (its engine reported max_model_len) or LoRA adapters:
@@ -303,12 +328,7 @@ class NatsMembership:
 
     async def _answers(self, wid: str, instance: str) -> bool:
         """Does ``instance`` of ``wid`` answer a ping within ``probe_timeout`` (of on-time loop)?"""
-        def is_it(msg: BusMsg) -> bool:
-            try:
-                return decode_pong(msg.data).instance == instance
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                return False  # a garbage answer proves nothing either way
-
+        is_it = _pong_from(instance)
         loop = asyncio.get_running_loop()
         for attempt in range(2):
             reply = self.subjects.call_reply(wid, self.frontend_id, secrets.token_hex(6))
@@ -451,3 +471,13 @@ class NatsMembership:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(fmt, *args)
+
+
+def _pong_from(instance: str | None) -> Callable[[BusMsg], bool]:
+    """An answer that is ``instance``'s Pong (a garbage answer proves nothing either way)."""
+    def is_it(msg: BusMsg) -> bool:
+        try:
+            return decode_pong(msg.data).instance == instance
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
+    return is_it

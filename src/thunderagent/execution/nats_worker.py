@@ -112,6 +112,7 @@ class WorkerService:
         self._build = build
         self.handle: WorkerHandle | None = None
         self.last_seq = -1
+        self.cordoned = False  # an operator took this worker out of routing (told every frontend in heartbeats)
         self._load = LoadReport(info.worker_id, 0.0, 0, 0, 0, 0, 0, 0, info.kv_total_blocks)  # last pushed
         self._streams: dict[str, _Out] = {}
         self._keepalive_task: asyncio.Task[None] | None = None
@@ -190,7 +191,7 @@ class WorkerService:
                          encode(Unavailable(self.instance, reason)))
 
     def _publish_heartbeat(self, kind: str, load: LoadReport) -> None:
-        hb = Heartbeat(WIRE_VERSION, self.instance, self.wire_info, load_to_wire(load), self.last_seq)
+        hb = Heartbeat(WIRE_VERSION, self.instance, self.wire_info, load_to_wire(load), self.last_seq, self.cordoned)
         self.bus.publish(self.subjects.worker(self.worker_id, kind), encode(hb))
 
     # -- bus handlers ------------------------------------------------------------------------
@@ -244,6 +245,13 @@ class WorkerService:
         elif kind == "dump":
             self._dump(msg)
         elif kind == "ping":
+            if msg.reply:
+                self.bus.publish(msg.reply, encode(Pong(self.instance)))
+        elif kind == "cordon":  # kept here, so that every frontend (one started later too) reads it in heartbeats
+            self.cordoned = msg.data == b"1"
+            log.warning("%s by an operator", "cordoned: out of routing" if self.cordoned else "uncordoned")
+            if not self._closing:
+                self._publish_heartbeat("hb", self._load)
             if msg.reply:
                 self.bus.publish(msg.reply, encode(Pong(self.instance)))
         else:

@@ -45,20 +45,12 @@ from thunderagent.frontend.tenant_gate import (
 )
 from thunderagent.frontend.openapi import PATH as OPENAPI_PATH
 from thunderagent.frontend.openapi import add_openapi_route
-from thunderagent.frontend.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    SERVER,
-    RequestError,
-    Unmodelled,
-    check_program_id,
-    decode_request,
-    error_body,
-    message_text,
-    prompt_input,
-    stop_list,
-)
+from thunderagent.frontend.protocol import (SERVER, ChatCompletionRequest, CompletionRequest, RequestError, Unmodelled,
+                                            check_program_id, decode_request, error_body, message_text, prompt_input,
+                                            stop_list)
 from thunderagent.frontend.programs_api import Peers, ProgramsApi
+from thunderagent.frontend.admin_api import AdminApi, add_admin_routes
+from thunderagent.control.worker_admin import WorkerAdmin
 from thunderagent.frontend.messages_api import MessagesApi, anthropic_error
 from thunderagent.frontend.relay import RelayFrontend
 from thunderagent.frontend.trace_context import trace_headers
@@ -476,6 +468,8 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     route("POST", "/v1/programs/{program_id}/release", programs.release, Access.ANY)
     route("POST", "/programs/release", programs.release_body, Access.ANY)
     route("GET", "/v1/planner", fe.planner, Access.ADMIN)  # scaling advice (control/planner_hook.py)
+    add_admin_routes(lambda method, path, handler: route(method, path, handler, Access.ADMIN),  # cordon, add, remove
+                     AdminApi(WorkerAdmin(fleet), cfg.control_plane.admin_api))
     route("GET", "/health", fe.health, Access.PUBLIC)  # the detail needs an admin key
     if cfg.metrics.enabled:
         route("GET", cfg.metrics.path, fe.metrics, Access.ADMIN)

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from thunderagent.config import Config
 from thunderagent.config.auth import TENANT_NAME
+from thunderagent.frontend.admin_api import MAX_DRAIN_S, WORKER_ID_PATTERN, WORKERS_PATH, AddWorker, RemoveWorker
 from thunderagent.frontend.anthropic import COUNT_TOKENS_PATH, MESSAGES_PATH
 from thunderagent.frontend.protocol import (
     MAX_STOP,
@@ -182,6 +183,42 @@ def _narrow(components: dict[str, Any], model_name: str, relay: RelayFields | No
             stops = {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP}
             props["stop"] = {"anyOf": [{"type": "string", "minLength": 1}, stops, {"type": "null"}], "default": None}
     components["ReleaseRequest"]["properties"]["program_id"] = PROGRAM_ID_SCHEMA
+    components["AddWorker"]["properties"]["id"] = {"anyOf": [{"type": "string", "pattern": WORKER_ID_PATTERN},
+                                                             {"type": "null"}], "default": None}
+    components["RemoveWorker"]["properties"]["timeout_s"] = {"type": "number", "minimum": 0, "maximum": MAX_DRAIN_S,
+                                                             "default": 30.0}
+
+
+_WORKER_PARAM = {"name": "worker_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_WORKER = {"type": "object", "required": ["id", "health", "cordoned", "in_flight"]}
+
+
+def _admin_paths() -> dict[str, Any]:
+    """``/v1/admin/workers*`` (``control_plane.admin_api``; 403 while it is off)."""
+    ref = {"$ref": "#/components/schemas/RemoveWorker"}
+    cordon = {"type": "object", "required": ["id", "cordoned", "in_flight"]}
+    return {
+        WORKERS_PATH: {
+            "get": {"summary": "The fleet's workers: health, load, cordon mark, server, requests in flight here",
+                    "responses": {"200": _json({"type": "object", "required": ["object", "data"], "properties": {
+                        "data": {"type": "array", "items": _WORKER}}}, "workers"), **_errors(403)}},
+            "post": {"summary": "Add a worker (thunderagent serve): a server of a real engine group, or a simulated "
+                     "engine", "requestBody": {"required": True, "content": {"application/json": {
+                         "schema": {"$ref": "#/components/schemas/AddWorker"}}}},
+                     "responses": {"201": _json({"type": "object", "required": ["id", "added"]}, "added"),
+                                   **_errors(400, 403, 409, 413, 415)}}},
+        **{f"{WORKERS_PATH}/{{worker_id}}/{verb}": {"post": {
+            "summary": summary, "parameters": [_WORKER_PARAM],
+            "responses": {"200": _json(cordon, "done"), **_errors(403, 404, 504)}}}
+           for verb, summary in (("cordon", "Take a worker out of routing; its requests in flight finish"),
+                                 ("uncordon", "Put a cordoned worker back in routing"))},
+        f"{WORKERS_PATH}/{{worker_id}}/remove": {"post": {
+            "summary": "Cordon a worker, wait for its requests here to finish (or move them: force), then remove it",
+            "parameters": [_WORKER_PARAM], "requestBody": {"required": False, "content": {"application/json": {
+                "schema": ref}}},
+            "responses": {"200": _json({"type": "object", "required": ["id", "removed", "requests_moved"]},
+                                       "removed"), **_errors(400, 403, 404, 409, 413, 415, 504)}}},
+    }
 
 
 def get(summary: str, responses: dict[str, Any]) -> dict[str, Any]:
@@ -189,8 +226,9 @@ def get(summary: str, responses: dict[str, Any]) -> dict[str, Any]:
 
 
 def openapi_document(cfg: Config) -> dict[str, Any]:
-    (_, _, _), components = msgspec.json.schema_components(
-        [ChatCompletionRequest, CompletionRequest, ReleaseRequest], ref_template="#/components/schemas/{name}")
+    (_, _, _, _, _), components = msgspec.json.schema_components(
+        [ChatCompletionRequest, CompletionRequest, ReleaseRequest, AddWorker, RemoveWorker],
+        ref_template="#/components/schemas/{name}")
     _narrow(components, cfg.model_name, fleet_relay(cfg.execution_group.nodes))
     paths: dict[str, Any] = {
         "/v1/chat/completions": _generate("Chat completion (OpenAI)", "ChatCompletionRequest", _CHAT),
@@ -239,6 +277,7 @@ def openapi_document(cfg: Config) -> dict[str, Any]:
                 "enabled": {"type": "boolean"}, "acting": {"type": "boolean"},
                 "leadership": {"type": ["object", "null"]}, "recommendations": {"type": "array"},
                 "actions": {"type": "array"}}}, "recommendations"), **_errors()}),
+        **_admin_paths(),
         "/health": get("Fleet health", {"200": _json({"type": "object"}, "healthy"),
                                          "503": _json({"type": "object"}, "no healthy worker"), **_errors()}),
         PATH: get("This document", {"200": _json({"type": "object"}, "OpenAPI 3.1"), **_errors()}),

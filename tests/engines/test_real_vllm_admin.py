@@ -1,0 +1,47 @@
+"""A real vLLM server added to a running ``serve`` (``POST /v1/admin/workers``) with its KV-event sockets: it is
+routed to, its events fill the index, and a removal drains it and purges its entries (CPU build, tiny model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from support.waiting import wait_until
+from tests.engines.conftest import front_config, thunderagent
+from tests.engines.vllm_env import BLOCK_SIZE, VllmServer
+from thunderagent.frontend.hf_tokenizer import HfTokenizer
+from thunderagent.kv.hashing import block_hashes, hash_seed
+
+pytestmark = pytest.mark.real_engine
+
+ADMIN = "/v1/admin/workers"
+PROMPT = "The operator added this server while the frontend was serving. " * 12
+
+
+async def test_a_vllm_server_added_at_runtime_is_routed_to_indexed_and_drained(
+        tiny_model_dir: Path, vllm_servers: list[VllmServer]) -> None:
+    first, added = vllm_servers
+    cfg = front_config(tiny_model_dir, [first])
+    cfg = cfg.model_copy(update={"control_plane": cfg.control_plane.model_copy(update={"admin_api": True})})
+    async with thunderagent(cfg, [first]) as front, aiohttp.ClientSession() as s:
+        fleet, base = front.fleet, front.base_url
+        async with s.post(base + ADMIN, json=added.endpoint()) as r:
+            assert (r.status, await r.json()) == (201, {"id": "worker-1", "added": True})
+        await wait_until(lambda: len(fleet.routable()) == 2, 30, "the added server to heartbeat")
+        async with s.post(f"{base}{ADMIN}/worker-0/cordon") as r:
+            assert r.status == 200
+        raw = await front.client.completions.with_raw_response.create(
+            model=front.model, prompt=PROMPT, max_tokens=2, extra_body={"ignore_eos": True})
+        assert raw.headers["x-thunderagent-worker"] == "worker-1"
+        hashes = block_hashes(HfTokenizer(tiny_model_dir).encode(PROMPT), BLOCK_SIZE, hash_seed())
+        await wait_until(lambda: fleet.index.is_confirmed("worker-1", hashes[-1]), 20,
+                         "the added server's KV events in the index")
+        async with s.post(f"{base}{ADMIN}/worker-0/uncordon") as r:
+            assert r.status == 200
+        async with s.post(f"{base}{ADMIN}/worker-1/remove", json={"timeout_s": 30}) as r:
+            assert (r.status, await r.json()) == (200, {"id": "worker-1", "removed": True, "requests_moved": 0})
+        assert fleet.index.num_blocks("worker-1") == 0 and sorted(fleet.workers) == ["worker-0"]
+        raw = await front.client.completions.with_raw_response.create(model=front.model, prompt=PROMPT, max_tokens=2)
+        assert raw.headers["x-thunderagent-worker"] == "worker-0"

@@ -1,0 +1,220 @@
+"""The operator's worker endpoints through the real server (``/v1/admin/workers*``): cordon and uncordon,
+a worker added and removed at runtime (drained, or forced with its streams moved), the switch and the keys."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from support.openai_backend import MODEL as OPENAI_MODEL
+from support.openai_backend import OpenAIBackend
+from support.server import running_server
+from support.waiting import wait_until
+from thunderagent.config import parse_config
+
+pytestmark = pytest.mark.integration
+
+MODEL = "thunderagent-sim"
+ADMIN = "/v1/admin/workers"
+LONG = 200  # tokens of a stream that must still run when the next call comes
+ADMIN_KEY, TENANT_KEY = "admin-key-0123456789abcdef", "tenant-key-0123456789abcdef"
+
+
+def _sim(**extra: object) -> dict:
+    # at the engine's own speed, so that a 200-token stream runs for a second or more
+    return {"control_plane": {"admin_api": True, **extra}, "execution_group": {"nodes": [{"count": 2}]},
+            "scheduler": {"enabled": False}, "simulation": {"speedup": 1.0}}
+
+
+async def _call(s: aiohttp.ClientSession, method: str, url: str, body: object = None,
+                key: str | None = None) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with s.request(method, url, json=body, headers=headers) as r:
+        return r.status, await r.json()
+
+
+async def _worker_of(s: aiohttp.ClientSession, base: str, prompt: str, max_tokens: int = 2) -> str:
+    async with s.post(base + "/v1/completions", json={"model": MODEL, "prompt": prompt,
+                                                      "max_tokens": max_tokens}) as r:
+        assert r.status == 200, await r.text()
+        return r.headers["x-thunderagent-worker"]
+
+
+async def _stream(s: aiohttp.ClientSession, base: str, prompt: str, max_tokens: int,
+                  started: asyncio.Event, gate: asyncio.Event | None = None) -> tuple[str, int, str]:
+    """A streamed completion read to its end: (worker it started on, tokens received, finish reason);
+    ``gate``: stop reading after the first token until it is set (the request stays in flight)."""
+    n, finish = 0, ""
+    async with s.post(base + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                                                      "stream": True}) as r:
+        assert r.status == 200
+        worker = r.headers["x-thunderagent-worker"]
+        async for line in r.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                n += bool(c["text"])
+                finish = c["finish_reason"] or finish
+            if n and not started.is_set():
+                started.set()
+                if gate is not None:
+                    await gate.wait()
+    return worker, n, finish
+
+
+async def test_cordon_takes_a_worker_out_of_routing_and_uncordon_brings_it_back_warm(server_factory) -> None:
+    async with server_factory(**_sim()) as srv, aiohttp.ClientSession() as s:
+        base = srv.base_url
+        status, listing = await _call(s, "GET", base + ADMIN)
+        assert status == 200
+        assert [(w["id"], w["cordoned"], w["in_flight"], w["group"], w["engine"]) for w in listing["data"]] == [
+            ("worker-0", False, 0, 0, "simulated"), ("worker-1", False, 0, 0, "simulated")]
+        prompt = "a long shared system prompt about rivers and bridges. " * 20
+        home = await _worker_of(s, base, prompt)
+        other = "worker-1" if home == "worker-0" else "worker-0"
+
+        # a stream in flight on the worker keeps running when it is cordoned
+        started, gate = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(_stream(s, base, prompt + " go on", 40, started, gate))
+        await asyncio.wait_for(started.wait(), 10)
+        status, body = await _call(s, "POST", f"{base}{ADMIN}/{home}/cordon")
+        assert (status, body) == (200, {"id": home, "cordoned": True, "in_flight": 1})
+        assert {await _worker_of(s, base, prompt + f" q{i}") for i in range(6)} == {other}  # its cache no matter
+        health = await (await s.get(base + "/health")).json()
+        assert health["healthy_workers"] == 1
+        assert {w["id"]: w["cordoned"] for w in health["workers"]} == {home: True, other: False}
+        metrics = await (await s.get(base + "/metrics")).text()
+        assert f'thunderagent_worker_cordoned{{worker="{home}"}} 1.0' in metrics
+        gate.set()
+        assert await asyncio.wait_for(task, 20) == (home, 40, "length")  # finished where it ran
+
+        status, body = await _call(s, "POST", f"{base}{ADMIN}/{home}/uncordon")
+        assert (status, body) == (200, {"id": home, "cordoned": False, "in_flight": 0})
+        assert await _worker_of(s, base, prompt + " again") == home  # back, with its cache
+        assert f'thunderagent_worker_cordoned{{worker="{home}"}} 0.0' in await (await s.get(base + "/metrics")).text()
+        # idempotent, and an unknown worker is a 404
+        assert (await _call(s, "POST", f"{base}{ADMIN}/{home}/uncordon"))[0] == 200
+        status, body = await _call(s, "POST", f"{base}{ADMIN}/worker-9/cordon")
+        assert status == 404 and body["error"]["code"] == "worker_not_found" and body["error"]["param"] == "worker_id"
+
+        # every worker cordoned: nothing to route to (503, as with no healthy worker), /health 503
+        for w in ("worker-0", "worker-1"):
+            assert (await _call(s, "POST", f"{base}{ADMIN}/{w}/cordon"))[0] == 200
+        async with s.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}) as r:
+            assert r.status == 503
+        assert (await s.get(base + "/health")).status == 503
+
+
+async def test_a_worker_added_at_runtime_serves_and_a_removal_drains_or_moves_its_streams(server_factory) -> None:
+    async with server_factory(**_sim()) as srv, aiohttp.ClientSession() as s:
+        base = srv.base_url
+        status, body = await _call(s, "POST", base + ADMIN, {})
+        assert (status, body) == (201, {"id": "worker-2", "added": True})
+        status, body = await _call(s, "POST", base + ADMIN, {"id": "spare-1"})
+        assert (status, body) == (201, {"id": "spare-1", "added": True})
+        assert len(srv.fleet.routable()) == 4
+        for w in ("worker-0", "worker-1", "spare-1"):
+            await _call(s, "POST", f"{base}{ADMIN}/{w}/cordon")
+        assert await _worker_of(s, base, "to the new one") == "worker-2"
+
+        # a drain that runs out of time leaves the worker cordoned, in the fleet, its stream running
+        started, gate = asyncio.Event(), asyncio.Event()
+        slow = asyncio.create_task(_stream(s, base, "a long answer please", LONG, started, gate))
+        await asyncio.wait_for(started.wait(), 10)
+        status, body = await _call(s, "POST", f"{base}{ADMIN}/worker-2/remove", {"timeout_s": 0.2})
+        assert status == 409 and body["error"]["code"] == "worker_busy"
+        assert "worker-2" in srv.fleet.workers and "worker-2" in srv.fleet.cordoned
+        # a drain that waits long enough: removed once the stream ended there
+        removal = asyncio.create_task(_call(s, "POST", f"{base}{ADMIN}/worker-2/remove", {"timeout_s": 20}))
+        await asyncio.sleep(0.3)
+        assert not removal.done()
+        gate.set()
+        assert await asyncio.wait_for(slow, 20) == ("worker-2", LONG, "length")
+        assert await asyncio.wait_for(removal, 20) == (200, {"id": "worker-2", "removed": True, "requests_moved": 0})
+        assert "worker-2" not in srv.fleet.workers and srv.fleet.index.num_blocks("worker-2") == 0
+        status, body = await _call(s, "POST", f"{base}{ADMIN}/worker-2/remove")
+        assert status == 404
+
+        # force: the stream is cut there and continues on another worker, every token once
+        await _call(s, "POST", f"{base}{ADMIN}/worker-0/uncordon")
+        _, *unbroken = await _stream(s, base, "a stream that moves", LONG, asyncio.Event())
+        started, gate = asyncio.Event(), asyncio.Event()
+        moving = asyncio.create_task(_stream(s, base, "a stream that moves", LONG, started, gate))
+        await asyncio.wait_for(started.wait(), 10)
+        assert srv.fleet.generations_on(srv.fleet.workers["worker-0"])
+        await _call(s, "POST", f"{base}{ADMIN}/worker-1/uncordon")  # somewhere for it to go
+        status, body = await _call(s, "POST", f"{base}{ADMIN}/worker-0/remove", {"force": True})
+        assert (status, body) == (200, {"id": "worker-0", "removed": True, "requests_moved": 1})
+        gate.set()
+        assert await asyncio.wait_for(moving, 20) == ("worker-0", *unbroken)  # as if never moved
+        assert srv.fleet.metrics.registry.get_sample_value("thunderagent_migrations_total", {"cause": "removed"}) == 1
+        assert sorted(srv.fleet.workers) == ["spare-1", "worker-1"]
+        # a new worker gets an id no worker had
+        assert (await _call(s, "POST", base + ADMIN, {}))[1]["id"] == "worker-3"
+
+
+async def test_bad_requests_name_the_field(server_factory) -> None:
+    async with server_factory(**_sim()) as srv, aiohttp.ClientSession() as s:
+        base = srv.base_url
+        for body, param in (({"url": "http://127.0.0.1:1"}, "url"), ({"group": 3}, "group"),
+                            ({"id": "bad id!"}, "id"), ({"kv_events": "tcp://127.0.0.1:5"}, "url"),
+                            ({"colour": 1}, "colour")):
+            status, err = await _call(s, "POST", base + ADMIN, body)
+            assert status == 400 and err["error"]["param"] == param, (body, err)
+        status, err = await _call(s, "POST", base + ADMIN, {"id": "worker-1"})
+        assert status == 409 and err["error"]["code"] == "worker_exists"
+        status, err = await _call(s, "POST", f"{base}{ADMIN}/worker-1/remove", {"timeout_s": -1})
+        assert status == 400 and err["error"]["param"] == "timeout_s"
+        assert sorted(srv.fleet.workers) == ["worker-0", "worker-1"] and not srv.fleet.cordoned
+
+
+async def test_the_switch_and_the_keys(server_factory) -> None:
+    async with server_factory(execution_group={"nodes": [{"count": 1}]}) as srv, aiohttp.ClientSession() as s:
+        status, err = await _call(s, "POST", f"{srv.base_url}{ADMIN}/worker-0/cordon")
+        assert status == 403 and err["error"]["code"] == "admin_api_disabled"
+        assert not srv.fleet.cordoned
+    keys = {"api_keys": {TENANT_KEY: "acme"}, "admin_keys": [ADMIN_KEY]}
+    async with server_factory(**_sim(**keys)) as srv, aiohttp.ClientSession() as s:
+        url = f"{srv.base_url}{ADMIN}/worker-0/cordon"
+        assert (await _call(s, "POST", url))[0] == 401
+        status, err = await _call(s, "POST", url, key=TENANT_KEY)
+        assert status == 403 and err["error"]["code"] == "admin_key_required"
+        assert not srv.fleet.cordoned
+        assert (await _call(s, "POST", url, key=ADMIN_KEY))[0] == 200 and srv.fleet.cordoned == {"worker-0"}
+
+
+async def test_a_server_added_to_an_openai_fleet_takes_requests_until_removed() -> None:
+    a, b = OpenAIBackend("a"), OpenAIBackend("b")
+    await a.start()
+    await b.start()
+    cfg = parse_config({
+        "model_name": OPENAI_MODEL, "control_plane": {"heartbeat_interval": 0.1, "heartbeat_misses": 5,
+                                                      "admin_api": True},
+        "execution_group": {"nodes": [{"engine": "openai", "block_size": 16, "endpoints": [{"url": a.url}]}]},
+    }, "test")
+    try:
+        async with running_server(cfg) as srv, aiohttp.ClientSession() as s:
+            base = srv.base_url
+            status, body = await _call(s, "POST", base + ADMIN, {"url": b.url})
+            assert (status, body) == (201, {"id": "worker-1", "added": True})
+            await wait_until(lambda: len(srv.fleet.routable()) == 2, 10, "the added server heartbeats")
+            listing = (await _call(s, "GET", base + ADMIN))[1]["data"]
+            assert [(w["id"], w["url"], w["engine"]) for w in listing] == [
+                ("worker-0", a.url, "openai"), ("worker-1", b.url, "openai")]
+            await _call(s, "POST", f"{base}{ADMIN}/worker-0/cordon")
+            chat = {"model": OPENAI_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            async with s.post(base + "/v1/chat/completions", json=chat) as r:
+                assert r.status == 200 and r.headers["x-thunderagent-worker"] == "worker-1"
+            assert len(b.bodies) == 1 and not a.bodies
+            await _call(s, "POST", f"{base}{ADMIN}/worker-0/uncordon")
+            assert (await _call(s, "POST", f"{base}{ADMIN}/worker-1/remove"))[0] == 200
+            for _ in range(4):
+                async with s.post(base + "/v1/chat/completions", json=chat) as r:
+                    assert r.status == 200 and r.headers["x-thunderagent-worker"] == "worker-0"
+            assert len(b.bodies) == 1  # nothing more reached the removed server
+    finally:
+        await a.stop()
+        await b.stop()
