@@ -26,12 +26,14 @@ def build_config(
     nats_servers: str | None = None,
     relay: str | None = None,
     worker_api_key_env: str | None = None,
+    admin_api: bool | None = None,
 ) -> Config:
     """The config file (or the embedded default) with command-line overrides applied on top.
 
     ``worker_endpoints`` (``--worker URL[=EVENTS[,REPLAY]]``) replace the node groups by one group of
     real ``engine`` servers; ``model`` is the local model directory they serve; ``relay`` sets every group's
-    ``relay``; ``worker_api_key_env`` every ``--worker`` server's ``api_key_env``."""
+    ``relay``; ``worker_api_key_env`` every ``--worker`` server's ``api_key_env``; ``admin_api``: the
+    control plane's ``admin_api``."""
     cfg = load_config(config) if config else Config()
     data = cfg.model_dump(mode="json")
     if model is not None:
@@ -62,6 +64,8 @@ def build_config(
         data["control_plane"]["host"] = host
     if port is not None:
         data["control_plane"]["port"] = port
+    if admin_api is not None:
+        data["control_plane"]["admin_api"] = admin_api
     if workers is not None:
         if len(data["execution_group"]["nodes"]) != 1:
             raise ConfigError("--workers only applies to a config with one node group; set counts in the file")

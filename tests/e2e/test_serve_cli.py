@@ -8,6 +8,10 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -29,10 +33,16 @@ def free_port() -> int:
 
 @pytest.fixture
 def served():
+    with serving() as (client, _):
+        yield client
+
+
+@contextmanager
+def serving(*extra: str) -> Iterator[tuple[OpenAI, subprocess.Popen[str]]]:
     port = free_port()
     proc = subprocess.Popen(
         [*thunderagent_cmd(), "serve", "--port", str(port), "--workers", "4", "--speedup", "10",
-         "--config", str(ROOT / "configs" / "example.yaml")],
+         "--config", str(ROOT / "configs" / "example.yaml"), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=10)
@@ -47,7 +57,7 @@ def served():
                 pytest.fail(f"server did not start: {proc.stdout.read() if proc.stdout else ''}")
             time.sleep(0.1)
     try:
-        yield client
+        yield client, proc
     finally:
         proc.terminate()
         try:
@@ -73,3 +83,24 @@ def test_serve_rejects_bad_config_naming_the_field(tmp_path):
                          timeout=60)
     assert res.returncode == 2
     assert "routing.policy" in res.stderr
+
+
+def test_serve_admin_api_flag(tmp_path):
+    """``--admin-api`` turns the operator's endpoints on (with keys off it warns); without it they answer 403."""
+    def cordon(client: OpenAI) -> int:
+        req = urllib.request.Request(f"{client.base_url}admin/workers/worker-0/cordon", data=b"", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    with serving() as (client, _):
+        assert cordon(client) == 403
+    with serving("--admin-api") as (client, proc):
+        assert cordon(client) == 200
+        raw = client.completions.with_raw_response.create(model="thunderagent-sim", prompt="x", max_tokens=1)
+        assert raw.headers["x-thunderagent-worker"] != "worker-0"
+        proc.terminate()
+        out = proc.communicate(timeout=10)[0]
+    assert "admin API on without API keys" in out

@@ -63,6 +63,10 @@ def test_cli_overrides_apply_on_top_of_file():
     assert cfg.routing.policy is Policy.round_robin
     with pytest.raises(ConfigError, match="speedup"):
         build_config(None, speedup=-1.0)
+    assert cfg.control_plane.admin_api is False  # off unless asked
+    assert build_config(None, admin_api=True).control_plane.admin_api is True  # --admin-api
+    on = ROOT / "configs" / "example.yaml"
+    assert build_config(on, admin_api=False).control_plane.admin_api is False  # --no-admin-api
 
 
 @pytest.mark.parametrize("data, field, words", [

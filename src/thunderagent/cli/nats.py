@@ -23,6 +23,9 @@ PrefixOpt = Annotated[str, typer.Option(help="subject prefix: deployments sharin
 ConfigOpt = Annotated[Optional[Path], typer.Option(help="YAML config file (give frontends and workers the same one)",
                                                    exists=True, dir_okay=False)]
 LogOpt = Annotated[str, typer.Option(help="debug shows every routing decision")]
+AdminOpt = Annotated[Optional[bool], typer.Option(
+    "--admin-api/--no-admin-api", help="the operator's /v1/admin/workers endpoints (control_plane.admin_api; off by "
+    "default): with API keys on they need an admin key, with keys off anyone reaching the port may use them")]
 
 
 def _logging(level: str) -> None:
@@ -36,6 +39,7 @@ def frontend(
     config: ConfigOpt = None,
     policy: Annotated[Optional[Policy], typer.Option(help="routing policy")] = None,
     prefix: PrefixOpt = "ta",
+    admin_api: AdminOpt = None,
     log_level: LogOpt = "info",
 ) -> None:
     """Run an OpenAI-compatible frontend whose workers are discovered over NATS (run several: replicas)."""
@@ -49,7 +53,7 @@ def frontend(
 
     _logging(log_level)
     try:
-        cfg = build_config(config, host, port, None, None, policy, nats_servers=nats)
+        cfg = build_config(config, host, port, None, None, policy, nats_servers=nats, admin_api=admin_api)
         # real engines: the model's own tokenizer (`model:` in the config), loaded before serving
         tokenizer = load_tokenizer(cfg)
         bus = NatsBus(cfg.nats.servers, "frontend", options=connect_options(cfg.nats))

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from thunderagent.cli.nats import AdminOpt
 from thunderagent.config import ConfigError, Policy, load_config
 from thunderagent.native import state as native_state
 from thunderagent.overrides import build_config
@@ -38,6 +39,7 @@ def serve(
     worker_api_key_env: Annotated[Optional[str], typer.Option(
         help="environment variable holding the API key the --worker servers demand (their --api-key): sent as "
              "Authorization: Bearer")] = None,
+    admin_api: AdminOpt = None,
     log_level: Annotated[str, typer.Option(help="debug shows every routing decision")] = "info",
 ) -> None:
     """Run the OpenAI-compatible frontend and the KV-aware router in one process, in front of simulated
@@ -51,7 +53,7 @@ def serve(
             raise ConfigError(f"--engine must be vllm, sglang or openai, got {engine!r}")
         cfg = build_config(config, host, port, workers, speedup, policy, model=model, engine=engine,
                            worker_endpoints=worker, block_size=block_size, relay=relay,
-                           worker_api_key_env=worker_api_key_env)
+                           worker_api_key_env=worker_api_key_env, admin_api=admin_api)
         if cfg.nats.index != "replica":
             raise ConfigError("nats.index: sharded splits the index between `thunderagent frontend` replicas; "
                               "`serve` is one process with the whole index: remove it")

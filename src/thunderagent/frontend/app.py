@@ -425,6 +425,9 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     app[LIMITS_KEY] = cfg.control_plane
     app[ERROR_LOG_KEY] = ErrorLog(log, cfg.control_plane.error_log_interval_s)
     ring = load_keyring(cfg.control_plane)  # reads key files and variables: a ConfigError names the field
+    if ring is None and cfg.control_plane.admin_api:
+        log.warning("admin API on without API keys: anyone who reaches %s:%d may cordon, add or remove workers",
+                    cfg.control_plane.host, cfg.control_plane.port)
     if ring is not None:
         app[AUTH_KEY] = ring
         gate = make_gate(cfg.control_plane.tenant_limits, ring.tenants, INFERENCE_PATHS + SERVER_PATHS, fleet.metrics,
