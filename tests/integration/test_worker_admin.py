@@ -218,3 +218,24 @@ async def test_a_server_added_to_an_openai_fleet_takes_requests_until_removed() 
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_a_prefill_worker_added_at_runtime_takes_over_the_prefills(server_factory) -> None:
+    """Prefill/decode disaggregation (mode always): a prefill worker added to the prefill group serves the prefills
+    once the first one is cordoned, its KV moving to the decode workers; the first is then removed."""
+    plane = {"enabled": True, "max_inflight": 4, "sim_block_bytes": 16 << 10}
+    nodes = {"nodes": [{"role": "prefill", "count": 1, "kv_cache_transfer": plane}, {"role": "decode", "count": 2}]}
+    async with server_factory(execution_group=nodes, routing={"seed": 7, "disaggregation": {"mode": "always"}},
+                              scheduler={"enabled": False}, control_plane={"admin_api": True}) as srv, \
+            aiohttp.ClientSession() as s:
+        base = srv.base_url
+        assert (await _call(s, "POST", base + ADMIN, {}))[0] == 400  # two groups: name one
+        assert await _call(s, "POST", base + ADMIN, {"group": 0}) == (201, {"id": "worker-3", "added": True})
+        await _call(s, "POST", f"{base}{ADMIN}/worker-0/remove")
+        for i in range(3):
+            r = await srv.client.completions.create(model=MODEL, prompt=f"prompt {i} " + "a long prompt " * 60,
+                                                    max_tokens=4, extra_body={"explain": True})
+            pd = r.model_extra["thunderagent"]["pd"]
+            assert pd["prefill_worker"] == "worker-3" and pd["transfer_tokens"] > 0
+            assert r.model_extra["thunderagent"]["worker"] in ("worker-1", "worker-2")
+        assert srv.fleet.metrics.pd_ok._value.get() == 3  # type: ignore[attr-defined]
