@@ -54,7 +54,8 @@ FUZZ_CONFIG = {
 class ServerThread:
     """The real server on 127.0.0.1 in its own event loop thread (schemathesis calls are blocking)."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: dict | None = None) -> None:
+        self.config = FUZZ_CONFIG if config is None else config
         self.base_url = ""
         self._ready = threading.Event()
         self._loop = asyncio.new_event_loop()
@@ -63,7 +64,7 @@ class ServerThread:
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
-        async with running_server(make_config(**FUZZ_CONFIG)) as srv:
+        async with running_server(make_config(**self.config)) as srv:
             self.base_url = srv.base_url
             self._ready.set()
             await self._stop.wait()
@@ -127,3 +128,38 @@ def test_fuzz_every_operation_of_the_openapi_document():
     assert total >= MIN_TOTAL, statuses
     assert not [s for s in statuses if s >= 500], statuses
     assert statuses[200] >= 10  # schema-valid cases reach the handlers and generate
+
+
+#: the operator's endpoints, on (``control_plane.admin_api``): cases per operation (positive, negative)
+ADMIN_CASES = {
+    "POST /v1/admin/workers": (120, 80),
+    "POST /v1/admin/workers/{worker_id}/cordon": (40, 0),  # (a free-form path id has no invalid form)
+    "POST /v1/admin/workers/{worker_id}/uncordon": (40, 0),
+    "POST /v1/admin/workers/{worker_id}/remove": (60, 60),
+    "GET /v1/admin/workers": (1, 0),
+}
+
+
+def test_fuzz_the_admin_api():
+    """Workers added (simulated), cordoned, removed by generated calls: never a 5xx, errors in OpenAI's shape, and
+    the fleet the calls left behind still serves (a worker is put back if none is left)."""
+    statuses: Counter[int] = Counter()
+    config = {**FUZZ_CONFIG, "control_plane": {**FUZZ_CONFIG["control_plane"], "admin_api": True}}
+    with ServerThread(config) as server, requests.Session() as session:
+        schema = schemathesis.openapi.from_dict(session.get(server.base_url + "/openapi.json", timeout=10).json())
+        operations = {op.label: op for op in (r.ok() for r in schema.get_all_operations())}
+        for label, (positive, negative) in ADMIN_CASES.items():
+            for mode, n in ((GenerationMode.POSITIVE, positive), (GenerationMode.NEGATIVE, negative)):
+                if n:
+                    fuzz(operations[label], mode, n, server.base_url, session, statuses)
+        workers = session.get(server.base_url + "/v1/admin/workers", timeout=10).json()["data"]
+        for w in workers:
+            session.post(f"{server.base_url}/v1/admin/workers/{w['id']}/uncordon", timeout=10)
+        if not workers:
+            assert session.post(server.base_url + "/v1/admin/workers", json={}, timeout=10).status_code == 201
+        r = session.post(server.base_url + "/v1/completions", timeout=10,
+                         json={"model": "thunderagent-sim", "prompt": "still serving", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    print(f"admin fuzz: statuses {dict(sorted(statuses.items()))}")
+    assert not [s for s in statuses if s >= 500], statuses
+    assert statuses[201] >= 5 and statuses[200] >= 1 and statuses[404] >= 5  # the handlers were reached
