@@ -18,7 +18,7 @@ WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY src ./src
 # every dependency is pinned exactly in pyproject.toml
-RUN /opt/venv/bin/pip install --no-cache-dir '.[nats,engines]'
+RUN /opt/venv/bin/pip install --no-cache-dir '.[nats,engines,otel]'
 
 FROM python:3.11-slim-bookworm
 RUN groupadd --system --gid 10001 thunderagent \

@@ -89,7 +89,7 @@ def test_dockerfile_passes_hadolint():
 def test_dockerfile_is_non_root_with_the_nats_extra():
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^USER 10001", text, re.M)
-    assert "'.[nats,engines]'" in text
+    assert "'.[nats,engines,otel]'" in text  # (otel: spans to the operator's collector, control_plane.tracing)
     assert re.search(r"^FROM python:3\.11-slim", text, re.M)
 
 

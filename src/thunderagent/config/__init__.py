@@ -18,7 +18,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 from thunderagent.config._base import ConfigError, _Strict
 from thunderagent.config.auth import check_key, check_tenant
 from thunderagent.config.nats import NatsAuthConfig, NatsConfig, NatsTlsConfig
-from thunderagent.config.observe import DecisionLogConfig
+from thunderagent.config.observe import DecisionLogConfig, TracingConfig
 from thunderagent.config.outlier import OutlierConfig
 from thunderagent.config.planner import PlannerConfig
 from thunderagent.config.routing import CostWeights, HotPrefixConfig, Policy, RoutingConfig
@@ -28,7 +28,7 @@ from thunderagent.config.scheduler import (GroupingConfig, IdleResume, PacingAcc
 from thunderagent.config.transfer import DisaggConfig, KvTransferConfig, MigrationConfig, check_sim_fields
 
 __all__ = [
-    "Config", "ConfigError", "ControlPlaneConfig", "CostWeights", "HotPrefixConfig", "DecisionLogConfig",
+    "Config", "ConfigError", "ControlPlaneConfig", "CostWeights", "HotPrefixConfig", "DecisionLogConfig", "TracingConfig",
     "DisaggConfig",
     "EndpointConfig",
     "ExecutionGroupConfig", "GroupingConfig", "KvTransferConfig", "MetricsConfig", "NatsAuthConfig", "NatsConfig",
@@ -99,6 +99,10 @@ class ControlPlaneConfig(_Strict):
     )
     decision_log: DecisionLogConfig = Field(
         DecisionLogConfig(), description="JSON-lines log of routing decisions (README: `thunderagent explain`)",
+    )
+    tracing: TracingConfig = Field(
+        TracingConfig(), description="OpenTelemetry spans of each request, exported over OTLP/HTTP (README: "
+        "\"Tracing\")",
     )
     outlier: OutlierConfig = Field(
         OutlierConfig(), description="slow-worker ejection and circuit breaking (control/breaker.py)",

@@ -7,6 +7,7 @@ the server keeps serving after any of them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -21,28 +22,12 @@ from thunderagent.config import Config
 from thunderagent.control.deadline import DeadlineExceeded
 from thunderagent.control.fleet import Fleet, Generation, NoWorkerAvailable, QueueFull
 from thunderagent.frontend.anthropic import ANTHROPIC_PATHS, COUNT_TOKENS_PATH, MESSAGES_PATH
-from thunderagent.frontend.auth import (
-    ACCESS_KEY,
-    AUTH_KEY,
-    DETAIL,
-    TENANT,
-    Access,
-    auth_middleware,
-    load_keyring,
-    tenant_salt,
-)
+from thunderagent.frontend.auth import (ACCESS_KEY, AUTH_KEY, DETAIL, TENANT, Access, auth_middleware, load_keyring,
+                                        tenant_salt)
 from thunderagent.frontend.errorlog import ERROR_LOG_KEY, ErrorLog
 from thunderagent.frontend.limits import LIMITS_KEY, limits_middleware
-from thunderagent.frontend.tenant_gate import (
-    GATE_KEY,
-    SharedLimits,
-    count_completion,
-    make_gate,
-    rate_headers,
-    share_limits,
-    take_prompt_tokens,
-    tenant_gate_middleware,
-)
+from thunderagent.frontend.tenant_gate import (GATE_KEY, SharedLimits, count_completion, make_gate, rate_headers,
+                                               share_limits, take_prompt_tokens, tenant_gate_middleware)
 from thunderagent.frontend.openapi import PATH as OPENAPI_PATH
 from thunderagent.frontend.openapi import add_openapi_route
 from thunderagent.frontend.protocol import (SERVER, ChatCompletionRequest, CompletionRequest, RequestError, Unmodelled,
@@ -53,7 +38,8 @@ from thunderagent.frontend.admin_api import AdminApi, add_admin_routes
 from thunderagent.control.worker_admin import WorkerAdmin
 from thunderagent.frontend.messages_api import MessagesApi, anthropic_error
 from thunderagent.frontend.relay import RelayFrontend
-from thunderagent.frontend.trace_context import trace_headers
+from thunderagent.frontend.trace_context import OUR_PARENT, trace_headers
+from thunderagent.frontend.tracing import TRACING_KEY, make_tracing
 from thunderagent.frontend.responses_api import ResponsesApi
 from thunderagent.frontend.server_api import ServerApi, add_routes
 from thunderagent.frontend.relay_fields import fleet_relay
@@ -73,6 +59,9 @@ CLAUDE_SESSION_HEADER = "x-claude-code-session-id"  # Claude Code's, one per ses
 EXPLAIN_HEADER = "x-thunderagent-explain"
 #: the routes that generate (what control_plane.tenant_limits counts)
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", MESSAGES_PATH, RESPONSES_PATH)
+#: the paths whose requests get a span of ours (tracing on): everything sent to a worker
+TRACED_PATHS = (*INFERENCE_PATHS, COUNT_TOKENS_PATH, *SERVER_PATHS, f"{RESPONSES_PATH}/{{response_id}}",
+                f"{RESPONSES_PATH}/{{response_id}}/cancel")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _enc = msgspec.json.Encoder()
 
@@ -240,7 +229,7 @@ class Frontend:
             prompt_ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt),
             lora_name=lora or req.lora_name, priority=req.priority, sampling=sampling,
             route_key=self._route_key(request, req), program_id=self._program_id(request, req),
-            tenant=request.get(TENANT), headers=trace_headers(request.headers),
+            tenant=request.get(TENANT), headers=trace_headers(request.headers, request.get(OUR_PARENT)),
         )
         count_completion(request, gen)
         shown = request[DETAIL]  # worker ids are the fleet's detail: tenants see none (API keys on, no admin key)
@@ -418,10 +407,15 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
         tokenizer = load_tokenizer(cfg)
     if fleet is None:
         fleet = build_fleet(cfg, tokenizer)
-    # tenant limits after the key check (they need the tenant), before the body is read (a refusal is cheap)
-    app = web.Application(middlewares=[errors_middleware, auth_middleware, tenant_gate_middleware, limits_middleware],
+    # tenant limits after the key check (they need the tenant), before the body is read (a refusal is cheap); a
+    # request's span (tracing on) around everything, so that it sees the status the client gets
+    tracing = make_tracing(cfg.control_plane.tracing, TRACED_PATHS)
+    app = web.Application(middlewares=[*([tracing.middleware] if tracing else []), errors_middleware, auth_middleware,
+                                       tenant_gate_middleware, limits_middleware],
                           client_max_size=cfg.control_plane.max_body_bytes)
     app[FLEET_KEY] = fleet
+    if tracing is not None:
+        app[TRACING_KEY] = tracing
     app[LIMITS_KEY] = cfg.control_plane
     app[ERROR_LOG_KEY] = ErrorLog(log, cfg.control_plane.error_log_interval_s)
     ring = load_keyring(cfg.control_plane)  # reads key files and variables: a ConfigError names the field
@@ -486,6 +480,8 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     async def on_cleanup(app: web.Application) -> None:
         await fleet.planner.stop()  # its actions still running
         await fleet.stop()
+        if tracing is not None:  # the spans still batched go out (blocking: off the loop)
+            await asyncio.get_running_loop().run_in_executor(None, tracing.shutdown)
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)

@@ -49,7 +49,7 @@ from thunderagent.frontend.tenant_gate import count_completion, rate_headers, ta
 from thunderagent.control.deadline import DeadlineExceeded, timeout_message
 from thunderagent.control.fleet import Fleet, Generation
 from thunderagent.frontend.tokenizer import Tokenizer
-from thunderagent.frontend.trace_context import trace_headers
+from thunderagent.frontend.trace_context import OUR_PARENT, trace_headers
 from thunderagent.types import FinishReason, Passthrough, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -291,7 +291,8 @@ class RelayFrontend:
             lora_name=lora or getattr(req, "lora_name", None), priority=req.priority,
             route_key=fe._route_key(request, req),
             program_id=fe._program_id(request, req) if plain is None else None,
-            tenant=request.get(TENANT), passthrough=pt, pin=pin, headers=trace_headers(request.headers),
+            tenant=request.get(TENANT), passthrough=pt, pin=pin,
+            headers=trace_headers(request.headers, request.get(OUR_PARENT)),
         )
         count_completion(request, gen)
         shown = request[DETAIL]

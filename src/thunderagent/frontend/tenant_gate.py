@@ -49,7 +49,7 @@ class _Produced(Protocol):
 # request keys: the tokens taken for the request (its prompt's, and the max_tokens reserved), and its
 # generation (what it produced)
 _PROMPT = web.RequestKey("tenant_prompt_tokens", tuple[int, int])
-_GENERATION = web.RequestKey("tenant_generation", _Produced)
+GENERATION = web.RequestKey("generation", _Produced)  # the request as it started (tenants' charge, tracing)
 
 
 class TenantRefused(Exception):
@@ -152,9 +152,9 @@ def take_prompt_tokens(request: web.Request, n: int, param: str, max_tokens: int
 
 
 def count_completion(request: web.Request, gen: _Produced) -> None:
-    """The request started as ``gen``: what it produces is charged to its tenant when it ends."""
-    if _PROMPT in request:
-        request[_GENERATION] = gen
+    """The request started as ``gen``: what it produces is charged to its tenant when it ends (and its span says
+    how it was routed: ``frontend/tracing.py``)."""
+    request[GENERATION] = gen
 
 
 def _settle(request: web.Request, limiter: TenantLimiter, tenant: str) -> None:
@@ -163,7 +163,7 @@ def _settle(request: web.Request, limiter: TenantLimiter, tenant: str) -> None:
     if taken is None:
         return
     prompt, reserved = taken
-    gen = request.get(_GENERATION)
+    gen = request.get(GENERATION)
     now = asyncio.get_running_loop().time()
     limiter.charge(tenant, len(gen.produced) - reserved if gen is not None else -(prompt + reserved), now)
 

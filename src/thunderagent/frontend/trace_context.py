@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from aiohttp import web
+
 #: what is passed on, lower-case (aiohttp's header lookup ignores case)
 FORWARDED = ("traceparent", "tracestate", "x-request-id")
 MAX_VALUE = 512
@@ -24,18 +26,22 @@ MAX_VALUE = 512
 _PARENT = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(-.*)?")
 _PRINTABLE = re.compile(r"[\x20-\x7e]+")
 _NONE: tuple[tuple[str, str], ...] = ()
+#: the traceparent of ThunderAgent's own span of a request (``frontend/tracing.py``), sent in place of the client's
+OUR_PARENT = web.RequestKey("our_traceparent", str)
 
 
-def trace_headers(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    """The forwarded headers of a client's request, as ``(name, value)`` pairs (usually none: one dict miss each)."""
-    if not any(name in headers for name in FORWARDED):
+def trace_headers(headers: Mapping[str, str], ours: str | None = None) -> tuple[tuple[str, str], ...]:
+    """The forwarded headers of a client's request, as ``(name, value)`` pairs (usually none: one dict miss each).
+    ``ours``: the traceparent of ThunderAgent's own span of the request (``frontend/tracing.py``), sent in place of
+    the client's (whose ``tracestate`` goes with it, as the W3C specification asks of a span of the same trace)."""
+    if ours is None and not any(name in headers for name in FORWARDED):
         return _NONE
     out = []
-    parent = headers.get("traceparent")
-    if parent is not None and _valid_parent(parent):
+    parent = headers.get("traceparent") if ours is None else ours
+    if parent is not None and (ours is not None or _valid_parent(parent)):
         out.append(("traceparent", parent))
         state = headers.get("tracestate")
-        if state is not None and _fits(state):
+        if state is not None and _fits(state) and (ours is None or _valid_parent(headers.get("traceparent", ""))):
             out.append(("tracestate", state))
     rid = headers.get("x-request-id")
     if rid is not None and _fits(rid):
