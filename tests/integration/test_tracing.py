@@ -1,12 +1,10 @@
 """ThunderAgent's own spans (``control_plane.tracing``) exported over OTLP/HTTP to a collector the test runs on
-127.0.0.1 (it decodes the protobuf export as Jaeger or the OpenTelemetry Collector would): a span per request,
+127.0.0.1 (``support/otlp_collector.py``: it decodes the protobuf export): a span per request,
 child of the client's traceparent; the engine server is sent a traceparent whose parent is that span."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import aiohttp
 import pytest
@@ -20,63 +18,12 @@ from thunderagent.config import ConfigError, parse_config
 from thunderagent.frontend.app import create_app
 
 pytest.importorskip("opentelemetry.sdk", reason="tracing needs the otel extra")
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
+from support.otlp_collector import otlp_collector  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
-
-
-class Collector:
-    """An OTLP/HTTP traces endpoint: every span it received, with its attributes as a dict."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict] = []
-        self.url = ""
-        self._runner: web.AppRunner | None = None
-
-    async def _export(self, request: web.Request) -> web.Response:
-        msg = ExportTraceServiceRequest()
-        msg.ParseFromString(await request.read())
-        for rs in msg.resource_spans:
-            service = {a.key: a.value.string_value for a in rs.resource.attributes}.get("service.name")
-            for ss in rs.scope_spans:
-                for s in ss.spans:
-                    attrs = {a.key: _value(a.value) for a in s.attributes}
-                    self.spans.append({"name": s.name, "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
-                                       "parent": s.parent_span_id.hex(), "service": service, "attrs": attrs,
-                                       "kind": s.kind, "error": s.status.code == 2})
-        return web.Response(body=b"", content_type="application/x-protobuf")
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_post("/v1/traces", self._export)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = self._runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}/v1/traces"
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-
-def _value(v: object) -> object:
-    kind = v.WhichOneof("value")  # type: ignore[attr-defined]
-    return getattr(v, kind) if kind else None
-
-
-@asynccontextmanager
-async def collector() -> AsyncIterator[Collector]:
-    c = Collector()
-    await c.start()
-    try:
-        yield c
-    finally:
-        await c.stop()
 
 
 def _flush(app: web.Application) -> None:
@@ -88,7 +35,7 @@ async def test_spans_of_relayed_requests_are_children_of_the_clients_and_parents
     backend = OpenAIBackend("a")
     await backend.start()
     try:
-        async with collector() as col:
+        with otlp_collector() as col:
             cfg = parse_config({
                 "model_name": OPENAI_MODEL,
                 "control_plane": {"heartbeat_interval": 0.1, "heartbeat_misses": 5,
@@ -141,7 +88,7 @@ async def test_spans_of_relayed_requests_are_children_of_the_clients_and_parents
 
 
 async def test_token_path_spans_and_errors(server_factory) -> None:
-    async with collector() as col:
+    with otlp_collector() as col:
         async with server_factory(control_plane={"tracing": {"otlp_endpoint": col.url}},
                                   execution_group={"nodes": [{"count": 2}]}) as srv, aiohttp.ClientSession() as s:
             body = {"model": "thunderagent-sim", "prompt": "a traced prompt " * 20, "max_tokens": 4}

@@ -198,6 +198,9 @@ async def test_a_server_added_to_an_openai_fleet_takes_requests_until_removed() 
     try:
         async with running_server(cfg) as srv, aiohttp.ClientSession() as s:
             base = srv.base_url
+            status, err = await _call(s, "POST", base + ADMIN, {"url": b.url, "api_key_env": "TA_TEST_UNSET_KEY"})
+            assert status == 400 and err["error"]["param"] == "api_key_env" and "TA_TEST_UNSET_KEY" in \
+                err["error"]["message"]
             status, body = await _call(s, "POST", base + ADMIN, {"url": b.url})
             assert (status, body) == (201, {"id": "worker-1", "added": True})
             await wait_until(lambda: len(srv.fleet.routable()) == 2, 10, "the added server heartbeats")

@@ -58,8 +58,8 @@ class StaticMembership:
         """Build the worker of group ``g``'s ``k``-th server (a simulated engine: its ``k``-th) and let it join."""
         fleet = self._fleet
         assert fleet is not None and self._callbacks is not None
+        handle = self.factories[node.engine](node, wid, k, self._callbacks)  # (raises on a bad endpoint: no id taken)
         self._used.add(wid)
-        handle = self.factories[node.engine](node, wid, k, self._callbacks)
         info = WorkerInfo(wid, node.role.value, node.block_size, node.max_num_batched_tokens,
                           node.queue_depth_threshold, node.kv_blocks, node.max_batch_size, *node.sequence_limits())
         fleet.join(handle, info, synced=True)  # a new handle: its cache is empty or replayed
