@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -125,10 +126,11 @@ class WorkerAdmin:
             group = 0
         try:
             wid = static.add(group, endpoint, worker_id)
-        except ValueError as e:
-            field = str(e).split(":", 1)[0]
+        except ValueError as e:  # ours name the field first; the engine's worker says "field '...'" (its key)
+            named = re.match(r"field '([a-z_]+)'", str(e))
+            field = named.group(1) if named else str(e).split(":", 1)[0]
             raise AdminError(str(e), 409 if field == "id" else 400, "worker_exists" if field == "id" else
-                             "invalid_value", field) from None
+                             "invalid_value", field if named or field in ("group", "url", "id") else None) from None
         log.warning("worker %s added by an operator to group %d%s", wid, group,
                     "" if endpoint is None else f" ({endpoint.url})")
         self.fleet.wake()

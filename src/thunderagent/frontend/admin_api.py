@@ -97,9 +97,8 @@ class AdminApi:
             wid = self.admin.add(body.group, endpoint, body.id)
         except AdminError as e:
             raise _error(e) from None
-        except (ValueError, OSError) as e:  # the engine's worker refused its endpoint (a key not set, unreadable...)
-            keyed = "api_key_env" if body.api_key_env else "api_key_file" if body.api_key_file else None
-            raise RequestError(str(e), param=keyed if keyed and "key" in str(e) else "url") from None
+        except OSError as e:  # the engine's worker could not set up its server's sockets
+            raise RequestError(f"the server's endpoint: {e}", param="url") from None
         return web.json_response({"id": wid, "added": True}, status=201)
 
     async def remove(self, request: web.Request) -> web.Response:
