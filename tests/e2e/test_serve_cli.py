@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import openai
 import pytest
 from openai import OpenAI
 
@@ -104,3 +106,50 @@ def test_serve_admin_api_flag(tmp_path):
         proc.terminate()
         out = proc.communicate(timeout=10)[0]
     assert "admin API on without API keys" in out
+
+
+def _stream_across_sigterm(client: OpenAI, proc: subprocess.Popen[str]) -> tuple[int, str | None, float]:
+    """A streamed completion; SIGTERM to the server after its first token. (tokens, finish reason, seconds the
+    stream went on after the signal)."""
+    stream = client.completions.create(model="thunderagent-sim", prompt="a slow story " * 8, max_tokens=24,
+                                       stream=True)
+    n, finish, sent = 0, None, 0.0
+    try:
+        for chunk in stream:
+            for c in chunk.choices:
+                n += bool(c.text)
+                finish = c.finish_reason or finish
+            if n and not sent:
+                proc.send_signal(signal.SIGTERM)
+                sent = time.monotonic()
+    except openai.APIConnectionError:  # cut: the stream ended without its last chunk
+        finish = "cut"
+    return n, finish, time.monotonic() - sent
+
+
+def test_sigterm_drains_the_requests_in_flight(tmp_path):
+    """A frontend stopped (a rolling update) closes its listener and lets its streams finish."""
+    with serving("--speedup", "0.05") as (client, proc):  # 20x slower than real time: the stream lasts seconds
+        n, finish, after = _stream_across_sigterm(client, proc)
+        assert (n, finish) == (24, "length") and after > 0.5
+        with pytest.raises(Exception):  # the listener closed at the signal
+            urllib.request.urlopen(f"{client.base_url}models", timeout=2)
+        assert proc.wait(30) == 0
+        assert "no new connections" in (proc.stdout.read() if proc.stdout else "")
+    # a drain shorter than the stream: the stream is cut, the server exits
+    with serving("--speedup", "0.05", "--config", str(quick_config(tmp_path))) as (client, proc):
+        t0 = time.monotonic()
+        n, finish, after = _stream_across_sigterm(client, proc)
+        assert n < 24 and finish == "cut" and after < 5
+        assert proc.wait(30) == 0 and time.monotonic() - t0 < 15
+
+
+def quick_config(tmp_path: Path) -> Path:
+    """example.yaml with a 0.5 s drain."""
+    import yaml
+
+    data = yaml.safe_load((ROOT / "configs" / "example.yaml").read_text())
+    data.setdefault("control_plane", {})["shutdown_timeout_s"] = 0.5
+    path = tmp_path / "quick.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path

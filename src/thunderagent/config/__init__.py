@@ -69,6 +69,11 @@ class ControlPlaneConfig(_Strict):
         "included) is aborted on its worker and answered 504 (a stream already begun ends with an error event); "
         "None: no limit",
     )
+    shutdown_timeout_s: float = Field(
+        25.0, ge=0, description="on SIGTERM or SIGINT the listener closes and the requests in flight (held ones "
+        "included) get this long to finish before the rest are cut; keep it under the orchestrator's grace period "
+        "(Kubernetes: terminationGracePeriodSeconds, 30 by default)",
+    )
     admin_api: bool = Field(
         False, description="the operator's /v1/admin/workers endpoints (cordon, uncordon, add, remove workers). With "
         "API keys on they need an admin key; with keys off anyone who reaches the port may use them, so turn this on "

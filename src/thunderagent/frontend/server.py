@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import signal
 from typing import Any, cast
 
 from aiohttp import http_exceptions, web
@@ -23,6 +25,8 @@ from thunderagent.frontend.errorlog import ERROR_LOG_KEY, ErrorLog
 from thunderagent.gc_policy import tune_gc
 from thunderagent.frontend.limits import LIMITS_KEY, ENCODINGS
 from thunderagent.frontend.protocol import SERVER, RequestError, error_body
+
+log = logging.getLogger(__name__)
 
 
 def protocol_error(status: int, exc: BaseException | None, max_header_bytes: int) -> RequestError:
@@ -153,17 +157,35 @@ class FrontendRunner(web.AppRunner):
 
 
 def run_frontend(app: web.Application, host: str, port: int) -> None:
-    """Serve ``app`` until SIGINT/SIGTERM (what ``web.run_app`` does, with our runner)."""
+    """Serve ``app`` until SIGTERM or SIGINT, then drain: the listener closes at once (no new connection), idle
+    keep-alive connections close, and the requests in flight (held in the scheduler ones included) get the control
+    plane's ``shutdown_timeout_s`` to finish before the rest are cut and the fleet stops. A second signal cuts the
+    drain short. (``web.run_app``'s own handling raises out of the loop, which cancels every handler at once: a
+    restarted frontend cut all its streams.)"""
+    timeout = app[LIMITS_KEY].shutdown_timeout_s
 
     async def main() -> None:
-        runner = FrontendRunner(app, handle_signals=True)
+        runner = FrontendRunner(app, shutdown_timeout=timeout)
         await runner.setup()
+        loop, stop = asyncio.get_running_loop(), asyncio.Event()
+        task = asyncio.current_task()
+        assert task is not None
+
+        def on_signal() -> None:
+            if stop.is_set():  # the second: the operator does not want to wait
+                log.warning("second signal: the drain is cut short")
+                task.cancel()
+            stop.set()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
         try:
             await web.TCPSite(runner, host, port).start()
             tune_gc()  # start-up done: freeze it, and collect rarely (gc_policy: the p99 of a big heap)
-            await asyncio.Event().wait()
+            await stop.wait()
+            log.warning("stopping: no new connections; the requests in flight get up to %gs to finish", timeout)
         finally:
             await runner.cleanup()
 
-    with contextlib.suppress(web.GracefulExit, KeyboardInterrupt):
+    with contextlib.suppress(asyncio.CancelledError, KeyboardInterrupt):
         asyncio.run(main())
