@@ -28,8 +28,8 @@ from thunderagent.config.scheduler import (GroupingConfig, IdleResume, PacingAcc
 from thunderagent.config.transfer import DisaggConfig, KvTransferConfig, MigrationConfig, check_sim_fields
 
 __all__ = [
-    "Config", "ConfigError", "ControlPlaneConfig", "CostWeights", "HotPrefixConfig", "DecisionLogConfig", "TracingConfig",
-    "DisaggConfig",
+    "Config", "ConfigError", "ControlPlaneConfig", "CostWeights", "HotPrefixConfig", "DecisionLogConfig",
+    "TracingConfig", "DisaggConfig",
     "EndpointConfig",
     "ExecutionGroupConfig", "GroupingConfig", "KvTransferConfig", "MetricsConfig", "NatsAuthConfig", "NatsConfig",
     "MigrationConfig", "NatsTlsConfig", "NodeConfig", "OutlierConfig", "PlannerConfig",
