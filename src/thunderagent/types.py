@@ -168,7 +168,10 @@ SERVER_PATHS = ("/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score"
 #: a stored response's id as vLLM makes them (``resp_`` + hex); the relayed paths that name one: its read
 #: (``GET /v1/responses/{id}``) and its cancel (``POST /v1/responses/{id}/cancel``)
 RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
-STORED_RESPONSE_PATH = re.compile(rf"{RESPONSES_PATH}/{RESPONSE_ID.pattern}(?:/cancel)?")
+#: (a streamed read, ``?stream=true[&starting_after=N]``, replays a background response's events: vLLM's query, as
+#: the frontend writes it)
+STORED_RESPONSE_PATH = re.compile(
+    rf"{RESPONSES_PATH}/{RESPONSE_ID.pattern}(?:/cancel|\?stream=true(?:&starting_after=[0-9]{{1,10}})?)?")
 
 
 @dataclass(slots=True, frozen=True)

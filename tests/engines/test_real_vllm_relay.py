@@ -5,6 +5,7 @@ requests and logprobs, which the token path does not model, are served by vLLM t
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -260,3 +261,51 @@ async def test_tokenizer_paths_and_stored_responses_on_real_vllm(tiny_model_dir:
             assert follow.parse().usage.input_tokens > r1.usage.input_tokens  # the stored conversation came along
             async with s.get(front.base_url + "/v1/responses/resp_nowhere") as r:
                 assert r.status == 404
+
+
+async def test_background_responses_on_real_vllm(tiny_model_dir: Path, vllm_servers: list[VllmServer]) -> None:
+    """A background response (the servers run with the store on) is answered queued, generated on its server and
+    read there through ThunderAgent until completed; a streamed one's events are replayed from ``starting_after``
+    after the client left; a long one is cancelled on its server."""
+    async with thunderagent(front_config(tiny_model_dir, vllm_servers), vllm_servers) as front, \
+            aiohttp.ClientSession() as s:
+        c = front.client
+        made = await c.responses.with_raw_response.create(model=front.model, input="Fix the parser.",
+                                                          max_output_tokens=6, background=True,
+                                                          extra_body={"ignore_eos": True})
+        first = made.parse()
+        assert first.status in ("queued", "in_progress"), first.status
+        worker = made.headers["x-thunderagent-worker"]
+
+        async def status() -> str:
+            got = await c.responses.with_raw_response.retrieve(first.id)
+            assert got.headers["x-thunderagent-worker"] == worker  # read where it is stored
+            return got.parse().status
+
+        for _ in range(200):
+            if await status() not in ("queued", "in_progress"):
+                break
+            await asyncio.sleep(0.1)
+        done = await c.responses.retrieve(first.id)  # (incomplete: it stopped at max_output_tokens)
+        assert done.status in ("completed", "incomplete") and done.usage.output_tokens == 6
+        # streamed in the background: the client reads two events and leaves; the rest is replayed after the second
+        async with s.post(front.base_url + "/v1/responses", json={
+                "model": front.model, "input": "Tell me about the parser.", "max_output_tokens": 8,
+                "background": True, "stream": True, "ignore_eos": True}) as r:
+            assert r.status == 200
+            seen: list[dict] = []
+            async for line in r.content:
+                if line.startswith(b"data: "):
+                    seen.append(json.loads(line[6:]))
+                    if len(seen) == 2:
+                        break
+        rid, last = seen[0]["response"]["id"], seen[-1]["sequence_number"]
+        rest = [e async for e in await c.responses.retrieve(rid, stream=True, starting_after=last)]
+        assert rest[0].sequence_number == last + 1 and rest[-1].type == "response.completed"
+        assert rest[-1].response.usage.output_tokens == 8
+        # a long one is cancelled where it runs
+        long = await c.responses.create(model=front.model, input="A long essay.", max_output_tokens=1800,
+                                        background=True, extra_body={"ignore_eos": True})
+        cancelled = await c.responses.cancel(long.id)
+        assert cancelled.status == "cancelled"
+        assert (await c.responses.retrieve(long.id)).status == "cancelled"

@@ -10,6 +10,7 @@ official ``openai`` client. (The rendering itself is checked against a real vLLM
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from support.server import relayed_counts, running_server
 from support.waiting import wait_until
 from thunderagent.frontend.hf_tokenizer import HfTokenizer
 from thunderagent.frontend.responses import to_chat
+from thunderagent.frontend.tenant_gate import GATE_KEY
 
 BS = 16
 TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file of the repository.",
@@ -111,9 +113,10 @@ async def test_a_continued_response_goes_to_the_server_that_stored_it(tiny_model
             with pytest.raises(openai.NotFoundError) as missing:
                 await c.responses.create(model=model, input="x", previous_response_id="resp_unknown")
             assert "resp_unknown" in missing.value.body["message"]
-            with pytest.raises(openai.BadRequestError) as bad:
-                await c.responses.create(model=model, input="x", background=True)
-            assert bad.value.body["param"] == "background"
+            # a background response is relayed (the server answers it queued), and read on the server storing it
+            r = await c.responses.create(model=model, input="in the background", background=True)
+            owner = next(i for i, e in enumerate(engines) if r.id in e._answered)
+            assert (await c.responses.retrieve(r.id)).id == r.id and r.id in engines[owner]._answered
             with pytest.raises(openai.BadRequestError) as bad:
                 await c.responses.create(model=model, input="x", extra_body={"max_token": 3})
             assert bad.value.body["param"] == "max_token"
@@ -127,3 +130,34 @@ async def test_a_simulated_fleet_says_it_has_no_server_to_relay_to() -> None:
         with pytest.raises(openai.NotFoundError) as missing:
             await srv.client.responses.create(model=srv.fleet.model_name, input="hi")
         assert "has none to relay to" in missing.value.body["message"]
+
+
+async def test_a_background_response_is_charged_its_whole_max_output_tokens(tiny_model_dir: Path) -> None:
+    """Its completion is generated after the server's answer, out of ThunderAgent's sight: under a tenant's token
+    limit it is charged its max_output_tokens in full (and must name one); an ordinary response pays what it used."""
+    key = "acme-key-0123456789abcdef"
+    engines = await _engines(tiny_model_dir)
+    try:
+        # a slow refill (1 token a second), so that the bucket's level shows each request's charge
+        control = {"api_keys": {key: "acme"}, "tenant_limits": {"acme": {"tokens_per_min": 60, "token_burst": 100_000}}}
+        async with running_server(fake_vllm_config(engines, tiny_model_dir, BS, control=control)) as srv:
+            await wait_until(lambda: len(srv.fleet.routable()) == 2, 10, "both servers routable")
+            c = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key=key, max_retries=0)
+            model = srv.fleet.model_name
+            limiter = srv.app[GATE_KEY].limiter  # type: ignore[index]
+            loop = asyncio.get_running_loop()
+            with pytest.raises(openai.BadRequestError) as bad:
+                await c.responses.create(model=model, input="x", background=True)
+            assert bad.value.body["param"] == "max_output_tokens"
+            drops = []
+            for background in (False, True):
+                before = limiter.tokens_left("acme", loop.time())
+                r = await c.responses.create(model=model, input="the same question", max_output_tokens=50,
+                                             background=background)
+                assert r.usage is not None and r.usage.output_tokens == 1
+                drops.append(before - limiter.tokens_left("acme", loop.time()))
+            assert 48 <= drops[1] - drops[0] <= 50  # 50 charged against the 1 used (give or take a second's refill)
+            await c.close()
+    finally:
+        for e in engines:
+            await e.stop()

@@ -123,8 +123,21 @@ async def test_stored_responses_are_read_where_they_are_stored_through_any_front
             with pytest.raises(openai.NotFoundError) as missing:
                 await one.client.responses.retrieve("resp_nowhere")
             assert "resp_nowhere" in missing.value.body["message"]
+            # a streamed read replays the stored events (a background response's), from starting_after on, through
+            # either frontend (the official client's retrieve(stream=True) sends this query)
+            for srv in (one, two):
+                events = [e async for e in await srv.client.responses.retrieve(made[1].id, stream=True)]
+                assert [e.type for e in events] == ["response.created", "response.output_text.delta",
+                                                    "response.completed"]
+                later = [e async for e in await srv.client.responses.retrieve(made[1].id, stream=True,
+                                                                              starting_after=0)]
+                assert [e.sequence_number for e in later] == [1, 2]
             async with aiohttp.ClientSession() as s:
-                async with s.get(one.base_url + f"/v1/responses/{made[1].id}?stream=true") as resp:
+                for query, param in (("stream=maybe", "stream"), ("starting_after=3", "starting_after"),
+                                     ("stream=true&starting_after=-1", "starting_after"), ("include=x", "include")):
+                    async with s.get(one.base_url + f"/v1/responses/{made[1].id}?{query}") as resp:
+                        assert resp.status == 400 and (await resp.json())["error"]["param"] == param, query
+                async with s.post(one.base_url + f"/v1/responses/{made[1].id}/cancel?stream=true") as resp:
                     assert resp.status == 400 and (await resp.json())["error"]["param"] == "stream"
                 async with s.get(one.base_url + "/v1/responses/bad%20id") as resp:
                     assert resp.status == 400 and (await resp.json())["error"]["param"] == "response_id"

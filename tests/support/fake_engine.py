@@ -68,6 +68,7 @@ class FakeEngine:
     responses: list[dict] = field(default_factory=list)  # Responses API bodies received
     pooled: list[tuple[str, dict]] = field(default_factory=list)  # (path, body) of pooling / tokenizer requests
     reads: list[str] = field(default_factory=list)  # the stored-response paths asked for (GET and cancel)
+    _events: dict[str, list[tuple[str, dict]]] = field(default_factory=dict)  # each response's, to replay
     adapters: list[str] = field(default_factory=list)  # LoRA adapters it lists in /v1/models (parent: the base)
     api_key: str | None = None  # what its /v1 paths demand (vLLM's --api-key)
     traced: list[tuple[str, str | None, str | None]] = field(default_factory=list)  # (path, traceparent, request id)
@@ -284,15 +285,22 @@ class FakeEngine:
         done = {"id": rid, "object": "response", "created_at": 0, "model": body["model"], "status": "completed",
                 "output": [item], "usage": usage, "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
         self._answered[rid] = done
+        started = {**done, "status": "in_progress", "output": [], "usage": None}
+        self._events[rid] = [
+            ("response.created", {"response": started}),
+            (delta[0], {"item_id": item["id"], "output_index": 0, "content_index": 0, "delta": delta[1]}),
+            ("response.completed", {"response": done})]
         if not body.get("stream"):
             return web.json_response(done)
+        return await self._replay(request, rid, -1)
+
+    async def _replay(self, request: web.Request, rid: str, after: int) -> web.StreamResponse:
+        """A response's events, those after sequence number ``after`` (vLLM replays a background one's so)."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        started = {**done, "status": "in_progress", "output": [], "usage": None}
-        for n, (kind, data) in enumerate((
-                ("response.created", {"response": started}),
-                (delta[0], {"item_id": item["id"], "output_index": 0, "content_index": 0, "delta": delta[1]}),
-                ("response.completed", {"response": done}))):
+        for n, (kind, data) in enumerate(self._events[rid]):
+            if n <= after:
+                continue
             payload = json.dumps({"type": kind, "sequence_number": n, **data}, separators=(",", ":")).encode()
             await resp.write(b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n")
         return resp
@@ -308,6 +316,8 @@ class FakeEngine:
             return web.json_response({"error": {"message": "Cannot cancel a synchronous response.",
                                                 "type": "invalid_request_error", "param": None, "code": None}},
                                      status=400)
+        if request.query.get("stream") == "true":
+            return await self._replay(request, rid, int(request.query.get("starting_after", -1)))
         return web.json_response(self._answered[rid])
 
     async def _pooling(self, request: web.Request) -> web.Response:

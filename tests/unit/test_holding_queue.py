@@ -284,6 +284,22 @@ def test_tracked_prefill_gate_counts_what_was_sent_until_its_first_token() -> No
     assert d.can_start(w)
 
 
+def test_a_request_that_sends_no_tokens_ends_after_the_one_that_emptied_its_worker_count() -> None:
+    """One of vLLM's paths that generate nothing (an embedding, a stored response's read) sends 0 tokens: it may end
+    after a request whose end took its worker's tracked total to 0 (once a KeyError: the client got a 500)."""
+    index = KvIndex(prediction_ttl=60.0)
+    index.add_worker("w0")
+    d = Dispatcher(KvRouter(RoutingConfig(seed=1), index, random.Random(1)), 16,
+                   SchedulerConfig(enabled=True, tracked_prefill_passes=0.5, aging_tokens_per_s=0.0))
+    w = [WorkerState("w0", 16, 100, 64, LoadReport("w0", 0.0, 0, 0, 0, 0, 0, 0, 1000))]
+    plain = d.submit(d.prepare("plain", [], 1), "", w, 0.0)
+    assert plain is not None and plain.predicted_tokens == 0
+    assert d.submit(d.prepare("a", list(range(40)), 4), "", w, 0.0) is not None
+    d.progressed("a", ok=True)  # a's first token: the worker's count goes to 0
+    d.progressed("plain", ok=True)  # then the plain one's end
+    assert d.can_start(w) and d.submit(d.prepare("b", [5] * 40, 4), "", w, 0.1) is not None  # counted afresh
+
+
 def test_prefills_in_flight_gate_sends_only_to_a_worker_without_a_pending_prefill() -> None:
     index = KvIndex(prediction_ttl=60.0)
     for wid in ("w0", "w1"):

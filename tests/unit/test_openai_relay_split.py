@@ -132,7 +132,15 @@ def test_only_the_served_paths_and_methods_are_relayed() -> None:
         assert _reader(Passthrough(path, b"", False, "GET")) is None
     assert _reader(Passthrough("/v1/responses/resp_1", b"", False, "GET")) is _PLAIN
     assert _reader(Passthrough("/v1/responses/resp_1/cancel", b"", False)) is _PLAIN
+    # a background response's events replayed: a streamed read, read as the Responses API's stream
+    for streamed in ("/v1/responses/resp_1?stream=true", "/v1/responses/resp_1?stream=true&starting_after=12"):
+        assert _reader(Passthrough(streamed, b"", True, "GET")) is _READERS["/v1/responses"]
     for refused in (Passthrough("/v1/responses/resp_1", b"", False),  # (a POST there is not vLLM's)
+                    Passthrough("/v1/responses/resp_1?stream=true", b"", False, "GET"),  # streamed, not read so
+                    Passthrough("/v1/responses/resp_1?stream=true", b"", True),  # a POST
+                    Passthrough("/v1/responses/resp_1?starting_after=1", b"", True, "GET"),
+                    Passthrough("/v1/responses/resp_1?stream=true&x=1", b"", True, "GET"),
+                    Passthrough("/v1/responses/resp_1/cancel?stream=true", b"", True, "GET"),
                     Passthrough("/v1/responses/resp_1/cancel", b"", False, "GET"),
                     Passthrough("/v1/responses/resp_1", b"{}", False, "GET"),  # a body on a read
                     Passthrough("/v1/responses/resp_1", b"", True, "GET"),  # a stream

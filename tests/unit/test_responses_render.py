@@ -60,7 +60,8 @@ def test_function_tools_effort_and_a_continued_last_message() -> None:
 def test_fields() -> None:
     check_fields({"model": "m", "input": "x", "store": False, "reasoning": {}, "top_k": 3, "program_id": "p",
                   "background": False})
-    for bad, param in (({"max_token": 1}, "max_token"), ({"background": True}, "background"),
+    check_fields({"input": "x", "background": True, "store": True})  # relayed: its reads go to its server
+    for bad, param in (({"max_token": 1}, "max_token"),
                        ({"request_id": "r"}, "request_id"), ({"previous_input_messages": [{}]},
                                                                 "previous_input_messages")):
         with pytest.raises(RequestError) as err:

@@ -328,10 +328,13 @@ _READERS: dict[str, _Reader] = {"/v1/chat/completions": _OpenAIReader(), "/v1/co
 
 def _reader(pt: Passthrough) -> _Reader | None:
     """The reader of a relayed request's answer; None for a request no server is sent: a path not served, a GET of
-    anything but a stored response, a POST to one but its cancel, either with a body or a stream."""
+    anything but a stored response, a POST to one but its cancel, either with a body; a stream only as the streamed
+    read of one (its events replayed: the Responses API's reader)."""
     if pt.method == "GET" or STORED_RESPONSE_PATH.fullmatch(pt.path):
         ok = STORED_RESPONSE_PATH.fullmatch(pt.path) and pt.path.endswith("/cancel") == (pt.method == "POST")
-        return _PLAIN if ok and not pt.body and not pt.stream else None
+        if not ok or pt.body or pt.stream != ("?stream=true" in pt.path):
+            return None
+        return _READERS[RESPONSES_PATH] if pt.stream else _PLAIN
     return _READERS.get(pt.path) if pt.method == "POST" else None
 
 

@@ -122,9 +122,16 @@ def _server_paths() -> dict[str, Any]:
         "requestBody": {"required": True, "content": {"application/json": {"schema": _SERVER_REQUEST}}},
         "responses": {"200": _json({"type": "object"}, "the server's answer"), **_errors(*relayed)}}}
         for path in SERVER_PATHS}
+    replay = [{"name": "stream", "in": "query", "required": False, "schema": {"type": "boolean", "default": False},
+               "description": "replay a background response's events (server-sent events)"},
+              {"name": "starting_after", "in": "query", "required": False, "schema": {
+                  "type": "integer", "minimum": 0, "maximum": 9_999_999_999},
+               "description": "with stream=true: the events after this sequence number"}]
     paths[f"{RESPONSES_PATH}/{{response_id}}"] = {"get": {
-        "summary": "A stored response, read on the server storing it", "parameters": [_RESPONSE_ID_PARAM],
-        "responses": {"200": _json(_RESPONSE, "the stored response"), **_errors(*relayed)}}}
+        "summary": "A stored response, read on the server storing it", "parameters": [_RESPONSE_ID_PARAM, *replay],
+        "responses": {"200": {"description": "the stored response; stream=true: its events", "content": {
+            "application/json": {"schema": _RESPONSE}, "text/event-stream": {"schema": _SSE_EVENT}}},
+            **_errors(*relayed)}}}
     paths[f"{RESPONSES_PATH}/{{response_id}}/cancel"] = {"post": {
         "summary": "Cancel a stored (background) response, on the server storing it", "parameters": [
             _RESPONSE_ID_PARAM], "responses": {"200": _json(_RESPONSE, "the cancelled response"), **_errors(*relayed)}}}

@@ -18,8 +18,7 @@ a model without Harmony (``vllm/entrypoints/openai/responses/utils.py``) before 
 
 A mismatch costs cache hits, never correctness: the server renders what it serves. ``previous_response_id``
 continues a conversation the server stored: it goes to the worker that answered that response (its history
-is there, not here). ``background`` responses are refused (they are fetched later from the server that ran
-them, which ThunderAgent cannot route to).
+is there, not here). So does a ``background`` response's read (``frontend/responses_api.py``).
 """
 
 from __future__ import annotations
@@ -43,8 +42,6 @@ FIELDS = frozenset({
     "program_id", "explain",
 })
 _REFUSED = {
-    "background": "background responses are fetched later from the server that ran them, which ThunderAgent "
-                  "does not route to; send the request without `background`",
     "previous_input_messages": "ThunderAgent does not route `previous_input_messages`: send the history in `input`",
 }
 

@@ -16,6 +16,12 @@ and ``POST /v1/responses/{id}/cancel``. This frontend remembers which worker ans
 deployment, or before a restart) is looked for: each routable server is asked for it in turn (a ``GET``
 through the fleet's usual dispatch), and the first that has it answers, and is remembered.
 
+A ``background`` response (``store`` on) is answered by the server at once (``queued``) and generated after: it
+is routed and relayed as any request, its worker remembered from that answer; its reads (``?stream=true`` and
+``starting_after`` replay its events) and its cancel go to that worker. ThunderAgent sees none of its completion,
+so its load is what the server's own reports say (vLLM's ``/metrics``), its agent program's step ends with the
+answer, and a tenant with a token limit is charged its whole ``max_output_tokens`` (which it then needs).
+
 With API keys on, a tenant reaches only the stored responses it created through this frontend: another
 tenant's id, or one this frontend does not remember, is a 404 (nothing is looked for: a server's store does
 not say whose a response is). Keep a tenant's conversations on one frontend (the Service's
@@ -37,6 +43,7 @@ from thunderagent.frontend.auth import TENANT
 from thunderagent.frontend.protocol import MaxTokens, Priority, RequestError
 from thunderagent.frontend.relay import RelayFrontend, Routed, decode_both, no_servers
 from thunderagent.frontend.responses import check_fields, to_chat
+from thunderagent.frontend.tenant_gate import charge_unseen_completion
 from thunderagent.types import RESPONSE_ID, RESPONSES_PATH, Passthrough
 
 REMEMBERED = 100_000  # response id -> worker entries kept (~100 bytes each)
@@ -55,6 +62,7 @@ class _Request(msgspec.Struct, kw_only=True):
     explain: bool = False
     program_id: str | None = None
     user: str | None = None
+    background: bool | None = False
 
 
 _READ = Routed(1, None, 0, False, None, None)  # a stored response's read or cancel: what dispatch reads of it
@@ -118,21 +126,21 @@ class ResponsesApi:
         cancel = request.method == "POST"
         if not RESPONSE_ID.fullmatch(rid):
             raise RequestError(f"{rid[:64]!r} is not a response id", param="response_id")
-        if request.query:  # (vLLM's stream / starting_after replay a background response: not relayed here)
+        query = "" if cancel else _replay_query(request)  # (a background response's events replayed)
+        if cancel and request.query:
             name = sorted(request.query)[0]
-            raise RequestError(f"query parameter {name!r} is not taken: background responses are not relayed",
-                               param=name)
+            raise RequestError(f"query parameter {name!r} is not taken by a cancel", param=name)
         if cancel and await request.read():
             raise RequestError("cancelling a response takes no body")
         worker, read = await self._worker_of(request, rid)
         if worker is None:
             raise RequestError(f"no stored response {rid!r} is known", param="response_id", status=404,
                                code="not_found")
-        if read is not None and not cancel:
+        if read is not None and not cancel and not query:
             return read  # (found by reading it)
-        path = f"{RESPONSES_PATH}/{rid}" + ("/cancel" if cancel else "")
-        return await relay.dispatch(request, _READ, [], Passthrough(path, b"", False, "POST" if cancel else "GET"),
-                                    None, "response_id", pin=worker, plain=0)
+        path = f"{RESPONSES_PATH}/{rid}" + ("/cancel" if cancel else query)
+        read_pt = Passthrough(path, b"", bool(query), "POST" if cancel else "GET")
+        return await relay.dispatch(request, _READ, [], read_pt, None, "response_id", pin=worker, plain=0)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         relay = self._relay()
@@ -145,8 +153,29 @@ class ResponsesApi:
             if pin is None and request.get(TENANT) is not None:
                 raise RequestError(f"no stored response {req.previous_response_id!r} is known",
                                    param="previous_response_id", status=404, code="not_found")
+        if req.background:  # the server generates after its answer: the tenant's token limit charges it up front
+            charge_unseen_completion(request, req.max_output_tokens, "max_output_tokens")
         fields = Routed(req.max_output_tokens, req.cache_salt, req.priority, req.explain, req.program_id, req.user,
                         max_param="max_output_tokens")
         ids = relay.fe.tokenizer.apply_openai_chat(to_chat(doc), keep_call_order=True)  # (vLLM builds these messages)
         return await relay.dispatch(request, fields, ids, Passthrough(RESPONSES_PATH, body, bool(req.stream)), lora,
                                     "input", pin=pin, on_answer=self._remembering(request.get(TENANT)))
+
+
+def _replay_query(request: web.Request) -> str:
+    """A stored response's read: ``?stream=true`` (and ``starting_after=N``) replays a background response's events
+    as the server stores them (vLLM's query, passed on in one canonical form); "" for a plain read."""
+    q = request.query
+    unknown = sorted(set(q) - {"stream", "starting_after"})
+    if unknown:
+        raise RequestError(f"query parameter {unknown[0]!r} is not taken (stream, starting_after)", param=unknown[0])
+    stream = q.get("stream", "false").lower()
+    if stream not in ("true", "false"):
+        raise RequestError(f"stream: true or false, got {q['stream'][:32]!r}", param="stream")
+    after = q.get("starting_after")
+    if after is not None and (stream != "true" or not after.isdigit() or len(after) > 10):
+        raise RequestError("starting_after: an event's sequence number (0 or more), with stream=true",
+                           param="starting_after")
+    if stream != "true":
+        return ""
+    return "?stream=true" + ("" if after is None else f"&starting_after={int(after)}")

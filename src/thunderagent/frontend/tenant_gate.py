@@ -49,6 +49,7 @@ class _Produced(Protocol):
 # request keys: the tokens taken for the request (its prompt's, and the max_tokens reserved), and its
 # generation (what it produced)
 _PROMPT = web.RequestKey("tenant_prompt_tokens", tuple[int, int])
+_UNSEEN = web.RequestKey("unseen_completion", int)  # a background response's charge (charge_unseen_completion)
 GENERATION = web.RequestKey("generation", _Produced)  # the request as it started (tenants' charge, tracing)
 
 
@@ -151,6 +152,20 @@ def take_prompt_tokens(request: web.Request, n: int, param: str, max_tokens: int
     request[_PROMPT] = (n, reserve)
 
 
+def charge_unseen_completion(request: web.Request, max_tokens: int | None, max_param: str) -> None:
+    """A request whose completion this frontend never sees (a background response: the server generates it after
+    its answer): with a token limit on its tenant it is charged its whole ``max_tokens`` when it ends, so it must
+    name one (a 400 naming ``max_param`` otherwise)."""
+    gate = request.app.get(GATE_KEY)
+    tenant = request.get(TENANT)
+    if gate is None or tenant is None or not gate.limiter.counts_tokens(tenant):
+        return
+    if max_tokens is None:
+        raise RequestError(f"{max_param}: a background response's completion is not seen here; under the tenant's "
+                           f"token limit it is charged in full, so it needs {max_param}", param=max_param)
+    request[_UNSEEN] = max_tokens
+
+
 def count_completion(request: web.Request, gen: _Produced) -> None:
     """The request started as ``gen``: what it produces is charged to its tenant when it ends (and its span says
     how it was routed: ``frontend/tracing.py``)."""
@@ -165,7 +180,8 @@ def _settle(request: web.Request, limiter: TenantLimiter, tenant: str) -> None:
     prompt, reserved = taken
     gen = request.get(GENERATION)
     now = asyncio.get_running_loop().time()
-    limiter.charge(tenant, len(gen.produced) - reserved if gen is not None else -(prompt + reserved), now)
+    produced = None if gen is None else request.get(_UNSEEN, len(gen.produced))
+    limiter.charge(tenant, produced - reserved if produced is not None else -(prompt + reserved), now)
 
 
 def _duration(s: float) -> str:

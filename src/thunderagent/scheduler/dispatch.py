@@ -247,11 +247,13 @@ class Dispatcher:
         sent = self._unprefilled.pop(request_id, None)
         if sent is not None:
             wid = sent[0]
-            left = self._sent[wid] - sent[1]
-            if left:
+            # (the worker's total may be gone: a request that sent 0 tokens, one of vLLM's paths that generate
+            # nothing, outlives the one whose end took the total to 0)
+            left = self._sent.get(wid, 0) - sent[1]
+            if left > 0:
                 self._sent[wid] = left
             else:
-                del self._sent[wid]
+                self._sent.pop(wid, None)
             n = self._pending[wid] - 1
             if n:
                 self._pending[wid] = n
