@@ -31,7 +31,7 @@ def _get(url: str, api_key: str | None, timeout: float) -> tuple[int, bytes]:
         raise ScrapeError(f"{url}: {exc}") from exc
 
 
-def _base_url(url: str) -> str:
+def check_base_url(url: str) -> str:
     """``--url`` checked: an http(s) URL with a host (urllib would take a bare ``host:port`` for a scheme)."""
     parts = urllib.parse.urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -72,7 +72,8 @@ def scrape(base: str, api_key: str | None, metrics_path: str = "/metrics", timeo
 
 
 def top(
-    url: Annotated[str, typer.Option(help="the server's base URL, e.g. http://127.0.0.1:8000", callback=_base_url)],
+    url: Annotated[str, typer.Option(help="the server's base URL, e.g. http://127.0.0.1:8000",
+                                     callback=check_base_url)],
     api_key: Annotated[Optional[str], typer.Option(
         envvar="THUNDERAGENT_API_KEY", help="an admin key (control_plane.admin_keys), sent as Authorization: "
         "Bearer; needed for /health's detail and /metrics when API keys are on")] = None,
@@ -91,7 +92,7 @@ def top(
     from rich.console import Console
     from rich.live import Live
 
-    base = url  # checked by _base_url
+    base = url  # checked by check_base_url
     console = Console()
     # Ctrl-C (SIGINT) ends the live view even when we were started from a script that runs its jobs
     # in the background: such a shell starts them with SIGINT ignored, and Python keeps an ignored
