@@ -423,3 +423,28 @@ def test_a_sharded_index_splits_the_workers_and_routes_on_the_other_frontends_an
     wait_until(lambda: set(index("fb")["owned"]) == workers, 15, "fb to index every worker once fa is gone")
     held = remote[0]
     wait_until(lambda: cluster.indexed("fb")[held] > 0, 10, f"fb to dump {held}'s cache")
+
+
+def test_a_stopped_frontend_lets_its_streams_finish(tmp_path):
+    """SIGTERM to a `thunderagent frontend` (a rolling update): its listener closes and the streams it relays finish
+    (control_plane.shutdown_timeout_s) before it exits."""
+    c = Cluster(tmp_path, heartbeat_interval=0.2, misses=10)
+    try:
+        c.start_nats()
+        c.start_worker("w0", "--speedup", "0.05")  # 20x slower than real time: the stream lasts seconds
+        c.start_frontend("f")
+        wait_until(lambda: c.workers("f") == {"w0"}, 30, "the worker")
+        stream = c.client("f").completions.create(model=MODEL, prompt="a slow story " + TEXT, max_tokens=24,
+                                                  stream=True)
+        n, finish, stopped = 0, None, 0.0
+        for chunk in stream:
+            for choice in chunk.choices:
+                n += bool(choice.text)
+                finish = choice.finish_reason or finish
+            if n and not stopped:
+                c.kill("f", signal.SIGTERM, wait=False)
+                stopped = time.monotonic()
+        assert (n, finish) == (24, "length") and time.monotonic() - stopped > 0.5, c.logs()
+        assert c.procs["f"].wait(30) == 0
+    finally:
+        c.close()
