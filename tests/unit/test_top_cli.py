@@ -40,7 +40,7 @@ def _serving(monkeypatch, answers: dict[str, tuple[int, bytes]]) -> None:
     def fake_get(url: str, api_key: str | None, timeout: float) -> tuple[int, bytes]:
         return answers[url]
 
-    monkeypatch.setattr(top_mod, "_get", fake_get)
+    monkeypatch.setattr(top_mod, "fetch", fake_get)
 
 
 def test_another_server_is_a_clear_error(monkeypatch):

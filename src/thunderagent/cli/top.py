@@ -20,8 +20,14 @@ class ScrapeError(Exception):
     pass
 
 
-def _get(url: str, api_key: str | None, timeout: float) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+def fetch(url: str, api_key: str | None, timeout: float, method: str = "GET",
+          body: object = None) -> tuple[int, bytes]:
+    """A server's answer, whatever its status (``body``: sent as JSON); ScrapeError when none came."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (the operator's own URL)
             return resp.status, resp.read()
@@ -47,7 +53,7 @@ def _metrics_path(path: str) -> str:
 
 
 def scrape(base: str, api_key: str | None, metrics_path: str = "/metrics", timeout: float = 5.0) -> Scrape:
-    status, body = _get(f"{base}/health", api_key, timeout)
+    status, body = fetch(f"{base}/health", api_key, timeout)
     if status in (401, 403):
         raise ScrapeError(f"/health: HTTP {status}: {body.decode(errors='replace')[:200]}")
     try:
@@ -60,7 +66,7 @@ def scrape(base: str, api_key: str | None, metrics_path: str = "/metrics", timeo
     if "workers" not in health:
         raise ScrapeError("/health has no per-worker detail: API keys are on; pass an admin key "
                           "(--api-key or THUNDERAGENT_API_KEY)")
-    status, body = _get(f"{base}{metrics_path}", api_key, timeout)
+    status, body = fetch(f"{base}{metrics_path}", api_key, timeout)
     if status != 200:
         hint = " (needs an admin key: --api-key or THUNDERAGENT_API_KEY)" if status in (401, 403) else ""
         raise ScrapeError(f"{metrics_path}: HTTP {status}: {body.decode(errors='replace')[:200]}{hint}")

@@ -5,13 +5,11 @@ with API keys on, an admin key (``--api-key`` or ``THUNDERAGENT_API_KEY``)."""
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from typing import Annotated, Any, Optional
 
 import typer
 
-from thunderagent.cli.top import check_base_url
+from thunderagent.cli.top import ScrapeError, check_base_url, fetch
 
 workers = typer.Typer(no_args_is_help=True, help="List, cordon, uncordon, add or remove a running server's workers "
                       "(its /v1/admin/workers; the server runs with --admin-api).")
@@ -27,25 +25,20 @@ PATH = "/v1/admin/workers"
 def _call(method: str, url: str, api_key: str | None, body: dict[str, Any] | None = None,
           timeout: float = 30.0) -> Any:
     """The server's JSON answer; its error (OpenAI's shape) printed and the command ended with status 1."""
-    headers = {"Content-Type": "application/json"} if body is not None else {}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (the operator's own URL)
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            err = json.loads(exc.read())["error"]
-            what = f"{err['message']}" + (f" (code {err['code']})" if err.get("code") else "")
-        except (ValueError, KeyError, TypeError):
-            what = exc.reason
-        typer.echo(f"error: HTTP {exc.code}: {what}", err=True)
+        status, raw = fetch(url, api_key, timeout, method, body)
+    except ScrapeError as exc:
+        typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
-    except (urllib.error.URLError, OSError) as exc:
-        typer.echo(f"error: {url}: {exc}", err=True)
-        raise typer.Exit(1) from None
+    if status < 400:
+        return json.loads(raw)
+    try:
+        err = json.loads(raw)["error"]
+        what = f"{err['message']}" + (f" (code {err['code']})" if err.get("code") else "")
+    except (ValueError, KeyError, TypeError):
+        what = raw.decode(errors="replace")[:200]
+    typer.echo(f"error: HTTP {status}: {what}", err=True)
+    raise typer.Exit(1)
 
 
 @workers.command("list")

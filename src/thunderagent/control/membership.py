@@ -84,7 +84,7 @@ class StaticMembership:
             raise ValueError(f"url: group {g} runs engine {node.engine}: " + (
                 "a simulated engine has no server to name" if endpoint is not None else "name its server's url"))
         wid = worker_id or self._new_id()
-        if self._fleet is None or wid in self.handles or wid in self._fleet.workers:
+        if self._fleet is None or wid in self._fleet.workers:
             raise ValueError(f"id: a worker {wid!r} is already in the fleet")
         if endpoint is not None:  # a copy of the group with this one server (the factory reads endpoints[k])
             node = node.model_copy(update={"endpoints": [endpoint], "count": 1})

@@ -56,6 +56,7 @@ from thunderagent.control.index_shards import IndexShards
 from thunderagent.control.planner_peers import PlannerPeers
 from thunderagent.control.program_peers import ProgramPeers
 from thunderagent.control.tenant_peers import TenantPeers
+from thunderagent.control.worker_admin import apply_cordon
 from thunderagent.control.remote_worker import RemoteLink, RemoteWorker
 from thunderagent.types import LoadReport, PromptLimit
 
@@ -231,25 +232,13 @@ class NatsMembership:
         fleet = self.fleet
         if known is not None:
             self._restate(wid, hb)
-        if hb.cordoned != (wid in fleet.cordoned):
-            self._cordon_mark(wid, hb.cordoned)
+        if hb.cordoned != (wid in fleet.cordoned):  # (an operator's, through any frontend)
+            apply_cordon(fleet, wid, hb.cordoned, "its heartbeat says so")
         fleet.on_heartbeat(wid, worker.load())
         if fleet.feed.heartbeat(wid, hb.last_seq):
             log.warning("worker %s published events up to seq %d, index has %d: resyncing",
                         wid, hb.last_seq, fleet.index.last_seq(wid))
             fleet.resync_worker(wid, "tail_lost")
-
-    def _cordon_mark(self, wid: str, cordoned: bool) -> None:
-        """The worker's heartbeat says an operator cordoned it (through any frontend), or no longer."""
-        fleet = self.fleet
-        if cordoned:
-            fleet.cordoned.add(wid)
-        else:
-            fleet.cordoned.discard(wid)
-            fleet.wake()
-        fleet.metrics.cordoned.labels(wid).set(1 if cordoned else 0)
-        log.warning("worker %s %s (its heartbeat says so)", wid, "cordoned: out of routing" if cordoned else
-                    "uncordoned: back in routing")
 
     async def set_cordon(self, worker_id: str, cordoned: bool) -> None:
         """Tell the worker to keep (or drop) its cordon mark; returns once it confirmed (its heartbeat with the mark

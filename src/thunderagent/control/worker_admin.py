@@ -57,6 +57,21 @@ class Removal:
     cut: int  # requests cut (force)
 
 
+def apply_cordon(fleet: Fleet, worker_id: str, cordoned: bool, why: str) -> None:
+    """The one place a worker's cordon mark changes (an operator's call; over NATS also the worker's heartbeat,
+    which carries the mark to every frontend): routing, the gauge, held requests pumped when it is back."""
+    if cordoned == (worker_id in fleet.cordoned):
+        return
+    if cordoned:
+        fleet.cordoned.add(worker_id)
+    else:
+        fleet.cordoned.discard(worker_id)
+        fleet.wake()  # held requests may go there now
+    fleet.metrics.cordoned.labels(worker_id).set(1 if cordoned else 0)
+    log.warning("worker %s %s (%s)", worker_id, "cordoned: out of routing" if cordoned else
+                "uncordoned: back in routing", why)
+
+
 class WorkerAdmin:
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
@@ -103,17 +118,7 @@ class WorkerAdmin:
                 raise AdminError(f"worker {worker_id!r} did not confirm the change (it may be unreachable); "
                                  "nothing changed", 504, "worker_timeout", "worker_id") from None
             self._known(worker_id)  # (it may have left meanwhile)
-        if cordoned == (worker_id in fleet.cordoned):
-            return
-        if cordoned:
-            fleet.cordoned.add(worker_id)
-            log.warning("worker %s cordoned by an operator: out of routing, %d requests in flight finish there",
-                        worker_id, self.in_flight(worker_id))
-        else:
-            fleet.cordoned.discard(worker_id)
-            log.warning("worker %s uncordoned by an operator: back in routing", worker_id)
-            fleet.wake()  # held requests may go there now
-        fleet.metrics.cordoned.labels(worker_id).set(1 if cordoned else 0)
+        apply_cordon(fleet, worker_id, cordoned, f"by an operator, {self.in_flight(worker_id)} requests in flight")
 
     # -- add / remove (thunderagent serve) ---------------------------------------------------------
     def add(self, group: int | None, endpoint: EndpointConfig | None, worker_id: str | None) -> str:

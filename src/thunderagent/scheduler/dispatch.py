@@ -246,19 +246,15 @@ class Dispatcher:
         """Forget what ``request_id`` was sent with (tracked gate); True if it was counted."""
         sent = self._unprefilled.pop(request_id, None)
         if sent is not None:
+            # A worker's two entries go together, when its last request goes: its token total may reach 0 first
+            # (a request that sent none, one of vLLM's paths that generate nothing, outlives the others).
             wid = sent[0]
-            # (the worker's total may be gone: a request that sent 0 tokens, one of vLLM's paths that generate
-            # nothing, outlives the one whose end took the total to 0)
-            left = self._sent.get(wid, 0) - sent[1]
-            if left > 0:
-                self._sent[wid] = left
-            else:
-                self._sent.pop(wid, None)
             n = self._pending[wid] - 1
             if n:
                 self._pending[wid] = n
+                self._sent[wid] -= sent[1]
             else:
-                del self._pending[wid]
+                del self._pending[wid], self._sent[wid]
         return sent is not None
 
     def release(self, program: str) -> bool:
