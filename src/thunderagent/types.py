@@ -149,7 +149,8 @@ class EngineRequest:
 @dataclass(slots=True, frozen=True)
 class Passthrough:
     """A client's HTTP request as it arrived: ``body`` is POSTed byte for byte to the server's
-    ``path`` (``method`` GET: a stored response read, no body); its answer comes back in
+    ``path`` (``method`` GET: a stored response read or the tokenizer's info, no body; a body that is not
+    JSON, the audio paths' forms, has its ``Content-Type`` among the request's headers); its answer comes back in
     :attr:`TokenOutput.raw` (``execution/openai_relay.py``)."""
 
     path: str  # "/v1/chat/completions", "/v1/completions", MESSAGES_PATH, RESPONSES_PATH, a SERVER_PATHS one...
@@ -165,6 +166,11 @@ RESPONSES_PATH = "/v1/responses"
 #: their JSON answer passed back as it came (``frontend/server_api.py``)
 SERVER_PATHS = ("/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score", "/v1/score", "/rerank",
                 "/v1/rerank", "/v2/rerank", "/tokenize", "/detokenize")
+#: vLLM's ``GET /tokenizer_info`` (a server started with ``--enable-tokenizer-info-endpoint``): relayed like those
+TOKENIZER_INFO_PATH = "/tokenizer_info"
+#: vLLM's speech-to-text paths: a multipart form (the audio file and fields), relayed as it came but for its
+#: ``model`` field (``frontend/audio_api.py``, ``execution/form_body.py``)
+AUDIO_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
 #: a stored response's id as vLLM makes them (``resp_`` + hex); the relayed paths that name one: its read
 #: (``GET /v1/responses/{id}``) and its cancel (``POST /v1/responses/{id}/cancel``)
 RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")

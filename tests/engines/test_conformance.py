@@ -35,7 +35,7 @@ from thunderagent.execution.openai import OpenAIWorker
 from thunderagent.execution.sglang import SGLANG
 from thunderagent.execution.vllm import EngineWorker
 from thunderagent.kv.hashing import BASE_SEED, block_hashes
-from thunderagent.types import BlockStored, EngineRequest, FinishReason, LoadReport, TokenOutput
+from thunderagent.types import AllBlocksCleared, BlockStored, EngineRequest, FinishReason, LoadReport, TokenOutput
 
 BS = BLOCK_SIZE
 # How long a load report may take to show a change. A real server on a loaded 2-core CI machine has
@@ -59,6 +59,7 @@ class Harness:
     vocab: int
     rec: Recorder
     caches: bool = True  # reports cached_tokens on a repeated prompt
+    resets: bool = True  # its server serves a prefix-cache reset (vLLM's dev mode, SGLang's /flush_cache)
     events: bool = True  # publishes KV events
     snapshot: bool = True  # can dump its cache synchronously
     rng: random.Random = field(default_factory=lambda: random.Random())
@@ -114,7 +115,7 @@ async def _fake(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
 
 
 async def _engine_flavour(rec: Recorder, flavour: str) -> Harness:
-    server = FakeEngine(flavor=flavour, block_size=BS, max_model_len=4096)
+    server = FakeEngine(flavor=flavour, block_size=BS, max_model_len=4096, dev_mode=True)
     await server.start()
     node = NodeConfig(engine=flavour, block_size=BS, kv_blocks=512,
                       endpoints=[EndpointConfig(url=server.url, kv_events=server.events, kv_replay=server.replay)])
@@ -137,7 +138,7 @@ async def _openai(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
     await server.start()
     node = NodeConfig(engine="openai", block_size=BS, kv_blocks=512, endpoints=[EndpointConfig(url=server.url)])
     handle = OpenAIWorker("openai-0", node, node.endpoints[0], rec.callbacks(), heartbeat_interval=0.05)
-    return Harness(handle, 500, rec, events=False, cleanup=[server.stop])
+    return Harness(handle, 500, rec, events=False, resets=False, cleanup=[server.stop])  # (no vLLM reset path)
 
 
 async def _openai_vllm(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
@@ -274,6 +275,36 @@ async def test_events_carry_the_routers_hashes(h: Harness) -> None:
         assert snap is not None and want <= set(snap[0]) and snap[1] == seqs[-1]
     else:
         assert snap is None  # dumps are asynchronous for this handle (its membership asks)
+
+
+async def test_a_prefix_cache_reset_empties_the_cache(h: Harness) -> None:
+    """``reset_prefix_cache``: the cache emptied (a repeated prompt finds nothing), announced by the worker's KV
+    events when it has them (an idle vLLM engine publishes with its next step: by the next request's end), before
+    that request's blocks; a server without the call says so and keeps its cache."""
+    prompt = h.prompt(4 * BS + 3)
+    want = set(block_hashes(prompt, BS, BASE_SEED))
+    await drain(h.handle.submit(h.request(prompt, 1)))
+    if h.events:
+        await wait_until(lambda: want <= h.stored(), 30, "the prompt's blocks")
+    await wait_until(h.idle, PATIENCE, "its request done")  # (vLLM refuses a reset while blocks are in use)
+    n = len(h.rec.events)
+    r = await h.handle.reset_prefix_cache(False, False)
+    if not h.resets:
+        assert not r.success and "/reset_prefix_cache" in (r.error or ""), r
+        return
+    assert r.success, r.error
+    again = await drain(h.handle.submit(h.request(prompt, 1)))
+    if h.caches:
+        assert max(o.cached_tokens for o in again) == 0
+    if h.events:
+        def after() -> list[object]:
+            return h.rec.events[n:]
+
+        await wait_until(lambda: any(isinstance(e, AllBlocksCleared) for e in after()), 30, "AllBlocksCleared")
+        await wait_until(lambda: want <= {x for e in after() if isinstance(e, BlockStored) for x in e.block_hashes},
+                         30, "the prompt's blocks stored again")
+        kinds = [type(e).__name__ for e in after()]
+        assert kinds.index("AllBlocksCleared") < kinds.index("BlockStored")
 
 
 async def test_heartbeats_report_load(h: Harness) -> None:

@@ -45,3 +45,33 @@ async def test_a_vllm_server_added_at_runtime_is_routed_to_indexed_and_drained(
         assert fleet.index.num_blocks("worker-1") == 0 and sorted(fleet.workers) == ["worker-0"]
         raw = await front.client.completions.with_raw_response.create(model=front.model, prompt=PROMPT, max_tokens=2)
         assert raw.headers["x-thunderagent-worker"] == "worker-0"
+
+
+async def test_a_prefix_cache_reset_reaches_the_vllm_servers(tiny_model_dir: Path,
+                                                              vllm_servers: list[VllmServer]) -> None:
+    """The fleet's reset on real vLLM servers (started with VLLM_SERVER_DEV_MODE=1): each answers success, the index
+    is emptied, the prompt's next run finds nothing cached (vLLM's own count), and the engine's AllBlocksCleared,
+    published with its next step, is applied in sequence."""
+    cfg = front_config(tiny_model_dir, vllm_servers)
+    cfg = cfg.model_copy(update={"control_plane": cfg.control_plane.model_copy(update={"admin_api": True})})
+    prompt = "Before the weights change, the fleet cached this prompt on one server. " * 10
+    async with thunderagent(cfg, vllm_servers) as front, aiohttp.ClientSession() as s:
+        fleet, base = front.fleet, front.base_url
+        hashes = block_hashes(HfTokenizer(tiny_model_dir).encode(prompt), BLOCK_SIZE, hash_seed())
+        raw = await front.client.completions.with_raw_response.create(model=front.model, prompt=prompt, max_tokens=2)
+        home = raw.headers["x-thunderagent-worker"]
+        await wait_until(lambda: fleet.index.is_confirmed(home, hashes[-1]), 20, "the prompt's blocks indexed")
+        again = await front.client.completions.create(model=front.model, prompt=prompt, max_tokens=2)
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        seq = fleet.index.last_seq(home)
+        async with s.post(base + "/reset_prefix_cache") as r:  # vLLM's path, for the fleet
+            assert (r.status, await r.json()) == (200, {"success": True, "workers": [
+                {"id": "worker-0", "success": True}, {"id": "worker-1", "success": True}]})
+        assert fleet.index.num_blocks(home) == 0
+        raw = await front.client.completions.with_raw_response.create(model=front.model, prompt=prompt, max_tokens=2)
+        assert raw.parse().usage.prompt_tokens_details.cached_tokens == 0  # vLLM's cache is empty too
+        served = raw.headers["x-thunderagent-worker"]
+        # the clear came with that request's step on its server (in order: the clear, then the new blocks)
+        await wait_until(lambda: fleet.index.is_confirmed(served, hashes[-1]), 20, "the blocks indexed anew")
+        if served == home:
+            assert fleet.index.last_seq(home) > seq + 1

@@ -224,7 +224,8 @@ async def test_tokenizer_paths_and_stored_responses_on_real_vllm(tiny_model_dir:
                                                                  vllm_servers: list[VllmServer]) -> None:
     """vLLM's paths that generate nothing answer through ThunderAgent as they answer directly (its tokenizer and
     chat template; its refusal of embeddings on a generative model, with its status), and a stored response is
-    read, refused a cancel and continued on the server that stored it (the servers run with the store on)."""
+    read, refused a cancel and continued on the server that stored it (the servers run with the store on); its
+    ``/tokenizer_info`` and a speech-to-text form (refused by a generative model's server, as directly)."""
     served = str(tiny_model_dir)
     chat = {"messages": _history(1), "tools": TOOLS, "add_generation_prompt": True}
     asks = [("/tokenize", {"prompt": "Hello, world: fix the parser."}), ("/tokenize", chat),
@@ -261,6 +262,24 @@ async def test_tokenizer_paths_and_stored_responses_on_real_vllm(tiny_model_dir:
             assert follow.parse().usage.input_tokens > r1.usage.input_tokens  # the stored conversation came along
             async with s.get(front.base_url + "/v1/responses/resp_nowhere") as r:
                 assert r.status == 404
+            # GET /tokenizer_info (the servers run with --enable-tokenizer-info-endpoint): the server's own answer
+            async with s.get(vllm_servers[1].url + "/tokenizer_info") as r:
+                assert r.status == 200
+                theirs = await r.json()
+            async with s.get(front.base_url + "/tokenizer_info") as r:
+                assert r.status == 200 and await r.json() == theirs
+            # a speech-to-text form reaches a server, whose refusal (a generative model has no transcription route)
+            # comes back with its status, as it answers directly
+            form = aiohttp.FormData(default_to_multipart=True)
+            form.add_field("file", b"RIFF" + bytes(64), filename="a.wav", content_type="audio/wav")
+            form.add_field("model", served)
+            async with s.post(vllm_servers[1].url + "/v1/audio/transcriptions", data=form) as r:
+                direct_status = r.status
+            form = aiohttp.FormData(default_to_multipart=True)
+            form.add_field("file", b"RIFF" + bytes(64), filename="a.wav", content_type="audio/wav")
+            form.add_field("model", front.model)
+            async with s.post(front.base_url + "/v1/audio/transcriptions", data=form) as r:
+                assert direct_status >= 400 and r.status == direct_status, (direct_status, await r.text())
 
 
 async def test_background_responses_on_real_vllm(tiny_model_dir: Path, vllm_servers: list[VllmServer]) -> None:

@@ -181,13 +181,14 @@ class VllmServer:
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
             "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048",
             "--max-num-seqs", str(MAX_NUM_SEQS), "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv),
-            "--scheduling-policy", self.scheduling_policy,
+            "--scheduling-policy", self.scheduling_policy, "--enable-tokenizer-info-endpoint",
         ]
         if self.kv_role is not None:
             cmd += ["--kv-transfer-config", json.dumps(nixl_transfer_config(self.kv_role))]
         cmd += list(self.extra_args)
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_HOST_IP": "127.0.0.1"}
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_HOST_IP": "127.0.0.1",
+               "VLLM_SERVER_DEV_MODE": "1"}  # (its /reset_prefix_cache: the fleet's cache reset is tested on it)
         env.update(self.extra_env)
         if self.cpu is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu

@@ -1,6 +1,7 @@
 """Cordon over NATS: the worker process keeps the mark, so a cordon asked of one frontend takes the worker out
 of every frontend's routing, a frontend started later included, and an uncordon through another puts it back.
-Adding or removing workers is refused there (worker processes join and leave by themselves)."""
+Adding or removing workers is refused there (worker processes join and leave by themselves). A prefix-cache
+reset asked of one frontend is done by the worker processes, and every frontend's index follows."""
 
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ MODEL = "thunderagent-sim"
 
 
 def admin(c: Cluster, frontend: str, path: str, body: object | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://127.0.0.1:{c.ports[frontend]}/v1/admin/workers{path}",
+    return post(c, frontend, f"/v1/admin/workers{path}", body)
+
+
+def post(c: Cluster, frontend: str, path: str, body: object | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://127.0.0.1:{c.ports[frontend]}{path}",
                                  data=json.dumps(body or {}).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     try:
@@ -71,6 +76,18 @@ def test_a_cordon_through_one_frontend_holds_on_every_frontend(cluster: Cluster)
     assert status == 409 and err["error"]["code"] == "not_supported"
     status, err = admin(cluster, "fa", "/w1/remove")
     assert status == 409 and err["error"]["code"] == "not_supported" and not cordoned(cluster, "fa")
+
+    # a prefix-cache reset through one frontend: each worker process empties its engine and answers; the frontend
+    # asked drops its entries at once, the others follow the workers' AllBlocksCleared events
+    cluster.client("fb").completions.create(model=MODEL, prompt="a shared prompt about tides. " * 40, max_tokens=2)
+    for f in ("fa", "fb", "fc"):
+        wait_until(lambda f=f: sum(cluster.indexed(f).values()) > 0, 5, f"{f} to index the prompt's blocks")
+    status, body = post(cluster, "fc", "/v1/admin/reset_prefix_cache")
+    assert (status, body) == (200, {"success": True, "workers": [{"id": "w0", "success": True},
+                                                                  {"id": "w1", "success": True}]})
+    assert sum(cluster.indexed("fc").values()) == 0
+    for f in ("fa", "fb"):
+        wait_until(lambda f=f: sum(cluster.indexed(f).values()) == 0, 5, f"{f} to follow the workers' events")
 
     cluster.kill("w1")  # a worker that no longer answers: the frontend says so, nothing changes
     status, err = admin(cluster, "fa", "/w1/cordon")

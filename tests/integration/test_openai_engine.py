@@ -334,6 +334,10 @@ async def test_several_models_over_nats(tmp_path) -> None:
         await asyncio.to_thread(client.completions.create, model="qwen", prompt="traced", max_tokens=2,
                                 extra_headers={"traceparent": parent})
         assert qwen.headers[-1]["traceparent"] == parent
+        # a speech-to-text form crosses the bus with its content type and reaches a server of its model intact
+        audio = b"RIFF\r\n--\x00\xff" * 5_000
+        heard = await asyncio.to_thread(client.audio.transcriptions.create, model="qwen", file=("a.wav", audio))
+        assert heard.text == f"b heard {len(audio)} bytes" and qwen.forms[-1] == {"model": "qwen", "file": audio}
         # a relayed request's prompt is not sent, its body is: a conversation of 600,000 byte-tokens (the byte
         # stand-in) fits one message of the bus's 1 MiB; one whose body is past a message is refused up front
         long = "tool output " * 50_000

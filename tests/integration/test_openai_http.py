@@ -236,5 +236,34 @@ async def test_the_request_head_names_the_host_and_credentials_in_the_url() -> N
         await client.close()
         server.close()
     assert heads == [b"POST /base/v1/completions?a=1 HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n"
-                     b"Authorization: Basic dUB4OnB3\r\nContent-Type: application/json\r\nAccept: */*\r\n"
+                     b"Authorization: Basic dUB4OnB3\r\nAccept: */*\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 2\r\n\r\n" % port]
+
+
+async def test_a_body_that_is_not_json_goes_with_its_own_content_type() -> None:
+    """An audio form names its Content-Type among the request's headers: it replaces the JSON default, once; a pair
+    that would split the request is dropped."""
+    heads: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        await reader.readexactly(3)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = RelayClient(connect_timeout=5, idle_s=2)
+    form = ("Content-Type", "multipart/form-data; boundary=xyz")
+    try:
+        for headers in ((form, ("x-request-id", "r1")), (("x-evil", "a\r\nX-Injected: 1"), ("x-request-id", "r2"))):
+            async with client.post(f"http://127.0.0.1:{port}/v1/audio/transcriptions", b"abc", headers) as resp:
+                assert resp.status == 200
+    finally:
+        await client.close()
+        server.close()
+    base = b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nAccept: */*\r\n" % port
+    assert heads == [base + b"Content-Type: multipart/form-data; boundary=xyz\r\nx-request-id: r1\r\n"
+                            b"Content-Length: 3\r\n\r\n",
+                     base + b"x-request-id: r2\r\nContent-Type: application/json\r\nContent-Length: 3\r\n\r\n"]

@@ -242,3 +242,73 @@ async def test_a_prefill_worker_added_at_runtime_takes_over_the_prefills(server_
             assert pd["prefill_worker"] == "worker-3" and pd["transfer_tokens"] > 0
             assert r.model_extra["thunderagent"]["worker"] in ("worker-1", "worker-2")
         assert srv.fleet.metrics.pd_ok._value.get() == 3  # type: ignore[attr-defined]
+
+
+async def _cached(s: aiohttp.ClientSession, base: str, prompt: str) -> int:
+    """A tenant's completion: the prompt tokens its worker found cached (a tenant is not told which worker)."""
+    async with s.post(base + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2},
+                      headers={"Authorization": f"Bearer {TENANT_KEY}"}) as r:
+        assert r.status == 200, await r.text()
+        return (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def test_a_prefix_cache_reset_empties_the_workers_and_the_index(server_factory) -> None:
+    """``/v1/admin/reset_prefix_cache`` (all or some workers), ``.../workers/{id}/reset_prefix_cache`` and vLLM's
+    ``/reset_prefix_cache``: the engines forget their cache, the index its entries; refusals name the field."""
+    async with server_factory(**_sim(api_keys={TENANT_KEY: "acme"}, admin_keys=[ADMIN_KEY])) as srv, \
+            aiohttp.ClientSession() as s:
+        base = srv.base_url
+        prompt = "a long shared system prompt about rivers and bridges. " * 20
+        index = srv.fleet.index
+
+        def holder() -> str:
+            (wid,) = [w for w in ("worker-0", "worker-1") if index.num_blocks(w) > 0]
+            return wid
+
+        await _cached(s, base, prompt)
+        home = holder()
+        assert await _cached(s, base, prompt + " again") > 0  # its cache, found
+        status, body = await _call(s, "POST", base + "/v1/admin/reset_prefix_cache", key=ADMIN_KEY)
+        assert (status, body) == (200, {"success": True, "workers": [{"id": "worker-0", "success": True},
+                                                                      {"id": "worker-1", "success": True}]})
+        assert index.num_blocks("worker-0") == index.num_blocks("worker-1") == 0
+        assert await _cached(s, base, prompt + " again") == 0  # the engine's cache is gone too
+        # one worker (its own path, or named in the fleet's), with vLLM's parameters
+        await _cached(s, base, prompt)
+        home = holder()
+        status, body = await _call(s, "POST", f"{base}{ADMIN}/{home}/reset_prefix_cache", {}, key=ADMIN_KEY)
+        assert (status, body) == (200, {"success": True, "workers": [{"id": home, "success": True}]})
+        assert index.num_blocks(home) == 0
+        status, body = await _call(s, "POST", base + "/v1/admin/reset_prefix_cache",
+                                   {"workers": [home], "reset_running_requests": True}, key=ADMIN_KEY)
+        assert status == 200 and body["success"] is False and body["workers"][0]["id"] == home
+        assert "does not preempt its running requests" in body["workers"][0]["error"]
+        # vLLM's own path: the fleet's reset, its query parameters checked
+        await _cached(s, base, prompt)
+        home = holder()
+        async with s.post(base + "/reset_prefix_cache?reset_external=true",
+                          headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as r:
+            assert r.status == 200 and (await r.json())["success"] is True
+        assert index.num_blocks(home) == 0
+        for query, param in (("reset_running_requests=maybe", "reset_running_requests"), ("all=1", "all")):
+            async with s.post(f"{base}/reset_prefix_cache?{query}",
+                              headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == param
+        # refusals: an unknown worker, an unknown field, a list on the one-worker path, no admin key
+        for url, payload, code, param in (
+                (base + "/v1/admin/reset_prefix_cache", {"workers": ["worker-0", "nope"]}, 404, "workers"),
+                (f"{base}{ADMIN}/nope/reset_prefix_cache", None, 404, "worker_id"),
+                (base + "/v1/admin/reset_prefix_cache", {"reset": True}, 400, None),
+                (f"{base}{ADMIN}/worker-0/reset_prefix_cache", {"workers": ["worker-1"]}, 400, "workers")):
+            status, body = await _call(s, "POST", url, payload, key=ADMIN_KEY)
+            assert status == code and (param is None or body["error"]["param"] == param), (url, body)
+        assert (await _call(s, "POST", base + "/v1/admin/reset_prefix_cache"))[0] == 401
+        async with s.post(base + "/reset_prefix_cache") as r:
+            assert r.status == 401
+
+
+async def test_a_prefix_cache_reset_needs_the_admin_api(server_factory) -> None:
+    async with server_factory(execution_group={"nodes": [{"count": 1}]}) as srv, aiohttp.ClientSession() as s:
+        for path in ("/v1/admin/reset_prefix_cache", "/reset_prefix_cache", f"{ADMIN}/worker-0/reset_prefix_cache"):
+            status, body = await _call(s, "POST", srv.base_url + path)
+            assert status == 403 and body["error"]["code"] == "admin_api_disabled", path

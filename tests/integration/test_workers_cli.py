@@ -1,5 +1,6 @@
-"""``thunderagent workers`` against a live server: list, cordon, uncordon, add, remove, and the server's refusals
-printed with exit status 1 (the CLI's blocking calls run in a thread: the server shares the test's event loop)."""
+"""``thunderagent workers`` against a live server: list, cordon, uncordon, add, remove, reset-cache, and the
+server's refusals printed with exit status 1 (the CLI's blocking calls run in a thread: the server shares the
+test's event loop)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,17 @@ async def test_the_workers_command_drives_the_admin_api(server_factory) -> None:
         assert r.exit_code == 0 and "spare added" in r.output and "spare" in srv.fleet.workers
         r = await _run("remove", "spare", "--timeout", "5", *url)
         assert r.exit_code == 0 and "spare removed" in r.output and "spare" not in srv.fleet.workers
+        # prefix caches: every worker's, or one's; a worker that refuses (a simulated one does not preempt running
+        # requests): its reason printed, status 1
+        await srv.client.completions.create(model=srv.fleet.model_name, prompt="cached words " * 60, max_tokens=2)
+        assert sum(srv.fleet.index.num_blocks(w) for w in srv.fleet.workers) > 0
+        r = await _run("reset-cache", *url)
+        assert r.exit_code == 0 and r.output.splitlines() == ["worker-0: reset", "worker-1: reset"], r.output
+        assert sum(srv.fleet.index.num_blocks(w) for w in srv.fleet.workers) == 0
+        r = await _run("reset-cache", "worker-1", "--running", *url)
+        assert r.exit_code == 1 and r.output.startswith("worker-1: not reset: a simulated worker does not preempt")
+        r = await _run("reset-cache", "nope", *url)
+        assert r.exit_code == 1 and "HTTP 404" in r.output
         # the server's refusals: printed, status 1
         r = await _run("cordon", "nope", *url)
         assert r.exit_code == 1 and "HTTP 404" in r.output and "worker_not_found" in r.output

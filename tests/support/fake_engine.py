@@ -26,6 +26,14 @@ ZMQ KV events with replay, so the real-engine adapter can be tested without a mo
 - ``POST /v1/embeddings``, ``/score``, ``/rerank``, ``/tokenize``, ``/detokenize`` (and vLLM's other pooling
   paths): a JSON answer naming this server (``served_by``) and echoing the body's ``model``; the bodies land
   in ``pooled``; a body with ``"fail": true`` is a 400 in OpenAI's shape;
+- ``dev_mode``: ``POST /reset_prefix_cache`` (SGLang: ``/flush_cache``) empties the cache, publishes
+  ``AllBlocksCleared`` and answers as vLLM does (``{"success": false}`` while a request runs, unless
+  ``reset_running_requests=true``; SGLang: 400);
+- ``GET /tokenizer_info``: a JSON answer naming this server (lands in ``pooled``); ``POST /v1/audio/transcriptions``
+  and ``/translations``: the form read by aiohttp's parser (its fields and the file's bytes land in ``audio``),
+  answered with a text naming the file's size, this server and the form's ``model``: JSON, text
+  (``response_format`` text / srt / vtt) or, with ``stream`` true, transcription chunks and ``[DONE]``; a form
+  without a file or with ``fail`` is a 400;
 - ``GET /metrics``: running / waiting / KV usage (and vLLM's ``cache_config_info``);
 - ``api_key``: the paths under ``/v1`` demand it as ``Authorization: Bearer`` (a 401 without it), as vLLM's
   ``--api-key`` does (``/metrics`` stays open);
@@ -67,6 +75,9 @@ class FakeEngine:
     render_responses: Callable[[dict], list[int]] | None = None  # a Responses API body -> the prompt's token ids
     responses: list[dict] = field(default_factory=list)  # Responses API bodies received
     pooled: list[tuple[str, dict]] = field(default_factory=list)  # (path, body) of pooling / tokenizer requests
+    audio: list[tuple[str, dict]] = field(default_factory=list)  # (path, form's text fields + the file's bytes)
+    dev_mode: bool = False  # serves /reset_prefix_cache (vLLM with VLLM_SERVER_DEV_MODE=1) or SGLang's /flush_cache
+    resets: list[dict[str, str]] = field(default_factory=list)  # the query of each reset asked
     reads: list[str] = field(default_factory=list)  # the stored-response paths asked for (GET and cancel)
     _events: dict[str, list[tuple[str, dict]]] = field(default_factory=dict)  # each response's, to replay
     adapters: list[str] = field(default_factory=list)  # LoRA adapters it lists in /v1/models (parent: the base)
@@ -91,6 +102,11 @@ class FakeEngine:
         for path in ("/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score", "/v1/score", "/rerank",
                      "/v1/rerank", "/v2/rerank", "/tokenize", "/detokenize"):
             app.router.add_post(path, self._pooling)
+        app.router.add_get("/tokenizer_info", self._tokenizer_info)
+        if self.dev_mode:
+            app.router.add_post("/reset_prefix_cache" if self.flavor == "vllm" else "/flush_cache", self._reset)
+        for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
+            app.router.add_post(path, self._audio)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None)
@@ -329,6 +345,52 @@ class FakeEngine:
         return web.json_response({"object": "list", "served_by": self.url, "model": body.get("model"),
                                   "data": [{"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}],
                                   "usage": {"prompt_tokens": 3, "total_tokens": 3}})
+
+    async def _reset(self, request: web.Request) -> web.Response:
+        """vLLM's answer: ``{"success": false}`` while requests run (unless ``reset_running_requests``); else the
+        cache is emptied and ``AllBlocksCleared`` published. SGLang's: 200, or 400 while busy."""
+        self.resets.append(dict(request.query))
+        if self.running and request.query.get("reset_running_requests") != "true":
+            if self.flavor == "sglang":
+                return web.Response(status=400, text="Cache not flushed because there are pending requests.")
+            return web.json_response({"success": False})
+        self._cache.clear()
+        frames = encode_batch(len(self._batches), [{"type": "AllBlocksCleared"}], time.time())
+        self._batches.append(frames)
+        self._pub.send_multipart(frames)
+        return web.Response(text="Cache flushed.") if self.flavor == "sglang" else web.json_response({"success": True})
+
+    async def _tokenizer_info(self, request: web.Request) -> web.Response:
+        self.pooled.append((request.path, dict(request.query)))
+        return web.json_response({"tokenizer_class": "FakeTokenizer", "served_by": self.url})
+
+    async def _audio(self, request: web.Request) -> web.StreamResponse:
+        form = await request.post()  # (aiohttp's own multipart parser: not the one ThunderAgent reads with)
+        upload = form.get("file")
+        fields: dict[str, Any] = {k: v for k, v in form.items() if isinstance(v, str)}
+        if isinstance(upload, web.FileField):
+            fields["file"] = upload.file.read()
+        self.audio.append((request.path, fields))
+        if "file" not in fields or fields.get("fail"):
+            return web.json_response({"error": {"message": "bad audio", "type": "BadRequestError", "param": "file",
+                                                "code": 400}}, status=400)
+        words = [f"heard {len(fields['file'])} bytes", f" on {self.url}", f" as {fields.get('model')}"]
+        if fields.get("stream") == "true":
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i, w in enumerate(words):
+                last = i == len(words) - 1
+                chunk = {"object": "transcription.chunk", "choices": [{"delta": {"content": w},
+                                                                       "finish_reason": "stop" if last else None}]}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await asyncio.sleep(self.step_s)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        text = "".join(words)
+        if fields.get("response_format") in ("text", "srt", "vtt"):
+            return web.Response(text=text)
+        return web.json_response({"text": text, "usage": {"type": "duration", "seconds": 1}})
 
     # -- prefix cache and KV events --------------------------------------------------------------
     def cache_prompt(self, prompt: list[int]) -> int:

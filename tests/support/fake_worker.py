@@ -3,7 +3,8 @@
 It answers each request with ``max_tokens`` tokens (letters), one output per step, caches the
 prompt's full blocks (reporting ``cached_tokens`` on a repeat and ``BlockStored`` events with the
 router's hashes), pushes its load at submit / finish, heartbeats, and touches its requests while
-alive. ``unavailable=True`` makes it refuse every request (``UNAVAILABLE``, and out of routing).
+alive; a prefix-cache reset empties the cache (``AllBlocksCleared``), refused while a request runs.
+``unavailable=True`` makes it refuse every request (``UNAVAILABLE``, and out of routing).
 It passes ``tests/engines/test_conformance.py`` like the real handles, so fleet tests can trust it.
 """
 
@@ -11,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
-from thunderagent.execution.handle import KEEPALIVE_S, OutputQueue, WorkerCallbacks, cancel_and_wait
-from thunderagent.types import BlockStored, EngineRequest, FinishReason, LoadReport, TokenOutput
+from thunderagent.execution.handle import KEEPALIVE_S, CacheReset, OutputQueue, WorkerCallbacks, cancel_and_wait
+from thunderagent.types import AllBlocksCleared, BlockStored, EngineRequest, FinishReason, LoadReport, TokenOutput
 
 
 class FakeWorker:
@@ -69,6 +70,15 @@ class FakeWorker:
 
     def snapshot(self) -> tuple[list[int], int] | None:
         return list(self.cache), self.seq
+
+    async def reset_prefix_cache(self, running: bool, external: bool) -> CacheReset:
+        """As vLLM: refused while a request runs (unless ``running``), else the cache emptied and announced."""
+        if self._reqs and not running:
+            return CacheReset(False, error="blocks are still in use")
+        self.cache.clear()
+        self.seq += 1
+        self.cb.on_events(self.worker_id, [AllBlocksCleared(self.worker_id, self.seq)])
+        return CacheReset(True)
 
     # -- the fake engine ---------------------------------------------------------------------
     def load(self) -> LoadReport:

@@ -6,7 +6,8 @@ requests with that HTTP status and an OpenAI error body, ``die_after`` cuts a st
 after that many tokens, ``metrics`` serves a vLLM-shaped ``/metrics`` page (else 404), ``step_s``
 paces the tokens, ``models`` are what it lists in ``/v1/models`` and serves (another name is a 404, as
 vLLM answers it), ``api_key`` the key it demands on every path (a 401 without it; ``seen_keys`` counts the
-Authorization headers it got, by path). 127.0.0.1 only.
+Authorization headers it got, by path); ``POST /v1/audio/transcriptions`` keeps each form (``forms``) and
+answers a text naming the server and the file's size. 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -40,12 +41,14 @@ class OpenAIBackend:
     api_key: str | None = None
     seen_keys: dict[str, int] = field(default_factory=dict)  # path -> requests that carried the right key
     headers: list[dict[str, str]] = field(default_factory=list)  # each generation request's headers
+    forms: list[dict[str, str | bytes]] = field(default_factory=list)  # speech-to-text forms received (file: bytes)
 
     async def start(self) -> None:
         app = web.Application(middlewares=[self._auth])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/audio/transcriptions", self._audio)
         if self.metrics:
             app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None)
@@ -57,6 +60,15 @@ class OpenAIBackend:
 
     async def stop(self) -> None:
         await self._runner.cleanup()
+
+    async def _audio(self, request: web.Request) -> web.Response:
+        form = await request.post()
+        got: dict[str, str | bytes] = {k: v for k, v in form.items() if isinstance(v, str)}
+        upload = form.get("file")
+        if isinstance(upload, web.FileField):
+            got["file"] = upload.file.read()
+        self.forms.append(got)
+        return web.json_response({"text": f"{self.name} heard {len(got.get('file', b''))} bytes"})
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:  # type: ignore[no-untyped-def]

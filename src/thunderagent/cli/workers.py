@@ -1,6 +1,7 @@
 """``thunderagent workers``: the operator's worker endpoints of a running server (``/v1/admin/workers``) from the
-command line: list, cordon, uncordon, add, remove. The server needs ``control_plane.admin_api`` (``--admin-api``);
-with API keys on, an admin key (``--api-key`` or ``THUNDERAGENT_API_KEY``)."""
+command line: list, cordon, uncordon, add, remove, and reset their prefix caches. The server needs
+``control_plane.admin_api`` (``--admin-api``); with API keys on, an admin key (``--api-key`` or
+``THUNDERAGENT_API_KEY``)."""
 
 from __future__ import annotations
 
@@ -112,6 +113,26 @@ def remove(worker: Annotated[str, typer.Argument(help="the worker's id")], url: 
               timeout=timeout + 30)
     moved = f", {r['requests_moved']} requests moved to other workers" if r["requests_moved"] else ""
     typer.echo(f"{r['id']} removed{moved}")
+
+
+@workers.command("reset-cache")
+def reset_cache(url: UrlOpt, worker: Annotated[Optional[list[str]], typer.Argument(
+                    help="the workers' ids (none: every worker)")] = None,
+                running: Annotated[bool, typer.Option(
+                    "--running", help="also the blocks of running requests (vLLM preempts them)")] = False,
+                external: Annotated[bool, typer.Option(
+                    "--external", help="also a KV connector's cache (vLLM's reset_external)")] = False,
+                api_key: KeyOpt = None) -> None:
+    """Empty the workers' prefix caches (after a weight update: their KV is stale); the index follows. Status 1
+    unless every one of them reset."""
+    body: dict[str, Any] = {"reset_running_requests": running, "reset_external": external}
+    if worker:
+        body["workers"] = worker
+    r = _call("POST", url + "/v1/admin/reset_prefix_cache", api_key, body, timeout=60)
+    for w in r["workers"]:
+        typer.echo(f"{w['id']}: " + ("reset" if w["success"] else f"not reset: {w.get('error')}"))
+    if not r["success"]:
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:

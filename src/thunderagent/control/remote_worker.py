@@ -14,12 +14,17 @@ stream message only to the worker its subject names (see :mod:`thunderagent.bus.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from thunderagent.bus.nats import Bus, BusMsg
+import msgspec
+
+from thunderagent.bus.nats import Bus, BusError, BusMsg
 from thunderagent.bus.wire import Abort, Subjects, decode_tokens, encode, output_from_wire, request_to_wire
-from thunderagent.execution.handle import OutputQueue, Snapshot, WorkerCallbacks, with_pending
+from thunderagent.bus.wire_admin import ResetCache, decode_cache_reset_reply
+from thunderagent.execution.cache_reset import RESET_TIMEOUT_S
+from thunderagent.execution.handle import CacheReset, OutputQueue, Snapshot, WorkerCallbacks, with_pending
 from thunderagent.types import EngineRequest, FinishReason, LoadReport, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -91,6 +96,27 @@ class RemoteWorker:
 
     def snapshot(self) -> Snapshot | None:
         return None  # dumps are asynchronous: the membership requests them itself
+
+    async def reset_prefix_cache(self, running: bool, external: bool) -> CacheReset:
+        """Asked of the worker process (it holds the server's connection); its answer, or a failure when the
+        instance this frontend knows does not answer in time (its server's own timeout, plus the bus)."""
+        link = self._link
+        reply = link.subjects.call_reply(self.worker_id, link.frontend_id, secrets.token_hex(6))
+
+        def its_answer(msg: BusMsg) -> bool:
+            try:
+                return decode_cache_reset_reply(msg.data).instance == self.instance
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return False
+
+        try:
+            got = await link.bus.request_many(link.subjects.rpc(self.worker_id, "reset_cache"),
+                                              encode(ResetCache(running, external)), RESET_TIMEOUT_S + 2,
+                                              its_answer, reply)
+        except (BusError, TimeoutError) as e:
+            return CacheReset(False, error=f"the worker process did not answer: {e or 'timed out'}")
+        r = decode_cache_reset_reply(got[-1].data)
+        return CacheReset(r.success, r.error)
 
     # -- membership side ---------------------------------------------------------------------
     def load(self) -> LoadReport:

@@ -97,7 +97,7 @@ class WorkerAdmin:
                         "in_flight": self.in_flight(wid)})
         return out
 
-    def _known(self, worker_id: str) -> None:
+    def known(self, worker_id: str) -> None:
         if worker_id not in self.fleet.workers:
             raise AdminError(f"no worker {worker_id!r} in the fleet", 404, "worker_not_found", "worker_id")
 
@@ -108,7 +108,7 @@ class WorkerAdmin:
     # -- cordon ----------------------------------------------------------------------------------
     async def cordon(self, worker_id: str, cordoned: bool = True) -> None:
         """Take the worker out of routing (``cordoned``) or put it back; idempotent."""
-        self._known(worker_id)
+        self.known(worker_id)
         fleet = self.fleet
         if self._static() is None:  # the worker keeps the mark (NATS): it must confirm before we answer
             membership: Cordons = fleet.membership  # type: ignore[assignment]
@@ -117,7 +117,7 @@ class WorkerAdmin:
             except TimeoutError:
                 raise AdminError(f"worker {worker_id!r} did not confirm the change (it may be unreachable); "
                                  "nothing changed", 504, "worker_timeout", "worker_id") from None
-            self._known(worker_id)  # (it may have left meanwhile)
+            self.known(worker_id)  # (it may have left meanwhile)
         apply_cordon(fleet, worker_id, cordoned, f"by an operator, {self.in_flight(worker_id)} requests in flight")
 
     # -- add / remove (thunderagent serve) ---------------------------------------------------------
@@ -143,7 +143,7 @@ class WorkerAdmin:
 
     async def remove(self, worker_id: str, *, force: bool, timeout_s: float) -> Removal:
         static = self._need_static("remove")
-        self._known(worker_id)
+        self.known(worker_id)
         fleet = self.fleet
         await self.cordon(worker_id)
         cut = 0

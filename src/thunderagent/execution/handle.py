@@ -22,6 +22,8 @@ The contract every handle keeps (``tests/engines/test_conformance.py`` checks it
   ``on_load_stale`` (when given) with a reader of its load: the registry calls it before it is next
   read, so several changes between two reads cost one report (see ``WorkerRegistry.stale``).
 - ``abort`` of an unknown or finished request is ignored; after ``abort`` nothing more arrives.
+- ``reset_prefix_cache`` empties the worker's prefix cache (an operator's call: ``control/cache_reset.py``); its
+  KV events, if it has any, announce it (``AllBlocksCleared``); it never raises for the server's refusal.
 """
 
 from __future__ import annotations
@@ -111,6 +113,15 @@ class WorkerCallbacks:
     on_adapters: Callable[[str, tuple[str, ...]], None] | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class CacheReset:
+    """How a worker's prefix-cache reset went: ``success`` (False: refused, e.g. blocks still in use, with ``error``
+    saying why)."""
+
+    success: bool
+    error: str | None = None
+
+
 class WorkerHandle(Protocol):
     worker_id: str
 
@@ -125,6 +136,10 @@ class WorkerHandle(Protocol):
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (client gone, stop sequence hit). Unknown ids are ignored."""
+
+    async def reset_prefix_cache(self, running: bool, external: bool) -> CacheReset:
+        """Empty the prefix cache (``running``: also the blocks of running requests, which are preempted;
+        ``external``: a KV connector's cache too), as vLLM's ``/reset_prefix_cache`` does."""
 
     def snapshot(self) -> Snapshot | None:
         """Cached block hashes and the last event seq they include, for an index resync, then

@@ -14,7 +14,7 @@ import logging
 from dataclasses import replace
 
 from thunderagent.engine.base import Engine
-from thunderagent.execution.handle import KEEPALIVE_S, OutputQueue, WorkerCallbacks, cancel_and_wait
+from thunderagent.execution.handle import KEEPALIVE_S, CacheReset, OutputQueue, WorkerCallbacks, cancel_and_wait
 from thunderagent.types import EngineRequest, FinishReason, LoadReport, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,18 @@ class LocalWorker:
             self.engine.abort(request_id, now)
             self._push_load(self.engine.load(now))
             self._wake.set()
+
+    async def reset_prefix_cache(self, running: bool, external: bool) -> CacheReset:
+        """Forget every cached block (``AllBlocksCleared``); running requests keep theirs, unannounced.
+        (A simulated engine has no external cache: ``external`` asks nothing more.)"""
+        if running:
+            return CacheReset(False, error="a simulated worker does not preempt its running requests for a reset "
+                                           "(without reset_running_requests their blocks stay, unannounced)")
+        self._flush_events()  # (the events before the clear go out first, in sequence)
+        self.engine.reset()
+        self._flush_events()
+        self._push_load(self.engine.load(self.clock.now()))
+        return CacheReset(True)
 
     def snapshot(self) -> tuple[list[int], int, list[int] | None] | None:
         """The engine's cached hashes, the last event seq they include and their check hashes

@@ -11,6 +11,8 @@ A :class:`WorkerService` wraps any :class:`WorkerHandle` (the simulated engine d
   request produced nothing for ``KEEPALIVE_S``; ``abort`` cancels one; ``dump`` answers with the
   cached hashes and the last event seq they include (``DumpChunk``s); ``ping`` with this process's
   instance (``Pong``: a frontend that hears of a new instance asks whether the old one still runs);
+  ``cordon`` keeps an operator's mark (in its heartbeats); ``reset_cache`` empties its server's prefix cache
+  and answers how it went (``bus.wire_admin``);
 - a request lives as long as its frontend: one that misses ``frontend_lease`` seconds of
   heartbeats (``<p>.frontend.<fid>.hb``) is gone, and its requests are aborted (nobody reads them);
 - it answers only to reply subjects under its own name (``<p>.reply.<id>.``): what it publishes
@@ -35,7 +37,10 @@ from dataclasses import dataclass, replace
 
 from thunderagent.config import Config, NodeConfig
 from thunderagent.bus.connect import connect_options
+import msgspec
+
 from thunderagent.bus.nats import Bus, BusMsg, NatsBus
+from thunderagent.bus.wire_admin import CacheResetReply, decode_reset_cache
 from thunderagent.types import WorkerInfo
 from thunderagent.bus.wire import (
     KEEPALIVE_S,
@@ -59,7 +64,7 @@ from thunderagent.bus.wire import (
     request_from_wire,
 )
 from thunderagent.gc_policy import tune_gc
-from thunderagent.execution.handle import OutputQueue, WorkerCallbacks, WorkerHandle, snapshot_checks
+from thunderagent.execution.handle import CacheReset, OutputQueue, WorkerCallbacks, WorkerHandle, snapshot_checks
 from thunderagent.types import FinishReason, KvEvent, LoadReport, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -118,6 +123,7 @@ class WorkerService:
         self._keepalive_task: asyncio.Task[None] | None = None
         self._replies = subjects.reply_prefix(self.worker_id)
         self._refused_replies = 0
+        self._calls: set[asyncio.Task[None]] = set()  # operator calls answered from a task (a cache reset)
         self._loop: asyncio.AbstractEventLoop | None = None
         #: where the KV events go (nats.index: sharded: a subject only the worker's owner subscribes to)
         self._kv_subject = subjects.worker_kv(self.worker_id, sharded_kv)
@@ -254,8 +260,24 @@ class WorkerService:
                 self._publish_heartbeat("hb", self._load)
             if msg.reply:
                 self.bus.publish(msg.reply, encode(Pong(self.instance)))
+        elif kind == "reset_cache":  # (answered from a task: the server's answer must not hold up the other rpcs)
+            if msg.reply:
+                task = asyncio.get_running_loop().create_task(self._reset_cache(msg), name="reset-cache")
+                self._calls.add(task)
+                task.add_done_callback(self._calls.discard)
         else:
             log.warning("unknown rpc %s", msg.subject)
+
+    async def _reset_cache(self, msg: BusMsg) -> None:
+        assert self.handle is not None
+        try:
+            ask = decode_reset_cache(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            r = CacheReset(False, error=f"not a reset request: {e}")
+        else:
+            r = await self.handle.reset_prefix_cache(ask.running, ask.external)
+            log.warning("prefix cache reset by an operator: %s", "done" if r.success else f"refused: {r.error}")
+        self.bus.publish(msg.reply, encode(CacheResetReply(self.instance, r.success, r.error)))
 
     def _generate(self, msg: BusMsg) -> None:
         assert self.handle is not None

@@ -44,6 +44,7 @@ _MAX_CHUNK = 64 * 1024 * 1024  # one chunk of a chunked body is held whole: refu
 _NO_BODY = frozenset((204, 304))
 _NAME = re.compile(r"[A-Za-z0-9-]{1,64}")  # a forwarded header's name ...
 _VALUE = re.compile(r"[\x20-\x7e]{1,512}")  # ... and value: printable ASCII, no CR / LF
+_JSON = b"Content-Type: application/json\r\n"  # a relayed body's type, unless its request names another
 
 
 class _Conn(asyncio.Protocol):
@@ -331,8 +332,7 @@ class RelayClient:
                 cred = f"{unquote(u.username)}:{unquote(u.password or '')}".encode()
                 auth = f"Authorization: Basic {base64.b64encode(cred).decode()}\r\n"
             host = u.netloc.rpartition("@")[2]
-            head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\n"
-                    "Accept: */*\r\n").encode()
+            head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Accept: */*\r\n".encode()
             got = self._heads[url] = ((u.hostname, port), head)
         return got
 
@@ -379,8 +379,12 @@ class RelayClient:
         key, head = self._head(url)
         # headers: a client's trace context, checked by the frontend; checked again here, where a CR / LF would
         # split the request (a forged request over the bus): a pair that is not a token and printable is dropped
-        extra = b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in headers
-                         if _NAME.fullmatch(k) and _VALUE.fullmatch(v)) if headers else b""
+        extra = _JSON
+        if headers:  # (a body that is not JSON, an audio form, names its own Content-Type among them)
+            sent = [(k, v) for k, v in headers if _NAME.fullmatch(k) and _VALUE.fullmatch(v)]
+            extra = b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in sent)
+            if not any(k.lower() == "content-type" for k, _ in sent):
+                extra += _JSON
         request = b"%s%sContent-Length: %d\r\n\r\n%s" % (head, extra, len(body), body)
         conn = self._pooled(key)
         try:

@@ -32,12 +32,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from thunderagent.execution.http_transport import TransportConnectionError, TransportError
-from thunderagent.execution.relay_body import engine_body
+from thunderagent.execution.relay_body import engine_body, form_body
 from thunderagent.types import (
+    AUDIO_PATHS,
     MESSAGES_PATH,
     RESPONSES_PATH,
     SERVER_PATHS,
     STORED_RESPONSE_PATH,
+    TOKENIZER_INFO_PATH,
     FinishReason,
     Passthrough,
     TokenOutput,
@@ -328,8 +330,13 @@ _READERS: dict[str, _Reader] = {"/v1/chat/completions": _OpenAIReader(), "/v1/co
 
 def _reader(pt: Passthrough) -> _Reader | None:
     """The reader of a relayed request's answer; None for a request no server is sent: a path not served, a GET of
-    anything but a stored response, a POST to one but its cancel, either with a body; a stream only as the streamed
-    read of one (its events replayed: the Responses API's reader)."""
+    anything but a stored response or the tokenizer's info, a POST to a stored response but its cancel, either with
+    a body; a stream only as the streamed read of one (its events replayed: the Responses API's reader) or a
+    transcription's (OpenAI's chunks)."""
+    if pt.path == TOKENIZER_INFO_PATH:
+        return _PLAIN if pt.method == "GET" and not pt.body and not pt.stream else None
+    if pt.path in AUDIO_PATHS:
+        return None if pt.method != "POST" else _READERS["/v1/completions"] if pt.stream else _PLAIN
     if pt.method == "GET" or STORED_RESPONSE_PATH.fullmatch(pt.path):
         ok = STORED_RESPONSE_PATH.fullmatch(pt.path) and pt.path.endswith("/cancel") == (pt.method == "POST")
         if not ok or pt.body or pt.stream != ("?stream=true" in pt.path):
@@ -361,7 +368,9 @@ class Relay:
         s._progress(r, 0)
         try:
             body = pt.body
-            if self._rewrite and body:  # (the Messages API has no priority field; a stored response's has no body)
+            if self._rewrite and pt.path in AUDIO_PATHS:  # a form: only its model named the server's way
+                body = form_body(body, r.req, await s._served_model())
+            elif self._rewrite and body:  # (the Messages API has no priority field; a stored response's has no body)
                 body = engine_body(body, r.req, await s._served_model(),
                                    send_priority=s.send_priority and pt.path != MESSAGES_PATH)
             url = s.url + pt.path

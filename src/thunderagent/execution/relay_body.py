@@ -11,6 +11,8 @@ The client's JSON is kept as it came but for ThunderAgent's own fields, rewritte
 - ``program_id``, ``explain``, ``lora_name`` and a ``program_id`` inside ``extra_body`` are dropped
   (the server has no use for them), as are the fleet-internal fields the frontend refuses anyway
   (KV-transfer parameters, the engine's request id).
+
+An audio path's form (``form_body``) gets only its ``model`` field so; the rest is the server's as it came.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from thunderagent.execution.form_body import FormError, boundary_of, with_field
 from thunderagent.types import EngineRequest
 
 _doc = msgspec.json.Decoder(dict[str, Any])
@@ -46,3 +49,16 @@ def engine_body(body: bytes, req: EngineRequest, model: str, *, send_priority: b
     if send_priority and req.priority:  # 0 is vLLM's default too
         doc["priority"] = -req.priority
     return _enc.encode(doc)
+
+
+def form_body(body: bytes, req: EngineRequest, model: str) -> bytes:
+    """An audio request's multipart form with ``model`` the server's own name (or the LoRA adapter's); a form the
+    frontend did not check (its content type lost) goes as it came, for the server to judge."""
+    ctype = next((v for k, v in req.headers if k.lower() == "content-type"), None)
+    boundary = boundary_of(ctype) if ctype is not None else None
+    if boundary is None:
+        return body
+    try:
+        return with_field(body, boundary, "model", req.lora_name or model)
+    except FormError:
+        return body

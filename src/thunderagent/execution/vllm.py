@@ -27,7 +27,9 @@ from thunderagent.config.auth import server_api_key
 from thunderagent.execution.engine_metrics import VLLM, EngineFlavor
 from thunderagent.execution.engine_poll import REASON_BLOCK_SIZE, REASON_UNREACHABLE, EnginePoller
 from thunderagent.execution.engine_requests import RequestStreamer, request_body
+from thunderagent.execution.cache_reset import reset_server
 from thunderagent.execution.handle import (
+    CacheReset,
     OutputQueue,
     WorkerCallbacks,
     WorkerFactory,
@@ -150,6 +152,10 @@ class EngineWorker:
 
     def abort(self, request_id: str) -> None:
         self._requests.abort(request_id)
+
+    async def reset_prefix_cache(self, running: bool, external: bool) -> CacheReset:
+        # (with KV events, vLLM's AllBlocksCleared follows: with its engine's next step, when it steps)
+        return await reset_server(self._transport, self.url, self.flavor.name, running, external)
 
     def load(self) -> LoadReport:
         s = self._health.stats

@@ -4,6 +4,11 @@
 - ``POST /v1/admin/workers/{worker_id}/cordon`` and ``.../uncordon``: out of routing (its requests finish) and back;
 - ``POST /v1/admin/workers {"url": ..., "group": N, ...}``: one more server (``thunderagent serve``);
 - ``POST /v1/admin/workers/{worker_id}/remove {"force": false, "timeout_s": 30}``: cordon, drain, leave.
+- ``POST /v1/admin/reset_prefix_cache {"workers": [...], "reset_running_requests": false, "reset_external": false}``
+  (every worker by default), ``POST /v1/admin/workers/{worker_id}/reset_prefix_cache`` (one), and vLLM's own
+  ``POST /reset_prefix_cache?reset_running_requests=...&reset_external=...`` (every worker: for tools written
+  against one vLLM server): empty the servers' prefix caches, the index following (``control/cache_reset.py``);
+  200 with ``success`` (all of them) and each worker's answer.
 
 What each does: ``control/worker_admin.py``. Errors are OpenAI-shaped, naming the field.
 """
@@ -19,10 +24,13 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from thunderagent.config import EndpointConfig
+from thunderagent.control.cache_reset import reset_caches
 from thunderagent.control.worker_admin import AdminError, WorkerAdmin
 from thunderagent.frontend.protocol import RequestError, decode_request
 
 WORKERS_PATH = "/v1/admin/workers"
+RESET_PATH = "/v1/admin/reset_prefix_cache"
+VLLM_RESET_PATH = "/reset_prefix_cache"  # vLLM's (a server with VLLM_SERVER_DEV_MODE=1), for the fleet
 #: an added worker's id (it names metric series and log lines)
 WORKER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 _WORKER_ID = re.compile(WORKER_ID_PATTERN)
@@ -30,6 +38,7 @@ MAX_DRAIN_S = 3600.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 T = TypeVar("T")
+S = TypeVar("S", bound=msgspec.Struct)
 
 
 class AddWorker(msgspec.Struct, forbid_unknown_fields=True):
@@ -48,6 +57,15 @@ class AddWorker(msgspec.Struct, forbid_unknown_fields=True):
 class RemoveWorker(msgspec.Struct, forbid_unknown_fields=True):
     force: bool = False
     timeout_s: float = 30.0
+
+
+class ResetCaches(msgspec.Struct, forbid_unknown_fields=True):
+    workers: list[str] | None = None  # (the per-worker path: its own; refused in its body)
+    reset_running_requests: bool = False
+    reset_external: bool = False
+
+
+_FLAGS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 
 
 class AdminApi:
@@ -104,9 +122,7 @@ class AdminApi:
     async def remove(self, request: web.Request) -> web.Response:
         self._check()
         wid = request.match_info["worker_id"]
-        raw = await request.read()
-        body = decode_request(raw, RemoveWorker) if raw.strip() else RemoveWorker()
-        assert isinstance(body, RemoveWorker)
+        body = await _optional_body(request, RemoveWorker)
         if not 0 <= body.timeout_s <= MAX_DRAIN_S:
             raise RequestError(f"timeout_s: 0 to {MAX_DRAIN_S:.0f} seconds, got {body.timeout_s}", param="timeout_s")
         r = await _acting(self.admin.remove(wid, force=body.force, timeout_s=body.timeout_s))
@@ -115,6 +131,57 @@ class AdminApi:
                                "cordoned; call again to wait longer, or with force: true to move them", status=409,
                                code="worker_busy", param="timeout_s")
         return web.json_response({"id": wid, "removed": True, "requests_moved": r.cut})
+
+    async def reset_all(self, request: web.Request) -> web.Response:
+        self._check()
+        body = await _optional_body(request, ResetCaches)
+        ids = body.workers
+        if ids is None:
+            ids = sorted(self.admin.fleet.workers)
+        for k, wid in enumerate(ids):
+            if wid not in self.admin.fleet.workers:
+                raise RequestError(f"workers[{k}]: no worker {wid!r} in the fleet", status=404,
+                                   code="worker_not_found", param="workers")
+        return await self._reset(sorted(set(ids)), body.reset_running_requests, body.reset_external)
+
+    async def reset_one(self, request: web.Request) -> web.Response:
+        self._check()
+        wid = request.match_info["worker_id"]
+        body = await _optional_body(request, ResetCaches)
+        if body.workers is not None:
+            raise RequestError(f"workers: this path resets {wid!r} (the fleet's: {RESET_PATH})", param="workers")
+        try:
+            self.admin.known(wid)
+        except AdminError as e:
+            raise _error(e) from None
+        return await self._reset([wid], body.reset_running_requests, body.reset_external)
+
+    async def reset_vllm(self, request: web.Request) -> web.Response:
+        """vLLM's path and query parameters; every worker of the fleet."""
+        self._check()
+        flags = {"reset_running_requests": False, "reset_external": False}
+        for name, value in request.query.items():
+            if name not in flags:
+                raise RequestError(f"{VLLM_RESET_PATH} takes reset_running_requests and reset_external, not "
+                                   f"{name!r}", param=name)
+            if value.strip().lower() not in _FLAGS:
+                raise RequestError(f"{name}: a boolean (true or false), got {value[:40]!r}", param=name)
+            flags[name] = _FLAGS[value.strip().lower()]
+        return await self._reset(sorted(self.admin.fleet.workers), flags["reset_running_requests"],
+                                 flags["reset_external"])
+
+    async def _reset(self, ids: list[str], running: bool, external: bool) -> web.Response:
+        done = await reset_caches(self.admin.fleet, ids, running=running, external=external)
+        return web.json_response({"success": bool(done) and all(r.success for r in done), "workers": [
+            {"id": r.worker_id, "success": r.success, **({"error": r.error} if r.error else {})} for r in done]})
+
+
+async def _optional_body(request: web.Request, kind: type[S]) -> S:
+    """The request's JSON body as ``kind``; none (or blank): ``kind``'s defaults."""
+    raw = await request.read()
+    body = decode_request(raw, kind) if raw.strip() else kind()
+    assert isinstance(body, kind)
+    return body
 
 
 async def _acting(coro: Awaitable[T]) -> T:
@@ -140,3 +207,6 @@ def add_admin_routes(route: Callable[[str, str, Handler], None], api: AdminApi) 
     route("POST", f"{WORKERS_PATH}/{{worker_id}}/cordon", api.cordon)
     route("POST", f"{WORKERS_PATH}/{{worker_id}}/uncordon", api.uncordon)
     route("POST", f"{WORKERS_PATH}/{{worker_id}}/remove", api.remove)
+    route("POST", f"{WORKERS_PATH}/{{worker_id}}/reset_prefix_cache", api.reset_one)
+    route("POST", RESET_PATH, api.reset_all)
+    route("POST", VLLM_RESET_PATH, api.reset_vllm)

@@ -42,11 +42,12 @@ from thunderagent.frontend.trace_context import OUR_PARENT, trace_headers
 from thunderagent.frontend.tracing import TRACING_KEY, make_tracing
 from thunderagent.frontend.responses_api import ResponsesApi
 from thunderagent.frontend.server_api import ServerApi, add_routes
+from thunderagent.frontend.audio_api import AudioApi, add_routes as add_audio_routes
 from thunderagent.frontend.relay_fields import fleet_relay
 from thunderagent.frontend.streaming import TextChunk, stream_text
 from thunderagent.frontend.tokenizer import ChatMessage, Tokenizer
 from thunderagent.scheduler.programs import PROGRAM_ID, program_key
-from thunderagent.types import RESPONSES_PATH, SERVER_PATHS, FinishReason, Sampling
+from thunderagent.types import AUDIO_PATHS, RESPONSES_PATH, SERVER_PATHS, TOKENIZER_INFO_PATH, FinishReason, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,9 @@ EXPLAIN_HEADER = "x-thunderagent-explain"
 #: the routes that generate (what control_plane.tenant_limits counts)
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", MESSAGES_PATH, RESPONSES_PATH)
 #: the paths whose requests get a span of ours (tracing on): everything sent to a worker
-TRACED_PATHS = (*INFERENCE_PATHS, COUNT_TOKENS_PATH, *SERVER_PATHS, f"{RESPONSES_PATH}/{{response_id}}",
+#: the relayed paths that generate nothing or not from text (each counted by a tenant's request limits)
+SERVED_PATHS = (*SERVER_PATHS, TOKENIZER_INFO_PATH, *AUDIO_PATHS)
+TRACED_PATHS = (*INFERENCE_PATHS, COUNT_TOKENS_PATH, *SERVED_PATHS, f"{RESPONSES_PATH}/{{response_id}}",
                 f"{RESPONSES_PATH}/{{response_id}}/cancel")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _enc = msgspec.json.Encoder()
@@ -424,7 +427,7 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
                     cfg.control_plane.host, cfg.control_plane.port)
     if ring is not None:
         app[AUTH_KEY] = ring
-        gate = make_gate(cfg.control_plane.tenant_limits, ring.tenants, INFERENCE_PATHS + SERVER_PATHS, fleet.metrics,
+        gate = make_gate(cfg.control_plane.tenant_limits, ring.tenants, INFERENCE_PATHS + SERVED_PATHS, fleet.metrics,
                          shared=shared_limits is not None)
         if gate is not None:
             app[GATE_KEY] = gate
@@ -458,6 +461,8 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     route("POST", f"{RESPONSES_PATH}/{{response_id}}/cancel", fe.responses_api.stored, Access.TENANT)
     add_routes(lambda method, path, handler: route(method, path, handler, Access.TENANT),
                ServerApi(fe.relay or fe.unmodelled))  # embeddings, scores, the server's tokenizer
+    add_audio_routes(lambda method, path, handler: route(method, path, handler, Access.TENANT),
+                     AudioApi(fe.relay or fe.unmodelled))  # speech to text
     route("GET", "/v1/models", fe.models, Access.TENANT)
     programs = ProgramsApi(fleet, peers)  # a tenant key: its own programs; an admin key: everyone's
     route("GET", "/v1/programs", programs.listing, Access.ANY)

@@ -25,6 +25,7 @@ from aiohttp import http_exceptions, web
 
 from thunderagent.config import ControlPlaneConfig
 from thunderagent.frontend.protocol import RequestError, error_body
+from thunderagent.types import AUDIO_PATHS
 
 LIMITS_KEY = web.AppKey("limits", ControlPlaneConfig)
 
@@ -52,9 +53,10 @@ def check_origin_and_media_type(request: web.Request) -> None:
     if not request.body_exists or request.content_length == 0:
         return  # a body-less POST (release a program by path)
     declared = request.headers.get("Content-Type")
-    if not _JSON.fullmatch(request.content_type):
+    form = request.path in AUDIO_PATHS  # (speech to text: the audio file in a form, as OpenAI's API takes it)
+    if not (request.content_type == "multipart/form-data" if form else _JSON.fullmatch(request.content_type)):
         raise RequestError(
-            f"Content-Type must be application/json, got {declared or 'none'!r}",
+            f"Content-Type must be {'multipart/form-data' if form else 'application/json'}, got {declared or 'none'!r}",
             status=415, code="unsupported_media_type",
         )
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()

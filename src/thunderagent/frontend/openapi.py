@@ -16,7 +16,16 @@ from aiohttp import web
 
 from thunderagent.config import Config
 from thunderagent.config.auth import TENANT_NAME
-from thunderagent.frontend.admin_api import MAX_DRAIN_S, WORKER_ID_PATTERN, WORKERS_PATH, AddWorker, RemoveWorker
+from thunderagent.frontend.admin_api import (
+    MAX_DRAIN_S,
+    RESET_PATH,
+    VLLM_RESET_PATH,
+    WORKER_ID_PATTERN,
+    WORKERS_PATH,
+    AddWorker,
+    RemoveWorker,
+    ResetCaches,
+)
 from thunderagent.frontend.anthropic import COUNT_TOKENS_PATH, MESSAGES_PATH
 from thunderagent.frontend.protocol import (
     MAX_STOP,
@@ -31,7 +40,7 @@ from thunderagent.frontend.protocol import (
 )
 from thunderagent.frontend.relay_fields import MESSAGE_KEYS, RelayFields, fleet_relay
 from thunderagent.scheduler.programs import LIVE_STATES, PROGRAM_ID
-from thunderagent.types import RESPONSE_ID, RESPONSES_PATH, SERVER_PATHS
+from thunderagent.types import AUDIO_PATHS, RESPONSE_ID, RESPONSES_PATH, SERVER_PATHS, TOKENIZER_INFO_PATH
 
 PATH = "/openapi.json"
 PROGRAM_ID_SCHEMA = {"type": "string", "pattern": PROGRAM_ID.pattern}
@@ -115,6 +124,13 @@ _SERVER_REQUEST = {"type": "object", "properties": {
     "description": "vLLM's request of this path (its fields are the server's to check)"}
 
 
+#: vLLM's speech-to-text form (frontend/audio_api.py): what ThunderAgent reads of it
+_AUDIO_REQUEST = {"type": "object", "required": ["file"], "properties": {
+    "file": {"type": "string", "format": "binary"}, "model": {"type": "string", "minLength": 1},
+    "stream": {"type": "boolean"}, "response_format": {"type": "string"}},
+    "description": "vLLM's transcription / translation form (its other fields are the server's to check)"}
+
+
 def _server_paths() -> dict[str, Any]:
     relayed = (400, 401, 404, 408, 413, 415, 429, 502, 503)
     paths: dict[str, Any] = {path: {"post": {
@@ -122,6 +138,21 @@ def _server_paths() -> dict[str, Any]:
         "requestBody": {"required": True, "content": {"application/json": {"schema": _SERVER_REQUEST}}},
         "responses": {"200": _json({"type": "object"}, "the server's answer"), **_errors(*relayed)}}}
         for path in SERVER_PATHS}
+    paths[TOKENIZER_INFO_PATH] = {"get": {
+        "summary": "vLLM's tokenizer configuration, from a server of the model (servers started with "
+                   "--enable-tokenizer-info-endpoint)",
+        "parameters": [{"name": "model", "in": "query", "required": False, "schema": {"type": "string",
+                                                                                      "minLength": 1},
+                        "description": "a server of this model (ThunderAgent's parameter, not sent on)"}],
+        "responses": {"200": _json({"type": "object"}, "the server's answer"), **_errors(*relayed)}}}
+    for path in AUDIO_PATHS:
+        paths[path] = {"post": {
+            "summary": f"vLLM's {path} (speech to text), the form relayed to a server of the model (on load)",
+            "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": _AUDIO_REQUEST}}},
+            "responses": {"200": {"description": "the server's answer: JSON, text (response_format text, srt, "
+                                                 "vtt) or, with stream, its events", "content": {
+                "application/json": {"schema": {"type": "object"}}, "text/plain": {"schema": {"type": "string"}},
+                "text/event-stream": {"schema": _SSE_EVENT}}}, **_errors(*relayed)}}}
     replay = [{"name": "stream", "in": "query", "required": False, "schema": {"type": "boolean", "default": False},
                "description": "replay a background response's events (server-sent events)"},
               {"name": "starting_after", "in": "query", "required": False, "schema": {
@@ -201,8 +232,11 @@ _WORKER = {"type": "object", "required": ["id", "health", "cordoned", "in_flight
 
 
 def _admin_paths() -> dict[str, Any]:
-    """``/v1/admin/workers*`` (``control_plane.admin_api``; 403 while it is off)."""
+    """``/v1/admin/workers*``, the prefix-cache resets (``control_plane.admin_api``; 403 while it is off)."""
     ref = {"$ref": "#/components/schemas/RemoveWorker"}
+    reset = {"$ref": "#/components/schemas/ResetCaches"}
+    resets = {"type": "object", "required": ["success", "workers"], "properties": {"success": {"type": "boolean"},
+              "workers": {"type": "array", "items": {"type": "object", "required": ["id", "success"]}}}}
     cordon = {"type": "object", "required": ["id", "cordoned", "in_flight"]}
     return {
         WORKERS_PATH: {
@@ -225,6 +259,20 @@ def _admin_paths() -> dict[str, Any]:
                 "schema": ref}}},
             "responses": {"200": _json({"type": "object", "required": ["id", "removed", "requests_moved"]},
                                        "removed"), **_errors(400, 403, 404, 409, 413, 415, 504)}}},
+        f"{WORKERS_PATH}/{{worker_id}}/reset_prefix_cache": {"post": {
+            "summary": "Empty a worker's prefix cache (its server's), the index following",
+            "parameters": [_WORKER_PARAM], "requestBody": {"required": False, "content": {"application/json": {
+                "schema": reset}}},
+            "responses": {"200": _json(resets, "each worker's answer"), **_errors(400, 403, 404, 413, 415)}}},
+        RESET_PATH: {"post": {
+            "summary": "Empty the prefix caches of the fleet's workers (all, or those named), the index following",
+            "requestBody": {"required": False, "content": {"application/json": {"schema": reset}}},
+            "responses": {"200": _json(resets, "each worker's answer"), **_errors(400, 403, 404, 413, 415)}}},
+        VLLM_RESET_PATH: {"post": {
+            "summary": "vLLM's prefix cache reset, for every worker of the fleet",
+            "parameters": [{"name": name, "in": "query", "required": False, "schema": {"type": "boolean"}}
+                           for name in ("reset_running_requests", "reset_external")],
+            "responses": {"200": _json(resets, "each worker's answer"), **_errors(400, 403)}}},
     }
 
 
@@ -233,8 +281,8 @@ def get(summary: str, responses: dict[str, Any]) -> dict[str, Any]:
 
 
 def openapi_document(cfg: Config) -> dict[str, Any]:
-    (_, _, _, _, _), components = msgspec.json.schema_components(
-        [ChatCompletionRequest, CompletionRequest, ReleaseRequest, AddWorker, RemoveWorker],
+    (_, _, _, _, _, _), components = msgspec.json.schema_components(
+        [ChatCompletionRequest, CompletionRequest, ReleaseRequest, AddWorker, RemoveWorker, ResetCaches],
         ref_template="#/components/schemas/{name}")
     _narrow(components, cfg.model_name, fleet_relay(cfg.execution_group.nodes))
     paths: dict[str, Any] = {

@@ -133,6 +133,22 @@ class Routed:
     extra_body: dict[str, Any] | None = None
 
 
+def _with_type(headers: tuple[tuple[str, str], ...], content_type: str | None) -> tuple[tuple[str, str], ...]:
+    return headers if content_type is None else (*headers, ("Content-Type", content_type))
+
+
+def relaying(relay: RelayFrontend | None, request: web.Request, query: frozenset[str] = frozenset()) -> RelayFrontend:
+    """The fleet's relay, for a path only servers serve (a 404 without one); a query parameter but ``query``'s is a
+    400 naming it."""
+    if relay is None:
+        raise no_servers(f"{request.path} endpoint")
+    extra = sorted(set(request.query) - query)
+    if extra:
+        but = f" but {', '.join(sorted(query))}" if query else ""
+        raise RequestError(f"query parameters are not taken on {request.path}{but}: {extra[0]!r}", param=extra[0])
+    return relay
+
+
 def no_servers(api: str) -> RequestError:
     """The 404 of an API only servers serve, on a fleet with none to relay to."""
     return RequestError(f"the {api} is relayed to vLLM, SGLang or OpenAI-compatible servers; this fleet has none to "
@@ -263,13 +279,16 @@ class RelayFrontend:
     async def dispatch(self, request: web.Request, req: Any, ids: list[int], pt: Passthrough, lora: str | None,
                        prompt_param: str, anthropic: bool = False, pin: str | None = None,
                        on_answer: Callable[[bytes, str], None] | None = None,
-                       plain: int | None = None) -> web.StreamResponse:
+                       plain: int | None = None, content_type: str | None = None,
+                       answer_type: str = "application/json") -> web.StreamResponse:
         """Route ``pt`` (the client's body) on the prompt ``ids`` and relay the server's answer. ``req``: the
         fields routing reads (``max_tokens`` / ``max_completion_tokens``, ``cache_salt``, ``lora_name``,
         ``priority``, ``program_id``, ``explain``, ``user``); ``anthropic``: errors in the Messages API's shape;
         ``pin``: the worker it goes to while routable; ``on_answer(first bytes, worker)``: told of the server's
         answer once it starts (a whole body, or the first events of a stream); ``plain``: a request that generates
-        nothing (``ids`` empty: routed on load alone, no program step), charging the tenant these tokens."""
+        nothing (``ids`` empty: routed on load alone, no program step), charging the tenant these tokens;
+        ``content_type``: the body's, when it is not JSON (sent on with it); ``answer_type``: the content type of a
+        whole (unstreamed) answer."""
         fe = self.fe
         if not ids and plain is None:
             raise RequestError("prompt is empty", param=prompt_param)
@@ -292,7 +311,7 @@ class RelayFrontend:
             route_key=fe._route_key(request, req),
             program_id=fe._program_id(request, req) if plain is None else None,
             tenant=request.get(TENANT), passthrough=pt, pin=pin,
-            headers=trace_headers(request.headers, request.get(OUR_PARENT)),
+            headers=_with_type(trace_headers(request.headers, request.get(OUR_PARENT)), content_type),
         )
         count_completion(request, gen)
         shown = request[DETAIL]
@@ -324,7 +343,7 @@ class RelayFrontend:
                     return failed(out)
                 if shown:
                     headers["x-thunderagent-worker"] = gen.decision.worker_id  # routed again: the one that served
-                return web.Response(body=out.raw, content_type="application/json", headers=headers)
+                return web.Response(body=out.raw, content_type=answer_type, headers=headers)
             return await self._stream(request, worker(), out, outputs, headers, anthropic, gen)
         finally:
             await outputs.aclose()  # aborts the server's request if it did not finish

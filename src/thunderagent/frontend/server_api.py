@@ -2,7 +2,8 @@
 
 ``POST /v1/embeddings``, ``/v2/embed``, ``/pooling``, ``/classify`` (pooling models), ``/score``,
 ``/v1/score``, ``/rerank``, ``/v1/rerank``, ``/v2/rerank`` (scoring models) and ``/tokenize``,
-``/detokenize`` (any model: the server's tokenizer and chat template, exactly what it would run) go to a
+``/detokenize``, ``GET /tokenizer_info`` (any model: the server's tokenizer and chat template, exactly what it
+would run; the last only from servers started with ``--enable-tokenizer-info-endpoint``) go to a
 server that serves the request's ``model`` (or the LoRA adapter it names) with the client's body; the
 server's JSON answer, or its error, comes back as it came. Fleets that relay serve them (``engine: openai``,
 and vLLM / SGLang with ``relay`` not ``off``); elsewhere they are a 404 that says why.
@@ -30,8 +31,8 @@ from aiohttp import web
 from msgspec import Meta
 
 from thunderagent.frontend.protocol import Priority, RequestError
-from thunderagent.frontend.relay import RelayFrontend, Routed, decode_body, no_servers
-from thunderagent.types import SERVER_PATHS, Passthrough
+from thunderagent.frontend.relay import RelayFrontend, Routed, decode_body, relaying
+from thunderagent.types import SERVER_PATHS, TOKENIZER_INFO_PATH, Passthrough
 
 #: bytes of a request body per input token, for a tenant's token limit (English text and JSON run 3-5)
 BYTES_PER_TOKEN = 4
@@ -60,14 +61,20 @@ class ServerApi:
     def __init__(self, relay: RelayFrontend | None) -> None:
         self.relay = relay
 
+    async def tokenizer_info(self, request: web.Request) -> web.StreamResponse:
+        """``GET /tokenizer_info``: a server's tokenizer configuration, from a server of ``?model=NAME`` (ours, not
+        sent on: a fleet of several models' servers) or any server of the fleet."""
+        relay = relaying(self.relay, request, frozenset({"model"}))
+        model = request.query.get("model")
+        if model is not None and not model:
+            raise RequestError("`model` is empty", param="model")
+        lora = relay.admit(model, lambda: None, TOKENIZER_INFO_PATH.lstrip("/"))
+        return await relay.dispatch(request, Routed(1, None, 0, False, None, None), [],
+                                    Passthrough(TOKENIZER_INFO_PATH, b"", False, "GET"), lora, "model", plain=0)
+
     async def relayed(self, request: web.Request) -> web.StreamResponse:
-        relay = self.relay
+        relay = relaying(self.relay, request)
         path = request.path
-        if relay is None:
-            raise no_servers(f"{path} endpoint")
-        if request.query:
-            raise RequestError(f"query parameters are not taken on {path}: {sorted(request.query)[0]!r}",
-                               param=sorted(request.query)[0])
         body = await request.read()
         req: _Request = decode_body(_decoder, body)
         lora = relay.admit(req.model, lambda: None, path.lstrip("/"))  # (the fields are the server's to check)
@@ -77,6 +84,8 @@ class ServerApi:
 
 
 def add_routes(route: Callable[[str, str, Any], None], api: ServerApi) -> None:
-    """Each path of :data:`~thunderagent.types.SERVER_PATHS`, a ``POST`` to :meth:`ServerApi.relayed`."""
+    """Each path of :data:`~thunderagent.types.SERVER_PATHS`, a ``POST`` to :meth:`ServerApi.relayed`, and
+    ``GET /tokenizer_info``."""
     for path in SERVER_PATHS:
         route("POST", path, api.relayed)
+    route("GET", TOKENIZER_INFO_PATH, api.tokenizer_info)
