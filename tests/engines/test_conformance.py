@@ -60,6 +60,8 @@ class Harness:
     rec: Recorder
     caches: bool = True  # reports cached_tokens on a repeated prompt
     resets: bool = True  # its server serves a prefix-cache reset (vLLM's dev mode, SGLang's /flush_cache)
+    loads_adapters: bool = False  # its server loads LoRA adapters at runtime
+    pauses: bool = False  # its server pauses and resumes its generation (vLLM's dev mode)
     events: bool = True  # publishes KV events
     snapshot: bool = True  # can dump its cache synchronously
     rng: random.Random = field(default_factory=lambda: random.Random())
@@ -115,13 +117,14 @@ async def _fake(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
 
 
 async def _engine_flavour(rec: Recorder, flavour: str) -> Harness:
-    server = FakeEngine(flavor=flavour, block_size=BS, max_model_len=4096, dev_mode=True)
+    server = FakeEngine(flavor=flavour, block_size=BS, max_model_len=4096, dev_mode=True, lora_updating=True)
     await server.start()
     node = NodeConfig(engine=flavour, block_size=BS, kv_blocks=512,
                       endpoints=[EndpointConfig(url=server.url, kv_events=server.events, kv_replay=server.replay)])
     handle = EngineWorker(f"{flavour}-0", node, node.endpoints[0], rec.callbacks(), heartbeat_interval=0.05,
                           flavor=VLLM if flavour == "vllm" else SGLANG)
-    return Harness(handle, 500, rec, cleanup=[server.stop], ready=[server.wait_subscribed], states=(4096, 0))
+    return Harness(handle, 500, rec, cleanup=[server.stop], ready=[server.wait_subscribed], states=(4096, 0),
+                   loads_adapters=True, pauses=flavour == "vllm")
 
 
 async def _vllm_flavour(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
@@ -146,7 +149,7 @@ async def _openai_vllm(rec: Recorder, request: pytest.FixtureRequest) -> Harness
     server = request.getfixturevalue("vllm_servers")[0]
     node = NodeConfig(engine="openai", block_size=BS, endpoints=[EndpointConfig(url=server.endpoint()["url"])])
     handle = OpenAIWorker("openai-vllm-0", node, node.endpoints[0], rec.callbacks(), heartbeat_interval=0.2)
-    return Harness(handle, 500, rec, events=False, real=True)
+    return Harness(handle, 500, rec, events=False, real=True, pauses=True)
 
 
 async def _remote(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
@@ -161,7 +164,8 @@ async def _vllm(rec: Recorder, request: pytest.FixtureRequest) -> Harness:
     server = request.getfixturevalue("vllm_servers")[0]
     node = NodeConfig(engine="vllm", block_size=BS, endpoints=[server.endpoint()])
     handle = EngineWorker("vllm-0", node, node.endpoints[0], rec.callbacks(), heartbeat_interval=0.2)
-    return Harness(handle, 500, rec, real=True, states=(2048, 0))  # vllm_env starts it with --max-model-len 2048
+    return Harness(handle, 500, rec, real=True, states=(2048, 0),  # vllm_env starts it with --max-model-len 2048
+                   pauses=True)
 
 
 BUILDERS = {"simulated": _simulated, "fake": _fake, "vllm-flavour": _vllm_flavour,
@@ -305,6 +309,41 @@ async def test_a_prefix_cache_reset_empties_the_cache(h: Harness) -> None:
                          30, "the prompt's blocks stored again")
         kinds = [type(e).__name__ for e in after()]
         assert kinds.index("AllBlocksCleared") < kinds.index("BlockStored")
+
+
+async def test_a_lora_adapter_is_loaded_and_unloaded_or_refused_with_a_reason(h: Harness) -> None:
+    """``set_adapter``: on a server that loads adapters at runtime the served names follow at once (``on_adapters``);
+    elsewhere a refusal that says why (a simulated engine has none, a server without the path); never a raise."""
+    name = f"conf-{h.rng.getrandbits(24):06x}"
+    loaded = await h.handle.set_adapter(name, f"/loras/{name}", False)
+    if not h.loads_adapters:
+        assert not loaded.success and loaded.error, loaded
+        return
+    assert loaded.success, loaded.error
+    assert h.rec.adapters and name in h.rec.adapters[-1]
+    again = await h.handle.set_adapter(name, f"/loras/{name}", False)
+    assert not again.success and "already been loaded" in (again.error or "")
+    gone = await h.handle.set_adapter(name, None, False)
+    assert gone.success and name not in h.rec.adapters[-1]
+
+
+async def test_generation_is_paused_and_resumed_or_refused_with_a_reason(h: Harness) -> None:
+    """``set_paused``: a request sent to a paused server waits there (no output) and completes once it resumes;
+    elsewhere a refusal that says why; never a raise."""
+    paused = await h.handle.set_paused(True, "keep", False)
+    if not h.pauses:
+        assert not paused.success and paused.error, paused
+        return
+    assert paused.success, paused.error
+    try:
+        q = h.handle.submit(h.request(h.prompt(BS), 2))
+        await asyncio.sleep(1.0)
+        assert not any(o.token_ids for o in list(q._queue))  # (nothing generated while paused)
+    finally:
+        resumed = await h.handle.set_paused(False, "abort", False)
+    assert resumed.success, resumed.error
+    outs = await drain(q)
+    assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 2
 
 
 async def test_heartbeats_report_load(h: Harness) -> None:

@@ -9,7 +9,9 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import numpy as np
+import openai
 import pytest
 
 from support.waiting import wait_until
@@ -50,7 +52,8 @@ def lora_server(engine_tmp: Path, tiny_model_dir: Path) -> Iterator[VllmServer]:
     python = engine_python(workdir)
     adapter = build_adapter(workdir / ADAPTER, tiny_model_dir)
     server = VllmServer("lora", python, tiny_model_dir, workdir, cpu=cpu_binding(0), extra_args=(
-        "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{ADAPTER}={adapter}"))
+        "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{ADAPTER}={adapter}"),
+        extra_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})  # (adapters loaded through ThunderAgent: below)
     with one_server(server, "vLLM server with a LoRA adapter"):
         yield server
 
@@ -78,3 +81,30 @@ async def test_lora_adapter_by_name_on_real_vllm(tiny_model_dir: Path, lora_serv
         overlap, cached = await ask(ADAPTER)
         assert overlap == len(hashes) and cached == overlap * BLOCK_SIZE, (overlap, cached)  # as vLLM holds them
         assert await ask(front.model) == (0, 0)  # the base model shares nothing with the adapter's cache
+
+
+async def test_an_adapter_loaded_and_unloaded_at_runtime_through_the_fleet(engine_tmp: Path, tiny_model_dir: Path,
+                                                                           lora_server: VllmServer) -> None:
+    """vLLM's ``/v1/load_lora_adapter`` through ThunderAgent (admin API on): the server loads it, the fleet serves
+    its name at once and routes to the server holding it; unloaded, the name is refused again."""
+    adapter = build_adapter(engine_tmp / "vllm-lora" / "runtime-lora", tiny_model_dir, rank=2)
+    cfg = front_config(tiny_model_dir, [lora_server])
+    cfg = cfg.model_copy(update={"control_plane": cfg.control_plane.model_copy(update={"admin_api": True})})
+    async with thunderagent(cfg, [lora_server]) as front:
+        c = front.client
+        async with aiohttp.ClientSession() as s:
+            async with s.post(front.base_url + "/v1/load_lora_adapter",
+                              json={"lora_name": "runtime-lora", "lora_path": str(adapter)}) as r:
+                assert (r.status, await r.json()) == (200, {"success": True, "workers": [
+                    {"id": "worker-0", "success": True}]})
+            assert [m.id for m in (await c.models.list()).data] == [front.model, *sorted([ADAPTER, "runtime-lora"])]
+            out = await c.completions.create(model="runtime-lora", prompt="a runtime adapter", max_tokens=2)
+            assert out.usage.completion_tokens == 2
+            async with s.post(front.base_url + "/v1/load_lora_adapter",  # vLLM's refusal, passed on
+                              json={"lora_name": "runtime-lora", "lora_path": str(adapter)}) as r:
+                body = await r.json()
+                assert r.status == 502 and "already been loaded" in body["workers"][0]["error"], body
+            async with s.post(front.base_url + "/v1/unload_lora_adapter", json={"lora_name": "runtime-lora"}) as r:
+                assert r.status == 200
+        with pytest.raises(openai.NotFoundError):
+            await c.completions.create(model="runtime-lora", prompt="gone", max_tokens=2)

@@ -88,6 +88,13 @@ def test_a_cordon_through_one_frontend_holds_on_every_frontend(cluster: Cluster)
     assert sum(cluster.indexed("fc").values()) == 0
     for f in ("fa", "fb"):
         wait_until(lambda f=f: sum(cluster.indexed(f).values()) == 0, 5, f"{f} to follow the workers' events")
+    # a LoRA adapter load is asked of each worker process too: these simulated ones refuse, saying why
+    status, body = post(cluster, "fa", "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/loras/sql"})
+    assert status == 502 and body["error"]["code"] == "servers_refused"
+    assert body["workers"] == [{"id": w, "success": False, "error": "a simulated worker serves no LoRA adapters"}
+                               for w in ("w0", "w1")]
+    status, body = post(cluster, "fb", "/pause?mode=wait")  # and a pause: no simulated worker has one
+    assert status == 502 and all("has no pause" in w["error"] for w in body["workers"])
 
     cluster.kill("w1")  # a worker that no longer answers: the frontend says so, nothing changes
     status, err = admin(cluster, "fa", "/w1/cordon")

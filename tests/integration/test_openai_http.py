@@ -217,16 +217,21 @@ async def test_an_unreachable_server_is_a_connection_error() -> None:
     assert issubclass(aiohttp.ConnectionTimeoutError, TimeoutError)  # what a connect timeout raises
 
 
-async def test_the_request_head_names_the_host_and_credentials_in_the_url() -> None:
-    heads: list[bytes] = []
-
+async def _heads_server(heads: list[bytes], body_bytes: int) -> asyncio.Server:
+    """A server that keeps each request's head, reads its body and answers an empty 200."""
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         heads.append(await reader.readuntil(b"\r\n\r\n"))
+        await reader.readexactly(body_bytes)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+async def test_the_request_head_names_the_host_and_credentials_in_the_url() -> None:
+    heads: list[bytes] = []
+    server = await _heads_server(heads, 2)
     port = server.sockets[0].getsockname()[1]
     client = RelayClient(connect_timeout=5, idle_s=2)
     try:
@@ -244,15 +249,7 @@ async def test_a_body_that_is_not_json_goes_with_its_own_content_type() -> None:
     """An audio form names its Content-Type among the request's headers: it replaces the JSON default, once; a pair
     that would split the request is dropped."""
     heads: list[bytes] = []
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        heads.append(await reader.readuntil(b"\r\n\r\n"))
-        await reader.readexactly(3)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    server = await _heads_server(heads, 3)
     port = server.sockets[0].getsockname()[1]
     client = RelayClient(connect_timeout=5, idle_s=2)
     form = ("Content-Type", "multipart/form-data; boundary=xyz")

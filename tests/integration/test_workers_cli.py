@@ -50,6 +50,18 @@ async def test_the_workers_command_drives_the_admin_api(server_factory) -> None:
         assert r.exit_code == 1 and r.output.startswith("worker-1: not reset: a simulated worker does not preempt")
         r = await _run("reset-cache", "nope", *url)
         assert r.exit_code == 1 and "HTTP 404" in r.output
+        # LoRA adapters: asked of each worker (simulated ones refuse, each line says why), status 1
+        r = await _run("load-adapter", "sql", "/loras/sql", "--worker", "worker-1", *url)
+        assert r.exit_code == 1 and r.output.splitlines() == [
+            "worker-1: not loaded: a simulated worker serves no LoRA adapters"], r.output
+        r = await _run("unload-adapter", "sql", *url)
+        assert r.exit_code == 1 and len(r.output.splitlines()) == 2 and "not unloaded" in r.output
+        r = await _run("pause", "--mode", "wait", *url)
+        assert r.exit_code == 1 and r.output.count("not paused: a simulated worker has no pause") == 2
+        r = await _run("pause", "--mode", "later", *url)
+        assert r.exit_code == 2
+        r = await _run("unload-adapter", "", *url)  # ours: the field named
+        assert r.exit_code == 1 and "HTTP 400" in r.output and "lora_name" in r.output
         # the server's refusals: printed, status 1
         r = await _run("cordon", "nope", *url)
         assert r.exit_code == 1 and "HTTP 404" in r.output and "worker_not_found" in r.output

@@ -18,6 +18,7 @@ class Recorder:
     loads: list[LoadReport] = field(default_factory=list)  # pushed reports, heartbeats included
     unavailable: list[str] = field(default_factory=list)
     limits: list[tuple[int, int]] = field(default_factory=list)  # (max_seq, max_prompt) as stated
+    adapters: list[tuple[str, ...]] = field(default_factory=list)  # the served names, each time they changed
 
     def callbacks(self) -> WorkerCallbacks:
         def heartbeat(wid: str, load: LoadReport) -> None:
@@ -27,7 +28,8 @@ class Recorder:
         return WorkerCallbacks(lambda wid, evs: self.events.extend(evs), heartbeat,
                                lambda wid, load: self.loads.append(load),
                                lambda wid, reason: self.unavailable.append(reason), self.clock,
-                               on_limits=lambda wid, seq, prompt: self.limits.append((seq, prompt)))
+                               on_limits=lambda wid, seq, prompt: self.limits.append((seq, prompt)),
+                               on_adapters=lambda wid, names: self.adapters.append(names))
 
     @property
     def load(self) -> LoadReport:

@@ -29,6 +29,11 @@ ZMQ KV events with replay, so the real-engine adapter can be tested without a mo
 - ``dev_mode``: ``POST /reset_prefix_cache`` (SGLang: ``/flush_cache``) empties the cache, publishes
   ``AllBlocksCleared`` and answers as vLLM does (``{"success": false}`` while a request runs, unless
   ``reset_running_requests=true``; SGLang: 400);
+- ``dev_mode`` also: vLLM's ``POST /pause?mode=&clear_cache=`` (completions sent meanwhile wait; the cache
+  cleared and announced unless ``clear_cache=false`` or ``mode=keep``) and ``POST /resume``, kept in ``pauses``;
+- ``lora_updating``: vLLM's ``POST /v1/load_lora_adapter`` / ``unload_lora_adapter`` (SGLang: without ``/v1``) add
+  the name to ``adapters`` or take it out (400 already loaded, unless ``load_inplace``; 404 not loaded), the
+  calls kept in ``lora_calls``;
 - ``GET /tokenizer_info``: a JSON answer naming this server (lands in ``pooled``); ``POST /v1/audio/transcriptions``
   and ``/translations``: the form read by aiohttp's parser (its fields and the file's bytes land in ``audio``),
   answered with a text naming the file's size, this server and the form's ``model``: JSON, text
@@ -78,6 +83,10 @@ class FakeEngine:
     audio: list[tuple[str, dict]] = field(default_factory=list)  # (path, form's text fields + the file's bytes)
     dev_mode: bool = False  # serves /reset_prefix_cache (vLLM with VLLM_SERVER_DEV_MODE=1) or SGLang's /flush_cache
     resets: list[dict[str, str]] = field(default_factory=list)  # the query of each reset asked
+    pauses: list[dict[str, str]] = field(default_factory=list)  # each /pause's query ({"resume": ""}: a /resume)
+    _resumed: asyncio.Event = field(default_factory=asyncio.Event)
+    lora_updating: bool = False  # serves vLLM's runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)
+    lora_calls: list[tuple[str, dict]] = field(default_factory=list)  # (path, body) of each load / unload asked
     reads: list[str] = field(default_factory=list)  # the stored-response paths asked for (GET and cancel)
     _events: dict[str, list[tuple[str, dict]]] = field(default_factory=dict)  # each response's, to replay
     adapters: list[str] = field(default_factory=list)  # LoRA adapters it lists in /v1/models (parent: the base)
@@ -92,6 +101,7 @@ class FakeEngine:
         import zmq
         import zmq.asyncio
 
+        self._resumed.set()
         app = web.Application(middlewares=[self._auth])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -105,6 +115,12 @@ class FakeEngine:
         app.router.add_get("/tokenizer_info", self._tokenizer_info)
         if self.dev_mode:
             app.router.add_post("/reset_prefix_cache" if self.flavor == "vllm" else "/flush_cache", self._reset)
+            app.router.add_post("/pause", self._pause)
+            app.router.add_post("/resume", self._pause)
+        if self.lora_updating:
+            prefix = "/v1" if self.flavor == "vllm" else ""
+            app.router.add_post(f"{prefix}/load_lora_adapter", self._load_adapter)
+            app.router.add_post(f"{prefix}/unload_lora_adapter", self._unload_adapter)
         for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
             app.router.add_post(path, self._audio)
         app.router.add_get("/v1/models", self._models)
@@ -179,6 +195,7 @@ class FakeEngine:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
+        await self._resumed.wait()  # (paused: the request waits, as vLLM's do)
         prompt: list[int] = body["prompt"]
         if isinstance(prompt, str):  # a relayed completion: the client's text (bytes stand in for tokens)
             prompt = list(prompt.encode())
@@ -360,6 +377,42 @@ class FakeEngine:
         self._pub.send_multipart(frames)
         return web.Response(text="Cache flushed.") if self.flavor == "sglang" else web.json_response({"success": True})
 
+    async def _pause(self, request: web.Request) -> web.Response:
+        """vLLM's ``/pause?mode=&clear_cache=`` (completions sent meanwhile wait) and ``/resume``."""
+        if request.path == "/resume":
+            self.pauses.append({"resume": ""})
+            self._resumed.set()
+            return web.json_response({"status": "resumed"})
+        self.pauses.append(dict(request.query))
+        if request.query.get("mode", "abort") not in ("abort", "wait", "keep"):
+            return web.json_response({"error": f"bad mode {request.query.get('mode')}"}, status=400)
+        self._resumed.clear()
+        if request.query.get("clear_cache", "true") == "true" and request.query.get("mode") != "keep":
+            self._cache.clear()
+            frames = encode_batch(len(self._batches), [{"type": "AllBlocksCleared"}], time.time())
+            self._batches.append(frames)
+            self._pub.send_multipart(frames)
+        return web.json_response({"status": "paused"})
+
+    async def _load_adapter(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.lora_calls.append((request.path, body))
+        name = body["lora_name"]
+        if name in self.adapters and not body.get("load_inplace"):
+            return _lora_error(f"The lora adapter '{name}' has already been loaded.", 400)
+        if name not in self.adapters:
+            self.adapters.append(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload_adapter(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.lora_calls.append((request.path, body))
+        name = body["lora_name"]
+        if name not in self.adapters:
+            return _lora_error(f"The lora adapter '{name}' cannot be found.", 404)
+        self.adapters.remove(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
     async def _tokenizer_info(self, request: web.Request) -> web.Response:
         self.pooled.append((request.path, dict(request.query)))
         return web.json_response({"tokenizer_class": "FakeTokenizer", "served_by": self.url})
@@ -439,6 +492,11 @@ class FakeEngine:
             for frames in self._batches[max(0, first):]:
                 await self._router.send_multipart([ident, b"", *frames])
             await self._router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+
+def _lora_error(message: str, status: int) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "BadRequestError" if status == 400 else
+                                         "NotFoundError", "param": None, "code": status}}, status=status)
 
 
 def _sse(obj: object) -> bytes:

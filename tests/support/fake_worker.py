@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
-from thunderagent.execution.handle import KEEPALIVE_S, CacheReset, OutputQueue, WorkerCallbacks, cancel_and_wait
+from thunderagent.execution.handle import KEEPALIVE_S, AdminResult, OutputQueue, WorkerCallbacks, cancel_and_wait
 from thunderagent.types import AllBlocksCleared, BlockStored, EngineRequest, FinishReason, LoadReport, TokenOutput
 
 
@@ -71,14 +71,20 @@ class FakeWorker:
     def snapshot(self) -> tuple[list[int], int] | None:
         return list(self.cache), self.seq
 
-    async def reset_prefix_cache(self, running: bool, external: bool) -> CacheReset:
+    async def reset_prefix_cache(self, running: bool, external: bool) -> AdminResult:
         """As vLLM: refused while a request runs (unless ``running``), else the cache emptied and announced."""
         if self._reqs and not running:
-            return CacheReset(False, error="blocks are still in use")
+            return AdminResult(False, error="blocks are still in use")
         self.cache.clear()
         self.seq += 1
         self.cb.on_events(self.worker_id, [AllBlocksCleared(self.worker_id, self.seq)])
-        return CacheReset(True)
+        return AdminResult(True)
+
+    async def set_paused(self, paused: bool, mode: str, clear_cache: bool) -> AdminResult:
+        return AdminResult(False, "the fake worker has no pause")
+
+    async def set_adapter(self, name: str, path: str | None, inplace: bool) -> AdminResult:
+        return AdminResult(False, "the fake worker serves no LoRA adapters")
 
     # -- the fake engine ---------------------------------------------------------------------
     def load(self) -> LoadReport:

@@ -3,7 +3,7 @@
 Pure (no I/O, no clock). Every message is a ``msgspec.Struct`` encoded as a msgpack *array*
 (``array_like``: no field names on the wire, no per-message dict). Hash and token lists travel as
 packed little-endian integer bytes (``bus.packing``). The KV event batches and cache dumps live in
-``bus.wire_kv`` (re-exported here), the operator's calls (``<p>.rpc.<id>.reset_cache``) in ``bus.wire_admin``.
+``bus.wire_kv`` (re-exported here), the operator's calls (``<p>.rpc.<id>.reset_cache|adapter``) in ``bus.wire_admin``.
 
 Subjects (``<p>`` is the deployment prefix, ``ta`` by default; ``<id>`` a worker id)::
 

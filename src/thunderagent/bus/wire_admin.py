@@ -1,9 +1,13 @@
 """The bus wire's operator calls to a worker process (``bus.wire`` has the subjects and the other messages). Pure.
 
-    <p>.rpc.<id>.reset_cache   frontend -> worker    ResetCache request; a CacheResetReply to its reply subject
+    <p>.rpc.<id>.reset_cache   frontend -> worker    ResetCache request; an AdminReply to its reply subject
+    <p>.rpc.<id>.adapter       frontend -> worker    SetAdapter request (a LoRA adapter loaded or unloaded); an
+                                                     AdminReply to its reply subject
+    <p>.rpc.<id>.pause         frontend -> worker    SetPaused request (generation paused or resumed); an
+                                                     AdminReply to its reply subject
 
-A prefix-cache reset (``/v1/admin/reset_prefix_cache``: ``control/cache_reset.py``) runs in the worker process,
-which holds the server's connection; the frontend that asked waits for the answer of the instance it knows.
+These run in the worker process, which holds the server's connection (``control/server_admin.py`` fans them out);
+the frontend that asked waits for the answer of the instance it knows.
 """
 
 from __future__ import annotations
@@ -16,11 +20,25 @@ class ResetCache(msgspec.Struct, array_like=True, frozen=True):
     external: bool  # vLLM's reset_external
 
 
-class CacheResetReply(msgspec.Struct, array_like=True, frozen=True):
+class SetAdapter(msgspec.Struct, array_like=True, frozen=True):
+    name: str
+    path: str | None  # None: unload
+    inplace: bool = False
+
+
+class SetPaused(msgspec.Struct, array_like=True, frozen=True):
+    paused: bool  # False: resume
+    mode: str = "abort"  # vLLM's: abort, wait, keep
+    clear_cache: bool = True
+
+
+class AdminReply(msgspec.Struct, array_like=True, frozen=True):
     instance: str  # the worker process that answers (a frontend takes only the one it knows)
     success: bool
     error: str | None = None
 
 
 decode_reset_cache = msgspec.msgpack.Decoder(ResetCache).decode
-decode_cache_reset_reply = msgspec.msgpack.Decoder(CacheResetReply).decode
+decode_set_adapter = msgspec.msgpack.Decoder(SetAdapter).decode
+decode_set_paused = msgspec.msgpack.Decoder(SetPaused).decode
+decode_admin_reply = msgspec.msgpack.Decoder(AdminReply).decode

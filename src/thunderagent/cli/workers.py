@@ -1,12 +1,12 @@
 """``thunderagent workers``: the operator's worker endpoints of a running server (``/v1/admin/workers``) from the
-command line: list, cordon, uncordon, add, remove, and reset their prefix caches. The server needs
-``control_plane.admin_api`` (``--admin-api``); with API keys on, an admin key (``--api-key`` or
+command line: list, cordon, uncordon, add, remove, reset their prefix caches, load and unload LoRA adapters,
+pause and resume their generation. The server needs ``control_plane.admin_api`` (``--admin-api``); with API keys on, an admin key (``--api-key`` or
 ``THUNDERAGENT_API_KEY``)."""
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 
@@ -33,6 +33,11 @@ def _call(method: str, url: str, api_key: str | None, body: dict[str, Any] | Non
         raise typer.Exit(1) from None
     if status < 400:
         return json.loads(raw)
+    _refused(status, raw)
+
+
+def _refused(status: int, raw: bytes) -> NoReturn:
+    """The server's error (OpenAI's shape) printed; the command ends with status 1."""
     try:
         err = json.loads(raw)["error"]
         what = f"{err['message']}" + (f" (code {err['code']})" if err.get("code") else "")
@@ -129,10 +134,76 @@ def reset_cache(url: UrlOpt, worker: Annotated[Optional[list[str]], typer.Argume
     if worker:
         body["workers"] = worker
     r = _call("POST", url + "/v1/admin/reset_prefix_cache", api_key, body, timeout=60)
-    for w in r["workers"]:
-        typer.echo(f"{w['id']}: " + ("reset" if w["success"] else f"not reset: {w.get('error')}"))
+    _per_worker(r["workers"], "reset")
     if not r["success"]:
         raise typer.Exit(1)
+
+
+@workers.command()
+def pause(url: UrlOpt, mode: Annotated[str, typer.Option(
+              help="abort: end the servers' requests in flight; wait: let them finish; keep: freeze them")] = "abort",
+          keep_cache: Annotated[bool, typer.Option("--keep-cache", help="do not clear the servers' caches")] = False,
+          api_key: KeyOpt = None) -> None:
+    """Pause the generation of every server (vLLM's /pause: an RL trainer's weight update); requests sent meanwhile
+    wait in the servers. Status 1 unless every one of them paused."""
+    if mode not in ("abort", "wait", "keep"):
+        raise typer.BadParameter(f"one of abort, wait, keep; got {mode!r}", param_hint="'--mode'")
+    query = f"?mode={mode}&clear_cache={'false' if keep_cache else 'true'}"
+    _fleet_call(url + "/pause" + query, api_key, None, None, "paused")
+
+
+@workers.command()
+def resume(url: UrlOpt, api_key: KeyOpt = None) -> None:
+    """Resume the generation of every server (vLLM's /resume)."""
+    _fleet_call(url + "/resume", api_key, None, None, "resumed")
+
+
+WorkersOpt = Annotated[Optional[list[str]], typer.Option("--worker", help="only this worker (repeat; default: all)")]
+
+
+@workers.command("load-adapter")
+def load_adapter(name: Annotated[str, typer.Argument(help="the adapter's name (the model name clients send)")],
+                 path: Annotated[str, typer.Argument(help="its directory, as the servers see it")], url: UrlOpt,
+                 worker: WorkersOpt = None,
+                 inplace: Annotated[bool, typer.Option("--inplace", help="replace an adapter of that name")] = False,
+                 api_key: KeyOpt = None) -> None:
+    """Load a LoRA adapter on the fleet's servers (vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); status 1 unless
+    every one of them did."""
+    body: dict[str, Any] = {"lora_name": name, "lora_path": path, "load_inplace": inplace}
+    _fleet_call(url + "/v1/load_lora_adapter", api_key, body, worker, "loaded")
+
+
+@workers.command("unload-adapter")
+def unload_adapter(name: Annotated[str, typer.Argument(help="the adapter's name")], url: UrlOpt,
+                   worker: WorkersOpt = None, api_key: KeyOpt = None) -> None:
+    """Unload a LoRA adapter from the fleet's servers; status 1 unless every one of them did."""
+    _fleet_call(url + "/v1/unload_lora_adapter", api_key, {"lora_name": name}, worker, "unloaded")
+
+
+def _fleet_call(url: str, api_key: str | None, body: dict[str, Any] | None, worker: list[str] | None,
+                done: str) -> None:
+    """A call answered with each worker's answer (printed, one line each); status 1 unless all of them did it."""
+    if worker and body is not None:
+        body["workers"] = worker
+    try:
+        status, raw = fetch(url, api_key, 60.0, "POST", body)
+    except ScrapeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict) or "workers" not in answer:  # ours (bad input, the switch): as any refusal
+        _refused(status, raw)
+    _per_worker(answer["workers"], done)
+    if status != 200:
+        raise typer.Exit(1)
+
+
+def _per_worker(answers: list[dict[str, Any]], done: str) -> None:
+    for w in answers:
+        typer.echo(f"{w['id']}: " + (done if w["success"] else f"not {done}: {w.get('error')}"))
 
 
 def register(app: typer.Typer) -> None:

@@ -22,9 +22,9 @@ import msgspec
 
 from thunderagent.bus.nats import Bus, BusError, BusMsg
 from thunderagent.bus.wire import Abort, Subjects, decode_tokens, encode, output_from_wire, request_to_wire
-from thunderagent.bus.wire_admin import ResetCache, decode_cache_reset_reply
-from thunderagent.execution.cache_reset import RESET_TIMEOUT_S
-from thunderagent.execution.handle import CacheReset, OutputQueue, Snapshot, WorkerCallbacks, with_pending
+from thunderagent.bus.wire_admin import ResetCache, SetAdapter, SetPaused, decode_admin_reply
+from thunderagent.execution.server_admin import ADMIN_TIMEOUT_S
+from thunderagent.execution.handle import AdminResult, OutputQueue, Snapshot, WorkerCallbacks, with_pending
 from thunderagent.types import EngineRequest, FinishReason, LoadReport, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,16 @@ class RemoteWorker:
     def snapshot(self) -> Snapshot | None:
         return None  # dumps are asynchronous: the membership requests them itself
 
-    async def reset_prefix_cache(self, running: bool, external: bool) -> CacheReset:
+    async def reset_prefix_cache(self, running: bool, external: bool) -> AdminResult:
+        return await self._admin_call("reset_cache", encode(ResetCache(running, external)))
+
+    async def set_paused(self, paused: bool, mode: str, clear_cache: bool) -> AdminResult:
+        return await self._admin_call("pause", encode(SetPaused(paused, mode, clear_cache)))
+
+    async def set_adapter(self, name: str, path: str | None, inplace: bool) -> AdminResult:
+        return await self._admin_call("adapter", encode(SetAdapter(name, path, inplace)))
+
+    async def _admin_call(self, kind: str, data: bytes) -> AdminResult:
         """Asked of the worker process (it holds the server's connection); its answer, or a failure when the
         instance this frontend knows does not answer in time (its server's own timeout, plus the bus)."""
         link = self._link
@@ -105,18 +114,17 @@ class RemoteWorker:
 
         def its_answer(msg: BusMsg) -> bool:
             try:
-                return decode_cache_reset_reply(msg.data).instance == self.instance
+                return decode_admin_reply(msg.data).instance == self.instance
             except (msgspec.DecodeError, msgspec.ValidationError):
                 return False
 
         try:
-            got = await link.bus.request_many(link.subjects.rpc(self.worker_id, "reset_cache"),
-                                              encode(ResetCache(running, external)), RESET_TIMEOUT_S + 2,
+            got = await link.bus.request_many(link.subjects.rpc(self.worker_id, kind), data, ADMIN_TIMEOUT_S + 2,
                                               its_answer, reply)
         except (BusError, TimeoutError) as e:
-            return CacheReset(False, error=f"the worker process did not answer: {e or 'timed out'}")
-        r = decode_cache_reset_reply(got[-1].data)
-        return CacheReset(r.success, r.error)
+            return AdminResult(False, error=f"the worker process did not answer: {e or 'timed out'}")
+        r = decode_admin_reply(got[-1].data)
+        return AdminResult(r.success, r.error)
 
     # -- membership side ---------------------------------------------------------------------
     def load(self) -> LoadReport:

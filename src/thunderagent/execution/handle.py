@@ -22,8 +22,10 @@ The contract every handle keeps (``tests/engines/test_conformance.py`` checks it
   ``on_load_stale`` (when given) with a reader of its load: the registry calls it before it is next
   read, so several changes between two reads cost one report (see ``WorkerRegistry.stale``).
 - ``abort`` of an unknown or finished request is ignored; after ``abort`` nothing more arrives.
-- ``reset_prefix_cache`` empties the worker's prefix cache (an operator's call: ``control/cache_reset.py``); its
-  KV events, if it has any, announce it (``AllBlocksCleared``); it never raises for the server's refusal.
+- ``reset_prefix_cache`` empties the worker's prefix cache (an operator's call: ``control/server_admin.py``); its
+  KV events, if it has any, announce it (``AllBlocksCleared``); ``set_adapter`` loads or unloads a LoRA adapter;
+  ``set_paused`` pauses or resumes the server's generation.
+  Neither raises for the server's refusal.
 """
 
 from __future__ import annotations
@@ -114,9 +116,9 @@ class WorkerCallbacks:
 
 
 @dataclass(slots=True, frozen=True)
-class CacheReset:
-    """How a worker's prefix-cache reset went: ``success`` (False: refused, e.g. blocks still in use, with ``error``
-    saying why)."""
+class AdminResult:
+    """How an operator's call on a worker's server went (a prefix-cache reset, a LoRA adapter loaded or unloaded):
+    ``success``, or why not (``error``: refused by the server, e.g. blocks still in use, no such path, unreachable)."""
 
     success: bool
     error: str | None = None
@@ -137,9 +139,19 @@ class WorkerHandle(Protocol):
     def abort(self, request_id: str) -> None:
         """Cancel a request (client gone, stop sequence hit). Unknown ids are ignored."""
 
-    async def reset_prefix_cache(self, running: bool, external: bool) -> CacheReset:
+    async def reset_prefix_cache(self, running: bool, external: bool) -> AdminResult:
         """Empty the prefix cache (``running``: also the blocks of running requests, which are preempted;
         ``external``: a KV connector's cache too), as vLLM's ``/reset_prefix_cache`` does."""
+
+    async def set_paused(self, paused: bool, mode: str, clear_cache: bool) -> AdminResult:
+        """Pause the server's generation (``mode``: ``abort`` its requests in flight, ``wait`` for them, ``keep``
+        them frozen; ``clear_cache``: empty its caches once drained) or resume it (``paused`` False), as vLLM's
+        ``/pause`` and ``/resume`` do; new requests sent meanwhile wait in the server until it resumes."""
+
+    async def set_adapter(self, name: str, path: str | None, inplace: bool) -> AdminResult:
+        """Load the LoRA adapter ``name`` from ``path`` on the server (``inplace``: replace one of that name), or
+        unload it (``path`` None), as vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` do; once
+        done, the worker's served names (``on_adapters``) say so."""
 
     def snapshot(self) -> Snapshot | None:
         """Cached block hashes and the last event seq they include, for an index resync, then

@@ -14,7 +14,7 @@ import logging
 from dataclasses import replace
 
 from thunderagent.engine.base import Engine
-from thunderagent.execution.handle import KEEPALIVE_S, CacheReset, OutputQueue, WorkerCallbacks, cancel_and_wait
+from thunderagent.execution.handle import KEEPALIVE_S, AdminResult, OutputQueue, WorkerCallbacks, cancel_and_wait
 from thunderagent.types import EngineRequest, FinishReason, LoadReport, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -99,17 +99,23 @@ class LocalWorker:
             self._push_load(self.engine.load(now))
             self._wake.set()
 
-    async def reset_prefix_cache(self, running: bool, external: bool) -> CacheReset:
+    async def reset_prefix_cache(self, running: bool, external: bool) -> AdminResult:
         """Forget every cached block (``AllBlocksCleared``); running requests keep theirs, unannounced.
         (A simulated engine has no external cache: ``external`` asks nothing more.)"""
         if running:
-            return CacheReset(False, error="a simulated worker does not preempt its running requests for a reset "
+            return AdminResult(False, error="a simulated worker does not preempt its running requests for a reset "
                                            "(without reset_running_requests their blocks stay, unannounced)")
         self._flush_events()  # (the events before the clear go out first, in sequence)
         self.engine.reset()
         self._flush_events()
         self._push_load(self.engine.load(self.clock.now()))
-        return CacheReset(True)
+        return AdminResult(True)
+
+    async def set_paused(self, paused: bool, mode: str, clear_cache: bool) -> AdminResult:
+        return AdminResult(False, "a simulated worker has no pause (cordon it to take it out of routing)")
+
+    async def set_adapter(self, name: str, path: str | None, inplace: bool) -> AdminResult:
+        return AdminResult(False, "a simulated worker serves no LoRA adapters")
 
     def snapshot(self) -> tuple[list[int], int, list[int] | None] | None:
         """The engine's cached hashes, the last event seq they include and their check hashes

@@ -11,8 +11,9 @@ A :class:`WorkerService` wraps any :class:`WorkerHandle` (the simulated engine d
   request produced nothing for ``KEEPALIVE_S``; ``abort`` cancels one; ``dump`` answers with the
   cached hashes and the last event seq they include (``DumpChunk``s); ``ping`` with this process's
   instance (``Pong``: a frontend that hears of a new instance asks whether the old one still runs);
-  ``cordon`` keeps an operator's mark (in its heartbeats); ``reset_cache`` empties its server's prefix cache
-  and answers how it went (``bus.wire_admin``);
+  ``cordon`` keeps an operator's mark (in its heartbeats); ``reset_cache`` empties its server's prefix cache,
+  ``adapter`` loads or unloads a LoRA adapter there, ``pause`` pauses or resumes its generation, each answering
+  how it went (``bus.wire_admin``);
 - a request lives as long as its frontend: one that misses ``frontend_lease`` seconds of
   heartbeats (``<p>.frontend.<fid>.hb``) is gone, and its requests are aborted (nobody reads them);
 - it answers only to reply subjects under its own name (``<p>.reply.<id>.``): what it publishes
@@ -40,7 +41,7 @@ from thunderagent.bus.connect import connect_options
 import msgspec
 
 from thunderagent.bus.nats import Bus, BusMsg, NatsBus
-from thunderagent.bus.wire_admin import CacheResetReply, decode_reset_cache
+from thunderagent.bus.wire_admin import AdminReply, decode_reset_cache, decode_set_adapter, decode_set_paused
 from thunderagent.types import WorkerInfo
 from thunderagent.bus.wire import (
     KEEPALIVE_S,
@@ -64,7 +65,7 @@ from thunderagent.bus.wire import (
     request_from_wire,
 )
 from thunderagent.gc_policy import tune_gc
-from thunderagent.execution.handle import CacheReset, OutputQueue, WorkerCallbacks, WorkerHandle, snapshot_checks
+from thunderagent.execution.handle import AdminResult, OutputQueue, WorkerCallbacks, WorkerHandle, snapshot_checks
 from thunderagent.types import FinishReason, KvEvent, LoadReport, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -260,24 +261,34 @@ class WorkerService:
                 self._publish_heartbeat("hb", self._load)
             if msg.reply:
                 self.bus.publish(msg.reply, encode(Pong(self.instance)))
-        elif kind == "reset_cache":  # (answered from a task: the server's answer must not hold up the other rpcs)
+        elif kind in ("reset_cache", "adapter", "pause"):  # (a task: the server's answer must not hold up other rpcs)
             if msg.reply:
-                task = asyncio.get_running_loop().create_task(self._reset_cache(msg), name="reset-cache")
+                task = asyncio.get_running_loop().create_task(self._admin_call(kind, msg), name=kind)
                 self._calls.add(task)
                 task.add_done_callback(self._calls.discard)
         else:
             log.warning("unknown rpc %s", msg.subject)
 
-    async def _reset_cache(self, msg: BusMsg) -> None:
+    async def _admin_call(self, kind: str, msg: BusMsg) -> None:
+        """An operator's call on this worker's server (``bus.wire_admin``), answered to its reply subject."""
         assert self.handle is not None
         try:
-            ask = decode_reset_cache(msg.data)
+            if kind == "reset_cache":
+                reset = decode_reset_cache(msg.data)
+                what = "prefix cache reset"
+                r = await self.handle.reset_prefix_cache(reset.running, reset.external)
+            elif kind == "pause":
+                pause = decode_set_paused(msg.data)
+                what = f"generation {'paused (' + pause.mode + ')' if pause.paused else 'resumed'}"
+                r = await self.handle.set_paused(pause.paused, pause.mode, pause.clear_cache)
+            else:
+                ask = decode_set_adapter(msg.data)
+                what = f"LoRA adapter {ask.name!r} {'loaded' if ask.path is not None else 'unloaded'}"
+                r = await self.handle.set_adapter(ask.name, ask.path, ask.inplace)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            r = CacheReset(False, error=f"not a reset request: {e}")
-        else:
-            r = await self.handle.reset_prefix_cache(ask.running, ask.external)
-            log.warning("prefix cache reset by an operator: %s", "done" if r.success else f"refused: {r.error}")
-        self.bus.publish(msg.reply, encode(CacheResetReply(self.instance, r.success, r.error)))
+            what, r = "an operator's call", AdminResult(False, f"not a {kind} request: {e}")
+        log.warning("%s by an operator: %s", what, "done" if r.success else f"refused: {r.error}")
+        self.bus.publish(msg.reply, encode(AdminReply(self.instance, r.success, r.error)))
 
     def _generate(self, msg: BusMsg) -> None:
         assert self.handle is not None

@@ -27,16 +27,16 @@ from thunderagent.config.auth import server_api_key
 from thunderagent.execution.engine_metrics import VLLM, EngineFlavor
 from thunderagent.execution.engine_poll import REASON_BLOCK_SIZE, REASON_UNREACHABLE, EnginePoller
 from thunderagent.execution.engine_requests import RequestStreamer, request_body
-from thunderagent.execution.cache_reset import reset_server
+from thunderagent.execution.server_admin import adapter_server, pause_server, reset_server
 from thunderagent.execution.handle import (
-    CacheReset,
+    AdminResult,
     OutputQueue,
     WorkerCallbacks,
     WorkerFactory,
     WorkerHandle,
     cancel_and_wait,
 )
-from thunderagent.execution.http_transport import AiohttpTransport, HttpTransport
+from thunderagent.execution.http_transport import AiohttpTransport, HttpTransport, TransportError
 from thunderagent.execution.kv_pump import KvPump, require_pyzmq
 from thunderagent.execution.kv_stream import KvEventStream, StreamStats, StreamStep
 from thunderagent.execution.openai_relay import Relay
@@ -153,9 +153,21 @@ class EngineWorker:
     def abort(self, request_id: str) -> None:
         self._requests.abort(request_id)
 
-    async def reset_prefix_cache(self, running: bool, external: bool) -> CacheReset:
+    async def reset_prefix_cache(self, running: bool, external: bool) -> AdminResult:
         # (with KV events, vLLM's AllBlocksCleared follows: with its engine's next step, when it steps)
         return await reset_server(self._transport, self.url, self.flavor.name, running, external)
+
+    async def set_paused(self, paused: bool, mode: str, clear_cache: bool) -> AdminResult:
+        return await pause_server(self._transport, self.url, self.flavor.name, paused, mode, clear_cache)
+
+    async def set_adapter(self, name: str, path: str | None, inplace: bool) -> AdminResult:
+        r = await adapter_server(self._transport, self.url, self.flavor.name, name, path, inplace)
+        if r.success:  # its model list read now: routing sends the adapter's requests here (or no more) at once
+            try:
+                await self._health.fetch_model()
+            except (TransportError, ValueError, KeyError) as e:  # (the next polls read it)
+                log.warning("%s: model list not read after the adapter change: %r", self.worker_id, e)
+        return r
 
     def load(self) -> LoadReport:
         s = self._health.stats

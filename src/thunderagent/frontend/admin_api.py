@@ -7,8 +7,13 @@
 - ``POST /v1/admin/reset_prefix_cache {"workers": [...], "reset_running_requests": false, "reset_external": false}``
   (every worker by default), ``POST /v1/admin/workers/{worker_id}/reset_prefix_cache`` (one), and vLLM's own
   ``POST /reset_prefix_cache?reset_running_requests=...&reset_external=...`` (every worker: for tools written
-  against one vLLM server): empty the servers' prefix caches, the index following (``control/cache_reset.py``);
-  200 with ``success`` (all of them) and each worker's answer.
+  against one vLLM server): empty the servers' prefix caches, the index following (``control/server_admin.py``);
+  200 with ``success`` (all of them) and each worker's answer;
+- vLLM's ``POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace", "workers"}`` and
+  ``POST /v1/unload_lora_adapter {"lora_name", "workers"}``: the adapter loaded or unloaded on every server (or those
+  named); 200 when all did, else 502 ``servers_refused``, each with every worker's answer;
+- vLLM's ``POST /pause?mode=abort|wait|keep&clear_cache=true`` and ``POST /resume``: every server's generation paused
+  or resumed (answers as the adapters').
 
 What each does: ``control/worker_admin.py``. Errors are OpenAI-shaped, naming the field.
 """
@@ -17,20 +22,26 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import msgspec
 from aiohttp import web
+from msgspec import Meta
 from pydantic import ValidationError
 
 from thunderagent.config import EndpointConfig
-from thunderagent.control.cache_reset import reset_caches
+from thunderagent.control.server_admin import WorkerAnswer, reset_caches, set_adapters, set_paused
+from thunderagent.execution.server_admin import PAUSE_MODES
 from thunderagent.control.worker_admin import AdminError, WorkerAdmin
 from thunderagent.frontend.protocol import RequestError, decode_request
 
 WORKERS_PATH = "/v1/admin/workers"
 RESET_PATH = "/v1/admin/reset_prefix_cache"
 VLLM_RESET_PATH = "/reset_prefix_cache"  # vLLM's (a server with VLLM_SERVER_DEV_MODE=1), for the fleet
+#: vLLM's (a server with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), for the fleet's servers
+LOAD_ADAPTER_PATH, UNLOAD_ADAPTER_PATH = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+#: vLLM's (VLLM_SERVER_DEV_MODE=1: an RL trainer's pause around a weight update), for the fleet's servers
+PAUSE_PATH, RESUME_PATH = "/pause", "/resume"
 #: an added worker's id (it names metric series and log lines)
 WORKER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 _WORKER_ID = re.compile(WORKER_ID_PATTERN)
@@ -57,6 +68,20 @@ class AddWorker(msgspec.Struct, forbid_unknown_fields=True):
 class RemoveWorker(msgspec.Struct, forbid_unknown_fields=True):
     force: bool = False
     timeout_s: float = 30.0
+
+
+class LoadAdapter(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's load request (its ``is_3d_lora_weight`` is not taken), and the workers to load it on (all: None)."""
+
+    lora_name: Annotated[str, Meta(min_length=1, max_length=256)]
+    lora_path: Annotated[str, Meta(min_length=1, max_length=4096)]
+    load_inplace: bool = False
+    workers: list[str] | None = None
+
+
+class UnloadAdapter(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: Annotated[str, Meta(min_length=1, max_length=256)]
+    workers: list[str] | None = None
 
 
 class ResetCaches(msgspec.Struct, forbid_unknown_fields=True):
@@ -135,14 +160,7 @@ class AdminApi:
     async def reset_all(self, request: web.Request) -> web.Response:
         self._check()
         body = await _optional_body(request, ResetCaches)
-        ids = body.workers
-        if ids is None:
-            ids = sorted(self.admin.fleet.workers)
-        for k, wid in enumerate(ids):
-            if wid not in self.admin.fleet.workers:
-                raise RequestError(f"workers[{k}]: no worker {wid!r} in the fleet", status=404,
-                                   code="worker_not_found", param="workers")
-        return await self._reset(sorted(set(ids)), body.reset_running_requests, body.reset_external)
+        return await self._reset(self._named(body.workers), body.reset_running_requests, body.reset_external)
 
     async def reset_one(self, request: web.Request) -> web.Response:
         self._check()
@@ -159,21 +177,88 @@ class AdminApi:
     async def reset_vllm(self, request: web.Request) -> web.Response:
         """vLLM's path and query parameters; every worker of the fleet."""
         self._check()
-        flags = {"reset_running_requests": False, "reset_external": False}
-        for name, value in request.query.items():
-            if name not in flags:
-                raise RequestError(f"{VLLM_RESET_PATH} takes reset_running_requests and reset_external, not "
-                                   f"{name!r}", param=name)
-            if value.strip().lower() not in _FLAGS:
-                raise RequestError(f"{name}: a boolean (true or false), got {value[:40]!r}", param=name)
-            flags[name] = _FLAGS[value.strip().lower()]
-        return await self._reset(sorted(self.admin.fleet.workers), flags["reset_running_requests"],
-                                 flags["reset_external"])
+        flags = _query_flags(request, VLLM_RESET_PATH, {"reset_running_requests": False, "reset_external": False})
+        return await self._reset(sorted(self.admin.fleet.workers), bool(flags["reset_running_requests"]),
+                                 bool(flags["reset_external"]))
 
     async def _reset(self, ids: list[str], running: bool, external: bool) -> web.Response:
         done = await reset_caches(self.admin.fleet, ids, running=running, external=external)
-        return web.json_response({"success": bool(done) and all(r.success for r in done), "workers": [
-            {"id": r.worker_id, "success": r.success, **({"error": r.error} if r.error else {})} for r in done]})
+        return web.json_response({"success": bool(done) and all(r.success for r in done), "workers": _answers(done)})
+
+    async def load_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's ``/v1/load_lora_adapter`` for the fleet's servers (or ``workers``)."""
+        self._check()
+        body = decode_request(await request.read(), LoadAdapter)
+        assert isinstance(body, LoadAdapter)
+        done = await set_adapters(self.admin.fleet, self._named(body.workers), body.lora_name, body.lora_path,
+                                  body.load_inplace)
+        return _fleet_answer(done, f"LoRA adapter {body.lora_name!r} loaded")
+
+    async def unload_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's ``/v1/unload_lora_adapter`` for the fleet's servers (or ``workers``)."""
+        self._check()
+        body = decode_request(await request.read(), UnloadAdapter)
+        assert isinstance(body, UnloadAdapter)
+        done = await set_adapters(self.admin.fleet, self._named(body.workers), body.lora_name, None, False)
+        return _fleet_answer(done, f"LoRA adapter {body.lora_name!r} unloaded")
+
+    async def pause(self, request: web.Request) -> web.Response:
+        """vLLM's ``/pause?mode=abort|wait|keep&clear_cache=true|false`` for every server of the fleet."""
+        self._check()
+        mode = request.query.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"mode: one of {', '.join(PAUSE_MODES)}, got {mode[:40]!r}", param="mode")
+        clear = _query_flags(request, PAUSE_PATH, {"mode": mode, "clear_cache": True})["clear_cache"]
+        done = await set_paused(self.admin.fleet, sorted(self.admin.fleet.workers), True, mode, bool(clear))
+        return _fleet_answer(done, f"generation paused ({mode})")
+
+    async def resume(self, request: web.Request) -> web.Response:
+        """vLLM's ``/resume`` for every server of the fleet."""
+        self._check()
+        _query_flags(request, RESUME_PATH, {})
+        done = await set_paused(self.admin.fleet, sorted(self.admin.fleet.workers), False, "abort", False)
+        return _fleet_answer(done, "generation resumed")
+
+    def _named(self, ids: list[str] | None) -> list[str]:
+        """The workers a call names (every worker when None), each known: a 404 naming ``workers`` otherwise."""
+        workers = self.admin.fleet.workers
+        if ids is None:
+            return sorted(workers)
+        for k, wid in enumerate(ids):
+            if wid not in workers:
+                raise RequestError(f"workers[{k}]: no worker {wid!r} in the fleet", status=404,
+                                   code="worker_not_found", param="workers")
+        return sorted(set(ids))
+
+
+def _query_flags(request: web.Request, path: str, known: dict[str, object]) -> dict[str, object]:
+    """The query's parameters: each one of ``known`` (booleans read as vLLM reads them; others taken as given by
+    the caller), anything else a 400 naming it."""
+    out = dict(known)
+    for name, value in request.query.items():
+        if name not in known:
+            takes = ", ".join(known) or "no query parameters"
+            raise RequestError(f"{path} takes {takes}, not {name!r}", param=name)
+        if isinstance(known[name], bool):
+            if value.strip().lower() not in _FLAGS:
+                raise RequestError(f"{name}: a boolean (true or false), got {value[:40]!r}", param=name)
+            out[name] = _FLAGS[value.strip().lower()]
+    return out
+
+
+def _answers(done: list[WorkerAnswer]) -> list[dict[str, object]]:
+    return [{"id": r.worker_id, "success": r.success, **({"error": r.error} if r.error else {})} for r in done]
+
+
+def _fleet_answer(done: list[WorkerAnswer], what: str) -> web.Response:
+    """200 when every server did it; else 502 (OpenAI's error shape: the servers refused), both with each answer."""
+    failed = [r for r in done if not r.success]
+    if done and not failed:
+        return web.json_response({"success": True, "workers": _answers(done)})
+    why = "; ".join(f"{r.worker_id}: {r.error}" for r in failed[:3]) or "the fleet has no worker"
+    err = {"message": f"{what} on {len(done) - len(failed)} of {len(done)} servers ({why})",
+           "type": "server_error", "param": None, "code": "servers_refused"}
+    return web.json_response({"success": False, "error": err, "workers": _answers(done)}, status=502)
 
 
 async def _optional_body(request: web.Request, kind: type[S]) -> S:
@@ -210,3 +295,7 @@ def add_admin_routes(route: Callable[[str, str, Handler], None], api: AdminApi) 
     route("POST", f"{WORKERS_PATH}/{{worker_id}}/reset_prefix_cache", api.reset_one)
     route("POST", RESET_PATH, api.reset_all)
     route("POST", VLLM_RESET_PATH, api.reset_vllm)
+    route("POST", LOAD_ADAPTER_PATH, api.load_adapter)
+    route("POST", UNLOAD_ADAPTER_PATH, api.unload_adapter)
+    route("POST", PAUSE_PATH, api.pause)
+    route("POST", RESUME_PATH, api.resume)

@@ -17,14 +17,20 @@ from aiohttp import web
 from thunderagent.config import Config
 from thunderagent.config.auth import TENANT_NAME
 from thunderagent.frontend.admin_api import (
+    LOAD_ADAPTER_PATH,
     MAX_DRAIN_S,
+    PAUSE_PATH,
+    RESUME_PATH,
     RESET_PATH,
+    UNLOAD_ADAPTER_PATH,
     VLLM_RESET_PATH,
     WORKER_ID_PATTERN,
     WORKERS_PATH,
     AddWorker,
+    LoadAdapter,
     RemoveWorker,
     ResetCaches,
+    UnloadAdapter,
 )
 from thunderagent.frontend.anthropic import COUNT_TOKENS_PATH, MESSAGES_PATH
 from thunderagent.frontend.protocol import (
@@ -273,6 +279,28 @@ def _admin_paths() -> dict[str, Any]:
             "parameters": [{"name": name, "in": "query", "required": False, "schema": {"type": "boolean"}}
                            for name in ("reset_running_requests", "reset_external")],
             "responses": {"200": _json(resets, "each worker's answer"), **_errors(400, 403)}}},
+        **{path: {"post": {
+            "summary": summary, "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{schema}"}}}},
+            "responses": {"200": _json(resets, "every server did it: each worker's answer"),
+                          **_errors(400, 403, 404, 413, 415, 502)}}}
+           for path, schema, summary in (
+               (LOAD_ADAPTER_PATH, "LoadAdapter", "vLLM's LoRA adapter load, on every server of the fleet (or those "
+                                                  "named)"),
+               (UNLOAD_ADAPTER_PATH, "UnloadAdapter", "vLLM's LoRA adapter unload, on every server of the fleet (or "
+                                                      "those named)"))},
+        PAUSE_PATH: {"post": {
+            "summary": "vLLM's generation pause, on every server of the fleet (requests sent meanwhile wait there)",
+            "parameters": [{"name": "mode", "in": "query", "required": False,
+                            "schema": {"enum": ["abort", "wait", "keep"], "default": "abort"}},
+                           {"name": "clear_cache", "in": "query", "required": False,
+                            "schema": {"type": "boolean", "default": True}}],
+            "responses": {"200": _json(resets, "every server paused: each worker's answer"),
+                          **_errors(400, 403, 502)}}},
+        RESUME_PATH: {"post": {
+            "summary": "vLLM's generation resume, on every server of the fleet",
+            "responses": {"200": _json(resets, "every server resumed: each worker's answer"),
+                          **_errors(400, 403, 502)}}},
     }
 
 
@@ -281,8 +309,9 @@ def get(summary: str, responses: dict[str, Any]) -> dict[str, Any]:
 
 
 def openapi_document(cfg: Config) -> dict[str, Any]:
-    (_, _, _, _, _, _), components = msgspec.json.schema_components(
-        [ChatCompletionRequest, CompletionRequest, ReleaseRequest, AddWorker, RemoveWorker, ResetCaches],
+    _, components = msgspec.json.schema_components(
+        [ChatCompletionRequest, CompletionRequest, ReleaseRequest, AddWorker, RemoveWorker, ResetCaches, LoadAdapter,
+         UnloadAdapter],
         ref_template="#/components/schemas/{name}")
     _narrow(components, cfg.model_name, fleet_relay(cfg.execution_group.nodes))
     paths: dict[str, Any] = {

@@ -1,0 +1,98 @@
+"""An operator's calls on the fleet's servers, each worker asked at once (``frontend/admin_api.py``): a prefix-cache
+reset (``/v1/admin/reset_prefix_cache``, vLLM's own ``/reset_prefix_cache``, one worker's) and a LoRA adapter
+loaded or unloaded on every server (vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``).
+
+Each goes through the worker's handle (``WorkerHandle.reset_prefix_cache`` / ``set_adapter``: vLLM's and SGLang's
+paths, a simulated engine's pool, a worker process over NATS); a worker that refused or did not answer says why,
+and the others' answers are kept.
+
+Why a fleet needs the reset: after a model's weights change (an RL step, a hot fix), every server's cached KV is
+stale, and the router's index must not send requests to caches that are gone. Once a worker says it reset, this
+frontend drops the worker's index entries, its predictions included. The engine's own ``AllBlocksCleared`` event is
+not waited for: an idle vLLM engine publishes its events only with its next step, so the event comes with the next
+request's batch (and is applied in order: the clear, then that request's blocks); without events (``engine:
+openai``) none comes. Other frontends of a NATS bus follow that event, and their predictions of a server without
+events expire by their TTL. Entries stored between the server's reset and its answer reaching us are dropped with
+the rest (the cache under-estimated, never over: they are found again when the engine stores them anew). A worker
+that refused (blocks still in use, no such path, unreachable) keeps its cache and its entries.
+
+Generation paused and resumed (vLLM's ``/pause`` and ``/resume``, for RL trainers that update weights between
+rollouts): every server is asked; requests sent meanwhile wait in the servers (routed as usual, counted in flight)
+until they resume; a pause that clears the caches drops the index entries as a reset does.
+
+An adapter loaded or unloaded: the worker reads its server's model list at once (in ``serve``; over NATS its
+next heartbeat carries it to every frontend), so routing sends the adapter's requests to the servers that hold it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from thunderagent.execution.handle import AdminResult, WorkerHandle
+
+if TYPE_CHECKING:
+    from thunderagent.control.fleet import Fleet
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerAnswer:
+    worker_id: str
+    success: bool
+    error: str | None = None
+
+
+async def reset_caches(fleet: Fleet, worker_ids: list[str], *, running: bool, external: bool) -> list[WorkerAnswer]:
+    """Reset the prefix cache of each of ``worker_ids`` (known to the fleet), concurrently; in that order."""
+
+    def forget(worker_id: str) -> None:  # (its seq kept: the engine's AllBlocksCleared, when it comes, is next)
+        fleet.index.resync(worker_id, (), fleet.index.last_seq(worker_id))
+
+    return await _fan_out(fleet, worker_ids, "prefix cache reset",
+                          lambda h: h.reset_prefix_cache(running, external), forget)
+
+
+async def set_paused(fleet: Fleet, worker_ids: list[str], paused: bool, mode: str,
+                     clear_cache: bool) -> list[WorkerAnswer]:
+    """Pause (``mode``, ``clear_cache``: vLLM's) or resume the generation of each of ``worker_ids``. A pause that
+    clears the caches (not with ``keep``) drops the workers' index entries as a reset does."""
+    what = f"generation {'paused (' + mode + ')' if paused else 'resumed'}"
+    cleared = paused and clear_cache and mode != "keep"
+
+    def forget(worker_id: str) -> None:
+        fleet.index.resync(worker_id, (), fleet.index.last_seq(worker_id))
+
+    return await _fan_out(fleet, worker_ids, what, lambda h: h.set_paused(paused, mode, clear_cache),
+                          forget if cleared else None)
+
+
+async def set_adapters(fleet: Fleet, worker_ids: list[str], name: str, path: str | None,
+                       inplace: bool) -> list[WorkerAnswer]:
+    """Load the LoRA adapter ``name`` from ``path`` on each of ``worker_ids`` (``path`` None: unload it)."""
+    what = f"LoRA adapter {name!r} {'loaded' if path is not None else 'unloaded'}"
+    return await _fan_out(fleet, worker_ids, what, lambda h: h.set_adapter(name, path, inplace), None)
+
+
+async def _fan_out(fleet: Fleet, worker_ids: list[str], what: str,
+                   call: Callable[[WorkerHandle], Awaitable[AdminResult]],
+                   done: Callable[[str], None] | None) -> list[WorkerAnswer]:
+    async def one(worker_id: str) -> WorkerAnswer:
+        handle = fleet.workers.get(worker_id)
+        if handle is None:
+            return WorkerAnswer(worker_id, False, "it left the fleet")
+        try:
+            r = await call(handle)
+        except Exception as e:  # a handle's bug must not lose the other workers' answers
+            log.exception("%s on %s failed", what, worker_id)
+            r = AdminResult(False, f"failed: {e!r}")
+        if r.success and done is not None and worker_id in fleet.workers:
+            done(worker_id)
+        log.warning("%s on %s by an operator: %s", what, worker_id, "done" if r.success else f"refused: {r.error}")
+        return WorkerAnswer(worker_id, r.success, r.error)
+
+    return list(await asyncio.gather(*(one(wid) for wid in worker_ids)))
