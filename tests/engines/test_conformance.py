@@ -14,6 +14,7 @@ load says it holds no request any more.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -333,8 +334,12 @@ async def test_generation_is_paused_and_resumed_or_refused_with_a_reason(h: Harn
     paused = await h.handle.set_paused(True, "keep", False)
     if not h.pauses:
         assert not paused.success and paused.error, paused
+        state = await h.handle.server_call("/is_paused")
+        assert not state.success and state.error and state.answer is None, state
         return
     assert paused.success, paused.error
+    state = await h.handle.server_call("/is_paused")  # (a parameterless operator call, its answer read back)
+    assert state.success and json.loads(state.answer or "") == {"is_paused": True}, state
     try:
         q = h.handle.submit(h.request(h.prompt(BS), 2))
         await asyncio.sleep(1.0)
@@ -344,6 +349,9 @@ async def test_generation_is_paused_and_resumed_or_refused_with_a_reason(h: Harn
     assert resumed.success, resumed.error
     outs = await drain(q)
     assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 2
+    assert json.loads((await h.handle.server_call("/is_paused")).answer or "") == {"is_paused": False}
+    refused = await h.handle.server_call("/collective_rpc")  # not one of the calls sent to servers
+    assert not refused.success and "not one of the calls" in (refused.error or "")
 
 
 async def test_heartbeats_report_load(h: Harness) -> None:

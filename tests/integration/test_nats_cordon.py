@@ -95,6 +95,8 @@ def test_a_cordon_through_one_frontend_holds_on_every_frontend(cluster: Cluster)
                                for w in ("w0", "w1")]
     status, body = post(cluster, "fb", "/pause?mode=wait")  # and a pause: no simulated worker has one
     assert status == 502 and all("has no pause" in w["error"] for w in body["workers"])
+    status, body = post(cluster, "fa", "/stop_profile")  # and vLLM's parameterless calls
+    assert status == 502 and all("has no server to call /stop_profile" in w["error"] for w in body["workers"])
 
     cluster.kill("w1")  # a worker that no longer answers: the frontend says so, nothing changes
     status, err = admin(cluster, "fa", "/w1/cordon")

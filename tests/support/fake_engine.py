@@ -31,6 +31,8 @@ ZMQ KV events with replay, so the real-engine adapter can be tested without a mo
   ``reset_running_requests=true``; SGLang: 400);
 - ``dev_mode`` also: vLLM's ``POST /pause?mode=&clear_cache=`` (completions sent meanwhile wait; the cache
   cleared and announced unless ``clear_cache=false`` or ``mode=keep``) and ``POST /resume``, kept in ``pauses``;
+  ``GET /is_paused``, ``POST /start_profile``, ``/stop_profile``, ``/reset_mm_cache``, ``/reset_encoder_cache``
+  (200, kept in ``dev_calls``);
 - ``lora_updating``: vLLM's ``POST /v1/load_lora_adapter`` / ``unload_lora_adapter`` (SGLang: without ``/v1``) add
   the name to ``adapters`` or take it out (400 already loaded, unless ``load_inplace``; 404 not loaded), the
   calls kept in ``lora_calls``;
@@ -85,6 +87,7 @@ class FakeEngine:
     resets: list[dict[str, str]] = field(default_factory=list)  # the query of each reset asked
     pauses: list[dict[str, str]] = field(default_factory=list)  # each /pause's query ({"resume": ""}: a /resume)
     _resumed: asyncio.Event = field(default_factory=asyncio.Event)
+    dev_calls: list[str] = field(default_factory=list)  # /is_paused, profiling and the multimodal caches' resets
     lora_updating: bool = False  # serves vLLM's runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)
     lora_calls: list[tuple[str, dict]] = field(default_factory=list)  # (path, body) of each load / unload asked
     reads: list[str] = field(default_factory=list)  # the stored-response paths asked for (GET and cancel)
@@ -117,6 +120,9 @@ class FakeEngine:
             app.router.add_post("/reset_prefix_cache" if self.flavor == "vllm" else "/flush_cache", self._reset)
             app.router.add_post("/pause", self._pause)
             app.router.add_post("/resume", self._pause)
+            app.router.add_get("/is_paused", self._dev_call)
+            for path in ("/start_profile", "/stop_profile", "/reset_mm_cache", "/reset_encoder_cache"):
+                app.router.add_post(path, self._dev_call)
         if self.lora_updating:
             prefix = "/v1" if self.flavor == "vllm" else ""
             app.router.add_post(f"{prefix}/load_lora_adapter", self._load_adapter)
@@ -376,6 +382,12 @@ class FakeEngine:
         self._batches.append(frames)
         self._pub.send_multipart(frames)
         return web.Response(text="Cache flushed.") if self.flavor == "sglang" else web.json_response({"success": True})
+
+    async def _dev_call(self, request: web.Request) -> web.Response:
+        self.dev_calls.append(request.path)
+        if request.path == "/is_paused":
+            return web.json_response({"is_paused": not self._resumed.is_set()})
+        return web.Response()
 
     async def _pause(self, request: web.Request) -> web.Response:
         """vLLM's ``/pause?mode=&clear_cache=`` (completions sent meanwhile wait) and ``/resume``."""

@@ -5,6 +5,8 @@
                                                      AdminReply to its reply subject
     <p>.rpc.<id>.pause         frontend -> worker    SetPaused request (generation paused or resumed); an
                                                      AdminReply to its reply subject
+    <p>.rpc.<id>.call          frontend -> worker    ServerCall request (a parameterless operator path); an
+                                                     AdminReply with the server's body
 
 These run in the worker process, which holds the server's connection (``control/server_admin.py`` fans them out);
 the frontend that asked waits for the answer of the instance it knows.
@@ -32,13 +34,19 @@ class SetPaused(msgspec.Struct, array_like=True, frozen=True):
     clear_cache: bool = True
 
 
+class ServerCall(msgspec.Struct, array_like=True, frozen=True):
+    path: str  # one of execution/server_admin.SERVER_CALLS (the worker refuses any other)
+
+
 class AdminReply(msgspec.Struct, array_like=True, frozen=True):
     instance: str  # the worker process that answers (a frontend takes only the one it knows)
     success: bool
     error: str | None = None
+    answer: str | None = None  # the server's body (a ServerCall's)
 
 
 decode_reset_cache = msgspec.msgpack.Decoder(ResetCache).decode
 decode_set_adapter = msgspec.msgpack.Decoder(SetAdapter).decode
 decode_set_paused = msgspec.msgpack.Decoder(SetPaused).decode
+decode_server_call = msgspec.msgpack.Decoder(ServerCall).decode
 decode_admin_reply = msgspec.msgpack.Decoder(AdminReply).decode

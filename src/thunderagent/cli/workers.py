@@ -1,7 +1,7 @@
 """``thunderagent workers``: the operator's worker endpoints of a running server (``/v1/admin/workers``) from the
 command line: list, cordon, uncordon, add, remove, reset their prefix caches, load and unload LoRA adapters,
-pause and resume their generation. The server needs ``control_plane.admin_api`` (``--admin-api``); with API keys on, an admin key (``--api-key`` or
-``THUNDERAGENT_API_KEY``)."""
+pause and resume their generation. The server needs ``control_plane.admin_api`` (``--admin-api``); with API keys
+on, an admin key (``--api-key`` or ``THUNDERAGENT_API_KEY``)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ import msgspec
 
 from thunderagent.bus.nats import Bus, BusError, BusMsg
 from thunderagent.bus.wire import Abort, Subjects, decode_tokens, encode, output_from_wire, request_to_wire
-from thunderagent.bus.wire_admin import ResetCache, SetAdapter, SetPaused, decode_admin_reply
+from thunderagent.bus.wire_admin import ResetCache, ServerCall, SetAdapter, SetPaused, decode_admin_reply
 from thunderagent.execution.server_admin import ADMIN_TIMEOUT_S
 from thunderagent.execution.handle import AdminResult, OutputQueue, Snapshot, WorkerCallbacks, with_pending
 from thunderagent.types import EngineRequest, FinishReason, LoadReport, TokenOutput
@@ -103,6 +103,9 @@ class RemoteWorker:
     async def set_paused(self, paused: bool, mode: str, clear_cache: bool) -> AdminResult:
         return await self._admin_call("pause", encode(SetPaused(paused, mode, clear_cache)))
 
+    async def server_call(self, path: str) -> AdminResult:
+        return await self._admin_call("call", encode(ServerCall(path)))
+
     async def set_adapter(self, name: str, path: str | None, inplace: bool) -> AdminResult:
         return await self._admin_call("adapter", encode(SetAdapter(name, path, inplace)))
 
@@ -124,7 +127,7 @@ class RemoteWorker:
         except (BusError, TimeoutError) as e:
             return AdminResult(False, error=f"the worker process did not answer: {e or 'timed out'}")
         r = decode_admin_reply(got[-1].data)
-        return AdminResult(r.success, r.error)
+        return AdminResult(r.success, r.error, r.answer)
 
     # -- membership side ---------------------------------------------------------------------
     def load(self) -> LoadReport:

@@ -45,6 +45,7 @@ class WorkerAnswer:
     worker_id: str
     success: bool
     error: str | None = None
+    answer: str | None = None  # the server's body (a parameterless call's)
 
 
 async def reset_caches(fleet: Fleet, worker_ids: list[str], *, running: bool, external: bool) -> list[WorkerAnswer]:
@@ -71,6 +72,11 @@ async def set_paused(fleet: Fleet, worker_ids: list[str], paused: bool, mode: st
                           forget if cleared else None)
 
 
+async def call_servers(fleet: Fleet, worker_ids: list[str], path: str) -> list[WorkerAnswer]:
+    """One of vLLM's parameterless operator paths (``execution/server_admin.SERVER_CALLS``) on each server."""
+    return await _fan_out(fleet, worker_ids, f"{path} called", lambda h: h.server_call(path), None)
+
+
 async def set_adapters(fleet: Fleet, worker_ids: list[str], name: str, path: str | None,
                        inplace: bool) -> list[WorkerAnswer]:
     """Load the LoRA adapter ``name`` from ``path`` on each of ``worker_ids`` (``path`` None: unload it)."""
@@ -93,6 +99,6 @@ async def _fan_out(fleet: Fleet, worker_ids: list[str], what: str,
         if r.success and done is not None and worker_id in fleet.workers:
             done(worker_id)
         log.warning("%s on %s by an operator: %s", what, worker_id, "done" if r.success else f"refused: {r.error}")
-        return WorkerAnswer(worker_id, r.success, r.error)
+        return WorkerAnswer(worker_id, r.success, r.error, r.answer)
 
     return list(await asyncio.gather(*(one(wid) for wid in worker_ids)))

@@ -84,6 +84,9 @@ class EnginePoller:
         self.max_model_len: int | None = None  # from /v1/models, when the server says
         self.adapters: tuple[str, ...] = ()  # names it serves (from /v1/models): its LoRA adapters, or every model
         self._polls = 0
+        # model-list reads are numbered: one that started before another already applied is stale (a poll's read
+        # in flight while an adapter is loaded must not put the old list back after the load's own read)
+        self._reads = self._applied = 0
         self.reachable: bool | None = None  # None: not polled yet
         self.last_poll_ok: float | None = None  # control-plane time of the last answered poll
         #: reason code while this worker keeps itself out of routing (None: routable)
@@ -97,7 +100,12 @@ class EnginePoller:
 
     async def fetch_model(self) -> str:
         """The served model name (vLLM: ``--served-model-name``, by default the model path)."""
+        self._reads += 1
+        mine = self._reads
         body = await self._transport.get_json(f"{self.url}/v1/models", self._connect_timeout)
+        if mine < self._applied and self.model is not None:
+            return self.model  # a read older than one applied already
+        self._applied = mine
         cards = body["data"]
         # vLLM lists the base model, then each LoRA adapter with its base as ``parent``
         card = next((c for c in cards if not c.get("parent")), cards[0])

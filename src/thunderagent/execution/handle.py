@@ -118,10 +118,12 @@ class WorkerCallbacks:
 @dataclass(slots=True, frozen=True)
 class AdminResult:
     """How an operator's call on a worker's server went (a prefix-cache reset, a LoRA adapter loaded or unloaded):
-    ``success``, or why not (``error``: refused by the server, e.g. blocks still in use, no such path, unreachable)."""
+    ``success``, or why not (``error``: refused by the server, e.g. blocks still in use, no such path, unreachable);
+    ``answer``: the server's body, for a call that reads something (``server_call``)."""
 
     success: bool
     error: str | None = None
+    answer: str | None = None
 
 
 class WorkerHandle(Protocol):
@@ -147,6 +149,10 @@ class WorkerHandle(Protocol):
         """Pause the server's generation (``mode``: ``abort`` its requests in flight, ``wait`` for them, ``keep``
         them frozen; ``clear_cache``: empty its caches once drained) or resume it (``paused`` False), as vLLM's
         ``/pause`` and ``/resume`` do; new requests sent meanwhile wait in the server until it resumes."""
+
+    async def server_call(self, path: str) -> AdminResult:
+        """One of vLLM's operator paths without parameters (``execution/server_admin.SERVER_CALLS``: profiling,
+        the multimodal caches' resets, ``/is_paused``), its answer's body in ``answer``."""
 
     async def set_adapter(self, name: str, path: str | None, inplace: bool) -> AdminResult:
         """Load the LoRA adapter ``name`` from ``path`` on the server (``inplace``: replace one of that name), or

@@ -12,8 +12,8 @@ A :class:`WorkerService` wraps any :class:`WorkerHandle` (the simulated engine d
   cached hashes and the last event seq they include (``DumpChunk``s); ``ping`` with this process's
   instance (``Pong``: a frontend that hears of a new instance asks whether the old one still runs);
   ``cordon`` keeps an operator's mark (in its heartbeats); ``reset_cache`` empties its server's prefix cache,
-  ``adapter`` loads or unloads a LoRA adapter there, ``pause`` pauses or resumes its generation, each answering
-  how it went (``bus.wire_admin``);
+  ``adapter`` loads or unloads a LoRA adapter there, ``pause`` pauses or resumes its generation, ``call`` sends
+  it one of vLLM's parameterless operator paths, each answering how it went (``bus.wire_admin``);
 - a request lives as long as its frontend: one that misses ``frontend_lease`` seconds of
   heartbeats (``<p>.frontend.<fid>.hb``) is gone, and its requests are aborted (nobody reads them);
 - it answers only to reply subjects under its own name (``<p>.reply.<id>.``): what it publishes
@@ -41,7 +41,13 @@ from thunderagent.bus.connect import connect_options
 import msgspec
 
 from thunderagent.bus.nats import Bus, BusMsg, NatsBus
-from thunderagent.bus.wire_admin import AdminReply, decode_reset_cache, decode_set_adapter, decode_set_paused
+from thunderagent.bus.wire_admin import (
+    AdminReply,
+    decode_reset_cache,
+    decode_server_call,
+    decode_set_adapter,
+    decode_set_paused,
+)
 from thunderagent.types import WorkerInfo
 from thunderagent.bus.wire import (
     KEEPALIVE_S,
@@ -261,7 +267,7 @@ class WorkerService:
                 self._publish_heartbeat("hb", self._load)
             if msg.reply:
                 self.bus.publish(msg.reply, encode(Pong(self.instance)))
-        elif kind in ("reset_cache", "adapter", "pause"):  # (a task: the server's answer must not hold up other rpcs)
+        elif kind in ("reset_cache", "adapter", "pause", "call"):  # (a task: the server's answer holds up no rpc)
             if msg.reply:
                 task = asyncio.get_running_loop().create_task(self._admin_call(kind, msg), name=kind)
                 self._calls.add(task)
@@ -277,6 +283,10 @@ class WorkerService:
                 reset = decode_reset_cache(msg.data)
                 what = "prefix cache reset"
                 r = await self.handle.reset_prefix_cache(reset.running, reset.external)
+            elif kind == "call":
+                call = decode_server_call(msg.data)
+                what = f"{call.path[:80]} called"
+                r = await self.handle.server_call(call.path)
             elif kind == "pause":
                 pause = decode_set_paused(msg.data)
                 what = f"generation {'paused (' + pause.mode + ')' if pause.paused else 'resumed'}"
@@ -288,7 +298,7 @@ class WorkerService:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             what, r = "an operator's call", AdminResult(False, f"not a {kind} request: {e}")
         log.warning("%s by an operator: %s", what, "done" if r.success else f"refused: {r.error}")
-        self.bus.publish(msg.reply, encode(AdminReply(self.instance, r.success, r.error)))
+        self.bus.publish(msg.reply, encode(AdminReply(self.instance, r.success, r.error, r.answer)))
 
     def _generate(self, msg: BusMsg) -> None:
         assert self.handle is not None

@@ -4,6 +4,9 @@ vLLM, SGLang or OpenAI-compatible server's worker; fanned out to the fleet by ``
 Generation paused and resumed (vLLM with ``VLLM_SERVER_DEV_MODE=1``: ``POST /pause?mode=abort|wait|keep&clear_cache=``,
 ``POST /resume``; new requests wait in the server meanwhile; SGLang's own pause is not driven here).
 
+Calls without parameters (``SERVER_CALLS``): vLLM's ``/start_profile``, ``/stop_profile``, ``/reset_mm_cache``,
+``/reset_encoder_cache`` and ``GET /is_paused``, sent as they are, the answer's body kept.
+
 Prefix-cache reset:
 
 - vLLM: ``POST /reset_prefix_cache`` (``?reset_running_requests=true`` / ``?reset_external=true`` when asked),
@@ -115,6 +118,34 @@ async def pause_server(transport: HttpTransport, url: str, flavor: str, paused: 
     status, text = got
     if status == 200:
         return AdminResult(True)
+    return _refusal(path, status, text, " (vLLM serves it with VLLM_SERVER_DEV_MODE=1)")
+
+
+#: vLLM's operator paths that take nothing and are sent to every server as they are (VLLM_SERVER_DEV_MODE=1;
+#: profiling needs the server's --profiler-config): path -> HTTP method
+SERVER_CALLS = {"/start_profile": "POST", "/stop_profile": "POST", "/reset_mm_cache": "POST",
+                "/reset_encoder_cache": "POST", "/is_paused": "GET"}
+_MAX_ANSWER = 64 * 1024  # (an answer longer than this is cut: these answer a few bytes)
+
+
+async def call_server(transport: HttpTransport, url: str, flavor: str, path: str,
+                      timeout: float = ADMIN_TIMEOUT_S) -> AdminResult:
+    """One of :data:`SERVER_CALLS` on the server at ``url``; its body in ``answer``."""
+    method = SERVER_CALLS.get(path)
+    if method is None:
+        return AdminResult(False, f"{path[:80]!r} is not one of the calls sent to servers")
+    if flavor == "sglang":
+        return AdminResult(False, f"SGLang has no {path} (vLLM's)")
+    try:
+        async with asyncio.timeout(timeout), (transport.stream_get(url + path) if method == "GET"
+                                              else transport.stream_post(url + path, b"")) as resp:
+            status, text = resp.status, await resp.text()
+    except TimeoutError:
+        return AdminResult(False, f"{path} did not answer within {timeout:g}s")
+    except (TransportError, OSError) as e:
+        return AdminResult(False, f"{path}: {e}")
+    if status == 200:
+        return AdminResult(True, answer=text[:_MAX_ANSWER])
     return _refusal(path, status, text, " (vLLM serves it with VLLM_SERVER_DEV_MODE=1)")
 
 

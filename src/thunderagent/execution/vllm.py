@@ -27,7 +27,7 @@ from thunderagent.config.auth import server_api_key
 from thunderagent.execution.engine_metrics import VLLM, EngineFlavor
 from thunderagent.execution.engine_poll import REASON_BLOCK_SIZE, REASON_UNREACHABLE, EnginePoller
 from thunderagent.execution.engine_requests import RequestStreamer, request_body
-from thunderagent.execution.server_admin import adapter_server, pause_server, reset_server
+from thunderagent.execution.server_admin import adapter_server, call_server, pause_server, reset_server
 from thunderagent.execution.handle import (
     AdminResult,
     OutputQueue,
@@ -159,6 +159,9 @@ class EngineWorker:
 
     async def set_paused(self, paused: bool, mode: str, clear_cache: bool) -> AdminResult:
         return await pause_server(self._transport, self.url, self.flavor.name, paused, mode, clear_cache)
+
+    async def server_call(self, path: str) -> AdminResult:
+        return await call_server(self._transport, self.url, self.flavor.name, path)
 
     async def set_adapter(self, name: str, path: str | None, inplace: bool) -> AdminResult:
         r = await adapter_server(self._transport, self.url, self.flavor.name, name, path, inplace)

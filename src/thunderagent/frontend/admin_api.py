@@ -13,7 +13,8 @@
   ``POST /v1/unload_lora_adapter {"lora_name", "workers"}``: the adapter loaded or unloaded on every server (or those
   named); 200 when all did, else 502 ``servers_refused``, each with every worker's answer;
 - vLLM's ``POST /pause?mode=abort|wait|keep&clear_cache=true`` and ``POST /resume``: every server's generation paused
-  or resumed (answers as the adapters').
+  or resumed (answers as the adapters'); ``GET /is_paused`` (all of them paused?), ``POST /start_profile``,
+  ``/stop_profile``, ``/reset_mm_cache``, ``/reset_encoder_cache``: vLLM's, on every server.
 
 What each does: ``control/worker_admin.py``. Errors are OpenAI-shaped, naming the field.
 """
@@ -30,8 +31,8 @@ from msgspec import Meta
 from pydantic import ValidationError
 
 from thunderagent.config import EndpointConfig
-from thunderagent.control.server_admin import WorkerAnswer, reset_caches, set_adapters, set_paused
-from thunderagent.execution.server_admin import PAUSE_MODES
+from thunderagent.control.server_admin import WorkerAnswer, call_servers, reset_caches, set_adapters, set_paused
+from thunderagent.execution.server_admin import PAUSE_MODES, SERVER_CALLS
 from thunderagent.control.worker_admin import AdminError, WorkerAdmin
 from thunderagent.frontend.protocol import RequestError, decode_request
 
@@ -219,6 +220,19 @@ class AdminApi:
         done = await set_paused(self.admin.fleet, sorted(self.admin.fleet.workers), False, "abort", False)
         return _fleet_answer(done, "generation resumed")
 
+    async def server_call(self, request: web.Request) -> web.Response:
+        """One of vLLM's parameterless operator paths (``SERVER_CALLS``) on every server of the fleet; ``GET
+        /is_paused`` answers whether all of them are paused."""
+        self._check()
+        path = request.path
+        _query_flags(request, path, {})
+        done = await call_servers(self.admin.fleet, sorted(self.admin.fleet.workers), path)
+        if path != "/is_paused" or any(not r.success for r in done):
+            return _fleet_answer(done, f"{path} done")
+        states = [_paused_state(r.answer) for r in done]
+        return web.json_response({"is_paused": bool(done) and all(s is True for s in states), "workers": [
+            {"id": r.worker_id, "is_paused": s} for r, s in zip(done, states)]})
+
     def _named(self, ids: list[str] | None) -> list[str]:
         """The workers a call names (every worker when None), each known: a 404 naming ``workers`` otherwise."""
         workers = self.admin.fleet.workers
@@ -244,6 +258,16 @@ def _query_flags(request: web.Request, path: str, known: dict[str, object]) -> d
                 raise RequestError(f"{name}: a boolean (true or false), got {value[:40]!r}", param=name)
             out[name] = _FLAGS[value.strip().lower()]
     return out
+
+
+def _paused_state(answer: str | None) -> bool | None:
+    """vLLM's ``{"is_paused": bool}``; None for anything else."""
+    try:
+        got = msgspec.json.decode(answer or "")
+    except msgspec.DecodeError:
+        return None
+    state = got.get("is_paused") if isinstance(got, dict) else None
+    return state if isinstance(state, bool) else None
 
 
 def _answers(done: list[WorkerAnswer]) -> list[dict[str, object]]:
@@ -299,3 +323,5 @@ def add_admin_routes(route: Callable[[str, str, Handler], None], api: AdminApi) 
     route("POST", UNLOAD_ADAPTER_PATH, api.unload_adapter)
     route("POST", PAUSE_PATH, api.pause)
     route("POST", RESUME_PATH, api.resume)
+    for path, method in SERVER_CALLS.items():
+        route(method, path, api.server_call)

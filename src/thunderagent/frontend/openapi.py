@@ -16,6 +16,7 @@ from aiohttp import web
 
 from thunderagent.config import Config
 from thunderagent.config.auth import TENANT_NAME
+from thunderagent.execution.server_admin import SERVER_CALLS
 from thunderagent.frontend.admin_api import (
     LOAD_ADAPTER_PATH,
     MAX_DRAIN_S,
@@ -297,6 +298,14 @@ def _admin_paths() -> dict[str, Any]:
                             "schema": {"type": "boolean", "default": True}}],
             "responses": {"200": _json(resets, "every server paused: each worker's answer"),
                           **_errors(400, 403, 502)}}},
+        "/is_paused": {"get": {
+            "summary": "vLLM's pause state, asked of every server of the fleet (is_paused: all of them paused)",
+            "responses": {"200": _json({"type": "object", "required": ["is_paused", "workers"]}, "the states"),
+                          **_errors(400, 403, 502)}}},
+        **{path: {"post": {"summary": f"vLLM's {path}, on every server of the fleet",
+                           "responses": {"200": _json(resets, "every server did it: each worker's answer"),
+                                         **_errors(400, 403, 502)}}}
+           for path, method in SERVER_CALLS.items() if method == "POST"},
         RESUME_PATH: {"post": {
             "summary": "vLLM's generation resume, on every server of the fleet",
             "responses": {"200": _json(resets, "every server resumed: each worker's answer"),
