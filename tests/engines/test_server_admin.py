@@ -141,6 +141,9 @@ async def test_lora_adapters_loaded_and_unloaded_on_the_fleets_servers(tiny_mode
         assert engines[0].adapters == engines[1].adapters == ["sql"] and engines[2].adapters == []
         assert engines[0].lora_calls == [("/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/loras/sql"})]
         assert await served_by("sql") <= set(ids[:2])  # at once: no poll waited for
+        async with aiohttp.ClientSession() as s, s.get(base + "/v1/admin/workers") as r:
+            assert {w["id"]: w["adapters"] for w in (await r.json())["data"]} == {
+                ids[0]: ["sql"], ids[1]: ["sql"], ids[2]: []}  # what each server serves, for the operator
         # already loaded: the servers' refusal, a 502 with each answer; in place: replaced
         status, body = await _admin(base, "/v1/load_lora_adapter", load)
         assert status == 502 and body["error"]["code"] == "servers_refused" and body["success"] is False

@@ -273,6 +273,8 @@ async def test_a_prefix_cache_reset_empties_the_workers_and_the_index(server_fac
                                                                       {"id": "worker-1", "success": True}]})
         assert index.num_blocks("worker-0") == index.num_blocks("worker-1") == 0
         assert await _cached(s, base, prompt + " again") == 0  # the engine's cache is gone too
+        calls = srv.fleet.metrics.registry.get_sample_value
+        assert calls("thunderagent_server_calls_total", {"call": "reset_prefix_cache", "result": "done"}) == 2
         # one worker (its own path, or named in the fleet's), with vLLM's parameters
         await _cached(s, base, prompt)
         home = holder()

@@ -59,16 +59,18 @@ def list_workers(url: UrlOpt, api_key: KeyOpt = None,
     from rich.table import Table
 
     urls = any(w.get("url") for w in data)  # (a simulated fleet, or one over NATS, has none to show)
+    adapters = any(w.get("adapters") for w in data)
     table = Table(box=None)
     for name in ("worker", "group", "engine", "health", "routing", "running", "waiting", "in flight",
-                 *(("url",) if urls else ())):
+                 *(("url",) if urls else ()), *(("adapters",) if adapters else ())):
         table.add_column(name, no_wrap=True)
     for w in data:
         routing = "cordoned" if w.get("cordoned") else (f"out ({w['out_of_routing']})" if w.get("out_of_routing")
                                                         else "skipped" if w.get("skipped") else "in")
         table.add_row(str(w["id"]), "" if w.get("group") is None else str(w["group"]), str(w.get("engine") or ""),
                       str(w["health"]), routing, str(w["running"]), str(w["waiting"]), str(w["in_flight"]),
-                      *((str(w.get("url") or ""),) if urls else ()))
+                      *((str(w.get("url") or ""),) if urls else ()),
+                      *((", ".join(w.get("adapters") or ()),) if adapters else ()))
     Console().print(table)
 
 

@@ -44,6 +44,11 @@ class Metrics:
         self.healthy = Gauge("thunderagent_worker_healthy", "1 if the worker is routable", ["worker"], registry=r)
         self.cordoned = Gauge("thunderagent_worker_cordoned", "1 while an operator keeps the worker out of routing "
                               "(POST /v1/admin/workers/{id}/cordon)", ["worker"], registry=r)
+        self.server_calls = Counter(
+            "thunderagent_server_calls", "An operator's calls on the servers, per worker asked (call: "
+            "reset_prefix_cache, load_lora_adapter, unload_lora_adapter, pause, resume, or the vLLM path called; "
+            "result: done, refused)",
+            ["call", "result"], registry=r)
         self.out_of_routing = Gauge(
             "thunderagent_worker_out_of_routing",
             "1 while a worker keeps itself out of routing (reason: unreachable, block_size_mismatch)",

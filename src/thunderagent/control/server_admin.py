@@ -54,7 +54,7 @@ async def reset_caches(fleet: Fleet, worker_ids: list[str], *, running: bool, ex
     def forget(worker_id: str) -> None:  # (its seq kept: the engine's AllBlocksCleared, when it comes, is next)
         fleet.index.resync(worker_id, (), fleet.index.last_seq(worker_id))
 
-    return await _fan_out(fleet, worker_ids, "prefix cache reset",
+    return await _fan_out(fleet, worker_ids, "reset_prefix_cache", "prefix cache reset",
                           lambda h: h.reset_prefix_cache(running, external), forget)
 
 
@@ -68,23 +68,24 @@ async def set_paused(fleet: Fleet, worker_ids: list[str], paused: bool, mode: st
     def forget(worker_id: str) -> None:
         fleet.index.resync(worker_id, (), fleet.index.last_seq(worker_id))
 
-    return await _fan_out(fleet, worker_ids, what, lambda h: h.set_paused(paused, mode, clear_cache),
-                          forget if cleared else None)
+    return await _fan_out(fleet, worker_ids, "pause" if paused else "resume", what,
+                          lambda h: h.set_paused(paused, mode, clear_cache), forget if cleared else None)
 
 
 async def call_servers(fleet: Fleet, worker_ids: list[str], path: str) -> list[WorkerAnswer]:
     """One of vLLM's parameterless operator paths (``execution/server_admin.SERVER_CALLS``) on each server."""
-    return await _fan_out(fleet, worker_ids, f"{path} called", lambda h: h.server_call(path), None)
+    return await _fan_out(fleet, worker_ids, path.lstrip("/"), f"{path} called", lambda h: h.server_call(path), None)
 
 
 async def set_adapters(fleet: Fleet, worker_ids: list[str], name: str, path: str | None,
                        inplace: bool) -> list[WorkerAnswer]:
     """Load the LoRA adapter ``name`` from ``path`` on each of ``worker_ids`` (``path`` None: unload it)."""
     what = f"LoRA adapter {name!r} {'loaded' if path is not None else 'unloaded'}"
-    return await _fan_out(fleet, worker_ids, what, lambda h: h.set_adapter(name, path, inplace), None)
+    call = "load_lora_adapter" if path is not None else "unload_lora_adapter"
+    return await _fan_out(fleet, worker_ids, call, what, lambda h: h.set_adapter(name, path, inplace), None)
 
 
-async def _fan_out(fleet: Fleet, worker_ids: list[str], what: str,
+async def _fan_out(fleet: Fleet, worker_ids: list[str], call_name: str, what: str,
                    call: Callable[[WorkerHandle], Awaitable[AdminResult]],
                    done: Callable[[str], None] | None) -> list[WorkerAnswer]:
     async def one(worker_id: str) -> WorkerAnswer:
@@ -98,6 +99,7 @@ async def _fan_out(fleet: Fleet, worker_ids: list[str], what: str,
             r = AdminResult(False, f"failed: {e!r}")
         if r.success and done is not None and worker_id in fleet.workers:
             done(worker_id)
+        fleet.metrics.server_calls.labels(call_name, "done" if r.success else "refused").inc()
         log.warning("%s on %s by an operator: %s", what, worker_id, "done" if r.success else f"refused: {r.error}")
         return WorkerAnswer(worker_id, r.success, r.error, r.answer)
 

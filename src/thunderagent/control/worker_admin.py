@@ -83,7 +83,8 @@ class WorkerAdmin:
         return 0 if handle is None else len(self.fleet.generations_on(handle, prefill=True))
 
     def listing(self) -> list[dict[str, object]]:
-        """Each worker: the ``/health`` detail plus its group, engine, server and requests in flight here."""
+        """Each worker: the ``/health`` detail plus its group, engine, server, the names its server serves besides the
+        fleet's model (LoRA adapters; an ``engine: openai`` server's models) and requests in flight here."""
         fleet, static = self.fleet, self._static()
         nodes = fleet.cfg.execution_group.nodes
         out: list[dict[str, object]] = []
@@ -94,8 +95,14 @@ class WorkerAdmin:
             endpoint = getattr(handle, "endpoint", None)
             out.append({**w, "group": group, "engine": nodes[group].engine if group is not None else
                         getattr(handle, "engine", None), "url": getattr(endpoint, "url", None),
-                        "in_flight": self.in_flight(wid)})
+                        "adapters": self._adapters(wid), "in_flight": self.in_flight(wid)})
         return out
+
+    def _adapters(self, worker_id: str) -> list[str]:
+        try:
+            return sorted(self.fleet.registry.info(worker_id).adapters)
+        except KeyError:  # (left meanwhile)
+            return []
 
     def known(self, worker_id: str) -> None:
         if worker_id not in self.fleet.workers:
