@@ -44,11 +44,6 @@ class Metrics:
         self.healthy = Gauge("thunderagent_worker_healthy", "1 if the worker is routable", ["worker"], registry=r)
         self.cordoned = Gauge("thunderagent_worker_cordoned", "1 while an operator keeps the worker out of routing "
                               "(POST /v1/admin/workers/{id}/cordon)", ["worker"], registry=r)
-        self.server_calls = Counter(
-            "thunderagent_server_calls", "An operator's calls on the servers, per worker asked (call: "
-            "reset_prefix_cache, load_lora_adapter, unload_lora_adapter, pause, resume, or the vLLM path called; "
-            "result: done, refused)",
-            ["call", "result"], registry=r)
         self.out_of_routing = Gauge(
             "thunderagent_worker_out_of_routing",
             "1 while a worker keeps itself out of routing (reason: unreachable, block_size_mismatch)",
@@ -379,12 +374,17 @@ class Metrics:
         self._hot = (added, routed)
 
     def _relay_metrics(self, r: CollectorRegistry) -> None:
-        """Requests relayed with the client's body (``frontend/relay.py``)."""
+        """Requests relayed with the client's body (``frontend/relay.py``), an operator's calls on the servers
+        (``control/server_admin.py``)."""
         self.relayed = Counter(
             "thunderagent_relayed_requests", "Requests of a vLLM / SGLang fleet relayed to the servers with the "
             "client's body (relay), by the first field ThunderAgent does not model (all: every request with relay: "
             "all)", ["field"], registry=r,
         )
+        self.server_calls = Counter(
+            "thunderagent_server_calls", "An operator's calls on the servers, per worker asked (call: "
+            "reset_prefix_cache, load_lora_adapter, unload_lora_adapter, pause, resume, or the vLLM path called; "
+            "result: done, refused)", ["call", "result"], registry=r)
 
     def _pd_metrics(self, r: CollectorRegistry) -> None:
         """Disaggregated requests run by ``control.disagg_flow`` (prefill on one worker, KV moved)."""
