@@ -179,7 +179,7 @@ class AdminApi:
         """vLLM's path and query parameters; every worker of the fleet."""
         self._check()
         flags = _query_flags(request, VLLM_RESET_PATH, {"reset_running_requests": False, "reset_external": False})
-        return await self._reset(sorted(self.admin.fleet.workers), bool(flags["reset_running_requests"]),
+        return await self._reset(self._named(None), bool(flags["reset_running_requests"]),
                                  bool(flags["reset_external"]))
 
     async def _reset(self, ids: list[str], running: bool, external: bool) -> web.Response:
@@ -210,14 +210,14 @@ class AdminApi:
         if mode not in PAUSE_MODES:
             raise RequestError(f"mode: one of {', '.join(PAUSE_MODES)}, got {mode[:40]!r}", param="mode")
         clear = _query_flags(request, PAUSE_PATH, {"mode": mode, "clear_cache": True})["clear_cache"]
-        done = await set_paused(self.admin.fleet, sorted(self.admin.fleet.workers), True, mode, bool(clear))
+        done = await set_paused(self.admin.fleet, self._named(None), True, mode, bool(clear))
         return _fleet_answer(done, f"generation paused ({mode})")
 
     async def resume(self, request: web.Request) -> web.Response:
         """vLLM's ``/resume`` for every server of the fleet."""
         self._check()
         _query_flags(request, RESUME_PATH, {})
-        done = await set_paused(self.admin.fleet, sorted(self.admin.fleet.workers), False, "abort", False)
+        done = await set_paused(self.admin.fleet, self._named(None), False, "abort", False)
         return _fleet_answer(done, "generation resumed")
 
     async def server_call(self, request: web.Request) -> web.Response:
@@ -226,7 +226,7 @@ class AdminApi:
         self._check()
         path = request.path
         _query_flags(request, path, {})
-        done = await call_servers(self.admin.fleet, sorted(self.admin.fleet.workers), path)
+        done = await call_servers(self.admin.fleet, self._named(None), path)
         if path != "/is_paused" or any(not r.success for r in done):
             return _fleet_answer(done, f"{path} done")
         states = [_paused_state(r.answer) for r in done]
@@ -234,10 +234,17 @@ class AdminApi:
             {"id": r.worker_id, "is_paused": s} for r, s in zip(done, states)]})
 
     def _named(self, ids: list[str] | None) -> list[str]:
-        """The workers a call names (every worker when None), each known: a 404 naming ``workers`` otherwise."""
+        """The workers a call names (every worker when None), each known: a 404 naming ``workers`` otherwise; a
+        fleet without workers has nobody to ask (503 ``no_healthy_worker``, as a request gets)."""
         workers = self.admin.fleet.workers
+        if not workers:
+            raise RequestError("the fleet has no worker to ask", status=503, code="no_healthy_worker",
+                               type_="server_error")
         if ids is None:
             return sorted(workers)
+        if not ids:
+            raise RequestError("workers: name at least one worker, or leave the field out (every worker)",
+                               param="workers")
         for k, wid in enumerate(ids):
             if wid not in workers:
                 raise RequestError(f"workers[{k}]: no worker {wid!r} in the fleet", status=404,
