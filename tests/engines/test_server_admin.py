@@ -204,8 +204,22 @@ async def test_the_fleets_generation_paused_and_resumed(tiny_model_dir: Path) ->
             assert (await r.json())["is_paused"] is False
         out = await asyncio.wait_for(waiting, 10)
         assert out.usage.completion_tokens == 3
-        # the default pause (abort, caches cleared): the index follows
+        # the default pause (abort, caches cleared): streams in flight end as the servers end them (finish_reason
+        # abort, with what they made so far: an RL trainer resends from there), relayed or on the token path
+        async def finish_of(extra: dict) -> tuple[int, str | None]:
+            n, reason = 0, None
+            async for ch in await srv.client.completions.create(model=srv.fleet.model_name, prompt="a long one " * 4,
+                                                                max_tokens=400, stream=True, extra_body=extra):
+                for c in ch.choices:
+                    n += bool(c.text)
+                    reason = c.finish_reason or reason
+            return n, reason
+
+        streams = [asyncio.create_task(finish_of(extra)) for extra in ({}, {"logprobs": 1})]  # token path, relayed
+        await asyncio.sleep(0.15)
         status, body = await _admin(base, "/pause", None)
+        ended = await asyncio.wait_for(asyncio.gather(*streams), 10)
+        assert all(reason == "abort" and 0 < n < 400 for n, reason in ended), ended
         assert status == 200 and engines[0].pauses[-1] == {"mode": "abort", "clear_cache": "true"}
         assert sum(index.num_blocks(w) for w in srv.fleet.workers) == 0
         assert (await _admin(base, "/resume", None))[0] == 200

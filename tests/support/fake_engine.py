@@ -30,7 +30,8 @@ ZMQ KV events with replay, so the real-engine adapter can be tested without a mo
   ``AllBlocksCleared`` and answers as vLLM does (``{"success": false}`` while a request runs, unless
   ``reset_running_requests=true``; SGLang: 400);
 - ``dev_mode`` also: vLLM's ``POST /pause?mode=&clear_cache=`` (completions sent meanwhile wait; the cache
-  cleared and announced unless ``clear_cache=false`` or ``mode=keep``) and ``POST /resume``, kept in ``pauses``;
+  cleared and announced unless ``clear_cache=false`` or ``mode=keep``; ``mode=abort``: streamed completions in
+  flight end with ``finish_reason: abort``) and ``POST /resume``, kept in ``pauses``;
   ``GET /is_paused``, ``POST /start_profile``, ``/stop_profile``, ``/reset_mm_cache``, ``/reset_encoder_cache``
   (200, kept in ``dev_calls``);
 - ``lora_updating``: vLLM's ``POST /v1/load_lora_adapter`` / ``unload_lora_adapter`` (SGLang: without ``/v1``) add
@@ -87,6 +88,7 @@ class FakeEngine:
     resets: list[dict[str, str]] = field(default_factory=list)  # the query of each reset asked
     pauses: list[dict[str, str]] = field(default_factory=list)  # each /pause's query ({"resume": ""}: a /resume)
     _resumed: asyncio.Event = field(default_factory=asyncio.Event)
+    _aborting: bool = False  # a pause in abort mode is ending the streams in flight
     dev_calls: list[str] = field(default_factory=list)  # /is_paused, profiling and the multimodal caches' resets
     lora_updating: bool = False  # serves vLLM's runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)
     lora_calls: list[tuple[str, dict]] = field(default_factory=list)  # (path, body) of each load / unload asked
@@ -221,11 +223,16 @@ class FakeEngine:
             for k in range(max_tokens):
                 await asyncio.sleep(self.step_s)
                 tok = 97 + k % 26
-                last = k == max_tokens - 1
-                choice: dict[str, object] = {"index": 0, "text": chr(tok), "finish_reason": "length" if last else None}
+                aborted = self._aborting
+                last = k == max_tokens - 1 or aborted
+                choice: dict[str, object] = {"index": 0, "text": chr(tok),
+                                             "finish_reason": ("abort" if aborted else "length") if last else None}
                 if body.get("return_token_ids"):
                     choice["token_ids"] = [tok]
                 await resp.write(_sse({"choices": [choice]}))
+                if aborted:  # (vLLM's pause in abort mode: the request ends here, what it made so far)
+                    max_tokens = k + 1
+                    break
             usage = {"prompt_tokens": len(prompt), "completion_tokens": max_tokens,
                      "prompt_tokens_details": {"cached_tokens": cached}}
             await resp.write(_sse({"choices": [], "usage": usage}))
@@ -399,6 +406,11 @@ class FakeEngine:
         if request.query.get("mode", "abort") not in ("abort", "wait", "keep"):
             return web.json_response({"error": f"bad mode {request.query.get('mode')}"}, status=400)
         self._resumed.clear()
+        if request.query.get("mode", "abort") == "abort":  # streams in flight end with finish_reason abort
+            self._aborting = True
+            while self.running:
+                await asyncio.sleep(self.step_s)
+            self._aborting = False
         if request.query.get("clear_cache", "true") == "true" and request.query.get("mode") != "keep":
             self._cache.clear()
             frames = encode_batch(len(self._batches), [{"type": "AllBlocksCleared"}], time.time())

@@ -55,12 +55,13 @@ from thunderagent.types import FinishReason, Passthrough, TokenOutput
 log = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-_FAILED = frozenset({FinishReason.ERROR, FinishReason.UNAVAILABLE, FinishReason.ABORT})
+_FAILED = frozenset({FinishReason.ERROR, FinishReason.UNAVAILABLE})
 
 
 def _failed(out: TokenOutput) -> bool:
     """A finished output that is not the server's own end: failed, or ended by the fleet (a relayed
-    end always carries the server's bytes; one the fleet settled after a loss carries none)."""
+    end always carries the server's bytes; one the fleet settled after a loss carries none). A server's own
+    ``abort`` (vLLM's, e.g. a pause in abort mode) is its answer, passed on as it came."""
     return out.finish_reason in _FAILED or out.raw is None
 
 
