@@ -384,11 +384,15 @@ class FakeEngine:
             if self.flavor == "sglang":
                 return web.Response(status=400, text="Cache not flushed because there are pending requests.")
             return web.json_response({"success": False})
+        self._clear_cache()
+        return web.Response(text="Cache flushed.") if self.flavor == "sglang" else web.json_response({"success": True})
+
+    def _clear_cache(self) -> None:
+        """The cache emptied and ``AllBlocksCleared`` published (a reset, a clearing pause)."""
         self._cache.clear()
         frames = encode_batch(len(self._batches), [{"type": "AllBlocksCleared"}], time.time())
         self._batches.append(frames)
         self._pub.send_multipart(frames)
-        return web.Response(text="Cache flushed.") if self.flavor == "sglang" else web.json_response({"success": True})
 
     async def _dev_call(self, request: web.Request) -> web.Response:
         self.dev_calls.append(request.path)
@@ -412,10 +416,7 @@ class FakeEngine:
                 await asyncio.sleep(self.step_s)
             self._aborting = False
         if request.query.get("clear_cache", "true") == "true" and request.query.get("mode") != "keep":
-            self._cache.clear()
-            frames = encode_batch(len(self._batches), [{"type": "AllBlocksCleared"}], time.time())
-            self._batches.append(frames)
-            self._pub.send_multipart(frames)
+            self._clear_cache()
         return web.json_response({"status": "paused"})
 
     async def _load_adapter(self, request: web.Request) -> web.Response:

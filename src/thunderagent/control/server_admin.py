@@ -50,12 +50,8 @@ class WorkerAnswer:
 
 async def reset_caches(fleet: Fleet, worker_ids: list[str], *, running: bool, external: bool) -> list[WorkerAnswer]:
     """Reset the prefix cache of each of ``worker_ids`` (known to the fleet), concurrently; in that order."""
-
-    def forget(worker_id: str) -> None:  # (its seq kept: the engine's AllBlocksCleared, when it comes, is next)
-        fleet.index.resync(worker_id, (), fleet.index.last_seq(worker_id))
-
     return await _fan_out(fleet, worker_ids, "reset_prefix_cache", "prefix cache reset",
-                          lambda h: h.reset_prefix_cache(running, external), forget)
+                          lambda h: h.reset_prefix_cache(running, external), lambda wid: _forget(fleet, wid))
 
 
 async def set_paused(fleet: Fleet, worker_ids: list[str], paused: bool, mode: str,
@@ -64,12 +60,9 @@ async def set_paused(fleet: Fleet, worker_ids: list[str], paused: bool, mode: st
     clears the caches (not with ``keep``) drops the workers' index entries as a reset does."""
     what = f"generation {'paused (' + mode + ')' if paused else 'resumed'}"
     cleared = paused and clear_cache and mode != "keep"
-
-    def forget(worker_id: str) -> None:
-        fleet.index.resync(worker_id, (), fleet.index.last_seq(worker_id))
-
     return await _fan_out(fleet, worker_ids, "pause" if paused else "resume", what,
-                          lambda h: h.set_paused(paused, mode, clear_cache), forget if cleared else None)
+                          lambda h: h.set_paused(paused, mode, clear_cache),
+                          (lambda wid: _forget(fleet, wid)) if cleared else None)
 
 
 async def call_servers(fleet: Fleet, worker_ids: list[str], path: str) -> list[WorkerAnswer]:
@@ -83,6 +76,12 @@ async def set_adapters(fleet: Fleet, worker_ids: list[str], name: str, path: str
     what = f"LoRA adapter {name!r} {'loaded' if path is not None else 'unloaded'}"
     call = "load_lora_adapter" if path is not None else "unload_lora_adapter"
     return await _fan_out(fleet, worker_ids, call, what, lambda h: h.set_adapter(name, path, inplace), None)
+
+
+def _forget(fleet: Fleet, worker_id: str) -> None:
+    """A worker's cache was emptied: its index entries and predictions go (its seq kept: the engine's
+    ``AllBlocksCleared``, when it comes, is the next event)."""
+    fleet.index.resync(worker_id, (), fleet.index.last_seq(worker_id))
 
 
 async def _fan_out(fleet: Fleet, worker_ids: list[str], call_name: str, what: str,

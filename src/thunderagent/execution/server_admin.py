@@ -46,11 +46,16 @@ class _Answer(msgspec.Struct):
 _answer = msgspec.json.Decoder(_Answer)
 
 
-async def _post(transport: HttpTransport, url: str, path: str, body: bytes,
-                timeout: float) -> tuple[int, str] | AdminResult:
-    """The server's status and text, or the failure to reach it."""
+#: what a missing vLLM operator path needs on the server
+_DEV_HINT = " (vLLM serves it with VLLM_SERVER_DEV_MODE=1)"
+
+
+async def _post(transport: HttpTransport, url: str, path: str, body: bytes, timeout: float,
+                get: bool = False) -> tuple[int, str] | AdminResult:
+    """The server's status and text (``get``: a GET, no body), or the failure to reach it."""
     try:
-        async with asyncio.timeout(timeout), transport.stream_post(url + path, body) as resp:
+        async with asyncio.timeout(timeout), (transport.stream_get(url + path) if get
+                                              else transport.stream_post(url + path, body)) as resp:
             return resp.status, await resp.text()
     except TimeoutError:
         return AdminResult(False, f"{path} did not answer within {timeout:g}s")
@@ -87,11 +92,8 @@ async def reset_server(transport: HttpTransport, url: str, flavor: str, running:
     if isinstance(got, AdminResult):
         return got
     status, text = got
-    if status == 404:
-        return AdminResult(False, f"the server has no {path.split('?')[0]}"
-                                  + (" (vLLM serves it with VLLM_SERVER_DEV_MODE=1)" if flavor != "sglang" else ""))
     if status != 200:  # (SGLang: 400, not flushed: the server is busy)
-        return AdminResult(False, f"HTTP {status}: {text.strip()[:200]}")
+        return _refusal(path, status, text, "" if flavor == "sglang" else _DEV_HINT)
     if flavor == "sglang" or not text.strip():  # (vLLM before {"success": ...}: an empty 200)
         return AdminResult(True)
     try:
@@ -118,7 +120,7 @@ async def pause_server(transport: HttpTransport, url: str, flavor: str, paused: 
     status, text = got
     if status == 200:
         return AdminResult(True)
-    return _refusal(path, status, text, " (vLLM serves it with VLLM_SERVER_DEV_MODE=1)")
+    return _refusal(path, status, text, _DEV_HINT)
 
 
 #: vLLM's operator paths that take nothing and are sent to every server as they are (VLLM_SERVER_DEV_MODE=1;
@@ -136,17 +138,13 @@ async def call_server(transport: HttpTransport, url: str, flavor: str, path: str
         return AdminResult(False, f"{path[:80]!r} is not one of the calls sent to servers")
     if flavor == "sglang":
         return AdminResult(False, f"SGLang has no {path} (vLLM's)")
-    try:
-        async with asyncio.timeout(timeout), (transport.stream_get(url + path) if method == "GET"
-                                              else transport.stream_post(url + path, b"")) as resp:
-            status, text = resp.status, await resp.text()
-    except TimeoutError:
-        return AdminResult(False, f"{path} did not answer within {timeout:g}s")
-    except (TransportError, OSError) as e:
-        return AdminResult(False, f"{path}: {e}")
+    got = await _post(transport, url, path, b"", timeout, get=method == "GET")
+    if isinstance(got, AdminResult):
+        return got
+    status, text = got
     if status == 200:
         return AdminResult(True, answer=text[:_MAX_ANSWER])
-    return _refusal(path, status, text, " (vLLM serves it with VLLM_SERVER_DEV_MODE=1)")
+    return _refusal(path, status, text, _DEV_HINT)
 
 
 async def adapter_server(transport: HttpTransport, url: str, flavor: str, name: str, path: str | None,
