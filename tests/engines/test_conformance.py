@@ -350,8 +350,33 @@ async def test_generation_is_paused_and_resumed_or_refused_with_a_reason(h: Harn
     outs = await drain(q)
     assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 2
     assert json.loads((await h.handle.server_call("/is_paused")).answer or "") == {"is_paused": False}
-    refused = await h.handle.server_call("/collective_rpc")  # not one of the calls sent to servers
+    refused = await h.handle.server_call("/shutdown")  # not one of the calls sent to servers
     assert not refused.success and "not one of the calls" in (refused.error or "")
+
+
+async def test_a_server_sleeps_and_wakes_or_refuses_with_a_reason(h: Harness) -> None:
+    """vLLM's sleep mode through ``server_call`` (query and answer as the server has them): asleep, a request waits
+    in the server; woken whole, it completes. Elsewhere a refusal that says why. A query the path does not take, or
+    a body where it takes none, never leaves."""
+    for path, query, body in (("/sleep", "level=1&x=\r\n", b""), ("/is_sleeping", "a=1", b""), ("/sleep", "", b"{}")):
+        bad = await h.handle.server_call(path, query, body)
+        assert not bad.success and bad.error, (path, query, bad)
+    asleep = await h.handle.server_call("/sleep", "level=1")
+    if not h.pauses:
+        assert not asleep.success and asleep.error, asleep
+        return
+    assert asleep.success and json.loads(asleep.answer or "") == {"status": "sleeping", "level": 1}, asleep
+    assert json.loads((await h.handle.server_call("/is_sleeping")).answer or "") == {"is_sleeping": True}
+    try:
+        q = h.handle.submit(h.request(h.prompt(BS), 2))
+        await asyncio.sleep(1.0)
+        assert not any(o.token_ids for o in list(q._queue))  # (nothing generated while asleep)
+    finally:
+        woken = await h.handle.server_call("/wake_up")
+    assert woken.success and json.loads(woken.answer or "")["status"] == "awake", woken
+    outs = await drain(q)
+    assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 2
+    assert json.loads((await h.handle.server_call("/is_sleeping")).answer or "") == {"is_sleeping": False}
 
 
 async def test_heartbeats_report_load(h: Harness) -> None:

@@ -75,3 +75,51 @@ async def test_a_prefix_cache_reset_reaches_the_vllm_servers(tiny_model_dir: Pat
         await wait_until(lambda: fleet.index.is_confirmed(served, hashes[-1]), 20, "the blocks indexed anew")
         if served == home:
             assert fleet.index.last_seq(home) > seq + 1
+
+
+async def test_a_vllm_server_put_to_sleep_and_woken_through_the_fleet(tiny_model_dir: Path,
+                                                                      vllm_servers: list[VllmServer]) -> None:
+    """vLLM's sleep mode through ThunderAgent on real servers (VLLM_SERVER_DEV_MODE=1; on the CPU build a sleep pauses
+    the scheduler and, from level 1, discards the prefix cache, while the weights stay where they are): the server
+    answers as vLLM does, the index drops its entries, requests go to the awake server meanwhile, and once woken it
+    serves again."""
+    cfg = front_config(tiny_model_dir, vllm_servers)
+    cfg = cfg.model_copy(update={"control_plane": cfg.control_plane.model_copy(update={"admin_api": True})})
+    prompt = "An RL trainer puts this server to sleep between two rollouts. " * 10
+    async with thunderagent(cfg, vllm_servers) as front, aiohttp.ClientSession() as s:
+        fleet, base = front.fleet, front.base_url
+        hashes = block_hashes(HfTokenizer(tiny_model_dir).encode(prompt), BLOCK_SIZE, hash_seed())
+        raw = await front.client.completions.with_raw_response.create(model=front.model, prompt=prompt, max_tokens=2)
+        home = raw.headers["x-thunderagent-worker"]
+        other = next(w for w in fleet.workers if w != home)
+        await wait_until(lambda: fleet.index.is_confirmed(home, hashes[-1]), 20, "the prompt's blocks indexed")
+        async with s.post(f"{base}/sleep?level=1&workers={home}") as r:
+            assert (r.status, await r.json()) == (200, {"success": True, "workers": [
+                {"id": home, "success": True, "answer": {"status": "sleeping", "level": 1}}]})
+        assert fleet.asleep == {home} and fleet.index.num_blocks(home) == 0
+        async with s.get(base + "/is_sleeping") as r:
+            got = await r.json()
+        assert got["is_sleeping"] is False and {w["id"]: w["is_sleeping"] for w in got["workers"]} == {
+            home: True, other: False}
+        raw = await front.client.completions.with_raw_response.create(model=front.model, prompt=prompt, max_tokens=2)
+        assert raw.headers["x-thunderagent-worker"] == other  # (its cache gone, the server held: the awake one)
+        async with s.post(f"{base}/wake_up?workers={home}") as r:
+            assert (r.status, await r.json()) == (200, {"success": True, "workers": [
+                {"id": home, "success": True, "answer": {"status": "awake", "tags": None}}]})
+        assert fleet.asleep == set()
+        async with s.get(base + "/is_sleeping") as r:
+            assert (await r.json())["is_sleeping"] is False
+        async with s.post(f"{base}{ADMIN}/{other}/cordon") as r:
+            assert r.status == 200
+        out = await front.client.completions.create(model=front.model, prompt=prompt, max_tokens=2)
+        assert out.usage.completion_tokens == 2
+        async with s.post(f"{base}/collective_rpc", json={"method": "get_model_dtype_not_a_method"}) as r:
+            assert r.status == 502  # (vLLM's workers refuse an unknown method: its error comes back named)
+        # put to sleep and woken behind ThunderAgent's back: vLLM's vllm:engine_sleep_state gauge tells the fleet
+        server = next(v for v in vllm_servers if getattr(fleet.workers[home], "url", None) == v.url)
+        async with s.post(f"{server.url}/sleep?level=0") as r:
+            assert r.status == 200
+        await wait_until(lambda: fleet.asleep == {home}, 20, "the fleet to read the server's sleep gauge")
+        async with s.post(f"{server.url}/wake_up") as r:
+            assert r.status == 200
+        await wait_until(lambda: not fleet.asleep, 20, "the fleet to read the server awake")

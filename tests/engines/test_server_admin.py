@@ -9,15 +9,23 @@ server with the admin API on. (A real vLLM server's reset: ``tests/engines/test_
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
+import pytest
+
+from typer.testing import CliRunner
 
 from support.fake_engine import FakeEngine, fake_vllm_config
 from support.server import Server, running_server
 from support.waiting import wait_until
+from thunderagent.cli import app
 
 BS = 16
 
@@ -235,3 +243,191 @@ async def test_the_fleets_generation_paused_and_resumed(tiny_model_dir: Path) ->
         assert engines[1].dev_calls[-4:] == ["/start_profile", "/stop_profile", "/reset_mm_cache",
                                              "/reset_encoder_cache"]
         assert (await _admin(base, "/start_profile?delay=1", None))[0] == 400
+
+
+async def test_the_fleets_servers_put_to_sleep_and_woken(tiny_model_dir: Path) -> None:
+    """vLLM's sleep mode for the fleet (an RL trainer freeing GPU memory between rollouts): ``/sleep`` on the servers
+    named (or all), a sleeping server routed to only while no awake one can take a request, its index entries gone
+    from level 1 (its KV cache discarded); a partial ``/wake_up`` keeps it asleep, a whole one brings it back; bad
+    parameters are named before any server is asked."""
+    engines = [FakeEngine(block_size=BS, dev_mode=True) for _ in range(2)]
+    async with _fleet(engines, tiny_model_dir) as srv:
+        base, index, fleet = srv.base_url, srv.fleet.index, srv.fleet
+        ids = {e.url: w.worker_id for w in fleet.workers.values() for e in engines if getattr(w, "url", None) == e.url}
+        w0, w1 = ids[engines[0].url], ids[engines[1].url]
+        engines[0].cache_prompt(list(range(100, 100 + 4 * BS)))
+        engines[1].cache_prompt(list(range(500, 500 + 2 * BS)))
+        await wait_until(lambda: (index.num_blocks(w0), index.num_blocks(w1)) == (4, 2), 10, "indexed")
+
+        status, body = await _admin(base, f"/sleep?level=1&workers={w0}", None)
+        assert status == 200 and body == {"success": True, "workers": [
+            {"id": w0, "success": True, "answer": {"status": "sleeping", "level": 1}}]}
+        assert engines[0].dev_calls == ["/sleep?level=1"] and engines[1].dev_calls == []
+        assert fleet.asleep == {w0} and (index.num_blocks(w0), index.num_blocks(w1)) == (0, 2)
+        async with aiohttp.ClientSession() as s:
+            async with s.get(base + "/health") as r:
+                assert {w["id"]: w["asleep"] for w in (await r.json())["workers"]} == {w0: True, w1: False}
+            async with s.get(base + "/metrics") as r:
+                assert f'thunderagent_worker_asleep{{worker="{w0}"}} 1.0' in await r.text()
+            async with s.get(base + "/is_sleeping") as r:
+                assert (r.status, await r.json()) == (200, {"is_sleeping": False, "workers": [
+                    {"id": w0, "is_sleeping": True}, {"id": w1, "is_sleeping": False}]})
+            served = []
+            for k in range(6):  # (the sleeping server would hold them: they all go to the awake one)
+                async with s.post(base + "/v1/completions", json={"model": fleet.model_name, "prompt": f"p{k} " * 9,
+                                                                   "max_tokens": 2}) as r:
+                    assert r.status == 200
+                    served.append(r.headers["x-thunderagent-worker"])
+            assert served == [w1] * 6
+        # every server asleep: a request is routed anyway and waits in its server until that one wakes
+        status, body = await _admin(base, f"/sleep?level=0&mode=wait&workers={w1}", None)
+        assert status == 200 and fleet.asleep == {w0, w1} and index.num_blocks(w1) > 0  # (level 0 keeps the cache)
+        waiting = asyncio.create_task(srv.client.completions.create(model=fleet.model_name, prompt="while asleep",
+                                                                    max_tokens=3))
+        await asyncio.sleep(0.4)
+        assert not waiting.done()
+        status, body = await _admin(base, "/wake_up?tags=weights", None)  # w0's kv_cache still sleeps
+        assert status == 200 and [w["answer"]["status"] for w in body["workers"]] == ["sleeping", "awake"]
+        assert fleet.asleep == {w0}
+        status, body = await _admin(base, "/wake_up", None)
+        assert status == 200 and fleet.asleep == set() and engines[0].asleep_tags == set()
+        assert (await asyncio.wait_for(waiting, 10)).usage.completion_tokens == 3
+        async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as r:
+            assert f'thunderagent_worker_asleep{{worker="{w0}"}} 0.0' in await r.text()
+        # refused before any server is asked, naming the parameter
+        for query, param, code in (("level=3", "level", 400), ("mode=now", "mode", 400), ("x=1", "x", 400),
+                                   ("workers=nobody", "workers", 404), ("workers=", "workers", 400)):
+            status, body = await _admin(base, f"/sleep?{query}", None)
+            assert (status, body["error"]["param"]) == (code, param), query
+        status, body = await _admin(base, "/wake_up?tags=gpu", None)
+        assert (status, body["error"]["param"]) == (400, "tags")
+        assert engines[0].dev_calls[-2:] == ["/wake_up?tags=weights", "/wake_up"]
+        # the same from the command line
+        cli = functools.partial(CliRunner().invoke, app)
+        r = await asyncio.to_thread(cli, ["workers", "sleep", "--level", "0", "--worker", w1, "--url", base])
+        assert r.exit_code == 0 and r.output.splitlines() == [f"{w1}: asleep"] and fleet.asleep == {w1}
+        r = await asyncio.to_thread(cli, ["workers", "wake-up", "--tag", "scheduling", "--url", base])
+        assert r.exit_code == 0 and r.output.splitlines() == [f"{w0}: awake", f"{w1}: awake"] and not fleet.asleep
+        # a KV-memory release needs a paused server: the servers' refusal comes back, naming each
+        status, body = await _admin(base, "/release_kv_cache_memory", None)
+        assert status == 502 and body["error"]["code"] == "servers_refused"
+        assert "requires a completed pause first" in body["workers"][0]["error"]
+        # a server put to sleep behind ThunderAgent's back (a trainer calling it directly): its metrics say so, and
+        # the fleet follows within a poll, both ways
+        async with aiohttp.ClientSession() as s:
+            async with s.post(engines[1].url + "/sleep?level=0") as r:
+                assert r.status == 200
+            await wait_until(lambda: fleet.asleep == {w1}, 10, "the fleet to read w1's sleep gauge")
+            async with s.post(engines[1].url + "/wake_up") as r:
+                assert r.status == 200
+            await wait_until(lambda: not fleet.asleep, 10, "the fleet to read w1 awake")
+
+
+async def test_collective_rpc_abort_and_weight_updates_on_the_fleets_servers(tiny_model_dir: Path) -> None:
+    """vLLM's ``/collective_rpc`` (``results``: every server's, in worker order), ``/abort_requests`` and the RL weight
+    transfer through the fleet: the body goes to each server as it came; ``workers`` picks servers (a per-server
+    ``init_info``); a body that is not a JSON object is a 400, a server's refusal a 502 with its message."""
+    engines = [FakeEngine(block_size=BS, dev_mode=True) for _ in range(2)]
+    async with _fleet(engines, tiny_model_dir) as srv:
+        base, fleet = srv.base_url, srv.fleet
+        ids = sorted(fleet.workers)
+        urls = {w.worker_id: w.url for w in fleet.workers.values()}  # type: ignore[attr-defined]
+        status, body = await _admin(base, "/collective_rpc", {"method": "echo", "args": ["x"], "kwargs": {"k": "v"}})
+        assert status == 200 and body["results"] == [f"{urls[w]} echo" for w in ids]
+        assert [e.rpc_calls for e in engines] == [[("/collective_rpc", {"method": "echo", "args": ["x"],
+                                                                         "kwargs": {"k": "v"}})]] * 2
+        status, body = await _admin(base, "/collective_rpc", {"args": []})
+        assert status == 502 and "Missing 'method' in request body" in body["workers"][0]["error"]
+        for bad in ([1], "x"):
+            status, body = await _admin(base, "/collective_rpc", bad)
+            assert status == 400 and "takes a JSON object" in body["error"]["message"]
+        async with aiohttp.ClientSession() as s, s.post(base + "/collective_rpc", data=b"{nope",
+                                                        headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 400
+        assert [len(e.rpc_calls) for e in engines] == [2, 2]  # the refused ones never left
+        status, body = await _admin(base, "/abort_requests", {"request_ids": ["chatcmpl-1"]})
+        assert status == 200 and body["success"]
+        async with aiohttp.ClientSession() as s, s.post(base + "/abort_requests") as r:  # no body: everything
+            assert r.status == 200 and engines[0].rpc_calls[-1] == ("/abort_requests", {})
+        for k, w in enumerate(ids):  # each server its own rank offset
+            status, _ = await _admin(base, f"/init_weight_transfer_engine?workers={w}",
+                                     {"init_info": {"rank_offset": k + 1}})
+            assert status == 200
+        got = {e.url: [b for p, b in e.rpc_calls if p == "/init_weight_transfer_engine"] for e in engines}
+        assert got == {urls[w]: [{"init_info": {"rank_offset": k + 1}}] for k, w in enumerate(ids)}
+        status, body = await _admin(base, "/update_weights", {"update_info": {"names": ["w"]}})
+        assert status == 200 and [w["answer"] for w in body["workers"]] == [{"message": "/update_weights done"}] * 2
+        status, body = await _admin(base, "/start_weight_update", None)  # (no such path on these servers)
+        assert status == 502 and "has no /start_weight_update (vLLM serves it with VLLM_SERVER_DEV_MODE=1)" in \
+            body["workers"][0]["error"]
+
+
+@pytest.mark.nats
+async def test_sleep_over_nats_reaches_every_frontend(tmp_path: Path) -> None:
+    """Worker processes in front of vLLM-shaped servers, two frontend processes: a sleep asked of one frontend is made
+    by the worker process, which keeps the mark, so the other frontend reads it in heartbeats and routes to the awake
+    server; a wake-up through the other puts it back everywhere; a ``/collective_rpc`` body crosses the bus."""
+    pytest.importorskip("nats", reason="the NATS deployment needs the nats extra")
+    from integration.nats_cluster import Cluster
+
+    engines = [FakeEngine(block_size=BS, dev_mode=True) for _ in range(2)]
+    for e in engines:
+        await e.start()
+    cluster = Cluster(tmp_path)
+    base = ("control_plane: {{admin_api: true, heartbeat_interval: 0.2, heartbeat_misses: 5}}\nexecution_group:\n"
+            "  nodes:\n    - {{engine: openai, block_size: 16, endpoints: [{{url: \"{}\"}}]}}\n")
+    try:
+        cluster.start_nats()
+        for w, e in zip(("wa", "wb"), engines):
+            (tmp_path / f"{w}.yaml").write_text(base.format(e.url))
+            cluster.start_worker(w, config=tmp_path / f"{w}.yaml")
+        for f in ("fa", "fb"):
+            cluster.start_frontend(f, config=tmp_path / "wa.yaml")
+
+        def asleep(f: str) -> dict[str, bool]:
+            try:
+                return {w["id"]: w["asleep"] for w in cluster.health(f)["workers"] if w["health"] == "healthy"}
+            except OSError:
+                return {}
+
+        def call(f: str, path: str, body: object | None = None) -> tuple[int, dict]:
+            req = urllib.request.Request(f"http://127.0.0.1:{cluster.ports[f]}{path}", method="POST",
+                                         data=json.dumps(body or {}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=20) as resp:
+                    return resp.status, json.load(resp)
+            except urllib.error.HTTPError as err:
+                return err.code, json.load(err)
+
+        async def until(f: str, want: dict[str, bool], timeout: float) -> None:
+            for _ in range(int(timeout / 0.1)):  # (blocking HTTP off the loop, which serves the servers)
+                if await asyncio.to_thread(asleep, f) == want:
+                    return
+                assert not any(cluster.exited(p) for p in ("fa", "fb", "wa", "wb")), cluster.logs()
+                await asyncio.sleep(0.1)
+            assert await asyncio.to_thread(asleep, f) == want, cluster.logs()
+
+        for f in ("fa", "fb"):
+            await until(f, {"wa": False, "wb": False}, 60)
+        status, body = await asyncio.to_thread(call, "fa", "/sleep?level=1&workers=wa")
+        assert status == 200 and body["workers"] == [{"id": "wa", "success": True,
+                                                      "answer": {"status": "sleeping", "level": 1}}]
+        assert engines[0].dev_calls == ["/sleep?level=1"]
+        assert await asyncio.to_thread(asleep, "fa") == {"wa": True, "wb": False}  # at once on the frontend asked
+        await until("fb", {"wa": True, "wb": False}, 5)  # from wa's heartbeat
+        client = cluster.client("fb")
+        for k in range(4):
+            raw = await asyncio.to_thread(client.completions.with_raw_response.create, model="thunderagent-sim",
+                                          prompt=f"while wa sleeps {k}", max_tokens=2)
+            assert raw.headers["x-thunderagent-worker"] == "wb"
+        status, body = await asyncio.to_thread(call, "fb", "/wake_up")
+        assert status == 200 and [w["answer"]["status"] for w in body["workers"]] == ["awake", "awake"]
+        await until("fa", {"wa": False, "wb": False}, 5)
+        status, body = await asyncio.to_thread(call, "fa", "/collective_rpc", {"method": "ping", "args": ["1"]})
+        assert status == 200 and body["results"] == [f"{engines[0].url} ping", f"{engines[1].url} ping"]
+        assert engines[1].rpc_calls == [("/collective_rpc", {"method": "ping", "args": ["1"]})]
+    finally:
+        cluster.close()
+        for e in engines:
+            await e.stop()

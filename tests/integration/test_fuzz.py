@@ -27,6 +27,7 @@ from schemathesis.specs.openapi.checks import (
 from integration.conftest import test_config as make_config
 from support.server import running_server
 from thunderagent.frontend.anthropic import ANTHROPIC_PATHS
+from thunderagent.execution.server_admin import SERVER_CALLS
 
 pytestmark = [pytest.mark.integration, pytest.mark.reliability]
 
@@ -141,8 +142,8 @@ def test_fuzz_every_operation_of_the_openapi_document():
 
 #: the operator's endpoints, on (``control_plane.admin_api``): cases per operation (positive, negative)
 #: an operator's calls on the servers: 502 ``servers_refused`` when they refused (the answer names each worker's reason)
-SERVER_CALL_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/pause", "/resume", "/is_paused",
-                               "/start_profile", "/stop_profile", "/reset_mm_cache", "/reset_encoder_cache"})
+SERVER_CALL_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/pause", "/resume",
+                               *SERVER_CALLS})
 RESET_PATHS = frozenset({"/v1/admin/reset_prefix_cache", "/reset_prefix_cache"})
 ADMIN_CASES = {
     "POST /v1/admin/workers": (120, 80),
@@ -160,6 +161,11 @@ ADMIN_CASES = {
     "POST /resume": (5, 0),
     "GET /is_paused": (2, 0),
     "POST /stop_profile": (2, 0),
+    "POST /sleep": (20, 20),
+    "POST /wake_up": (10, 10),
+    "GET /get_world_size": (5, 5),
+    "POST /collective_rpc": (20, 20),
+    "POST /init_weight_transfer_engine": (10, 10),
 }
 
 

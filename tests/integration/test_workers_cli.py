@@ -60,6 +60,11 @@ async def test_the_workers_command_drives_the_admin_api(server_factory) -> None:
         assert r.exit_code == 1 and r.output.count("not paused: a simulated worker has no pause") == 2
         r = await _run("pause", "--mode", "later", *url)
         assert r.exit_code == 2
+        r = await _run("sleep", "--level", "1", "--worker", "worker-0", *url)
+        assert r.exit_code == 1 and r.output.splitlines() == [
+            "worker-0: not asleep: a simulated worker has no server to call /sleep on"], r.output
+        assert (await _run("sleep", "--level", "3", *url)).exit_code == 2
+        assert (await _run("wake-up", "--tag", "gpu", *url)).exit_code == 2
         r = await _run("unload-adapter", "", *url)  # ours: the field named
         assert r.exit_code == 1 and "HTTP 400" in r.output and "lora_name" in r.output
         # the server's refusals: printed, status 1

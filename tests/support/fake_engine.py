@@ -33,7 +33,12 @@ ZMQ KV events with replay, so the real-engine adapter can be tested without a mo
   cleared and announced unless ``clear_cache=false`` or ``mode=keep``; ``mode=abort``: streamed completions in
   flight end with ``finish_reason: abort``) and ``POST /resume``, kept in ``pauses``;
   ``GET /is_paused``, ``POST /start_profile``, ``/stop_profile``, ``/reset_mm_cache``, ``/reset_encoder_cache``
-  (200, kept in ``dev_calls``);
+  (200, kept in ``dev_calls``); sleep mode as vLLM 0.32 runs it: ``POST /sleep?level=&mode=`` pauses (level >= 1
+  also clears the cache and puts ``weights`` and ``kv_cache`` to sleep), ``POST /wake_up?tags=`` wakes those tags
+  (all without any) and resumes once all are awake, ``GET /is_sleeping``; ``/release_kv_cache_memory`` clears the
+  cache of a paused server; ``/collective_rpc`` answers ``{"results": ["<url> <method>"]}`` (400 without
+  ``method``), ``/abort_requests`` and the weight-transfer paths ``{"message": ...}``; the queries in ``dev_calls``
+  (``/sleep?level=1``), the bodies in ``rpc_calls``;
 - ``lora_updating``: vLLM's ``POST /v1/load_lora_adapter`` / ``unload_lora_adapter`` (SGLang: without ``/v1``) add
   the name to ``adapters`` or take it out (400 already loaded, unless ``load_inplace``; 404 not loaded), the
   calls kept in ``lora_calls``;
@@ -90,6 +95,9 @@ class FakeEngine:
     _resumed: asyncio.Event = field(default_factory=asyncio.Event)
     _aborting: bool = False  # a pause in abort mode is ending the streams in flight
     dev_calls: list[str] = field(default_factory=list)  # /is_paused, profiling and the multimodal caches' resets
+    asleep_tags: set[str] = field(default_factory=set)  # what sleeps (vLLM's executor: weights, kv_cache)
+    sleeping: bool = False  # what its metrics say (vLLM's vllm:engine_sleep_state: set by a sleep, a KV release)
+    rpc_calls: list[tuple[str, dict]] = field(default_factory=list)  # (path, body) of the body-taking operator calls
     lora_updating: bool = False  # serves vLLM's runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)
     lora_calls: list[tuple[str, dict]] = field(default_factory=list)  # (path, body) of each load / unload asked
     reads: list[str] = field(default_factory=list)  # the stored-response paths asked for (GET and cancel)
@@ -125,6 +133,12 @@ class FakeEngine:
             app.router.add_get("/is_paused", self._dev_call)
             for path in ("/start_profile", "/stop_profile", "/reset_mm_cache", "/reset_encoder_cache"):
                 app.router.add_post(path, self._dev_call)
+            for path in ("/sleep", "/wake_up", "/release_kv_cache_memory"):
+                app.router.add_post(path, self._sleep)
+            app.router.add_get("/is_sleeping", self._sleep)
+            for path in ("/collective_rpc", "/abort_requests", "/init_weight_transfer_engine", "/update_weights",
+                         "/finish_weight_update"):
+                app.router.add_post(path, self._rpc)
         if self.lora_updating:
             prefix = "/v1" if self.flavor == "vllm" else ""
             app.router.add_post(f"{prefix}/load_lora_adapter", self._load_adapter)
@@ -194,6 +208,10 @@ class FakeEngine:
                      f'vllm:kv_cache_usage_perc{{engine="0"}} {usage}',
                      f'vllm:cache_config_info{{block_size="{self.block_size}",enable_prefix_caching="True",'
                      f'num_gpu_blocks="{self.num_blocks}"}} 1.0']
+            if self.dev_mode:  # (vLLM's sleep gauge: awake 0 from a sleep or a KV release until woken whole)
+                lines += [f'vllm:engine_sleep_state{{engine="0",model_name="m",sleep_state="{state}"}} {value}'
+                          for state, value in (("awake", int(not self.sleeping)), ("weights_offloaded", 0),
+                                               ("discard_all", 0))]
         else:
             lines = [f"sglang:num_running_reqs {self.running}", "sglang:num_queue_reqs 0",
                      f"sglang:token_usage {usage}"]
@@ -409,15 +427,55 @@ class FakeEngine:
         self.pauses.append(dict(request.query))
         if request.query.get("mode", "abort") not in ("abort", "wait", "keep"):
             return web.json_response({"error": f"bad mode {request.query.get('mode')}"}, status=400)
+        mode = request.query.get("mode", "abort")
+        await self._halt(mode, request.query.get("clear_cache", "true") == "true" and mode != "keep")
+        return web.json_response({"status": "paused"})
+
+    async def _halt(self, mode: str, clear: bool) -> None:
         self._resumed.clear()
-        if request.query.get("mode", "abort") == "abort":  # streams in flight end with finish_reason abort
+        if mode == "abort":  # streams in flight end with finish_reason abort
             self._aborting = True
             while self.running:
                 await asyncio.sleep(self.step_s)
             self._aborting = False
-        if request.query.get("clear_cache", "true") == "true" and request.query.get("mode") != "keep":
+        if clear:
             self._clear_cache()
-        return web.json_response({"status": "paused"})
+
+    async def _sleep(self, request: web.Request) -> web.Response:
+        """vLLM 0.32's sleep mode: ``/sleep`` pauses (from level 1 the cache cleared, the executor's tags asleep),
+        ``/wake_up`` wakes tags and resumes once none sleeps, ``/is_sleeping``, ``/release_kv_cache_memory``."""
+        self.dev_calls.append(request.path_qs)
+        if request.path == "/is_sleeping":
+            return web.json_response({"is_sleeping": not self._resumed.is_set() or bool(self.asleep_tags)})
+        if request.path == "/release_kv_cache_memory":
+            if self._resumed.is_set():
+                return web.json_response({"error": "release_kv_cache_memory() requires a completed pause first"},
+                                         status=500)
+            self._clear_cache()
+            self.sleeping = True
+            return web.json_response({"status": "kv_cache_released"})
+        if request.path == "/sleep":
+            level = int(request.query.get("level", "1"))
+            await self._halt(request.query.get("mode", "abort"), level >= 1)
+            if level >= 1:
+                self.asleep_tags = {"weights", "kv_cache"}
+            self.sleeping = True
+            return web.json_response({"status": "sleeping", "level": level})
+        tags = request.query.getall("tags", [])
+        self.asleep_tags -= set(tags) if tags else self.asleep_tags
+        if not self.asleep_tags:
+            self._resumed.set()
+            self.sleeping = False
+        return web.json_response({"status": "sleeping" if self.asleep_tags else "awake", "tags": tags or None})
+
+    async def _rpc(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.rpc_calls.append((request.path, body))
+        if request.path != "/collective_rpc":
+            return web.json_response({"message": f"{request.path} done"})
+        if "method" not in body:
+            return web.json_response({"detail": "Missing 'method' in request body"}, status=400)
+        return web.json_response({"results": [f"{self.url} {body['method']}"]})
 
     async def _load_adapter(self, request: web.Request) -> web.Response:
         body = await request.json()

@@ -83,7 +83,7 @@ class FakeWorker:
     async def set_paused(self, paused: bool, mode: str, clear_cache: bool) -> AdminResult:
         return AdminResult(False, "the fake worker has no pause")
 
-    async def server_call(self, path: str) -> AdminResult:
+    async def server_call(self, path: str, query: str = "", body: bytes = b"") -> AdminResult:
         return AdminResult(False, "the fake worker has no server")
 
     async def set_adapter(self, name: str, path: str | None, inplace: bool) -> AdminResult:

@@ -58,3 +58,18 @@ def test_parser_skips_garbage_and_unwanted():
     out = parse_prometheus('x 1\nvllm:num_requests_running{a="b \\" c"} 2\nvllm:num_requests_running nan?\n',
                            frozenset({"vllm:num_requests_running"}))
     assert out == {"vllm:num_requests_running": [({"a": 'b \\" c'}, 2.0)]}
+
+
+def test_vllm_sleep_state():
+    """vLLM's ``vllm:engine_sleep_state``: ``awake`` 1 on every engine is awake; 0 on any (a sleep of any level, a KV
+    release) is asleep; a page without the gauge (an older vLLM, SGLang) says nothing."""
+    def page(*awake: int) -> str:
+        return "".join(f'vllm:engine_sleep_state{{engine="{k}",model_name="m",sleep_state="{state}"}} {value}.0\n'
+                       for k, a in enumerate(awake)
+                       for state, value in (("awake", a), ("weights_offloaded", 1 - a), ("discard_all", 0)))
+
+    assert engine_stats(VLLM_PAGE + page(1), VLLM).asleep is False
+    assert engine_stats(VLLM_PAGE + page(0), VLLM).asleep is True
+    assert engine_stats(page(1, 0), VLLM).asleep is True  # (one data-parallel engine asleep)
+    assert engine_stats(VLLM_PAGE, VLLM).asleep is None
+    assert engine_stats(page(0), SGLANG).asleep is None  # (not read there)

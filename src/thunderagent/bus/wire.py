@@ -234,10 +234,9 @@ class WireLoad(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Heartbeat(msgspec.Struct, array_like=True, frozen=True):
-    """Hello and heartbeat alike: a frontend that missed the hello registers the worker from any
-    heartbeat. ``instance`` changes on every worker process start (same id, new cache, seq from 0);
-    ``last_seq`` is the last KV event seq published before it, so a lost tail of events is noticed
-    even when no further event comes."""
+    """Hello and heartbeat alike: a frontend that missed the hello registers the worker from any heartbeat. ``instance``
+    changes on every worker process start (same id, new cache, seq from 0); ``last_seq`` is the last KV event seq
+    published before it, so a lost tail of events is noticed even when no further event comes."""
 
     version: int
     instance: str
@@ -245,6 +244,7 @@ class Heartbeat(msgspec.Struct, array_like=True, frozen=True):
     load: WireLoad
     last_seq: int
     cordoned: bool = False  # an operator took it out of routing (``<p>.rpc.<id>.cordon``); every frontend leaves it out
+    asleep: bool = False  # its server was put to sleep through a frontend (``call /sleep``): routed to last
 
 
 class Bye(msgspec.Struct, array_like=True, frozen=True):

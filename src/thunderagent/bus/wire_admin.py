@@ -36,6 +36,8 @@ class SetPaused(msgspec.Struct, array_like=True, frozen=True):
 
 class ServerCall(msgspec.Struct, array_like=True, frozen=True):
     path: str  # one of execution/server_admin.SERVER_CALLS (the worker refuses any other)
+    query: str = ""  # url-encoded, only the path's own parameters (the worker checks)
+    body: bytes = b""  # the JSON body of a path that takes one
 
 
 class AdminReply(msgspec.Struct, array_like=True, frozen=True):

@@ -1,11 +1,12 @@
 """``thunderagent workers``: the operator's worker endpoints of a running server (``/v1/admin/workers``) from the
 command line: list, cordon, uncordon, add, remove, reset their prefix caches, load and unload LoRA adapters,
-pause and resume their generation. The server needs ``control_plane.admin_api`` (``--admin-api``); with API keys
-on, an admin key (``--api-key`` or ``THUNDERAGENT_API_KEY``)."""
+pause and resume their generation, put them to sleep and wake them. The server needs ``control_plane.admin_api``
+(``--admin-api``); with API keys on, an admin key (``--api-key`` or ``THUNDERAGENT_API_KEY``)."""
 
 from __future__ import annotations
 
 import json
+from urllib.parse import urlencode
 from typing import Annotated, Any, NoReturn, Optional
 
 import typer
@@ -163,6 +164,34 @@ def resume(url: UrlOpt, api_key: KeyOpt = None) -> None:
 WorkersOpt = Annotated[Optional[list[str]], typer.Option("--worker", help="only this worker (repeat; default: all)")]
 
 
+@workers.command()
+def sleep(url: UrlOpt, level: Annotated[int, typer.Option(
+              min=0, max=2, help="0: pause scheduling; 1: also offload the weights, discard the KV cache; 2: discard "
+              "both")] = 1,
+          mode: Annotated[str, typer.Option(
+              help="abort: end the servers' requests in flight; wait: let them finish; keep: freeze them")] = "abort",
+          worker: WorkersOpt = None, api_key: KeyOpt = None) -> None:
+    """Put the fleet's servers to sleep (vLLM's /sleep, VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode): routing
+    sends requests to a sleeping server only while no awake one can take them. Status 1 unless every one slept."""
+    if mode not in ("abort", "wait", "keep"):
+        raise typer.BadParameter(f"one of abort, wait, keep; got {mode!r}", param_hint="'--mode'")
+    query = urlencode([("level", level), ("mode", mode), *(("workers", w) for w in worker or ())])
+    _fleet_call(f"{url}/sleep?{query}", api_key, None, None, "asleep")
+
+
+@workers.command("wake-up")
+def wake_up(url: UrlOpt, tag: Annotated[Optional[list[str]], typer.Option(
+                "--tag", help="wake only this part (weights, kv_cache, scheduling; repeat; default: all)")] = None,
+            worker: WorkersOpt = None, api_key: KeyOpt = None) -> None:
+    """Wake the fleet's servers (vLLM's /wake_up); a server woken whole is back in routing. Status 1 unless every one
+    of them woke (a partial wake-up, with --tag, says so per worker)."""
+    for t in tag or ():
+        if t not in ("weights", "kv_cache", "scheduling"):
+            raise typer.BadParameter(f"one of weights, kv_cache, scheduling; got {t!r}", param_hint="'--tag'")
+    query = urlencode([*(("tags", t) for t in tag or ()), *(("workers", w) for w in worker or ())])
+    _fleet_call(f"{url}/wake_up" + (f"?{query}" if query else ""), api_key, None, None, "awake")
+
+
 @workers.command("load-adapter")
 def load_adapter(name: Annotated[str, typer.Argument(help="the adapter's name (the model name clients send)")],
                  path: Annotated[str, typer.Argument(help="its directory, as the servers see it")], url: UrlOpt,
@@ -205,7 +234,9 @@ def _fleet_call(url: str, api_key: str | None, body: dict[str, Any] | None, work
 
 def _per_worker(answers: list[dict[str, Any]], done: str) -> None:
     for w in answers:
-        typer.echo(f"{w['id']}: " + (done if w["success"] else f"not {done}: {w.get('error')}"))
+        status = w.get("answer", {}).get("status") if isinstance(w.get("answer"), dict) else None
+        said = f" ({status})" if done == "awake" and status == "sleeping" else ""  # (a partial wake-up)
+        typer.echo(f"{w['id']}: " + (done + said if w["success"] else f"not {done}: {w.get('error')}"))
 
 
 def register(app: typer.Typer) -> None:

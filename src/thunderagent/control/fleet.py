@@ -100,6 +100,7 @@ class Fleet:
         #: workers that reported they cannot serve (reason); back in routing with their next heartbeat
         self.unavailable: dict[str, str] = {}
         self.cordoned: set[str] = set()  # out of routing until uncordoned (an operator: control/worker_admin.py)
+        self.asleep: set[str] = set()  # servers put to sleep (vLLM's /sleep): routed to only while no other can take it
         self._clock = clock
         self._inflight: dict[str, Generation] = {}
         self._held: dict[str, HeldCall] = {}  # requests waiting in the scheduler, by id
@@ -158,6 +159,7 @@ class Fleet:
         self.outliers.forget(worker_id)  # else its breaker stays in the ejection cap's base for good
         self.unavailable.pop(worker_id, None)
         self.cordoned.discard(worker_id)
+        self.asleep.discard(worker_id)
         purged, gens = self._out_of_routing(worker_id, handle, None if drain else f"worker {worker_id} left")
         log.warning("worker %s left: %s; %d index entries purged, %d requests in flight%s", worker_id, reason,
                     purged, len(gens), " (draining)" if drain and gens else "")
@@ -222,7 +224,9 @@ class Fleet:
     def routable(self) -> Sequence[WorkerState]:
         out, ws, off = self.unavailable, self.registry.routable(), self.cordoned  # ws: the FleetView (kept whole)
         skip = self.outliers.skipping(ws)
-        return self.registry.routable(skip.union(out, off)) if skip or out or off else ws
+        # (a sleeping vLLM server holds new requests until it wakes: the awake ones first, while there are any)
+        awake = self.registry.routable(skip.union(out, off, self.asleep)) if self.asleep else ()
+        return awake or (self.registry.routable(skip.union(out, off)) if skip or out or off else ws)
 
     # -- health ------------------------------------------------------------------------------
     def check_health(self) -> None:
@@ -491,6 +495,6 @@ class Fleet:
                 self._observe_programs()
 
     def health_summary(self) -> dict[str, object]:
-        return health_summary(self.registry, self.index, self.unavailable, self.cordoned, self.dispatcher.queue,
-                              self.now(), self.membership.summary(), self.outliers.breakers) | self.autotune.health() \
-            | ({} if self.cache_migration is None else self.cache_migration.health())
+        return health_summary(self.registry, self.index, self.unavailable, (self.cordoned, self.asleep),
+                              self.dispatcher.queue, self.now(), self.membership.summary(), self.outliers.breakers) \
+            | self.autotune.health() | ({} if self.cache_migration is None else self.cache_migration.health())

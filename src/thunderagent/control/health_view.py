@@ -10,10 +10,11 @@ from thunderagent.kv.index import KvIndex
 from thunderagent.scheduler.queue import HoldingQueue
 
 
-def health_summary(registry: WorkerRegistry, index: KvIndex, unavailable: Mapping[str, str], cordoned: Set[str],
-                   queue: HoldingQueue | None, now: float, membership: Mapping[str, object],
-                   breakers: Breakers) -> dict[str, object]:
+def health_summary(registry: WorkerRegistry, index: KvIndex, unavailable: Mapping[str, str],
+                   marks: tuple[Set[str], Set[str]], queue: HoldingQueue | None, now: float,
+                   membership: Mapping[str, object], breakers: Breakers) -> dict[str, object]:
     loads = registry.loads()
+    cordoned, asleep = marks  # an operator's: workers cordoned, servers put to sleep
     workers = [
         {
             "id": wid,
@@ -28,6 +29,8 @@ def health_summary(registry: WorkerRegistry, index: KvIndex, unavailable: Mappin
             "max_prompt_tokens": registry.info(wid).max_prompt_tokens or None,
             "out_of_routing": unavailable.get(wid),  # reason a worker gave (unreachable, ...)
             "cordoned": wid in cordoned,  # an operator took it out of routing (POST /v1/admin/workers/{id}/cordon)
+            # its server was put to sleep (vLLM's /sleep through ThunderAgent): routed to only while no other can
+            "asleep": wid in asleep,
             "breaker": breakers.state(wid).value,  # closed, half_open (probing) or open (ejected: slow or failing)
             "skipped": breakers.blocked(wid),  # why routing skips it now, if it does
         }

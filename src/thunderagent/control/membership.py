@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from thunderagent.config import EndpointConfig, ExecutionGroupConfig, NodeConfig
+from thunderagent.control.sleep_mark import apply_asleep
 from thunderagent.execution.handle import WorkerCallbacks, WorkerFactory, WorkerHandle, snapshot_checks
 from thunderagent.execution.kv_stream import StreamStats
 from thunderagent.types import PromptLimit, WorkerInfo
@@ -40,7 +41,8 @@ class StaticMembership:
 
     async def start(self, fleet: Fleet) -> None:
         self._fleet = fleet
-        self._callbacks = replace(fleet.callbacks(), on_limits=self._on_limits, on_adapters=self._on_adapters)
+        self._callbacks = replace(fleet.callbacks(), on_limits=self._on_limits, on_adapters=self._on_adapters,
+                                  on_asleep=self._on_asleep)
         for g, node in enumerate(self.group.nodes):
             for k in range(node.count):
                 self._join(g, node, k, self._new_id())
@@ -118,6 +120,11 @@ class StaticMembership:
         registry = self._fleet.registry if self._fleet is not None else None
         if registry is not None and worker_id in registry.worker_ids():
             registry.restate(replace(registry.info(worker_id), adapters=adapters))
+
+    def _on_asleep(self, worker_id: str, asleep: bool) -> None:
+        """A server's own sleep state (vLLM's ``vllm:engine_sleep_state`` gauge) changed."""
+        if self._fleet is not None:
+            apply_asleep(self._fleet, worker_id, asleep, "its server's metrics say so")
 
     async def stop(self) -> None:
         for handle in self.handles.values():

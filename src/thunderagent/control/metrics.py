@@ -44,6 +44,8 @@ class Metrics:
         self.healthy = Gauge("thunderagent_worker_healthy", "1 if the worker is routable", ["worker"], registry=r)
         self.cordoned = Gauge("thunderagent_worker_cordoned", "1 while an operator keeps the worker out of routing "
                               "(POST /v1/admin/workers/{id}/cordon)", ["worker"], registry=r)
+        self.asleep = Gauge("thunderagent_worker_asleep", "1 while the worker's server sleeps (vLLM's /sleep through "
+                            "ThunderAgent): routed to only while no awake one can", ["worker"], registry=r)
         self.out_of_routing = Gauge(
             "thunderagent_worker_out_of_routing",
             "1 while a worker keeps itself out of routing (reason: unreachable, block_size_mismatch)",

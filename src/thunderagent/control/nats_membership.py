@@ -56,6 +56,7 @@ from thunderagent.control.index_shards import IndexShards
 from thunderagent.control.planner_peers import PlannerPeers
 from thunderagent.control.program_peers import ProgramPeers
 from thunderagent.control.tenant_peers import TenantPeers
+from thunderagent.control.sleep_mark import apply_asleep
 from thunderagent.control.worker_admin import apply_cordon
 from thunderagent.control.remote_worker import RemoteLink, RemoteWorker
 from thunderagent.types import LoadReport, PromptLimit
@@ -234,6 +235,8 @@ class NatsMembership:
             self._restate(wid, hb)
         if hb.cordoned != (wid in fleet.cordoned):  # (an operator's, through any frontend)
             apply_cordon(fleet, wid, hb.cordoned, "its heartbeat says so")
+        if hb.asleep != (wid in fleet.asleep):
+            apply_asleep(fleet, wid, hb.asleep, "its heartbeat says so")
         fleet.on_heartbeat(wid, worker.load())
         if fleet.feed.heartbeat(wid, hb.last_seq):
             log.warning("worker %s published events up to seq %d, index has %d: resyncing",

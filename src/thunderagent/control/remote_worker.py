@@ -23,7 +23,7 @@ import msgspec
 from thunderagent.bus.nats import Bus, BusError, BusMsg
 from thunderagent.bus.wire import Abort, Subjects, decode_tokens, encode, output_from_wire, request_to_wire
 from thunderagent.bus.wire_admin import ResetCache, ServerCall, SetAdapter, SetPaused, decode_admin_reply
-from thunderagent.execution.server_admin import ADMIN_TIMEOUT_S
+from thunderagent.execution.server_admin import ADMIN_TIMEOUT_S, SERVER_CALLS
 from thunderagent.execution.handle import AdminResult, OutputQueue, Snapshot, WorkerCallbacks, with_pending
 from thunderagent.types import EngineRequest, FinishReason, LoadReport, TokenOutput
 
@@ -103,13 +103,15 @@ class RemoteWorker:
     async def set_paused(self, paused: bool, mode: str, clear_cache: bool) -> AdminResult:
         return await self._admin_call("pause", encode(SetPaused(paused, mode, clear_cache)))
 
-    async def server_call(self, path: str) -> AdminResult:
-        return await self._admin_call("call", encode(ServerCall(path)))
+    async def server_call(self, path: str, query: str = "", body: bytes = b"") -> AdminResult:
+        call = SERVER_CALLS.get(path)
+        return await self._admin_call("call", encode(ServerCall(path, query, body)),
+                                      call.timeout_s if call is not None else ADMIN_TIMEOUT_S)
 
     async def set_adapter(self, name: str, path: str | None, inplace: bool) -> AdminResult:
         return await self._admin_call("adapter", encode(SetAdapter(name, path, inplace)))
 
-    async def _admin_call(self, kind: str, data: bytes) -> AdminResult:
+    async def _admin_call(self, kind: str, data: bytes, timeout_s: float = ADMIN_TIMEOUT_S) -> AdminResult:
         """Asked of the worker process (it holds the server's connection); its answer, or a failure when the
         instance this frontend knows does not answer in time (its server's own timeout, plus the bus)."""
         link = self._link
@@ -122,7 +124,7 @@ class RemoteWorker:
                 return False
 
         try:
-            got = await link.bus.request_many(link.subjects.rpc(self.worker_id, kind), data, ADMIN_TIMEOUT_S + 2,
+            got = await link.bus.request_many(link.subjects.rpc(self.worker_id, kind), data, timeout_s + 2,
                                               its_answer, reply)
         except (BusError, TimeoutError) as e:
             return AdminResult(False, error=f"the worker process did not answer: {e or 'timed out'}")

@@ -20,6 +20,12 @@ Generation paused and resumed (vLLM's ``/pause`` and ``/resume``, for RL trainer
 rollouts): every server is asked; requests sent meanwhile wait in the servers (routed as usual, counted in flight)
 until they resume; a pause that clears the caches drops the index entries as a reset does.
 
+Sleep mode (vLLM's ``/sleep``, ``/wake_up``; a server that sleeps holds new requests until it wakes): a server put
+to sleep through ThunderAgent is routed to only while no awake worker can take a request, and from level 1 (its KV
+cache discarded) its index entries go; woken whole, it is back. Over NATS the worker process keeps the mark and every
+frontend reads it in its heartbeats. A server put to sleep behind ThunderAgent's back is noticed with the next load
+poll (its ``vllm:engine_sleep_state`` gauge: ``control/sleep_mark.py``).
+
 An adapter loaded or unloaded: the worker reads its server's model list at once (in ``serve``; over NATS its
 next heartbeat carries it to every frontend), so routing sends the adapter's requests to the servers that hold it.
 """
@@ -32,7 +38,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from thunderagent.control.sleep_mark import apply_asleep
 from thunderagent.execution.handle import AdminResult, WorkerHandle
+from thunderagent.execution.server_admin import sleep_effect
 
 if TYPE_CHECKING:
     from thunderagent.control.fleet import Fleet
@@ -51,7 +59,7 @@ class WorkerAnswer:
 async def reset_caches(fleet: Fleet, worker_ids: list[str], *, running: bool, external: bool) -> list[WorkerAnswer]:
     """Reset the prefix cache of each of ``worker_ids`` (known to the fleet), concurrently; in that order."""
     return await _fan_out(fleet, worker_ids, "reset_prefix_cache", "prefix cache reset",
-                          lambda h: h.reset_prefix_cache(running, external), lambda wid: _forget(fleet, wid))
+                          lambda h: h.reset_prefix_cache(running, external), lambda wid, _: _forget(fleet, wid))
 
 
 async def set_paused(fleet: Fleet, worker_ids: list[str], paused: bool, mode: str,
@@ -62,12 +70,24 @@ async def set_paused(fleet: Fleet, worker_ids: list[str], paused: bool, mode: st
     cleared = paused and clear_cache and mode != "keep"
     return await _fan_out(fleet, worker_ids, "pause" if paused else "resume", what,
                           lambda h: h.set_paused(paused, mode, clear_cache),
-                          (lambda wid: _forget(fleet, wid)) if cleared else None)
+                          (lambda wid, _: _forget(fleet, wid)) if cleared else None)
 
 
-async def call_servers(fleet: Fleet, worker_ids: list[str], path: str) -> list[WorkerAnswer]:
-    """One of vLLM's parameterless operator paths (``execution/server_admin.SERVER_CALLS``) on each server."""
-    return await _fan_out(fleet, worker_ids, path.lstrip("/"), f"{path} called", lambda h: h.server_call(path), None)
+async def call_servers(fleet: Fleet, worker_ids: list[str], path: str, query: str = "",
+                       body: bytes = b"") -> list[WorkerAnswer]:
+    """One of vLLM's other operator paths (``execution/server_admin.SERVER_CALLS``) on each server, with the caller's
+    url-encoded ``query`` and JSON ``body``. A server put to sleep leaves routing while another can take requests
+    (``Fleet.asleep``), and one whose KV cache was discarded (a sleep from level 1, a KV-memory release) its index
+    entries; a server woken whole comes back."""
+    def done(wid: str, answer: str | None) -> None:
+        asleep, cleared = sleep_effect(path, query, answer)
+        if cleared:
+            _forget(fleet, wid)
+        if asleep is not None:
+            apply_asleep(fleet, wid, asleep, f"{path} through this frontend")
+
+    return await _fan_out(fleet, worker_ids, path.lstrip("/"), f"{path} called",
+                          lambda h: h.server_call(path, query, body), done)
 
 
 async def set_adapters(fleet: Fleet, worker_ids: list[str], name: str, path: str | None,
@@ -86,7 +106,7 @@ def _forget(fleet: Fleet, worker_id: str) -> None:
 
 async def _fan_out(fleet: Fleet, worker_ids: list[str], call_name: str, what: str,
                    call: Callable[[WorkerHandle], Awaitable[AdminResult]],
-                   done: Callable[[str], None] | None) -> list[WorkerAnswer]:
+                   done: Callable[[str, str | None], None] | None) -> list[WorkerAnswer]:
     async def one(worker_id: str) -> WorkerAnswer:
         handle = fleet.workers.get(worker_id)
         if handle is None:
@@ -97,7 +117,7 @@ async def _fan_out(fleet: Fleet, worker_ids: list[str], call_name: str, what: st
             log.exception("%s on %s failed", what, worker_id)
             r = AdminResult(False, f"failed: {e!r}")
         if r.success and done is not None and worker_id in fleet.workers:
-            done(worker_id)
+            done(worker_id, r.answer)
         fleet.metrics.server_calls.labels(call_name, "done" if r.success else "refused").inc()
         log.warning("%s on %s by an operator: %s", what, worker_id, "done" if r.success else f"refused: {r.error}")
         return WorkerAnswer(worker_id, r.success, r.error, r.answer)

@@ -29,10 +29,14 @@ class EngineFlavor:
     #: to the servers listing it: a fleet of several models); else only its LoRA adapters (``parent`` set) are
     #: (vLLM / SGLang: one base model per fleet, ThunderAgent's ``model``)
     lists_models: bool = False
+    #: a gauge with one sample per ``sleep_state`` label, ``awake`` 1 or 0 (vLLM's sleep mode; None: not read)
+    sleep_state: str | None = None
 
     @property
     def wanted(self) -> frozenset[str]:
         names = {*self.running, *self.waiting, *self.kv_usage, "process_start_time_seconds"}
+        if self.sleep_state:
+            names.add(self.sleep_state)
         if self.cache_info:
             names.add(self.cache_info)
         return frozenset(names)
@@ -46,6 +50,7 @@ VLLM = EngineFlavor(
     cache_info="vllm:cache_config_info",
     return_token_ids=True,
     hints="--enable-prefix-caching --enable-prompt-tokens-details --block-size N --kv-events-config ...",
+    sleep_state="vllm:engine_sleep_state",
 )
 
 
@@ -89,6 +94,8 @@ class EngineStats:
     num_blocks: int | None = None
     prefix_caching: bool | None = None
     start_time: float | None = None
+    asleep: bool | None = None  # the server sleeps (vLLM: ``awake`` 0 on any engine); None: the page does not say
+
 
 
 def engine_stats(text: str, flavor: EngineFlavor) -> EngineStats:
@@ -112,6 +119,7 @@ def engine_stats(text: str, flavor: EngineFlavor) -> EngineStats:
         if "enable_prefix_caching" in labels:
             prefix = labels["enable_prefix_caching"] == "True"
     start = m.get("process_start_time_seconds")
+    awake = [v for labels, v in m.get(flavor.sleep_state or "", ()) if labels.get("sleep_state") == "awake"]
     return EngineStats(
         running=int(sum(first(flavor.running))),
         waiting=int(sum(first(flavor.waiting))),
@@ -120,4 +128,5 @@ def engine_stats(text: str, flavor: EngineFlavor) -> EngineStats:
         num_blocks=num_blocks,
         prefix_caching=prefix,
         start_time=start[0][1] if start else None,
+        asleep=any(v == 0 for v in awake) if awake else None,
     )

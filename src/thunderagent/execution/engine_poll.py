@@ -193,6 +193,10 @@ class EnginePoller:
             log.info("%s: %s answers again", self.worker_id, self.url)
         self.reachable = True
         self.stats = s
+        # (only a change: a poll read before a sleep asked through the fleet, answered after it, repeats the old
+        # state and must not undo the mark; the next poll carries the new one)
+        if s.asleep is not None and s.asleep != old.asleep and self._cb.on_asleep is not None:
+            self._cb.on_asleep(self.worker_id, s.asleep)
         if s.prefix_caching is False and not self._warned_prefix:
             self._warned_prefix = True
             log.error("%s: the engine runs without prefix caching: no cache to route to (start it with "

@@ -113,6 +113,8 @@ class WorkerCallbacks:
     on_limits: Callable[[str, int, int], None] | None = None
     #: the LoRA adapters its server serves by name changed (vLLM's /v1/models; None: not passed on)
     on_adapters: Callable[[str, tuple[str, ...]], None] | None = None
+    #: its server fell asleep or woke (vLLM's ``vllm:engine_sleep_state`` gauge; None: not passed on)
+    on_asleep: Callable[[str, bool], None] | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -150,9 +152,10 @@ class WorkerHandle(Protocol):
         them frozen; ``clear_cache``: empty its caches once drained) or resume it (``paused`` False), as vLLM's
         ``/pause`` and ``/resume`` do; new requests sent meanwhile wait in the server until it resumes."""
 
-    async def server_call(self, path: str) -> AdminResult:
-        """One of vLLM's operator paths without parameters (``execution/server_admin.SERVER_CALLS``: profiling,
-        the multimodal caches' resets, ``/is_paused``), its answer's body in ``answer``."""
+    async def server_call(self, path: str, query: str = "", body: bytes = b"") -> AdminResult:
+        """One of vLLM's other operator paths (``execution/server_admin.SERVER_CALLS``: profiling, the multimodal
+        caches' resets, ``/is_paused``, sleep mode, ``/collective_rpc``, the RL weight transfer), with its url-encoded
+        ``query`` and JSON ``body`` as the caller gave them, its answer's body in ``answer``."""
 
     async def set_adapter(self, name: str, path: str | None, inplace: bool) -> AdminResult:
         """Load the LoRA adapter ``name`` from ``path`` on the server (``inplace``: replace one of that name), or

@@ -114,7 +114,7 @@ class LocalWorker:
     async def set_paused(self, paused: bool, mode: str, clear_cache: bool) -> AdminResult:
         return AdminResult(False, "a simulated worker has no pause (cordon it to take it out of routing)")
 
-    async def server_call(self, path: str) -> AdminResult:
+    async def server_call(self, path: str, query: str = "", body: bytes = b"") -> AdminResult:
         return AdminResult(False, f"a simulated worker has no server to call {path[:80]} on")
 
     async def set_adapter(self, name: str, path: str | None, inplace: bool) -> AdminResult:

@@ -72,6 +72,7 @@ from thunderagent.bus.wire import (
 )
 from thunderagent.gc_policy import tune_gc
 from thunderagent.execution.handle import AdminResult, OutputQueue, WorkerCallbacks, WorkerHandle, snapshot_checks
+from thunderagent.execution.server_admin import sleep_effect
 from thunderagent.types import FinishReason, KvEvent, LoadReport, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class WorkerService:
         self.handle: WorkerHandle | None = None
         self.last_seq = -1
         self.cordoned = False  # an operator took this worker out of routing (told every frontend in heartbeats)
+        self.asleep = False  # its server was put to sleep through a frontend (told every frontend in heartbeats)
         self._load = LoadReport(info.worker_id, 0.0, 0, 0, 0, 0, 0, 0, info.kv_total_blocks)  # last pushed
         self._streams: dict[str, _Out] = {}
         self._keepalive_task: asyncio.Task[None] | None = None
@@ -141,7 +143,7 @@ class WorkerService:
         await self.bus.connect()
         self.handle = self._build(WorkerCallbacks(self._on_events, self._on_heartbeat, self._on_load,
                                                   self._on_unavailable, self._now, on_limits=self._on_limits,
-                                                  on_adapters=self._on_adapters))
+                                                  on_adapters=self._on_adapters, on_asleep=self._set_asleep))
         # Subscribe (and flush) before saying hello: a frontend dumps a worker as soon as it meets it.
         await self.bus.subscribe(self.subjects.rpcs(self.worker_id), self._on_rpc)
         await self.bus.subscribe(self.subjects.discover(), self._on_discover)
@@ -160,6 +162,16 @@ class WorkerService:
         """The engine's LoRA adapters: every heartbeat from now on carries them."""
         self.info = replace(self.info, adapters=adapters)
         self.wire_info = info_to_wire(self.info, self._engine_kind)
+
+    def _set_asleep(self, worker_id: str, asleep: bool) -> None:
+        """Its server fell asleep or woke (asked through a frontend, or its metrics say so): every frontend is told in
+        heartbeats, at once."""
+        if asleep != self.asleep:
+            self.asleep = asleep
+            log.warning("server %s", "asleep: routed to only while no awake worker can take a request" if asleep
+                        else "awake")
+            if not self._closing:
+                self._publish_heartbeat("hb", self._load)
 
     async def stop(self) -> None:
         """Leave: say bye, drain the requests in flight (bounded), then close."""
@@ -204,7 +216,8 @@ class WorkerService:
                          encode(Unavailable(self.instance, reason)))
 
     def _publish_heartbeat(self, kind: str, load: LoadReport) -> None:
-        hb = Heartbeat(WIRE_VERSION, self.instance, self.wire_info, load_to_wire(load), self.last_seq, self.cordoned)
+        hb = Heartbeat(WIRE_VERSION, self.instance, self.wire_info, load_to_wire(load), self.last_seq, self.cordoned,
+                       self.asleep)
         self.bus.publish(self.subjects.worker(self.worker_id, kind), encode(hb))
 
     # -- bus handlers ------------------------------------------------------------------------
@@ -286,7 +299,10 @@ class WorkerService:
             elif kind == "call":
                 call = decode_server_call(msg.data)
                 what = f"{call.path[:80]} called"
-                r = await self.handle.server_call(call.path)
+                r = await self.handle.server_call(call.path, call.query, call.body)
+                asleep = sleep_effect(call.path, call.query, r.answer)[0] if r.success else None
+                if asleep is not None:
+                    self._set_asleep(self.worker_id, asleep)
             elif kind == "pause":
                 pause = decode_set_paused(msg.data)
                 what = f"generation {'paused (' + pause.mode + ')' if pause.paused else 'resumed'}"

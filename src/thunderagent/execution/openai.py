@@ -42,6 +42,7 @@ OPENAI = EngineFlavor(
     metrics_optional=True,
     states_limits=False,
     lists_models=True,
+    sleep_state="vllm:engine_sleep_state",  # (a vLLM server's)
 )
 
 

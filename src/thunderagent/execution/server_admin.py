@@ -4,8 +4,11 @@ vLLM, SGLang or OpenAI-compatible server's worker; fanned out to the fleet by ``
 Generation paused and resumed (vLLM with ``VLLM_SERVER_DEV_MODE=1``: ``POST /pause?mode=abort|wait|keep&clear_cache=``,
 ``POST /resume``; new requests wait in the server meanwhile; SGLang's own pause is not driven here).
 
-Calls without parameters (``SERVER_CALLS``): vLLM's ``/start_profile``, ``/stop_profile``, ``/reset_mm_cache``,
-``/reset_encoder_cache`` and ``GET /is_paused``, sent as they are, the answer's body kept.
+Other operator paths (``SERVER_CALLS``), sent with the query and JSON body the caller gave (only the parameters each
+takes), the answer's body kept: vLLM's ``/start_profile``, ``/stop_profile``, ``/reset_mm_cache``,
+``/reset_encoder_cache``, ``GET /is_paused``; sleep mode (``/sleep?level=&mode=``, ``/wake_up?tags=``, ``GET
+/is_sleeping``, ``/release_kv_cache_memory``); ``/collective_rpc``, ``/abort_requests``; the RL weight transfer
+(``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``, ...).
 
 Prefix-cache reset:
 
@@ -29,6 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+from dataclasses import dataclass
+from urllib.parse import parse_qs
 
 import msgspec
 
@@ -67,10 +73,19 @@ def _refusal(path: str, status: int, text: str, hint: str = "") -> AdminResult:
     """The server's refusal in OpenAI's error shape (vLLM's: its message), else a 404 is the path itself missing
     (FastAPI's ``{"detail": "Not Found"}``), else the text as it came."""
     try:
-        msg = str(json.loads(text)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        if status == 404:
-            return AdminResult(False, f"the server has no {path.split('?')[0]}{hint}")
+        got = json.loads(text)
+    except ValueError:
+        got = None
+    err = got.get("error") if isinstance(got, dict) else None
+    if isinstance(err, dict) and "message" in err:  # OpenAI's shape
+        msg = str(err["message"])
+    elif isinstance(err, str):  # vLLM's RL paths: {"error": "..."}
+        msg = err
+    elif isinstance(got, dict) and isinstance(got.get("detail"), str) and got["detail"] != "Not Found":
+        msg = got["detail"]  # FastAPI's HTTPException
+    elif status == 404:
+        return AdminResult(False, f"the server has no {path.split('?')[0]}{hint}")
+    else:
         msg = text.strip()
     return AdminResult(False, f"HTTP {status}: {msg[:300]}")
 
@@ -123,28 +138,86 @@ async def pause_server(transport: HttpTransport, url: str, flavor: str, paused: 
     return _refusal(path, status, text, _DEV_HINT)
 
 
-#: vLLM's operator paths that take nothing and are sent to every server as they are (VLLM_SERVER_DEV_MODE=1;
-#: profiling needs the server's --profiler-config): path -> HTTP method
-SERVER_CALLS = {"/start_profile": "POST", "/stop_profile": "POST", "/reset_mm_cache": "POST",
-                "/reset_encoder_cache": "POST", "/is_paused": "GET"}
-_MAX_ANSWER = 64 * 1024  # (an answer longer than this is cut: these answer a few bytes)
+@dataclass(frozen=True, slots=True)
+class ServerPath:
+    """One of vLLM's operator paths sent to servers as the caller gave it (``server_call``)."""
+
+    method: str  # GET or POST
+    query: tuple[str, ...] = ()  # the query parameters it takes (checked by the frontend; sent url-encoded)
+    body: bool = False  # a JSON object body, sent as it came
+    timeout_s: float = ADMIN_TIMEOUT_S  # (a sleep, a wake-up or a weight update of a large model takes longer)
 
 
-async def call_server(transport: HttpTransport, url: str, flavor: str, path: str,
-                      timeout: float = ADMIN_TIMEOUT_S) -> AdminResult:
-    """One of :data:`SERVER_CALLS` on the server at ``url``; its body in ``answer``."""
-    method = SERVER_CALLS.get(path)
-    if method is None:
+_LONG_S = 600.0  # a server that moves weights or GPU memory: a large model's sleep or update takes minutes
+#: vLLM's operator paths (VLLM_SERVER_DEV_MODE=1; profiling needs the server's --profiler-config; sleep levels >= 1
+#: need --enable-sleep-mode on a GPU): path -> how it is called
+SERVER_CALLS: dict[str, ServerPath] = {
+    "/start_profile": ServerPath("POST"), "/stop_profile": ServerPath("POST"),
+    "/reset_mm_cache": ServerPath("POST"), "/reset_encoder_cache": ServerPath("POST"),
+    "/is_paused": ServerPath("GET"),
+    "/sleep": ServerPath("POST", ("level", "mode"), timeout_s=_LONG_S),
+    "/wake_up": ServerPath("POST", ("tags",), timeout_s=_LONG_S),
+    "/is_sleeping": ServerPath("GET"),
+    "/release_kv_cache_memory": ServerPath("POST", timeout_s=_LONG_S),
+    "/collective_rpc": ServerPath("POST", body=True, timeout_s=_LONG_S),
+    "/abort_requests": ServerPath("POST", body=True),
+    # the RL weight transfer (vLLM's rl/online API)
+    "/init_weight_transfer_engine": ServerPath("POST", body=True, timeout_s=_LONG_S),
+    "/shutdown_weight_transfer_engine": ServerPath("POST", timeout_s=_LONG_S),
+    "/start_weight_update": ServerPath("POST", timeout_s=_LONG_S),
+    "/start_draft_weight_update": ServerPath("POST", timeout_s=_LONG_S),
+    "/update_weights": ServerPath("POST", body=True, timeout_s=_LONG_S),
+    "/finish_weight_update": ServerPath("POST", body=True, timeout_s=_LONG_S),
+    "/update_weight_version": ServerPath("POST", body=True),
+    "/weight_info": ServerPath("GET"),
+    "/weight_checker": ServerPath("POST", body=True, timeout_s=_LONG_S),
+    "/get_world_size": ServerPath("GET", ("include_dp",)),
+}
+_MAX_ANSWER = 64 * 1024  # (an answer longer than this is cut: these answer a few bytes, a checksum list more)
+#: what a query may hold once url-encoded (the worker process refuses anything else: nothing but the path's own
+#: parameters reaches the server)
+_QUERY = re.compile(r"^[A-Za-z0-9_.~%+=&-]{0,2048}$")
+
+
+async def call_server(transport: HttpTransport, url: str, flavor: str, path: str, query: str = "", body: bytes = b"",
+                      timeout: float | None = None) -> AdminResult:
+    """One of :data:`SERVER_CALLS` on the server at ``url`` (``query``: url-encoded, without the ``?``; ``body``: the
+    JSON body of a path that takes one); the server's body in ``answer``."""
+    call = SERVER_CALLS.get(path)
+    if call is None:
         return AdminResult(False, f"{path[:80]!r} is not one of the calls sent to servers")
     if flavor == "sglang":
         return AdminResult(False, f"SGLang has no {path} (vLLM's)")
-    got = await _post(transport, url, path, b"", timeout, get=method == "GET")
+    if not _QUERY.match(query) or (query and not call.query):
+        return AdminResult(False, f"{path} takes {', '.join(call.query) or 'no query'}: not {query[:80]!r}")
+    if body and not call.body:
+        return AdminResult(False, f"{path} takes no body")
+    full = path + (f"?{query}" if query else "")
+    got = await _post(transport, url, full, body or (b"{}" if call.body else b""), timeout or call.timeout_s,
+                      get=call.method == "GET")
     if isinstance(got, AdminResult):
         return got
     status, text = got
     if status == 200:
         return AdminResult(True, answer=text[:_MAX_ANSWER])
     return _refusal(path, status, text, _DEV_HINT)
+
+
+def sleep_effect(path: str, query: str, answer: str | None) -> tuple[bool | None, bool]:
+    """What a call that the server did means for routing: (asleep now: True / False, None unchanged; its prefix cache
+    emptied). vLLM's ``/sleep`` (any level) pauses its scheduling, and from level 1 discards the KV cache; ``/wake_up``
+    answers ``{"status": "awake"}`` once all of it is resident again (``"sleeping"`` after a partial wake-up: only
+    some ``tags``); ``/release_kv_cache_memory`` discards the KV cache of a paused server."""
+    if path == "/sleep":
+        level = parse_qs(query).get("level", ["1"])[-1]
+        return True, level != "0"
+    if path == "/wake_up":
+        try:
+            status = json.loads(answer or "").get("status")
+        except (ValueError, AttributeError):
+            status = None
+        return status == "sleeping", False  # (an answer without a status: an older server, woken whole)
+    return None, path == "/release_kv_cache_memory"
 
 
 async def adapter_server(transport: HttpTransport, url: str, flavor: str, name: str, path: str | None,

@@ -160,8 +160,8 @@ class EngineWorker:
     async def set_paused(self, paused: bool, mode: str, clear_cache: bool) -> AdminResult:
         return await pause_server(self._transport, self.url, self.flavor.name, paused, mode, clear_cache)
 
-    async def server_call(self, path: str) -> AdminResult:
-        return await call_server(self._transport, self.url, self.flavor.name, path)
+    async def server_call(self, path: str, query: str = "", body: bytes = b"") -> AdminResult:
+        return await call_server(self._transport, self.url, self.flavor.name, path, query, body)
 
     async def set_adapter(self, name: str, path: str | None, inplace: bool) -> AdminResult:
         r = await adapter_server(self._transport, self.url, self.flavor.name, name, path, inplace)

@@ -13,8 +13,12 @@
   ``POST /v1/unload_lora_adapter {"lora_name", "workers"}``: the adapter loaded or unloaded on every server (or those
   named); 200 when all did, else 502 ``servers_refused``, each with every worker's answer;
 - vLLM's ``POST /pause?mode=abort|wait|keep&clear_cache=true`` and ``POST /resume``: every server's generation paused
-  or resumed (answers as the adapters'); ``GET /is_paused`` (all of them paused?), ``POST /start_profile``,
-  ``/stop_profile``, ``/reset_mm_cache``, ``/reset_encoder_cache``: vLLM's, on every server.
+  or resumed (answers as the adapters'); vLLM's other operator paths (``execution/server_admin.SERVER_CALLS``) on
+  every server or those the query's ``workers`` names, with the caller's query and JSON body: ``GET /is_paused``
+  (all of them paused?), profiling, the multimodal caches' resets, sleep mode (``POST /sleep?level=&mode=``,
+  ``/wake_up?tags=``, ``GET /is_sleeping``, ``POST /release_kv_cache_memory``: a sleeping server is routed to only
+  while no awake one can take a request), ``POST /collective_rpc`` (``results``: every server's), ``/abort_requests``
+  and the RL weight transfer (``/init_weight_transfer_engine``, ``/update_weights``, ...).
 
 What each does: ``control/worker_admin.py``. Errors are OpenAI-shaped, naming the field.
 """
@@ -22,6 +26,7 @@ What each does: ``control/worker_admin.py``. Errors are OpenAI-shaped, naming th
 from __future__ import annotations
 
 import re
+from urllib.parse import urlencode
 from collections.abc import Awaitable, Callable
 from typing import Annotated, TypeVar
 
@@ -221,17 +226,32 @@ class AdminApi:
         return _fleet_answer(done, "generation resumed")
 
     async def server_call(self, request: web.Request) -> web.Response:
-        """One of vLLM's parameterless operator paths (``SERVER_CALLS``) on every server of the fleet; ``GET
-        /is_paused`` answers whether all of them are paused."""
+        """One of vLLM's other operator paths (``SERVER_CALLS``) on every server of the fleet, or those the query's
+        ``workers`` names; ``GET /is_paused`` and ``/is_sleeping`` answer whether all of them are."""
         self._check()
         path = request.path
-        _query_flags(request, path, {})
-        done = await call_servers(self.admin.fleet, self._named(None), path)
-        if path != "/is_paused" or any(not r.success for r in done):
+        call = SERVER_CALLS[path]
+        query, workers = server_query(request, path, call.query)
+        body = b""
+        if call.body:  # (none: the servers get {}, e.g. /abort_requests of everything)
+            body = (await request.read()).strip()
+            try:
+                if body and not isinstance(msgspec.json.decode(body), dict):
+                    raise msgspec.DecodeError("not an object")
+            except msgspec.DecodeError as e:
+                raise RequestError(f"{path} takes a JSON object: {e}") from None
+        done = await call_servers(self.admin.fleet, self._named(workers), path, query, body)
+        if any(not r.success for r in done):
             return _fleet_answer(done, f"{path} done")
-        states = [_paused_state(r.answer) for r in done]
-        return web.json_response({"is_paused": bool(done) and all(s is True for s in states), "workers": [
-            {"id": r.worker_id, "is_paused": s} for r, s in zip(done, states)]})
+        if path in ("/is_paused", "/is_sleeping"):
+            name = path[1:]
+            states = [_state(r.answer, name) for r in done]
+            return web.json_response({name: bool(done) and all(s is True for s in states), "workers": [
+                {"id": r.worker_id, name: s} for r, s in zip(done, states)]})
+        if path == "/collective_rpc":  # (vLLM's answer: {"results": [one per rank]}; the fleet's: every server's)
+            return web.json_response({"success": True, "results": [x for r in done for x in _results(_json(r.answer))],
+                                      "workers": _answers(done)})
+        return _fleet_answer(done, f"{path} done")
 
     def _named(self, ids: list[str] | None) -> list[str]:
         """The workers a call names (every worker when None), each known: a 404 naming ``workers`` otherwise; a
@@ -267,18 +287,56 @@ def _query_flags(request: web.Request, path: str, known: dict[str, object]) -> d
     return out
 
 
-def _paused_state(answer: str | None) -> bool | None:
-    """vLLM's ``{"is_paused": bool}``; None for anything else."""
-    try:
-        got = msgspec.json.decode(answer or "")
-    except msgspec.DecodeError:
-        return None
-    state = got.get("is_paused") if isinstance(got, dict) else None
+def server_query(request: web.Request, path: str, takes: tuple[str, ...]) -> tuple[str, list[str] | None]:
+    """The query of one of vLLM's operator paths checked as vLLM checks it (``/sleep``: ``level`` 0-2 and ``mode``;
+    ``/wake_up``: ``tags``, repeated; ``/get_world_size``: ``include_dp``), url-encoded to send on, and the workers
+    our own ``workers`` parameter names (repeated; None: all of them)."""
+    sent: list[tuple[str, str]] = []
+    workers: list[str] | None = None
+    for name, value in request.query.items():
+        if name == "workers":
+            workers = [*(workers or []), *(w for w in value.split(",") if w)]
+            if not workers:
+                raise RequestError("workers: name at least one worker, or leave the parameter out", param="workers")
+            continue
+        if name not in takes:
+            raise RequestError(f"{path} takes {', '.join((*takes, 'workers'))}, not {name[:40]!r}", param=name)
+        ok = {"level": ("0", "1", "2"), "mode": PAUSE_MODES, "tags": ("weights", "kv_cache", "scheduling")}.get(name)
+        if name == "include_dp":
+            if value.strip().lower() not in _FLAGS:
+                raise RequestError(f"{name}: a boolean (true or false), got {value[:40]!r}", param=name)
+            value = "true" if _FLAGS[value.strip().lower()] else "false"
+        elif ok is not None and value not in ok:
+            raise RequestError(f"{name}: one of {', '.join(ok)}, got {value[:40]!r}", param=name)
+        sent.append((name, value))
+    return urlencode(sent), workers
+
+
+def _state(answer: str | None, name: str) -> bool | None:
+    """vLLM's ``{"is_paused": bool}`` (``{"is_sleeping": bool}``); None for anything else."""
+    got = _json(answer)
+    state = got.get(name) if isinstance(got, dict) else None
     return state if isinstance(state, bool) else None
 
 
+def _json(answer: str | None) -> object:
+    """A server's answer as JSON when it is JSON, else its text (None: no body)."""
+    if not answer:
+        return None
+    try:
+        return msgspec.json.decode(answer)
+    except msgspec.DecodeError:
+        return answer
+
+
+def _results(answer: object) -> list[object]:
+    got = answer.get("results") if isinstance(answer, dict) else None
+    return got if isinstance(got, list) else []
+
+
 def _answers(done: list[WorkerAnswer]) -> list[dict[str, object]]:
-    return [{"id": r.worker_id, "success": r.success, **({"error": r.error} if r.error else {})} for r in done]
+    return [{"id": r.worker_id, "success": r.success, **({"error": r.error} if r.error else {}),
+             **({"answer": _json(r.answer)} if r.answer else {})} for r in done]
 
 
 def _fleet_answer(done: list[WorkerAnswer], what: str) -> web.Response:
@@ -330,5 +388,5 @@ def add_admin_routes(route: Callable[[str, str, Handler], None], api: AdminApi) 
     route("POST", UNLOAD_ADAPTER_PATH, api.unload_adapter)
     route("POST", PAUSE_PATH, api.pause)
     route("POST", RESUME_PATH, api.resume)
-    for path, method in SERVER_CALLS.items():
-        route(method, path, api.server_call)
+    for path, call in SERVER_CALLS.items():
+        route(call.method, path, api.server_call)

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from thunderagent.config import Config
 from thunderagent.config.auth import TENANT_NAME
-from thunderagent.execution.server_admin import SERVER_CALLS
+from thunderagent.execution.server_admin import SERVER_CALLS, ServerPath
 from thunderagent.frontend.admin_api import (
     LOAD_ADAPTER_PATH,
     MAX_DRAIN_S,
@@ -298,19 +298,39 @@ def _admin_paths() -> dict[str, Any]:
                             "schema": {"type": "boolean", "default": True}}],
             "responses": {"200": _json(resets, "every server paused: each worker's answer"),
                           **_errors(400, 403, 502)}}},
-        "/is_paused": {"get": {
-            "summary": "vLLM's pause state, asked of every server of the fleet (is_paused: all of them paused)",
-            "responses": {"200": _json({"type": "object", "required": ["is_paused", "workers"]}, "the states"),
-                          **_errors(400, 403, 502)}}},
-        **{path: {"post": {"summary": f"vLLM's {path}, on every server of the fleet",
-                           "responses": {"200": _json(resets, "every server did it: each worker's answer"),
-                                         **_errors(400, 403, 502)}}}
-           for path, method in SERVER_CALLS.items() if method == "POST"},
+        **{path: {call.method.lower(): _server_call(path, call, resets)} for path, call in SERVER_CALLS.items()},
         RESUME_PATH: {"post": {
             "summary": "vLLM's generation resume, on every server of the fleet",
             "responses": {"200": _json(resets, "every server resumed: each worker's answer"),
                           **_errors(400, 403, 502)}}},
     }
+
+
+#: what the query parameters of vLLM's operator paths take (``frontend/admin_api.server_query`` checks them)
+_SERVER_QUERY: dict[str, dict[str, Any]] = {
+    "level": {"type": "integer", "minimum": 0, "maximum": 2, "default": 1},
+    "mode": {"enum": ["abort", "wait", "keep"], "default": "abort"},
+    "tags": {"enum": ["weights", "kv_cache", "scheduling"]},
+    "include_dp": {"type": "boolean", "default": True},
+}
+
+
+def _server_call(path: str, call: ServerPath, answers: dict[str, Any]) -> dict[str, Any]:
+    """One of vLLM's operator paths, on every server of the fleet (or those ``workers`` names)."""
+    params = [{"name": name, "in": "query", "required": False, "schema": _SERVER_QUERY[name]} for name in call.query]
+    params.append({"name": "workers", "in": "query", "required": False, "schema": {
+        "type": "string", "pattern": r"^[A-Za-z0-9._,-]+$"}, "description": "the workers to ask (comma-separated or "
+                   "repeated); all of them when left out"})
+    state = path.lstrip("/") if path in ("/is_paused", "/is_sleeping") else None
+    op: dict[str, Any] = {
+        "summary": f"vLLM's {path}, on every server of the fleet" + (f" ({state}: all of them)" if state else ""),
+        "parameters": params,
+        "responses": {"200": _json({"type": "object", "required": [state, "workers"]} if state else answers,
+                                   "every server did it: each worker's answer"),
+                      **_errors(400, 403, 404, *((413, 415) if call.body else ()), 502, 503)}}
+    if call.body:
+        op["requestBody"] = {"required": False, "content": {"application/json": {"schema": {"type": "object"}}}}
+    return op
 
 
 def get(summary: str, responses: dict[str, Any]) -> dict[str, Any]:
