@@ -9,6 +9,8 @@ handle, put on the bus by :class:`~thunderagent.execution.nats_worker.WorkerServ
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from collections.abc import Callable
 
 from thunderagent.bus.nats import Bus
@@ -33,11 +35,16 @@ def load_tokenizer(cfg: Config) -> Tokenizer:
 def build_fleet(cfg: Config, tokenizer: Tokenizer, *, policy: Policy | None = None,
                 clock: Callable[[], float] | None = None) -> Fleet:
     """The single-process fleet: the config's workers, built here."""
-    membership = StaticMembership(cfg.execution_group, worker_factories(cfg, tokenizer.eos_token_id))
+    state = cfg.control_plane.admin_state_file
+    membership = StaticMembership(cfg.execution_group, worker_factories(cfg, tokenizer.eos_token_id),
+                                  Path(state) if state is not None else None)
     return Fleet(cfg, membership, policy=policy, clock=clock)
 
 
 def build_nats_fleet(cfg: Config, bus: Bus, *, prefix: str = "ta", policy: Policy | None = None,
                      clock: Callable[[], float] | None = None, **membership_options: float) -> Fleet:
     """A frontend whose workers are discovered on the NATS bus."""
+    if cfg.control_plane.admin_state_file is not None:  # (worker processes keep their own cordons; none is added)
+        raise ValueError("control_plane.admin_state_file is for `thunderagent serve`: over NATS each worker process "
+                         "keeps its cordon, and workers join and leave by themselves")
     return Fleet(cfg, NatsMembership(bus, prefix=prefix, **membership_options), policy=policy, clock=clock)

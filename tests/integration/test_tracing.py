@@ -119,3 +119,100 @@ def test_tracing_config_is_checked() -> None:
     with pytest.raises(ConfigError, match="otlp_endpoint must be an http"):
         parse_config({"control_plane": {"tracing": {"otlp_endpoint": "grpc://x:4317"}}}, "t")
     create_app(parse_config({}, "t"))  # off: nothing of OpenTelemetry built
+
+
+@pytest.mark.nats
+async def test_over_nats_the_worker_process_spans_between_the_frontend_and_the_server(tmp_path) -> None:
+    """A frontend process and a worker process on NATS, both exporting: the worker's span is a child of the
+    frontend's (whose parent is the client's), the server is sent the worker's span as its parent, and the span says
+    which worker and engine served it, with its first output marked."""
+    pytest.importorskip("nats", reason="the NATS deployment needs the nats extra")
+    import signal
+
+    from integration.nats_cluster import Cluster
+
+    backend = OpenAIBackend("a")
+    await backend.start()
+    cluster = Cluster(tmp_path)
+    fast = {"OTEL_BSP_SCHEDULE_DELAY": "50"}  # (export each batch within 50 ms)
+    try:
+        with otlp_collector() as col:
+            cluster.config.write_text(
+                f"model_name: {OPENAI_MODEL}\ncontrol_plane: {{heartbeat_interval: 0.2, heartbeat_misses: 5, "
+                f"tracing: {{otlp_endpoint: \"{col.url}\", service_name: fleet-a}}}}\nexecution_group:\n  nodes:\n"
+                f"    - {{engine: openai, block_size: 16, endpoints: [{{url: \"{backend.url}\"}}]}}\n")
+            cluster.start_nats()
+            cluster.start_worker("w0", env=fast)
+            cluster.start_frontend("fa", env=fast)
+            client = cluster.client("fa")
+
+            def ask() -> int:
+                try:
+                    raw = client.chat.completions.with_raw_response.create(
+                        model=OPENAI_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                        extra_headers={"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"})
+                except Exception:  # (not up yet)
+                    return 0
+                return raw.http_response.status_code
+
+            for _ in range(300):  # the frontend up and the worker met (60 s at most)
+                if await asyncio.to_thread(ask) == 200:
+                    break
+                assert not any(cluster.exited(p) for p in ("fa", "w0")), cluster.logs()
+                await asyncio.sleep(0.2)
+            sent = backend.headers[-1]
+            for name in ("fa", "w0"):  # (SIGTERM: each flushes what is batched on its way out)
+                cluster.kill(name, signal.SIGTERM)
+
+            def both() -> list[dict]:
+                spans = col.named("fleet-a")
+                return spans if {"POST /v1/chat/completions", "thunderagent.worker generate"} <= {
+                    s["name"] for s in spans} else []
+
+            spans = await wait_until(both, 10, "the frontend's and the worker's spans")
+        front = next(s for s in spans if s["name"] == "POST /v1/chat/completions")
+        worker = [s for s in spans if s["name"] == "thunderagent.worker generate"][-1]
+        assert (front["trace_id"], front["parent"]) == (TRACE_ID, CLIENT_SPAN)
+        assert (worker["trace_id"], worker["parent"], worker["kind"]) == (TRACE_ID, front["span_id"], 2)
+        assert sent["traceparent"] == f"00-{TRACE_ID}-{worker['span_id']}-01"  # the server's parent: the worker's
+        a = worker["attrs"]
+        assert (a["thunderagent.worker"], a["thunderagent.engine"], a["thunderagent.finish_reason"]) == (
+            "w0", "openai", "length") and a["gen_ai.usage.input_tokens"] > 0 and not worker["error"]
+        assert worker["events"] == ["first token"]
+    finally:
+        cluster.close()
+        await backend.stop()
+
+
+def test_worker_spans_only_for_traced_requests_and_unsampled_ones_pass_on() -> None:
+    """``execution/worker_spans.py`` alone: a request without a trace context gets no span and keeps its headers; an
+    unsampled parent gives a span that records nothing, and the server is still told (flags unchanged); a refused
+    request's span ends as an error."""
+    from thunderagent.config.observe import TracingConfig
+    from thunderagent.execution.worker_spans import WorkerSpans
+    from thunderagent.types import EngineRequest, FinishReason, TokenOutput
+
+    with otlp_collector() as col:
+        spans = WorkerSpans(TracingConfig(otlp_endpoint=col.url, service_name="w"), "w0", "vllm")
+
+        def req(*headers: tuple[str, str]) -> EngineRequest:
+            r = EngineRequest("r1", [1, 2, 3], [], 0, 4)
+            r.headers = headers
+            return r
+
+        plain = req(("x-request-id", "abc"))
+        assert spans.start(plain) is None and plain.headers == (("x-request-id", "abc"),)
+        quiet = req(("traceparent", f"00-{TRACE_ID}-{CLIENT_SPAN}-00"))
+        span = spans.start(quiet)
+        assert span is not None and not span.is_recording()
+        assert dict(quiet.headers)["traceparent"].startswith(f"00-{TRACE_ID}-") and \
+            dict(quiet.headers)["traceparent"].endswith("-00")
+        spans.outputs(span, [TokenOutput("r1", [7], 0.0, 3, 0, True, FinishReason.STOP)], 0, False)
+        failed = req(("traceparent", f"00-{TRACE_ID}-{CLIENT_SPAN}-01"), ("tracestate", "v=1"))
+        span = spans.start(failed)
+        assert dict(failed.headers)["tracestate"] == "v=1"  # (kept with our traceparent)
+        spans.end(span, FinishReason.ERROR, 0)
+        spans.shutdown()
+        got = col.named("w")
+    assert len(got) == 1 and got[0]["error"] and got[0]["parent"] == CLIENT_SPAN
+    assert got[0]["attrs"]["thunderagent.finish_reason"] == "error"

@@ -28,7 +28,8 @@ class Collector:
                 for s in ss.spans:
                     span = {"name": s.name, "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
                             "parent": s.parent_span_id.hex(), "service": service, "kind": s.kind,
-                            "error": s.status.code == 2, "attrs": {a.key: _value(a.value) for a in s.attributes}}
+                            "error": s.status.code == 2, "attrs": {a.key: _value(a.value) for a in s.attributes},
+                            "events": [e.name for e in s.events]}
                     with self._lock:
                         self.spans.append(span)
 

@@ -79,10 +79,12 @@ def test_a_cordoned_worker_is_shown_out_of_routing():
         {"id": "w0", "health": "healthy", "running": 1, "waiting": 0, "kv_usage": 0.5, "cordoned": True},
         {"id": "w1", "health": "healthy", "running": 0, "waiting": 0, "kv_usage": 0.1, "cordoned": False,
          "out_of_routing": "unreachable"},
-        {"id": "w2", "health": "healthy", "running": 0, "waiting": 0, "kv_usage": 0.1, "cordoned": False}]}
+        {"id": "w2", "health": "healthy", "running": 0, "waiting": 0, "kv_usage": 0.1, "cordoned": False},
+        {"id": "w3", "health": "healthy", "running": 0, "waiting": 0, "kv_usage": 0.0, "asleep": True}]}
     frame = build_frame(Scrape(1.0, health, parse_metrics("")))
-    assert [w.out_of_routing for w in frame.workers] == ["cordoned", "unreachable", None]
+    assert [w.out_of_routing for w in frame.workers] == ["cordoned", "unreachable", None, "asleep"]
     from rich.console import Console
     console = Console(width=160, record=True)
     console.print(render(frame, "http://x"))
-    assert "out (cordoned)" in console.export_text()
+    text = console.export_text()
+    assert "out (cordoned)" in text and "out (asleep)" in text

@@ -79,6 +79,11 @@ class ControlPlaneConfig(_Strict):
         "API keys on they need an admin key; with keys off anyone who reaches the port may use them, so turn this on "
         "only where that is an operator (false: they answer 403)",
     )
+    admin_state_file: str | None = Field(
+        None, description="`thunderagent serve`: the operator's changes to the fleet (workers added and removed, "
+        "cordons) kept in this JSON file, rewritten on each change and applied at the next start (None: a restart "
+        "starts the configured fleet). Needs admin_api",
+    )
     error_log_interval_s: float = Field(
         60.0, gt=0, description="an error cause is logged once per this many seconds, with a count of the "
         "repeats suppressed in between",
@@ -141,6 +146,14 @@ class ControlPlaneConfig(_Strict):
             if getattr(self, name):
                 raise ValueError(f"{name} acts only with API keys on (api_keys, api_keys_file or api_keys_env): "
                                  "without them every endpoint is open")
+        return self
+
+    @model_validator(mode="after")
+    def _state_needs_admin(self) -> ControlPlaneConfig:
+        if self.admin_state_file is not None and not self.admin_api:
+            raise ValueError("admin_state_file keeps what the admin API changed: it needs admin_api: true")
+        if self.admin_state_file is not None and not self.admin_state_file.strip():
+            raise ValueError("admin_state_file: a file path, or leave it out")
         return self
 
     @property

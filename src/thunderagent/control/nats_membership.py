@@ -56,8 +56,7 @@ from thunderagent.control.index_shards import IndexShards
 from thunderagent.control.planner_peers import PlannerPeers
 from thunderagent.control.program_peers import ProgramPeers
 from thunderagent.control.tenant_peers import TenantPeers
-from thunderagent.control.sleep_mark import apply_asleep
-from thunderagent.control.worker_admin import apply_cordon
+from thunderagent.control.marks import apply_asleep, apply_cordon
 from thunderagent.control.remote_worker import RemoteLink, RemoteWorker
 from thunderagent.types import LoadReport, PromptLimit
 

@@ -24,7 +24,7 @@ Sleep mode (vLLM's ``/sleep``, ``/wake_up``; a server that sleeps holds new requ
 to sleep through ThunderAgent is routed to only while no awake worker can take a request, and from level 1 (its KV
 cache discarded) its index entries go; woken whole, it is back. Over NATS the worker process keeps the mark and every
 frontend reads it in its heartbeats. A server put to sleep behind ThunderAgent's back is noticed with the next load
-poll (its ``vllm:engine_sleep_state`` gauge: ``control/sleep_mark.py``).
+poll (its ``vllm:engine_sleep_state`` gauge: ``control/marks.py``).
 
 An adapter loaded or unloaded: the worker reads its server's model list at once (in ``serve``; over NATS its
 next heartbeat carries it to every frontend), so routing sends the adapter's requests to the servers that hold it.
@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from thunderagent.control.sleep_mark import apply_asleep
+from thunderagent.control.marks import apply_asleep
 from thunderagent.execution.handle import AdminResult, WorkerHandle
 from thunderagent.execution.server_admin import sleep_effect
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from thunderagent.config import EndpointConfig
+from thunderagent.control.marks import apply_cordon
 from thunderagent.control.membership import StaticMembership
 
 if TYPE_CHECKING:
@@ -55,21 +56,6 @@ class Removal:
     removed: bool
     in_flight: int  # its requests still running here (not removed: the drain ran out of time)
     cut: int  # requests cut (force)
-
-
-def apply_cordon(fleet: Fleet, worker_id: str, cordoned: bool, why: str) -> None:
-    """The one place a worker's cordon mark changes (an operator's call; over NATS also the worker's heartbeat,
-    which carries the mark to every frontend): routing, the gauge, held requests pumped when it is back."""
-    if cordoned == (worker_id in fleet.cordoned):
-        return
-    if cordoned:
-        fleet.cordoned.add(worker_id)
-    else:
-        fleet.cordoned.discard(worker_id)
-        fleet.wake()  # held requests may go there now
-    fleet.metrics.cordoned.labels(worker_id).set(1 if cordoned else 0)
-    log.warning("worker %s %s (%s)", worker_id, "cordoned: out of routing" if cordoned else
-                "uncordoned: back in routing", why)
 
 
 class WorkerAdmin:
@@ -126,9 +112,21 @@ class WorkerAdmin:
                                  "nothing changed", 504, "worker_timeout", "worker_id") from None
             self.known(worker_id)  # (it may have left meanwhile)
         apply_cordon(fleet, worker_id, cordoned, f"by an operator, {self.in_flight(worker_id)} requests in flight")
+        if (static := self._static()) is not None:
+            await self._save(static, f"worker {worker_id} {'cordoned' if cordoned else 'uncordoned'}")
+
+    async def _save(self, static: StaticMembership, what: str) -> None:
+        """The state file written after a change (``control_plane.admin_state_file``); the change stands either way,
+        and a write that failed says so (the file then holds the state before it)."""
+        try:
+            await static.save()
+        except OSError as e:
+            log.error("%s, but control_plane.admin_state_file could not be written: %s", what, e)
+            raise AdminError(f"{what}, but the state file could not be written ({e}): a restart would not keep it",
+                             500, "state_not_saved", None) from None
 
     # -- add / remove (thunderagent serve) ---------------------------------------------------------
-    def add(self, group: int | None, endpoint: EndpointConfig | None, worker_id: str | None) -> str:
+    async def add(self, group: int | None, endpoint: EndpointConfig | None, worker_id: str | None) -> str:
         static = self._need_static("add")
         nodes = self.fleet.cfg.execution_group.nodes
         if group is None:
@@ -146,6 +144,7 @@ class WorkerAdmin:
         log.warning("worker %s added by an operator to group %d%s", wid, group,
                     "" if endpoint is None else f" ({endpoint.url})")
         self.fleet.wake()
+        await self._save(static, f"worker {wid} added")
         return wid
 
     async def remove(self, worker_id: str, *, force: bool, timeout_s: float) -> Removal:
@@ -168,6 +167,7 @@ class WorkerAdmin:
         if worker_id in fleet.workers:  # (a concurrent removal may have taken it)
             fleet.leave(worker_id, "removed by an operator", drain=True)  # (nothing of ours runs there now)
             await static.remove(worker_id)
+            await self._save(static, f"worker {worker_id} removed")
         return Removal(worker_id, True, 0, cut)
 
     def _need_static(self, action: str) -> StaticMembership:

@@ -33,6 +33,7 @@ import re
 import secrets
 import signal
 import socket
+from typing import Any
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -73,6 +74,7 @@ from thunderagent.bus.wire import (
 from thunderagent.gc_policy import tune_gc
 from thunderagent.execution.handle import AdminResult, OutputQueue, WorkerCallbacks, WorkerHandle, snapshot_checks
 from thunderagent.execution.server_admin import sleep_effect
+from thunderagent.execution.worker_spans import WorkerSpans, make_worker_spans
 from thunderagent.types import FinishReason, KvEvent, LoadReport, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,9 @@ class _Out:
     last: float  # loop time of the last message sent
     frontend: str = ""  # the frontend it streams to (its id, from the reply subject)
     task: asyncio.Task[None] | None = None
+    span: Any = None  # its span here (control_plane.tracing: execution/worker_spans.py), until it ends
+    produced: int = 0  # tokens sent back (the span's)
+    started: bool = False  # the first output with content went (the span's first-token event)
 
 
 class WorkerService:
@@ -107,8 +112,10 @@ class WorkerService:
         drain_timeout: float = 30.0,
         frontend_lease: float = 3.0,
         sharded_kv: bool = False,
+        spans: WorkerSpans | None = None,
     ) -> None:
         self.bus = bus
+        self.spans = spans  # control_plane.tracing: a span per traced request (execution/worker_spans.py)
         self.subjects = subjects
         self.info = info
         self.worker_id = check_token(info.worker_id, "worker id")
@@ -333,16 +340,20 @@ class WorkerService:
             self._send(out, [TokenOutput(rid, [], self._now(), plen, 0, True, FinishReason.ERROR)],
                        f"duplicate request id {rid}")
             return
+        span = self.spans.start(req) if self.spans is not None else None  # (the server gets its traceparent)
         try:
             queue = self.handle.submit(req)
         except Exception as exc:  # the engine refused it (bad input): tell the frontend, keep serving
             log.warning("request %s refused: %s", rid, exc)
+            if span is not None:
+                self.spans.end(span, FinishReason.ERROR, 0)  # type: ignore[union-attr]
             self._send(out, [TokenOutput(rid, [], self._now(), plen, 0, True, FinishReason.ERROR)], str(exc))
             return
         self._send(out, [])  # n=0: accepted
         out.frontend = self.subjects.reply_frontend(msg.reply) or ""
         self._frontends[out.frontend] = self._now()  # a request is news of its frontend too
         self._streams[rid] = out
+        out.span = span
         out.task = asyncio.create_task(self._pump(rid, out, queue), name=f"out-{rid}")
 
     def _dump(self, msg: BusMsg) -> None:
@@ -373,9 +384,17 @@ class WorkerService:
                 while not queue.empty():  # everything of this engine pass in one message
                     batch.append(queue.get_nowait())
                 self._send(out, batch)
+                if out.span is not None:
+                    assert self.spans is not None
+                    out.produced, out.started = self.spans.outputs(out.span, batch, out.produced, out.started)
+                    if batch[-1].finished:
+                        out.span = None  # (ended)
                 if batch[-1].finished:
                     return
         finally:
+            if out.span is not None:  # cut: aborted by its frontend, or the worker stopping
+                self.spans.end(out.span, None, out.produced)  # type: ignore[union-attr]
+                out.span = None
             if self._streams.get(rid) is out:
                 del self._streams[rid]
 
@@ -430,9 +449,10 @@ async def run_worker(cfg: Config, worker_id: str, node_index: int = 0, endpoint:
     build = handle_builder(cfg, node, worker_id, endpoint)
     bus = NatsBus(cfg.nats.servers, f"worker {worker_id}", options=connect_options(cfg.nats))
     cp = cfg.control_plane  # frontends beat every heartbeat_interval, like workers
+    spans = make_worker_spans(cp.tracing, worker_id, node.engine)  # (None: tracing off, nothing imported)
     service = WorkerService(bus, Subjects(prefix), info, node.engine, build,
                             frontend_lease=cp.heartbeat_interval * cp.heartbeat_misses,
-                            sharded_kv=cfg.nats.index == "sharded")
+                            sharded_kv=cfg.nats.index == "sharded", spans=spans)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -445,3 +465,5 @@ async def run_worker(cfg: Config, worker_id: str, node_index: int = 0, endpoint:
         log.info("worker %s shutting down", worker_id)
         with contextlib.suppress(Exception):
             await service.stop()
+        if spans is not None:
+            await asyncio.to_thread(spans.shutdown)  # (the last spans flushed: bounded by the export timeout)

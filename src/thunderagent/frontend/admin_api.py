@@ -143,7 +143,7 @@ class AdminApi:
         elif any(v is not None for v in (body.kv_events, body.kv_replay, body.api_key_env, body.api_key_file)):
             raise RequestError("url: the server's fields come with its url", param="url")
         try:
-            wid = self.admin.add(body.group, endpoint, body.id)
+            wid = await self.admin.add(body.group, endpoint, body.id)
         except AdminError as e:
             raise _error(e) from None
         except OSError as e:  # the engine's worker could not set up its server's sockets

@@ -254,10 +254,10 @@ def _admin_paths() -> dict[str, Any]:
                      "engine", "requestBody": {"required": True, "content": {"application/json": {
                          "schema": {"$ref": "#/components/schemas/AddWorker"}}}},
                      "responses": {"201": _json({"type": "object", "required": ["id", "added"]}, "added"),
-                                   **_errors(400, 403, 409, 413, 415)}}},
+                                   **_errors(400, 403, 409, 413, 415, 500)}}},
         **{f"{WORKERS_PATH}/{{worker_id}}/{verb}": {"post": {
             "summary": summary, "parameters": [_WORKER_PARAM],
-            "responses": {"200": _json(cordon, "done"), **_errors(403, 404, 504)}}}
+            "responses": {"200": _json(cordon, "done"), **_errors(403, 404, 500, 504)}}}
            for verb, summary in (("cordon", "Take a worker out of routing; its requests in flight finish"),
                                  ("uncordon", "Put a cordoned worker back in routing"))},
         f"{WORKERS_PATH}/{{worker_id}}/remove": {"post": {
@@ -265,7 +265,7 @@ def _admin_paths() -> dict[str, Any]:
             "parameters": [_WORKER_PARAM], "requestBody": {"required": False, "content": {"application/json": {
                 "schema": ref}}},
             "responses": {"200": _json({"type": "object", "required": ["id", "removed", "requests_moved"]},
-                                       "removed"), **_errors(400, 403, 404, 409, 413, 415, 504)}}},
+                                       "removed"), **_errors(400, 403, 404, 409, 413, 415, 500, 504)}}},
         f"{WORKERS_PATH}/{{worker_id}}/reset_prefix_cache": {"post": {
             "summary": "Empty a worker's prefix cache (its server's), the index following",
             "parameters": [_WORKER_PARAM], "requestBody": {"required": False, "content": {"application/json": {
