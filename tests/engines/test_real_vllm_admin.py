@@ -3,6 +3,7 @@ routed to, its events fill the index, and a removal drains it and purges its ent
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import aiohttp
@@ -18,6 +19,20 @@ pytestmark = pytest.mark.real_engine
 
 ADMIN = "/v1/admin/workers"
 PROMPT = "The operator added this server while the frontend was serving. " * 12
+
+
+def _admin_config(model_dir: Path, servers: list[VllmServer]):  # type: ignore[no-untyped-def]
+    cfg = front_config(model_dir, servers)
+    return cfg.model_copy(update={"control_plane": cfg.control_plane.model_copy(update={"admin_api": True})})
+
+
+async def _cached_somewhere(front, model_dir: Path, prompt: str) -> tuple[list[int], str]:  # type: ignore[no-untyped-def]
+    """``prompt`` sent once: its block hashes and the worker that served it, once its blocks are in the index."""
+    hashes = block_hashes(HfTokenizer(model_dir).encode(prompt), BLOCK_SIZE, hash_seed())
+    raw = await front.client.completions.with_raw_response.create(model=front.model, prompt=prompt, max_tokens=2)
+    home = raw.headers["x-thunderagent-worker"]
+    await wait_until(lambda: front.fleet.index.is_confirmed(home, hashes[-1]), 20, "the prompt's blocks indexed")
+    return hashes, home
 
 
 async def test_a_vllm_server_added_at_runtime_is_routed_to_indexed_and_drained(
@@ -52,15 +67,11 @@ async def test_a_prefix_cache_reset_reaches_the_vllm_servers(tiny_model_dir: Pat
     """The fleet's reset on real vLLM servers (started with VLLM_SERVER_DEV_MODE=1): each answers success, the index
     is emptied, the prompt's next run finds nothing cached (vLLM's own count), and the engine's AllBlocksCleared,
     published with its next step, is applied in sequence."""
-    cfg = front_config(tiny_model_dir, vllm_servers)
-    cfg = cfg.model_copy(update={"control_plane": cfg.control_plane.model_copy(update={"admin_api": True})})
+    cfg = _admin_config(tiny_model_dir, vllm_servers)
     prompt = "Before the weights change, the fleet cached this prompt on one server. " * 10
     async with thunderagent(cfg, vllm_servers) as front, aiohttp.ClientSession() as s:
         fleet, base = front.fleet, front.base_url
-        hashes = block_hashes(HfTokenizer(tiny_model_dir).encode(prompt), BLOCK_SIZE, hash_seed())
-        raw = await front.client.completions.with_raw_response.create(model=front.model, prompt=prompt, max_tokens=2)
-        home = raw.headers["x-thunderagent-worker"]
-        await wait_until(lambda: fleet.index.is_confirmed(home, hashes[-1]), 20, "the prompt's blocks indexed")
+        hashes, home = await _cached_somewhere(front, tiny_model_dir, prompt)
         again = await front.client.completions.create(model=front.model, prompt=prompt, max_tokens=2)
         assert again.usage.prompt_tokens_details.cached_tokens > 0
         seq = fleet.index.last_seq(home)
@@ -83,43 +94,46 @@ async def test_a_vllm_server_put_to_sleep_and_woken_through_the_fleet(tiny_model
     the scheduler and, from level 1, discards the prefix cache, while the weights stay where they are): the server
     answers as vLLM does, the index drops its entries, requests go to the awake server meanwhile, and once woken it
     serves again."""
-    cfg = front_config(tiny_model_dir, vllm_servers)
-    cfg = cfg.model_copy(update={"control_plane": cfg.control_plane.model_copy(update={"admin_api": True})})
+    cfg = _admin_config(tiny_model_dir, vllm_servers)
     prompt = "An RL trainer puts this server to sleep between two rollouts. " * 10
     async with thunderagent(cfg, vllm_servers) as front, aiohttp.ClientSession() as s:
-        fleet, base = front.fleet, front.base_url
-        hashes = block_hashes(HfTokenizer(tiny_model_dir).encode(prompt), BLOCK_SIZE, hash_seed())
-        raw = await front.client.completions.with_raw_response.create(model=front.model, prompt=prompt, max_tokens=2)
-        home = raw.headers["x-thunderagent-worker"]
-        other = next(w for w in fleet.workers if w != home)
-        await wait_until(lambda: fleet.index.is_confirmed(home, hashes[-1]), 20, "the prompt's blocks indexed")
-        async with s.post(f"{base}/sleep?level=1&workers={home}") as r:
-            assert (r.status, await r.json()) == (200, {"success": True, "workers": [
-                {"id": home, "success": True, "answer": {"status": "sleeping", "level": 1}}]})
-        assert fleet.asleep == {home} and fleet.index.num_blocks(home) == 0
-        async with s.get(base + "/is_sleeping") as r:
-            got = await r.json()
-        assert got["is_sleeping"] is False and {w["id"]: w["is_sleeping"] for w in got["workers"]} == {
-            home: True, other: False}
-        raw = await front.client.completions.with_raw_response.create(model=front.model, prompt=prompt, max_tokens=2)
-        assert raw.headers["x-thunderagent-worker"] == other  # (its cache gone, the server held: the awake one)
-        async with s.post(f"{base}/wake_up?workers={home}") as r:
-            assert (r.status, await r.json()) == (200, {"success": True, "workers": [
-                {"id": home, "success": True, "answer": {"status": "awake", "tags": None}}]})
-        assert fleet.asleep == set()
-        async with s.get(base + "/is_sleeping") as r:
-            assert (await r.json())["is_sleeping"] is False
-        async with s.post(f"{base}{ADMIN}/{other}/cordon") as r:
-            assert r.status == 200
-        out = await front.client.completions.create(model=front.model, prompt=prompt, max_tokens=2)
-        assert out.usage.completion_tokens == 2
-        async with s.post(f"{base}/collective_rpc", json={"method": "get_model_dtype_not_a_method"}) as r:
-            assert r.status == 502  # (vLLM's workers refuse an unknown method: its error comes back named)
-        # put to sleep and woken behind ThunderAgent's back: vLLM's vllm:engine_sleep_state gauge tells the fleet
-        server = next(v for v in vllm_servers if getattr(fleet.workers[home], "url", None) == v.url)
-        async with s.post(f"{server.url}/sleep?level=0") as r:
-            assert r.status == 200
-        await wait_until(lambda: fleet.asleep == {home}, 20, "the fleet to read the server's sleep gauge")
-        async with s.post(f"{server.url}/wake_up") as r:
-            assert r.status == 200
-        await wait_until(lambda: not fleet.asleep, 20, "the fleet to read the server awake")
+        try:
+            fleet, base = front.fleet, front.base_url
+            hashes, home = await _cached_somewhere(front, tiny_model_dir, prompt)
+            other = next(w for w in fleet.workers if w != home)
+            async with s.post(f"{base}/sleep?level=1&workers={home}") as r:
+                assert (r.status, await r.json()) == (200, {"success": True, "workers": [
+                    {"id": home, "success": True, "answer": {"status": "sleeping", "level": 1}}]})
+            assert fleet.asleep == {home} and fleet.index.num_blocks(home) == 0
+            async with s.get(base + "/is_sleeping") as r:
+                got = await r.json()
+            assert got["is_sleeping"] is False and {w["id"]: w["is_sleeping"] for w in got["workers"]} == {
+                home: True, other: False}
+            raw = await front.client.completions.with_raw_response.create(model=front.model, prompt=prompt,
+                                                                          max_tokens=2, timeout=60)
+            assert raw.headers["x-thunderagent-worker"] == other  # (its cache gone, the server held: the awake one)
+            async with s.post(f"{base}/wake_up?workers={home}") as r:
+                assert (r.status, await r.json()) == (200, {"success": True, "workers": [
+                    {"id": home, "success": True, "answer": {"status": "awake", "tags": None}}]})
+            assert fleet.asleep == set()
+            async with s.get(base + "/is_sleeping") as r:
+                assert (await r.json())["is_sleeping"] is False
+            async with s.post(f"{base}{ADMIN}/{other}/cordon") as r:
+                assert r.status == 200
+            out = await front.client.completions.create(model=front.model, prompt=prompt, max_tokens=2)
+            assert out.usage.completion_tokens == 2
+            async with s.post(f"{base}/collective_rpc", json={"method": "get_model_dtype_not_a_method"}) as r:
+                assert r.status == 502  # (vLLM's workers refuse an unknown method: its error comes back named)
+            # put to sleep and woken behind ThunderAgent's back: vLLM's vllm:engine_sleep_state gauge tells the fleet
+            server = next(v for v in vllm_servers if getattr(fleet.workers[home], "url", None) == v.url)
+            async with s.post(f"{server.url}/sleep?level=0") as r:
+                assert r.status == 200
+            await wait_until(lambda: fleet.asleep == {home}, 20, "the fleet to read the server's sleep gauge")
+            async with s.post(f"{server.url}/wake_up") as r:
+                assert r.status == 200
+            await wait_until(lambda: not fleet.asleep, 20, "the fleet to read the server awake")
+        finally:  # (the servers are shared with the tests after this one: never leave one asleep)
+            for v in vllm_servers:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with s.post(f"{v.url}/wake_up") as r:
+                        await r.read()

@@ -15,6 +15,7 @@ from support.openai_backend import MODEL as OPENAI_MODEL
 from support.openai_backend import OpenAIBackend
 from support.server import running_server
 from support.waiting import wait_until
+from thunderagent.assemble import build_nats_fleet
 from thunderagent.config import ConfigError, parse_config
 from thunderagent.frontend.app import create_app
 
@@ -118,3 +119,5 @@ def test_bad_files_and_settings_are_refused_before_serving(tmp_path: Path) -> No
         create_app(missing)
     with pytest.raises(ConfigError, match="admin_state_file keeps what the admin API changed: it needs admin_api"):
         make_config(control_plane={"admin_state_file": str(state)})
+    with pytest.raises(ValueError, match="is for `thunderagent serve`: over NATS each worker process keeps its cordon"):
+        build_nats_fleet(cfg, None)  # type: ignore[arg-type]  (refused before the bus is used)

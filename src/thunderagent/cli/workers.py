@@ -67,7 +67,8 @@ def list_workers(url: UrlOpt, api_key: KeyOpt = None,
         table.add_column(name, no_wrap=True)
     for w in data:
         routing = "cordoned" if w.get("cordoned") else (f"out ({w['out_of_routing']})" if w.get("out_of_routing")
-                                                        else "skipped" if w.get("skipped") else "in")
+                                                        else "skipped" if w.get("skipped")
+                                                        else "asleep (last)" if w.get("asleep") else "in")
         table.add_row(str(w["id"]), "" if w.get("group") is None else str(w["group"]), str(w.get("engine") or ""),
                       str(w["health"]), routing, str(w["running"]), str(w["waiting"]), str(w["in_flight"]),
                       *((str(w.get("url") or ""),) if urls else ()),

@@ -93,6 +93,9 @@ class EnginePoller:
         self.refused: str | None = None
         self._warned_prefix = False
         self._no_metrics = False  # a server without /metrics (flavor.metrics_optional): /v1/models answers polls
+        # bumped when a call through ThunderAgent changed the server's sleep state (``sleep_changed``): a poll begun
+        # before it may carry the old state and must not undo the mark the call's answer set
+        self._sleep_epoch = 0
 
     # -- the served model --------------------------------------------------------------------
     async def served_model(self) -> str:
@@ -132,6 +135,7 @@ class EnginePoller:
     async def poll_loop(self) -> None:
         timeout = self.poll_timeout
         while True:
+            epoch = self._sleep_epoch
             try:
                 text = await self._metrics_text(timeout)
                 self._polls += 1
@@ -146,7 +150,7 @@ class EnginePoller:
                 log.debug("%s: metrics poll failed: %r", self.worker_id, exc)
             else:
                 self.last_poll_ok = self._cb.clock()
-                self.on_stats(engine_stats(text, self.flavor))
+                self.on_stats(engine_stats(text, self.flavor), epoch)
             await asyncio.sleep(self._interval)
 
     async def _metrics_text(self, timeout: float) -> str:
@@ -181,7 +185,11 @@ class EnginePoller:
         self.reachable = False
         self._refuse(REASON_UNREACHABLE)
 
-    def on_stats(self, s: EngineStats) -> None:
+    def sleep_changed(self) -> None:
+        """A sleep or wake-up through ThunderAgent was answered: polls begun before it are stale about sleep."""
+        self._sleep_epoch += 1
+
+    def on_stats(self, s: EngineStats, epoch: int | None = None) -> None:
         old = self.stats
         if old.start_time is not None and s.start_time is not None and s.start_time != old.start_time:
             log.warning("%s: engine restarted (new process): its cache is empty", self.worker_id)
@@ -193,9 +201,9 @@ class EnginePoller:
             log.info("%s: %s answers again", self.worker_id, self.url)
         self.reachable = True
         self.stats = s
-        # (only a change: a poll read before a sleep asked through the fleet, answered after it, repeats the old
-        # state and must not undo the mark; the next poll carries the new one)
-        if s.asleep is not None and s.asleep != old.asleep and self._cb.on_asleep is not None:
+        # (every poll: a mark set through ThunderAgent and then changed behind its back between two polls is seen;
+        # not a poll begun before a sleep or wake-up asked through ThunderAgent: it may carry the old state)
+        if s.asleep is not None and self._cb.on_asleep is not None and epoch in (None, self._sleep_epoch):
             self._cb.on_asleep(self.worker_id, s.asleep)
         if s.prefix_caching is False and not self._warned_prefix:
             self._warned_prefix = True

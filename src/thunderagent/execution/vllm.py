@@ -27,7 +27,7 @@ from thunderagent.config.auth import server_api_key
 from thunderagent.execution.engine_metrics import VLLM, EngineFlavor
 from thunderagent.execution.engine_poll import REASON_BLOCK_SIZE, REASON_UNREACHABLE, EnginePoller
 from thunderagent.execution.engine_requests import RequestStreamer, request_body
-from thunderagent.execution.server_admin import adapter_server, call_server, pause_server, reset_server
+from thunderagent.execution.server_admin import adapter_server, call_server, pause_server, reset_server, sleep_effect
 from thunderagent.execution.handle import (
     AdminResult,
     OutputQueue,
@@ -161,7 +161,10 @@ class EngineWorker:
         return await pause_server(self._transport, self.url, self.flavor.name, paused, mode, clear_cache)
 
     async def server_call(self, path: str, query: str = "", body: bytes = b"") -> AdminResult:
-        return await call_server(self._transport, self.url, self.flavor.name, path, query, body)
+        r = await call_server(self._transport, self.url, self.flavor.name, path, query, body)
+        if r.success and sleep_effect(path, query, r.answer)[0] is not None:
+            self._health.sleep_changed()  # (a poll already under way may read the state before it)
+        return r
 
     async def set_adapter(self, name: str, path: str | None, inplace: bool) -> AdminResult:
         r = await adapter_server(self._transport, self.url, self.flavor.name, name, path, inplace)

@@ -17,13 +17,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from thunderagent.config import ConfigError
 from thunderagent.config.observe import TracingConfig
+from thunderagent.otel import otel
 from thunderagent.types import EngineRequest, FinishReason, TokenOutput
 
 log = logging.getLogger(__name__)
 
-EXPORT_TIMEOUT_S = 2.0  # (as the frontend's: a collector that is down holds back a shutdown this long at most)
 SPAN_NAME = "thunderagent.worker generate"
 
 
@@ -31,26 +30,9 @@ class WorkerSpans:
     """The tracer provider of one worker process (not OpenTelemetry's global one)."""
 
     def __init__(self, cfg: TracingConfig, worker_id: str, engine: str) -> None:
-        try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-            from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
-            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-            from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
-            from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-        except ImportError as exc:
-            raise ConfigError("control_plane.tracing.otlp_endpoint needs OpenTelemetry: pip install "
-                              "'thunderagent[otel]'") from exc
-        assert cfg.otlp_endpoint is not None
-        self.provider = TracerProvider(resource=Resource.create({"service.name": cfg.service_name}),
-                                       sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)))
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=cfg.otlp_endpoint,
-                                                                             timeout=EXPORT_TIMEOUT_S)))
-        self._tracer = self.provider.get_tracer("thunderagent.worker")
-        self._propagator = TraceContextTextMapPropagator()
-        self._kind, self._in_context = SpanKind.SERVER, set_span_in_context
-        self._error = Status(StatusCode.ERROR)
+        parts = otel(cfg, "thunderagent.worker")
+        self.provider, self._tracer, self._propagator = parts.provider, parts.tracer, parts.propagator
+        self._kind, self._in_context, self._error = parts.server_kind, parts.in_context, parts.error
         self._attrs = {"thunderagent.worker": worker_id, "thunderagent.engine": engine}
 
     def start(self, req: EngineRequest) -> Any | None:

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from thunderagent.config import ConfigError
 from thunderagent.config.observe import TracingConfig
 from thunderagent.frontend.tenant_gate import GENERATION
 from thunderagent.frontend.trace_context import OUR_PARENT
+from thunderagent.otel import otel
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Collection
@@ -32,35 +32,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TRACING_KEY = web.AppKey("tracing", object)
-#: an export's deadline, retries included (the SDK's default is 10 s): a collector that is down holds back the
-#: frontend's shutdown (the last batch is flushed) no longer than this
-EXPORT_TIMEOUT_S = 2.0
 
 
 class Tracing:
     """The tracer provider of one frontend (not OpenTelemetry's global one: ours is built here, passed in)."""
 
     def __init__(self, cfg: TracingConfig, paths: Collection[str]) -> None:
-        try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-            from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
-            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-            from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
-            from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-        except ImportError as exc:
-            raise ConfigError("control_plane.tracing.otlp_endpoint needs OpenTelemetry: pip install "
-                              "'thunderagent[otel]'") from exc
-        assert cfg.otlp_endpoint is not None
-        self.provider = TracerProvider(resource=Resource.create({"service.name": cfg.service_name}),
-                                       sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)))
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=cfg.otlp_endpoint,
-                                                                             timeout=EXPORT_TIMEOUT_S)))
-        self._tracer = self.provider.get_tracer("thunderagent")
-        self._propagator = TraceContextTextMapPropagator()
-        self._kind, self._in_context = SpanKind.SERVER, set_span_in_context
-        self._error = Status(StatusCode.ERROR)
+        parts = otel(cfg, "thunderagent")
+        self.provider, self._tracer, self._propagator = parts.provider, parts.tracer, parts.propagator
+        self._kind, self._in_context, self._error = parts.server_kind, parts.in_context, parts.error
         self._paths = frozenset(paths)
         log.info("tracing: spans of %s exported to %s (sample ratio %g)", cfg.service_name, cfg.otlp_endpoint,
                  cfg.sample_ratio)
