@@ -386,9 +386,9 @@ async def test_sleep_over_nats_reaches_every_frontend(tmp_path: Path) -> None:
         for f in ("fa", "fb"):
             cluster.start_frontend(f, config=tmp_path / "wa.yaml")
 
-        def asleep(f: str) -> dict[str, bool]:
+        def asleep(f: str, mark: str = "asleep") -> dict[str, bool]:
             try:
-                return {w["id"]: w["asleep"] for w in cluster.health(f)["workers"] if w["health"] == "healthy"}
+                return {w["id"]: w[mark] for w in cluster.health(f)["workers"] if w["health"] == "healthy"}
             except OSError:
                 return {}
 
@@ -428,6 +428,15 @@ async def test_sleep_over_nats_reaches_every_frontend(tmp_path: Path) -> None:
         status, body = await asyncio.to_thread(call, "fb", "/wake_up")
         assert status == 200 and [w["answer"]["status"] for w in body["workers"]] == ["awake", "awake"]
         await until("fa", {"wa": False, "wb": False}, 5)
+        # a pause of one worker through fa: every frontend routes around it (the worker keeps the mark)
+        assert (await asyncio.to_thread(call, "fa", "/pause?mode=keep&workers=wb"))[0] == 200
+        for f in ("fa", "fb", "fc"):
+            for _ in range(50):
+                if await asyncio.to_thread(asleep, f, "paused") == {"wa": False, "wb": True}:
+                    break
+                await asyncio.sleep(0.1)
+            assert await asyncio.to_thread(asleep, f, "paused") == {"wa": False, "wb": True}, f
+        assert (await asyncio.to_thread(call, "fc", "/resume"))[0] == 200
         status, body = await asyncio.to_thread(call, "fa", "/collective_rpc", {"method": "ping", "args": ["1"]})
         assert status == 200 and body["results"] == [f"{engines[0].url} ping", f"{engines[1].url} ping"]
         assert engines[1].rpc_calls == [("/collective_rpc", {"method": "ping", "args": ["1"]})]
@@ -435,3 +444,36 @@ async def test_sleep_over_nats_reaches_every_frontend(tmp_path: Path) -> None:
         cluster.close()
         for e in engines:
             await e.stop()
+
+
+async def test_a_rolling_pause_keeps_the_rest_of_the_fleet_serving(tiny_model_dir: Path) -> None:
+    """``/pause`` and ``/resume`` with ``workers``: the server named is paused (its requests would wait there), so
+    every request goes to the others until it resumes; ``/health`` says which is paused; unknown or empty names are
+    refused before any server is asked."""
+    engines = [FakeEngine(block_size=BS, dev_mode=True) for _ in range(2)]
+    async with _fleet(engines, tiny_model_dir) as srv:
+        base, fleet = srv.base_url, srv.fleet
+        ids = {e.url: w.worker_id for w in fleet.workers.values() for e in engines if getattr(w, "url", None) == e.url}
+        w0, w1 = ids[engines[0].url], ids[engines[1].url]
+        status, body = await _admin(base, f"/pause?mode=keep&clear_cache=false&workers={w0}", None)
+        assert status == 200 and [w["id"] for w in body["workers"]] == [w0] and fleet.paused == {w0}
+        assert engines[0].pauses == [{"mode": "keep", "clear_cache": "false"}] and engines[1].pauses == []
+        async with aiohttp.ClientSession() as s:
+            async with s.get(base + "/health") as r:
+                assert {w["id"]: w["paused"] for w in (await r.json())["workers"]} == {w0: True, w1: False}
+            for k in range(6):  # (the paused server would hold them)
+                async with s.post(base + "/v1/completions", json={"model": fleet.model_name, "prompt": f"q{k} " * 9,
+                                                                   "max_tokens": 2}) as r:
+                    assert r.status == 200 and r.headers["x-thunderagent-worker"] == w1
+        for query, code in (("workers=nobody", 404), ("workers=", 400), (f"workers={w0}&x=1", 400)):
+            status, body = await _admin(base, f"/pause?{query}", None)
+            assert (status, body["error"]["param"]) == (code, "workers" if "x=" not in query else "x"), query
+        assert (await _admin(base, "/resume?workers=", None))[0] == 400
+        status, body = await _admin(base, f"/resume?workers={w0}", None)
+        assert status == 200 and not fleet.paused and engines[0].pauses[-1] == {"resume": ""}
+        assert len(engines[1].pauses) == 0
+        r = await asyncio.to_thread(functools.partial(CliRunner().invoke, app),
+                                    ["workers", "pause", "--mode", "wait", "--worker", w1, "--url", base])
+        assert r.exit_code == 0 and r.output.splitlines() == [f"{w1}: paused"] and fleet.paused == {w1}
+        r = await asyncio.to_thread(functools.partial(CliRunner().invoke, app), ["workers", "resume", "--url", base])
+        assert r.exit_code == 0 and not fleet.paused

@@ -195,9 +195,8 @@ class Subjects:
         return parts[2], parts[3]
 
     def worker_kv(self, worker_id: str, sharded: bool) -> str:
-        """Where a worker publishes its KV events: ``<p>.worker.<id>.kv``, or with a sharded index
-        ``<p>.worker.<id>.kv.s``, which the frontends' ``<p>.worker.*.*`` does not match (each frontend
-        subscribes to the workers it indexes only)."""
+        """Where a worker publishes its KV events: ``<p>.worker.<id>.kv``, or (sharded index) ``<p>.worker.<id>.kv.s``,
+        which the frontends' ``<p>.worker.*.*`` does not match (each frontend subscribes to the workers it indexes)."""
         return f"{self.prefix}.worker.{worker_id}.kv.s" if sharded else f"{self.prefix}.worker.{worker_id}.kv"
 
     def worker_control(self) -> str:
@@ -245,6 +244,7 @@ class Heartbeat(msgspec.Struct, array_like=True, frozen=True):
     last_seq: int
     cordoned: bool = False  # an operator took it out of routing (``<p>.rpc.<id>.cordon``); every frontend leaves it out
     asleep: bool = False  # its server was put to sleep through a frontend (``call /sleep``): routed to last
+    paused: bool = False  # its server's generation was paused through a frontend (``pause``): routed to last
 
 
 class Bye(msgspec.Struct, array_like=True, frozen=True):

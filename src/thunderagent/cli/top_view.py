@@ -153,7 +153,7 @@ def build_frame(cur: Scrape, prev: Scrape | None = None, hot_factor: float = HOT
     workers = [WorkerRow(str(w["id"]), str(w.get("role", "")), str(w["health"]), int(w["running"]),
                          int(w["waiting"]), float(w["kv_usage"]), w.get("indexed_blocks"),
                          w.get("out_of_routing") or ("cordoned" if w.get("cordoned") else None)
-                         or ("asleep" if w.get("asleep") else None),
+                         or ("asleep" if w.get("asleep") else "paused" if w.get("paused") else None),
                          per_s(routed.get(str(w["id"]), 0.0)))
                for w in cur.health.get("workers", [])]  # type: ignore[union-attr]
     depths = {w.id: float(w.waiting) for w in workers}

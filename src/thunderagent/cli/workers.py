@@ -18,6 +18,7 @@ workers = typer.Typer(no_args_is_help=True, help="List, cordon, uncordon, add or
 
 UrlOpt = Annotated[str, typer.Option(help="the server's base URL, e.g. http://127.0.0.1:8000",
                                      callback=check_base_url)]
+WorkersOpt = Annotated[Optional[list[str]], typer.Option("--worker", help="only this worker (repeat; default: all)")]
 KeyOpt = Annotated[Optional[str], typer.Option(
     envvar="THUNDERAGENT_API_KEY", help="an admin key (control_plane.admin_keys), sent as Authorization: Bearer; "
     "needed when API keys are on")]
@@ -68,7 +69,8 @@ def list_workers(url: UrlOpt, api_key: KeyOpt = None,
     for w in data:
         routing = "cordoned" if w.get("cordoned") else (f"out ({w['out_of_routing']})" if w.get("out_of_routing")
                                                         else "skipped" if w.get("skipped")
-                                                        else "asleep (last)" if w.get("asleep") else "in")
+                                                        else "asleep (last)" if w.get("asleep")
+                                                        else "paused (last)" if w.get("paused") else "in")
         table.add_row(str(w["id"]), "" if w.get("group") is None else str(w["group"]), str(w.get("engine") or ""),
                       str(w["health"]), routing, str(w["running"]), str(w["waiting"]), str(w["in_flight"]),
                       *((str(w.get("url") or ""),) if urls else ()),
@@ -147,22 +149,22 @@ def reset_cache(url: UrlOpt, worker: Annotated[Optional[list[str]], typer.Argume
 def pause(url: UrlOpt, mode: Annotated[str, typer.Option(
               help="abort: end the servers' requests in flight; wait: let them finish; keep: freeze them")] = "abort",
           keep_cache: Annotated[bool, typer.Option("--keep-cache", help="do not clear the servers' caches")] = False,
-          api_key: KeyOpt = None) -> None:
-    """Pause the generation of every server (vLLM's /pause: an RL trainer's weight update); requests sent meanwhile
-    wait in the servers. Status 1 unless every one of them paused."""
+          worker: WorkersOpt = None, api_key: KeyOpt = None) -> None:
+    """Pause the generation of every server, or those named (vLLM's /pause: an RL trainer's weight update; a rolling
+    one, a part at a time); a paused server gets requests only while no other can take them. Status 1 unless every
+    one of them paused."""
     if mode not in ("abort", "wait", "keep"):
         raise typer.BadParameter(f"one of abort, wait, keep; got {mode!r}", param_hint="'--mode'")
-    query = f"?mode={mode}&clear_cache={'false' if keep_cache else 'true'}"
-    _fleet_call(url + "/pause" + query, api_key, None, None, "paused")
+    query = urlencode([("mode", mode), ("clear_cache", "false" if keep_cache else "true"),
+                       *(("workers", w) for w in worker or ())])
+    _fleet_call(f"{url}/pause?{query}", api_key, None, None, "paused")
 
 
 @workers.command()
-def resume(url: UrlOpt, api_key: KeyOpt = None) -> None:
-    """Resume the generation of every server (vLLM's /resume)."""
-    _fleet_call(url + "/resume", api_key, None, None, "resumed")
-
-
-WorkersOpt = Annotated[Optional[list[str]], typer.Option("--worker", help="only this worker (repeat; default: all)")]
+def resume(url: UrlOpt, worker: WorkersOpt = None, api_key: KeyOpt = None) -> None:
+    """Resume the generation of every server, or those named (vLLM's /resume)."""
+    query = urlencode([("workers", w) for w in worker or ()])
+    _fleet_call(f"{url}/resume" + (f"?{query}" if query else ""), api_key, None, None, "resumed")
 
 
 @workers.command()

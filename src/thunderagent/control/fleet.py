@@ -2,17 +2,15 @@
 
 One :class:`Fleet` runs in every frontend. *Which* workers it has is its :class:`Membership`'s business (from the
 config: ``control.membership``; over NATS: ``control.nats_membership``). Everything else is here, for every worker:
-- worker reports (:class:`~thunderagent.execution.handle.WorkerCallbacks`): KV events through the
-  :class:`~thunderagent.kv.feed.KvFeed` (a gap asks the membership for a resync), heartbeats renew the lease, pushed
-  load reports refresh the registry, "unavailable" takes a worker out of routing until its next heartbeat;
-- health: a worker whose lease expires leaves routing, its index entries are purged and its requests end (``ERROR``
-  once accepted, else ``UNAVAILABLE``: routed again); so does a request whose queue heard nothing for
-  ``stall_timeout``, and one past its deadline ends ``ERROR`` (``control/deadline.py``);
-- requests: :meth:`start_generation` runs the one dispatch path (:class:`~thunderagent.scheduler.dispatch.Dispatcher`)
-  over the routable workers (healthy, not cordoned, not skipped) and submits; :meth:`outputs` streams a request's
-  outputs, routing it again when its worker could not take it, with metrics; aborts it when the consumer stops early.
-The clock is injected (``clock``; the event loop's by default): tests move time by hand.
-"""
+- worker reports (``WorkerCallbacks``): KV events through the KvFeed (a gap asks the membership for a resync),
+  heartbeats renew the lease, load reports refresh the registry, "unavailable" takes a worker out of routing until
+  its next heartbeat; a worker whose lease expires leaves routing, its entries purged, its requests ended (``ERROR``
+  once accepted, else ``UNAVAILABLE``: routed again), as are a request whose queue heard nothing for
+  ``stall_timeout`` and one past its deadline (``control/deadline.py``);
+- requests: :meth:`start_generation` runs the one dispatch path (``scheduler/dispatch.py``) over the routable workers
+  (healthy, not cordoned or skipped; asleep or paused ones last) and submits; :meth:`outputs` streams the outputs,
+  routing a request again when its worker could not take it; aborts it when the consumer stops early.
+The clock is injected (``clock``; the event loop's by default)."""
 
 from __future__ import annotations
 
@@ -52,7 +50,6 @@ from thunderagent.types import (EngineRequest, FinishReason, KvEvent, LoadReport
                                 TokenOutput, WorkerInfo, WorkerState)
 
 log = logging.getLogger(__name__)
-
 __all__ = ["Fleet", "Generation", "Membership", "NoWorkerAvailable", "QueueFull"]
 
 
@@ -101,6 +98,7 @@ class Fleet:
         self.unavailable: dict[str, str] = {}
         self.cordoned: set[str] = set()  # out of routing until uncordoned (an operator: control/worker_admin.py)
         self.asleep: set[str] = set()  # servers put to sleep (vLLM's /sleep): routed to only while no other can take it
+        self.paused: set[str] = set()  # servers paused through us (vLLM's /pause): likewise (control/marks.py)
         self._clock = clock
         self._inflight: dict[str, Generation] = {}
         self._held: dict[str, HeldCall] = {}  # requests waiting in the scheduler, by id
@@ -160,6 +158,7 @@ class Fleet:
         self.unavailable.pop(worker_id, None)
         self.cordoned.discard(worker_id)
         self.asleep.discard(worker_id)
+        self.paused.discard(worker_id)
         purged, gens = self._out_of_routing(worker_id, handle, None if drain else f"worker {worker_id} left")
         log.warning("worker %s left: %s; %d index entries purged, %d requests in flight%s", worker_id, reason,
                     purged, len(gens), " (draining)" if drain and gens else "")
@@ -224,8 +223,9 @@ class Fleet:
     def routable(self) -> Sequence[WorkerState]:
         out, ws, off = self.unavailable, self.registry.routable(), self.cordoned  # ws: the FleetView (kept whole)
         skip = self.outliers.skipping(ws)
-        # (a sleeping vLLM server holds new requests until it wakes: the awake ones first, while there are any)
-        awake = self.registry.routable(skip.union(out, off, self.asleep)) if self.asleep else ()
+        # (a sleeping or paused vLLM server holds new requests until it wakes or resumes: the others first, if any)
+        held = self.asleep | self.paused if self.asleep or self.paused else None
+        awake = self.registry.routable(skip.union(out, off, held)) if held else ()
         return awake or (self.registry.routable(skip.union(out, off)) if skip or out or off else ws)
 
     # -- health ------------------------------------------------------------------------------
@@ -495,6 +495,6 @@ class Fleet:
                 self._observe_programs()
 
     def health_summary(self) -> dict[str, object]:
-        return health_summary(self.registry, self.index, self.unavailable, (self.cordoned, self.asleep),
+        return health_summary(self.registry, self.index, self.unavailable, (self.cordoned, self.asleep, self.paused),
                               self.dispatcher.queue, self.now(), self.membership.summary(), self.outliers.breakers) \
             | self.autotune.health() | ({} if self.cache_migration is None else self.cache_migration.health())

@@ -11,10 +11,10 @@ from thunderagent.scheduler.queue import HoldingQueue
 
 
 def health_summary(registry: WorkerRegistry, index: KvIndex, unavailable: Mapping[str, str],
-                   marks: tuple[Set[str], Set[str]], queue: HoldingQueue | None, now: float,
+                   marks: tuple[Set[str], Set[str], Set[str]], queue: HoldingQueue | None, now: float,
                    membership: Mapping[str, object], breakers: Breakers) -> dict[str, object]:
     loads = registry.loads()
-    cordoned, asleep = marks  # an operator's: workers cordoned, servers put to sleep
+    cordoned, asleep, paused = marks  # an operator's: workers cordoned, servers put to sleep or paused
     workers = [
         {
             "id": wid,
@@ -31,6 +31,7 @@ def health_summary(registry: WorkerRegistry, index: KvIndex, unavailable: Mappin
             "cordoned": wid in cordoned,  # an operator took it out of routing (POST /v1/admin/workers/{id}/cordon)
             # its server was put to sleep (vLLM's /sleep through ThunderAgent): routed to only while no other can
             "asleep": wid in asleep,
+            "paused": wid in paused,  # its server's generation paused through ThunderAgent (vLLM's /pause): likewise
             "breaker": breakers.state(wid).value,  # closed, half_open (probing) or open (ejected: slow or failing)
             "skipped": breakers.blocked(wid),  # why routing skips it now, if it does
         }

@@ -36,6 +36,21 @@ def apply_asleep(fleet: Fleet, worker_id: str, asleep: bool, why: str) -> None:
                 if asleep else "awake: back in routing", why)
 
 
+def apply_paused(fleet: Fleet, worker_id: str, paused: bool, why: str) -> None:
+    """The one place a worker's pause mark changes (vLLM's ``/pause`` and ``/resume`` through ThunderAgent; over NATS
+    also the worker's heartbeat): a paused server holds new requests until it resumes, so routing sends it requests
+    only while no other worker can take them (a fleet-wide pause: they wait in the servers, as before)."""
+    if paused == (worker_id in fleet.paused) or worker_id not in fleet.workers:
+        return
+    if paused:
+        fleet.paused.add(worker_id)
+    else:
+        fleet.paused.discard(worker_id)
+        fleet.wake()
+    log.warning("worker %s %s (%s)", worker_id, "paused: routed to only while no other worker can take a request"
+                if paused else "resumed: back in routing", why)
+
+
 def apply_cordon(fleet: Fleet, worker_id: str, cordoned: bool, why: str) -> None:
     """The one place a worker's cordon mark changes (an operator's call; over NATS also the worker's heartbeat,
     which carries the mark to every frontend): routing, the gauge, held requests pumped when it is back."""

@@ -56,7 +56,7 @@ from thunderagent.control.index_shards import IndexShards
 from thunderagent.control.planner_peers import PlannerPeers
 from thunderagent.control.program_peers import ProgramPeers
 from thunderagent.control.tenant_peers import TenantPeers
-from thunderagent.control.marks import apply_asleep, apply_cordon
+from thunderagent.control.marks import apply_asleep, apply_cordon, apply_paused
 from thunderagent.control.remote_worker import RemoteLink, RemoteWorker
 from thunderagent.types import LoadReport, PromptLimit
 
@@ -236,6 +236,8 @@ class NatsMembership:
             apply_cordon(fleet, wid, hb.cordoned, "its heartbeat says so")
         if hb.asleep != (wid in fleet.asleep):
             apply_asleep(fleet, wid, hb.asleep, "its heartbeat says so")
+        if hb.paused != (wid in fleet.paused):
+            apply_paused(fleet, wid, hb.paused, "its heartbeat says so")
         fleet.on_heartbeat(wid, worker.load())
         if fleet.feed.heartbeat(wid, hb.last_seq):
             log.warning("worker %s published events up to seq %d, index has %d: resyncing",

@@ -17,8 +17,10 @@ the rest (the cache under-estimated, never over: they are found again when the e
 that refused (blocks still in use, no such path, unreachable) keeps its cache and its entries.
 
 Generation paused and resumed (vLLM's ``/pause`` and ``/resume``, for RL trainers that update weights between
-rollouts): every server is asked; requests sent meanwhile wait in the servers (routed as usual, counted in flight)
-until they resume; a pause that clears the caches drops the index entries as a reset does.
+rollouts): every server is asked, or those named (a rolling update: half the fleet paused while the other half
+serves); a paused server is routed to only while no other can take a request (all paused: requests wait in the
+servers until they resume, counted in flight); a pause that clears the caches drops the index entries as a reset
+does.
 
 Sleep mode (vLLM's ``/sleep``, ``/wake_up``; a server that sleeps holds new requests until it wakes): a server put
 to sleep through ThunderAgent is routed to only while no awake worker can take a request, and from level 1 (its KV
@@ -38,7 +40,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from thunderagent.control.marks import apply_asleep
+from thunderagent.control.marks import apply_asleep, apply_paused
 from thunderagent.execution.handle import AdminResult, WorkerHandle
 from thunderagent.execution.server_admin import sleep_effect
 
@@ -68,9 +70,14 @@ async def set_paused(fleet: Fleet, worker_ids: list[str], paused: bool, mode: st
     clears the caches (not with ``keep``) drops the workers' index entries as a reset does."""
     what = f"generation {'paused (' + mode + ')' if paused else 'resumed'}"
     cleared = paused and clear_cache and mode != "keep"
+
+    def done(wid: str, _: str | None) -> None:
+        if cleared:
+            _forget(fleet, wid)
+        apply_paused(fleet, wid, paused, f"{'/pause' if paused else '/resume'} through this frontend")
+
     return await _fan_out(fleet, worker_ids, "pause" if paused else "resume", what,
-                          lambda h: h.set_paused(paused, mode, clear_cache),
-                          (lambda wid, _: _forget(fleet, wid)) if cleared else None)
+                          lambda h: h.set_paused(paused, mode, clear_cache), done)
 
 
 async def call_servers(fleet: Fleet, worker_ids: list[str], path: str, query: str = "",

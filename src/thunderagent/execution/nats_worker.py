@@ -134,6 +134,7 @@ class WorkerService:
         self.last_seq = -1
         self.cordoned = False  # an operator took this worker out of routing (told every frontend in heartbeats)
         self.asleep = False  # its server was put to sleep through a frontend (told every frontend in heartbeats)
+        self.paused = False  # its server's generation was paused through a frontend (likewise)
         self._load = LoadReport(info.worker_id, 0.0, 0, 0, 0, 0, 0, 0, info.kv_total_blocks)  # last pushed
         self._streams: dict[str, _Out] = {}
         self._keepalive_task: asyncio.Task[None] | None = None
@@ -224,7 +225,7 @@ class WorkerService:
 
     def _publish_heartbeat(self, kind: str, load: LoadReport) -> None:
         hb = Heartbeat(WIRE_VERSION, self.instance, self.wire_info, load_to_wire(load), self.last_seq, self.cordoned,
-                       self.asleep)
+                       self.asleep, self.paused)
         self.bus.publish(self.subjects.worker(self.worker_id, kind), encode(hb))
 
     # -- bus handlers ------------------------------------------------------------------------
@@ -314,6 +315,10 @@ class WorkerService:
                 pause = decode_set_paused(msg.data)
                 what = f"generation {'paused (' + pause.mode + ')' if pause.paused else 'resumed'}"
                 r = await self.handle.set_paused(pause.paused, pause.mode, pause.clear_cache)
+                if r.success and pause.paused != self.paused:
+                    self.paused = pause.paused
+                    if not self._closing:
+                        self._publish_heartbeat("hb", self._load)
             else:
                 ask = decode_set_adapter(msg.data)
                 what = f"LoRA adapter {ask.name!r} {'loaded' if ask.path is not None else 'unloaded'}"

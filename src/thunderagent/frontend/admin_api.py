@@ -13,7 +13,8 @@
   ``POST /v1/unload_lora_adapter {"lora_name", "workers"}``: the adapter loaded or unloaded on every server (or those
   named); 200 when all did, else 502 ``servers_refused``, each with every worker's answer;
 - vLLM's ``POST /pause?mode=abort|wait|keep&clear_cache=true`` and ``POST /resume``: every server's generation paused
-  or resumed (answers as the adapters'); vLLM's other operator paths (``execution/server_admin.SERVER_CALLS``) on
+  or resumed, or those ``?workers=`` names (a paused server is routed to only while no other can take a request;
+  answers as the adapters'); vLLM's other operator paths (``execution/server_admin.SERVER_CALLS``) on
   every server or those the query's ``workers`` names, with the caller's query and JSON body: ``GET /is_paused``
   (all of them paused?), profiling, the multimodal caches' resets, sleep mode (``POST /sleep?level=&mode=``,
   ``/wake_up?tags=``, ``GET /is_sleeping``, ``POST /release_kv_cache_memory``: a sleeping server is routed to only
@@ -209,20 +210,22 @@ class AdminApi:
         return _fleet_answer(done, f"LoRA adapter {body.lora_name!r} unloaded")
 
     async def pause(self, request: web.Request) -> web.Response:
-        """vLLM's ``/pause?mode=abort|wait|keep&clear_cache=true|false`` for every server of the fleet."""
+        """vLLM's ``/pause?mode=abort|wait|keep&clear_cache=true|false`` for every server of the fleet, or those
+        ``workers`` names (a rolling update: the others serve meanwhile)."""
         self._check()
         mode = request.query.get("mode", "abort")
         if mode not in PAUSE_MODES:
             raise RequestError(f"mode: one of {', '.join(PAUSE_MODES)}, got {mode[:40]!r}", param="mode")
-        clear = _query_flags(request, PAUSE_PATH, {"mode": mode, "clear_cache": True})["clear_cache"]
-        done = await set_paused(self.admin.fleet, self._named(None), True, mode, bool(clear))
+        flags = _query_flags(request, PAUSE_PATH, {"mode": mode, "clear_cache": True, "workers": None})
+        done = await set_paused(self.admin.fleet, self._named(flags["workers"]), True, mode,  # type: ignore[arg-type]
+                                bool(flags["clear_cache"]))
         return _fleet_answer(done, f"generation paused ({mode})")
 
     async def resume(self, request: web.Request) -> web.Response:
-        """vLLM's ``/resume`` for every server of the fleet."""
+        """vLLM's ``/resume`` for every server of the fleet, or those ``workers`` names."""
         self._check()
-        _query_flags(request, RESUME_PATH, {})
-        done = await set_paused(self.admin.fleet, self._named(None), False, "abort", False)
+        workers = _query_flags(request, RESUME_PATH, {"workers": None})["workers"]
+        done = await set_paused(self.admin.fleet, self._named(workers), False, "abort", False)  # type: ignore[arg-type]
         return _fleet_answer(done, "generation resumed")
 
     async def server_call(self, request: web.Request) -> web.Response:
@@ -277,6 +280,11 @@ def _query_flags(request: web.Request, path: str, known: dict[str, object]) -> d
     the caller), anything else a 400 naming it."""
     out = dict(known)
     for name, value in request.query.items():
+        if name == "workers" and "workers" in known:  # (ours: the workers to ask, repeated or comma-separated)
+            out["workers"] = [*(out["workers"] or []), *(w for w in value.split(",") if w)]  # type: ignore[misc]
+            if not out["workers"]:
+                raise RequestError("workers: name at least one worker, or leave the parameter out", param="workers")
+            continue
         if name not in known:
             takes = ", ".join(known) or "no query parameters"
             raise RequestError(f"{path} takes {takes}, not {name!r}", param=name)

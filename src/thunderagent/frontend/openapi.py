@@ -291,18 +291,20 @@ def _admin_paths() -> dict[str, Any]:
                (UNLOAD_ADAPTER_PATH, "UnloadAdapter", "vLLM's LoRA adapter unload, on every server of the fleet (or "
                                                       "those named)"))},
         PAUSE_PATH: {"post": {
-            "summary": "vLLM's generation pause, on every server of the fleet (requests sent meanwhile wait there)",
+            "summary": "vLLM's generation pause, on every server of the fleet or those named (a paused server is "
+                       "routed to only while no other can take a request)",
             "parameters": [{"name": "mode", "in": "query", "required": False,
                             "schema": {"enum": ["abort", "wait", "keep"], "default": "abort"}},
                            {"name": "clear_cache", "in": "query", "required": False,
-                            "schema": {"type": "boolean", "default": True}}],
+                            "schema": {"type": "boolean", "default": True}}, _WORKERS_QUERY],
             "responses": {"200": _json(resets, "every server paused: each worker's answer"),
-                          **_errors(400, 403, 502)}}},
+                          **_errors(400, 403, 404, 502)}}},
         **{path: {call.method.lower(): _server_call(path, call, resets)} for path, call in SERVER_CALLS.items()},
         RESUME_PATH: {"post": {
-            "summary": "vLLM's generation resume, on every server of the fleet",
+            "summary": "vLLM's generation resume, on every server of the fleet (or those named)",
+            "parameters": [_WORKERS_QUERY],
             "responses": {"200": _json(resets, "every server resumed: each worker's answer"),
-                          **_errors(400, 403, 502)}}},
+                          **_errors(400, 403, 404, 502)}}},
     }
 
 
@@ -315,12 +317,15 @@ _SERVER_QUERY: dict[str, dict[str, Any]] = {
 }
 
 
+_WORKERS_QUERY = {"name": "workers", "in": "query", "required": False, "description": "the workers to ask "
+                  "(comma-separated or repeated); all of them when left out",
+                  "schema": {"type": "string", "pattern": r"^[A-Za-z0-9._,-]+$"}}
+
+
 def _server_call(path: str, call: ServerPath, answers: dict[str, Any]) -> dict[str, Any]:
     """One of vLLM's operator paths, on every server of the fleet (or those ``workers`` names)."""
     params = [{"name": name, "in": "query", "required": False, "schema": _SERVER_QUERY[name]} for name in call.query]
-    params.append({"name": "workers", "in": "query", "required": False, "schema": {
-        "type": "string", "pattern": r"^[A-Za-z0-9._,-]+$"}, "description": "the workers to ask (comma-separated or "
-                   "repeated); all of them when left out"})
+    params.append(_WORKERS_QUERY)
     state = path.lstrip("/") if path in ("/is_paused", "/is_sleeping") else None
     op: dict[str, Any] = {
         "summary": f"vLLM's {path}, on every server of the fleet" + (f" ({state}: all of them)" if state else ""),
