@@ -477,3 +477,9 @@ async def test_a_rolling_pause_keeps_the_rest_of_the_fleet_serving(tiny_model_di
         assert r.exit_code == 0 and r.output.splitlines() == [f"{w1}: paused"] and fleet.paused == {w1}
         r = await asyncio.to_thread(functools.partial(CliRunner().invoke, app), ["workers", "resume", "--url", base])
         assert r.exit_code == 0 and not fleet.paused
+        # paused, then asleep, then woken whole: vLLM resumes a woken server's scheduling, so the pause is over too
+        assert (await _admin(base, f"/pause?mode=keep&workers={w0}", None))[0] == 200
+        assert (await _admin(base, f"/sleep?level=1&workers={w0}", None))[0] == 200
+        assert fleet.paused == {w0} and fleet.asleep == {w0}
+        assert (await _admin(base, f"/wake_up?workers={w0}", None))[0] == 200
+        assert not fleet.paused and not fleet.asleep

@@ -1,6 +1,7 @@
-"""An operator's marks on workers, each changed in one place: the cordon (out of routing until uncordoned) and the
-sleep mark (``Fleet.asleep``: vLLM's sleep mode). A sleeping vLLM server holds new requests until it wakes, so
-routing sends a request to one only while no awake worker can take it.
+"""An operator's marks on workers, each changed in one place: the cordon (out of routing until uncordoned), the sleep
+mark (``Fleet.asleep``: vLLM's sleep mode) and the pause mark (``Fleet.paused``: vLLM's ``/pause``). A sleeping or
+paused vLLM server holds new requests until it wakes or resumes, so routing sends a request to one only while no
+other worker can take it.
 
 Three sources keep the sleep mark, all through :func:`apply_asleep`: a sleep or wake-up asked through this frontend
 (``control/server_admin.py``, at once), the server's own ``vllm:engine_sleep_state`` gauge read with every load poll
@@ -16,6 +17,8 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from prometheus_client import Gauge
+
     from thunderagent.control.fleet import Fleet
 
 log = logging.getLogger(__name__)
@@ -24,43 +27,36 @@ log = logging.getLogger(__name__)
 def apply_asleep(fleet: Fleet, worker_id: str, asleep: bool, why: str) -> None:
     """The one place a worker's sleep mark changes: routing prefers the awake, held requests pumped when one wakes;
     the gauge follows."""
-    if asleep == (worker_id in fleet.asleep) or worker_id not in fleet.workers:
-        return
-    if asleep:
-        fleet.asleep.add(worker_id)
-    else:
-        fleet.asleep.discard(worker_id)
-        fleet.wake()
-    fleet.metrics.asleep.labels(worker_id).set(1 if asleep else 0)
-    log.warning("worker %s %s (%s)", worker_id, "asleep: routed to only while no awake worker can take a request"
-                if asleep else "awake: back in routing", why)
+    if worker_id in fleet.workers:
+        _mark(fleet, fleet.asleep, worker_id, asleep, fleet.metrics.asleep, why,
+              ("asleep: routed to only while no awake worker can take a request", "awake: back in routing"))
 
 
 def apply_paused(fleet: Fleet, worker_id: str, paused: bool, why: str) -> None:
     """The one place a worker's pause mark changes (vLLM's ``/pause`` and ``/resume`` through ThunderAgent; over NATS
     also the worker's heartbeat): a paused server holds new requests until it resumes, so routing sends it requests
     only while no other worker can take them (a fleet-wide pause: they wait in the servers, as before)."""
-    if paused == (worker_id in fleet.paused) or worker_id not in fleet.workers:
-        return
-    if paused:
-        fleet.paused.add(worker_id)
-    else:
-        fleet.paused.discard(worker_id)
-        fleet.wake()
-    log.warning("worker %s %s (%s)", worker_id, "paused: routed to only while no other worker can take a request"
-                if paused else "resumed: back in routing", why)
+    if worker_id in fleet.workers:
+        _mark(fleet, fleet.paused, worker_id, paused, None, why,
+              ("paused: routed to only while no other worker can take a request", "resumed: back in routing"))
 
 
 def apply_cordon(fleet: Fleet, worker_id: str, cordoned: bool, why: str) -> None:
     """The one place a worker's cordon mark changes (an operator's call; over NATS also the worker's heartbeat,
     which carries the mark to every frontend): routing, the gauge, held requests pumped when it is back."""
-    if cordoned == (worker_id in fleet.cordoned):
+    _mark(fleet, fleet.cordoned, worker_id, cordoned, fleet.metrics.cordoned, why,
+          ("cordoned: out of routing", "uncordoned: back in routing"))
+
+
+def _mark(fleet: Fleet, marked: set[str], worker_id: str, on: bool, gauge: Gauge | None, why: str,
+          said: tuple[str, str]) -> None:
+    if on == (worker_id in marked):
         return
-    if cordoned:
-        fleet.cordoned.add(worker_id)
+    if on:
+        marked.add(worker_id)
     else:
-        fleet.cordoned.discard(worker_id)
+        marked.discard(worker_id)
         fleet.wake()  # held requests may go there now
-    fleet.metrics.cordoned.labels(worker_id).set(1 if cordoned else 0)
-    log.warning("worker %s %s (%s)", worker_id, "cordoned: out of routing" if cordoned else
-                "uncordoned: back in routing", why)
+    if gauge is not None:
+        gauge.labels(worker_id).set(1 if on else 0)
+    log.warning("worker %s %s (%s)", worker_id, said[0] if on else said[1], why)

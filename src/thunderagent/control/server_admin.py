@@ -92,6 +92,8 @@ async def call_servers(fleet: Fleet, worker_ids: list[str], path: str, query: st
             _forget(fleet, wid)
         if asleep is not None:
             apply_asleep(fleet, wid, asleep, f"{path} through this frontend")
+        if asleep is False:  # (vLLM resumes a server's scheduling once it is awake whole: a pause before is over)
+            apply_paused(fleet, wid, False, f"{path} through this frontend")
 
     return await _fan_out(fleet, worker_ids, path.lstrip("/"), f"{path} called",
                           lambda h: h.server_call(path, query, body), done)

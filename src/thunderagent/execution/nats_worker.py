@@ -309,6 +309,8 @@ class WorkerService:
                 what = f"{call.path[:80]} called"
                 r = await self.handle.server_call(call.path, call.query, call.body)
                 asleep = sleep_effect(call.path, call.query, r.answer)[0] if r.success else None
+                if asleep is False:  # (awake whole: vLLM resumed its scheduling too)
+                    self.paused = False
                 if asleep is not None:
                     self._set_asleep(self.worker_id, asleep)
             elif kind == "pause":
