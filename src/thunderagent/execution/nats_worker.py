@@ -309,10 +309,12 @@ class WorkerService:
                 what = f"{call.path[:80]} called"
                 r = await self.handle.server_call(call.path, call.query, call.body)
                 asleep = sleep_effect(call.path, call.query, r.answer)[0] if r.success else None
-                if asleep is False:  # (awake whole: vLLM resumed its scheduling too)
-                    self.paused = False
+                resumed = asleep is False and self.paused  # (awake whole: vLLM resumed its scheduling too)
+                self.paused = self.paused and not resumed
                 if asleep is not None:
                     self._set_asleep(self.worker_id, asleep)
+                if resumed and not self._closing:  # (told at once, as a pause is)
+                    self._publish_heartbeat("hb", self._load)
             elif kind == "pause":
                 pause = decode_set_paused(msg.data)
                 what = f"generation {'paused (' + pause.mode + ')' if pause.paused else 'resumed'}"
