@@ -172,14 +172,23 @@ class WorkerService:
         self.wire_info = info_to_wire(self.info, self._engine_kind)
 
     def _set_asleep(self, worker_id: str, asleep: bool) -> None:
-        """Its server fell asleep or woke (asked through a frontend, or its metrics say so): every frontend is told in
-        heartbeats, at once."""
-        if asleep != self.asleep:
-            self.asleep = asleep
+        """Its server fell asleep or woke (its metrics say so)."""
+        self._set_marks(asleep=asleep)
+
+    def _set_marks(self, *, asleep: bool | None = None, paused: bool | None = None) -> None:
+        """Its server fell asleep or woke, was paused or resumed (asked through a frontend, or its metrics say so):
+        every frontend is told in a heartbeat, at once. None: unchanged."""
+        changed = False
+        if asleep is not None and asleep != self.asleep:
+            self.asleep, changed = asleep, True
             log.warning("server %s", "asleep: routed to only while no awake worker can take a request" if asleep
                         else "awake")
-            if not self._closing:
-                self._publish_heartbeat("hb", self._load)
+        if paused is not None and paused != self.paused:
+            self.paused, changed = paused, True
+            log.warning("server %s", "paused: routed to only while no other worker can take a request" if paused
+                        else "resumed")
+        if changed and not self._closing:
+            self._publish_heartbeat("hb", self._load)
 
     async def stop(self) -> None:
         """Leave: say bye, drain the requests in flight (bounded), then close."""
@@ -309,20 +318,14 @@ class WorkerService:
                 what = f"{call.path[:80]} called"
                 r = await self.handle.server_call(call.path, call.query, call.body)
                 asleep = sleep_effect(call.path, call.query, r.answer)[0] if r.success else None
-                resumed = asleep is False and self.paused  # (awake whole: vLLM resumed its scheduling too)
-                self.paused = self.paused and not resumed
-                if asleep is not None:
-                    self._set_asleep(self.worker_id, asleep)
-                if resumed and not self._closing:  # (told at once, as a pause is)
-                    self._publish_heartbeat("hb", self._load)
+                # (awake whole: vLLM resumed its scheduling too, so a pause before is over)
+                self._set_marks(asleep=asleep, paused=False if asleep is False else None)
             elif kind == "pause":
                 pause = decode_set_paused(msg.data)
                 what = f"generation {'paused (' + pause.mode + ')' if pause.paused else 'resumed'}"
                 r = await self.handle.set_paused(pause.paused, pause.mode, pause.clear_cache)
-                if r.success and pause.paused != self.paused:
-                    self.paused = pause.paused
-                    if not self._closing:
-                        self._publish_heartbeat("hb", self._load)
+                if r.success:
+                    self._set_marks(paused=pause.paused)
             else:
                 ask = decode_set_adapter(msg.data)
                 what = f"LoRA adapter {ask.name!r} {'loaded' if ask.path is not None else 'unloaded'}"

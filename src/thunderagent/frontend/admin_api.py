@@ -252,8 +252,9 @@ class AdminApi:
             return web.json_response({name: bool(done) and all(s is True for s in states), "workers": [
                 {"id": r.worker_id, name: s} for r, s in zip(done, states)]})
         if path == "/collective_rpc":  # (vLLM's answer: {"results": [one per rank]}; the fleet's: every server's)
-            return web.json_response({"success": True, "results": [x for r in done for x in _results(_json(r.answer))],
-                                      "workers": _answers(done)})
+            answers = _answers(done)  # (each server's body decoded once)
+            results = [x for w in answers for x in _results(w.get("answer"))]
+            return web.json_response({"success": True, "results": results, "workers": answers})
         return _fleet_answer(done, f"{path} done")
 
     def _named(self, ids: list[str] | None) -> list[str]:
@@ -280,10 +281,8 @@ def _query_flags(request: web.Request, path: str, known: dict[str, object]) -> d
     the caller), anything else a 400 naming it."""
     out = dict(known)
     for name, value in request.query.items():
-        if name == "workers" and "workers" in known:  # (ours: the workers to ask, repeated or comma-separated)
-            out["workers"] = [*(out["workers"] or []), *(w for w in value.split(",") if w)]  # type: ignore[misc]
-            if not out["workers"]:
-                raise RequestError("workers: name at least one worker, or leave the parameter out", param="workers")
+        if name == "workers" and "workers" in known:
+            out["workers"] = _workers(out["workers"], value)  # type: ignore[arg-type]
             continue
         if name not in known:
             takes = ", ".join(known) or "no query parameters"
@@ -303,9 +302,7 @@ def server_query(request: web.Request, path: str, takes: tuple[str, ...]) -> tup
     workers: list[str] | None = None
     for name, value in request.query.items():
         if name == "workers":
-            workers = [*(workers or []), *(w for w in value.split(",") if w)]
-            if not workers:
-                raise RequestError("workers: name at least one worker, or leave the parameter out", param="workers")
+            workers = _workers(workers, value)
             continue
         if name not in takes:
             raise RequestError(f"{path} takes {', '.join((*takes, 'workers'))}, not {name[:40]!r}", param=name)
@@ -318,6 +315,14 @@ def server_query(request: web.Request, path: str, takes: tuple[str, ...]) -> tup
             raise RequestError(f"{name}: one of {', '.join(ok)}, got {value[:40]!r}", param=name)
         sent.append((name, value))
     return urlencode(sent), workers
+
+
+def _workers(named: list[str] | None, value: str) -> list[str]:
+    """Our own ``workers`` query parameter (repeated or comma-separated) added to those ``named`` before it."""
+    workers = [*(named or []), *(w for w in value.split(",") if w)]
+    if not workers:
+        raise RequestError("workers: name at least one worker, or leave the parameter out", param="workers")
+    return workers
 
 
 def _state(answer: str | None, name: str) -> bool | None:
