@@ -250,8 +250,11 @@ async def test_max_tokens_are_taken_with_the_prompt_and_what_was_not_generated_c
     """``reserve_max_tokens`` (the default): a request that sets max_tokens takes them at admission, so
     requests in flight cannot overshoot the bucket; when it ends (here: its client went away) what it
     did not generate comes back. A max_tokens larger than the whole bucket is a 400 naming max_tokens."""
+    # speedup 0.1: the simulated reply (about 150 tokens, then a stop) takes some 7 s, so the stream is still
+    # running when the bucket is read after its first chunk even on a loaded machine (at 1.0 it ended within
+    # 0.2 s, and a stall that long in a CI run once saw it settled already)
     async with server_factory(**_cfg(acme={"tokens_per_min": 60, "token_burst": 1000}),
-                              simulation={"speedup": 1.0}) as srv:
+                              simulation={"speedup": 0.1}) as srv:
         acme = _client(srv, ACME)
         limiter = srv.app[GATE_KEY].limiter  # type: ignore[index]
         clock = asyncio.get_running_loop().time
