@@ -132,8 +132,18 @@ async def test_a_vllm_server_put_to_sleep_and_woken_through_the_fleet(tiny_model
             async with s.post(f"{server.url}/wake_up") as r:
                 assert r.status == 200
             await wait_until(lambda: not fleet.asleep, 20, "the fleet to read the server awake")
-        finally:  # (the servers are shared with the tests after this one: never leave one asleep)
+            assert not fleet.paused  # (asleep, vLLM said it was paused too: that is the sleep mark's)
+            # paused and resumed behind ThunderAgent's back: vLLM's /is_paused, read with the polls, tells the fleet
+            async with s.post(f"{server.url}/pause?mode=keep&clear_cache=false") as r:
+                assert r.status == 200
+            await wait_until(lambda: fleet.paused == {home}, 20, "the fleet to read the server's /is_paused")
+            async with s.post(f"{server.url}/resume") as r:
+                assert r.status == 200
+            await wait_until(lambda: not fleet.paused, 20, "the fleet to read the server resumed")
+        finally:  # (the servers are shared with the tests after this one: never leave one asleep or paused)
             for v in vllm_servers:
                 with contextlib.suppress(aiohttp.ClientError):
                     async with s.post(f"{v.url}/wake_up") as r:
+                        await r.read()
+                    async with s.post(f"{v.url}/resume") as r:
                         await r.read()

@@ -325,6 +325,53 @@ async def test_the_fleets_servers_put_to_sleep_and_woken(tiny_model_dir: Path) -
             await wait_until(lambda: not fleet.asleep, 10, "the fleet to read w1 awake")
 
 
+async def test_a_pause_sent_to_a_server_directly_is_noticed(tiny_model_dir: Path) -> None:
+    """A trainer that pauses one server itself (vLLM's ``/pause``, not through ThunderAgent): the load polls read its
+    ``/is_paused``, so routing leaves it for the others until it resumes, the gauge and ``/health`` say so; a sleep
+    sent directly (which pauses vLLM's scheduling too) is a sleep mark only; a pause asked through ThunderAgent is not
+    undone by the polls; a server without the dev-mode paths is asked once, and stays routable."""
+    engines = [FakeEngine(block_size=BS, dev_mode=True) for _ in range(2)] + [FakeEngine(block_size=BS)]
+    async with _fleet(engines, tiny_model_dir) as srv:
+        base, fleet = srv.base_url, srv.fleet
+        ids = {e.url: w.worker_id for w in fleet.workers.values() for e in engines if getattr(w, "url", None) == e.url}
+        w0, w1, w2 = (ids[e.url] for e in engines)
+        await wait_until(lambda: not fleet.workers[w2]._health.reads_pause, 10, "the server without it asked once")
+        async with aiohttp.ClientSession() as s:
+            async with s.post(engines[0].url + "/pause?mode=keep&clear_cache=false") as r:
+                assert r.status == 200
+            await wait_until(lambda: fleet.paused == {w0}, 10, "the fleet to read w0's /is_paused")
+            async with s.get(base + "/health") as r:
+                assert {w["id"]: w["paused"] for w in (await r.json())["workers"]} == {w0: True, w1: False, w2: False}
+            async with s.get(base + "/metrics") as r:
+                assert f'thunderagent_worker_paused{{worker="{w0}"}} 1.0' in await r.text()
+            for k in range(6):  # (the paused server would hold them)
+                async with s.post(base + "/v1/completions", json={"model": fleet.model_name, "prompt": f"q{k} " * 9,
+                                                                   "max_tokens": 2}) as r:
+                    assert r.status == 200 and r.headers["x-thunderagent-worker"] in (w1, w2)
+            async with s.post(engines[0].url + "/resume") as r:
+                assert r.status == 200
+            await wait_until(lambda: not fleet.paused, 10, "the fleet to read w0 resumed")
+            async with s.get(base + "/metrics") as r:
+                assert f'thunderagent_worker_paused{{worker="{w0}"}} 0.0' in await r.text()
+            # asleep (its /is_paused says true as well): the sleep mark alone, both gone once woken
+            async with s.post(engines[1].url + "/sleep?level=0") as r:
+                assert r.status == 200
+            await wait_until(lambda: fleet.asleep == {w1}, 10, "the fleet to read w1's sleep gauge")
+            reads = engines[1].paused_reads
+            await wait_until(lambda: engines[1].paused_reads >= reads + 3, 10, "more polls of w1")
+            assert not fleet.paused
+            async with s.post(engines[1].url + "/wake_up") as r:
+                assert r.status == 200
+            await wait_until(lambda: not fleet.asleep, 10, "the fleet to read w1 awake")
+        # paused through ThunderAgent: the polls agree, and nothing flaps
+        assert (await _admin(base, f"/pause?mode=keep&workers={w1}", None))[0] == 200
+        reads = engines[1].paused_reads
+        await wait_until(lambda: engines[1].paused_reads >= reads + 3, 10, "more polls of w1")
+        assert fleet.paused == {w1}
+        assert (await _admin(base, f"/resume?workers={w1}", None))[0] == 200 and not fleet.paused
+        assert w2 in {w.worker_id for w in fleet.routable()} and not fleet.workers[w2]._health.reads_pause
+
+
 async def test_collective_rpc_abort_and_weight_updates_on_the_fleets_servers(tiny_model_dir: Path) -> None:
     """vLLM's ``/collective_rpc`` (``results``: every server's, in worker order), ``/abort_requests`` and the RL weight
     transfer through the fleet: the body goes to each server as it came; ``workers`` picks servers (a per-server
@@ -364,11 +411,47 @@ async def test_collective_rpc_abort_and_weight_updates_on_the_fleets_servers(tin
             body["workers"][0]["error"]
 
 
+async def test_server_info_elastic_ep_and_fault_tolerance_on_the_fleets_servers(tiny_model_dir: Path) -> None:
+    """vLLM's ``/server_info`` (each server's configuration, ``config_format`` checked), elastic EP scaling and fault
+    tolerance (a 202 from the server is its instruction accepted) through the fleet, ``workers`` picking servers; an
+    answer too large to carry is a refusal naming its size, not a cut JSON."""
+    engines = [FakeEngine(block_size=BS, dev_mode=True) for _ in range(2)]
+    async with _fleet(engines, tiny_model_dir) as srv:
+        base, fleet = srv.base_url, srv.fleet
+        ids = sorted(fleet.workers)
+        async with aiohttp.ClientSession() as s:
+            async with s.get(base + "/server_info?config_format=json") as r:
+                body = await r.json()
+            assert r.status == 200 and [w["id"] for w in body["workers"]] == ids
+            assert [w["answer"]["vllm_config"] for w in body["workers"]] == [{"model": "m", "block_size": BS}] * 2
+            async with s.get(base + "/server_info?config_format=yaml") as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "config_format"
+            engines[1].server_info_padding = 600_000
+            async with s.get(f"{base}/server_info?workers={ids[0]}&workers={ids[1]}") as r:
+                body = await r.json()
+            assert r.status == 502 and body["workers"][0]["success"] and not body["workers"][1]["success"]
+            assert "more than the 524288 kept" in body["workers"][1]["error"]
+            async with s.get(base + "/fault_tolerance/status") as r:
+                assert r.status == 200 and [w["answer"] for w in (await r.json())["workers"]] == [{"status": "healthy"}] * 2
+        status, body = await _admin(base, f"/scale_elastic_ep?workers={ids[0]}", {"new_data_parallel_size": 2})
+        assert status == 200 and [w["id"] for w in body["workers"]] == [ids[0]]
+        urls = {w.worker_id: w.url for w in fleet.workers.values()}  # type: ignore[attr-defined]
+        scaled = {e.url: [b for p, b in e.rpc_calls if p == "/scale_elastic_ep"] for e in engines}
+        assert scaled == {urls[ids[0]]: [{"new_data_parallel_size": 2}], urls[ids[1]]: []}
+        status, body = await _admin(base, "/is_scaling_elastic_ep", None)
+        assert status == 200 and [w["answer"] for w in body["workers"]] == [{"is_scaling_elastic_ep": False}] * 2
+        status, body = await _admin(base, "/fault_tolerance/apply", {"instruction": "retry"})
+        assert status == 200 and [w["answer"]["request_id"] for w in body["workers"]] == ["ft-1"] * 2
+        status, body = await _admin(base, "/fault_tolerance/apply", {"instruction": "restart"})
+        assert status == 502 and "Invalid instruction: 'restart'" in body["workers"][0]["error"]
+
+
 @pytest.mark.nats
 async def test_sleep_over_nats_reaches_every_frontend(tmp_path: Path) -> None:
     """Worker processes in front of vLLM-shaped servers, two frontend processes: a sleep asked of one frontend is made
     by the worker process, which keeps the mark, so the other frontend reads it in heartbeats and routes to the awake
-    server; a wake-up through the other puts it back everywhere; a ``/collective_rpc`` body crosses the bus."""
+    server; a wake-up through the other puts it back everywhere; a ``/collective_rpc`` body crosses the bus; a pause
+    sent to a server directly reaches every frontend from its worker process's polls."""
     pytest.importorskip("nats", reason="the NATS deployment needs the nats extra")
     from integration.nats_cluster import Cluster
 
@@ -402,13 +485,13 @@ async def test_sleep_over_nats_reaches_every_frontend(tmp_path: Path) -> None:
             except urllib.error.HTTPError as err:
                 return err.code, json.load(err)
 
-        async def until(f: str, want: dict[str, bool], timeout: float) -> None:
+        async def until(f: str, want: dict[str, bool], timeout: float, mark: str = "asleep") -> None:
             for _ in range(int(timeout / 0.1)):  # (blocking HTTP off the loop, which serves the servers)
-                if await asyncio.to_thread(asleep, f) == want:
+                if await asyncio.to_thread(asleep, f, mark) == want:
                     return
                 assert not any(cluster.exited(p) for p in cluster.procs if p != "nats"), cluster.logs()
                 await asyncio.sleep(0.1)
-            assert await asyncio.to_thread(asleep, f) == want, cluster.logs()
+            assert await asyncio.to_thread(asleep, f, mark) == want, cluster.logs()
 
         for f in ("fa", "fb"):
             await until(f, {"wa": False, "wb": False}, 60)
@@ -440,6 +523,16 @@ async def test_sleep_over_nats_reaches_every_frontend(tmp_path: Path) -> None:
         status, body = await asyncio.to_thread(call, "fa", "/collective_rpc", {"method": "ping", "args": ["1"]})
         assert status == 200 and body["results"] == [f"{engines[0].url} ping", f"{engines[1].url} ping"]
         assert engines[1].rpc_calls == [("/collective_rpc", {"method": "ping", "args": ["1"]})]
+        # a pause sent to wa's server directly: wa's process reads its /is_paused and tells every frontend
+        async with aiohttp.ClientSession() as s:
+            async with s.post(engines[0].url + "/pause?mode=keep&clear_cache=false") as r:
+                assert r.status == 200
+            for f in ("fa", "fb", "fc"):
+                await until(f, {"wa": True, "wb": False}, 10, "paused")
+            async with s.post(engines[0].url + "/resume") as r:
+                assert r.status == 200
+            for f in ("fa", "fb", "fc"):
+                await until(f, {"wa": False, "wb": False}, 10, "paused")
     finally:
         cluster.close()
         for e in engines:

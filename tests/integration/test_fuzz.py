@@ -164,6 +164,7 @@ ADMIN_CASES = {
     "POST /sleep": (20, 20),
     "POST /wake_up": (10, 10),
     "GET /get_world_size": (5, 5),
+    "GET /server_info": (5, 5),
     "POST /collective_rpc": (20, 20),
     "POST /init_weight_transfer_engine": (10, 10),
 }

@@ -94,7 +94,9 @@ class FakeEngine:
     pauses: list[dict[str, str]] = field(default_factory=list)  # each /pause's query ({"resume": ""}: a /resume)
     _resumed: asyncio.Event = field(default_factory=asyncio.Event)
     _aborting: bool = False  # a pause in abort mode is ending the streams in flight
-    dev_calls: list[str] = field(default_factory=list)  # /is_paused, profiling and the multimodal caches' resets
+    dev_calls: list[str] = field(default_factory=list)  # profiling, the multimodal caches' resets, sleep mode
+    paused_reads: int = 0  # GET /is_paused answered (a load poll's, or an operator's)
+    server_info_padding: int = 0  # /server_info's answer is this many bytes longer
     asleep_tags: set[str] = field(default_factory=set)  # what sleeps (vLLM's executor: weights, kv_cache)
     sleeping: bool = False  # what its metrics say (vLLM's vllm:engine_sleep_state: set by a sleep, a KV release)
     rpc_calls: list[tuple[str, dict]] = field(default_factory=list)  # (path, body) of the body-taking operator calls
@@ -139,6 +141,12 @@ class FakeEngine:
             for path in ("/collective_rpc", "/abort_requests", "/init_weight_transfer_engine", "/update_weights",
                          "/finish_weight_update"):
                 app.router.add_post(path, self._rpc)
+            app.router.add_get("/server_info", self._server_info)
+        if self.flavor == "vllm":  # (vLLM serves these without dev mode: elastic EP, fault tolerance)
+            app.router.add_post("/scale_elastic_ep", self._rpc)
+            app.router.add_post("/is_scaling_elastic_ep", self._rpc)
+            app.router.add_post("/fault_tolerance/apply", self._rpc)
+            app.router.add_get("/fault_tolerance/status", self._server_info)
         if self.lora_updating:
             prefix = "/v1" if self.flavor == "vllm" else ""
             app.router.add_post(f"{prefix}/load_lora_adapter", self._load_adapter)
@@ -413,9 +421,10 @@ class FakeEngine:
         self._pub.send_multipart(frames)
 
     async def _dev_call(self, request: web.Request) -> web.Response:
-        self.dev_calls.append(request.path)
-        if request.path == "/is_paused":
+        if request.path == "/is_paused":  # (read with every load poll too: counted apart)
+            self.paused_reads += 1
             return web.json_response({"is_paused": not self._resumed.is_set()})
+        self.dev_calls.append(request.path)
         return web.Response()
 
     async def _pause(self, request: web.Request) -> web.Response:
@@ -469,13 +478,30 @@ class FakeEngine:
         return web.json_response({"status": "sleeping" if self.asleep_tags else "awake", "tags": tags or None})
 
     async def _rpc(self, request: web.Request) -> web.Response:
-        body = await request.json()
+        body = await request.json() if request.can_read_body else None
         self.rpc_calls.append((request.path, body))
+        if request.path == "/is_scaling_elastic_ep":
+            return web.json_response({"is_scaling_elastic_ep": False})
+        if request.path == "/fault_tolerance/apply":  # (vLLM: accepted, recovery runs in the background)
+            if body.get("instruction") != "retry":
+                return web.json_response({"detail": f"Invalid instruction: '{body.get('instruction')}'."}, status=400)
+            return web.json_response({"message": "Request accepted", "request_id": "ft-1"}, status=202)
         if request.path != "/collective_rpc":
             return web.json_response({"message": f"{request.path} done"})
         if "method" not in body:
             return web.json_response({"detail": "Missing 'method' in request body"}, status=400)
         return web.json_response({"results": [f"{self.url} {body['method']}"]})
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        """vLLM's ``/server_info?config_format=text|json`` (dev mode; ``padding``: an answer that long) and
+        ``/fault_tolerance/status``."""
+        self.dev_calls.append(request.path_qs)
+        if request.path == "/fault_tolerance/status":
+            return web.json_response({"status": "healthy"})
+        fmt = request.query.get("config_format", "text")
+        config = {"model": "m", "block_size": self.block_size} if fmt == "json" else f"model=m, block_size={self.block_size}"
+        return web.json_response({"vllm_config": config, "vllm_env": {"VLLM_SERVER_DEV_MODE": "1"},
+                                  "system_env": {"padding": "x" * self.server_info_padding}})
 
     async def _load_adapter(self, request: web.Request) -> web.Response:
         body = await request.json()

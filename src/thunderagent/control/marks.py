@@ -6,7 +6,9 @@ other worker can take it.
 Three sources keep the sleep mark, all through :func:`apply_asleep`: a sleep or wake-up asked through this frontend
 (``control/server_admin.py``, at once), the server's own ``vllm:engine_sleep_state`` gauge read with every load poll
 (``execution/engine_poll.py``: a server put to sleep behind ThunderAgent's back, or before it started, is noticed
-within a poll), and over NATS the worker process's heartbeats (``control/nats_membership.py``). The cordon: an
+within a poll), and over NATS the worker process's heartbeats (``control/nats_membership.py``). The pause mark
+likewise, its poll reading the server's ``/is_paused`` (vLLM serves it in dev mode, where alone a pause can be sent;
+no metric says it), and followed only while the server is awake (a sleep pauses too). The cordon: an
 operator's call (``control/worker_admin.py``), over NATS also the worker's heartbeat, and a ``serve`` restart with
 ``control_plane.admin_state_file`` (``control/admin_state.py``).
 """
@@ -33,11 +35,12 @@ def apply_asleep(fleet: Fleet, worker_id: str, asleep: bool, why: str) -> None:
 
 
 def apply_paused(fleet: Fleet, worker_id: str, paused: bool, why: str) -> None:
-    """The one place a worker's pause mark changes (vLLM's ``/pause`` and ``/resume`` through ThunderAgent; over NATS
-    also the worker's heartbeat): a paused server holds new requests until it resumes, so routing sends it requests
+    """The one place a worker's pause mark changes (vLLM's ``/pause`` and ``/resume`` through ThunderAgent, the
+    server's ``/is_paused`` read with every load poll while it is awake; over NATS also the worker's heartbeat): a
+    paused server holds new requests until it resumes, so routing sends it requests
     only while no other worker can take them (a fleet-wide pause: they wait in the servers, as before)."""
     if worker_id in fleet.workers:
-        _mark(fleet, fleet.paused, worker_id, paused, None, why,
+        _mark(fleet, fleet.paused, worker_id, paused, fleet.metrics.paused, why,
               ("paused: routed to only while no other worker can take a request", "resumed: back in routing"))
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from thunderagent.config import EndpointConfig, ExecutionGroupConfig, NodeConfig
 from thunderagent.control.admin_state import Added, AdminState, Named, load_state, save_state
-from thunderagent.control.marks import apply_asleep, apply_cordon
+from thunderagent.control.marks import apply_asleep, apply_cordon, apply_paused
 from thunderagent.execution.handle import WorkerCallbacks, WorkerFactory, WorkerHandle, snapshot_checks
 from thunderagent.execution.kv_stream import StreamStats
 from thunderagent.types import PromptLimit, WorkerInfo
@@ -54,7 +54,7 @@ class StaticMembership:
     async def start(self, fleet: Fleet) -> None:
         self._fleet = fleet
         self._callbacks = replace(fleet.callbacks(), on_limits=self._on_limits, on_adapters=self._on_adapters,
-                                  on_asleep=self._on_asleep)
+                                  on_asleep=self._on_asleep, on_paused=self._on_paused)
         state = self._state
         removed = {(n.id, n.url) for n in state.removed}
         for g, node in enumerate(self.group.nodes):
@@ -215,6 +215,11 @@ class StaticMembership:
         """A server's own sleep state (vLLM's ``vllm:engine_sleep_state`` gauge) changed."""
         if self._fleet is not None:
             apply_asleep(self._fleet, worker_id, asleep, "its server's metrics say so")
+
+    def _on_paused(self, worker_id: str, paused: bool) -> None:
+        """A server's own pause state (vLLM's ``/is_paused``, read with its load polls)."""
+        if self._fleet is not None:
+            apply_paused(self._fleet, worker_id, paused, "its server's /is_paused says so")
 
     async def stop(self) -> None:
         for handle in self.handles.values():

@@ -42,10 +42,6 @@ class Metrics:
         self.running = Gauge("thunderagent_worker_running", "Running requests per worker", ["worker"], registry=r)
         self.kv_usage = Gauge("thunderagent_worker_kv_usage", "Active KV blocks / total", ["worker"], registry=r)
         self.healthy = Gauge("thunderagent_worker_healthy", "1 if the worker is routable", ["worker"], registry=r)
-        self.cordoned = Gauge("thunderagent_worker_cordoned", "1 while an operator keeps the worker out of routing "
-                              "(POST /v1/admin/workers/{id}/cordon)", ["worker"], registry=r)
-        self.asleep = Gauge("thunderagent_worker_asleep", "1 while the worker's server sleeps (vLLM's /sleep through "
-                            "ThunderAgent): routed to only while no awake one can", ["worker"], registry=r)
         self.out_of_routing = Gauge(
             "thunderagent_worker_out_of_routing",
             "1 while a worker keeps itself out of routing (reason: unreachable, block_size_mismatch)",
@@ -76,7 +72,7 @@ class Metrics:
             "thunderagent_routing_decision_seconds", "Time to hash, match and choose a worker",
             buckets=_DECISION_BUCKETS, registry=r,
         )
-        for add in (self._rate_metrics, self._liveness_metrics, self._scheduler_metrics, self._grouping_metrics,
+        for add in (self._marks_metrics, self._rate_metrics, self._liveness_metrics, self._scheduler_metrics, self._grouping_metrics,
                     self._pd_metrics, self._relay_metrics):
             add(r)
         self._tiers: set[str] = set()
@@ -169,6 +165,15 @@ class Metrics:
         self.running.labels(w).set(load.running)
         self.kv_usage.labels(w).set(load.kv_usage)
         self.healthy.labels(w).set(1 if healthy else 0)
+
+    def _marks_metrics(self, r: CollectorRegistry) -> None:
+        """The marks on workers (``control/marks.py``), one gauge each."""
+        self.cordoned = Gauge("thunderagent_worker_cordoned", "1 while an operator keeps the worker out of routing "
+                              "(POST /v1/admin/workers/{id}/cordon)", ["worker"], registry=r)
+        self.asleep = Gauge("thunderagent_worker_asleep", "1 while the worker's server sleeps (vLLM's sleep mode): "
+                            "routed to only while no awake one can", ["worker"], registry=r)
+        self.paused = Gauge("thunderagent_worker_paused", "1 while the worker's server has its generation paused "
+                            "(vLLM's /pause): routed to only while no other one can", ["worker"], registry=r)
 
     def _rate_metrics(self, r: CollectorRegistry) -> None:
         self._prompt = self._predicted = self._recompute = 0

@@ -31,6 +31,9 @@ class EngineFlavor:
     lists_models: bool = False
     #: a gauge with one sample per ``sleep_state`` label, ``awake`` 1 or 0 (vLLM's sleep mode; None: not read)
     sleep_state: str | None = None
+    #: a GET path answering ``{"is_paused": bool}`` (vLLM's ``/is_paused``, served in its dev mode: the only place a
+    #: pause sent to the server shows; no metric says it), read with every load poll while it answers (None: not read)
+    pause_state: str | None = None
 
     @property
     def wanted(self) -> frozenset[str]:
@@ -51,6 +54,7 @@ VLLM = EngineFlavor(
     return_token_ids=True,
     hints="--enable-prefix-caching --enable-prompt-tokens-details --block-size N --kv-events-config ...",
     sleep_state="vllm:engine_sleep_state",
+    pause_state="/is_paused",
 )
 
 

@@ -3,6 +3,8 @@
 The engine's Prometheus ``/metrics`` (running, waiting, KV usage, and vLLM's ``cache_config_info``:
 block size, number of KV blocks, prefix caching) is polled every heartbeat interval; every answered
 poll is a heartbeat, and while the polls answer the requests in flight are kept alive (touched).
+With each poll vLLM's sleep gauge is read, and its ``/is_paused`` while the server answers it (dev mode):
+a sleep or a pause sent to the server directly, or from before ThunderAgent started, is noticed.
 
 A server that cannot be reached stops heartbeating and leaves routing once the registry's timeout
 expires; one that refused a connection is kept out of routing (:data:`REASON_UNREACHABLE`) until
@@ -93,9 +95,12 @@ class EnginePoller:
         self.refused: str | None = None
         self._warned_prefix = False
         self._no_metrics = False  # a server without /metrics (flavor.metrics_optional): /v1/models answers polls
-        # bumped when a call through ThunderAgent changed the server's sleep state (``sleep_changed``): a poll begun
-        # before it may carry the old state and must not undo the mark the call's answer set
-        self._sleep_epoch = 0
+        # bumped when a call through ThunderAgent changed the server's sleep or pause state (``marks_changed``): a poll
+        # begun before it may carry the old state and must not undo the mark the call's answer set
+        self._marks_epoch = 0
+        # the server answers ``flavor.pause_state`` (vLLM in dev mode); False after a 404 until it restarts (without
+        # dev mode nothing can pause it over HTTP, and asking every poll would only fill its access log)
+        self.reads_pause = flavor.pause_state is not None
 
     # -- the served model --------------------------------------------------------------------
     async def served_model(self) -> str:
@@ -135,7 +140,7 @@ class EnginePoller:
     async def poll_loop(self) -> None:
         timeout = self.poll_timeout
         while True:
-            epoch = self._sleep_epoch
+            epoch = self._marks_epoch
             try:
                 text = await self._metrics_text(timeout)
                 self._polls += 1
@@ -151,7 +156,29 @@ class EnginePoller:
             else:
                 self.last_poll_ok = self._cb.clock()
                 self.on_stats(engine_stats(text, self.flavor), epoch)
+                if self.reads_pause:  # (after the heartbeat: a slow or failing answer here costs no liveness)
+                    self.pause_seen(await self._paused(timeout), epoch)
             await asyncio.sleep(self._interval)
+
+    async def _paused(self, timeout: float) -> bool | None:
+        """Whether the server's generation is paused (vLLM's ``GET /is_paused``); None: not said (a server that has no
+        such path is not asked again until it restarts)."""
+        path = self.flavor.pause_state
+        try:
+            got = await self._transport.get_json(f"{self.url}{path}", timeout)
+        except TransportStatusError as exc:
+            if exc.status not in (404, 405):
+                log.debug("%s: %s answered %d", self.worker_id, path, exc.status)
+                return None
+            log.info("%s: %s has no %s (vLLM serves it with VLLM_SERVER_DEV_MODE=1): a pause is noticed only when "
+                     "sent through ThunderAgent", self.worker_id, self.url, path)
+            self.reads_pause = False
+            return None
+        except (TimeoutError, TransportError, ValueError) as exc:  # (the next poll asks again)
+            log.debug("%s: %s not read: %r", self.worker_id, path, exc)
+            return None
+        paused = got.get("is_paused") if isinstance(got, dict) else None
+        return paused if isinstance(paused, bool) else None
 
     async def _metrics_text(self, timeout: float) -> str:
         if self._no_metrics:
@@ -185,16 +212,19 @@ class EnginePoller:
         self.reachable = False
         self._refuse(REASON_UNREACHABLE)
 
-    def sleep_changed(self) -> None:
-        """A sleep or wake-up through ThunderAgent was answered: polls begun before it are stale about sleep."""
-        self._sleep_epoch += 1
+    def marks_changed(self) -> None:
+        """A sleep, wake-up, pause or resume through ThunderAgent was answered: polls begun before it are stale about
+        both."""
+        self._marks_epoch += 1
 
     def on_stats(self, s: EngineStats, epoch: int | None = None) -> None:
+        """A poll's figures, the poll begun at marks ``epoch`` (None: whatever it is now)."""
         old = self.stats
         if old.start_time is not None and s.start_time is not None and s.start_time != old.start_time:
             log.warning("%s: engine restarted (new process): its cache is empty", self.worker_id)
             self._on_restart()
             self.model = None
+            self.reads_pause = self.flavor.pause_state is not None  # (the new process may serve it)
             if self.refused == REASON_BLOCK_SIZE:
                 self._accept()
         if self.reachable is False:
@@ -203,7 +233,7 @@ class EnginePoller:
         self.stats = s
         # (every poll: a mark set through ThunderAgent and then changed behind its back between two polls is seen;
         # not a poll begun before a sleep or wake-up asked through ThunderAgent: it may carry the old state)
-        if s.asleep is not None and self._cb.on_asleep is not None and epoch in (None, self._sleep_epoch):
+        if s.asleep is not None and self._cb.on_asleep is not None and epoch in (None, self._marks_epoch):
             self._cb.on_asleep(self.worker_id, s.asleep)
         if s.prefix_caching is False and not self._warned_prefix:
             self._warned_prefix = True
@@ -215,6 +245,14 @@ class EnginePoller:
             self._accept()
         if self.refused is None:
             self._cb.on_heartbeat(self.worker_id, self._load())
+
+    def pause_seen(self, paused: bool | None, epoch: int | None = None) -> None:
+        """A poll begun at marks ``epoch`` read the server's ``/is_paused`` (None: not said). A sleeping vLLM server
+        says it is paused too (its sleep pauses its scheduling and a whole wake-up resumes it), so the pause mark
+        follows the answer only while the server is awake."""
+        if (paused is not None and self.stats.asleep is not True and self._cb.on_paused is not None
+                and epoch in (None, self._marks_epoch)):
+            self._cb.on_paused(self.worker_id, paused)
 
     def block_size_mismatch(self, engine_bs: int) -> None:
         if self.refused != REASON_BLOCK_SIZE:

@@ -115,6 +115,8 @@ class WorkerCallbacks:
     on_adapters: Callable[[str, tuple[str, ...]], None] | None = None
     #: its server fell asleep or woke (vLLM's ``vllm:engine_sleep_state`` gauge; None: not passed on)
     on_asleep: Callable[[str, bool], None] | None = None
+    #: its server's generation was paused or resumed (vLLM's ``/is_paused``, while it is awake; None: not passed on)
+    on_paused: Callable[[str, bool], None] | None = None
 
 
 @dataclass(slots=True, frozen=True)

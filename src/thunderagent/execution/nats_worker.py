@@ -151,7 +151,8 @@ class WorkerService:
         await self.bus.connect()
         self.handle = self._build(WorkerCallbacks(self._on_events, self._on_heartbeat, self._on_load,
                                                   self._on_unavailable, self._now, on_limits=self._on_limits,
-                                                  on_adapters=self._on_adapters, on_asleep=self._set_asleep))
+                                                  on_adapters=self._on_adapters, on_asleep=self._set_asleep,
+                                                  on_paused=self._set_paused))
         # Subscribe (and flush) before saying hello: a frontend dumps a worker as soon as it meets it.
         await self.bus.subscribe(self.subjects.rpcs(self.worker_id), self._on_rpc)
         await self.bus.subscribe(self.subjects.discover(), self._on_discover)
@@ -174,6 +175,10 @@ class WorkerService:
     def _set_asleep(self, worker_id: str, asleep: bool) -> None:
         """Its server fell asleep or woke (its metrics say so)."""
         self._set_marks(asleep=asleep)
+
+    def _set_paused(self, worker_id: str, paused: bool) -> None:
+        """Its server was paused or resumed (its ``/is_paused`` says so)."""
+        self._set_marks(paused=paused)
 
     def _set_marks(self, *, asleep: bool | None = None, paused: bool | None = None) -> None:
         """Its server fell asleep or woke, was paused or resumed (asked through a frontend, or its metrics say so):

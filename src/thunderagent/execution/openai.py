@@ -43,6 +43,7 @@ OPENAI = EngineFlavor(
     states_limits=False,
     lists_models=True,
     sleep_state="vllm:engine_sleep_state",  # (a vLLM server's)
+    pause_state="/is_paused",  # (a vLLM server's in its dev mode; any other answers 404 once and is not asked again)
 )
 
 

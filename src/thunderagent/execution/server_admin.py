@@ -8,7 +8,9 @@ Other operator paths (``SERVER_CALLS``), sent with the query and JSON body the c
 takes), the answer's body kept: vLLM's ``/start_profile``, ``/stop_profile``, ``/reset_mm_cache``,
 ``/reset_encoder_cache``, ``GET /is_paused``; sleep mode (``/sleep?level=&mode=``, ``/wake_up?tags=``, ``GET
 /is_sleeping``, ``/release_kv_cache_memory``); ``/collective_rpc``, ``/abort_requests``; the RL weight transfer
-(``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``, ...).
+(``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``, ...);
+``GET /server_info?config_format=``; elastic EP scaling (``/scale_elastic_ep``, ``/is_scaling_elastic_ep``) and fault
+tolerance (``/fault_tolerance/apply``, ``GET /fault_tolerance/status``), served without dev mode.
 
 Prefix-cache reset:
 
@@ -146,6 +148,7 @@ class ServerPath:
     query: tuple[str, ...] = ()  # the query parameters it takes (checked by the frontend; sent url-encoded)
     body: bool = False  # a JSON object body, sent as it came
     timeout_s: float = ADMIN_TIMEOUT_S  # (a sleep, a wake-up or a weight update of a large model takes longer)
+    max_answer: int = 64 * 1024  # the answer's bytes kept (a longer one is refused: a cut JSON would mislead)
 
 
 _LONG_S = 600.0  # a server that moves weights or GPU memory: a large model's sleep or update takes minutes
@@ -172,8 +175,15 @@ SERVER_CALLS: dict[str, ServerPath] = {
     "/weight_info": ServerPath("GET"),
     "/weight_checker": ServerPath("POST", body=True, timeout_s=_LONG_S),
     "/get_world_size": ServerPath("GET", ("include_dp",)),
+    # the server's configuration and environment (its whole VllmConfig: tens of KB)
+    "/server_info": ServerPath("GET", ("config_format",), max_answer=512 * 1024),  # (within a NATS message)
+    # elastic expert parallelism (served without dev mode by a server that generates): one server's data-parallel size
+    "/scale_elastic_ep": ServerPath("POST", body=True, timeout_s=_LONG_S),
+    "/is_scaling_elastic_ep": ServerPath("POST"),
+    # fault tolerance (a server started with it): a recovery instruction (202: accepted), its status
+    "/fault_tolerance/apply": ServerPath("POST", body=True),
+    "/fault_tolerance/status": ServerPath("GET"),
 }
-_MAX_ANSWER = 64 * 1024  # (an answer longer than this is cut: these answer a few bytes, a checksum list more)
 #: what a query may hold once url-encoded (the worker process refuses anything else: nothing but the path's own
 #: parameters reaches the server)
 _QUERY = re.compile(r"^[A-Za-z0-9_.~%+=&-]{0,2048}$")
@@ -198,9 +208,13 @@ async def call_server(transport: HttpTransport, url: str, flavor: str, path: str
     if isinstance(got, AdminResult):
         return got
     status, text = got
-    if status == 200:
-        return AdminResult(True, answer=text[:_MAX_ANSWER])
-    return _refusal(path, status, text, _DEV_HINT)
+    if status in (200, 202):  # (202: vLLM's fault-tolerance instruction accepted, carried out in the background)
+        if len(text) > call.max_answer:
+            return AdminResult(False, f"{path}: an answer of {len(text)} characters, more than the "
+                                      f"{call.max_answer} kept")
+        return AdminResult(True, answer=text)
+    return _refusal(path, status, text, "" if path.startswith(("/scale_elastic", "/is_scaling", "/fault"))
+                    else _DEV_HINT)
 
 
 def sleep_effect(path: str, query: str, answer: str | None) -> tuple[bool | None, bool]:

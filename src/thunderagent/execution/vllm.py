@@ -158,12 +158,15 @@ class EngineWorker:
         return await reset_server(self._transport, self.url, self.flavor.name, running, external)
 
     async def set_paused(self, paused: bool, mode: str, clear_cache: bool) -> AdminResult:
-        return await pause_server(self._transport, self.url, self.flavor.name, paused, mode, clear_cache)
+        r = await pause_server(self._transport, self.url, self.flavor.name, paused, mode, clear_cache)
+        if r.success:
+            self._health.marks_changed()  # (a poll already under way may read the state before it)
+        return r
 
     async def server_call(self, path: str, query: str = "", body: bytes = b"") -> AdminResult:
         r = await call_server(self._transport, self.url, self.flavor.name, path, query, body)
         if r.success and sleep_effect(path, query, r.answer)[0] is not None:
-            self._health.sleep_changed()  # (a poll already under way may read the state before it)
+            self._health.marks_changed()  # (a poll already under way may read the state before it)
         return r
 
     async def set_adapter(self, name: str, path: str | None, inplace: bool) -> AdminResult:

@@ -306,7 +306,8 @@ def server_query(request: web.Request, path: str, takes: tuple[str, ...]) -> tup
             continue
         if name not in takes:
             raise RequestError(f"{path} takes {', '.join((*takes, 'workers'))}, not {name[:40]!r}", param=name)
-        ok = {"level": ("0", "1", "2"), "mode": PAUSE_MODES, "tags": ("weights", "kv_cache", "scheduling")}.get(name)
+        ok = {"level": ("0", "1", "2"), "mode": PAUSE_MODES, "tags": ("weights", "kv_cache", "scheduling"),
+              "config_format": ("text", "json")}.get(name)
         if name == "include_dp":
             if value.strip().lower() not in _FLAGS:
                 raise RequestError(f"{name}: a boolean (true or false), got {value[:40]!r}", param=name)

@@ -314,6 +314,7 @@ _SERVER_QUERY: dict[str, dict[str, Any]] = {
     "mode": {"enum": ["abort", "wait", "keep"], "default": "abort"},
     "tags": {"enum": ["weights", "kv_cache", "scheduling"]},
     "include_dp": {"type": "boolean", "default": True},
+    "config_format": {"enum": ["text", "json"], "default": "text"},
 }
 
 
