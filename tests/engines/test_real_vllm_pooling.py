@@ -5,15 +5,19 @@ from the endpoint's ``api_key_env``), and the official ``openai`` client's embed
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+from support.waiting import wait_until
 from tests.engines.conftest import engine_python, front_config, one_server, thunderagent
-from tests.engines.vllm_env import VllmServer, cpu_binding
+from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, cpu_binding
 from thunderagent.config import parse_config
+from thunderagent.frontend.hf_tokenizer import HfTokenizer
+from thunderagent.kv.hashing import block_hashes, hash_seed
 
 pytestmark = pytest.mark.real_engine
 KEY = "sk-pooling-0123456789"
@@ -70,3 +74,35 @@ async def test_embeddings_pooling_and_scores_on_a_real_pooling_server(tiny_model
             async with s.post(front.base_url + "/v1/embeddings", json={"model": front.model, **bad}) as r:
                 assert (r.status, await r.json()) == theirs_refusal  # its own refusal, as it came
             assert theirs_refusal[0] == 400 and theirs_refusal[1]["error"]["message"]
+
+
+async def test_embeddings_are_routed_on_the_pooling_servers_cache(tiny_model_dir: Path,
+                                                                   pooling_server: VllmServer, monkeypatch) -> None:
+    """The tiny Llama as an embedding model pools its last token, so vLLM caches its inputs' prefixes and publishes
+    them in KV events: an embedding's first input, tokenized here as vLLM tokenizes it, is indexed under the very
+    hashes the router computes (confirmed by the server's own events), a request sharing it is routed with those
+    blocks as hits, and a token-id input is hashed as given."""
+    monkeypatch.setenv("POOLING_KEY", KEY)
+    data = front_config(tiny_model_dir, [pooling_server]).model_dump(mode="json")
+    data["execution_group"]["nodes"][0]["endpoints"][0]["api_key_env"] = "POOLING_KEY"
+    doc = "An instruction shared by every query of this retrieval job, long enough to fill some blocks. " * 4
+    hashes = block_hashes(HfTokenizer(tiny_model_dir).encode(doc), BLOCK_SIZE, hash_seed())
+    assert len(hashes) >= 4
+    async with thunderagent(parse_config(data, "test"), [pooling_server]) as front, aiohttp.ClientSession() as s:
+        home = next(iter(front.fleet.workers))
+        async with s.post(front.base_url + "/v1/embeddings", json={"model": front.model, "input": [doc, "other"]}) as r:
+            assert r.status == 200, await r.text()
+        await wait_until(lambda: all(front.fleet.index.is_confirmed(home, h) for h in hashes), 20,
+                         "the server's events to confirm the input's blocks under the router's hashes")
+        async with s.post(front.base_url + "/v1/embeddings", json={"model": front.model, "input": doc + " query 2"},
+                          headers={"x-thunderagent-explain": "true"}) as r:
+            assert r.status == 200, await r.text()
+            explained = json.loads(r.headers["x-thunderagent-explanation"])
+        second = block_hashes(HfTokenizer(tiny_model_dir).encode(doc + " query 2"), BLOCK_SIZE, hash_seed())
+        shared = next((k for k, (a, b) in enumerate(zip(hashes, second)) if a != b), min(len(hashes), len(second)))
+        assert shared >= 3 and explained["overlap_blocks"] == shared, explained
+        ids = HfTokenizer(tiny_model_dir).encode("token ids given as they are, " * 8)
+        async with s.post(front.base_url + "/pooling", json={"model": front.model, "input": ids}) as r:
+            assert r.status == 200, await r.text()
+        ids_hashes = block_hashes(ids, BLOCK_SIZE, hash_seed())
+        await wait_until(lambda: front.fleet.index.is_confirmed(home, ids_hashes[-1]), 20, "the token input indexed")

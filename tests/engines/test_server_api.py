@@ -9,6 +9,9 @@ a real vLLM server: ``test_real_vllm_relay.py``.)"""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import json
 from pathlib import Path
 
 import aiohttp
@@ -62,7 +65,7 @@ async def test_pooling_scoring_and_tokenizer_paths_reach_a_server_of_the_model(t
             # no model named: the fleet's (vLLM takes it so too)
             status, body, _ = await _post(base, "/tokenize", {"prompt": "hi"})
             assert status == 200 and body["model"] == "fake-model"
-            # nothing of these was hashed into the index, and no program step was counted
+            # no program step was counted (these generate nothing)
             assert srv.fleet.programs.get("p") is None
             counts = relayed_counts(srv.fleet)
             assert counts["v1/embeddings"] == 2 and counts["tokenize"] == 2 and counts["rerank"] == 1
@@ -77,6 +80,83 @@ async def test_pooling_scoring_and_tokenizer_paths_reach_a_server_of_the_model(t
             status, body, _ = await _post(base, "/rerank?top_n=3", {"model": model, "query": "q", "documents": []})
             assert status == 400 and body["error"]["param"] == "top_n"
             assert sum(len(e.pooled) for e in engines) == len(SERVER_PATHS) + 3  # the refused ones never left
+    finally:
+        for e in engines:
+            await e.stop()
+
+
+async def _routed(base: str, path: str, body: dict) -> tuple[str, int]:
+    """The worker a request went to, and the blocks the router believed it held (its explanation)."""
+    async with aiohttp.ClientSession() as s, s.post(base + path, json=body,
+                                                    headers={"x-thunderagent-explain": "1"}) as r:
+        assert r.status == 200, await r.text()
+        explained = json.loads(r.headers["x-thunderagent-explanation"])
+        return r.headers["x-thunderagent-worker"], explained["overlap_blocks"]
+
+
+async def test_embeddings_are_routed_on_the_cache_of_their_first_input(tiny_model_dir: Path) -> None:
+    """An embedding, pooling or classification request's first input (text tokenized as vLLM does, or token ids) is
+    hashed and routed on the cache as a prompt is: inputs sharing a long instruction go where it was sent; the
+    router's prediction holds its blocks. Where the tokens vLLM runs are not known here (``add_special_tokens``
+    false, a truncation, chat messages) and on the scoring paths, a request is routed on load, its overlap 0."""
+    from thunderagent.frontend.hf_tokenizer import HfTokenizer
+
+    engines = await _engines()
+    doc = "Represent this passage for retrieval by the search team, with its title and context: " * 3
+    tok = HfTokenizer(tiny_model_dir)
+    full = len(tok.encode(doc)) // BS
+    assert full >= 3
+
+    try:
+        async with running_server(fake_vllm_config(engines, tiny_model_dir, BS)) as srv:
+            await wait_until(lambda: len(srv.fleet.routable()) == 2, 10, "both servers routable")
+            model = srv.fleet.model_name
+            routed = functools.partial(_routed, srv.base_url)
+            home, overlap = await routed("/v1/embeddings", {"model": model, "input": [doc + "first", "other"]})
+            assert overlap == 0 and srv.fleet.index.num_blocks(home) >= full - 1
+            for k in range(5):
+                w, overlap = await routed("/v1/embeddings", {"model": model, "input": f"{doc} query {k}"})
+                assert w == home and overlap >= full - 1, (k, w, overlap)
+            ids = tok.encode(doc)
+            assert await routed("/pooling", {"model": model, "input": ids}) == (home, len(ids) // BS)
+            w, overlap = await routed("/classify", {"model": model, "input": [ids, [1, 2]]})
+            assert (w, overlap) == (home, len(ids) // BS)
+            for body in ({"input": doc, "add_special_tokens": False}, {"input": doc, "truncate_prompt_tokens": 8},
+                         {"messages": [{"role": "user", "content": doc}]}, {"input": [{"not": "text"}]}):
+                assert (await routed("/v1/embeddings", {"model": model, **body}))[1] == 0, body
+            assert (await routed("/score", {"model": model, "text_1": doc, "text_2": ["a"]}))[1] == 0
+    finally:
+        for e in engines:
+            await e.stop()
+
+
+async def test_a_tenants_token_limit_charges_an_embeddings_input_its_tokens(tiny_model_dir: Path) -> None:
+    """A token limit takes a single embedding input, tokenized for routing anyway, for its exact tokens; a batch
+    (its other inputs not tokenized here) and a scoring request for an estimate of the body."""
+    from thunderagent.frontend.hf_tokenizer import HfTokenizer
+    from thunderagent.frontend.tenant_gate import GATE_KEY
+
+    engines = await _engines()
+    text = "an input to embed, charged by its own tokens " * 5
+    n = len(HfTokenizer(tiny_model_dir).encode(text))
+    try:
+        cfg = fake_vllm_config(engines, tiny_model_dir, BS, control={
+            "api_keys": {KEY_A: "acme"}, "tenant_limits": {"acme": {"tokens_per_min": 1, "token_burst": 100000}}})
+        async with running_server(cfg) as srv:
+            await wait_until(lambda: len(srv.fleet.routable()) == 2, 10, "both servers routable")
+            limiter = srv.app[GATE_KEY].limiter  # type: ignore[index]
+
+            def left() -> float:
+                return limiter.tokens_left("acme", asyncio.get_running_loop().time())
+
+            for body, charge in (({"input": text}, n), ({"input": [text]}, n),
+                                 ({"input": [text, "b"]}, None), ({"input": text, "add_special_tokens": False}, None)):
+                before = left()
+                raw = json.dumps({"model": srv.fleet.model_name, **body}).encode()
+                status, _, _ = await _post(srv.base_url, "/v1/embeddings", json.loads(raw), KEY_A)
+                assert status == 200
+                want = charge if charge is not None else -(-len(raw) // 4)
+                assert before - left() == pytest.approx(want, abs=1), body
     finally:
         for e in engines:
             await e.stop()

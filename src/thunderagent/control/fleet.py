@@ -9,8 +9,7 @@ config: ``control.membership``; over NATS: ``control.nats_membership``). Everyth
   ``stall_timeout`` and one past its deadline (``control/deadline.py``);
 - requests: :meth:`start_generation` runs the one dispatch path (``scheduler/dispatch.py``) over the routable workers
   (healthy, not cordoned or skipped; asleep or paused ones last) and submits; :meth:`outputs` streams the outputs,
-  routing a request again when its worker could not take it; aborts it when the consumer stops early.
-The clock is injected (``clock``; the event loop's by default)."""
+  routing a request again when its worker could not take it; aborts it when the consumer stops early. Clock injected."""
 
 from __future__ import annotations
 
@@ -438,9 +437,8 @@ class Fleet:
         again; one its worker lost continues on another (``control.migration``) in this stream. The
         request is aborted if the consumer stops early (client gone, stop string); metrics recorded."""
         cached = completion = 0
-        first_t = last_t = None
+        first_t = last_t = reason = None
         finished = False
-        reason: FinishReason | None = None
         try:
             while True:
                 out = await gen.queue.get()
@@ -479,13 +477,14 @@ class Fleet:
             self.deadlines.disarm(gen)
             if self.dispatcher.progressed(gen.request_id, ok=False):  # a leader gone before its first token
                 self._schedule_pump()
+            ran = finished and reason in (FinishReason.STOP, FinishReason.LENGTH)  # (a pooling answer has no tokens)
             if last_t is not None:
                 self.metrics.observe_prefill(gen.dispatch, gen.prompt_tokens, cached, self.now())
                 self.autotune.finished(gen.received, first_t, gen.prompt_tokens, cached,
                                        gen.dispatch.best_known_tokens, self.now())
-                if finished and reason in (FinishReason.STOP, FinishReason.LENGTH):
+                if ran:
                     self.outliers.served(gen, first_t, last_t, completion)
-            if not gen.produced:  # it never ran there: the blocks predicted on its worker are not there
+            if not gen.produced and not ran:  # never ran there: the blocks predicted on its worker are not there
                 self.metrics.observe_correction(self.dispatcher.retract(gen.dispatch))
             if not finished:
                 gen.worker.abort(gen.request_id)

@@ -13,12 +13,21 @@ serves it anyway; on a vLLM / SGLang fleet a name must be the fleet's or an adap
 server's own) and ``priority`` (the holding queue's tier, passed on as vLLM's priority where the token path
 would pass it). Everything else is the server's to check.
 
-Routing: these requests hold no KV cache worth finding again, so they are routed on load alone (in-flight
-requests and queues, as any request's cost reads them), go through the holding queue and count in flight on
-their server. A request a server did not take (refused connection, a 5xx before it answered) is routed again.
+Routing: an embedding, pooling or classification request (``/v1/embeddings``, ``/pooling``, ``/classify``) whose
+``input`` is text or token ids is routed on the KV cache of its first input, as a completion's prompt is: a decoder
+pooling model (``LAST`` pooling, e.g. Qwen3-Embedding) caches prefixes and publishes them in KV events like a
+generating one, so inputs that share an instruction or a document go where it is cached. The text is tokenized
+with the model's tokenizer as vLLM tokenizes it (special tokens added, unless the body's ``add_special_tokens`` is
+false: then, and with ``truncate_prompt_tokens`` or chat ``messages``, the tokens vLLM runs are not known here,
+and the request is routed on load). A server that caches nothing (encoder models, ``MEAN`` / ``CLS`` pooling)
+leaves only the router's own predictions, which expire. The other paths hold no KV cache worth finding again:
+routed on load alone (in-flight requests and queues, as any request's cost reads them). All of them go through
+the holding queue and count in flight on their server. A request a server did not take (refused connection, a
+5xx before it answered) is routed again.
 With API keys on, each counts against its tenant's request and in-flight limits; a token limit takes an
-estimate of the input (one token per 4 bytes of body: the pooling and scoring paths; the tokenizer's paths
-take none, they use no accelerator), as the server's tokenizer is not run here.
+embedding, pooling or classification request of one input tokenized here (above) for its tokens, any other an
+estimate of the input (one token per 4 bytes of body: batches, the scoring paths; the tokenizer's paths take
+none, they use no accelerator).
 """
 
 from __future__ import annotations
@@ -43,9 +52,34 @@ _TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
 class _Request(msgspec.Struct, kw_only=True):
     model: Annotated[str, Meta(min_length=1)] | None = None
     priority: Priority = 0
+    # the pooling paths' input (vLLM's types, checked by the server: anything else is routed on load)
+    input: Any = None
+    add_special_tokens: Any = True
+    truncate_prompt_tokens: Any = None
+    messages: Any = None
 
 
 _decoder = msgspec.json.Decoder(_Request)
+
+
+#: the paths whose ``input`` is prefilled as a sequence that a decoder pooling model caches
+_INPUT_PATHS = frozenset({"/v1/embeddings", "/pooling", "/classify"})
+
+
+def first_input(req: _Request, encode: Callable[[str], list[int]]) -> list[int]:
+    """The tokens vLLM prefills for the request's first input (text tokenized by ``encode``, with special tokens;
+    token ids as given), or none when they are not known here: no input, chat messages, a truncation, special tokens
+    left out, or a type vLLM will refuse."""
+    if req.messages is not None or req.truncate_prompt_tokens is not None or req.add_special_tokens is not True:
+        return []
+    first = req.input[0] if isinstance(req.input, list) and req.input and not _is_ids(req.input) else req.input
+    if isinstance(first, str):
+        return encode(first) if first else []
+    return list(first) if isinstance(first, list) and first and _is_ids(first) else []
+
+
+def _is_ids(seq: list[Any]) -> bool:
+    return all(type(t) is int and t >= 0 for t in seq)
 
 
 def charged_tokens(path: str, body: bytes) -> int:
@@ -79,8 +113,12 @@ class ServerApi:
         req: _Request = decode_body(_decoder, body)
         lora = relay.admit(req.model, lambda: None, path.lstrip("/"))  # (the fields are the server's to check)
         fields = Routed(1, None, req.priority, False, None, None)
-        return await relay.dispatch(request, fields, [], Passthrough(path, body, False), lora, "input",
-                                    plain=charged_tokens(path, body))
+        ids = first_input(req, relay.fe.tokenizer.encode) if path in _INPUT_PATHS else []
+        # a single input tokenized here is charged its tokens; a batch (its other inputs not tokenized) an estimate
+        whole = req.input
+        single = isinstance(whole, str) or (isinstance(whole, list) and (len(whole) == 1 or _is_ids(whole)))
+        return await relay.dispatch(request, fields, ids, Passthrough(path, body, False), lora, "input",
+                                    plain=len(ids) if ids and single else charged_tokens(path, body))
 
 
 def add_routes(route: Callable[[str, str, Any], None], api: ServerApi) -> None:
