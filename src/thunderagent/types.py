@@ -75,6 +75,9 @@ class WorkerInfo:
     #: names its server serves (routing sends a request naming one only to workers listing it): a vLLM / SGLang
     #: server's LoRA adapters (its ``/v1/models`` entries with a ``parent``), an ``engine: openai`` server's every model
     adapters: tuple[str, ...] = ()
+    #: the server it shares with other workers (one data-parallel rank of a vLLM server: its url), so an operator's
+    #: call on the servers reaches that server once; empty: a server of its own
+    server: str = ""
 
 
 # ---------------------------------------------------------------------------------------------

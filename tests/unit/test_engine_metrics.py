@@ -37,6 +37,13 @@ vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.4
 """
     s = engine_stats(page, VLLM)
     assert s.running == 3 and abs(s.kv_usage - 0.3) < 1e-9 and s.block_size is None
+    # one rank listed as a worker of its own (data_parallel_rank): its samples alone; unlabelled ones are the server's
+    ranked = page + 'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="900"} 1.0\n' \
+                    'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="800"} 1.0\n' \
+                    "process_start_time_seconds 1234.5\n"
+    one = engine_stats(ranked, VLLM, "1")
+    assert (one.running, one.kv_usage, one.num_blocks, one.start_time) == (2, 0.4, 900, 1234.5)
+    assert engine_stats(ranked, VLLM, "0").num_blocks == 800
 
 
 def test_older_vllm_usage_name_and_missing_info():

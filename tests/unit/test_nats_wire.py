@@ -69,6 +69,11 @@ def test_heartbeat_round_trip_carries_info_load_and_seq():
     assert wire.info_from_wire(wire.decode_heartbeat(wire.encode(wire.Heartbeat(
         wire.WIRE_VERSION, "abc", wire.info_to_wire(lora, "vllm"), wire.load_to_wire(load), 0))).info) == lora
     assert wire.info_from_wire(wire.WireInfo("w-5", "both", "vllm", 16, 8192, 64, 1000)).adapters == ()  # older
+    # one data-parallel rank of a server (an operator's calls reach that server once for all its ranks)
+    rank = WorkerInfo("w-6", "both", 16, 8192, 64, 1000, server="http://10.0.0.5:8000")
+    assert wire.info_from_wire(wire.decode_heartbeat(wire.encode(wire.Heartbeat(
+        wire.WIRE_VERSION, "abc", wire.info_to_wire(rank, "vllm"), wire.load_to_wire(load), 0))).info) == rank
+    assert wire.info_from_wire(wire.WireInfo("w-7", "both", "vllm", 16, 8192, 64, 1000)).server == ""  # older
 
 
 def test_generate_request_and_token_batch_round_trip():

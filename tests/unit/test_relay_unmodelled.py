@@ -3,6 +3,7 @@ their fields, the body the server gets, and how ThunderAgent renders a relayed c
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import msgspec
@@ -153,8 +154,12 @@ def test_byte_tokenizer_renders_tools_and_calls_deterministically() -> None:
     assert grown[:len(with_tools) - len("<|assistant|>\n")] == with_tools[:-len("<|assistant|>\n")]
 
 
+_PORTS = itertools.count(1)
+
+
 def _node(**kw: object) -> dict:
-    return {"engine": "vllm", "endpoints": [{"url": "http://127.0.0.1:1"}], **kw}
+    """A vLLM group of one server (a server of its own: one listed twice is refused)."""
+    return {"engine": "vllm", "endpoints": [{"url": f"http://127.0.0.1:{next(_PORTS)}"}], **kw}
 
 
 def test_relay_defaults_and_refusals() -> None:

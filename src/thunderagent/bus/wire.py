@@ -204,9 +204,7 @@ class Subjects:
         return f"{self.prefix}.worker.*.*"
 
 
-# ---------------------------------------------------------------------------------------------
-# discovery and load
-# ---------------------------------------------------------------------------------------------
+# -- discovery and load -----------------------------------------------------------------------
 class WireInfo(msgspec.Struct, array_like=True, frozen=True):
     worker_id: str
     role: str
@@ -219,6 +217,7 @@ class WireInfo(msgspec.Struct, array_like=True, frozen=True):
     max_seq_tokens: int = 0
     max_prompt_tokens: int = 0
     adapters: list[str] = []  # the LoRA adapters its server serves by name
+    server: str = ""  # the server it shares with other workers (a data-parallel rank's url)
 
 
 class WireLoad(msgspec.Struct, array_like=True, frozen=True):
@@ -333,7 +332,7 @@ class Unavailable(msgspec.Struct, array_like=True, frozen=True):
 def info_to_wire(info: WorkerInfo, engine: str) -> WireInfo:
     return WireInfo(info.worker_id, info.role, engine, info.block_size, info.max_num_batched_tokens,
                     info.queue_depth_threshold, info.kv_total_blocks, info.max_num_seqs, info.max_seq_tokens,
-                    info.max_prompt_tokens, list(info.adapters))
+                    info.max_prompt_tokens, list(info.adapters), info.server)
 
 
 def info_from_wire(w: WireInfo) -> WorkerInfo:
@@ -341,7 +340,7 @@ def info_from_wire(w: WireInfo) -> WorkerInfo:
     if not seq and w.engine == "simulated":  # a worker from before the field: its KV pool is its limit
         seq = w.kv_total_blocks * w.block_size
     return WorkerInfo(w.worker_id, w.role, w.block_size, w.max_num_batched_tokens, w.queue_depth_threshold,
-                      w.kv_total_blocks, w.max_num_seqs, seq, w.max_prompt_tokens, tuple(w.adapters))
+                      w.kv_total_blocks, w.max_num_seqs, seq, w.max_prompt_tokens, tuple(w.adapters), w.server)
 
 
 def load_to_wire(r: LoadReport) -> WireLoad:

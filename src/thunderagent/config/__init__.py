@@ -191,6 +191,11 @@ class EndpointConfig(_Strict):
                                     "server demands (vLLM / SGLang --api-key, llama.cpp --api-key): sent as "
                                     "Authorization: Bearer on every call to this server")
     api_key_file: str | None = Field(None, min_length=1, description="file holding that key (its first line)")
+    data_parallel_rank: int | None = Field(None, ge=0, description="one data-parallel rank of a vLLM server run "
+                                           "with --data-parallel-size: a worker of its own (its own KV cache), sent "
+                                           "every request with X-data-parallel-rank, its load read from the metrics "
+                                           "labelled engine=RANK; kv_events / kv_replay: the rank's own sockets "
+                                           "(vLLM offsets their ports by the rank)")
 
     @model_validator(mode="after")
     def _schemes(self) -> EndpointConfig:
@@ -248,6 +253,12 @@ class NodeConfig(_Strict):
                              "always order by priority; SGLang's priority is not forwarded)")
         return v
 
+    def shared_server(self, k: int) -> str:
+        """The url of the ``k``-th endpoint's server when it is one data-parallel rank of it (other workers drive the
+        same server); empty otherwise (a simulated engine's ``k`` names no endpoint)."""
+        e = self.endpoints[k] if 0 <= k < len(self.endpoints) else None
+        return e.url.rstrip("/") if e is not None and e.data_parallel_rank is not None else ""
+
     def sequence_limits(self) -> tuple[int, int]:
         """(longest sequence, longest prompt) a simulated worker takes; (0, 0), unknown, for a real engine."""
         sim = self.engine == "simulated"
@@ -275,6 +286,9 @@ class NodeConfig(_Strict):
                              "uses the router's own predictions), or use engine vllm|sglang for a server with events")
         if "count" in self.model_fields_set and self.count != len(self.endpoints):
             raise ValueError(f"count ({self.count}) differs from the number of endpoints ({len(self.endpoints)})")
+        if self.engine == "sglang" and any(e.data_parallel_rank is not None for e in self.endpoints):
+            raise ValueError("endpoints[].data_parallel_rank: vLLM's (SGLang's data-parallel ranks are not addressed "
+                             "by ThunderAgent: list the server once)")
         object.__setattr__(self, "count", len(self.endpoints))
         return self
 
@@ -332,7 +346,27 @@ class ExecutionGroupConfig(_Strict):
         sizes = {n.block_size for n in self.nodes}
         if len(sizes) > 1:
             raise ValueError(f"all nodes must share one block_size for a common KV index, got {sorted(sizes)}")
+        check_servers([(f"nodes.{g}.endpoints.{k}", e) for g, n in enumerate(self.nodes)
+                       for k, e in enumerate(n.endpoints)])
         return self
+
+
+def check_servers(endpoints: list[tuple[str, EndpointConfig]]) -> None:
+    """A server is listed once, or once per data-parallel rank (``data_parallel_rank`` on each of its entries,
+    all different): twice, its requests would be counted as two workers' and its cache indexed twice."""
+    seen: dict[tuple[str, int | None], str] = {}
+    ranked: dict[str, bool] = {}
+    for where, e in endpoints:
+        url = e.url.rstrip("/")
+        if ranked.setdefault(url, e.data_parallel_rank is not None) != (e.data_parallel_rank is not None):
+            raise ValueError(f"execution_group.{where}: {url} is listed with and without data_parallel_rank: give "
+                             "every entry of a data-parallel server its rank")
+        key = (url, e.data_parallel_rank)
+        if key in seen:
+            rank = "" if e.data_parallel_rank is None else f" rank {e.data_parallel_rank}"
+            raise ValueError(f"execution_group.{where}: {url}{rank} is already {seen[key]} (a server is listed once, "
+                             "or once per data_parallel_rank)")
+        seen[key] = where
 
 
 class MetricsConfig(_Strict):

@@ -157,7 +157,8 @@ class StaticMembership:
         handle = self.factories[node.engine](node, wid, k, self._callbacks)  # (raises on a bad endpoint: no id taken)
         self._used.add(wid)
         info = WorkerInfo(wid, node.role.value, node.block_size, node.max_num_batched_tokens,
-                          node.queue_depth_threshold, node.kv_blocks, node.max_batch_size, *node.sequence_limits())
+                          node.queue_depth_threshold, node.kv_blocks, node.max_batch_size, *node.sequence_limits(),
+                          server=node.shared_server(k))
         fleet.join(handle, info, synced=True)  # a new handle: its cache is empty or replayed
         self.handles[wid] = handle
         self.groups[wid] = g

@@ -116,19 +116,39 @@ def _forget(fleet: Fleet, worker_id: str) -> None:
 async def _fan_out(fleet: Fleet, worker_ids: list[str], call_name: str, what: str,
                    call: Callable[[WorkerHandle], Awaitable[AdminResult]],
                    done: Callable[[str, str | None], None] | None) -> list[WorkerAnswer]:
-    async def one(worker_id: str) -> WorkerAnswer:
-        handle = fleet.workers.get(worker_id)
+    # The data-parallel ranks of one vLLM server are workers of their own but one server: it is called once,
+    # through the first of them asked, and its answer stands for each (a weight update or an adapter load sent
+    # once per rank would run again, or be refused as already done)
+    groups: dict[str, list[str]] = {}
+    for wid in worker_ids:
+        groups.setdefault(_server(fleet, wid) or f"\0{wid}", []).append(wid)
+
+    async def one(ids: list[str]) -> list[WorkerAnswer]:
+        handle = fleet.workers.get(ids[0])
         if handle is None:
-            return WorkerAnswer(worker_id, False, "it left the fleet")
+            return [WorkerAnswer(wid, False, "it left the fleet") for wid in ids]
         try:
             r = await call(handle)
         except Exception as e:  # a handle's bug must not lose the other workers' answers
-            log.exception("%s on %s failed", what, worker_id)
+            log.exception("%s on %s failed", what, ids[0])
             r = AdminResult(False, f"failed: {e!r}")
-        if r.success and done is not None and worker_id in fleet.workers:
-            done(worker_id, r.answer)
-        fleet.metrics.server_calls.labels(call_name, "done" if r.success else "refused").inc()
-        log.warning("%s on %s by an operator: %s", what, worker_id, "done" if r.success else f"refused: {r.error}")
-        return WorkerAnswer(worker_id, r.success, r.error, r.answer)
+        out = []
+        for wid in ids:
+            if r.success and done is not None and wid in fleet.workers:
+                done(wid, r.answer)
+            fleet.metrics.server_calls.labels(call_name, "done" if r.success else "refused").inc()
+            log.warning("%s on %s by an operator: %s", what, wid, "done" if r.success else f"refused: {r.error}")
+            out.append(WorkerAnswer(wid, r.success, r.error, r.answer))
+        return out
 
-    return list(await asyncio.gather(*(one(wid) for wid in worker_ids)))
+    answered = {a.worker_id: a for batch in await asyncio.gather(*(one(ids) for ids in groups.values()))
+                for a in batch}
+    return [answered[wid] for wid in worker_ids]
+
+
+def _server(fleet: Fleet, worker_id: str) -> str:
+    """The server ``worker_id`` shares with other workers (a data-parallel rank's), else empty."""
+    try:
+        return fleet.registry.info(worker_id).server
+    except KeyError:  # (not registered any more)
+        return ""

@@ -102,8 +102,13 @@ class EngineStats:
 
 
 
-def engine_stats(text: str, flavor: EngineFlavor) -> EngineStats:
+def engine_stats(text: str, flavor: EngineFlavor, engine: str | None = None) -> EngineStats:
+    """The load figures of ``text`` (a ``/metrics`` page); ``engine``: one data-parallel rank's (vLLM labels each
+    engine's samples ``engine="RANK"``; samples without the label, e.g. the process start time, are the server's)."""
     m = parse_prometheus(text, flavor.wanted)
+    if engine is not None:
+        m = {name: [(labels, v) for labels, v in samples if labels.get("engine", engine) == engine]
+             for name, samples in m.items()}
 
     def first(names: tuple[str, ...]) -> list[float]:
         for n in names:

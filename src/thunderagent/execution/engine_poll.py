@@ -60,8 +60,10 @@ class EnginePoller:
         on_restart: Callable[[], None],
         in_flight: Callable[[], Iterable[OutputQueue]],
         lease: float | None = None,
+        engine: str | None = None,
     ) -> None:
         self.worker_id = worker_id
+        self.engine = engine  # one data-parallel rank's samples of the metrics (their ``engine`` label); None: all
         self.url = url
         self.block_size = block_size
         self.flavor = flavor
@@ -155,7 +157,7 @@ class EnginePoller:
                 log.debug("%s: metrics poll failed: %r", self.worker_id, exc)
             else:
                 self.last_poll_ok = self._cb.clock()
-                self.on_stats(engine_stats(text, self.flavor), epoch)
+                self.on_stats(engine_stats(text, self.flavor, self.engine), epoch)
                 if self.reads_pause:  # (after the heartbeat: a slow or failing answer here costs no liveness)
                     self.pause_seen(await self._paused(timeout), epoch)
             await asyncio.sleep(self._interval)

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from thunderagent.execution.openai_http import RelayClient
+from thunderagent.execution.openai_http import DP_RANK_HEADER, RelayClient
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +97,16 @@ class _AiohttpStream:
 class AiohttpTransport:
     """:class:`HttpTransport` over one aiohttp session, opened by :meth:`open` inside the event loop."""
 
-    def __init__(self, connect_timeout: float, api_key: str | None = None) -> None:
+    def __init__(self, connect_timeout: float, api_key: str | None = None, dp_rank: int | None = None) -> None:
         self._connect_timeout = connect_timeout
-        #: a server that demands an API key gets it on every call (relayed bodies, polls, the token path)
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        #: a server that demands an API key gets it on every call (relayed bodies, polls, the token path); one
+        #: data-parallel rank of a vLLM server is named on every call (vLLM sends a request so named to that rank)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if dp_rank is not None:
+            headers[DP_RANK_HEADER] = str(dp_rank)
+        self._headers = headers or None
         self._api_key = api_key
+        self._dp_rank = dp_rank
         self._session: aiohttp.ClientSession | None = None
         self._posts: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None
@@ -130,7 +135,7 @@ class AiohttpTransport:
                                             timeout=timeout, headers=self._headers)
         # relayed client bodies (engine openai) go through a lean client of their own: the same pool
         # rules, a fraction of aiohttp's CPU per request (execution/openai_http.py)
-        self._relay = RelayClient(self._connect_timeout, _POOL_IDLE_S, self._api_key)
+        self._relay = RelayClient(self._connect_timeout, _POOL_IDLE_S, self._api_key, self._dp_rank)
 
     async def close(self) -> None:
         for session in (self._session, self._posts, self._fresh):

@@ -462,7 +462,8 @@ async def run_worker(cfg: Config, worker_id: str, node_index: int = 0, endpoint:
     node = nodes[node_index]
     check_token(worker_id, "worker id")
     info = WorkerInfo(worker_id, node.role.value, node.block_size, node.max_num_batched_tokens,
-                      node.queue_depth_threshold, node.kv_blocks, node.max_batch_size, *node.sequence_limits())
+                      node.queue_depth_threshold, node.kv_blocks, node.max_batch_size, *node.sequence_limits(),
+                      server=node.shared_server(endpoint))
     build = handle_builder(cfg, node, worker_id, endpoint)
     bus = NatsBus(cfg.nats.servers, f"worker {worker_id}", options=connect_options(cfg.nats))
     cp = cfg.control_plane  # frontends beat every heartbeat_interval, like workers

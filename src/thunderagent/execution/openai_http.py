@@ -45,6 +45,8 @@ _NO_BODY = frozenset((204, 304))
 _NAME = re.compile(r"[A-Za-z0-9-]{1,64}")  # a forwarded header's name ...
 _VALUE = re.compile(r"[\x20-\x7e]{1,512}")  # ... and value: printable ASCII, no CR / LF
 _JSON = b"Content-Type: application/json\r\n"  # a relayed body's type, unless its request names another
+#: vLLM's header naming the data-parallel rank a request goes to (its API server sends it to that engine)
+DP_RANK_HEADER = "X-data-parallel-rank"
 
 
 class _Conn(asyncio.Protocol):
@@ -312,10 +314,12 @@ class RelayResponse:
 class RelayClient:
     """Pooled keep-alive connections per server (``host:port``); open inside the event loop."""
 
-    def __init__(self, connect_timeout: float, idle_s: float, api_key: str | None = None) -> None:
+    def __init__(self, connect_timeout: float, idle_s: float, api_key: str | None = None,
+                 dp_rank: int | None = None) -> None:
         self._connect_timeout = connect_timeout
         self._idle_s = idle_s
         self._bearer = f"Authorization: Bearer {api_key}\r\n" if api_key else ""  # (checked: no CR/LF in a key)
+        self._rank = "" if dp_rank is None else f"{DP_RANK_HEADER}: {int(dp_rank)}\r\n"
         self._idle: dict[tuple[str, int], list[tuple[_Conn, float]]] = {}
         self._heads: dict[str, tuple[tuple[str, int], bytes]] = {}  # url -> (server, request head, no length yet)
 
@@ -332,7 +336,7 @@ class RelayClient:
                 cred = f"{unquote(u.username)}:{unquote(u.password or '')}".encode()
                 auth = f"Authorization: Basic {base64.b64encode(cred).decode()}\r\n"
             host = u.netloc.rpartition("@")[2]
-            head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Accept: */*\r\n".encode()
+            head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{auth}{self._rank}Accept: */*\r\n".encode()
             got = self._heads[url] = ((u.hostname, port), head)
         return got
 

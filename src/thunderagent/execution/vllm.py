@@ -80,7 +80,7 @@ class EngineWorker:
         self._own_transport: AiohttpTransport | None = None
         if transport is None:  # (the server's API key is read now: a missing one stops the start, naming it)
             key = server_api_key(endpoint.api_key_env, endpoint.api_key_file, endpoint.url)
-            transport = self._own_transport = AiohttpTransport(connect_timeout, key)
+            transport = self._own_transport = AiohttpTransport(connect_timeout, key, endpoint.data_parallel_rank)
         self._transport = transport
         self._tasks: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -88,6 +88,7 @@ class EngineWorker:
             worker_id, self.url, node.block_size, flavor, self._transport, callbacks,
             interval=heartbeat_interval, connect_timeout=connect_timeout, load=self.load,
             on_restart=self._on_engine_restart, in_flight=lambda: self._requests.queues(), lease=lease,
+            engine=None if endpoint.data_parallel_rank is None else str(endpoint.data_parallel_rank),
         )
         self._requests = RequestStreamer(
             worker_id, self.url, flavor, self._transport, clock=callbacks.clock, loop_time=self._loop_time,

@@ -1,0 +1,94 @@
+"""A vLLM server run with ``--data-parallel-size 2``, listed once per rank (``data_parallel_rank``): each rank is a
+worker of its own (its own prefix cache, fed by its own KV-event sockets), every request to a rank names it in
+``X-data-parallel-rank`` (vLLM sends it to that engine), each rank's load is read from the metrics labelled with
+it, and an operator's call on the servers reaches the server once for both ranks.
+
+Real sockets on 127.0.0.1: a fake data-parallel vLLM server (``support.fake_dp``: two fake engines behind one HTTP
+port, as vLLM's API server fronts its engine cores) and ThunderAgent's real HTTP server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from support.fake_dp import FakeDpServer
+from support.fake_engine import FakeEngine
+from support.server import running_server
+from support.waiting import wait_until
+from thunderagent.config import ConfigError, parse_config
+from thunderagent.frontend.hf_tokenizer import HfTokenizer
+
+BS = 16
+
+
+def _config(dp: FakeDpServer, model_dir: Path) -> object:
+    from integration.conftest import test_config
+
+    return test_config(
+        model=str(model_dir), routing={"seed": 3},
+        control_plane={"heartbeat_interval": 0.1, "heartbeat_misses": 5, "default_max_tokens": 16,
+                       "admin_api": True},
+        execution_group={"nodes": [{"engine": "vllm", "block_size": BS, "endpoints": dp.endpoints()}]})
+
+
+async def test_each_rank_is_a_worker_named_on_its_requests_and_read_from_its_metrics(tiny_model_dir: Path) -> None:
+    dp = FakeDpServer([FakeEngine(block_size=BS, dev_mode=True) for _ in range(2)])
+    await dp.start()
+    try:
+        async with running_server(_config(dp, tiny_model_dir)) as srv:
+            fleet = srv.fleet
+            await wait_until(lambda: len(fleet.routable()) == 2, 10, "both ranks routable")
+            w0, w1 = sorted(fleet.workers)
+            # each rank's load from its own samples (rank 1 runs 5, rank 0 none)
+            dp.ranks[1].running = 5
+            await wait_until(lambda: {w: fleet.workers[w].load().running for w in (w0, w1)} == {w0: 0, w1: 5}, 10,
+                             "each rank's load read from its engine label")
+            dp.ranks[1].running = 0
+            # a prompt rank 1 holds: routed to its worker, and the server sends it to rank 1
+            prompt = "a long shared system prompt that rank one has cached already " * 4
+            ids = HfTokenizer(tiny_model_dir).encode(prompt)
+            dp.ranks[1].cache_prompt(ids[: len(ids) // BS * BS])
+            await wait_until(lambda: fleet.index.num_blocks(w1) >= len(ids) // BS, 10, "rank 1's events indexed")
+            assert fleet.index.num_blocks(w0) == 0
+            served = len(dp.ranks[1].requests)
+            for k in range(3):
+                raw = await srv.client.completions.with_raw_response.create(model=fleet.model_name,
+                                                                            prompt=prompt + f" q{k}", max_tokens=2)
+                assert raw.headers["x-thunderagent-worker"] == w1
+            assert len(dp.ranks[1].requests) == served + 3
+            posted = [rank for method, path, rank in dp.calls if path == "/v1/completions"]
+            assert posted[-3:] == ["1", "1", "1"]
+            # relayed (a field the token path lacks): the header goes with the client's body
+            raw = await srv.client.completions.with_raw_response.create(
+                model=fleet.model_name, prompt=prompt + " relayed", max_tokens=2, extra_body={"logprobs": 1})
+            assert raw.headers["x-thunderagent-worker"] == w1
+            assert [rank for _, path, rank in dp.calls if path == "/v1/completions"][-1] == "1"
+            # an operator's pause: one call on the server for both ranks, each worker answered
+            async with aiohttp.ClientSession() as s, s.post(srv.base_url + "/pause?mode=keep&clear_cache=false") as r:
+                body = await r.json()
+            assert r.status == 200 and [w["id"] for w in body["workers"]] == [w0, w1]
+            assert [c for c in dp.calls if c[1].startswith("/pause")] == [("POST", "/pause?mode=keep&clear_cache=false",
+                                                                           "0")]
+            assert fleet.paused == {w0, w1}
+            async with aiohttp.ClientSession() as s, s.post(srv.base_url + "/resume") as r:
+                assert r.status == 200
+            assert len([c for c in dp.calls if c[1] == "/resume"]) == 1 and not fleet.paused
+    finally:
+        await dp.stop()
+
+
+@pytest.mark.parametrize(("endpoints", "message"), [
+    ([{"url": "http://127.0.0.1:9"}, {"url": "http://127.0.0.1:9/"}], "is already nodes.0.endpoints.0"),
+    ([{"url": "http://127.0.0.1:9", "data_parallel_rank": 0}, {"url": "http://127.0.0.1:9"}],
+     "listed with and without data_parallel_rank"),
+    ([{"url": "http://127.0.0.1:9", "data_parallel_rank": 1}, {"url": "http://127.0.0.1:9", "data_parallel_rank": 1}],
+     "rank 1 is already"),
+])
+def test_a_server_is_listed_once_or_once_per_rank(endpoints: list[dict], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"model": "/m", "execution_group": {"nodes": [{"engine": "vllm", "endpoints": endpoints}]}})
+    with pytest.raises(ConfigError, match="data_parallel_rank: vLLM's"):
+        parse_config({"model": "/m", "execution_group": {"nodes": [{"engine": "sglang", "endpoints": [
+            {"url": "http://127.0.0.1:9", "data_parallel_rank": 0}]}]}})
