@@ -80,7 +80,7 @@ async def test_each_rank_is_a_worker_named_on_its_requests_and_read_from_its_met
 
 
 @pytest.mark.parametrize(("endpoints", "message"), [
-    ([{"url": "http://127.0.0.1:9"}, {"url": "http://127.0.0.1:9/"}], "is already nodes.0.endpoints.0"),
+    ([{"url": "http://127.0.0.1:9"}, {"url": "http://127.0.0.1:9/"}], "is already execution_group.nodes.0.endpoints.0"),
     ([{"url": "http://127.0.0.1:9", "data_parallel_rank": 0}, {"url": "http://127.0.0.1:9"}],
      "listed with and without data_parallel_rank"),
     ([{"url": "http://127.0.0.1:9", "data_parallel_rank": 1}, {"url": "http://127.0.0.1:9", "data_parallel_rank": 1}],
@@ -92,3 +92,41 @@ def test_a_server_is_listed_once_or_once_per_rank(endpoints: list[dict], message
     with pytest.raises(ConfigError, match="data_parallel_rank: vLLM's"):
         parse_config({"model": "/m", "execution_group": {"nodes": [{"engine": "sglang", "endpoints": [
             {"url": "http://127.0.0.1:9", "data_parallel_rank": 0}]}]}})
+
+
+async def test_a_rank_added_at_runtime_and_kept_across_a_restart(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``POST /v1/admin/workers`` takes ``data_parallel_rank``: the rank joins as a worker of its own (its requests
+    carry the header), a rank or a server already in the fleet is refused naming ``url``, and the state file keeps
+    the rank for the next start."""
+    dp = FakeDpServer([FakeEngine(block_size=BS) for _ in range(2)])
+    await dp.start()
+    state = tmp_path / "admin-state.json"
+    rank0, rank1 = dp.endpoints()
+    try:
+        from integration.conftest import test_config
+
+        cfg = test_config(model=str(tiny_model_dir), routing={"seed": 3},
+                          control_plane={"heartbeat_interval": 0.1, "heartbeat_misses": 5, "admin_api": True,
+                                         "default_max_tokens": 16, "admin_state_file": str(state)},
+                          execution_group={"nodes": [{"engine": "vllm", "block_size": BS, "endpoints": [rank0]}]})
+        for attempt in range(2):  # the second start restores the added rank from the state file
+            async with running_server(cfg) as srv, aiohttp.ClientSession() as s:
+                fleet = srv.fleet
+                if attempt == 0:
+                    async with s.post(srv.base_url + "/v1/admin/workers", json=rank1) as r:
+                        assert (r.status, (await r.json())["id"]) == (201, "worker-1")
+                    for body, words in ((rank1, "rank 1 is already worker worker-1"),
+                                        ({**rank0, "data_parallel_rank": None}, "with and without data_parallel_rank")):
+                        async with s.post(srv.base_url + "/v1/admin/workers", json=body) as r:
+                            err = (await r.json())["error"]
+                        assert r.status == 400 and err["param"] == "url" and words in err["message"], err
+                await wait_until(lambda: len(fleet.routable()) == 2, 10, "both ranks routable")
+                assert fleet.registry.info("worker-1").server == dp.url
+                await s.post(srv.base_url + "/v1/admin/workers/worker-0/cordon")
+                raw = await srv.client.completions.with_raw_response.create(model=fleet.model_name, prompt="hi",
+                                                                            max_tokens=2)
+                assert raw.headers["x-thunderagent-worker"] == "worker-1"
+                assert [rank for _, path, rank in dp.calls if path == "/v1/completions"][-1] == "1"
+                await s.post(srv.base_url + "/v1/admin/workers/worker-0/uncordon")
+    finally:
+        await dp.stop()

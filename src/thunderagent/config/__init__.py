@@ -34,7 +34,7 @@ __all__ = [
     "ExecutionGroupConfig", "GroupingConfig", "KvTransferConfig", "MetricsConfig", "NatsAuthConfig", "NatsConfig",
     "MigrationConfig", "NatsTlsConfig", "NodeConfig", "OutlierConfig", "PlannerConfig",
     "PacingAccounting", "PacingConfig", "Policy", "ResumePlacement", "Role", "RoutingConfig", "SchedulerConfig",
-    "SimulationConfig", "TenantLimit", "TimingConfig", "load_config", "parse_config", "program_caps",
+    "SimulationConfig", "TenantLimit", "TimingConfig", "check_servers", "load_config", "parse_config", "program_caps",
     "ResumeOrder", "IdleResume",
 ]
 
@@ -346,7 +346,7 @@ class ExecutionGroupConfig(_Strict):
         sizes = {n.block_size for n in self.nodes}
         if len(sizes) > 1:
             raise ValueError(f"all nodes must share one block_size for a common KV index, got {sorted(sizes)}")
-        check_servers([(f"nodes.{g}.endpoints.{k}", e) for g, n in enumerate(self.nodes)
+        check_servers([(f"execution_group.nodes.{g}.endpoints.{k}", e) for g, n in enumerate(self.nodes)
                        for k, e in enumerate(n.endpoints)])
         return self
 
@@ -359,13 +359,13 @@ def check_servers(endpoints: list[tuple[str, EndpointConfig]]) -> None:
     for where, e in endpoints:
         url = e.url.rstrip("/")
         if ranked.setdefault(url, e.data_parallel_rank is not None) != (e.data_parallel_rank is not None):
-            raise ValueError(f"execution_group.{where}: {url} is listed with and without data_parallel_rank: give "
-                             "every entry of a data-parallel server its rank")
+            raise ValueError(f"{where}: {url} is listed with and without data_parallel_rank: give every entry of a "
+                             "data-parallel server its rank")
         key = (url, e.data_parallel_rank)
         if key in seen:
             rank = "" if e.data_parallel_rank is None else f" rank {e.data_parallel_rank}"
-            raise ValueError(f"execution_group.{where}: {url}{rank} is already {seen[key]} (a server is listed once, "
-                             "or once per data_parallel_rank)")
+            raise ValueError(f"{where}: {url}{rank} is already {seen[key]} (a server is listed once, or once per "
+                             "data_parallel_rank)")
         seen[key] = where
 
 

@@ -43,19 +43,21 @@ class Added(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     kv_replay: str | None = None
     api_key_env: str | None = None
     api_key_file: str | None = None
+    data_parallel_rank: int | None = None
 
     def endpoint(self) -> EndpointConfig | None:
         if self.url is None:
             return None
         return EndpointConfig(url=self.url, kv_events=self.kv_events, kv_replay=self.kv_replay,
-                              api_key_env=self.api_key_env, api_key_file=self.api_key_file)
+                              api_key_env=self.api_key_env, api_key_file=self.api_key_file,
+                              data_parallel_rank=self.data_parallel_rank)
 
     @classmethod
     def of(cls, worker_id: str, group: int, endpoint: EndpointConfig | None) -> Added:
         if endpoint is None:
             return cls(worker_id, group)
         return cls(worker_id, group, endpoint.url, endpoint.kv_events, endpoint.kv_replay, endpoint.api_key_env,
-                   endpoint.api_key_file)
+                   endpoint.api_key_file, endpoint.data_parallel_rank)
 
 
 class Named(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

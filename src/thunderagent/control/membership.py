@@ -15,7 +15,7 @@ from pathlib import Path
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from thunderagent.config import EndpointConfig, ExecutionGroupConfig, NodeConfig
+from thunderagent.config import EndpointConfig, ExecutionGroupConfig, NodeConfig, check_servers
 from thunderagent.control.admin_state import Added, AdminState, Named, load_state, save_state
 from thunderagent.control.marks import apply_asleep, apply_cordon, apply_paused
 from thunderagent.execution.handle import WorkerCallbacks, WorkerFactory, WorkerHandle, snapshot_checks
@@ -45,6 +45,7 @@ class StaticMembership:
         #: control_plane.admin_state_file (control/admin_state.py): the operator's changes kept across restarts,
         #: read and checked here (a bad file stops the start with its error, before serving)
         self.state_file = state_file
+        self.endpoints: dict[str, EndpointConfig] = {}  # each real engine's worker: its server
         self._state = load_state(state_file) if state_file is not None else AdminState()
         self._check_state(self._state)
         self._saving = asyncio.Lock()
@@ -102,6 +103,11 @@ class StaticMembership:
         if (endpoint is None) != (node.engine == "simulated"):
             raise ValueError(f"url: group {g} runs engine {node.engine}: " + (
                 "a simulated engine has no server to name" if endpoint is not None else "name its server's url"))
+        if endpoint is not None:  # a server is in the fleet once (once per data-parallel rank)
+            if endpoint.data_parallel_rank is not None and node.engine == "sglang":
+                raise ValueError("data_parallel_rank: vLLM's (SGLang's ranks are not addressed by ThunderAgent)")
+            check_servers([*((f"worker {w}", e) for w, e in self.endpoints.items() if w in self.handles),
+                           ("url", endpoint)])
         return node
 
     def _restore(self, state: AdminState) -> None:
@@ -156,6 +162,8 @@ class StaticMembership:
         assert fleet is not None and self._callbacks is not None
         handle = self.factories[node.engine](node, wid, k, self._callbacks)  # (raises on a bad endpoint: no id taken)
         self._used.add(wid)
+        if node.endpoints:
+            self.endpoints[wid] = node.endpoints[k]
         info = WorkerInfo(wid, node.role.value, node.block_size, node.max_num_batched_tokens,
                           node.queue_depth_threshold, node.kv_blocks, node.max_batch_size, *node.sequence_limits(),
                           server=node.shared_server(k))
@@ -189,6 +197,7 @@ class StaticMembership:
         handle = self.handles.pop(worker_id, None)
         self.groups.pop(worker_id, None)
         self.added.pop(worker_id, None)
+        self.endpoints.pop(worker_id, None)
         if handle is not None:
             await handle.stop()
         if self._fleet is not None:

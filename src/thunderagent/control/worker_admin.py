@@ -140,7 +140,8 @@ class WorkerAdmin:
             named = re.match(r"field '([a-z_]+)'", str(e))
             field = named.group(1) if named else str(e).split(":", 1)[0]
             raise AdminError(str(e), 409 if field == "id" else 400, "worker_exists" if field == "id" else
-                             "invalid_value", field if named or field in ("group", "url", "id") else None) from None
+                             "invalid_value", field if named or field in ("group", "url", "id", "data_parallel_rank")
+                             else None) from None
         log.warning("worker %s added by an operator to group %d%s", wid, group,
                     "" if endpoint is None else f" ({endpoint.url})")
         self.fleet.wake()

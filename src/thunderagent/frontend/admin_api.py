@@ -68,6 +68,7 @@ class AddWorker(msgspec.Struct, forbid_unknown_fields=True):
     kv_replay: str | None = None
     api_key_env: str | None = None
     api_key_file: str | None = None
+    data_parallel_rank: int | None = None
     group: int | None = None
     id: str | None = None
 
@@ -136,12 +137,14 @@ class AdminApi:
         if body.url is not None:
             try:
                 endpoint = EndpointConfig(url=body.url, kv_events=body.kv_events, kv_replay=body.kv_replay,
-                                          api_key_env=body.api_key_env, api_key_file=body.api_key_file)
+                                          api_key_env=body.api_key_env, api_key_file=body.api_key_file,
+                                          data_parallel_rank=body.data_parallel_rank)
             except ValidationError as e:
                 err = e.errors()[0]
                 raise RequestError(err["msg"].removeprefix("Value error, "),
                                    param=".".join(str(p) for p in err["loc"]) or "url") from None
-        elif any(v is not None for v in (body.kv_events, body.kv_replay, body.api_key_env, body.api_key_file)):
+        elif any(v is not None for v in (body.kv_events, body.kv_replay, body.api_key_env, body.api_key_file,
+                                         body.data_parallel_rank)):
             raise RequestError("url: the server's fields come with its url", param="url")
         try:
             wid = await self.admin.add(body.group, endpoint, body.id)
