@@ -134,6 +134,9 @@ async def _fan_out(fleet: Fleet, worker_ids: list[str], call_name: str, what: st
             r = AdminResult(False, f"failed: {e!r}")
         out = []
         for wid in ids:
+            fence = getattr(fleet.workers.get(wid), "marks_changed", None)  # (an engine worker's load polls)
+            if r.success and fence is not None and wid != ids[0]:
+                fence()  # the other ranks' polls begun before the call must not undo what it marked
             if r.success and done is not None and wid in fleet.workers:
                 done(wid, r.answer)
             fleet.metrics.server_calls.labels(call_name, "done" if r.success else "refused").inc()

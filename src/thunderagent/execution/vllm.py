@@ -164,6 +164,11 @@ class EngineWorker:
             self._health.marks_changed()  # (a poll already under way may read the state before it)
         return r
 
+    def marks_changed(self) -> None:
+        """Its server was paused, resumed, put to sleep or woken through another worker (a data-parallel rank's):
+        a poll begun before that is stale about it."""
+        self._health.marks_changed()
+
     async def server_call(self, path: str, query: str = "", body: bytes = b"") -> AdminResult:
         r = await call_server(self._transport, self.url, self.flavor.name, path, query, body)
         if r.success and sleep_effect(path, query, r.answer)[0] is not None:
