@@ -122,6 +122,9 @@ async def test_a_rank_added_at_runtime_and_kept_across_a_restart(tiny_model_dir:
                         assert r.status == 400 and err["param"] == "url" and words in err["message"], err
                 await wait_until(lambda: len(fleet.routable()) == 2, 10, "both ranks routable")
                 assert fleet.registry.info("worker-1").server == dp.url
+                async with s.get(srv.base_url + "/v1/admin/workers") as r:
+                    listed = {w["id"]: (w["url"], w["data_parallel_rank"]) for w in (await r.json())["data"]}
+                assert listed == {"worker-0": (dp.url, 0), "worker-1": (dp.url, 1)}
                 await s.post(srv.base_url + "/v1/admin/workers/worker-0/cordon")
                 raw = await srv.client.completions.with_raw_response.create(model=fleet.model_name, prompt="hi",
                                                                             max_tokens=2)

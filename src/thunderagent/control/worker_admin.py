@@ -69,8 +69,9 @@ class WorkerAdmin:
         return 0 if handle is None else len(self.fleet.generations_on(handle, prefill=True))
 
     def listing(self) -> list[dict[str, object]]:
-        """Each worker: the ``/health`` detail plus its group, engine, server, the names its server serves besides the
-        fleet's model (LoRA adapters; an ``engine: openai`` server's models) and requests in flight here."""
+        """Each worker: the ``/health`` detail plus its group, engine, server (and data-parallel rank), the names its
+        server serves besides the fleet's model (LoRA adapters; an ``engine: openai`` server's models) and requests
+        in flight here."""
         fleet, static = self.fleet, self._static()
         nodes = fleet.cfg.execution_group.nodes
         out: list[dict[str, object]] = []
@@ -81,6 +82,7 @@ class WorkerAdmin:
             endpoint = getattr(handle, "endpoint", None)
             out.append({**w, "group": group, "engine": nodes[group].engine if group is not None else
                         getattr(handle, "engine", None), "url": getattr(endpoint, "url", None),
+                        "data_parallel_rank": getattr(endpoint, "data_parallel_rank", None),
                         "adapters": self._adapters(wid), "in_flight": self.in_flight(wid)})
         return out
 
