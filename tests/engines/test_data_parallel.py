@@ -133,3 +133,68 @@ async def test_a_rank_added_at_runtime_and_kept_across_a_restart(tiny_model_dir:
                 await s.post(srv.base_url + "/v1/admin/workers/worker-0/uncordon")
     finally:
         await dp.stop()
+
+
+@pytest.mark.nats
+async def test_over_nats_each_rank_is_a_worker_process_and_a_call_reaches_the_server_once(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Each rank run by a ``thunderagent worker`` process of its own (``--endpoint K``): both join with their server
+    named, a request goes to the rank that holds its prompt with the rank header, and a pause through a frontend
+    process reaches the server once for both ranks (the frontend reads the shared server in the workers' hellos)."""
+    pytest.importorskip("nats", reason="the NATS deployment needs the nats extra")
+    import asyncio
+    import json as jsonlib
+    import urllib.request
+
+    from integration.nats_cluster import Cluster
+
+    dp = FakeDpServer([FakeEngine(block_size=BS, dev_mode=True) for _ in range(2)])
+    await dp.start()
+    cluster = Cluster(tmp_path)
+    cfg = tmp_path / "dp.yaml"
+    cfg.write_text(jsonlib.dumps({"model": str(tiny_model_dir), "routing": {"seed": 3},
+                                  "control_plane": {"admin_api": True, "heartbeat_interval": 0.2,
+                                                    "heartbeat_misses": 5},
+                                  "execution_group": {"nodes": [{"engine": "vllm", "block_size": BS,
+                                                                 "endpoints": dp.endpoints()}]}}))
+    try:
+        cluster.start_nats()
+        for k in range(2):
+            cluster.start_worker(f"rank{k}", "--endpoint", str(k), config=cfg)
+        port = cluster.start_frontend("fa", config=cfg)
+
+        def healthy() -> set[str]:
+            try:
+                return {w["id"] for w in cluster.health("fa")["workers"] if w["health"] == "healthy"}
+            except OSError:
+                return set()
+
+        for _ in range(600):
+            if await asyncio.to_thread(healthy) == {"rank0", "rank1"}:
+                break
+            assert not any(cluster.exited(p) for p in cluster.procs if p != "nats"), cluster.logs()
+            await asyncio.sleep(0.1)
+        assert await asyncio.to_thread(healthy) == {"rank0", "rank1"}, cluster.logs()
+        prompt = "a prompt that rank one has cached already, long enough for blocks " * 3
+        ids = HfTokenizer(tiny_model_dir).encode(prompt)
+        dp.ranks[1].cache_prompt(ids[: len(ids) // BS * BS])
+        await asyncio.sleep(1.0)  # (the events reach the frontend through rank1's process)
+        raw = await asyncio.to_thread(cluster.client("fa").completions.with_raw_response.create,
+                                      model="thunderagent-sim", prompt=prompt + " and a question", max_tokens=2)
+        assert raw.headers["x-thunderagent-worker"] == "rank1"
+        assert [rank for _, path, rank in dp.calls if path == "/v1/completions"][-1] == "1"
+
+        def post(path: str) -> tuple[int, dict]:
+            req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method="POST", data=b"{}",
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=20) as resp:
+                return resp.status, jsonlib.load(resp)
+
+        status, body = await asyncio.to_thread(post, "/pause?mode=keep&clear_cache=false")
+        assert status == 200 and [w["id"] for w in body["workers"]] == ["rank0", "rank1"], body
+        assert len([c for c in dp.calls if c[1].startswith("/pause")]) == 1
+        assert (await asyncio.to_thread(post, "/resume"))[0] == 200
+        assert len([c for c in dp.calls if c[1] == "/resume"]) == 1
+    finally:
+        cluster.close()
+        await dp.stop()
