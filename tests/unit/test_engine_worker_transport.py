@@ -62,6 +62,9 @@ class FakeTransport:
         return METRICS
 
     async def get_json(self, url: str, timeout: float) -> Any:
+        if url.endswith("/is_paused"):  # (read with every poll: vLLM's dev-mode path)
+            self.pause_reads += 1
+            return {"is_paused": False}
         assert url.endswith("/v1/models")
         card: dict[str, Any] = {"id": MODEL}
         if self.max_model_len is not None:
@@ -69,6 +72,7 @@ class FakeTransport:
         return {"data": [card]}
 
     max_model_len: Any = None
+    pause_reads = 0
 
 
 @pytest.fixture

@@ -159,7 +159,11 @@ class EnginePoller:
                 self.last_poll_ok = self._cb.clock()
                 self.on_stats(engine_stats(text, self.flavor, self.engine), epoch)
                 if self.reads_pause:  # (after the heartbeat: a slow or failing answer here costs no liveness)
-                    self.pause_seen(await self._paused(timeout), epoch)
+                    try:
+                        self.pause_seen(await self._paused(timeout), epoch)
+                    except Exception:  # a bug here must not stop the polls (the worker's liveness)
+                        log.exception("%s: reading %s failed: not read again", self.worker_id, self.flavor.pause_state)
+                        self.reads_pause = False
             await asyncio.sleep(self._interval)
 
     async def _paused(self, timeout: float) -> bool | None:
@@ -168,19 +172,23 @@ class EnginePoller:
         path = self.flavor.pause_state
         try:
             got = await self._transport.get_json(f"{self.url}{path}", timeout)
-        except TransportStatusError as exc:
-            if exc.status not in (404, 405):
+        except TransportStatusError as exc:  # (a 2xx page that is not JSON comes here too: aiohttp's type check)
+            if 400 <= exc.status and exc.status not in (404, 405):
                 log.debug("%s: %s answered %d", self.worker_id, path, exc.status)
                 return None
-            log.info("%s: %s has no %s (vLLM serves it with VLLM_SERVER_DEV_MODE=1): a pause is noticed only when "
-                     "sent through ThunderAgent", self.worker_id, self.url, path)
-            self.reads_pause = False
-            return None
-        except (TimeoutError, TransportError, ValueError) as exc:  # (the next poll asks again)
+            got = None
+        except (TimeoutError, TransportError) as exc:  # (the next poll asks again)
             log.debug("%s: %s not read: %r", self.worker_id, path, exc)
             return None
+        except ValueError:  # not JSON
+            got = None
         paused = got.get("is_paused") if isinstance(got, dict) else None
-        return paused if isinstance(paused, bool) else None
+        if not isinstance(paused, bool):  # no such path, or not vLLM's
+            log.info("%s: %s has no %s of vLLM's (it serves it with VLLM_SERVER_DEV_MODE=1): a pause is noticed only "
+                     "when sent through ThunderAgent", self.worker_id, self.url, path)
+            self.reads_pause = False
+            return None
+        return paused
 
     async def _metrics_text(self, timeout: float) -> str:
         if self._no_metrics:
