@@ -27,7 +27,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT), str(ROOT / "tests")]
 
 from _common import print_table
 from support.server import running_server
+from support.waiting import free_port_pair
 
 from tests.engines.tiny_model import _WORDS, build_tiny_llama
 from tests.engines.vllm_env import BLOCK_SIZE, vllm_python
@@ -49,23 +49,8 @@ from thunderagent.config import parse_config
 RANKS = 2
 
 
-def _free_pair() -> int:
-    """A port P with P + 1 free too (rank 1's socket: vLLM offsets the port by the rank)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            p = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", p + 1))
-                except OSError:
-                    continue
-                return p
-    raise RuntimeError("no two adjacent free ports")
-
-
 def start_server(python: Path, model: Path, workdir: Path) -> tuple[subprocess.Popen[bytes], int, int, int]:
-    port, events, replay = _free_pair(), _free_pair(), _free_pair()
+    port, events, replay = free_port_pair(), free_port_pair(), free_port_pair()
     kv = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
           "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"}
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",

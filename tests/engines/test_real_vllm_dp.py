@@ -6,7 +6,6 @@ through ThunderAgent reaches the server and marks both ranks."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from support.waiting import wait_until
+from support.waiting import free_port_pair, wait_until
 from tests.engines.conftest import engine_python, one_server, thunderagent
 from tests.engines.vllm_env import BLOCK_SIZE, VllmServer
 from thunderagent.config import parse_config
@@ -23,31 +22,16 @@ pytestmark = pytest.mark.real_engine
 RANKS = 2
 
 
-def _free_pair() -> int:
-    """A port P with P + 1 free too (rank 1's socket: vLLM offsets the port by the rank)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            p = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", p + 1))
-                except OSError:
-                    continue
-                return p
-    raise RuntimeError("no two adjacent free ports")
-
-
 @dataclass
 class DpServer(VllmServer):
     """A data-parallel server: KV events on ``tcp://*:P`` (vLLM refuses an ipc:// endpoint for ranks past 0; it
     binds ``*``), ranks at P, P + 1; replay likewise from ``replay_port``."""
 
-    events_port: int = field(default_factory=_free_pair)
+    events_port: int = field(default_factory=free_port_pair)
 
     def new_ports(self) -> None:
         super().new_ports()
-        self.events_port, self.replay_port = _free_pair(), _free_pair()
+        self.events_port, self.replay_port = free_port_pair(), free_port_pair()
 
     @property
     def events(self) -> str:
@@ -62,7 +46,7 @@ class DpServer(VllmServer):
 @pytest.fixture(scope="module")
 def dp_server(engine_tmp: Path, tiny_model_dir: Path) -> Iterator[DpServer]:
     workdir = engine_tmp / "vllm-dp"
-    server = DpServer("dp", engine_python(workdir), tiny_model_dir, workdir, replay_port=_free_pair(),
+    server = DpServer("dp", engine_python(workdir), tiny_model_dir, workdir, replay_port=free_port_pair(),
                       extra_args=("--data-parallel-size", str(RANKS)))
     with one_server(server, "vLLM data-parallel server (2 ranks)"):
         yield server

@@ -46,6 +46,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_pair() -> int:
+    """A free port P with P + 1 free too (a data-parallel vLLM server's rank 1 binds its KV-event socket there:
+    vLLM offsets the port by the rank)."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        _handed_out.add(port + 1)
+        return port
+    raise RuntimeError("no two adjacent free ports")
+
+
 async def wait_until(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
     """Poll ``cond`` on the running loop until it is truthy (returned); fail naming ``what``.
 
