@@ -269,11 +269,13 @@ class RequestStreamer:
         final: tuple[list[int], str, str] | None = None
         cached = 0
         reported: int | None = None  # usage.completion_tokens
+        done = False
         async for line in lines:
             if not line.startswith(b"data:"):
                 continue
             data = line[5:].strip()
             if data == b"[DONE]":
+                done = True
                 break
             chunk = _json.decode(data)
             if "error" in chunk:
@@ -300,6 +302,11 @@ class RequestStreamer:
                     # which a server without token ids in its stream may do for many tokens running)
                     # still proves the request is alive: the stall check must not depend on /metrics.
                     r.queue.touch(clock())
+        if final is None and done and not r.started:
+            # vLLM's stream of a request it aborted before its first token (a pause in abort mode, /abort_requests):
+            # no choice at all (it skips an empty delta before setting the finish reason), then [DONE]. Aborted, not
+            # refused: routed again, it would run after all, where its client or operator ended it.
+            final = ([], "", FinishReason.ABORT)
         if final is None:
             log.warning("%s: stream of request %s ended without a finish reason", self.worker_id, rid)
             self._end(r, FinishReason.ERROR if r.started else FinishReason.UNAVAILABLE)
