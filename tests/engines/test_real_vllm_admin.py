@@ -3,6 +3,7 @@ routed to, its events fill the index, and a removal drains it and purges its ent
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 from support.waiting import wait_until
 from tests.engines.conftest import front_config, thunderagent
 from tests.engines.vllm_env import BLOCK_SIZE, VllmServer
+from thunderagent.config import parse_config
 from thunderagent.frontend.hf_tokenizer import HfTokenizer
 from thunderagent.kv.hashing import block_hashes, hash_seed
 
@@ -145,5 +147,55 @@ async def test_a_vllm_server_put_to_sleep_and_woken_through_the_fleet(tiny_model
                 with contextlib.suppress(aiohttp.ClientError):
                     async with s.post(f"{v.url}/wake_up") as r:
                         await r.read()
+                    async with s.post(f"{v.url}/resume") as r:
+                        await r.read()
+
+
+async def test_abort_requests_ends_the_servers_requests_and_the_held_ones_alike(
+        tiny_model_dir: Path, vllm_servers: list[VllmServer]) -> None:
+    """``/abort_requests`` through ThunderAgent on real vLLM servers (dev mode), paused with ``mode=keep`` so that
+    requests wait in them: vLLM ends the requests it has (a relayed request's body is vLLM's own: ``finish_reason:
+    abort``, nothing generated; on the token path vLLM's stream of such a request has no choice at all, read as
+    aborted, not routed again), and the request ThunderAgent still held (the tracked gate holds the next one while
+    each server has one before its first token) ends with the same fields."""
+    cfg = parse_config({
+        "model": str(tiny_model_dir), "model_name": "tiny", "routing": {"seed": 7},
+        "control_plane": {"heartbeat_interval": 0.5, "heartbeat_misses": 10, "admin_api": True},
+        "scheduler": {"tracked_prefill_passes": 0.001},  # (a server takes the next request after its first token)
+        "execution_group": {"nodes": [{"engine": "vllm", "block_size": BLOCK_SIZE,
+                                       "endpoints": [v.endpoint() for v in vllm_servers]}]},
+    }, "test")
+    async with thunderagent(cfg, vllm_servers) as front, aiohttp.ClientSession() as s:
+        fleet, base = front.fleet, front.base_url
+
+        async def complete(k: int, extra: dict) -> tuple[int, dict]:
+            body = {"model": front.model, "prompt": f"Request {k} waits for the weight update. " * 6,
+                    "max_tokens": 8, **extra}
+            async with s.post(base + "/v1/completions", json=body) as r:
+                return r.status, await r.json()
+
+        try:
+            async with s.post(base + "/pause?mode=keep&clear_cache=false") as r:
+                assert r.status == 200
+            sent: list[asyncio.Task[tuple[int, dict]]] = []
+            for k in range(4):  # until one is held (two may go to one server: routing, not the gate, picks)
+                sent.append(asyncio.create_task(complete(k, {"logprobs": 1} if k == 0 else {})))  # the first: relayed
+                await wait_until(lambda: fleet.dispatcher.held() + len(fleet._inflight) == len(sent), 20,
+                                 "the request sent or held")
+                if fleet.dispatcher.held():
+                    break
+            assert fleet.dispatcher.held() == 1 and not any(t.done() for t in sent)
+            async with s.post(base + "/abort_requests", json={}) as r:
+                answer = await r.json()
+                assert r.status == 200 and answer["held_aborted"] == 1, answer
+            done = await asyncio.wait_for(asyncio.gather(*sent), 30)
+            for status, out in done:  # vLLM's own (relayed), ThunderAgent's from vLLM's abort, and the held one
+                choice = out["choices"][0]
+                assert status == 200 and choice["finish_reason"] == "abort" and choice["text"] == "", out
+                assert out["usage"]["completion_tokens"] == 0 and out["usage"]["prompt_tokens"] > 20, out
+                assert out["object"] == "text_completion" and out["id"].startswith("cmpl-"), out
+        finally:  # (the servers are shared with the tests after this one: never leave one paused)
+            for v in vllm_servers:
+                with contextlib.suppress(aiohttp.ClientError):
                     async with s.post(f"{v.url}/resume") as r:
                         await r.read()

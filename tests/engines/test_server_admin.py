@@ -576,3 +576,163 @@ async def test_a_rolling_pause_keeps_the_rest_of_the_fleet_serving(tiny_model_di
         assert fleet.paused == {w0} and fleet.asleep == {w0}
         assert (await _admin(base, f"/wake_up?workers={w0}", None))[0] == 200
         assert not fleet.paused and not fleet.asleep
+
+
+async def test_abort_requests_ends_the_requests_held_in_the_queue(tiny_model_dir: Path) -> None:
+    """vLLM's ``/abort_requests`` through the fleet also ends the requests ThunderAgent still holds (no server has
+    them, so the servers' abort cannot): named by the client's ``x-request-id`` (bare or as vLLM's ``chatcmpl-`` /
+    ``cmpl-`` id), or all of them with no ids. Each gets vLLM's answer to a request aborted while it waited: nothing
+    generated, ``finish_reason: abort`` (JSON or streamed, usage as asked), on the token path and relayed; the
+    Messages API a 503 ``request_aborted``. With ``?workers=`` only those servers are asked (held ones stay). The
+    servers end the requests they hold, with vLLM's answers (a stream without a choice: aborted, not routed again)."""
+    engines = [FakeEngine(block_size=BS, dev_mode=True) for _ in range(2)]
+    for e in engines:
+        await e.start()
+    # (a worker takes a request only while no prompt sent to it waits for its first token: the rest are held)
+    cfg = fake_vllm_config(engines, tiny_model_dir, BS, control={"admin_api": True},
+                           scheduler={"tracked_prefill_passes": 0.001})
+    try:
+        async with running_server(cfg) as srv:
+            base, fleet, model = srv.base_url, srv.fleet, srv.fleet.model_name
+            await wait_until(lambda: len(fleet.routable()) == 2, 10, "the servers routable")
+            for e in engines:
+                e._resumed.clear()  # (paused behind the fleet's back: what a server has, it keeps)
+            first = [asyncio.create_task(srv.client.completions.create(model=model, prompt=f"first {k} " * 8,
+                                                                       max_tokens=2)) for k in range(2)]
+            await wait_until(lambda: sum(len(e.requests) for e in engines) == 2, 10, "one request in each server")
+
+            async def post(path: str, body: dict, rid: str | None = None) -> tuple[int, str]:
+                headers = {"x-request-id": rid} if rid else {"x-thunderagent-program-id": "prog-1"}
+                async with aiohttp.ClientSession() as s, s.post(base + path, json=body, headers=headers) as r:
+                    return r.status, await r.text()
+
+            chat = {"model": model, "messages": [{"role": "user", "content": "held " * 10}], "max_tokens": 4}
+            comp = {"model": model, "prompt": "held too " * 10, "max_tokens": 4, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            held = {  # the token path, named by x-request-id; relayed (logprobs), named too; unnamed ones
+                "a": asyncio.create_task(post("/v1/chat/completions", chat, "rid-a")),
+                "b": asyncio.create_task(post("/v1/completions", comp, "rid-b")),
+                "c": asyncio.create_task(post("/v1/chat/completions", {**chat, "logprobs": True}, "rid-c")),
+                "d": asyncio.create_task(post("/v1/completions", {**comp, "logprobs": 1})),
+                "e": asyncio.create_task(post("/v1/messages", {"model": model, "max_tokens": 4, "messages": [
+                    {"role": "user", "content": "a message"}]})),
+                "f": asyncio.create_task(post("/v1/chat/completions", {**chat, "stream": True})),
+            }
+            await wait_until(lambda: fleet.dispatcher.held() == 6, 10, "six requests held")
+            status, body = await _admin(base, "/abort_requests", {"request_ids": ["chatcmpl-rid-a", "cmpl-rid-b",
+                                                                               "rid-c", "nobody"]})
+            assert status == 200 and body["held_aborted"] == 3 and engines[0].rpc_calls[-1] == (
+                "/abort_requests", {"request_ids": ["chatcmpl-rid-a", "cmpl-rid-b", "rid-c", "nobody"]})
+            status, text = await asyncio.wait_for(held.pop("a"), 5)
+            answer = json.loads(text)
+            assert status == 200 and answer["choices"] == [{"index": 0, "finish_reason": "abort", "logprobs": None,
+                                                            "message": {"role": "assistant", "content": ""}}]
+            assert answer["usage"]["completion_tokens"] == 0 and answer["usage"]["prompt_tokens"] > 10
+            status, text = await asyncio.wait_for(held.pop("b"), 5)
+            events = [json.loads(x[6:]) for x in text.split("\n\n") if x.startswith("data: {")]
+            assert status == 200 and text.endswith("data: [DONE]\n\n")
+            assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == ["abort"]
+            assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 0  # usage, as asked
+            status, text = await asyncio.wait_for(held.pop("c"), 5)  # relayed, named bare
+            assert status == 200 and json.loads(text)["choices"][0]["finish_reason"] == "abort"
+            assert fleet.dispatcher.held() == 3 and not any(t.done() for t in held.values())
+            # a call for some servers leaves the held requests alone; one for the fleet ends every one
+            w0 = min(fleet.workers)
+            status, body = await _admin(base, f"/abort_requests?workers={w0}", {"request_ids": ["rid-x"]})
+            assert status == 200 and "held_aborted" not in body and fleet.dispatcher.held() == 3
+            async with aiohttp.ClientSession() as s, s.post(base + "/abort_requests") as r:
+                assert r.status == 200 and (await r.json())["held_aborted"] == 3
+            got = {k: await asyncio.wait_for(t, 5) for k, t in held.items()}
+            assert got["d"][0] == 200 and '"finish_reason":"abort"' in got["d"][1]
+            assert got["d"][1].endswith("data: [DONE]\n\n")
+            status, text = got["e"]
+            assert status == 503 and json.loads(text)["error"]["type"] == "overloaded_error", text  # Anthropic's
+            assert "aborted" in json.loads(text)["error"]["message"]
+            assert got["f"][0] == 200 and '"finish_reason":"abort"' in got["f"][1]
+            assert fleet.dispatcher.held() == 0
+            async with aiohttp.ClientSession() as s, s.get(base + "/v1/programs/prog-1") as r:
+                program = await r.json()  # (its requests were no steps of it)
+                assert (program["in_flight"], program["steps"], program["state"]) == (0, 0, "acting"), program
+            for bad in ({"request_ids": "rid-a"}, {"request_ids": [1]}):
+                status, body = await _admin(base, "/abort_requests", bad)
+                assert status == 400 and body["error"]["param"] == "request_ids"
+            # the servers ended theirs too (vLLM's abort of everything): on the token path as vLLM's stream of a
+            # request aborted before its first token says (no choice, then [DONE]): aborted, not routed again
+            done = await asyncio.wait_for(asyncio.gather(*first), 10)
+            assert [(d.choices[0].finish_reason, d.usage.completion_tokens) for d in done] == [("abort", 0)] * 2
+            assert sum(len(e.requests) for e in engines) == 2
+            async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as r:
+                assert 'thunderagent_scheduler_queued{priority="0"} 0.0' in await r.text()
+    finally:
+        for e in engines:
+            await e.stop()
+
+
+async def test_abort_requests_over_nats_ends_every_frontends_held_requests(tmp_path: Path) -> None:
+    """Two frontend processes each hold a request (the one server is busy with the one each sent before it): an
+    ``/abort_requests`` through one frontend ends its own held request and asks the other to end its one too, and
+    counts both; each held client gets ``finish_reason: abort``, as the server's own requests do."""
+    pytest.importorskip("nats", reason="the NATS deployment needs the nats extra")
+    from integration.nats_cluster import Cluster
+
+    engine = FakeEngine(block_size=BS, dev_mode=True)
+    await engine.start()
+    cluster = Cluster(tmp_path)
+    (tmp_path / "wa.yaml").write_text(
+        "control_plane: {admin_api: true, heartbeat_interval: 0.2, heartbeat_misses: 5}\n"
+        "scheduler: {tracked_prefill_passes: 0.001}\nexecution_group:\n"  # (one request at a time per frontend)
+        f"  nodes:\n    - {{engine: openai, block_size: 16, endpoints: [{{url: \"{engine.url}\"}}]}}\n")
+
+    def post(f: str, path: str, body: dict) -> tuple[int, dict]:
+        req = urllib.request.Request(f"http://127.0.0.1:{cluster.ports[f]}{path}", method="POST",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, json.load(resp)
+        except urllib.error.HTTPError as err:
+            return err.code, json.load(err)
+
+    def health(f: str) -> dict:
+        try:
+            return cluster.health(f)
+        except OSError:
+            return {}
+
+    def held(f: str) -> int:
+        return health(f).get("scheduler", {}).get("held", -1)
+
+    def peers(f: str) -> int:
+        return len(health(f).get("frontend", {}).get("planner_leadership", {}).get("frontends", []))
+
+    try:
+        cluster.start_nats()
+        cluster.start_worker("wa", config=tmp_path / "wa.yaml")
+        for f in ("fa", "fb"):
+            cluster.start_frontend(f, config=tmp_path / "wa.yaml")
+        for f in ("fa", "fb"):  # (the one asked waits for the answers of the frontends it heard beat)
+            await wait_until(lambda f=f: health(f).get("healthy_workers") == 1 and peers(f) == 2, 60,
+                             f"{f} sees the worker and the other frontend")
+        engine._resumed.clear()  # busy: what the server has, it keeps
+        body = {"model": "thunderagent-sim", "max_tokens": 2}
+        first = [asyncio.create_task(asyncio.to_thread(post, f, "/v1/completions", {**body, "prompt": f"{f} " * 30}))
+                 for f in ("fa", "fb")]
+        await wait_until(lambda: len(engine.requests) == 2, 10, "one request from each frontend in the server")
+        late = [asyncio.create_task(asyncio.to_thread(post, f, "/v1/completions", {**body, "prompt": f"late {f} " * 20}))
+                for f in ("fa", "fb")]
+        for f in ("fa", "fb"):
+            await wait_until(lambda f=f: held(f) == 1, 10, f"{f} holds one request")
+        status, answer = await asyncio.to_thread(post, "fa", "/abort_requests", {})
+        assert status == 200 and answer["held_aborted"] == 2, answer
+        for t in late:
+            status, out = await asyncio.wait_for(t, 10)
+            assert status == 200 and out["choices"][0]["finish_reason"] == "abort" and out["usage"][
+                "completion_tokens"] == 0, out
+        assert held("fa") == 0 and held("fb") == 0 and len(engine.requests) == 2
+        assert health("fb")["frontend"]["held_aborted_for_peers"] == 1
+        assert health("fa")["frontend"]["held_aborted_for_peers"] == 0
+        for t in first:  # (the server's abort of everything ended them: vLLM's answer, relayed)
+            status, out = await asyncio.wait_for(t, 10)
+            assert status == 200 and out["choices"][0]["finish_reason"] == "abort", out
+    finally:
+        cluster.close()
+        await engine.stop()

@@ -31,7 +31,8 @@ ZMQ KV events with replay, so the real-engine adapter can be tested without a mo
   ``reset_running_requests=true``; SGLang: 400);
 - ``dev_mode`` also: vLLM's ``POST /pause?mode=&clear_cache=`` (completions sent meanwhile wait; the cache
   cleared and announced unless ``clear_cache=false`` or ``mode=keep``; ``mode=abort``: streamed completions in
-  flight end with ``finish_reason: abort``) and ``POST /resume``, kept in ``pauses``;
+  flight end with ``finish_reason: abort``, waiting ones as vLLM ends a request aborted before its first token, as
+  ``/abort_requests`` without ids ends them) and ``POST /resume``, kept in ``pauses``;
   ``GET /is_paused``, ``POST /start_profile``, ``/stop_profile``, ``/reset_mm_cache``, ``/reset_encoder_cache``
   (200, kept in ``dev_calls``); sleep mode as vLLM 0.32 runs it: ``POST /sleep?level=&mode=`` pauses (level >= 1
   also clears the cache and puts ``weights`` and ``kv_cache`` to sleep), ``POST /wake_up?tags=`` wakes those tags
@@ -94,6 +95,7 @@ class FakeEngine:
     pauses: list[dict[str, str]] = field(default_factory=list)  # each /pause's query ({"resume": ""}: a /resume)
     _resumed: asyncio.Event = field(default_factory=asyncio.Event)
     _aborting: bool = False  # a pause in abort mode is ending the streams in flight
+    _aborts: int = 0  # aborts of everything (a pause in abort mode, /abort_requests without ids) so far
     dev_calls: list[str] = field(default_factory=list)  # profiling, the multimodal caches' resets, sleep mode
     paused_reads: int = 0  # GET /is_paused answered (a load poll's, or an operator's)
     server_info_padding: int = 0  # /server_info's answer is this many bytes longer
@@ -229,10 +231,12 @@ class FakeEngine:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
-        await self._resumed.wait()  # (paused: the request waits, as vLLM's do)
+        aborted = not await self._wait_resumed()  # (paused: the request waits, as vLLM's do)
         prompt: list[int] = body["prompt"]
         if isinstance(prompt, str):  # a relayed completion: the client's text (bytes stand in for tokens)
             prompt = list(prompt.encode())
+        if aborted:  # as vLLM ends a request aborted before its first token
+            return await self._aborted(request, body, len(prompt))
         max_tokens = int(body.get("max_tokens", 16))
         cached = self._prefill(prompt)
         if not body.get("stream"):  # a relayed completion the client did not stream (the token path streams)
@@ -427,6 +431,28 @@ class FakeEngine:
         self.dev_calls.append(request.path)
         return web.Response()
 
+    async def _wait_resumed(self) -> bool:
+        """Until the server is resumed (True), or an abort of everything came first (False)."""
+        aborts = self._aborts
+        while not self._resumed.is_set():
+            if self._aborts != aborts:
+                return False
+            await asyncio.sleep(0.01)
+        return self._aborts == aborts
+
+    async def _aborted(self, request: web.Request, body: dict, n_prompt: int) -> web.StreamResponse:
+        """vLLM 0.32's answer to a completion aborted before its first token: unstreamed, no text and
+        ``finish_reason: abort``; streamed, no choice at all (it skips an empty delta before it sets the finish
+        reason), the usage and ``[DONE]``."""
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
+        if not body.get("stream"):
+            return web.json_response({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": body["model"],
+                                      "choices": [{"index": 0, "text": "", "finish_reason": "abort"}], "usage": usage})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_sse({"choices": [], "usage": usage}) + b"data: [DONE]\n\n")
+        return resp
+
     async def _pause(self, request: web.Request) -> web.Response:
         """vLLM's ``/pause?mode=&clear_cache=`` (completions sent meanwhile wait) and ``/resume``."""
         if request.path == "/resume":
@@ -442,7 +468,8 @@ class FakeEngine:
 
     async def _halt(self, mode: str, clear: bool) -> None:
         self._resumed.clear()
-        if mode == "abort":  # streams in flight end with finish_reason abort
+        if mode == "abort":  # streams in flight end with finish_reason abort, the waiting requests too
+            self._aborts += 1
             self._aborting = True
             while self.running:
                 await asyncio.sleep(self.step_s)
@@ -480,6 +507,8 @@ class FakeEngine:
     async def _rpc(self, request: web.Request) -> web.Response:
         body = await request.json() if request.can_read_body else None
         self.rpc_calls.append((request.path, body))
+        if request.path == "/abort_requests" and not (body or {}).get("request_ids"):
+            self._aborts += 1  # (everything: the requests waiting end; ids are not tracked here)
         if request.path == "/is_scaling_elastic_ep":
             return web.json_response({"is_scaling_elastic_ep": False})
         if request.path == "/fault_tolerance/apply":  # (vLLM: accepted, recovery runs in the background)
@@ -613,14 +642,15 @@ def _sse(obj: object) -> bytes:
 
 
 def fake_vllm_config(engines: list[FakeEngine], model_dir: object, block_size: int, *,
-                     control: dict[str, object] | None = None, **node: object) -> Any:
+                     control: dict[str, object] | None = None, scheduler: dict[str, object] | None = None,
+                     **node: object) -> Any:
     """The config of a vLLM fleet of ``engines`` (their HTTP, events and replay endpoints) with ``model_dir``'s
     tokenizer, fast heartbeats and a 16-token default ``max_tokens``; ``control``: more control-plane settings,
-    ``node``: more node-group settings."""
+    ``scheduler``: scheduler settings, ``node``: more node-group settings."""
     from integration.conftest import test_config
 
     return test_config(
-        model=str(model_dir), routing={"seed": 3},
+        model=str(model_dir), routing={"seed": 3}, **({"scheduler": scheduler} if scheduler else {}),
         control_plane={"heartbeat_interval": 0.1, "heartbeat_misses": 5, "default_max_tokens": 16, **(control or {})},
         execution_group={"nodes": [{"engine": "vllm", "block_size": block_size, **node, "endpoints": [
             {"url": e.url, "kv_events": e.events, "kv_replay": e.replay} for e in engines]}]})

@@ -12,6 +12,7 @@ import pytest
 from thunderagent.config import parse_config
 from thunderagent.bus.nats import BusMsg
 from thunderagent.bus import wire
+from thunderagent.bus.wire_admin import HeldAbort, HeldAborted
 from thunderagent.kv.hashing import block_hashes
 from thunderagent.assemble import build_nats_fleet
 from thunderagent.control.fleet import Fleet
@@ -77,8 +78,21 @@ def accepted(n: int = 0) -> wire.TokenBatch:
 async def test_start_asks_workers_to_announce_themselves(fleet):
     assert fleet.bus.published[0] == ("ta.discover", b"", "")
     assert set(fleet.bus.subs) == {"ta.worker.>", f"ta.reply.*.{fleet.fid}.*", "ta.programs.release",
-                                   "ta.frontend.*.hb"}  # the other frontends: who acts for the planner
+                                   "ta.frontend.*.hb",  # the other frontends: who acts for the planner
+                                   "ta.frontend.abort_held"}  # another frontend's /abort_requests
     assert fleet.membership.index_rebuild_s is not None
+
+
+async def test_an_abort_through_another_frontend_is_answered_with_how_many_it_ended(fleet):
+    on_abort = fleet.bus.subs["ta.frontend.abort_held"]
+    n = len(fleet.bus.published)
+    await on_abort(BusMsg("ta.frontend.abort_held", wire.encode(HeldAbort(fleet.fid, None)), "r0"))
+    await on_abort(BusMsg("ta.frontend.abort_held", b"\x01garbage", "r1"))
+    assert len(fleet.bus.published) == n  # our own ask, and an undecodable one: no answer
+    await on_abort(BusMsg("ta.frontend.abort_held", wire.encode(HeldAbort("other", ["rid-1"])), "r2"))
+    assert fleet.bus.published[-1] == ("r2", wire.encode(HeldAborted(0)), "")  # (it held none)
+    assert await fleet.membership.aborts.abort_elsewhere(None) == 0  # no other frontend heard: nobody to ask
+    assert len(fleet.bus.published) == n + 1
 
 
 async def test_a_release_through_another_frontend_releases_this_frontends_copy(fleet, clock):

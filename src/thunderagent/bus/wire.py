@@ -25,6 +25,7 @@ Subjects (``<p>`` is the deployment prefix, ``ta`` by default; ``<id>`` a worker
                                it routed to each worker (the planner judges the fleet's, not one frontend's)
     <p>.frontend.<frontend>.match    frontend -> frontend   MatchAsk request, MatchAnswer reply (sharded
                                index: how much of a prompt the workers that frontend indexes hold)
+    <p>.frontend.abort_held    frontend -> frontends HeldAbort (``bus.wire_admin``): /abort_requests, held requests
     <p>.programs.release       frontend -> frontends ProgramRelease: a client released an agent program
     <p>.programs.reply.<frontend>.<token>  frontend -> frontend  (any payload): "I held it and released it"
     <p>.tenants.usage          frontend -> frontends TenantUsage: tenants' use since the last report (shared limits)
@@ -68,17 +69,8 @@ from thunderagent.bus.wire_kv import (  # noqa: F401  (re-exported: the wire's K
     join_dump,
 )
 
-from thunderagent.types import (
-    FinishReason,
-    WorkerInfo,
-    EngineRequest,
-    KvPull,
-    KvTransfer,
-    LoadReport,
-    Passthrough,
-    Sampling,
-    TokenOutput,
-)
+from thunderagent.types import (EngineRequest, FinishReason, KvPull, KvTransfer, LoadReport, Passthrough, Sampling,
+                                TokenOutput, WorkerInfo)
 
 #: bumped on any incompatible change; a frontend ignores workers speaking another version
 WIRE_VERSION = 5  # 2: GenerateRequest carries arrival and sampling; 3: replies under <p>.reply.<id>, ping;
@@ -141,8 +133,12 @@ class Subjects:
         """Where a frontend answers lookups into the part of a sharded index it holds."""
         return f"{self.prefix}.frontend.{frontend_id}.match"
 
-    def match_reply(self, frontend_id: str, token: str) -> str:
+    def match_reply(self, frontend_id: str, token: str) -> str:  # (and a HeldAbort's reply)
         return f"{self.prefix}.frontend.{frontend_id}.reply.{token}"
+
+    def held_abort(self) -> str:
+        """Where a frontend asked for ``/abort_requests`` asks the others to end their held requests too."""
+        return f"{self.prefix}.frontend.abort_held"
 
     def program_release(self) -> str:
         """Where a frontend tells the others that a client released a program (each holds its own table)."""

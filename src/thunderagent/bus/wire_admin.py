@@ -7,9 +7,12 @@
                                                      AdminReply to its reply subject
     <p>.rpc.<id>.call          frontend -> worker    ServerCall request (a parameterless operator path); an
                                                      AdminReply with the server's body
+    <p>.frontend.abort_held    frontend -> frontends HeldAbort request (``/abort_requests``: the requests each
+                                                     frontend holds); a HeldAborted reply (how many it ended)
 
 These run in the worker process, which holds the server's connection (``control/server_admin.py`` fans them out);
-the frontend that asked waits for the answer of the instance it knows.
+the frontend that asked waits for the answer of the instance it knows. ``HeldAbort`` runs in the other frontends
+(``control/abort_peers.py``): a request held in a frontend's queue is on no server yet.
 """
 
 from __future__ import annotations
@@ -47,8 +50,19 @@ class AdminReply(msgspec.Struct, array_like=True, frozen=True):
     answer: str | None = None  # the server's body (a ServerCall's)
 
 
+class HeldAbort(msgspec.Struct, array_like=True, frozen=True):
+    origin: str  # the frontend asked (it ends its own held requests itself)
+    ids: list[str] | None  # the client ids named (None: every held request)
+
+
+class HeldAborted(msgspec.Struct, array_like=True, frozen=True):
+    ended: int
+
+
 decode_reset_cache = msgspec.msgpack.Decoder(ResetCache).decode
 decode_set_adapter = msgspec.msgpack.Decoder(SetAdapter).decode
 decode_set_paused = msgspec.msgpack.Decoder(SetPaused).decode
 decode_server_call = msgspec.msgpack.Decoder(ServerCall).decode
 decode_admin_reply = msgspec.msgpack.Decoder(AdminReply).decode
+decode_held_abort = msgspec.msgpack.Decoder(HeldAbort).decode
+decode_held_aborted = msgspec.msgpack.Decoder(HeldAborted).decode

@@ -19,7 +19,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from typing import Protocol
 
 from thunderagent.config import Config, Policy, program_caps
@@ -33,7 +33,7 @@ from thunderagent.control.health_view import health_summary
 from thunderagent.control.liveness import LoopLag
 from thunderagent.control.metrics import Metrics
 from thunderagent.control.outliers import OutlierWatch
-from thunderagent.control.generation import Generation, HeldCall
+from thunderagent.control.generation import Generation, HeldCall, abort_held
 from thunderagent.control.autotune_hook import AutotuneHook
 from thunderagent.control.planner_hook import PlannerHook
 from thunderagent.control.registry import Health, WorkerRegistry
@@ -53,10 +53,9 @@ __all__ = ["Fleet", "Generation", "Membership", "NoWorkerAvailable", "QueueFull"
 
 
 class Membership(Protocol):
-    """How a fleet's workers join and leave, the only part that differs between deployments: ``start`` brings them
-    in (``fleet.join``) before the frontend serves; ``stop`` stops them or leaves the bus; ``resync``: the index lost
-    track of a worker's cache, reload it (``fleet.feed``'s sync protocol); ``lease_expired``: the fleet took a worker
-    out (no heartbeat for a lease), forget it or wait for it; ``summary``: extra facts for ``/health``."""
+    """How a fleet's workers join and leave (all that differs between deployments): ``start`` brings them in
+    (``fleet.join``) before serving; ``stop`` stops them or leaves the bus; ``resync``: reload a worker's cache into
+    the index (``fleet.feed``'s sync); ``lease_expired``: one left routing, forget or wait; ``summary``: for /health."""
 
     async def start(self, fleet: Fleet) -> None: ...
     async def stop(self) -> None: ...
@@ -92,6 +91,7 @@ class Fleet:
         #: longest prompt a worker takes (over NATS: one message's max_payload; without chunked prefill: a pass)
         self.prompt_limit: PromptLimit | None = None
         self.remote_lookup: Callable[[EngineRequest, float], Awaitable[None]] | None = None
+        self.held_peers: Callable[[list[str] | None], Awaitable[int]] | None = None  # NATS: other frontends' aborts
         self.workers: dict[str, WorkerHandle] = {}
         #: workers that reported they cannot serve (reason); back in routing with their next heartbeat
         self.unavailable: dict[str, str] = {}
@@ -155,9 +155,8 @@ class Fleet:
         self.registry.deregister(worker_id)
         self.outliers.forget(worker_id)  # else its breaker stays in the ejection cap's base for good
         self.unavailable.pop(worker_id, None)
-        self.cordoned.discard(worker_id)
-        self.asleep.discard(worker_id)
-        self.paused.discard(worker_id)
+        for marks in (self.cordoned, self.asleep, self.paused):
+            marks.discard(worker_id)
         purged, gens = self._out_of_routing(worker_id, handle, None if drain else f"worker {worker_id} left")
         log.warning("worker %s left: %s; %d index entries purged, %d requests in flight%s", worker_id, reason,
                     purged, len(gens), " (draining)" if drain and gens else "")
@@ -196,18 +195,15 @@ class Fleet:
             self.resync_worker(worker_id, "tail_lost")
         self.registry.heartbeat(worker_id, load, self.now())
         self.metrics.observe_load(load, self.registry.health(worker_id) is Health.healthy)
-        if self._held:
-            self._schedule_pump()
+        self.wake()
 
     def on_load(self, worker_id: str, load: LoadReport) -> None:
         self.registry.update_load(worker_id, load)
-        if self._held:
-            self._schedule_pump()  # capacity may have freed up
+        self.wake()  # capacity may have freed up
 
     def on_load_stale(self, worker_id: str, read: Callable[[], LoadReport]) -> None:  # on_load, read lazily
         self.registry.stale(worker_id, read)
-        if self._held:
-            self._schedule_pump()
+        self.wake()
 
     def on_unavailable(self, worker_id: str, reason: str) -> None:
         old = self.unavailable.get(worker_id)
@@ -323,7 +319,8 @@ class Fleet:
             self._schedule_pump()
         if d is not None:
             return self._launch(d, time.perf_counter() - t0, program_id)
-        call = HeldCall(asyncio.get_running_loop().create_future(), program_id)
+        call = HeldCall(asyncio.get_running_loop().create_future(), program_id,
+                        next((v for k, v in headers if k == "x-request-id"), None))
         self._held[rid] = call
         self._observe_queue()
         self._schedule_pump()  # (it arms the grouping timer)
@@ -417,10 +414,15 @@ class Fleet:
         self._observe_programs()
         return True
 
+    def abort_held(self, ids: Collection[str] | None) -> int:  # /abort_requests: held ones (generation.py), how many
+        ended = abort_held(self._held, self.dispatcher, ids, self.now())
+        self._observe_queue()
+        self._observe_programs()
+        return ended
+
     def _observe_queue(self) -> None:
-        q = self.dispatcher.queue
-        if q is not None:
-            self.metrics.observe_queue(q.by_tier())
+        if self.dispatcher.queue is not None:
+            self.metrics.observe_queue(self.dispatcher.queue.by_tier())
 
     def resubmit(self, gen: Generation, d: Dispatch, tried: tuple[str, ...]) -> None:
         """Submit ``gen`` as routed again (``d``), after the workers in ``tried``."""
@@ -489,8 +491,7 @@ class Fleet:
             if not finished:
                 gen.worker.abort(gen.request_id)
             if gen.program_id is not None:
-                done = finished and reason in (FinishReason.STOP, FinishReason.LENGTH)
-                self.dispatcher.finished(gen.program_id, gen.prompt_tokens + completion, self.now(), completed=done)
+                self.dispatcher.finished(gen.program_id, gen.prompt_tokens + completion, self.now(), completed=ran)
                 self._observe_programs()
 
     def health_summary(self) -> dict[str, object]:

@@ -53,6 +53,7 @@ from thunderagent.bus.wire import (
 )
 from thunderagent.control.frontend_beats import FrontendBeats
 from thunderagent.control.index_shards import IndexShards
+from thunderagent.control.abort_peers import AbortPeers
 from thunderagent.control.planner_peers import PlannerPeers
 from thunderagent.control.program_peers import ProgramPeers
 from thunderagent.control.tenant_peers import TenantPeers
@@ -86,6 +87,8 @@ class NatsMembership:
         self.tenants = TenantPeers(bus, self.subjects, self.frontend_id)  # tenant limits hold across frontends
         self.beats = FrontendBeats(bus, self.subjects, self.frontend_id)  # request lease; who acts for the planner
         self.planner_peers = PlannerPeers(bus, self.subjects, self.frontend_id)  # the fleet's traffic, not ours
+        self.aborts = AbortPeers(bus, self.subjects, self.frontend_id,  # /abort_requests: their held requests too
+                                 lambda: len(self.beats.leadership.live_peers()) if self.beats.leadership else 0)
         self.shards: IndexShards | None = None  # nats.index: sharded (control/index_shards.py)
         self._watched: set[str] = set()  # sharded: workers whose KV-event subject we subscribe to
         self._tasks: set[asyncio.Task[None]] = set()
@@ -143,6 +146,8 @@ class NatsMembership:
         await self.bus.subscribe(workers, self._on_worker_msg)
         await self.bus.subscribe(self.subjects.replies(self.frontend_id), self._on_reply)
         await self.peers.start(fleet.release_program)  # another frontend's client released a program
+        await self.aborts.start(fleet.abort_held)
+        fleet.held_peers = self.aborts.abort_elsewhere
         self.bus.publish(self.subjects.discover(), b"")
         # Workers answer a discover within milliseconds; each one met starts its dump at once.
         await asyncio.sleep(self.discovery_window)
@@ -174,6 +179,7 @@ class NatsMembership:
             "instances": {w: r.instance for w, r in sorted(self.remotes.items())},
             "ignored_messages": dict(self.ignored),
             "programs_released_for_peers": self.peers.released_for_peers,
+            "held_aborted_for_peers": self.aborts.aborted_for_peers,
             "tenant_reports": {"sent": self.tenants.reports_sent, "taken": self.tenants.reports_taken},
             "planner_leadership": (None if self.beats.leadership is None
                                    else self.beats.leadership.summary(self.fleet.now())),

@@ -19,7 +19,8 @@
   (all of them paused?), profiling, the multimodal caches' resets, sleep mode (``POST /sleep?level=&mode=``,
   ``/wake_up?tags=``, ``GET /is_sleeping``, ``POST /release_kv_cache_memory``: a sleeping server is routed to only
   while no awake one can take a request), ``POST /collective_rpc`` (``results``: every server's), ``/abort_requests``
-  and the RL weight transfer (``/init_weight_transfer_engine``, ``/update_weights``, ...).
+  (with no ``workers``, the requests held in ThunderAgent's queue too: ``held_aborted``) and the RL weight transfer
+  (``/init_weight_transfer_engine``, ``/update_weights``, ...).
 
 What each does: ``control/worker_admin.py``. Errors are OpenAI-shaped, naming the field.
 """
@@ -49,6 +50,7 @@ VLLM_RESET_PATH = "/reset_prefix_cache"  # vLLM's (a server with VLLM_SERVER_DEV
 LOAD_ADAPTER_PATH, UNLOAD_ADAPTER_PATH = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 #: vLLM's (VLLM_SERVER_DEV_MODE=1: an RL trainer's pause around a weight update), for the fleet's servers
 PAUSE_PATH, RESUME_PATH = "/pause", "/resume"
+ABORT_PATH = "/abort_requests"  # vLLM's (dev mode): also ends the requests held in ThunderAgent's queue
 #: an added worker's id (it names metric series and log lines)
 WORKER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 _WORKER_ID = re.compile(WORKER_ID_PATTERN)
@@ -246,9 +248,14 @@ class AdminApi:
                     raise msgspec.DecodeError("not an object")
             except msgspec.DecodeError as e:
                 raise RequestError(f"{path} takes a JSON object: {e}") from None
-        done = await call_servers(self.admin.fleet, self._named(workers), path, query, body)
+        named = self._named(workers)
+        held = None
+        if path == ABORT_PATH and workers is None:  # the fleet's own held requests first: none reaches a server after
+            ids, fleet = _abort_ids(body), self.admin.fleet
+            held = fleet.abort_held(ids) + (await fleet.held_peers(ids) if fleet.held_peers is not None else 0)
+        done = await call_servers(self.admin.fleet, named, path, query, body)
         if any(not r.success for r in done):
-            return _fleet_answer(done, f"{path} done")
+            return _fleet_answer(done, f"{path} done", held)
         if path in ("/is_paused", "/is_sleeping"):
             name = path[1:]
             states = [_state(r.answer, name) for r in done]
@@ -258,7 +265,7 @@ class AdminApi:
             answers = _answers(done)  # (each server's body decoded once)
             results = [x for w in answers for x in _results(w.get("answer"))]
             return web.json_response({"success": True, "results": results, "workers": answers})
-        return _fleet_answer(done, f"{path} done")
+        return _fleet_answer(done, f"{path} done", held)
 
     def _named(self, ids: list[str] | None) -> list[str]:
         """The workers a call names (every worker when None), each known: a 404 naming ``workers`` otherwise; a
@@ -356,15 +363,25 @@ def _answers(done: list[WorkerAnswer]) -> list[dict[str, object]]:
              **({"answer": _json(r.answer)} if r.answer else {})} for r in done]
 
 
-def _fleet_answer(done: list[WorkerAnswer], what: str) -> web.Response:
-    """200 when every server did it; else 502 (OpenAI's error shape: the servers refused), both with each answer."""
+def _abort_ids(body: bytes) -> list[str] | None:
+    """``/abort_requests``'s ``request_ids`` (vLLM's: a list of ids; none or empty: every request)."""
+    ids = msgspec.json.decode(body).get("request_ids") if body else None
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
+        raise RequestError("request_ids: a list of request ids (strings)", param="request_ids")
+    return ids or None
+
+
+def _fleet_answer(done: list[WorkerAnswer], what: str, held: int | None = None) -> web.Response:
+    """200 when every server did it; else 502 (OpenAI's error shape: the servers refused), both with each answer;
+    ``held``: the requests ``/abort_requests`` ended in ThunderAgent's queue (``held_aborted``)."""
     failed = [r for r in done if not r.success]
+    extra = {} if held is None else {"held_aborted": held}
     if done and not failed:
-        return web.json_response({"success": True, "workers": _answers(done)})
+        return web.json_response({"success": True, **extra, "workers": _answers(done)})
     why = "; ".join(f"{r.worker_id}: {r.error}" for r in failed[:3]) or "the fleet has no worker"
     err = {"message": f"{what} on {len(done) - len(failed)} of {len(done)} servers ({why})",
            "type": "server_error", "param": None, "code": "servers_refused"}
-    return web.json_response({"success": False, "error": err, "workers": _answers(done)}, status=502)
+    return web.json_response({"success": False, "error": err, **extra, "workers": _answers(done)}, status=502)
 
 
 async def _optional_body(request: web.Request, kind: type[S]) -> S:

@@ -21,6 +21,8 @@ from aiohttp import web
 from thunderagent.config import Config
 from thunderagent.control.deadline import DeadlineExceeded
 from thunderagent.control.fleet import Fleet, Generation, NoWorkerAvailable, QueueFull
+from thunderagent.control.generation import HeldAborted
+from thunderagent.frontend.aborted import aborted_answer
 from thunderagent.frontend.anthropic import ANTHROPIC_PATHS, COUNT_TOKENS_PATH, MESSAGES_PATH
 from thunderagent.frontend.auth import (ACCESS_KEY, AUTH_KEY, DETAIL, TENANT, Access, auth_middleware, load_keyring,
                                         tenant_salt)
@@ -89,6 +91,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             RequestError(str(exc), status=503, code="no_healthy_worker", type_="server_error"),
             headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))},
         )
+    except HeldAborted as exc:  # (a held request of an API without an abort answer: frontend/aborted.py)
+        resp = _error(RequestError(f"{exc}; retry", status=503, code="request_aborted", type_="server_error"))
     except DeadlineExceeded as exc:  # (control_plane.request_timeout_s)
         resp = _error(RequestError(str(exc), status=504, code="request_timeout", type_="server_error"))
     except QueueFull as exc:
@@ -228,12 +232,16 @@ class Frontend:
         explained = self._explain(request, req.explain)
         take_prompt_tokens(request, len(prompt_ids), prompt_param,  # the tenant's token limit, if any
                            max_tokens if asked else 0, max_param)
-        gen = await self.fleet.start_generation(
-            prompt_ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt),
-            lora_name=lora or req.lora_name, priority=req.priority, sampling=sampling,
-            route_key=self._route_key(request, req), program_id=self._program_id(request, req),
-            tenant=request.get(TENANT), headers=trace_headers(request.headers, request.get(OUR_PARENT)),
-        )
+        try:
+            gen = await self.fleet.start_generation(
+                prompt_ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt),
+                lora_name=lora or req.lora_name, priority=req.priority, sampling=sampling,
+                route_key=self._route_key(request, req), program_id=self._program_id(request, req),
+                tenant=request.get(TENANT), headers=trace_headers(request.headers, request.get(OUR_PARENT)),
+            )
+        except HeldAborted as e:  # ended by /abort_requests before a worker had it: vLLM's answer (aborted.py)
+            return aborted_answer(chat, req.stream, req.model, e.request_id, len(prompt_ids),
+                                  bool(req.stream_options and req.stream_options.include_usage), rate_headers(request))
         count_completion(request, gen)
         shown = request[DETAIL]  # worker ids are the fleet's detail: tenants see none (API keys on, no admin key)
         headers = {WORKER_HEADER: gen.decision.worker_id} if shown else {}
@@ -384,13 +392,10 @@ class Frontend:
         summary = self.fleet.health_summary()
         if not request[DETAIL]:  # API keys on and no admin key: what a load balancer needs, no more
             summary = {k: summary[k] for k in ("status", "healthy_workers")}
-        return web.json_response(summary, status=200 if summary["healthy_workers"] else 503,
-                                 dumps=json.dumps)
+        return web.json_response(summary, status=200 if summary["healthy_workers"] else 503, dumps=json.dumps)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        resp = web.Response(body=self.fleet.metrics.render())
-        resp.headers["Content-Type"] = self.fleet.metrics.content_type
-        return resp
+        return web.Response(body=self.fleet.metrics.render(), headers={"Content-Type": self.fleet.metrics.content_type})
 
 
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:

@@ -41,6 +41,7 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta
 
+from thunderagent.frontend.aborted import ABORT_ANSWERED, aborted_answer
 from thunderagent.frontend.anthropic import error_doc
 from thunderagent.frontend.auth import DETAIL, TENANT, tenant_salt
 from thunderagent.frontend.protocol import MaxTokens, Priority, RequestError, prompt_input
@@ -48,6 +49,7 @@ from thunderagent.frontend.relay_fields import MESSAGE_KEYS, RelayFields
 from thunderagent.frontend.tenant_gate import count_completion, rate_headers, take_prompt_tokens
 from thunderagent.control.deadline import DeadlineExceeded, timeout_message
 from thunderagent.control.fleet import Fleet, Generation
+from thunderagent.control.generation import HeldAborted
 from thunderagent.frontend.tokenizer import Tokenizer
 from thunderagent.frontend.trace_context import OUR_PARENT, trace_headers
 from thunderagent.types import FinishReason, Passthrough, TokenOutput
@@ -94,6 +96,12 @@ T = TypeVar("T")
 
 def _decode(body: bytes) -> _Request:
     return decode_body(_decoder, body)
+
+
+def _usage_asked(body: bytes) -> bool:
+    """Whether a relayed body asks for a streamed usage chunk (``stream_options.include_usage``)."""
+    options = _doc.decode(body).get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
 
 
 def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
@@ -306,14 +314,20 @@ class RelayFrontend:
         # the tenant's token limit, if any (nothing to reserve for a plain request: it generates nothing)
         take_prompt_tokens(request, len(ids) if plain is None else plain, prompt_param,
                            (asked or 0) if plain is None else 0, max_param)
-        gen = await fe.fleet.start_generation(
-            ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt) if plain is None else None,
-            lora_name=lora or getattr(req, "lora_name", None), priority=req.priority,
-            route_key=fe._route_key(request, req),
-            program_id=fe._program_id(request, req) if plain is None else None,
-            tenant=request.get(TENANT), passthrough=pt, pin=pin,
-            headers=_with_type(trace_headers(request.headers, request.get(OUR_PARENT)), content_type),
-        )
+        try:
+            gen = await fe.fleet.start_generation(
+                ids, max_tokens, cache_salt=tenant_salt(request.get(TENANT), req.cache_salt) if plain is None else None,
+                lora_name=lora or getattr(req, "lora_name", None), priority=req.priority,
+                route_key=fe._route_key(request, req),
+                program_id=fe._program_id(request, req) if plain is None else None,
+                tenant=request.get(TENANT), passthrough=pt, pin=pin,
+                headers=_with_type(trace_headers(request.headers, request.get(OUR_PARENT)), content_type),
+            )
+        except HeldAborted as e:  # ended by /abort_requests before a server had it (the other paths: a 503)
+            if pt.path not in ABORT_ANSWERED:
+                raise
+            return aborted_answer(ABORT_ANSWERED[pt.path], pt.stream, req.model, e.request_id, len(ids),
+                                  _usage_asked(pt.body), rate_headers(request))
         count_completion(request, gen)
         shown = request[DETAIL]
 
