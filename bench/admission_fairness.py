@@ -78,9 +78,10 @@ def main() -> None:
     reqs = workload(args.seed)
     kv = math.ceil(sum(SIZES) * PROGRAMS / 2 / 3 / WORKERS / BLOCK)
     paper = PacingConfig(enabled=True, accounting=PacingAccounting.paper, placement=ResumePlacement.most_free,
-                         work_conserving=False)
+                         work_conserving=False, sticky=True)
     smallest = PacingConfig(enabled=True, accounting=PacingAccounting.paper, placement=ResumePlacement.most_free,
-                            work_conserving=False, resume_order=ResumeOrder.smallest, max_pause_s=1800.0)
+                            work_conserving=False, resume_order=ResumeOrder.smallest, max_pause_s=1800.0,
+                            sticky=True)
     arms = {"kv_aware": SchedulerConfig(enabled=False),
             "smallest-first (paper)": SchedulerConfig(enabled=False, pacing=smallest),
             "pacing (paper)": SchedulerConfig(enabled=False, pacing=paper),

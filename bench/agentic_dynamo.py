@@ -305,7 +305,7 @@ def start_ours(arm: str, a: argparse.Namespace, model: Path, work: Path) -> tupl
         cfg["scheduler"] = {"pacing": {"enabled": True}}
     elif arm == "pacing paper":
         cfg["scheduler"] = {"pacing": {"enabled": True, "accounting": "paper", "placement": "most_free",
-                                       "work_conserving": False}}
+                                       "work_conserving": False, "sticky": True}}
     name = arm.replace(" ", "_")
     path = work / f"{name}.json"
     path.write_text(json.dumps(cfg))

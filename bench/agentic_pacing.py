@@ -84,7 +84,8 @@ def arm(name: str, knobs: dict[str, object] | None = None) -> SchedulerConfig:
         return SchedulerConfig(enabled=False)
     fields: dict[str, object] = {"enabled": True}
     if name == "pacing paper":
-        fields.update(accounting=PacingAccounting.paper, placement=ResumePlacement.most_free, work_conserving=False)
+        fields.update(accounting=PacingAccounting.paper, placement=ResumePlacement.most_free, work_conserving=False,
+                      sticky=True)
     elif name == "pacing ours, idle cached":
         fields.update(idle_resume=IdleResume.cached)
     elif name != "pacing ours":

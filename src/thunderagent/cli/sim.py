@@ -310,7 +310,7 @@ def _scheduler_config(cfg: Config, mode: SchedulerMode, pace: PacingMode) -> Any
     if pace is PacingMode.paper:
         pacing = pacing.model_copy(update={"accounting": PacingAccounting.paper,
                                            "placement": ResumePlacement.most_free, "work_conserving": False,
-                                           "idle_resume": IdleResume.head})
+                                           "idle_resume": IdleResume.head, "sticky": True})
     elif pace is PacingMode.cached:
         pacing = pacing.model_copy(update={"work_conserving": True, "idle_resume": IdleResume.cached})
     return cfg.scheduler.model_copy(update={"enabled": mode is SchedulerMode.on, "pacing": pacing})

@@ -69,6 +69,11 @@ class PacingConfig(_Strict):
         "resume order, sent to the idle worker holding most of its blocks) or `cached` (the paused program holding "
         "most blocks on that worker, out of order; the head goes to an idle worker only where it holds blocks)",
     )
+    sticky: bool = Field(
+        False, description="a resumed program stays pinned to the worker it was resumed on until it is paused "
+        "again (the paper's proxy); off: the pin holds for the turn it was resumed for, and its later turns are "
+        "routed by cache and load like any request (a pinned program cannot leave a busy worker)",
+    )
     tick_s: float = Field(1.0, gt=0, description="seconds between pacing decisions")
     pause_threshold: float = Field(
         0.95, gt=0, le=4.0, description="pause programs on a worker whose demand exceeds this fraction of its KV tokens"
@@ -84,7 +89,7 @@ class PacingConfig(_Strict):
         30.0, gt=0, description="on the resume side an idle (acting) program's tokens count half per this many seconds"
     )
 
-    @field_validator("accounting", "placement", "resume_order", "work_conserving", "idle_resume", "tick_s",
+    @field_validator("accounting", "placement", "resume_order", "work_conserving", "idle_resume", "sticky", "tick_s",
                      "pause_threshold", "resume_threshold", "max_pause_s", "min_run_s", "acting_half_life_s")
     @classmethod
     def _knobs_need_pacing(cls, v: object, info: ValidationInfo) -> object:

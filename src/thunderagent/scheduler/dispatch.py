@@ -452,8 +452,9 @@ class Dispatcher:
         hittable = max(0, n - 1) // bs  # an engine recomputes the last token (n 0: a relayed request of no prompt)
         best_known = min(best, hittable) * bs
         predicted = min(decision.overlap_blocks, hittable) * bs
-        if prog is not None:
-            self.programs.request_placed(prog.program_id, decision.worker_id)
+        if prog is not None:  # (a resumed program's pin holds for the turn it was resumed for, unless sticky)
+            self.programs.request_placed(prog.program_id, decision.worker_id,
+                                         unpin=self.pacer is not None and not self.pacer.cfg.sticky)
         if self.grouper is not None:
             self.grouper.placed(req.request_id, req.block_hashes, decision.worker_id, now)
         if self._track:

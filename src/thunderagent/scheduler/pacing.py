@@ -25,7 +25,8 @@ costs O(workers + paused programs), not O(programs x blocks).
   resumed whatever the pressure; with ``work_conserving`` a worker with nothing to run takes the next
   paused program whatever its demand (``idle_resume: head``: the head of the order; ``cached``: the
   paused program holding most blocks there). Placement: ``most_free`` (the paper) or ``cached`` (where the index
-  holds most of its blocks, if there is room there). A resumed program is pinned to its worker.
+  holds most of its blocks, if there is room there). A resumed program's turn is pinned to its worker; its
+  later turns are routed as any request (``sticky``, the paper's: pinned until it is paused again).
 - **Admission**: a new program's first request goes when some worker has room for it (or nothing
   is known yet); otherwise the program waits as NEW in the resume order above.
 """

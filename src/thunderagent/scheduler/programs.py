@@ -219,11 +219,15 @@ class ProgramTable:
         self._changed(prog)
         return prog
 
-    def request_placed(self, program_id: str, worker_id: str) -> None:
+    def request_placed(self, program_id: str, worker_id: str, unpin: bool = False) -> None:
+        """A request of the program went to ``worker_id``; ``unpin``: its pin (if any) is dropped, its next
+        requests are routed freely."""
         prog = self._programs.get(program_id)
         if prog is not None:
             prog.worker = worker_id
             prog.admitted = True
+            if unpin:
+                prog.pinned = None
             self._changed(prog)
 
     def request_finished(self, program_id: str, context_tokens: int, now: float, *, completed: bool) -> None:
