@@ -33,6 +33,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1
 USER 10001:10001
-EXPOSE 8000
+# 8000: a frontend's HTTP API; 9400: a worker's own metrics (thunderagent worker --metrics-port 9400)
+EXPOSE 8000 9400
 ENTRYPOINT ["thunderagent"]
 CMD ["--help"]

@@ -171,8 +171,16 @@ def test_frontend_replicas_probes_budget_and_hardening(target, frontends):
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
-    worker = container(find(objs, "Deployment", "vllm"), "thunderagent-worker")
+    vllm_dep = find(objs, "Deployment", "vllm")
+    worker = container(vllm_dep, "thunderagent-worker")
     assert worker["securityContext"]["runAsNonRoot"] and worker["securityContext"]["readOnlyRootFilesystem"]
+    # the sidecar's own metrics: served where its pod's annotations say, the only port open on a vLLM pod
+    assert {"--metrics-port=9400", "--metrics-host=0.0.0.0"} <= set(worker["args"])
+    assert worker["ports"] == [{"name": "metrics", "containerPort": 9400}]
+    notes = vllm_dep["spec"]["template"]["metadata"]["annotations"]
+    assert (notes["prometheus.io/port"], notes["prometheus.io/path"]) == ("9400", "/metrics")
+    policy = find(objs, "NetworkPolicy", "vllm-metrics-only")
+    assert policy["spec"]["ingress"] == [{"ports": [{"port": 9400}]}]
     pdb = find(objs, "PodDisruptionBudget", "thunderagent-frontend")
     assert pdb["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     svc = find(objs, "Service", "thunderagent")

@@ -126,12 +126,14 @@ async def test_generate_streams_numbered_batches_until_finished(svc):
     assert [b.n for b in got] == [0, 1, 2]
     assert [[o.token_ids for o in b.outputs] for b in got] == [[], [[7], [8]], [[9]]]
     assert got[-1].outputs[-1].finished and not svc._streams
+    assert (svc.counters.requests_accepted, svc.counters.requests_finished) == (1, {"length": 1})  # its metrics
 
 
 async def test_abort_cancels_the_stream(svc):
     await generate(svc, "r1", [1])
     await svc.bus.subs["ta.rpc.w1.*"](BusMsg("ta.rpc.w1.abort", wire.encode(wire.Abort("r1"))))
     assert svc.fake.aborted == ["r1"] and not svc._streams
+    assert svc.counters.requests_finished == {"cut": 1}  # its metrics
 
 
 async def test_refused_and_duplicate_requests_end_with_error(svc):
@@ -141,6 +143,8 @@ async def test_refused_and_duplicate_requests_end_with_error(svc):
     await generate(svc, "r1", [1])
     reply = await generate(svc, "r1", [1])
     assert batches(svc.bus, reply)[-1].error == "duplicate request id r1"
+    assert svc.counters.requests_refused == {"engine_refused": 1, "duplicate_id": 1}
+    assert svc.counters.requests_accepted == 1
 
 
 async def test_dump_replies_with_snapshot_or_unavailable(svc):

@@ -84,6 +84,11 @@ def worker(
     ] = None,
     prefix: PrefixOpt = "ta",
     log_level: LogOpt = "info",
+    metrics_port: Annotated[Optional[int], typer.Option(
+        help="serve this process's own Prometheus metrics on GET /metrics at this port (default: none)",
+        min=1, max=65535)] = None,
+    metrics_host: Annotated[str, typer.Option(
+        help="address the --metrics-port endpoint binds (0.0.0.0 for a scrape from outside the host)")] = "127.0.0.1",
 ) -> None:
     """Run one worker (a simulated engine, or an attached real engine) on the NATS bus."""
     from thunderagent.overrides import build_config
@@ -92,9 +97,18 @@ def worker(
 
     _logging(log_level)
     wid = id or default_worker_id()
+    if metrics_port is None and metrics_host != "127.0.0.1":
+        typer.echo("error: --metrics-host needs --metrics-port", err=True)
+        raise typer.Exit(2)
     try:
         cfg = build_config(config, speedup=speedup, nats_servers=nats)
-        asyncio.run(run_worker(cfg, wid, node, endpoint, prefix))
+        started = None
+        if metrics_port is not None:
+            from thunderagent.control.worker_metrics import metrics_endpoint
+
+            nodes = cfg.execution_group.nodes
+            started = metrics_endpoint(metrics_host, metrics_port, nodes[node].engine if node < len(nodes) else "")
+        asyncio.run(run_worker(cfg, wid, node, endpoint, prefix, on_started=started))
     except (ConfigError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc

@@ -441,13 +441,13 @@ class Metrics:
     def watch_kv_streams(self, streams: Callable[[], Mapping[str, StreamStats]]) -> None:
         """Export the KV-event streams of this process's engine adapters (vLLM / SGLang servers), read
         at each scrape: ``thunderagent_kv_event_batches_total{worker, outcome}``."""
-        self.registry.register(_StreamCollector(streams))
+        self.registry.register(StreamCollector(streams))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _StreamCollector:
+class StreamCollector:
     """Per engine adapter, its stream's counters (``execution/kv_stream.py``), as of the scrape."""
 
     #: outcome label -> what it counts

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from thunderagent.config import Config, KvTransferConfig, NodeConfig
 from thunderagent.engine.preemption import knobs_from
 from thunderagent.engine.simulated import SimulatedEngine
@@ -63,3 +65,15 @@ def worker_factories(cfg: Config, eos_token_id: int | None) -> dict[str, WorkerF
         "sglang": sglang_factory(cfg),
         "openai": openai_factory(cfg),
     }
+
+
+def handle_builder(cfg: Config, node: NodeConfig, worker_id: str,
+                   endpoint: int) -> Callable[[WorkerCallbacks], WorkerHandle]:
+    """How a worker process builds its worker (``thunderagent worker``): the factory of the node group's engine
+    kind (the simulated engine, or a real engine's adapter; the tokenizer is the frontend's business)."""
+    factory = worker_factories(cfg, None).get(node.engine)  # simulated: the byte vocabulary's EOS
+    if factory is None:
+        raise ValueError(f"engine kind {node.engine!r} has no worker factory: it cannot run as a NATS worker yet")
+    if node.engine != "simulated" and not 0 <= endpoint < node.count:
+        raise ValueError(f"--endpoint {endpoint} out of range: node group has {node.count} endpoints")
+    return lambda cb: factory(node, worker_id, endpoint, cb)

@@ -34,10 +34,10 @@ import secrets
 import signal
 import socket
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
-from thunderagent.config import Config, NodeConfig
+from thunderagent.config import Config
 from thunderagent.bus.connect import connect_options
 import msgspec
 
@@ -74,6 +74,7 @@ from thunderagent.bus.wire import (
 from thunderagent.gc_policy import tune_gc
 from thunderagent.execution.handle import AdminResult, OutputQueue, WorkerCallbacks, WorkerHandle, snapshot_checks
 from thunderagent.execution.server_admin import sleep_effect
+from thunderagent.execution.worker_counters import WorkerCounters
 from thunderagent.execution.worker_spans import WorkerSpans, make_worker_spans
 from thunderagent.types import FinishReason, KvEvent, LoadReport, TokenOutput
 
@@ -140,6 +141,7 @@ class WorkerService:
         self._keepalive_task: asyncio.Task[None] | None = None
         self._replies = subjects.reply_prefix(self.worker_id)
         self._refused_replies = 0
+        self.counters = WorkerCounters()  # its metrics endpoint's (thunderagent worker --metrics-port)
         self._calls: set[asyncio.Task[None]] = set()  # operator calls answered from a task (a cache reset)
         self._loop: asyncio.AbstractEventLoop | None = None
         #: where the KV events go (nats.index: sharded: a subject only the worker's owner subscribes to)
@@ -223,6 +225,7 @@ class WorkerService:
         if not events:
             return
         self.last_seq = events[-1].seq
+        self.counters.published(events)
         self.bus.publish(self._kv_subject, encode(KvBatch(self.instance, events_to_wire(events))))
 
     def _on_heartbeat(self, worker_id: str, load: LoadReport) -> None:
@@ -240,6 +243,7 @@ class WorkerService:
     def _publish_heartbeat(self, kind: str, load: LoadReport) -> None:
         hb = Heartbeat(WIRE_VERSION, self.instance, self.wire_info, load_to_wire(load), self.last_seq, self.cordoned,
                        self.asleep, self.paused)
+        self.counters.heartbeats += 1
         self.bus.publish(self.subjects.worker(self.worker_id, kind), encode(hb))
 
     # -- bus handlers ------------------------------------------------------------------------
@@ -258,6 +262,10 @@ class WorkerService:
         if late > _JITTER_S:
             for f in self._frontends:
                 self._frontends[f] += late
+
+    def now_serving(self) -> tuple[int, int, LoadReport]:
+        """Requests streaming from here, frontends heard of within the lease, its engine's last load (for metrics)."""
+        return len(self._streams), len(self._frontends), self._load
 
     def check_frontends(self, now: float) -> list[str]:
         """Abort the requests of frontends not heard of for ``frontend_lease``; returns their ids."""
@@ -350,10 +358,12 @@ class WorkerService:
         out = _Out(msg.reply, 0, self._now())
         plen = len(req.prompt_tokens)
         if self._closing:  # routed here before the frontend saw our bye: it goes elsewhere
+            self.counters.refused("shutting_down")
             self._send(out, [TokenOutput(rid, [], self._now(), plen, 0, True, FinishReason.UNAVAILABLE)],
                        "shutting down")
             return
         if rid in self._streams:
+            self.counters.refused("duplicate_id")
             self._send(out, [TokenOutput(rid, [], self._now(), plen, 0, True, FinishReason.ERROR)],
                        f"duplicate request id {rid}")
             return
@@ -362,11 +372,13 @@ class WorkerService:
             queue = self.handle.submit(req)
         except Exception as exc:  # the engine refused it (bad input): tell the frontend, keep serving
             log.warning("request %s refused: %s", rid, exc)
+            self.counters.refused("engine_refused")
             if span is not None:
                 self.spans.end(span, FinishReason.ERROR, 0)  # type: ignore[union-attr]
             self._send(out, [TokenOutput(rid, [], self._now(), plen, 0, True, FinishReason.ERROR)], str(exc))
             return
         self._send(out, [])  # n=0: accepted
+        self.counters.requests_accepted += 1
         out.frontend = self.subjects.reply_frontend(msg.reply) or ""
         self._frontends[out.frontend] = self._now()  # a request is news of its frontend too
         self._streams[rid] = out
@@ -390,6 +402,8 @@ class WorkerService:
 
     def _drop_stream(self, rid: str) -> _Out | None:
         out = self._streams.pop(rid, None)
+        if out is not None:  # cut: aborted by its frontend, its frontend gone, or the worker stopping
+            self.counters.finished("cut")
         if out is not None and out.task is not None and out.task is not asyncio.current_task():
             out.task.cancel()
         return out
@@ -407,6 +421,7 @@ class WorkerService:
                     if batch[-1].finished:
                         out.span = None  # (ended)
                 if batch[-1].finished:
+                    self.counters.finished(batch[-1].finish_reason or "")
                     return
         finally:
             if out.span is not None:  # cut: aborted by its frontend, or the worker stopping
@@ -440,22 +455,16 @@ def default_worker_id() -> str:
     return f"{host}-{os.getpid()}"
 
 
-def handle_builder(cfg: Config, node: NodeConfig, worker_id: str, endpoint: int) -> HandleBuilder:
-    """How this process builds its worker: the factory of the node group's engine kind (the
-    simulated engine, or a real engine's adapter; the tokenizer is the frontend's business)."""
-    from thunderagent.execution.factories import worker_factories
-
-    factory = worker_factories(cfg, None).get(node.engine)  # simulated: the byte vocabulary's EOS
-    if factory is None:
-        raise ValueError(f"engine kind {node.engine!r} has no worker factory: it cannot run as a NATS worker yet")
-    if node.engine != "simulated" and not 0 <= endpoint < node.count:
-        raise ValueError(f"--endpoint {endpoint} out of range: node group has {node.count} endpoints")
-    return lambda cb: factory(node, worker_id, endpoint, cb)
+#: called with the worker before it joins the bus; returns what to await when it stops (``thunderagent worker
+#: --metrics-port``: its metrics endpoint, started and stopped with it)
+OnStarted = Callable[["WorkerService"], Awaitable[Callable[[], Awaitable[None]]]]
 
 
 async def run_worker(cfg: Config, worker_id: str, node_index: int = 0, endpoint: int = 0,
-                     prefix: str = "ta") -> None:
+                     prefix: str = "ta", on_started: OnStarted | None = None) -> None:
     """Run one worker until SIGTERM / SIGINT, on the bus of ``cfg.nats``."""
+    from thunderagent.execution.factories import handle_builder
+
     nodes = cfg.execution_group.nodes
     if not 0 <= node_index < len(nodes):
         raise ValueError(f"--node {node_index} out of range: the config has {len(nodes)} node groups")
@@ -475,6 +484,7 @@ async def run_worker(cfg: Config, worker_id: str, node_index: int = 0, endpoint:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    stopped = await on_started(service) if on_started is not None else None  # (a refusal: before the bus)
     await service.start()
     tune_gc()  # start-up done (gc_policy)
     try:
@@ -483,5 +493,7 @@ async def run_worker(cfg: Config, worker_id: str, node_index: int = 0, endpoint:
         log.info("worker %s shutting down", worker_id)
         with contextlib.suppress(Exception):
             await service.stop()
+        if stopped is not None:
+            await stopped()
         if spans is not None:
             await asyncio.to_thread(spans.shutdown)  # (the last spans flushed: bounded by the export timeout)
