@@ -18,12 +18,14 @@ the same prompt the same way (the flat distribution leaves greedy decoding littl
 
 from __future__ import annotations
 
+import re
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.waiting import wait_until_blocking
+from support.waiting import free_port, wait_until_blocking
 
 pytest.importorskip("nats", reason="the NATS deployment needs the nats extra")
 
@@ -66,7 +68,8 @@ def deployment(tmp_path: Path, vllm_servers: list[VllmServer], tiny_model_dir: P
     try:
         t0 = time.monotonic()
         cluster.start_nats()
-        cluster.start_worker("w0")
+        cluster.ports["w0-metrics"] = free_port()  # the worker process's own endpoint
+        cluster.start_worker("w0", "--metrics-port", str(cluster.ports["w0-metrics"]))
         cluster.start_frontend("fa")
 
         def worker_listed() -> bool:
@@ -135,6 +138,19 @@ def test_sampling_parameters_reach_vllm_behind_a_nats_worker(
         assert raw.headers["x-thunderagent-worker"] == "w0"
         content = raw.parse().choices[0].logprobs.content  # type: ignore[union-attr]
         assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+
+        # (d) the worker process's own metrics: the nine requests it served, its vLLM server's KV-event stream
+        # (read by the adapter in this process, so exported here) and the server's KV size
+        with urllib.request.urlopen(f"http://127.0.0.1:{deployment.ports['w0-metrics']}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        series = {k: float(v) for k, v in re.findall(r"^(thunderagent_\S+) (\S+)$", text, re.MULTILINE)}
+        done = sum(v for k, v in series.items() if k.startswith("thunderagent_worker_process_requests_finished_total"))
+        assert series['thunderagent_worker_process_requests_accepted_total{worker="w0"}'] == 9 and done == 9, text
+        info = r'^thunderagent_worker_process_info\{engine="vllm",instance="\w+",role="both",worker="w0"\} 1\.0$'
+        assert re.search(info, text, re.MULTILINE), text
+        assert 'thunderagent_kv_event_batches_total{outcome="applied",worker="w0"}' in series, text
+        assert series['thunderagent_kv_event_batches_total{outcome="undecodable",worker="w0"}'] == 0
+        assert series['thunderagent_worker_process_engine_kv_total_blocks{worker="w0"}'] > 0
     finally:
         front.close()
         engine.close()

@@ -114,9 +114,22 @@ async def test_a_continued_response_goes_to_the_server_that_stored_it(tiny_model
                 await c.responses.create(model=model, input="x", previous_response_id="resp_unknown")
             assert "resp_unknown" in missing.value.body["message"]
             # a background response is relayed (the server answers it queued), and read on the server storing it
-            r = await c.responses.create(model=model, input="in the background", background=True)
+            made = await c.responses.with_raw_response.create(model=model, input="in the background", background=True)
+            r, wid = made.parse(), made.headers["x-thunderagent-worker"]
             owner = next(i for i, e in enumerate(engines) if r.id in e._answered)
             assert (await c.responses.retrieve(r.id)).id == r.id and r.id in engines[owner]._answered
+            # its server paused (noticed from its /is_paused while the other is not yet: a CI run saw it): new work
+            # goes to the other, but a read, a cancel or a continuation of what only it stores still goes to it
+            srv.fleet.paused.add(wid)
+            try:
+                got = await c.responses.with_raw_response.retrieve(r.id)
+                assert got.headers["x-thunderagent-worker"] == wid and got.parse().id == r.id
+                nxt = await c.responses.with_raw_response.create(model=model, input="go on", previous_response_id=r.id)
+                assert nxt.headers["x-thunderagent-worker"] == wid
+                fresh = await c.responses.with_raw_response.create(model=model, input="a new conversation")
+                assert fresh.headers["x-thunderagent-worker"] != wid  # (the paused server last, as before)
+            finally:
+                srv.fleet.paused.discard(wid)
             with pytest.raises(openai.BadRequestError) as bad:
                 await c.responses.create(model=model, input="x", extra_body={"max_token": 3})
             assert bad.value.body["param"] == "max_token"

@@ -215,11 +215,12 @@ class Fleet:
         self.metrics.out_of_routing.labels(worker_id, reason).set(1)
         log.warning("worker %s out of routing: %s", worker_id, reason)
 
-    def routable(self) -> Sequence[WorkerState]:
+    def routable(self, pin: str | None = None) -> Sequence[WorkerState]:
         out, ws, off = self.unavailable, self.registry.routable(), self.cordoned  # ws: the FleetView (kept whole)
         skip = self.outliers.skipping(ws)
-        # (a sleeping or paused vLLM server holds new requests until it wakes or resumes: the others first, if any)
-        held = self.asleep | self.paused if self.asleep or self.paused else None
+        # (a sleeping or paused vLLM server holds new requests until it wakes or resumes: the others first, if any;
+        # not one pinned to it, which nothing else can serve: a read or cancel of a response it stores, its thread)
+        held = (self.asleep | self.paused) - {pin} if self.asleep or self.paused else None
         awake = self.registry.routable(skip.union(out, off, held)) if held else ()
         return awake or (self.registry.routable(skip.union(out, off)) if skip or out or off else ws)
 
@@ -309,7 +310,7 @@ class Fleet:
         if self.remote_lookup is not None:  # a sharded index (control/index_shards.py): ask the other frontends
             await self.remote_lookup(req, received)
         try:
-            d = self.dispatcher.submit(req, route_key, self.routable(), received, program_id, tenant, pin)
+            d = self.dispatcher.submit(req, route_key, self.routable(pin), received, program_id, tenant, pin)
         except QueueFull as exc:
             self.metrics.queue_refused(exc.code, tenant)
             raise
@@ -392,8 +393,7 @@ class Fleet:
                 break
             self.metrics.scheduler_wait.observe(d.queue_wait)
             call = self._held.pop(d.request.request_id, None)
-            if call is None or call.fut.done():
-                # its caller was cancelled and has not run its cleanup yet: nothing to submit
+            if call is None or call.fut.done():  # its caller was cancelled, its cleanup not run yet: no submit
                 self.dispatcher.retract(d)
                 continue
             call.fut.set_result(self._launch(d, time.perf_counter() - t0, call.program_id))
