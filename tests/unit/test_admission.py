@@ -242,3 +242,24 @@ def test_hold_admitted_programs_is_refused_where_it_would_not_act() -> None:
         SchedulerConfig(enabled=True, hold_admitted_programs=False, max_queue_delay_s=None, admit_ttft_factor=None)
     assert not SchedulerConfig(enabled=True, hold_admitted_programs=False).hold_admitted_programs
     assert SchedulerConfig(enabled=False).hold_admitted_programs  # the default (on) is no error
+
+
+def test_a_pinned_request_held_in_the_queue_goes_to_its_pin_when_pumped() -> None:
+    # A stored response's read or continuation (a pin: only w1 stores it) held while every slot is taken: pumped,
+    # it goes to w1, not where the router would send a new request (before: the queue's pump dropped the pin,
+    # and the read reached a server that answered 404). ``pinned`` is the driver's wider set for a pin: w1
+    # marked paused is out of the plain routable set, yet the pinned request still goes there.
+    busy = [worker("w0", running=4), worker("w1", running=4)]
+    d = dispatcher(["w0", "w1"])
+    assert d.submit(d.prepare("first", [1] * 40, 8), "", busy, 0.0) is None  # held: no free slot
+    assert d.submit(d.prepare("read", [2] * 40, 8), "", busy, 0.0, pin="w1") is None
+    backlogged = WorkerState("w1", 16, 8192, 64, LoadReport("w1", 0.0, 40, 8, 200_000, 0, 0, 0, 1000), "both", 64)
+    free = [worker("w0", slots=64), backlogged]  # the router alone sends both to w0 (w1: a long prefill backlog)
+    out = [d.pump(free, 1.0), d.pump(free, 1.0)]
+    assert [(o.request.request_id, o.decision.worker_id) for o in out if o] == [("first", "w0"), ("read", "w1")]
+    d.submit(d.prepare("first2", [3] * 40, 8), "", busy, 2.0)
+    d.submit(d.prepare("read2", [4] * 40, 8), "", busy, 2.0, pin="w1")
+    unmarked = [worker("w0")]  # w1 marked paused: only w0 is routable for new work
+    wider = {"w1": [worker("w0"), backlogged]}
+    out = [d.pump(unmarked, 3.0, wider.__getitem__), d.pump(unmarked, 3.0, wider.__getitem__)]
+    assert [(o.request.request_id, o.decision.worker_id) for o in out if o] == [("first2", "w0"), ("read2", "w1")]

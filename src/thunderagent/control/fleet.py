@@ -381,7 +381,7 @@ class Fleet:
             now = self.now()
             t0 = time.perf_counter()
             try:
-                d = self.dispatcher.pump(self.routable(), now)
+                d = self.dispatcher.pump(self.routable(), now, self.routable)
             except HeldRefused as e:  # it could not be routed for good, or after max_wait_s: its caller gets 503
                 refused = self._held.pop(e.request_id, None)
                 if refused is not None and not refused.fut.done():

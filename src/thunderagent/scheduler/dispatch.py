@@ -278,17 +278,19 @@ class Dispatcher:
         n += self.grouper.held_count() if self.grouper is not None else 0
         return n + (self.pacer.held_count() if self.pacer is not None else 0)
 
-    def pump(self, workers: Sequence[WorkerState], now: float) -> Dispatch | None:
+    def pump(self, workers: Sequence[WorkerState], now: float,
+             pinned: Callable[[str], Sequence[WorkerState]] | None = None) -> Dispatch | None:
         """The next held request, routed, once a worker can start it (or it waited ``max_wait_s``:
         then it goes anyway). None when nothing can go now. The driver submits it and calls again.
         Routing it may raise: :class:`HeldRefused` when it can never go, or still cannot once it waited
         ``max_wait_s`` (it left the scheduler: the driver ends it refused); else ``NoWorkerAvailable``
-        (it stays first in line: the driver stops pumping until something changes)."""
+        (it stays first in line: the driver stops pumping until something changes). ``pinned``: the workers a
+        request pinned to a worker may go to (the driver's: its pin routable though marked asleep or paused)."""
         if self._ready and workers:
             held = self._ready[0]
             try:
-                d = self.dispatch(held.req, workers, now, program=held.program, pin=held.pin,
-                                  backlog=self._backlog() - 1)
+                d = self.dispatch(held.req, pinned(held.pin) if pinned and held.pin else workers, now,
+                                  program=held.program, pin=held.pin, backlog=self._backlog() - 1)
             except NoWorkerAvailable as e:
                 if not (e.lasting or self._overdue(held, now)):
                     raise  # it stays first in line: room may come (a prefill worker back, the plane freed...)
@@ -308,9 +310,11 @@ class Dispatcher:
         forced = queue.forced(held, now)
         if not forced and not (self.can_start(workers) and self._prefill_room(workers, held.req.priority)):
             return None
-        try:
+        if pinned is not None and held.pin is not None:
+            workers = pinned(held.pin)
+        try:  # (a pin: a stored response's read or continuation, held here like any request)
             d = self.dispatch(held.req, workers if forced else self._gated(workers), now, program=held.program,
-                              backlog=self._backlog() - 1)
+                              pin=held.pin, backlog=self._backlog() - 1)
         except NoWorkerAvailable as e:
             if not (e.lasting or forced):
                 raise  # it stays first in line, as above
