@@ -49,11 +49,12 @@ async def test_a_vllm_sidecar_exports_its_servers_kv_event_stream_and_its_marks(
     counters = WorkerCounters(requests_accepted=3)
     counters.finished(FinishReason.STOP)
     counters.published([BlockStored("w0", 0, (1, 2, 3)), BlockRemoved("w0", 1, (1,)), AllBlocksCleared("w0", 2)])
-    service = SimpleNamespace(worker_id="w0", instance="i1", info=SimpleNamespace(role="both"), handle=Handle(),
+    service = SimpleNamespace(worker_id="w0", instance="i1", wire_info=SimpleNamespace(engine="vllm", role="both"),
+                              handle=Handle(),
                               counters=counters, cordoned=True, asleep=False, paused=False,
                               now_serving=lambda: (2, 1, LoadReport("w0", 0.0, 2, 1, 0, 0, 5, 9, 100)))
     port = free_port()
-    stop = await metrics_endpoint("127.0.0.1", port, "vllm")(service)  # type: ignore[arg-type]
+    stop = await metrics_endpoint("127.0.0.1", port)(service)  # type: ignore[arg-type]
     try:
         async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
             assert r.status == 200

@@ -106,8 +106,7 @@ def worker(
         if metrics_port is not None:
             from thunderagent.control.worker_metrics import metrics_endpoint
 
-            nodes = cfg.execution_group.nodes
-            started = metrics_endpoint(metrics_host, metrics_port, nodes[node].engine if node < len(nodes) else "")
+            started = metrics_endpoint(metrics_host, metrics_port)
         asyncio.run(run_worker(cfg, wid, node, endpoint, prefix, on_started=started))
     except (ConfigError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -35,9 +35,8 @@ P = "thunderagent_worker_process_"
 class WorkerProcessCollector:
     """Prometheus collector of one :class:`WorkerService` (registered on a registry of its own)."""
 
-    def __init__(self, service: WorkerService, engine: str) -> None:
+    def __init__(self, service: WorkerService) -> None:
         self.service = service
-        self.engine = engine
 
     def _byte_stats(self) -> KvByteStats | None:
         handle = self.service.handle
@@ -46,7 +45,7 @@ class WorkerProcessCollector:
     def collect(self) -> Iterator[Metric]:
         s, c, w = self.service, self.service.counters, [self.service.worker_id]
         info = InfoMetricFamily(P[:-1], "this worker process", labels=["worker"])
-        info.add_metric(w, {"engine": self.engine, "role": s.info.role, "instance": s.instance})
+        info.add_metric(w, {"engine": s.wire_info.engine, "role": s.wire_info.role, "instance": s.instance})
         yield info
         yield _counter("requests_accepted", "requests its engine took", w, c.requests_accepted)
         yield _by("requests_refused", "requests answered at once without running, by why", "why", w,
@@ -102,14 +101,13 @@ def _by(name: str, doc: str, label: str, worker: list[str], counts: dict[str, in
     return m
 
 
-def metrics_endpoint(host: str, port: int, engine: str) -> Callable[[WorkerService],
-                                                                      Awaitable[Callable[[], Awaitable[None]]]]:
+def metrics_endpoint(host: str, port: int) -> Callable[[WorkerService], Awaitable[Callable[[], Awaitable[None]]]]:
     """``run_worker``'s ``on_started``: serve ``GET /metrics`` of the service on ``host:port`` until the worker
     stops. A port that cannot be bound fails the start before the worker joins the bus (ValueError naming it)."""
 
     async def start(service: WorkerService) -> Callable[[], Awaitable[None]]:
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(WorkerProcessCollector(service, engine))  # type: ignore[arg-type]
+        registry.register(WorkerProcessCollector(service))  # type: ignore[arg-type]
 
         def streams() -> dict[str, StreamStats]:  # a vLLM / SGLang server's KV-event stream, as serve exports it
             stats = getattr(service.handle, "kv_stream_stats", None)  # (EngineWorker's; simulated: none)

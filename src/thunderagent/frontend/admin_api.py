@@ -240,18 +240,19 @@ class AdminApi:
         path = request.path
         call = SERVER_CALLS[path]
         query, workers = server_query(request, path, call.query)
-        body = b""
+        body, doc = b"", {}
         if call.body:  # (none: the servers get {}, e.g. /abort_requests of everything)
             body = (await request.read()).strip()
             try:
-                if body and not isinstance(msgspec.json.decode(body), dict):
+                doc = msgspec.json.decode(body) if body else {}
+                if not isinstance(doc, dict):
                     raise msgspec.DecodeError("not an object")
             except msgspec.DecodeError as e:
                 raise RequestError(f"{path} takes a JSON object: {e}") from None
         named = self._named(workers)
         held = None
         if path == ABORT_PATH and workers is None:  # the fleet's own held requests first: none reaches a server after
-            ids, fleet = _abort_ids(body), self.admin.fleet
+            ids, fleet = _abort_ids(doc), self.admin.fleet
             held = fleet.abort_held(ids) + (await fleet.held_peers(ids) if fleet.held_peers is not None else 0)
         done = await call_servers(self.admin.fleet, named, path, query, body)
         if any(not r.success for r in done):
@@ -363,9 +364,9 @@ def _answers(done: list[WorkerAnswer]) -> list[dict[str, object]]:
              **({"answer": _json(r.answer)} if r.answer else {})} for r in done]
 
 
-def _abort_ids(body: bytes) -> list[str] | None:
+def _abort_ids(doc: dict[str, object]) -> list[str] | None:
     """``/abort_requests``'s ``request_ids`` (vLLM's: a list of ids; none or empty: every request)."""
-    ids = msgspec.json.decode(body).get("request_ids") if body else None
+    ids = doc.get("request_ids")
     if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
         raise RequestError("request_ids: a list of request ids (strings)", param="request_ids")
     return ids or None
