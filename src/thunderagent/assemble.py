@@ -29,7 +29,7 @@ def load_tokenizer(cfg: Config) -> Tokenizer:
         return ByteTokenizer()
     from thunderagent.frontend.hf_tokenizer import HfTokenizer
 
-    return HfTokenizer(cfg.model)
+    return HfTokenizer(cfg.model, prefix_cache_bytes=int(cfg.control_plane.tokenizer.prefix_cache_mb * (1 << 20)))
 
 
 def build_fleet(cfg: Config, tokenizer: Tokenizer, *, policy: Policy | None = None,

@@ -96,3 +96,75 @@ def test_text_across_a_cut_equals_vllms(tok: HfTokenizer) -> None:
             if asyncio.run(text()) != "".join(texts):
                 bad.append((ids, cut, sizes))
     assert not bad, f"{len(bad)} cuts: text != vLLM's, first: {bad[0]}"
+
+
+def _growing_chat(turns: int) -> list[dict]:
+    """A tool-calling agent's requests, each the previous one plus a reply with a tool call and its result."""
+    msgs: list[dict] = [{"role": "system", "content": "the router sends every request " * 150}]
+    out = []
+    for k in range(turns):
+        msgs.append({"role": "user", "content": f"turn {k}: where does the cache hold this? " * 20})
+        out.append({"messages": list(msgs), "tools": [{"type": "function", "function": {"name": "grep"}}]})
+        msgs.append({"role": "assistant", "content": f"looking {k}", "tool_calls": [
+            {"id": f"c{k}", "type": "function", "function": {"name": "grep", "arguments": '{"q": "%d"}' % k}}]})
+        msgs.append({"role": "tool", "tool_call_id": f"c{k}", "content": f"result {k} Ünïcödé\n\t ok " * 30})
+    return out
+
+
+def test_a_growing_conversation_tokenizes_only_what_each_turn_adds(tok: HfTokenizer, tmp_path: Path) -> None:
+    """The prefix cache (``frontend/token_cache.py``) gives exactly the ids of a whole tokenization, turn by turn, and
+    reuses the previous turn's ids: all but what follows its last added token."""
+    build_tokenizer(tmp_path)
+    cached, plain = HfTokenizer(tmp_path), HfTokenizer(tmp_path, prefix_cache_bytes=0)
+    assert cached.cache is not None and plain.cache is None
+    requests = _growing_chat(8)
+    for k, doc in enumerate(requests):
+        ids = cached.apply_openai_chat(doc)
+        assert ids == plain.apply_openai_chat(doc), k
+    cache = cached.cache
+    assert cache is not None and (cache.lookups, cache.hits, len(cache)) == (8, 7, 1)  # one conversation: one entry
+    # each turn reused all of the one before it but its last token, the newline after "<|assistant|>" (the reply
+    # follows it now: the piece after the added token is tokenized again)
+    assert cache.reused_tokens == sum(len(plain.apply_openai_chat(d)) - 1 for d in requests[:-1])
+    # a chat of the token path and a short prompt go through it too (short ones are tokenized whole, uncached)
+    msgs = [ChatMessage("system", "x " * 3000), ChatMessage("user", "hi")]
+    assert cached.apply_chat_template(msgs) == plain.apply_chat_template(msgs)
+    assert cached.apply_chat_template(msgs[1:]) == plain.apply_chat_template(msgs[1:])
+    assert cached.encode("a completion prompt") == list(plain._tok.encode("a completion prompt"))
+
+
+def test_a_reuse_that_differs_from_the_whole_tokenization_turns_the_cache_off(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    build_tokenizer(tmp_path)
+    tok = HfTokenizer(tmp_path)
+    first, second = _growing_chat(2)
+    ids = tok.apply_openai_chat(first)
+    real = tok._encode_cuts
+    monkeypatch.setattr(tok, "_encode_cuts", lambda text, c0, t0: ([1, *real(text, c0, t0)[0]], [], []))
+    whole = HfTokenizer(tmp_path, prefix_cache_bytes=0).apply_openai_chat(second)
+    assert tok.apply_openai_chat(second) == whole and tok.cache is None  # checked, found wrong: off
+    assert ids == HfTokenizer(tmp_path, prefix_cache_bytes=0).apply_openai_chat(first)
+
+
+def test_a_tokenizer_whose_pieces_tokenize_differently_alone_gets_no_cache(tmp_path: Path) -> None:
+    """SentencePiece-style tokenizers prepend a space to the text's first piece only: the text after an added token,
+    tokenized alone, would get one too. The probe at start finds that and leaves the cache off."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.engines.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS, training_text
+
+    sp = Tokenizer(models.BPE())
+    sp.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    sp.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    sp.train_from_iterator(training_text(500), trainer=trainers.BpeTrainer(vocab_size=300,
+                                                                           special_tokens=SPECIAL_TOKENS))
+    fast = PreTrainedTokenizerFast(tokenizer_object=sp, bos_token="<|bos|>", eos_token="<|eos|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(tmp_path))
+    tok = HfTokenizer(tmp_path)
+    assert tok.cache is None
+    doc = _growing_chat(1)[0]
+    assert tok.apply_openai_chat(doc) == list(fast.encode(tok._render(
+        __import__("thunderagent.frontend.chat_render", fromlist=["conversation"]).conversation(doc["messages"]),
+        doc), add_special_tokens=False))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from pathlib import Path
 
 import aiohttp
@@ -199,3 +200,139 @@ async def test_abort_requests_ends_the_servers_requests_and_the_held_ones_alike(
                 with contextlib.suppress(aiohttp.ClientError):
                     async with s.post(f"{v.url}/resume") as r:
                         await r.read()
+
+
+
+def _events(text: str) -> list[tuple[str, dict]]:
+    """An Anthropic event stream as (event, data) pairs, the message's id and model and the input counts taken out
+    (compared apart)."""
+    out = []
+    for part in text.strip().split("\n\n"):
+        head, data = part.split("\n", 1)
+        doc = json.loads(data.removeprefix("data: "))
+        for d in (doc, doc.get("message", {})):
+            d.get("usage", {}).pop("input_tokens", None)
+        doc.get("message", {}).pop("id", None)
+        doc.get("message", {}).pop("model", None)
+        out.append((head.removeprefix("event: "), doc))
+    return out
+
+
+def _openai_shape(text: str, stream: bool) -> list[tuple]:
+    """What a chat or completion answer says, in order: each chunk's role / text / finish reason, a usage chunk,
+    ``[DONE]`` (vLLM's bodies carry more null fields than ours; the shape and the values are what a client reads)."""
+    docs = [json.loads(x[6:]) if x != "data: [DONE]" else None
+            for x in text.strip().split("\n\n")] if stream else [json.loads(text)]
+    out: list[tuple] = []
+    for d in docs:
+        if d is None:
+            out.append(("done",))
+            continue
+        for c in d["choices"]:
+            body = c.get("delta") or c.get("message") or {}
+            out.append(("choice", body.get("role"), body.get("content", c.get("text")), c["finish_reason"]))
+        if d.get("usage"):
+            out.append(("usage", d["usage"]["completion_tokens"]))
+    return out
+
+
+#: (path, streamed) of every API a held request can be aborted on
+_KINDS = [(path, stream) for path in ("/v1/messages", "/v1/chat/completions", "/v1/completions")
+          for stream in (False, True)]
+
+
+async def test_a_held_request_aborted_gets_the_answer_vllm_gives_one_it_aborted(
+        tiny_model_dir: Path, vllm_servers: list[VllmServer]) -> None:
+    """A request ``/abort_requests`` ends while ThunderAgent holds it gets what the real vLLM server answers for one
+    it aborted while the request waited in its own queue (paused with ``mode=keep``), so that a client reads the
+    same whichever queue held it: Anthropic's Messages API field for field but the id and model, chat and
+    completions (relayed, as vLLM wrote them) chunk for chunk, JSON and streamed alike."""
+    cfg = parse_config({
+        "model": str(tiny_model_dir), "model_name": "tiny", "routing": {"seed": 7},
+        "control_plane": {"heartbeat_interval": 0.5, "heartbeat_misses": 10, "admin_api": True},
+        "scheduler": {"tracked_prefill_passes": 0.001},  # (a server takes the next request after its first token)
+        "execution_group": {"nodes": [{"engine": "vllm", "block_size": BLOCK_SIZE,
+                                       "endpoints": [v.endpoint() for v in vllm_servers]}]},
+    }, "test")
+    tok = HfTokenizer(tiny_model_dir)
+
+    def text(k: int) -> str:  # (k: prompts apart, so none is cached)
+        return f"Request {k} waits for the weight update. " * 4
+
+    def body(path: str, stream: bool, k: int, model: str) -> dict:
+        if path == "/v1/completions":  # (logprobs: relayed, so the server's own answer comes back)
+            return {"model": model, "prompt": text(k), "max_tokens": 8, "stream": stream, "logprobs": 1,
+                    **({"stream_options": {"include_usage": True}} if stream else {})}
+        doc = {"model": model, "max_tokens": 8, "stream": stream, "messages": [{"role": "user", "content": text(k)}]}
+        if path == "/v1/chat/completions":
+            doc.update(logprobs=True, **({"stream_options": {"include_usage": True}} if stream else {}))
+        return doc
+
+    def prompt_tokens(path: str, k: int) -> int:
+        if path == "/v1/completions":
+            return len(tok.encode(text(k)))
+        return len(tok.apply_openai_chat({"messages": [{"role": "user", "content": text(k)}]}))
+
+    answers: dict[tuple[bool, str, bool], tuple[int, str, int]] = {}  # (held?, path, streamed) -> status, body, k
+    async with thunderagent(cfg, vllm_servers) as front, aiohttp.ClientSession() as s:
+        fleet, base = front.fleet, front.base_url
+
+        async def send(path: str, stream: bool, k: int) -> tuple[int, str]:
+            async with s.post(base + path, json=body(path, stream, k, front.model)) as r:
+                return r.status, await r.text()
+
+        sent_before = 0
+        for pair in (_KINDS[0:2], _KINDS[2:4], _KINDS[4:6]):  # a round each: one server takes one of each kind
+            try:
+                async with s.post(base + "/pause?mode=keep&clear_cache=false") as r:
+                    assert r.status == 200
+                sent: list[tuple[tuple[bool, str, bool], asyncio.Task[tuple[int, str]], int]] = []
+                seen: set[tuple[bool, str, bool]] = set()
+                while len(seen) < 4 and len(sent) < 12:  # (routing, not the gate, picks: two may go to one server)
+                    path, stream = pair[len(sent) % 2]
+                    before = fleet.dispatcher.held()
+                    k = sent_before + len(sent)
+                    task = asyncio.create_task(send(path, stream, k))
+                    await wait_until(lambda: fleet.dispatcher.held() + len(fleet._inflight) == len(sent) + 1, 20,
+                                     "the request sent or held")
+                    key = (fleet.dispatcher.held() > before, path, stream)
+                    sent.append((key, task, k))
+                    seen.add(key)
+                assert len(seen) == 4 and not any(t.done() for _, t, _ in sent), seen
+                held = fleet.dispatcher.held()
+                async with s.post(base + "/abort_requests", json={}) as r:
+                    assert r.status == 200 and (await r.json())["held_aborted"] == held >= 2
+                # (vLLM's abort ends what its engine holds: one still in its API server is missed and would wait out
+                # the pause; its metrics stand still while paused, so ask again until every request ended)
+                for _ in range(30):
+                    if (await asyncio.wait([t for _, t, _ in sent], timeout=1))[1]:
+                        async with s.post(base + "/abort_requests", json={}) as r:
+                            assert r.status == 200 and (await r.json())["held_aborted"] == 0
+                for key, task, k in sent:
+                    status, answer = await asyncio.wait_for(task, 5)
+                    answers.setdefault(key, (status, answer, k))
+                sent_before += len(sent)
+            finally:  # (the servers are shared with the tests after this one: never leave one paused)
+                for v in vllm_servers:
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with s.post(f"{v.url}/resume") as r:
+                            await r.read()
+    for path, stream in _KINDS:
+        (s1, theirs, k1), (s2, ours, k2) = answers[False, path, stream], answers[True, path, stream]
+        assert (s1, s2) == (200, 200), (path, stream, theirs, ours)
+        if path != "/v1/messages":
+            assert _openai_shape(ours, stream) == _openai_shape(theirs, stream), (path, stream, ours, theirs)
+            usage = [json.loads(x) for x in (ours, theirs)] if not stream else [
+                json.loads([x for x in a.split("\n\n") if '"usage":{' in x][-1][6:]) for a in (ours, theirs)]
+            assert [u["usage"]["prompt_tokens"] for u in usage] == [prompt_tokens(path, k2), prompt_tokens(path, k1)]
+            continue
+        if stream:
+            assert _events(ours) == _events(theirs), (ours, theirs)
+            continue
+        mine, vllms = json.loads(ours), json.loads(theirs)
+        assert vllms.pop("id").startswith("chatcmpl-") and mine.pop("id").startswith("chatcmpl-")
+        # vLLM names its served model (here the model's path); ThunderAgent the name the client asked for
+        assert (mine.pop("model"), vllms.pop("model")) == ("tiny", str(tiny_model_dir)), (mine, vllms)
+        assert (mine["usage"].pop("input_tokens"), vllms["usage"].pop("input_tokens")) == (
+            prompt_tokens(path, k2), prompt_tokens(path, k1))  # each its own prompt's count
+        assert mine == vllms and vllms["content"] == [{"type": "text", "text": ""}], (mine, vllms)

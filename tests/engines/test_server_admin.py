@@ -583,8 +583,9 @@ async def test_abort_requests_ends_the_requests_held_in_the_queue(tiny_model_dir
     them, so the servers' abort cannot): named by the client's ``x-request-id`` (bare or as vLLM's ``chatcmpl-`` /
     ``cmpl-`` id), or all of them with no ids. Each gets vLLM's answer to a request aborted while it waited: nothing
     generated, ``finish_reason: abort`` (JSON or streamed, usage as asked), on the token path and relayed; the
-    Messages API a 503 ``request_aborted``. With ``?workers=`` only those servers are asked (held ones stay). The
-    servers end the requests they hold, with vLLM's answers (a stream without a choice: aborted, not routed again)."""
+    Messages API vLLM's conversion of it (an empty text block, no stop reason). With ``?workers=`` only those
+    servers are asked (held ones stay). The servers end the requests they hold, with vLLM's answers (a stream
+    without a choice: aborted, not routed again)."""
     engines = [FakeEngine(block_size=BS, dev_mode=True) for _ in range(2)]
     for e in engines:
         await e.start()
@@ -617,8 +618,10 @@ async def test_abort_requests_ends_the_requests_held_in_the_queue(tiny_model_dir
                 "e": asyncio.create_task(post("/v1/messages", {"model": model, "max_tokens": 4, "messages": [
                     {"role": "user", "content": "a message"}]})),
                 "f": asyncio.create_task(post("/v1/chat/completions", {**chat, "stream": True})),
+                "g": asyncio.create_task(post("/v1/messages", {"model": model, "max_tokens": 4, "stream": True,
+                                                               "messages": [{"role": "user", "content": "streamed"}]})),
             }
-            await wait_until(lambda: fleet.dispatcher.held() == 6, 10, "six requests held")
+            await wait_until(lambda: fleet.dispatcher.held() == 7, 10, "seven requests held")
             status, body = await _admin(base, "/abort_requests", {"request_ids": ["chatcmpl-rid-a", "cmpl-rid-b",
                                                                                "rid-c", "nobody"]})
             assert status == 200 and body["held_aborted"] == 3 and engines[0].rpc_calls[-1] == (
@@ -635,19 +638,32 @@ async def test_abort_requests_ends_the_requests_held_in_the_queue(tiny_model_dir
             assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 0  # usage, as asked
             status, text = await asyncio.wait_for(held.pop("c"), 5)  # relayed, named bare
             assert status == 200 and json.loads(text)["choices"][0]["finish_reason"] == "abort"
-            assert fleet.dispatcher.held() == 3 and not any(t.done() for t in held.values())
+            assert fleet.dispatcher.held() == 4 and not any(t.done() for t in held.values())
             # a call for some servers leaves the held requests alone; one for the fleet ends every one
             w0 = min(fleet.workers)
             status, body = await _admin(base, f"/abort_requests?workers={w0}", {"request_ids": ["rid-x"]})
-            assert status == 200 and "held_aborted" not in body and fleet.dispatcher.held() == 3
+            assert status == 200 and "held_aborted" not in body and fleet.dispatcher.held() == 4
             async with aiohttp.ClientSession() as s, s.post(base + "/abort_requests") as r:
-                assert r.status == 200 and (await r.json())["held_aborted"] == 3
+                assert r.status == 200 and (await r.json())["held_aborted"] == 4
             got = {k: await asyncio.wait_for(t, 5) for k, t in held.items()}
-            assert got["d"][0] == 200 and '"finish_reason":"abort"' in got["d"][1]
-            assert got["d"][1].endswith("data: [DONE]\n\n")
-            status, text = got["e"]
-            assert status == 503 and json.loads(text)["error"]["type"] == "overloaded_error", text  # Anthropic's
-            assert "aborted" in json.loads(text)["error"]["message"]
+            # relayed and streamed, vLLM's stream of it: no chunk for an output without tokens; the usage, [DONE]
+            parts = got["d"][1].split("\n\n")
+            assert got["d"][0] == 200 and parts[1:] == ["data: [DONE]", ""], got["d"]
+            usage_chunk = json.loads(parts[0][6:])
+            assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 0
+            status, text = got["e"]  # vLLM's Messages answer to an aborted chat request (exclude_none: no stop_reason)
+            message = json.loads(text)
+            assert status == 200 and message["id"].startswith("chatcmpl-") and "stop_reason" not in message, text
+            assert (message["type"], message["role"], message["content"], message["model"]) == (
+                "message", "assistant", [{"type": "text", "text": ""}], model)
+            assert message["usage"]["output_tokens"] == 0 and message["usage"]["input_tokens"] > 0
+            status, text = got["g"]  # streamed: start, a delta with vLLM's stop reason (end_turn) and the usage, stop
+            parts = [x.split("\n") for x in text.strip().split("\n\n")]
+            assert status == 200 and [p[0] for p in parts] == ["event: message_start", "event: message_delta",
+                                                                "event: message_stop"], text
+            delta = json.loads(parts[1][1][6:])
+            assert delta["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
+            assert delta["usage"]["output_tokens"] == 0 and json.loads(parts[0][1][6:])["message"]["content"] == []
             assert got["f"][0] == 200 and '"finish_reason":"abort"' in got["f"][1]
             assert fleet.dispatcher.held() == 0
             async with aiohttp.ClientSession() as s, s.get(base + "/v1/programs/prog-1") as r:

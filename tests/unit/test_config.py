@@ -179,3 +179,15 @@ def test_pacing_idle_resume_cached_needs_work_conservation() -> None:
         parse_config({"scheduler": {"pacing": {"enabled": True, "idle_resume": "cached", "work_conserving": False}}})
     with pytest.raises(ConfigError, match=r"scheduler\.pacing\.idle_resume.*scheduler\.pacing\.enabled: true"):
         parse_config({"scheduler": {"pacing": {"idle_resume": "cached"}}})
+
+
+def test_tokenizer_knobs_act_or_are_refused() -> None:
+    tok = parse_config({"control_plane": {"tokenizer": {"threads": 4, "offload_bytes": 1024}}}).control_plane.tokenizer
+    assert (tok.threads, tok.offload_bytes, tok.prefix_cache_mb) == (4, 1024, 64.0)
+    assert parse_config({"model": "/m", "control_plane": {"tokenizer": {"prefix_cache_mb": 0}}}).model == "/m"
+    with pytest.raises(ConfigError, match=r"control_plane\.tokenizer\.offload_bytes.*threads > 0"):
+        parse_config({"control_plane": {"tokenizer": {"threads": 0, "offload_bytes": 1024}}})
+    with pytest.raises(ConfigError, match=r"prefix_cache_mb acts only with `model`"):
+        parse_config({"control_plane": {"tokenizer": {"prefix_cache_mb": 8}}})
+    with pytest.raises(ConfigError, match=r"control_plane\.tokenizer\.threads"):
+        parse_config({"control_plane": {"tokenizer": {"threads": -1}}})

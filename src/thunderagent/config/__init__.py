@@ -23,6 +23,7 @@ from thunderagent.config.outlier import OutlierConfig
 from thunderagent.config.planner import PlannerConfig
 from thunderagent.config.routing import CostWeights, HotPrefixConfig, Policy, RoutingConfig
 from thunderagent.config.tenants import TenantLimit, check_tenant_limits, program_caps
+from thunderagent.config.tokenizer import TokenizerConfig
 from thunderagent.config.scheduler import (GroupingConfig, IdleResume, PacingAccounting, PacingConfig, ResumeOrder,
                                           ResumePlacement, SchedulerConfig)
 from thunderagent.config.transfer import DisaggConfig, KvTransferConfig, MigrationConfig, check_sim_fields
@@ -116,6 +117,9 @@ class ControlPlaneConfig(_Strict):
     )
     outlier: OutlierConfig = Field(
         OutlierConfig(), description="slow-worker ejection and circuit breaking (control/breaker.py)",
+    )
+    tokenizer: TokenizerConfig = Field(
+        TokenizerConfig(), description="long prompts tokenized off the event loop, conversations' token ids reused",
     )
 
     @field_validator("api_keys")
@@ -410,6 +414,10 @@ class Config(_Strict):
                 f"engine {real[0]} needs `model`: the local model directory the engine serves (its tokenizer "
                 "and chat template tokenize prompts here, so our block hashes match the engine's cache)"
             )
+        tok = self.control_plane.tokenizer
+        if self.model is None and tok.prefix_cache_mb != TokenizerConfig.model_fields["prefix_cache_mb"].default:
+            raise ValueError("control_plane.tokenizer.prefix_cache_mb acts only with `model` (a model's tokenizer); "
+                             "the byte-level stand-in tokenizes without a cache")
         if self.routing.preempt_enabled and all(n.engine != "simulated" for n in self.execution_group.nodes):
             raise ValueError(
                 "routing.preempt_enabled acts in simulated engines and this config has none; for vLLM set the node's "

@@ -30,8 +30,7 @@ from thunderagent.frontend.errorlog import ERROR_LOG_KEY, ErrorLog
 from thunderagent.frontend.limits import LIMITS_KEY, limits_middleware
 from thunderagent.frontend.tenant_gate import (GATE_KEY, SharedLimits, count_completion, make_gate, rate_headers,
                                                share_limits, take_prompt_tokens, tenant_gate_middleware)
-from thunderagent.frontend.openapi import PATH as OPENAPI_PATH
-from thunderagent.frontend.openapi import add_openapi_route
+from thunderagent.frontend.openapi import PATH as OPENAPI_PATH, add_openapi_route
 from thunderagent.frontend.protocol import (SERVER, ChatCompletionRequest, CompletionRequest, RequestError, Unmodelled,
                                             check_program_id, decode_request, error_body, message_text, prompt_input,
                                             stop_list)
@@ -47,6 +46,7 @@ from thunderagent.frontend.server_api import ServerApi, add_routes
 from thunderagent.frontend.audio_api import AudioApi, add_routes as add_audio_routes
 from thunderagent.frontend.relay_fields import fleet_relay
 from thunderagent.frontend.streaming import TextChunk, stream_text
+from thunderagent.frontend.tokenize_pool import TokenizePool
 from thunderagent.frontend.tokenizer import ChatMessage, Tokenizer
 from thunderagent.scheduler.programs import PROGRAM_ID, program_key
 from thunderagent.types import AUDIO_PATHS, RESPONSES_PATH, SERVER_PATHS, TOKENIZER_INFO_PATH, FinishReason, Sampling
@@ -62,9 +62,9 @@ CLAUDE_SESSION_HEADER = "x-claude-code-session-id"  # Claude Code's, one per ses
 EXPLAIN_HEADER = "x-thunderagent-explain"
 #: the routes that generate (what control_plane.tenant_limits counts)
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", MESSAGES_PATH, RESPONSES_PATH)
-#: the paths whose requests get a span of ours (tracing on): everything sent to a worker
 #: the relayed paths that generate nothing or not from text (each counted by a tenant's request limits)
 SERVED_PATHS = (*SERVER_PATHS, TOKENIZER_INFO_PATH, *AUDIO_PATHS)
+#: the paths whose requests get a span of ours (tracing on): everything sent to a worker
 TRACED_PATHS = (*INFERENCE_PATHS, COUNT_TOKENS_PATH, *SERVED_PATHS, f"{RESPONSES_PATH}/{{response_id}}",
                 f"{RESPONSES_PATH}/{{response_id}}/cancel")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -87,19 +87,15 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except RequestError as err:
         resp = _error(err)
     except NoWorkerAvailable as exc:
-        resp = _error(
-            RequestError(str(exc), status=503, code="no_healthy_worker", type_="server_error"),
-            headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))},
-        )
+        resp = _error(RequestError(str(exc), status=503, code="no_healthy_worker", type_="server_error"),
+                      headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))})
     except HeldAborted as exc:  # (a held request of an API without an abort answer: frontend/aborted.py)
         resp = _error(RequestError(f"{exc}; retry", status=503, code="request_aborted", type_="server_error"))
     except DeadlineExceeded as exc:  # (control_plane.request_timeout_s)
         resp = _error(RequestError(str(exc), status=504, code="request_timeout", type_="server_error"))
     except QueueFull as exc:
-        resp = _error(
-            RequestError(f"{exc}; retry later", status=429, code=exc.code, type_="rate_limit_error"),
-            headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))},
-        )
+        resp = _error(RequestError(f"{exc}; retry later", status=429, code=exc.code, type_="rate_limit_error"),
+                      headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))})
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[FLEET_KEY].cfg.control_plane.max_body_bytes
         resp = _error(RequestError(
@@ -120,9 +116,11 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 
 class Frontend:
-    def __init__(self, fleet: Fleet, tokenizer: Tokenizer, max_tokens_default: int, route_key: str) -> None:
+    def __init__(self, fleet: Fleet, tokenizer: Tokenizer, max_tokens_default: int, route_key: str,
+                 tokenize: TokenizePool) -> None:
         self.fleet = fleet
         self.tokenizer = tokenizer
+        self.tokenize = tokenize  # long prompts tokenized off the event loop (frontend/tokenize_pool.py)
         self.max_tokens_default = max_tokens_default
         self.route_key = route_key
         #: an engine openai fleet: requests and answers pass through unchanged (frontend/relay.py)
@@ -211,12 +209,9 @@ class Frontend:
 
     @staticmethod
     def _usage(gen: Generation, last: TextChunk) -> dict[str, Any]:
-        return {
-            "prompt_tokens": gen.prompt_tokens,
-            "completion_tokens": last.completion_tokens,
-            "total_tokens": gen.prompt_tokens + last.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
-        }
+        return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": last.completion_tokens,
+                "total_tokens": gen.prompt_tokens + last.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": last.cached_tokens}}
 
     async def _run(self, request: web.Request, req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
                    chat: bool, lora: str | None = None) -> web.StreamResponse:
@@ -241,7 +236,8 @@ class Frontend:
             )
         except HeldAborted as e:  # ended by /abort_requests before a worker had it: vLLM's answer (aborted.py)
             return aborted_answer(chat, req.stream, req.model, e.request_id, len(prompt_ids),
-                                  bool(req.stream_options and req.stream_options.include_usage), rate_headers(request))
+                                  bool(req.stream_options and req.stream_options.include_usage), rate_headers(request),
+                                  relayed=False)
         count_completion(request, gen)
         shown = request[DETAIL]  # worker ids are the fleet's detail: tenants see none (API keys on, no admin key)
         headers = {WORKER_HEADER: gen.decision.worker_id} if shown else {}
@@ -348,7 +344,7 @@ class Frontend:
         if self.relay is not None:
             return await self.relay.handle(request, chat=True)
         try:
-            req = decode_request(await request.read(), ChatCompletionRequest)
+            req = decode_request(body := await request.read(), ChatCompletionRequest)
             assert isinstance(req, ChatCompletionRequest)
             messages = [ChatMessage(m.role, message_text(m, i)) for i, m in enumerate(req.messages)]
         except Unmodelled as why:
@@ -356,13 +352,14 @@ class Frontend:
                 raise
             return await self.unmodelled.handle(request, chat=True, why=why.param or "unknown")
         lora = self._check_model(req.model)
-        return await self._run(request, req, self.tokenizer.apply_chat_template(messages), chat=True, lora=lora)
+        ids = await self.tokenize.run(len(body), self.tokenizer.apply_chat_template, messages)
+        return await self._run(request, req, ids, chat=True, lora=lora)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         if self.relay is not None:
             return await self.relay.handle(request, chat=False)
         try:
-            req = decode_request(await request.read(), CompletionRequest)
+            req = decode_request(body := await request.read(), CompletionRequest)
         except Unmodelled as why:
             if self.unmodelled is None:
                 raise
@@ -370,7 +367,7 @@ class Frontend:
         assert isinstance(req, CompletionRequest)
         lora = self._check_model(req.model)
         prompt = prompt_input(req.prompt)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        ids = await self.tokenize.run(len(body), self.tokenizer.encode, prompt) if isinstance(prompt, str) else prompt
         return await self._run(request, req, ids, chat=False, lora=lora)
 
     async def planner(self, request: web.Request) -> web.Response:
@@ -436,7 +433,8 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
                          shared=shared_limits is not None)
         if gate is not None:
             app[GATE_KEY] = gate
-    fe = Frontend(fleet, tokenizer, cfg.control_plane.default_max_tokens, cfg.routing.route_key)
+    fe = Frontend(fleet, tokenizer, cfg.control_plane.default_max_tokens, cfg.routing.route_key,
+                  TokenizePool(cfg.control_plane.tokenizer.threads, cfg.control_plane.tokenizer.offload_bytes))
     app[FRONTEND_KEY] = fe
     nodes = cfg.execution_group.nodes
     if nodes and all(n.engine == "openai" for n in nodes):
@@ -490,6 +488,7 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
     async def on_cleanup(app: web.Application) -> None:
         await fleet.planner.stop()  # its actions still running
         await fleet.stop()
+        fe.tokenize.close()
         if tracing is not None:  # the spans still batched go out (blocking: off the loop)
             await asyncio.get_running_loop().run_in_executor(None, tracing.shutdown)
 

@@ -12,18 +12,27 @@ server starts, never in a request handler.
 from __future__ import annotations
 
 import logging
+import threading
+from array import array
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from thunderagent.frontend.chat_render import conversation, developer_as_system, template_tools
+from thunderagent.frontend.token_cache import PrefixTokenCache
 from thunderagent.frontend.tokenizer import ChatMessage, StreamDecoder
 
 log = logging.getLogger(__name__)
 
 
+#: rendered chat prompts shorter than this are tokenized whole (the cache pays on long, growing conversations)
+PREFIX_CACHE_MIN_CHARS = 4096
+#: reuses checked against a whole tokenization before the cache is trusted (the probe at start checks most)
+VERIFY_FIRST = 4
+
+
 class HfTokenizer:
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, prefix_cache_bytes: int = 64 << 20) -> None:
         path = Path(model_dir)
         if not path.is_dir():
             raise ValueError(f"model directory {str(path)!r} does not exist (the `model` setting / --model)")
@@ -47,9 +56,98 @@ class HfTokenizer:
         self.name = str(path)
         self._system_first: bool | None = None  # probed once, when first asked (Messages API requests)
         self._thinking_off: str | None = None
+        # ``tokenizers``' own object: its encode_batch releases the GIL, so a request tokenized on a thread of
+        # the frontend's tokenize pool (frontend/tokenize_pool.py) leaves the event loop running meanwhile
+        self._fast: Any = getattr(self._tok, "_tokenizer", None)
+        self._added = frozenset(int(i) for i in getattr(self._tok, "added_tokens_decoder", {}))
+        self._lock = threading.Lock()  # (the cache is shared by the pool's threads)
+        self._verify_left = VERIFY_FIRST
+        self.cache: PrefixTokenCache | None = None
+        if prefix_cache_bytes > 0:
+            why = self._prefix_split_problem()
+            if why is None:
+                self.cache = PrefixTokenCache(prefix_cache_bytes)
+            else:
+                log.info("tokenizer prefix cache off for %s: %s", self.name, why)
 
     def encode(self, text: str) -> list[int]:
+        if self._fast is not None:
+            return list(self._fast.encode_batch([text], add_special_tokens=True)[0].ids)
         return list(self._tok.encode(text, add_special_tokens=True))
+
+    def _encode_plain(self, text: str) -> list[int]:
+        if self._fast is not None:
+            return list(self._fast.encode_batch([text], add_special_tokens=False)[0].ids)
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def _encode_cuts(self, text: str, char0: int, token0: int) -> tuple[list[int], list[int], list[int]]:
+        """``text``'s ids and its cuts (where a token that follows an added token starts: character and token
+        positions, offset by ``char0`` / ``token0``)."""
+        enc = self._fast.encode_batch([text], add_special_tokens=False)[0]
+        ids: list[int] = enc.ids
+        added, last = self._added, len(ids) - 1
+        cut_chars, cut_tokens = [], []
+        for i in [i for i, t in enumerate(ids) if t in added and i < last]:
+            span = enc.token_to_chars(i + 1)
+            if span is not None:
+                cut_chars.append(char0 + span[0])
+                cut_tokens.append(token0 + i + 1)
+        return ids, cut_chars, cut_tokens
+
+    def _encode_chat(self, text: str) -> list[int]:
+        """A rendered chat prompt's ids (no special tokens added: the template wrote them). A long one reuses the ids
+        of a recent prompt it extends, up to their last shared added token (``frontend/token_cache.py``)."""
+        cache = self.cache
+        if cache is None or len(text) < PREFIX_CACHE_MIN_CHARS:
+            return self._encode_plain(text)
+        with self._lock:
+            reuse = cache.lookup(text)
+        if reuse is None:
+            ids, cut_chars, cut_tokens = self._encode_cuts(text, 0, 0)
+            out = array("I", ids)
+        else:
+            more, more_chars, more_tokens = self._encode_cuts(text[reuse.chars :], reuse.chars, len(reuse.ids))
+            out = reuse.ids + array("I", more)
+            cut_chars, cut_tokens = reuse.cut_chars + more_chars, reuse.cut_tokens + more_tokens
+            if self._verify_left > 0:
+                self._verify_left -= 1
+                whole = self._encode_plain(text)
+                if whole != out.tolist():
+                    log.warning("tokenizer prefix cache off for %s: a prompt tokenized from a cached prefix "
+                                "differed from its whole tokenization", self.name)
+                    self.cache = None
+                    return whole
+        with self._lock:
+            cache.store(text, out, cut_chars, cut_tokens)
+        return out.tolist()
+
+    def _prefix_split_problem(self) -> str | None:
+        """None when the pieces after an added token tokenize alone as they do in the whole text (checked on
+        probe texts around the tokenizer's special tokens and on a rendered conversation), else why not."""
+        if self._fast is None or not hasattr(self._fast, "encode_batch"):
+            return "not a fast (tokenizers) tokenizer"
+        specials = [t for t in self._tok.all_special_tokens if t] or [
+            str(a.content) for a in getattr(self._tok, "added_tokens_decoder", {}).values()]
+        if not specials:
+            return "it has no added tokens to cut at"
+        pieces = ["Hello world", " leading space", "\nnewline first", "  two spaces\tand a tab", "Ünïcödé ok?",
+                  "end"]
+        probes = ["".join(p + specials[k % len(specials)] for k, p in enumerate(pieces)) + "tail"]
+        try:
+            probes.append(self._render([{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": " Hi,  there!\n"},
+                                        {"role": "assistant", "content": "Hello: 1 2 3."},
+                                        {"role": "user", "content": "\tand you?"}], {}))
+        except Exception:  # (a template that will not render this conversation: the first probe still counts)
+            pass
+        checked = 0
+        for text in probes:
+            whole, cut_chars, cut_tokens = self._encode_cuts(text, 0, 0)
+            for c, k in zip(cut_chars, cut_tokens, strict=True):
+                if whole[:k] + self._encode_plain(text[c:]) != whole:
+                    return f"the text after an added token tokenizes differently alone (at character {c})"
+                checked += 1
+        return None if checked else "no probe text had a cut"
 
     def render_chat(self, messages: Sequence[ChatMessage]) -> str:
         conv = [{"role": m.role, "content": m.content} for m in messages]
@@ -58,7 +156,7 @@ class HfTokenizer:
         return text
 
     def apply_chat_template(self, messages: Sequence[ChatMessage]) -> list[int]:
-        return list(self._tok.encode(self.render_chat(messages), add_special_tokens=False))
+        return self._encode_chat(self.render_chat(messages))
 
     def apply_openai_chat(self, doc: Mapping[str, Any], keep_call_order: bool = False) -> list[int]:
         """A relayed chat request rendered as vLLM renders it (``frontend/chat_render.py``): the model's
@@ -75,7 +173,7 @@ class HfTokenizer:
                 text = self.render_chat([ChatMessage(str(m["role"]), m["content"]) for m in conv])
             except Exception:  # a template that refuses even that (a role it does not know)
                 text = "\n".join(m["content"] for m in conv)
-        return list(self._tok.encode(text, add_special_tokens=False))
+        return self._encode_chat(text)
 
     def _render(self, conv: list[dict[str, Any]], doc: Mapping[str, Any]) -> str:
         text = self._tok.apply_chat_template(conv, tools=template_tools(doc.get("tools")), tokenize=False,

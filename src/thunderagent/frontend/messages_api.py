@@ -104,20 +104,21 @@ class MessagesApi:
         lora = relay.admit(req.model, lambda: check_fields(doc), "messages_api")
         user = req.metadata.user_id if req.metadata is not None else None
         fields = Routed(req.max_tokens, req.cache_salt, req.priority, req.explain, req.program_id, user,
-                        claude_session(user))
+                        claude_session(user), model=req.model)
         pt = Passthrough(MESSAGES_PATH, body, bool(req.stream))
-        return await relay.dispatch(request, fields, self._prompt(doc), pt, lora, "messages", anthropic=True)
+        ids = await relay.fe.tokenize.run(len(body), self._prompt, doc)
+        return await relay.dispatch(request, fields, ids, pt, lora, "messages", anthropic=True)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         relay = self._relay()
         if isinstance(relay.fe.tokenizer, ByteTokenizer):
             raise RequestError("counting tokens needs the model's tokenizer: set `model` in the configuration",
                                status=404, code="not_found")
-        req, doc = decode_both(_Count, await request.read())
+        req, doc = decode_both(_Count, body := await request.read())
         check_fields(doc)  # answered here: a field that would change nothing is a mistake to name
         if relay.fields is not None:  # (a vLLM / SGLang fleet checks model names; engine openai's servers do)
             relay.fe._check_model(req.model)
-        n = len(self._prompt(doc))
+        n = len(await relay.fe.tokenize.run(len(body), self._prompt, doc))
         return web.json_response({"input_tokens": n, "context_management": {"original_input_tokens": n}})
 
 

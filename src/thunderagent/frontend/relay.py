@@ -41,7 +41,7 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta
 
-from thunderagent.frontend.aborted import ABORT_ANSWERED, aborted_answer
+from thunderagent.frontend.aborted import ABORT_ANSWERED, aborted_answer, messages_aborted_answer
 from thunderagent.frontend.anthropic import error_doc
 from thunderagent.frontend.auth import DETAIL, TENANT, tenant_salt
 from thunderagent.frontend.protocol import MaxTokens, Priority, RequestError, prompt_input
@@ -52,7 +52,7 @@ from thunderagent.control.fleet import Fleet, Generation
 from thunderagent.control.generation import HeldAborted
 from thunderagent.frontend.tokenizer import Tokenizer
 from thunderagent.frontend.trace_context import OUR_PARENT, trace_headers
-from thunderagent.types import FinishReason, Passthrough, TokenOutput
+from thunderagent.types import MESSAGES_PATH, FinishReason, Passthrough, TokenOutput
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,7 @@ class Routed:
     client_session: str | None = None  # Claude Code's session: the program when the request names none
     max_param: str = "max_tokens"  # the budget field, named in its errors
     extra_body: dict[str, Any] | None = None
+    model: str | None = None  # the model the client named (its abort answer names it: frontend/aborted.py)
 
 
 def _with_type(headers: tuple[tuple[str, str], ...], content_type: str | None) -> tuple[tuple[str, str], ...]:
@@ -260,12 +261,12 @@ class RelayFrontend:
             if req.messages is None:
                 raise RequestError("`messages` is required", param="messages")
             assert doc is not None
-            ids = tok.apply_openai_chat(doc)  # with tools and tool calls, as the server renders it
+            ids = await fe.tokenize.run(len(body), tok.apply_openai_chat, doc)  # with tools and calls, as served
         else:
             if req.prompt is None:
                 raise RequestError("`prompt` is required", param="prompt")
             prompt = prompt_input(req.prompt)
-            ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
+            ids = await fe.tokenize.run(len(body), tok.encode, prompt) if isinstance(prompt, str) else prompt
         path = "/v1/chat/completions" if chat else "/v1/completions"
         return await self.dispatch(request, req, ids, Passthrough(path, body, req.stream), lora,
                                    "messages" if chat else "prompt")
@@ -324,6 +325,9 @@ class RelayFrontend:
                 headers=_with_type(trace_headers(request.headers, request.get(OUR_PARENT)), content_type),
             )
         except HeldAborted as e:  # ended by /abort_requests before a server had it (the other paths: a 503)
+            if pt.path == MESSAGES_PATH:
+                return messages_aborted_answer(pt.stream, req.model or "", e.request_id, len(ids),
+                                               rate_headers(request))
             if pt.path not in ABORT_ANSWERED:
                 raise
             return aborted_answer(ABORT_ANSWERED[pt.path], pt.stream, req.model, e.request_id, len(ids),

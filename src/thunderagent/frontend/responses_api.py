@@ -157,7 +157,8 @@ class ResponsesApi:
             charge_unseen_completion(request, req.max_output_tokens, "max_output_tokens")
         fields = Routed(req.max_output_tokens, req.cache_salt, req.priority, req.explain, req.program_id, req.user,
                         max_param="max_output_tokens")
-        ids = relay.fe.tokenizer.apply_openai_chat(to_chat(doc), keep_call_order=True)  # (vLLM builds these messages)
+        ids = await relay.fe.tokenize.run(len(body), relay.fe.tokenizer.apply_openai_chat, to_chat(doc),
+                                          keep_call_order=True)  # (vLLM builds these messages)
         return await relay.dispatch(request, fields, ids, Passthrough(RESPONSES_PATH, body, bool(req.stream)), lora,
                                     "input", pin=pin, on_answer=self._remembering(request.get(TENANT)))
 

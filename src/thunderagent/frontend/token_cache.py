@@ -1,0 +1,149 @@
+"""Token ids of recent long prompts, so that a prompt extending one is tokenized from where they part.
+
+An agent's conversation grows turn by turn: the prompt of turn k+1 is the prompt of turn k plus the reply and the
+tool's result, and every turn the frontend renders and tokenizes all of it again to hash it for routing. With a
+model's tokenizer that is the frontend's largest cost on agentic traffic (about 140 ms of CPU for a 100k-token
+prompt here, against 0.2 ms to render the template and 1.5 ms to hash the blocks: ``bench/tokenize_prefix.py``).
+
+A tokenizer splits its added (special) tokens out of the text before anything else and tokenizes the pieces
+between them on their own, so the ids of a text up to a special token do not depend on what follows it. This cache
+keeps, for each recent prompt, its text, its ids and the *cuts*: the character and token positions where a token
+following a special token starts. A new prompt that shares a prefix with a kept one reuses the ids up to the last
+cut inside the shared prefix, and only the rest is tokenized (``HfTokenizer``). Whether a given tokenizer really
+splits so (some prepend a space to the text's first piece, so a piece tokenized alone differs) is checked by the
+tokenizer before it uses the cache, not here.
+
+Pure and synchronous; bounded by the bytes it holds (text + 4 bytes per id), least recently used first out. A
+prompt found to contain the whole of a kept one replaces it, so a conversation holds one entry, its latest turn.
+Prompts are grouped by their first ``key_chars`` characters (agents of one product share a system prompt: a
+group holds all of their conversations, and a lookup compares the prompt with each, which costs at most their
+shared length each: the comparison stops where they differ).
+"""
+
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_right
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: compared per step when two prompts are matched (then halved down to the first differing character)
+_CHUNK = 1 << 16
+
+
+@dataclass(slots=True)
+class _Entry:
+    text: str
+    ids: array  # uint32: 4 bytes a token, not a Python int object each (a 100k-token prompt: 400 kB, not 3.6 MB)
+    cut_chars: list[int]  # increasing: where a token that follows a special token starts, in ``text``
+    cut_tokens: list[int]  # that token's index in ``ids``
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.text) + 4 * len(self.ids)
+
+
+def common_prefix(a: str, b: str) -> int:
+    """How many leading characters ``a`` and ``b`` share (C-speed comparisons: a whole-prefix check, then 64 k
+    characters at a time, then halving inside the chunk that differs)."""
+    n = min(len(a), len(b))
+    if a.startswith(b[:n] if n < len(b) else b):
+        return n
+    lo = 0
+    while lo < n:
+        hi = min(n, lo + _CHUNK)
+        if not a.startswith(b[lo:hi], lo):
+            break
+        lo = hi
+    else:
+        return n
+    # a[:lo] == b[:lo] and a[lo:hi] != b[lo:hi]: the first difference is in [lo, hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a.startswith(b[lo:mid], lo):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass(slots=True, frozen=True)
+class Reuse:
+    """What a lookup found: the ids of ``text[:chars]`` (``tokens`` of them) and the cuts inside it."""
+
+    ids: array
+    chars: int
+    cut_chars: list[int]
+    cut_tokens: list[int]
+
+
+class PrefixTokenCache:
+    def __init__(self, max_bytes: int, key_chars: int = 256, max_per_key: int = 256) -> None:
+        if max_bytes <= 0:
+            raise ValueError("max_bytes must be positive")
+        self.max_bytes = max_bytes
+        self.key_chars = key_chars
+        self.max_per_key = max_per_key
+        self._groups: OrderedDict[str, list[_Entry]] = OrderedDict()  # key -> entries, most recent first
+        self.nbytes = 0
+        self.lookups = 0
+        self.hits = 0
+        self.reused_tokens = 0
+
+    def __len__(self) -> int:
+        return sum(len(g) for g in self._groups.values())
+
+    def lookup(self, text: str) -> Reuse | None:
+        """The longest reusable prefix of ``text`` among the kept prompts (ending at a cut), or None."""
+        self.lookups += 1
+        group = self._groups.get(text[: self.key_chars])
+        if not group:
+            return None
+        best, best_len = None, 0
+        for e in group:
+            n = common_prefix(text, e.text)
+            if n > best_len:
+                best, best_len = e, n
+        if best is None:
+            return None
+        self._groups.move_to_end(text[: self.key_chars])
+        if best_len == len(text) == len(best.text):  # the same prompt again (a retry, a repeated rendering)
+            self.hits += 1
+            self.reused_tokens += len(best.ids)
+            return Reuse(best.ids, best_len, best.cut_chars, best.cut_tokens)
+        k = bisect_right(best.cut_chars, best_len) - 1  # a cut at c reuses text[:c]: within the shared part
+        if k < 0:
+            return None
+        self.hits += 1
+        self.reused_tokens += best.cut_tokens[k]
+        return Reuse(best.ids[: best.cut_tokens[k]], best.cut_chars[k], best.cut_chars[: k + 1],
+                     best.cut_tokens[: k + 1])
+
+    def store(self, text: str, ids: Sequence[int] | array, cut_chars: list[int], cut_tokens: list[int]) -> None:
+        """Keep ``text`` with its ``ids`` and cuts (increasing), dropping the kept prompts it extends."""
+        key = text[: self.key_chars]
+        entry = _Entry(text, ids if isinstance(ids, array) else array("I", ids), cut_chars, cut_tokens)
+        if entry.nbytes > self.max_bytes:
+            return
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = []
+        else:
+            self._groups.move_to_end(key)
+            kept = []
+            for e in group:
+                if text.startswith(e.text):  # (a conversation's previous turn: this one holds it all)
+                    self.nbytes -= e.nbytes
+                else:
+                    kept.append(e)
+            group[:] = kept
+        group.insert(0, entry)
+        self.nbytes += entry.nbytes
+        while len(group) > self.max_per_key:
+            self.nbytes -= group.pop().nbytes
+        while self.nbytes > self.max_bytes:
+            oldest_key, oldest = next(iter(self._groups.items()))
+            self.nbytes -= oldest.pop().nbytes  # (the group's least recent entry, of the least recent group)
+            if not oldest:
+                del self._groups[oldest_key]
