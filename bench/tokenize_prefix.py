@@ -11,7 +11,12 @@ ticker task sleeping 1 ms records its longest gap.
 The tokenizer is the test suite's locally trained byte-level BPE (512 ids: more tokens per character than a real
 model's, so the absolute times are pessimistic; the ratios are the point). Nothing is downloaded.
 
-    python bench/tokenize_prefix.py [--tokens 100000] [--rounds 5]
+With ``--live`` it then runs ``thunderagent serve`` (two simulated workers, 50x fast engines, the same tokenizer)
+twice, as before this change (``threads: 0``, ``prefix_cache_mb: 0``) and with the defaults: one agent sends the
+conversation's turns one after another while ``--clients`` clients stream short chats; it prints the agent's turn
+latency, the short streams' gaps between chunks (inter-token latency), the server's event-loop lag and its CPU.
+
+    python bench/tokenize_prefix.py [--tokens 100000] [--rounds 5] [--live [--clients 6]]
 """
 
 from __future__ import annotations
@@ -93,10 +98,98 @@ async def longest_stall(run) -> float:  # type: ignore[no-untyped-def]
     return worst * 1e3
 
 
+def plain_turns(docs: list[dict]) -> list[list[dict]]:
+    """The conversation's turns as plain chats (the simulated workers' token path takes no tools or tool calls)."""
+    out = []
+    for doc in docs:
+        msgs = []
+        for m in doc["messages"]:
+            role = {"tool": "user"}.get(m["role"], m["role"])
+            msgs.append({"role": role, "content": m["content"]})
+        out.append(msgs)
+    return out
+
+
+async def live_arm(name: str, config: str, turns: list[list[dict]], clients: int) -> list[object]:
+    import aiohttp
+    from overload import ServeProcess
+
+    srv = ServeProcess(config, Path(tempfile.gettempdir()) / f"tokenize-live-{name.split()[0]}.log")
+    try:
+        async with aiohttp.ClientSession() as s:
+            await srv.ready(s, timeout=60)
+            cpu0 = srv.cpu_s()
+            done = False
+            gaps: list[float] = []
+            turn_ms: list[float] = []
+
+            async def agent() -> None:
+                for msgs in turns:
+                    t0 = time.perf_counter()
+                    async with s.post(srv.base + "/v1/chat/completions",
+                                      json={"model": "tiny", "messages": msgs, "max_tokens": 1}) as r:
+                        assert r.status == 200, await r.text()
+                        await r.read()
+                    turn_ms.append((time.perf_counter() - t0) * 1e3)
+
+            async def client(k: int) -> None:
+                n = 0
+                while not done:
+                    n += 1
+                    body = {"model": "tiny", "stream": True, "max_tokens": 64, "messages": [
+                        {"role": "user", "content": f"client {k} asks question {n} about the router"}]}
+                    async with s.post(srv.base + "/v1/chat/completions", json=body) as r:
+                        last = None
+                        async for _ in r.content:
+                            now = time.perf_counter()
+                            if last is not None:
+                                gaps.append((now - last) * 1e3)
+                            last = now
+
+            tasks = [asyncio.create_task(client(k)) for k in range(clients)]
+            await asyncio.sleep(1.0)
+            await agent()
+            done = True
+            await asyncio.gather(*tasks)
+            cpu = srv.cpu_s() - cpu0
+            async with s.get(srv.base + "/metrics") as r:
+                metrics = await r.text()
+        lag = next((float(x.split()[-1]) for x in metrics.splitlines()
+                    if x.startswith("thunderagent_loop_lag_max_seconds ")), float("nan"))
+        gaps.sort()
+        tail = turn_ms[len(turn_ms) // 2:]
+        return [name, f"{statistics.median(tail):.0f}", f"{gaps[len(gaps) // 2]:.2f}",
+                f"{gaps[int(len(gaps) * 0.99)]:.1f}", f"{gaps[-1]:.0f}", f"{lag * 1e3:.0f}", f"{cpu:.1f}"]
+    finally:
+        srv.stop()
+
+
+def live(d: str, docs: list[dict], clients: int) -> None:
+    base = f"""model: {d}
+model_name: tiny
+execution_group:
+  nodes:
+    - count: 2
+      engine: simulated
+      block_size: 64
+      timing: {{speedup: 50.0}}
+"""
+    before = base + "control_plane:\n  tokenizer: {threads: 0, prefix_cache_mb: 0}\n"
+    turns = plain_turns(docs)
+    rows = [asyncio.run(live_arm("before (on the loop, no cache)", before, turns, clients)),
+            asyncio.run(live_arm("defaults (pool + prefix cache)", base, turns, clients))]
+    print_table(f"thunderagent serve, 2 simulated workers (50x), one agent's {len(turns)} turns while {clients} "
+                "clients stream 64-token chats",
+                ["arm", "agent turn ms (median, 2nd half)", "ITL p50 ms", "ITL p99 ms", "ITL max ms",
+                 "loop lag max ms", "server CPU s"], rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=100_000, help="the conversation's last prompt, tokens")
     ap.add_argument("--rounds", type=int, default=5, help="stall measurements per arm (median)")
+    ap.add_argument("--live", action="store_true", help="also run thunderagent serve before / after (about 1 min)")
+    ap.add_argument("--clients", type=int, default=6, help="--live: clients streaming short chats meanwhile")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         build_tokenizer(Path(d))
@@ -140,6 +233,8 @@ def main() -> None:
         print(f"\nevent loop's longest stall while a {len(plain.apply_openai_chat(long_doc)):,}-token prompt is "
               f"tokenized whole (median of {args.rounds}): on the loop {on:.1f} ms, through the tokenize pool "
               f"{off:.1f} ms ({off / on:.3f}x)")
+        if args.live:
+            live(d, docs, args.clients)
 
 
 if __name__ == "__main__":
