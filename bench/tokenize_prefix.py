@@ -32,10 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT), str(ROOT / "tests")]
 
-from _common import print_table  # noqa: E402
-from tests.engines.tiny_model import build_tokenizer, training_text  # noqa: E402
-from thunderagent.frontend.hf_tokenizer import HfTokenizer  # noqa: E402
-from thunderagent.frontend.tokenize_pool import TokenizePool  # noqa: E402
+from _common import print_table
+
+from tests.engines.tiny_model import build_tokenizer, training_text
+from thunderagent.frontend.hf_tokenizer import HfTokenizer
+from thunderagent.frontend.tokenize_pool import TokenizePool
 
 
 def conversation(tokens: int, tok: HfTokenizer) -> list[dict]:

@@ -106,7 +106,7 @@ def _growing_chat(turns: int) -> list[dict]:
         msgs.append({"role": "user", "content": f"turn {k}: where does the cache hold this? " * 20})
         out.append({"messages": list(msgs), "tools": [{"type": "function", "function": {"name": "grep"}}]})
         msgs.append({"role": "assistant", "content": f"looking {k}", "tool_calls": [
-            {"id": f"c{k}", "type": "function", "function": {"name": "grep", "arguments": '{"q": "%d"}' % k}}]})
+            {"id": f"c{k}", "type": "function", "function": {"name": "grep", "arguments": f'{{"q": "{k}"}}'}}]})
         msgs.append({"role": "tool", "tool_call_id": f"c{k}", "content": f"result {k} Ünïcödé\n\t ok " * 30})
     return out
 

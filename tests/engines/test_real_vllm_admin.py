@@ -152,6 +152,18 @@ async def test_a_vllm_server_put_to_sleep_and_woken_through_the_fleet(tiny_model
                         await r.read()
 
 
+def _held_config(model_dir: Path, servers: list[VllmServer]):  # type: ignore[no-untyped-def]
+    """The servers behind the tracked gate: a server takes the next request only after the first token of the one it
+    has, so with the servers paused the requests past one per server are held by ThunderAgent."""
+    return parse_config({
+        "model": str(model_dir), "model_name": "tiny", "routing": {"seed": 7},
+        "control_plane": {"heartbeat_interval": 0.5, "heartbeat_misses": 10, "admin_api": True},
+        "scheduler": {"tracked_prefill_passes": 0.001},
+        "execution_group": {"nodes": [{"engine": "vllm", "block_size": BLOCK_SIZE,
+                                       "endpoints": [v.endpoint() for v in servers]}]},
+    }, "test")
+
+
 async def test_abort_requests_ends_the_servers_requests_and_the_held_ones_alike(
         tiny_model_dir: Path, vllm_servers: list[VllmServer]) -> None:
     """``/abort_requests`` through ThunderAgent on real vLLM servers (dev mode), paused with ``mode=keep`` so that
@@ -159,13 +171,7 @@ async def test_abort_requests_ends_the_servers_requests_and_the_held_ones_alike(
     abort``, nothing generated; on the token path vLLM's stream of such a request has no choice at all, read as
     aborted, not routed again), and the request ThunderAgent still held (the tracked gate holds the next one while
     each server has one before its first token) ends with the same fields."""
-    cfg = parse_config({
-        "model": str(tiny_model_dir), "model_name": "tiny", "routing": {"seed": 7},
-        "control_plane": {"heartbeat_interval": 0.5, "heartbeat_misses": 10, "admin_api": True},
-        "scheduler": {"tracked_prefill_passes": 0.001},  # (a server takes the next request after its first token)
-        "execution_group": {"nodes": [{"engine": "vllm", "block_size": BLOCK_SIZE,
-                                       "endpoints": [v.endpoint() for v in vllm_servers]}]},
-    }, "test")
+    cfg = _held_config(tiny_model_dir, vllm_servers)
     async with thunderagent(cfg, vllm_servers) as front, aiohttp.ClientSession() as s:
         fleet, base = front.fleet, front.base_url
 
@@ -247,13 +253,7 @@ async def test_a_held_request_aborted_gets_the_answer_vllm_gives_one_it_aborted(
     it aborted while the request waited in its own queue (paused with ``mode=keep``), so that a client reads the
     same whichever queue held it: Anthropic's Messages API field for field but the id and model, chat and
     completions (relayed, as vLLM wrote them) chunk for chunk, JSON and streamed alike."""
-    cfg = parse_config({
-        "model": str(tiny_model_dir), "model_name": "tiny", "routing": {"seed": 7},
-        "control_plane": {"heartbeat_interval": 0.5, "heartbeat_misses": 10, "admin_api": True},
-        "scheduler": {"tracked_prefill_passes": 0.001},  # (a server takes the next request after its first token)
-        "execution_group": {"nodes": [{"engine": "vllm", "block_size": BLOCK_SIZE,
-                                       "endpoints": [v.endpoint() for v in vllm_servers]}]},
-    }, "test")
+    cfg = _held_config(tiny_model_dir, vllm_servers)
     tok = HfTokenizer(tiny_model_dir)
 
     def text(k: int) -> str:  # (k: prompts apart, so none is cached)
@@ -293,7 +293,7 @@ async def test_a_held_request_aborted_gets_the_answer_vllm_gives_one_it_aborted(
                     before = fleet.dispatcher.held()
                     k = sent_before + len(sent)
                     task = asyncio.create_task(send(path, stream, k))
-                    await wait_until(lambda: fleet.dispatcher.held() + len(fleet._inflight) == len(sent) + 1, 20,
+                    await wait_until(lambda n=len(sent) + 1: fleet.dispatcher.held() + len(fleet._inflight) == n, 20,
                                      "the request sent or held")
                     key = (fleet.dispatcher.held() > before, path, stream)
                     sent.append((key, task, k))

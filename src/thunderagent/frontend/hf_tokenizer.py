@@ -138,8 +138,8 @@ class HfTokenizer:
                                         {"role": "user", "content": " Hi,  there!\n"},
                                         {"role": "assistant", "content": "Hello: 1 2 3."},
                                         {"role": "user", "content": "\tand you?"}], {}))
-        except Exception:  # (a template that will not render this conversation: the first probe still counts)
-            pass
+        except Exception as exc:  # (a template that will not render this conversation: the first probe counts)
+            log.debug("the prefix-cache probe's conversation did not render (%r)", exc)
         checked = 0
         for text in probes:
             whole, cut_chars, cut_tokens = self._encode_cuts(text, 0, 0)
