@@ -46,6 +46,7 @@ from thunderagent.frontend.server_api import ServerApi, add_routes
 from thunderagent.frontend.audio_api import AudioApi, add_routes as add_audio_routes
 from thunderagent.frontend.relay_fields import fleet_relay
 from thunderagent.frontend.streaming import TextChunk, stream_text
+from thunderagent.frontend.tokenize_metrics import TokenizeCollector
 from thunderagent.frontend.tokenize_pool import TokenizePool
 from thunderagent.frontend.tokenizer import ChatMessage, Tokenizer
 from thunderagent.scheduler.programs import PROGRAM_ID, program_key
@@ -157,12 +158,10 @@ class Frontend:
         if limit is not None and len(prompt_ids) + max_tokens > limit:
             # The engine would reject it anyway (it can never hold the sequence): say why, up front.
             too_long = len(prompt_ids) >= limit
-            raise RequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the {limit} tokens "
-                "the largest worker holds (its KV cache, or the max_model_len its server reported)",
-                param=prompt_param if too_long else max_param,
-                code="context_length_exceeded",
-            )
+            raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the {limit} "
+                               "tokens the largest worker holds (its KV cache, or the max_model_len its server "
+                               "reported)", param=prompt_param if too_long else max_param,
+                               code="context_length_exceeded")
         carried = self.fleet.prompt_limit
         if carried is not None and not relayed and len(prompt_ids) > carried.tokens:
             # Sent anyway, it would end unserved (a NATS message too large is dropped by the bus).
@@ -435,6 +434,7 @@ def create_app(cfg: Config, *, fleet: Fleet | None = None, tokenizer: Tokenizer 
             app[GATE_KEY] = gate
     fe = Frontend(fleet, tokenizer, cfg.control_plane.default_max_tokens, cfg.routing.route_key,
                   TokenizePool(cfg.control_plane.tokenizer.threads, cfg.control_plane.tokenizer.offload_bytes))
+    fleet.metrics.registry.register(TokenizeCollector(fe.tokenize, tokenizer))  # (read at each scrape)
     app[FRONTEND_KEY] = fe
     nodes = cfg.execution_group.nodes
     if nodes and all(n.engine == "openai" for n in nodes):
