@@ -168,3 +168,14 @@ def test_a_tokenizer_whose_pieces_tokenize_differently_alone_gets_no_cache(tmp_p
     assert tok.apply_openai_chat(doc) == list(fast.encode(tok._render(
         __import__("thunderagent.frontend.chat_render", fromlist=["conversation"]).conversation(doc["messages"]),
         doc), add_special_tokens=False))
+
+
+def test_a_conversation_reuses_only_its_own_scopes_ids(tmp_path: Path) -> None:
+    """The scope is the request's cache salt (its tenant's with API keys on): another tenant sending the same
+    conversation tokenizes it whole."""
+    build_tokenizer(tmp_path)
+    tok = HfTokenizer(tmp_path)
+    first, second = _growing_chat(2)
+    tok.apply_openai_chat(first, scope="tenant:a")
+    assert tok.apply_openai_chat(second, scope="tenant:b") == tok.apply_openai_chat(second, scope="tenant:a")
+    assert tok.cache is not None and (tok.cache.lookups, tok.cache.hits) == (3, 1)  # (only tenant a's second turn)

@@ -109,3 +109,15 @@ def test_stored_ids_are_compact() -> None:
     assert reuse is not None and isinstance(reuse.ids, array) and reuse.ids.typecode == "I"
     with pytest.raises(ValueError, match="max_bytes"):
         PrefixTokenCache(0)
+
+
+def test_a_prompt_is_matched_only_within_its_scope() -> None:
+    """Scopes are cache salts (a tenant's): how fast a prompt tokenizes tells no tenant what another one sent."""
+    cache = PrefixTokenCache(1 << 20, key_chars=4)
+    text = "sys|user one|assistant|"
+    cache.store(text, *_entry(text), scope="tenant:a")
+    assert cache.lookup(text + "more|", scope="tenant:b") is None and cache.lookup(text + "more|") is None
+    reuse = cache.lookup(text + "more|", scope="tenant:a")
+    assert reuse is not None and reuse.chars == 13
+    cache.store(text, *_entry(text), scope="tenant:b")  # the same text in another scope: an entry of its own
+    assert len(cache) == 2

@@ -175,9 +175,7 @@ class Frontend:
         if tenant is not None:  # fair shares across tenants, not across names a client picks
             return tenant
         where, _, name = self.route_key.partition(":")
-        if where == "header":
-            return request.headers.get(name, "")
-        return req.user or ""
+        return request.headers.get(name, "") if where == "header" else req.user or ""
 
     @staticmethod
     def _program_id(request: web.Request, req: ChatCompletionRequest | CompletionRequest) -> str | None:
@@ -351,7 +349,8 @@ class Frontend:
                 raise
             return await self.unmodelled.handle(request, chat=True, why=why.param or "unknown")
         lora = self._check_model(req.model)
-        ids = await self.tokenize.run(len(body), self.tokenizer.apply_chat_template, messages)
+        ids = await self.tokenize.run(len(body), self.tokenizer.apply_chat_template, messages,  # (scope: its salt)
+                                      scope=tenant_salt(request.get(TENANT), req.cache_salt))
         return await self._run(request, req, ids, chat=True, lora=lora)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -94,14 +94,15 @@ class HfTokenizer:
                 cut_tokens.append(token0 + i + 1)
         return ids, cut_chars, cut_tokens
 
-    def _encode_chat(self, text: str) -> list[int]:
+    def _encode_chat(self, text: str, scope: str | None) -> list[int]:
         """A rendered chat prompt's ids (no special tokens added: the template wrote them). A long one reuses the ids
-        of a recent prompt it extends, up to their last shared added token (``frontend/token_cache.py``)."""
+        of a recent prompt of its ``scope`` (its cache salt) it extends, up to their last shared added token
+        (``frontend/token_cache.py``)."""
         cache = self.cache
         if cache is None or len(text) < PREFIX_CACHE_MIN_CHARS:
             return self._encode_plain(text)
         with self._lock:
-            reuse = cache.lookup(text)
+            reuse = cache.lookup(text, scope)
         if reuse is None:
             ids, cut_chars, cut_tokens = self._encode_cuts(text, 0, 0)
             out = array("I", ids)
@@ -118,7 +119,7 @@ class HfTokenizer:
                     self.cache = None
                     return whole
         with self._lock:
-            cache.store(text, out, cut_chars, cut_tokens)
+            cache.store(text, out, cut_chars, cut_tokens, scope)
         return out.tolist()
 
     def _prefix_split_problem(self) -> str | None:
@@ -155,10 +156,11 @@ class HfTokenizer:
         assert isinstance(text, str), "apply_chat_template(tokenize=False) returns text"
         return text
 
-    def apply_chat_template(self, messages: Sequence[ChatMessage]) -> list[int]:
-        return self._encode_chat(self.render_chat(messages))
+    def apply_chat_template(self, messages: Sequence[ChatMessage], scope: str | None = None) -> list[int]:
+        return self._encode_chat(self.render_chat(messages), scope)
 
-    def apply_openai_chat(self, doc: Mapping[str, Any], keep_call_order: bool = False) -> list[int]:
+    def apply_openai_chat(self, doc: Mapping[str, Any], keep_call_order: bool = False,
+                          scope: str | None = None) -> list[int]:
         """A relayed chat request rendered as vLLM renders it (``frontend/chat_render.py``): the model's
         template with ``tools`` and the template arguments (:func:`template_kwargs`). A request's own
         ``chat_template`` is never rendered here (the server judges whether it trusts one); a template
@@ -173,7 +175,7 @@ class HfTokenizer:
                 text = self.render_chat([ChatMessage(str(m["role"]), m["content"]) for m in conv])
             except Exception:  # a template that refuses even that (a role it does not know)
                 text = "\n".join(m["content"] for m in conv)
-        return self._encode_chat(text)
+        return self._encode_chat(text, scope)
 
     def _render(self, conv: list[dict[str, Any]], doc: Mapping[str, Any]) -> str:
         text = self._tok.apply_chat_template(conv, tools=template_tools(doc.get("tools")), tokenize=False,

@@ -29,6 +29,7 @@ from aiohttp import web
 from msgspec import Meta
 
 from thunderagent.frontend.anthropic import MESSAGES_PATH, check_fields, error_doc, to_chat
+from thunderagent.frontend.auth import TENANT, tenant_salt
 from thunderagent.frontend.protocol import MaxTokens, Priority, RequestError
 from thunderagent.frontend.relay import RelayFrontend, Routed, decode_both, no_servers
 from thunderagent.frontend.tokenizer import ByteTokenizer
@@ -92,10 +93,10 @@ class MessagesApi:
             raise no_servers("Messages API")
         return self.relay
 
-    def _prompt(self, doc: dict[str, Any]) -> list[int]:
+    def _prompt(self, doc: dict[str, Any], scope: str | None = None) -> list[int]:
         tok = self._relay().fe.tokenizer
         chat = to_chat(doc, system_first=tok.system_first, effort_off=tok.thinking_off_effort())
-        return tok.apply_openai_chat(chat)
+        return tok.apply_openai_chat(chat, scope=scope)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         relay = self._relay()
@@ -106,7 +107,8 @@ class MessagesApi:
         fields = Routed(req.max_tokens, req.cache_salt, req.priority, req.explain, req.program_id, user,
                         claude_session(user), model=req.model)
         pt = Passthrough(MESSAGES_PATH, body, bool(req.stream))
-        ids = await relay.fe.tokenize.run(len(body), self._prompt, doc)
+        scope = tenant_salt(request.get(TENANT), req.cache_salt)  # (a tenant's prompts reused by its own only)
+        ids = await relay.fe.tokenize.run(len(body), self._prompt, doc, scope)
         return await relay.dispatch(request, fields, ids, pt, lora, "messages", anthropic=True)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
@@ -118,7 +120,7 @@ class MessagesApi:
         check_fields(doc)  # answered here: a field that would change nothing is a mistake to name
         if relay.fields is not None:  # (a vLLM / SGLang fleet checks model names; engine openai's servers do)
             relay.fe._check_model(req.model)
-        n = len(await relay.fe.tokenize.run(len(body), self._prompt, doc))
+        n = len(await relay.fe.tokenize.run(len(body), self._prompt, doc, tenant_salt(request.get(TENANT), None)))
         return web.json_response({"input_tokens": n, "context_management": {"original_input_tokens": n}})
 
 

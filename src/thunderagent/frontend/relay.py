@@ -261,7 +261,8 @@ class RelayFrontend:
             if req.messages is None:
                 raise RequestError("`messages` is required", param="messages")
             assert doc is not None
-            ids = await fe.tokenize.run(len(body), tok.apply_openai_chat, doc)  # with tools and calls, as served
+            ids = await fe.tokenize.run(len(body), tok.apply_openai_chat, doc,  # with tools and calls, as served
+                                        scope=tenant_salt(request.get(TENANT), req.cache_salt))
         else:
             if req.prompt is None:
                 raise RequestError("`prompt` is required", param="prompt")

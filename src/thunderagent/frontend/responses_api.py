@@ -39,7 +39,7 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta
 
-from thunderagent.frontend.auth import TENANT
+from thunderagent.frontend.auth import TENANT, tenant_salt
 from thunderagent.frontend.protocol import MaxTokens, Priority, RequestError
 from thunderagent.frontend.relay import RelayFrontend, Routed, decode_both, no_servers
 from thunderagent.frontend.responses import check_fields, to_chat
@@ -158,7 +158,8 @@ class ResponsesApi:
         fields = Routed(req.max_output_tokens, req.cache_salt, req.priority, req.explain, req.program_id, req.user,
                         max_param="max_output_tokens")
         ids = await relay.fe.tokenize.run(len(body), relay.fe.tokenizer.apply_openai_chat, to_chat(doc),
-                                          keep_call_order=True)  # (vLLM builds these messages)
+                                          keep_call_order=True,  # (vLLM builds these messages)
+                                          scope=tenant_salt(request.get(TENANT), req.cache_salt))
         return await relay.dispatch(request, fields, ids, Passthrough(RESPONSES_PATH, body, bool(req.stream)), lora,
                                     "input", pin=pin, on_answer=self._remembering(request.get(TENANT)))
 

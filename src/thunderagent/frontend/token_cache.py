@@ -17,7 +17,9 @@ Pure and synchronous; bounded by the bytes it holds (text + 4 bytes per id), lea
 prompt found to contain the whole of a kept one replaces it, so a conversation holds one entry, its latest turn.
 Prompts are grouped by their first ``key_chars`` characters (agents of one product share a system prompt: a
 group holds all of their conversations, and a lookup compares the prompt with each, which costs at most their
-shared length each: the comparison stops where they differ).
+shared length each: the comparison stops where they differ), within a *scope*: the request's cache salt (its
+tenant's, with API keys on). A prompt is never matched with another scope's, so that how fast a prompt is tokenized
+tells no tenant what another one sent (the same reason the KV blocks' hashes are salted per tenant).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class PrefixTokenCache:
         self.max_bytes = max_bytes
         self.key_chars = key_chars
         self.max_per_key = max_per_key
-        self._groups: OrderedDict[str, list[_Entry]] = OrderedDict()  # key -> entries, most recent first
+        self._groups: OrderedDict[tuple[str | None, str], list[_Entry]] = OrderedDict()  # most recent entry first
         self.nbytes = 0
         self.lookups = 0
         self.hits = 0
@@ -94,10 +96,11 @@ class PrefixTokenCache:
     def __len__(self) -> int:
         return sum(len(g) for g in self._groups.values())
 
-    def lookup(self, text: str) -> Reuse | None:
-        """The longest reusable prefix of ``text`` among the kept prompts (ending at a cut), or None."""
+    def lookup(self, text: str, scope: str | None = None) -> Reuse | None:
+        """The longest reusable prefix of ``text`` among the prompts kept in ``scope`` (ending at a cut), or None."""
         self.lookups += 1
-        group = self._groups.get(text[: self.key_chars])
+        key = (scope, text[: self.key_chars])
+        group = self._groups.get(key)
         if not group:
             return None
         best, best_len = None, 0
@@ -107,7 +110,7 @@ class PrefixTokenCache:
                 best, best_len = e, n
         if best is None:
             return None
-        self._groups.move_to_end(text[: self.key_chars])
+        self._groups.move_to_end(key)
         if best_len == len(text) == len(best.text):  # the same prompt again (a retry, a repeated rendering)
             self.hits += 1
             self.reused_tokens += len(best.ids)
@@ -120,9 +123,10 @@ class PrefixTokenCache:
         return Reuse(best.ids[: best.cut_tokens[k]], best.cut_chars[k], best.cut_chars[: k + 1],
                      best.cut_tokens[: k + 1])
 
-    def store(self, text: str, ids: Sequence[int] | array, cut_chars: list[int], cut_tokens: list[int]) -> None:
-        """Keep ``text`` with its ``ids`` and cuts (increasing), dropping the kept prompts it extends."""
-        key = text[: self.key_chars]
+    def store(self, text: str, ids: Sequence[int] | array, cut_chars: list[int], cut_tokens: list[int],
+              scope: str | None = None) -> None:
+        """Keep ``text`` with its ``ids`` and cuts (increasing) in ``scope``, dropping the kept prompts it extends."""
+        key = (scope, text[: self.key_chars])
         entry = _Entry(text, ids if isinstance(ids, array) else array("I", ids), cut_chars, cut_tokens)
         if entry.nbytes > self.max_bytes:
             return

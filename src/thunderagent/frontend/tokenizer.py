@@ -27,9 +27,12 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def apply_chat_template(self, messages: Sequence[ChatMessage]) -> list[int]: ...
+    def apply_chat_template(self, messages: Sequence[ChatMessage], scope: str | None = None) -> list[int]:
+        """``scope``: the request's cache salt (a tokenizer that reuses recent prompts' ids reuses its scope's only)."""
+        ...
 
-    def apply_openai_chat(self, doc: Mapping[str, Any], keep_call_order: bool = False) -> list[int]:
+    def apply_openai_chat(self, doc: Mapping[str, Any], keep_call_order: bool = False,
+                          scope: str | None = None) -> list[int]:
         """The token ids a server renders for a relayed chat request (decoded JSON, with ``tools`` and
         tool calls: ``frontend/chat_render.py``), for hashing only."""
         ...
@@ -88,10 +91,11 @@ class ByteTokenizer:
         parts.append("<|assistant|>\n")
         return "".join(parts)
 
-    def apply_chat_template(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[ChatMessage], scope: str | None = None) -> list[int]:
         return self.encode(self.render_chat(messages))
 
-    def apply_openai_chat(self, doc: Mapping[str, Any], keep_call_order: bool = False) -> list[int]:
+    def apply_openai_chat(self, doc: Mapping[str, Any], keep_call_order: bool = False,
+                          scope: str | None = None) -> list[int]:
         """The same template, with the request's tools first and each message's tool calls after its text
         (a stand-in: without a model nothing renders them for real; deterministic, so repeats hash alike)."""
         msgs = [ChatMessage(m["role"] if isinstance(m["role"], str) else "?",
