@@ -8,15 +8,15 @@ prints the time per turn against the prompt's size and the ratio. Then it measur
 while one long prompt is tokenized on the loop and through ``TokenizePool`` (``frontend/tokenize_pool.py``): a
 ticker task sleeping 1 ms records its longest gap.
 
-The tokenizer is the test suite's locally trained byte-level BPE (512 ids: more tokens per character than a real
-model's, so the absolute times are pessimistic; the ratios are the point). Nothing is downloaded.
+The tokenizer is the test suite's locally trained byte-level BPE (512 ids), or a model's own with ``--tokenizer DIR``
+(a local directory with its tokenizer files and chat template, as ``model:`` takes). Nothing is downloaded.
 
 With ``--live`` it then runs ``thunderagent serve`` (two simulated workers, 50x fast engines, the same tokenizer)
 twice, as before this change (``threads: 0``, ``prefix_cache_mb: 0``) and with the defaults: one agent sends the
 conversation's turns one after another while ``--clients`` clients stream short chats; it prints the agent's turn
 latency, the short streams' gaps between chunks (inter-token latency), the server's event-loop lag and its CPU.
 
-    python bench/tokenize_prefix.py [--tokens 100000] [--rounds 5] [--live [--clients 6]]
+    python bench/tokenize_prefix.py [--tokens 100000] [--rounds 5] [--tokenizer DIR] [--live [--clients 6]]
 """
 
 from __future__ import annotations
@@ -189,11 +189,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=100_000, help="the conversation's last prompt, tokens")
     ap.add_argument("--rounds", type=int, default=5, help="stall measurements per arm (median)")
+    ap.add_argument("--tokenizer", type=Path, help="a model directory (tokenizer + chat template) instead of the "
+                    "test suite's BPE")
     ap.add_argument("--live", action="store_true", help="also run thunderagent serve before / after (about 1 min)")
     ap.add_argument("--clients", type=int, default=6, help="--live: clients streaming short chats meanwhile")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as d:
-        build_tokenizer(Path(d))
+    with tempfile.TemporaryDirectory() as tmp:
+        d = str(args.tokenizer) if args.tokenizer else tmp
+        if not args.tokenizer:
+            build_tokenizer(Path(d))
         cached, plain = HfTokenizer(d), HfTokenizer(d, prefix_cache_bytes=0)
         assert cached.cache is not None, "the probe refused the prefix cache for this tokenizer"
         docs = conversation(args.tokens, plain)
