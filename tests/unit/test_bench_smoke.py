@@ -142,3 +142,14 @@ def test_relay_reader_times_every_apis_stream() -> None:
     res = rr.measure(3)
     _positive(res, [f"{api}|{cut}" for api in ("chat", "messages", "responses")
                     for cut in ("one event per read", "one read")] + ["chat body|parsed by the frontend"])
+
+
+def test_tokenize_prefix_measures_a_small_conversation(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    tp = load_bench("tokenize_prefix")
+    tp.build_tokenizer(tmp_path)
+    cached, plain = tp.HfTokenizer(tmp_path), tp.HfTokenizer(tmp_path, prefix_cache_bytes=0)
+    docs = tp.conversation(20_000, plain)
+    rows = tp.per_turn(docs, cached, plain)  # (it stops on ids that differ)
+    assert len(rows) == len(docs) >= 3 and rows[-1][0] >= 20_000
+    assert cached.cache is not None and cached.cache.hits == len(docs) - 1
+    assert all(len(t) == len(d["messages"]) for t, d in zip(tp.plain_turns(docs), docs, strict=True))
