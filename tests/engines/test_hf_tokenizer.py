@@ -179,3 +179,25 @@ def test_a_conversation_reuses_only_its_own_scopes_ids(tmp_path: Path) -> None:
     tok.apply_openai_chat(first, scope="tenant:a")
     assert tok.apply_openai_chat(second, scope="tenant:b") == tok.apply_openai_chat(second, scope="tenant:a")
     assert tok.cache is not None and (tok.cache.lookups, tok.cache.hits) == (3, 1)  # (only tenant a's second turn)
+
+
+def test_a_growing_completion_prompt_goes_through_the_cache_with_its_special_tokens(tmp_path: Path) -> None:
+    """``encode_prompt`` (a completion request's text): the ids ``encode`` gives, the BOS the tokenizer's
+    post-processor adds included, a long prompt through the cache of its scope."""
+    from tokenizers import Tokenizer, processors
+
+    build_tokenizer(tmp_path)
+    raw = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    raw.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 0)])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tok = HfTokenizer(tmp_path)
+    assert tok.cache is not None and tok._affix == ([0], [])
+    plain = HfTokenizer(tmp_path, prefix_cache_bytes=0)
+    assert plain._affix is None
+    prompts = [plain.render_chat([ChatMessage(m["role"], m["content"]) for m in doc["messages"]])
+               for doc in _growing_chat(4)]
+    for text in prompts:
+        ids = tok.encode_prompt(text, scope="s")
+        assert ids == plain.encode(text) == list(plain._tok.encode(text)) and ids[0] == 0
+    assert (tok.cache.lookups, tok.cache.hits) == (4, 3)
+    assert tok.encode_prompt("short") == plain.encode_prompt("short") == plain.encode("short")

@@ -365,7 +365,8 @@ class Frontend:
         assert isinstance(req, CompletionRequest)
         lora = self._check_model(req.model)
         prompt = prompt_input(req.prompt)
-        ids = await self.tokenize.run(len(body), self.tokenizer.encode, prompt) if isinstance(prompt, str) else prompt
+        ids = prompt if not isinstance(prompt, str) else await self.tokenize.run(
+            len(body), self.tokenizer.encode_prompt, prompt, tenant_salt(request.get(TENANT), req.cache_salt))
         return await self._run(request, req, ids, chat=False, lora=lora)
 
     async def planner(self, request: web.Request) -> web.Response:

@@ -63,10 +63,12 @@ class HfTokenizer:
         self._lock = threading.Lock()  # (the cache is shared by the pool's threads)
         self._verify_left = VERIFY_FIRST
         self.cache: PrefixTokenCache | None = None
+        self._affix: tuple[list[int], list[int]] | None = None  # what encoding with special tokens adds around a text
         if prefix_cache_bytes > 0:
             why = self._prefix_split_problem()
             if why is None:
                 self.cache = PrefixTokenCache(prefix_cache_bytes)
+                self._affix = self._special_affix()
             else:
                 log.info("tokenizer prefix cache off for %s: %s", self.name, why)
 
@@ -74,6 +76,29 @@ class HfTokenizer:
         if self._fast is not None:
             return list(self._fast.encode_batch([text], add_special_tokens=True)[0].ids)
         return list(self._tok.encode(text, add_special_tokens=True))
+
+    def encode_prompt(self, text: str, scope: str | None = None) -> list[int]:
+        """A completion request's text prompt, as :meth:`encode` gives it (special tokens added); a long one through
+        the prefix cache of ``scope`` (an RL rollout's growing prompt, a rendered chat sent as text)."""
+        if self._affix is None or self.cache is None or len(text) < PREFIX_CACHE_MIN_CHARS:
+            return self.encode(text)
+        head, tail = self._affix
+        return [*head, *self._encode_chat(text, scope), *tail]
+
+    def _special_affix(self) -> tuple[list[int], list[int]] | None:
+        """The ids encoding with special tokens puts before and after a text's own (a BOS, ...), when they are the
+        same for every probe text (a post-processor that adds them around the text), else None."""
+        found = set()
+        for text in ("x", "Hello world", " two  words\n", "end"):
+            whole, bare = self.encode(text), self._encode_plain(text)
+            at = next((i for i in range(len(whole) - len(bare) + 1) if whole[i : i + len(bare)] == bare), None)
+            if at is None or not bare:
+                return None
+            found.add((tuple(whole[:at]), tuple(whole[at + len(bare) :])))
+        if len(found) != 1:
+            return None
+        head, tail = found.pop()
+        return list(head), list(tail)
 
     def _encode_plain(self, text: str) -> list[int]:
         if self._fast is not None:

@@ -267,7 +267,8 @@ class RelayFrontend:
             if req.prompt is None:
                 raise RequestError("`prompt` is required", param="prompt")
             prompt = prompt_input(req.prompt)
-            ids = await fe.tokenize.run(len(body), tok.encode, prompt) if isinstance(prompt, str) else prompt
+            ids = await fe.tokenize.run(len(body), tok.encode_prompt, prompt, tenant_salt(request.get(TENANT),
+                                        req.cache_salt)) if isinstance(prompt, str) else prompt
         path = "/v1/chat/completions" if chat else "/v1/completions"
         return await self.dispatch(request, req, ids, Passthrough(path, body, req.stream), lora,
                                    "messages" if chat else "prompt")

@@ -113,7 +113,8 @@ class ServerApi:
         req: _Request = decode_body(_decoder, body)
         lora = relay.admit(req.model, lambda: None, path.lstrip("/"))  # (the fields are the server's to check)
         fields = Routed(1, None, req.priority, False, None, None)
-        ids = first_input(req, relay.fe.tokenizer.encode) if path in _INPUT_PATHS else []
+        ids = await relay.fe.tokenize.run(len(body), first_input, req, relay.fe.tokenizer.encode) \
+            if path in _INPUT_PATHS else []
         # a single input tokenized here is charged its tokens; a batch (its other inputs not tokenized) an estimate
         whole = req.input
         single = isinstance(whole, str) or (isinstance(whole, list) and (len(whole) == 1 or _is_ids(whole)))

@@ -27,6 +27,10 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_prompt(self, text: str, scope: str | None = None) -> list[int]:
+        """A completion request's text prompt: :meth:`encode`'s ids (``scope``: as for chats)."""
+        ...
+
     def apply_chat_template(self, messages: Sequence[ChatMessage], scope: str | None = None) -> list[int]:
         """``scope``: the request's cache salt (a tokenizer that reuses recent prompts' ids reuses its scope's only)."""
         ...
@@ -85,6 +89,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_prompt(self, text: str, scope: str | None = None) -> list[int]:
+        return self.encode(text)
 
     def render_chat(self, messages: Sequence[ChatMessage]) -> str:
         parts = [f"<|{m.role}|>\n{m.content}<|end|>\n" for m in messages]
