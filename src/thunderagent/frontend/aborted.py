@@ -9,10 +9,10 @@ JSON or streamed as asked, so that a client reads the same whichever queue held 
 server: ``tests/engines/test_real_vllm_admin.py``).
 Anthropic's Messages API gets what vLLM's conversion of that chat answer gives (``entrypoints/anthropic/serving.py``):
 one empty text block and no ``stop_reason`` (vLLM maps ``abort`` to none), streamed as ``message_start``, a
-``message_delta`` with the null stop reason and the usage, ``message_stop``. The other relayed APIs (Responses,
-pooling, speech) end with a 503 ``request_aborted`` in their own error shape (the error middleware's): vLLM's
-Responses API reports such a request ``completed`` with empty output (its status is a work in progress there), which
-a client cannot tell from a real answer, and its pooling paths have no abort answer.
+``message_delta`` with ``end_turn`` (the stream carries no finish reason) and the usage, ``message_stop``. The
+other relayed APIs (Responses, pooling, speech) end with a 503 ``request_aborted`` in their own error shape (the
+error middleware's): vLLM's Responses API reports such a request ``completed`` with empty output (its status is a
+work in progress there), which a client cannot tell from a real answer, and its pooling paths have no abort answer.
 """
 
 from __future__ import annotations
@@ -23,11 +23,23 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from thunderagent.types import MESSAGES_PATH
+
 _enc = msgspec.json.Encoder()
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-#: the relayed paths answered with ``finish_reason: abort`` (Messages: :func:`messages_aborted_answer`; the others:
-#: an error)
-ABORT_ANSWERED = {"/v1/chat/completions": True, "/v1/completions": False}  # path -> chat?
+#: the relayed OpenAI paths answered with ``finish_reason: abort`` (path -> chat?)
+_ABORT_ANSWERED = {"/v1/chat/completions": True, "/v1/completions": False}
+
+
+def relayed_aborted_answer(path: str, stream: bool, model: str, request_id: str, prompt_tokens: int,
+                           usage_chunk: bool, headers: dict[str, str] | None = None) -> web.Response | None:
+    """The answer to a relayed request held when ``/abort_requests`` ended it, by its API's ``path``: vLLM's
+    (:func:`aborted_answer`, :func:`messages_aborted_answer`), or None for an API without one (its 503)."""
+    if path == MESSAGES_PATH:
+        return messages_aborted_answer(stream, model, request_id, prompt_tokens, headers)
+    if path not in _ABORT_ANSWERED:
+        return None
+    return aborted_answer(_ABORT_ANSWERED[path], stream, model, request_id, prompt_tokens, usage_chunk, headers)
 
 
 def aborted_answer(chat: bool, stream: bool, model: str, request_id: str, prompt_tokens: int,

@@ -73,9 +73,7 @@ class HfTokenizer:
                 log.info("tokenizer prefix cache off for %s: %s", self.name, why)
 
     def encode(self, text: str) -> list[int]:
-        if self._fast is not None:
-            return list(self._fast.encode_batch([text], add_special_tokens=True)[0].ids)
-        return list(self._tok.encode(text, add_special_tokens=True))
+        return self._encode(text, True)
 
     def encode_prompt(self, text: str, scope: str | None = None) -> list[int]:
         """A completion request's text prompt, as :meth:`encode` gives it (special tokens added); a long one through
@@ -90,7 +88,7 @@ class HfTokenizer:
         same for every probe text (a post-processor that adds them around the text), else None."""
         found = set()
         for text in ("x", "Hello world", " two  words\n", "end"):
-            whole, bare = self.encode(text), self._encode_plain(text)
+            whole, bare = self._encode(text, True), self._encode(text, False)
             at = next((i for i in range(len(whole) - len(bare) + 1) if whole[i : i + len(bare)] == bare), None)
             if at is None or not bare:
                 return None
@@ -100,10 +98,11 @@ class HfTokenizer:
         head, tail = found.pop()
         return list(head), list(tail)
 
-    def _encode_plain(self, text: str) -> list[int]:
+    def _encode(self, text: str, special: bool) -> list[int]:
+        """``text``'s ids, the tokenizer's special tokens added when ``special`` (a chat template writes its own)."""
         if self._fast is not None:
-            return list(self._fast.encode_batch([text], add_special_tokens=False)[0].ids)
-        return list(self._tok.encode(text, add_special_tokens=False))
+            return list(self._fast.encode_batch([text], add_special_tokens=special)[0].ids)
+        return list(self._tok.encode(text, add_special_tokens=special))
 
     def _encode_cuts(self, text: str, char0: int, token0: int) -> tuple[list[int], list[int], list[int]]:
         """``text``'s ids and its cuts (where a token that follows an added token starts: character and token
@@ -125,7 +124,7 @@ class HfTokenizer:
         (``frontend/token_cache.py``)."""
         cache = self.cache
         if cache is None or len(text) < PREFIX_CACHE_MIN_CHARS:
-            return self._encode_plain(text)
+            return self._encode(text, False)
         with self._lock:
             reuse = cache.lookup(text, scope)
         if reuse is None:
@@ -135,17 +134,18 @@ class HfTokenizer:
             more, more_chars, more_tokens = self._encode_cuts(text[reuse.chars :], reuse.chars, len(reuse.ids))
             out = reuse.ids + array("I", more)
             cut_chars, cut_tokens = reuse.cut_chars + more_chars, reuse.cut_tokens + more_tokens
-            if self._verify_left > 0:
-                self._verify_left -= 1
-                whole = self._encode_plain(text)
-                if whole != out.tolist():
-                    log.warning("tokenizer prefix cache off for %s: a prompt tokenized from a cached prefix "
-                                "differed from its whole tokenization", self.name)
-                    self.cache = None
-                    return whole
+        ids = out.tolist()
+        if reuse is not None and self._verify_left > 0:
+            self._verify_left -= 1
+            whole = self._encode(text, False)
+            if whole != ids:
+                log.warning("tokenizer prefix cache off for %s: a prompt tokenized from a cached prefix differed "
+                            "from its whole tokenization", self.name)
+                self.cache = None
+                return whole
         with self._lock:
             cache.store(text, out, cut_chars, cut_tokens, scope)
-        return out.tolist()
+        return ids
 
     def _prefix_split_problem(self) -> str | None:
         """None when the pieces after an added token tokenize alone as they do in the whole text (checked on
@@ -170,7 +170,7 @@ class HfTokenizer:
         for text in probes:
             whole, cut_chars, cut_tokens = self._encode_cuts(text, 0, 0)
             for c, k in zip(cut_chars, cut_tokens, strict=True):
-                if whole[:k] + self._encode_plain(text[c:]) != whole:
+                if whole[:k] + self._encode(text[c:], False) != whole:
                     return f"the text after an added token tokenizes differently alone (at character {c})"
                 checked += 1
         return None if checked else "no probe text had a cut"

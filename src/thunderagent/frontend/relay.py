@@ -41,7 +41,7 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta
 
-from thunderagent.frontend.aborted import ABORT_ANSWERED, aborted_answer, messages_aborted_answer
+from thunderagent.frontend.aborted import relayed_aborted_answer
 from thunderagent.frontend.anthropic import error_doc
 from thunderagent.frontend.auth import DETAIL, TENANT, tenant_salt
 from thunderagent.frontend.protocol import MaxTokens, Priority, RequestError, prompt_input
@@ -52,7 +52,7 @@ from thunderagent.control.fleet import Fleet, Generation
 from thunderagent.control.generation import HeldAborted
 from thunderagent.frontend.tokenizer import Tokenizer
 from thunderagent.frontend.trace_context import OUR_PARENT, trace_headers
-from thunderagent.types import MESSAGES_PATH, FinishReason, Passthrough, TokenOutput
+from thunderagent.types import FinishReason, Passthrough, TokenOutput
 
 log = logging.getLogger(__name__)
 
@@ -327,13 +327,11 @@ class RelayFrontend:
                 headers=_with_type(trace_headers(request.headers, request.get(OUR_PARENT)), content_type),
             )
         except HeldAborted as e:  # ended by /abort_requests before a server had it (the other paths: a 503)
-            if pt.path == MESSAGES_PATH:
-                return messages_aborted_answer(pt.stream, req.model or "", e.request_id, len(ids),
-                                               rate_headers(request))
-            if pt.path not in ABORT_ANSWERED:
+            answer = relayed_aborted_answer(pt.path, pt.stream, req.model or "", e.request_id, len(ids),
+                                            _usage_asked(pt.body), rate_headers(request))
+            if answer is None:
                 raise
-            return aborted_answer(ABORT_ANSWERED[pt.path], pt.stream, req.model, e.request_id, len(ids),
-                                  _usage_asked(pt.body), rate_headers(request))
+            return answer
         count_completion(request, gen)
         shown = request[DETAIL]
 

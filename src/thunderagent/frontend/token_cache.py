@@ -72,7 +72,7 @@ def common_prefix(a: str, b: str) -> int:
 
 @dataclass(slots=True, frozen=True)
 class Reuse:
-    """What a lookup found: the ids of ``text[:chars]`` (``tokens`` of them) and the cuts inside it."""
+    """What a lookup found: the ids of ``text[:chars]`` and the cuts inside it."""
 
     ids: array
     chars: int

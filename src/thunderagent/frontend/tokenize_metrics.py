@@ -23,13 +23,11 @@ class TokenizeCollector(Collector):
         yield CounterMetricFamily("thunderagent_tokenize_offloaded", "Prompts rendered and tokenized on the tokenize "
                                   "pool's threads (control_plane.tokenizer)", value=self.pool.offloaded)
         cache = getattr(self.tokenizer, "cache", None)
-        on = isinstance(cache, PrefixTokenCache)
         yield GaugeMetricFamily("thunderagent_tokenizer_prefix_cache_enabled", "1 while the tokenizer's prefix cache "
                                 "is on (off: not configured, no model tokenizer, or its probe or a check failed)",
-                                value=1.0 if on else 0.0)
-        if not on:
+                                value=float(isinstance(cache, PrefixTokenCache)))
+        if not isinstance(cache, PrefixTokenCache):
             return
-        assert isinstance(cache, PrefixTokenCache)
         yield CounterMetricFamily("thunderagent_tokenizer_prefix_lookups", "Long chat prompts looked up in the "
                                   "prefix cache", value=cache.lookups)
         yield CounterMetricFamily("thunderagent_tokenizer_prefix_hits", "Long chat prompts that reused a cached "
