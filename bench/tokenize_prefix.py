@@ -4,7 +4,10 @@ An agent's conversation grows turn by turn and every turn's prompt is rendered a
 bench replays one growing conversation (a long system prompt, then turns that each add a tool result, a user
 message and a reply, up to ``--tokens`` tokens) through ``HfTokenizer.apply_openai_chat``, once with the prefix cache
 (``frontend/token_cache.py``) and once without it, interleaved turn by turn, checks that both give the same ids, and
-prints the time per turn against the prompt's size and the ratio. Then it measures how long the event loop stalls
+prints the time per turn against the prompt's size and the ratio. A second table does the same for an agent that
+writes its whole transcript into one user message (no added token inside it to cut at: the cache reuses the
+previous turn's ids up to its last lines, ``HfTokenizer``'s line cuts), beside the cache with line cuts off (added
+tokens only, as before line cuts). Then it measures how long the event loop stalls
 while one long prompt is tokenized on the loop and through ``TokenizePool`` (``frontend/tokenize_pool.py``): a
 ticker task sleeping 1 ms records its longest gap.
 
@@ -61,19 +64,57 @@ def conversation(tokens: int, tok: HfTokenizer) -> list[dict]:
         k += 1
 
 
-def per_turn(docs: list[dict], cached: HfTokenizer, plain: HfTokenizer) -> list[tuple[int, float, float]]:
-    """(prompt tokens, cached ms, plain ms) per turn, interleaved; the ids must agree."""
+def one_message(tokens: int, tok: HfTokenizer) -> list[dict]:
+    """The requests of an agent that keeps its whole transcript in one user message, growing by a step's lines (a
+    thought, an action, its output) a turn, up to about ``tokens`` prompt tokens."""
+    lines = iter(training_text(200_000, seed=2))
+    transcript = ""
+    out: list[dict] = []
+    k = 0
+    while True:
+        transcript += (f"Thought {k}: {next(lines)}\nAction: bash {next(lines)}\nObservation:\n"
+                       + "".join(f"  {next(lines)}\n" for _ in range(30)) + "\n")
+        doc = {"messages": [{"role": "system", "content": "You are a coding agent."},
+                            {"role": "user", "content": transcript}]}
+        out.append(doc)
+        if len(tok.apply_openai_chat(doc)) >= tokens:
+            return out
+        k += 1
+
+
+def per_turn(docs: list[dict], cached: HfTokenizer, plain: HfTokenizer,
+             *others: HfTokenizer) -> list[tuple[float, ...]]:
+    """(prompt tokens, cached ms, plain ms, each other's ms) per turn, interleaved; the ids must agree."""
     out = []
     for doc in docs:
-        t0 = time.perf_counter()
-        a = cached.apply_openai_chat(doc)
-        t1 = time.perf_counter()
-        b = plain.apply_openai_chat(doc)
-        t2 = time.perf_counter()
-        if a != b:
-            raise SystemExit(f"the cached ids differ from the whole tokenization at {len(b)} tokens")
-        out.append((len(b), (t1 - t0) * 1e3, (t2 - t1) * 1e3))
+        times = []
+        ids = []
+        for tok in (cached, plain, *others):
+            t0 = time.perf_counter()
+            ids.append(tok.apply_openai_chat(doc))
+            times.append((time.perf_counter() - t0) * 1e3)
+        if any(x != ids[1] for x in ids):
+            raise SystemExit(f"the cached ids differ from the whole tokenization at {len(ids[1])} tokens")
+        out.append((len(ids[1]), *times))
     return out
+
+
+def band_table(rows: list[tuple[float, ...]], extra: bool = False) -> list[list[str]]:
+    """Medians per band of prompt sizes (the first turn, with nothing to reuse, left out), and the last turn."""
+    bands = [(0, 25_000), (25_000, 50_000), (50_000, 75_000), (75_000, 10**9)]
+    table = []
+    for lo, hi in bands:
+        sel = [r for r in rows[1:] if lo <= r[0] < hi]
+        if not sel:
+            continue
+        med = [statistics.median(r[k] for r in sel) for k in range(1, len(rows[0]))]
+        row = [f"{lo // 1000}k-{hi // 1000 if hi < 10**9 else 'max'}k", str(len(sel)), f"{med[1]:.1f}",
+               f"{med[0]:.1f}", f"{med[0] / med[1]:.3f}x"]
+        table.append(row + ([f"{med[2]:.1f}", f"{med[2] / med[1]:.3f}x"] if extra else []))
+    last = rows[-1]
+    row = [f"last ({last[0]:,})", "1", f"{last[2]:.1f}", f"{last[1]:.1f}", f"{last[1] / last[2]:.3f}x"]
+    table.append(row + ([f"{last[3]:.1f}", f"{last[3] / last[2]:.3f}x"] if extra else []))
+    return table
 
 
 async def longest_stall(run) -> float:  # type: ignore[no-untyped-def]
@@ -204,21 +245,24 @@ def main() -> None:
         rows = per_turn(docs, cached, plain)
         title = (f"one conversation, {len(docs)} turns, up to {rows[-1][0]:,} prompt tokens; each turn tokenized with "
                  "the prefix cache and without it, interleaved (same ids)")
-        bands = [(0, 25_000), (25_000, 50_000), (50_000, 75_000), (75_000, 10**9)]
-        table = []
-        for lo, hi in bands:
-            sel = [r for r in rows[1:] if lo <= r[0] < hi]  # (the first turn has nothing to reuse)
-            if not sel:
-                continue
-            c, p = statistics.median(r[1] for r in sel), statistics.median(r[2] for r in sel)
-            table.append([f"{lo // 1000}k-{hi // 1000 if hi < 10**9 else 'max'}k", str(len(sel)), f"{p:.1f}",
-                          f"{c:.1f}", f"{c / p:.3f}x"])
-        last = rows[-1]
-        table.append([f"last ({last[0]:,})", "1", f"{last[2]:.1f}", f"{last[1]:.1f}", f"{last[1] / last[2]:.3f}x"])
-        print_table(title, ["prompt tokens", "turns", "whole ms (median)", "cached ms", "cached / whole"], table)
+        print_table(title, ["prompt tokens", "turns", "whole ms (median)", "cached ms", "cached / whole"],
+                    band_table(rows))
         cache = cached.cache
         print(f"cache: {len(cache)} entry, {cache.nbytes / 2**20:.1f} MiB, {cache.hits} of {cache.lookups} turns "
-              f"reused {cache.reused_tokens:,} tokens")
+              f"reused {cache.reused_tokens:,} tokens; line cuts {'on' if cached._line_cuts else 'off (probe)'}")
+
+        # one message growing: line cuts against the cache cutting at added tokens only
+        single, no_lines = HfTokenizer(d), HfTokenizer(d)
+        no_lines._line_cuts = False
+        msg_docs = one_message(args.tokens, plain)
+        rows1 = per_turn(msg_docs, single, plain, no_lines)
+        print_table(f"\none user message growing, {len(msg_docs)} turns, up to {rows1[-1][0]:,} prompt tokens; with "
+                    "line cuts, without the cache, and with the cache cutting at added tokens only, interleaved "
+                    "(same ids)", ["prompt tokens", "turns", "whole ms (median)", "line cuts ms", "line cuts / whole",
+                                   "added tokens only ms", "added only / whole"], band_table(rows1, extra=True))
+        assert single.cache is not None and no_lines.cache is not None
+        print(f"reused tokens: line cuts {single.cache.reused_tokens:,}, added tokens only "
+              f"{no_lines.cache.reused_tokens:,}")
 
         long_doc = docs[-1]
         size = 10**9  # (any body: the pool's threshold is not what is measured here)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 from pathlib import Path
 
@@ -140,7 +141,7 @@ def test_a_reuse_that_differs_from_the_whole_tokenization_turns_the_cache_off(tm
     first, second = _growing_chat(2)
     ids = tok.apply_openai_chat(first)
     real = tok._encode_cuts
-    monkeypatch.setattr(tok, "_encode_cuts", lambda text, c0, t0: ([1, *real(text, c0, t0)[0]], [], []))
+    monkeypatch.setattr(tok, "_encode_cuts", lambda text, c0, t0: ([1, *real(text, c0, t0)[0]], [], [], []))
     whole = HfTokenizer(tmp_path, prefix_cache_bytes=0).apply_openai_chat(second)
     assert tok.apply_openai_chat(second) == whole and tok.cache is None  # checked, found wrong: off
     assert ids == HfTokenizer(tmp_path, prefix_cache_bytes=0).apply_openai_chat(first)
@@ -201,3 +202,124 @@ def test_a_growing_completion_prompt_goes_through_the_cache_with_its_special_tok
         assert ids == plain.encode(text) == list(plain._tok.encode(text)) and ids[0] == 0
     assert (tok.cache.lookups, tok.cache.hits) == (4, 3)
     assert tok.encode_prompt("short") == plain.encode_prompt("short") == plain.encode("short")
+
+
+# -- line cuts: a prompt that grows inside one message or one text ------------------------------------------------
+
+_PIECES = ("word", " word", "Über", " 123", "4567", ".", "!?", "'s", " 'quote'", "\n", "\n\n", "\r\n", "  ", "\t",
+           " \n", "\n  ", "-", "(x)", "é", "日本", "\u00a0", "def f():", "    return", ";\n", ".\n", "\n1", "\nx")
+#: Llama 3's split pattern (also Qwen 2's and DeepSeek V3's, up to details): a split before the byte-level step
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _random_text(rng: random.Random, pieces: int) -> str:
+    return "".join(rng.choice(_PIECES) for _ in range(pieces))
+
+
+def _tokenizer_dir(tmp_path: Path, kind: str) -> Path:
+    """The tests' byte-level BPE (GPT-2's split pattern), or one split with Llama 3's pattern first, or one with no
+    split at all (merges cross newlines), each trained on text full of line breaks."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.engines.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS, training_text
+
+    d = tmp_path / kind
+    if kind == "gpt2":
+        build_tokenizer(d)
+        return d
+    tok = Tokenizer(models.BPE())
+    if kind == "llama3":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:  # "unsplit": the whole text between added tokens is one piece
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    rng = random.Random(5)
+    corpus = training_text(2000) + [_random_text(rng, 40) for _ in range(2000)] + ["\nline\nlast\nx\n1"] * 500
+    tok.train_from_iterator(corpus, trainer=trainers.BpeTrainer(
+        vocab_size=600, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(d))
+    return d
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama3"])
+def test_line_cuts_give_the_whole_tokenizations_ids_on_random_text(tmp_path: Path, kind: str) -> None:
+    """Random texts full of line breaks, blank lines, CRLFs, trailing spaces and non-ASCII, grown and then changed
+    inside: each tokenized through the cache (no check against a whole tokenization: ``_verify_left`` 0) gives the
+    ids of a whole tokenization, and reuses the kept text's ids up to a line cut."""
+    d = _tokenizer_dir(tmp_path, kind)
+    cached, plain = HfTokenizer(d), HfTokenizer(d, prefix_cache_bytes=0)
+    assert cached.cache is not None and cached._line_cuts
+    cached._verify_left = 0
+    rng = random.Random(11)
+    reused = tokens = 0
+    for k in range(40):
+        text = _random_text(rng, 2500)  # (~8k characters: over PREFIX_CACHE_MIN_CHARS, cut or not)
+        texts = [text, text + _random_text(rng, 30), text + _random_text(rng, 200)]
+        at = rng.randrange(len(text) * 3 // 4, len(text))
+        texts += [text[:at] + _random_text(rng, 20), text[:at] + "\n\n" + _random_text(rng, 20),
+                  text[:at] + "  " + _random_text(rng, 20)]
+        for n, t in enumerate(texts):
+            before = cached.cache.reused_tokens  # type: ignore[union-attr]
+            ids = cached.encode_prompt(t, scope=str(k))
+            assert ids == plain.encode(t), (k, t[-60:])
+            if n:
+                reused += cached.cache.reused_tokens - before  # type: ignore[union-attr]
+                tokens += len(ids)
+    assert cached.cache is not None  # (never found wrong)
+    assert cached.cache.hits == 40 * 5 and reused > 0.6 * tokens  # (the changed ones part a quarter from the end)
+
+
+def test_one_growing_message_reuses_all_but_its_last_lines(tok: HfTokenizer, tmp_path: Path) -> None:
+    """An agent that writes its whole transcript into one user message (no added token inside it to cut at): each
+    step tokenizes the lines it adds and the last ~``LINE_CUT_CHARS`` before them, not the whole message."""
+    from thunderagent.frontend.hf_tokenizer import LINE_CUT_CHARS
+
+    build_tokenizer(tmp_path)
+    lines_on, plain = HfTokenizer(tmp_path), HfTokenizer(tmp_path, prefix_cache_bytes=0)
+    lines_off = HfTokenizer(tmp_path)
+    lines_off._line_cuts = False
+    transcript = "Task: fix the router.\n"
+    reused = last = 0
+    for step in range(8):
+        transcript += "".join(f"Thought {step}.{i}: read the index, Über cached={i}\n  detail {i}\n\n"
+                              for i in range(90))  # (~5k characters a step: the first is long enough to keep)
+        doc = {"messages": [{"role": "system", "content": "You are an agent."},
+                            {"role": "user", "content": transcript}]}
+        ids = lines_on.apply_openai_chat(doc)
+        assert ids == lines_off.apply_openai_chat(doc) == plain.apply_openai_chat(doc), step
+        if step:
+            # reused: the previous prompt's ids up to its last line's start (what follows it there, "<|end|>" and
+            # the assistant header, changed)
+            gained = lines_on.cache.reused_tokens - reused  # type: ignore[union-attr]
+            assert last - 60 < gained < last, (step, gained, last)  # (its last two lines: ~45 tokens)
+        reused, last = lines_on.cache.reused_tokens, len(ids)  # type: ignore[union-attr]
+    assert lines_on.cache is not None and len(lines_on.cache) == 1  # each turn replaced the last (token_cache.py)
+    # without line cuts only the system prompt and the user header before the message are reused
+    assert lines_off.cache is not None and lines_off.cache.reused_tokens < 7 * 20
+    # a long text keeps a line cut about every LINE_CUT_CHARS characters and its last line's
+    text = lines_on.render_chat([ChatMessage("user", transcript)])
+    cut_chars = lines_on._encode_cuts(text, 0, 0)[1]
+    lines = [c for c in cut_chars if text[c - 1] == "\n"]
+    assert [text[c : c + 12] for c in lines[-3:]] == ["Thought 7.89", "<|end|>\n<|as", "<|assistant|"]
+    spaced = lines[:-3]
+    assert len(spaced) == pytest.approx(len(text) / LINE_CUT_CHARS, rel=0.1)
+    assert all(b - a >= LINE_CUT_CHARS for a, b in itertools.pairwise(spaced))
+
+
+def test_a_tokenizer_whose_merges_cross_newlines_gets_no_line_cuts(tmp_path: Path) -> None:
+    """Without a split pattern, BPE merges can join a newline with what follows it: the probe finds a line that
+    tokenizes differently alone and cuts at added tokens only; the ids are still the whole tokenization's."""
+    d = _tokenizer_dir(tmp_path, "unsplit")
+    tok, plain = HfTokenizer(d), HfTokenizer(d, prefix_cache_bytes=0)
+    assert tok.cache is not None and not tok._line_cuts
+    rng = random.Random(2)
+    text = _random_text(rng, 1500)
+    for t in (text, text + "\nline\nlast", text + "\nx1"):
+        assert tok.encode_prompt(t) == plain.encode(t)

@@ -74,12 +74,13 @@ def test_a_conversation_keeps_one_entry_and_others_sharing_its_key_stay() -> Non
     assert len(cache) == 2
     best = cache.lookup("sys|a1|r1|a2|r2|a3|r3|")  # the longer match of the two sharing the key, to its last cut
     assert best is not None and best.chars == 16  # (the "|" ending the kept text has nothing after it: no cut)
-    assert cache.nbytes == sum(5 * len(t) for t in (turns[-1], other))  # text + 4 bytes an id
+    # text + 4 bytes an id + 24 a cut (turns[-1] has cuts at 4, 7, 10, 13, 16; other at 4)
+    assert cache.nbytes == sum(5 * len(t) for t in (turns[-1], other)) + 24 * (5 + 1)
 
 
 def test_least_recent_prompts_leave_first_when_the_bytes_run_out() -> None:
     texts = [f"k{k}|" + "x" * 40 + "|end" for k in range(6)]
-    size = 5 * len(texts[0])  # (a character and a 4-byte id each)
+    size = 5 * len(texts[0]) + 2 * 24  # (a character and a 4-byte id each, 24 bytes for each of its two cuts)
     cache = PrefixTokenCache(size * 4, key_chars=2)
     for t in texts[:4]:
         cache.store(t, *_entry(t))
@@ -100,6 +101,45 @@ def test_a_key_holds_at_most_max_per_key_prompts() -> None:
     assert len(cache) == 2 and cache.lookup("sys|p0|x|y") is not None  # (p0 gone: reuse at its first cut only)
     assert cache.lookup("sys|p0|x|y").chars == 4  # type: ignore[union-attr]
     assert cache.lookup("sys|p2|x|y").chars == 7  # type: ignore[union-attr]
+
+
+def test_a_cut_holds_only_for_a_prompt_that_shares_its_need() -> None:
+    """A line cut (``HfTokenizer``'s) needs the character at the cut shared too: a newline followed by more whitespace
+    is one piece with it, so a prompt that parts right at the cut reuses only up to the cut before."""
+    cache = PrefixTokenCache(1 << 20, key_chars=2)
+    text = "ab|line one\nline two\nline three"
+    ids = [ord(c) for c in text]
+    cuts = [3, 12, 21]  # after "|" (need 3), at "line two" and "line three" (need one character more)
+    cache.store(text, ids, cuts, list(cuts), cut_needs=[3, 13, 22])
+    reuse = cache.lookup(text + " and more")  # shares all: the last cut
+    assert reuse is not None and (reuse.chars, reuse.cut_needs) == (21, [3, 13, 22])
+    reuse = cache.lookup(text[:21] + "\n\nline three")  # parts at 21: cut 21 needs 22, so cut 12 is the last
+    assert reuse is not None and (reuse.chars, list(reuse.ids), reuse.cut_chars) == (12, ids[:12], [3, 12])
+    reuse = cache.lookup(text[:12] + " x")  # parts at 12: back to the added token's cut (need 3)
+    assert reuse is not None and (reuse.chars, reuse.cut_needs) == (3, [3])
+    assert cache.nbytes == 5 * len(text) + 3 * 24
+
+
+def test_a_prompt_changed_near_its_end_and_grown_replaces_the_one_it_was_tokenized_from() -> None:
+    """A message growing inside a template: each turn changes the previous prompt's closing ("|end") and grows; it
+    replaces that prompt (no pile-up). A branch that parts far from a kept prompt's end (another rollout from the
+    same prefix) is kept beside it, and so is anything a shorter prompt was tokenized from."""
+    cache = PrefixTokenCache(1 << 20, key_chars=2, replace_tail=8)
+    text = "ab|" + "line\n" * 10 + "|end"
+    for n in range(11, 15):
+        grown = "ab|" + "line\n" * n + "|end"
+        reuse = cache.lookup(grown)
+        cache.store(grown, *_entry(grown), reused=reuse)
+        if reuse is not None:
+            assert reuse.entry is not None and reuse.shared == len(text) - 4
+        text = grown
+    assert len(cache) == 1 and cache.nbytes == 5 * len(text) + 24 * 2  # (cuts after each "|")
+    branch = "ab|" + "line\n" * 5 + "other|tail" * 3  # parts 49 characters before the kept one's end
+    cache.store(branch, *_entry(branch), reused=cache.lookup(branch))
+    assert len(cache) == 2
+    short = "ab|" + "line\n" * 5 + "other|"  # (changed near the branch's end, but shorter: kept beside it)
+    cache.store(short, *_entry(short), reused=cache.lookup(short))
+    assert len(cache) == 3
 
 
 def test_stored_ids_are_compact() -> None:

@@ -29,6 +29,15 @@ log = logging.getLogger(__name__)
 PREFIX_CACHE_MIN_CHARS = 4096
 #: reuses checked against a whole tokenization before the cache is trusted (the probe at start checks most)
 VERIFY_FIRST = 4
+#: at most one line cut per this many characters: a next turn tokenizes at most about this much of the text it
+#: shares again, and a long prompt keeps a few hundred cuts, not one per line
+LINE_CUT_CHARS = 1024
+#: the line cut probe's text: lines that start with words, digits, punctuation, quotes and non-ASCII letters, after
+#: blank lines, trailing spaces, tabs and a CRLF (the cases where a newline is one piece with its neighbours)
+_LINE_PROBE = ("def f(x):\n    return x  \n\n\tindented\nÜber 12345 words.\n.punct\n  two\r\nwindows\n\n\n"
+               "three blank\n1 digit\n'quote\n\"dq\" end\n\u00a0nbsp\n-- dash\nlast")
+#: what the probe puts after a line cut's first character (a next prompt parts from the kept one there)
+_LINE_PROBE_TAILS = ("", "x", " tail", "\n", "\n\n  z", "...!", "'s", "12")
 
 
 class HfTokenizer:
@@ -64,11 +73,17 @@ class HfTokenizer:
         self._verify_left = VERIFY_FIRST
         self.cache: PrefixTokenCache | None = None
         self._affix: tuple[list[int], list[int]] | None = None  # what encoding with special tokens adds around a text
+        self._line_cuts = False  # cut at lines' first tokens too (probed: ``_line_cut_problem``)
+        self._line_probes: list[str] = []  # a rendered conversation (``_prefix_split_problem``), probed for lines too
         if prefix_cache_bytes > 0:
             why = self._prefix_split_problem()
             if why is None:
                 self.cache = PrefixTokenCache(prefix_cache_bytes)
                 self._affix = self._special_affix()
+                line_why = self._line_cut_problem()
+                self._line_cuts = line_why is None
+                if line_why is not None:
+                    log.info("tokenizer prefix cache of %s cuts at added tokens only: %s", self.name, line_why)
             else:
                 log.info("tokenizer prefix cache off for %s: %s", self.name, why)
 
@@ -104,19 +119,25 @@ class HfTokenizer:
             return list(self._fast.encode_batch([text], add_special_tokens=special)[0].ids)
         return list(self._tok.encode(text, add_special_tokens=special))
 
-    def _encode_cuts(self, text: str, char0: int, token0: int) -> tuple[list[int], list[int], list[int]]:
-        """``text``'s ids and its cuts (where a token that follows an added token starts: character and token
-        positions, offset by ``char0`` / ``token0``)."""
+    def _encode_cuts(self, text: str, char0: int, token0: int, line_every: int = LINE_CUT_CHARS,
+                     lines: bool | None = None) -> tuple[list[int], list[int], list[int], list[int]]:
+        """``text``'s ids and its cuts, as character and token positions offset by ``char0`` / ``token0``, with their
+        needs (``frontend/token_cache.py``): where a token that follows an added token starts (need: that
+        position), and with ``lines`` (default: when the probe passed) a line's first token, at most one per
+        ``line_every`` characters (need: one character more)."""
         enc = self._fast.encode_batch([text], add_special_tokens=False)[0]
         ids: list[int] = enc.ids
         added, last = self._added, len(ids) - 1
-        cut_chars, cut_tokens = [], []
+        cuts: list[tuple[int, int, int]] = []
         for i in [i for i, t in enumerate(ids) if t in added and i < last]:
             span = enc.token_to_chars(i + 1)
             if span is not None:
-                cut_chars.append(char0 + span[0])
-                cut_tokens.append(token0 + i + 1)
-        return ids, cut_chars, cut_tokens
+                cuts.append((span[0], i + 1, span[0]))
+        if self._line_cuts if lines is None else lines:
+            cuts += [(c, k, c + 1) for c, k in _line_starts(text, enc, line_every)]
+            cuts.sort()
+        return (ids, [char0 + c for c, _, _ in cuts], [token0 + k for _, k, _ in cuts],
+                [char0 + n for _, _, n in cuts])
 
     def _encode_chat(self, text: str, scope: str | None) -> list[int]:
         """A rendered chat prompt's ids (no special tokens added: the template wrote them). A long one reuses the ids
@@ -128,12 +149,14 @@ class HfTokenizer:
         with self._lock:
             reuse = cache.lookup(text, scope)
         if reuse is None:
-            ids, cut_chars, cut_tokens = self._encode_cuts(text, 0, 0)
+            ids, cut_chars, cut_tokens, cut_needs = self._encode_cuts(text, 0, 0)
             out = array("I", ids)
         else:
-            more, more_chars, more_tokens = self._encode_cuts(text[reuse.chars :], reuse.chars, len(reuse.ids))
+            more, more_chars, more_tokens, more_needs = self._encode_cuts(text[reuse.chars :], reuse.chars,
+                                                                          len(reuse.ids))
             out = reuse.ids + array("I", more)
             cut_chars, cut_tokens = reuse.cut_chars + more_chars, reuse.cut_tokens + more_tokens
+            cut_needs = reuse.cut_needs + more_needs
         ids = out.tolist()
         if reuse is not None and self._verify_left > 0:
             self._verify_left -= 1
@@ -144,7 +167,7 @@ class HfTokenizer:
                 self.cache = None
                 return whole
         with self._lock:
-            cache.store(text, out, cut_chars, cut_tokens, scope)
+            cache.store(text, out, cut_chars, cut_tokens, scope, cut_needs, reuse)
         return ids
 
     def _prefix_split_problem(self) -> str | None:
@@ -166,14 +189,43 @@ class HfTokenizer:
                                         {"role": "user", "content": "\tand you?"}], {}))
         except Exception as exc:  # (a template that will not render this conversation: the first probe counts)
             log.debug("the prefix-cache probe's conversation did not render (%r)", exc)
+        self._line_probes = probes[1:]  # (the rendered conversation, for the line cut probe)
         checked = 0
         for text in probes:
-            whole, cut_chars, cut_tokens = self._encode_cuts(text, 0, 0)
+            whole, cut_chars, cut_tokens, _ = self._encode_cuts(text, 0, 0, lines=False)
             for c, k in zip(cut_chars, cut_tokens, strict=True):
                 if whole[:k] + self._encode(text[c:], False) != whole:
                     return f"the text after an added token tokenizes differently alone (at character {c})"
                 checked += 1
         return None if checked else "no probe text had a cut"
+
+    def _line_cut_problem(self) -> str | None:
+        """None when a line's first token is a cut (``_line_starts``) for this tokenizer, else why not. On probe
+        texts, with several texts after each line's first character (what a next prompt may add): the
+        pre-tokenizer must start a piece there (so no merge joins the line to the newline before it, whatever
+        follows), and the text tokenized whole must give the probe's ids before the cut plus its own rest
+        tokenized alone. Holds for the byte-level BPE tokenizers' split patterns (GPT-2's, Llama 3's, Qwen's,
+        DeepSeek's: a newline is never one piece with a character that is not whitespace after it)."""
+        pre = getattr(self._fast, "pre_tokenizer", None)
+        if pre is None:
+            return "no pre-tokenizer: a merge may join a line to the newline before it"
+        texts = (_LINE_PROBE, *self._line_probes)
+        for text in texts:
+            for c in (i + 1 for i, ch in enumerate(text[:-1]) if ch == "\n" and not text[i + 1].isspace()):
+                for tail in _LINE_PROBE_TAILS:
+                    if c not in {span[0] for _, span in pre.pre_tokenize_str(text[: c + 1] + tail)}:
+                        return f"its pre-tokenizer does not start a piece at a line's start (character {c})"
+        checked = 0
+        for text in texts:
+            enc = self._fast.encode_batch([text], add_special_tokens=False)[0]
+            whole: list[int] = enc.ids
+            for c, k in _line_starts(text, enc, 1):
+                for tail in _LINE_PROBE_TAILS:
+                    grown = text[: c + 1] + tail
+                    if whole[:k] + self._encode(grown[c:], False) != self._encode(grown, False):
+                        return f"a line tokenizes differently alone (character {c} followed by {tail!r})"
+                checked += 1
+        return None if checked else "no probe line had a cut"
 
     def render_chat(self, messages: Sequence[ChatMessage]) -> str:
         conv = [{"role": m.role, "content": m.content} for m in messages]
@@ -238,6 +290,46 @@ class HfTokenizer:
 
     def decoder(self) -> StreamDecoder:
         return _HfStreamDecoder(self)
+
+
+def _line_starts(text: str, enc: Any, every: int) -> list[tuple[int, int]]:
+    """Lines' first tokens in ``text`` (``enc``: its encoding), as (character, token) positions: a token that
+    starts right after a newline, on a character that is not whitespace (a newline followed by spaces or more
+    newlines is one piece with them), never at the text's end: at most one per ``every`` characters, and the
+    text's last three (a next turn that extends the text then tokenizes its last line again, not ``every``
+    characters; three, because a chat template closes a message with a line or two that the next turn
+    replaces). The characters are found with ``str.find`` and only the chosen ones are mapped to tokens: a
+    100k-token prompt costs a few hundred lookups, not one per token."""
+
+    def at(c: int) -> int | None:  # the token starting at character c, if one does and c starts a line
+        if c >= len(text) or text[c].isspace():
+            return None
+        k = enc.char_to_token(c)
+        return k if k is not None and k > 0 and enc.token_to_chars(k)[0] == c else None
+
+    out: list[tuple[int, int]] = []
+    pos = max(0, every - 1)
+    while (nl := text.find("\n", pos)) >= 0:
+        k = at(nl + 1)
+        if k is not None:
+            out.append((nl + 1, k))
+        pos = nl + (every if k is not None else 1)
+    have = {c for c, _ in out}
+    last: list[tuple[int, int]] = []
+    end, found = len(text) - 1, 0
+    for _ in range(8):  # the last few line starts (a template's closing lines follow the text a next turn extends)
+        nl = text.rfind("\n", 0, end)
+        if nl < 0:
+            break
+        if nl + 1 in have:
+            found += 1
+        elif (k := at(nl + 1)) is not None:
+            last.append((nl + 1, k))
+            found += 1
+        if found == 3:
+            break
+        end = nl
+    return sorted(out + last) if last else out
 
 
 def template_kwargs(doc: Mapping[str, Any]) -> dict[str, Any]:
