@@ -31,7 +31,7 @@ import pytest
 from tests.engines.conftest import Front, engine_python, front_config, note, thunderagent, wait_until
 from tests.engines.tiny_model import _WORDS
 from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, VllmSetupError, cpu_binding, start_ready
-from thunderagent.config import Config
+from thunderagent.config import Config, parse_config
 from thunderagent.control.fleet import Fleet
 from thunderagent.frontend.hf_tokenizer import HfTokenizer
 from thunderagent.types import EngineRequest, KvTransfer, PdPlan, Sampling
@@ -210,6 +210,46 @@ async def test_prompt_kv_moves_from_prefill_to_decode_server(pd_pair: tuple[Vllm
     assert hits == len(prompt) >= full
     assert moved == -(-len(prompt) // BLOCK_SIZE) * BLOCK_BYTES
     assert grown(before, after, "vllm:nixl_num_failed_transfers_total") == 0
+
+
+async def test_the_decode_servers_nixl_metrics_teach_the_transfer_plane(pd_pair: tuple[VllmServer, VllmServer],
+                                                                         tiny_model_dir: Path) -> None:
+    """A fleet with a prefill group (the transfer plane on): each load poll reads the decode server's NIXL sums, and
+    what grew with a transfer is a sample of the link from the prefill worker whose plan landed there
+    (``control/pd_plane.py``): ``/health`` shows the link at the rate the server measured (``ewma_alpha`` 1 and no
+    latency here, so the estimate is that rate), and the plan's own duration, prefill included, taught nothing."""
+    pre, dec = pd_pair
+    plane = {"enabled": True, "bandwidth_gbps": 400.0, "latency_s": 0.0, "ewma_alpha": 1.0}
+    cfg = parse_config({
+        "model": str(tiny_model_dir), "model_name": "tiny", "routing": {"seed": 7},
+        "control_plane": {"heartbeat_interval": 0.5, "heartbeat_misses": 60},  # (pd_config's lease)
+        "execution_group": {"nodes": [
+            {"engine": "vllm", "role": "prefill", "block_size": BLOCK_SIZE, "endpoints": [pre.endpoint()],
+             "kv_cache_transfer": plane},
+            {"engine": "vllm", "role": "decode", "block_size": BLOCK_SIZE, "endpoints": [dec.endpoint()]}]},
+    }, "test")
+    async with thunderagent(cfg, [pre, dec]) as front:
+        plan_every_request(front.fleet)
+        before = await metrics(dec)
+        chunks, worker = await stream_via(front, text_prompt(tiny_model_dir, 3, 90))
+        after = await metrics(dec)
+        assert worker == "worker-1" and chunks
+
+        def learned() -> list[dict]:
+            return [x for x in front.fleet.health_summary().get("pd_links", []) if x["samples"]]  # type: ignore[union-attr]
+
+        await wait_until(lambda: bool(learned()), 30, "the link learned from the decode server's metrics")
+        links = learned()
+    moved = grown(before, after, "vllm:nixl_bytes_transferred_sum")
+    secs = grown(before, after, "vllm:nixl_xfer_time_seconds_sum")
+    note(f"NIXL link learned: {links}; the decode server moved {moved:.0f} bytes in {secs:.4f} s")
+    assert [(x["src"], x["dst"]) for x in links] == [("worker-0", "worker-1")]
+    assert moved > 0 and secs > 0 and grown(before, after, "vllm:nixl_xfer_time_seconds_count") == 1
+    # one transfer, one sample (two if a poll read the bytes before the seconds of the same transfer)
+    if links[0]["samples"] == 1:
+        assert links[0]["bandwidth_gbps"] == pytest.approx(moved / secs * 8 / 1e9, rel=1e-3)
+    assert links[0]["bandwidth_gbps"] < 400.0  # (loopback TCP on a shared core: far below the configured default)
+    assert front.fleet.metrics.pd_links_learned.labels("server")._value.get() >= 1  # type: ignore[attr-defined]
 
 
 async def test_greedy_output_equals_a_single_servers(pd_pair: tuple[VllmServer, VllmServer],

@@ -80,3 +80,22 @@ def test_vllm_sleep_state():
     assert engine_stats(page(1, 0), VLLM).asleep is True  # (one data-parallel engine asleep)
     assert engine_stats(VLLM_PAGE, VLLM).asleep is None
     assert engine_stats(page(0), SGLANG).asleep is None  # (not read there)
+
+
+def test_vllm_nixl_pulls_are_read_summed_and_per_rank():
+    """A decode server's NIXL connector's reads (vLLM 0.32: per-engine histograms on the reading side): bytes and
+    seconds summed over its transfers, and their count, cumulative; one data-parallel rank's alone when asked."""
+    page = """\
+vllm:nixl_xfer_time_seconds_bucket{engine="0",le="0.005",model_name="m"} 2.0
+vllm:nixl_xfer_time_seconds_count{engine="0",model_name="m"} 3.0
+vllm:nixl_xfer_time_seconds_sum{engine="0",model_name="m"} 0.012
+vllm:nixl_xfer_time_seconds_count{engine="1",model_name="m"} 1.0
+vllm:nixl_xfer_time_seconds_sum{engine="1",model_name="m"} 0.004
+vllm:nixl_bytes_transferred_sum{engine="0",model_name="m"} 196608.0
+vllm:nixl_bytes_transferred_sum{engine="1",model_name="m"} 65536.0
+vllm:nixl_bytes_transferred_count{engine="0",model_name="m"} 3.0
+"""
+    assert engine_stats(page, VLLM).kv_pulls == (262144.0, 0.016, 4.0)
+    assert engine_stats(page, VLLM, engine="1").kv_pulls == (65536.0, 0.004, 1.0)
+    assert engine_stats(VLLM_PAGE, VLLM).kv_pulls is None  # (no NIXL connector: not said)
+    assert engine_stats(page, SGLANG).kv_pulls is None

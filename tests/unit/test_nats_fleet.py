@@ -318,6 +318,44 @@ async def test_health_summary_reports_frontend_and_sync_state(fleet):
     assert [w["id"] for w in summary["workers"]] == ["w1"]
 
 
+async def test_a_decode_workers_heartbeats_teach_the_transfer_plane_its_links(clock):
+    """Over NATS the decode server's NIXL readings ride on its worker process's heartbeats (``Heartbeat.kv_pulls``):
+    the frontend's plane learns the link from the prefill worker whose plan landed there, as ``serve`` does."""
+    from thunderagent.control.pd_plane import PlaneObserver
+    from thunderagent.types import PdPlan
+
+    plane = {"enabled": True, "bandwidth_gbps": 400.0, "latency_s": 0.0, "ewma_alpha": 1.0}
+    cfg = parse_config({"control_plane": {"heartbeat_interval": 1.0, "heartbeat_misses": 3,
+                                          "health_check_enabled": False}, "routing": {"seed": 1},
+                        "execution_group": {"nodes": [{"block_size": BS, "role": "prefill", "kv_cache_transfer": plane},
+                                                      {"block_size": BS, "role": "decode"}]},
+                        "scheduler": {"enabled": False}})
+    f = build_nats_fleet(cfg, FakeBus(), discovery_window=0.0, clock=clock)
+    await f.start()
+    f.bus = f.membership.bus  # type: ignore[attr-defined]
+    try:
+        def hb(wid: str, role: str, pulls: tuple[float, float, float] | None) -> bytes:
+            info = wire.WireInfo(wid, role, "vllm", BS, 8192, 64, 1000)
+            load = wire.WireLoad(0.0, 0, 0, 0, 0, 0, 0, 1000)
+            return wire.encode(wire.Heartbeat(wire.WIRE_VERSION, "i1", info, load, -1, kv_pulls=pulls))
+
+        f.bus.dumps["p1"] = f.bus.dumps["d1"] = ("i1", [], -1)
+        await deliver(f, "ta.worker.p1.hello", hb("p1", "prefill", (0.0, 0.0, 0.0)))
+        await deliver(f, "ta.worker.d1.hello", hb("d1", "decode", (0.0, 0.0, 0.0)))
+        obs = f.disagg.observer
+        assert isinstance(obs, PlaneObserver)
+        plan = PdPlan("p1", 64, 10**6, 0.0, 0.0, "test")
+        assert obs.on_transfer_start("r1", plan, "d1", clock())
+        obs.on_transfer_end("r1", plan, True, "ok", 10**6, 0.2, clock())
+        await deliver(f, "ta.worker.d1.hb", hb("d1", "decode", (2e8, 0.1, 1.0)))  # 200 MB in 0.1 s
+        await deliver(f, "ta.worker.p1.hb", hb("p1", "prefill", (0.0, 0.0, 0.0)))  # (a prefill server reads nothing)
+        assert [(x["src"], x["dst"], x["samples"]) for x in obs.links()] == [("p1", "d1", 1)]
+        assert obs.links()[0]["bandwidth_gbps"] == pytest.approx(16.0)
+        assert f.health_summary()["pd_links"] == obs.links()
+    finally:
+        await f.stop()
+
+
 def test_load_report_fields_match_wire():
     # a new LoadReport field must be added to WireLoad too; worker_id is the subject's, and kv_seq
     # rides on the heartbeat itself (Heartbeat.last_seq)

@@ -114,6 +114,16 @@ async def test_limits_the_engine_states_ride_on_every_later_heartbeat(svc):
     assert (after.max_seq_tokens, after.max_prompt_tokens) == (2048, 0) and after.worker_id == "w1"
 
 
+async def test_its_servers_kv_pulls_ride_on_the_next_heartbeat(svc):
+    """A vLLM decode server's NIXL reads (cumulative, from its load polls) go to the frontends in heartbeats, where
+    the transfer plane's links learn from them (``control/pd_plane.py``); a server that reports none sends None."""
+    svc.fake.cb.on_heartbeat("w1", svc.fake.load())
+    assert wire.decode_heartbeat(svc.bus.published[-1][1]).kv_pulls is None
+    svc.fake.cb.on_kv_pulls("w1", 196608.0, 0.12, 1.0)
+    svc.fake.cb.on_heartbeat("w1", svc.fake.load())
+    assert wire.decode_heartbeat(svc.bus.published[-1][1]).kv_pulls == (196608.0, 0.12, 1.0)
+
+
 async def test_generate_streams_numbered_batches_until_finished(svc):
     reply = await generate(svc, "r1", [1, 2, 3])
     q = svc.fake.queues["r1"]

@@ -240,6 +240,8 @@ class Heartbeat(msgspec.Struct, array_like=True, frozen=True):
     cordoned: bool = False  # an operator took it out of routing (``<p>.rpc.<id>.cordon``); every frontend leaves it out
     asleep: bool = False  # its server was put to sleep through a frontend (``call /sleep``): routed to last
     paused: bool = False  # its server's generation was paused through a frontend (``pause``): routed to last
+    #: its server's own KV pulls so far (vLLM's NIXL metrics: bytes, seconds, transfers); None: it reports none
+    kv_pulls: tuple[float, float, float] | None = None
 
 
 class Bye(msgspec.Struct, array_like=True, frozen=True):

@@ -271,9 +271,8 @@ class Fleet:
             self._schedule_pump()
 
     def cut(self, gen: Generation, why: str) -> None:
-        """End a request its worker can no longer serve: aborted there, and finished here with
-        ``ERROR`` if the worker had accepted it (the consumer migrates it), else ``UNAVAILABLE``
-        (the consumer routes it again)."""
+        """End a request its worker can no longer serve: aborted there, and finished here with ``ERROR`` if the
+        worker had accepted it (the consumer migrates it), else ``UNAVAILABLE`` (the consumer routes it again)."""
         self._inflight.pop(gen.request_id, None)
         gen.lost = why
         gen.worker.abort(gen.request_id)
@@ -497,4 +496,5 @@ class Fleet:
     def health_summary(self) -> dict[str, object]:
         return health_summary(self.registry, self.index, self.unavailable, (self.cordoned, self.asleep, self.paused),
                               self.dispatcher.queue, self.now(), self.membership.summary(), self.outliers.breakers) \
-            | self.autotune.health() | ({} if self.cache_migration is None else self.cache_migration.health())
+            | self.autotune.health() | ({} if self.cache_migration is None else self.cache_migration.health()) \
+            | ({"pd_links": self.disagg.observer.links()} if isinstance(self.disagg.observer, PlaneObserver) else {})

@@ -424,6 +424,9 @@ class Metrics:
             "block verified (the plane's links learn from it)",
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r,
         )
+        self.pd_links_learned = Counter("thunderagent_pd_links_learned", "Samples the transfer plane's link "
+                                        "estimates learned, by source: a decode worker's own pull, or a decode "
+                                        "server's NIXL metrics (per link)", ["source"], registry=r)
 
     def observe_kv_pull(self, pull: KvPull) -> None:
         """A decode worker's own pull of a transfer's bytes (simulated workers)."""

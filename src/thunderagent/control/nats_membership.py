@@ -58,6 +58,7 @@ from thunderagent.control.planner_peers import PlannerPeers
 from thunderagent.control.program_peers import ProgramPeers
 from thunderagent.control.tenant_peers import TenantPeers
 from thunderagent.control.marks import apply_asleep, apply_cordon, apply_paused
+from thunderagent.control.pd_plane import PlaneObserver
 from thunderagent.control.remote_worker import RemoteLink, RemoteWorker
 from thunderagent.types import LoadReport, PromptLimit
 
@@ -244,6 +245,8 @@ class NatsMembership:
             apply_asleep(fleet, wid, hb.asleep, "its heartbeat says so")
         if hb.paused != (wid in fleet.paused):
             apply_paused(fleet, wid, hb.paused, "its heartbeat says so")
+        if hb.kv_pulls is not None and isinstance(fleet.disagg.observer, PlaneObserver):  # (the links learn)
+            fleet.disagg.observer.on_server_pulls(wid, *hb.kv_pulls, fleet.now())
         fleet.on_heartbeat(wid, worker.load())
         if fleet.feed.heartbeat(wid, hb.last_seq):
             log.warning("worker %s published events up to seq %d, index has %d: resyncing",

@@ -34,10 +34,13 @@ class EngineFlavor:
     #: a GET path answering ``{"is_paused": bool}`` (vLLM's ``/is_paused``, served in its dev mode: the only place a
     #: pause sent to the server shows; no metric says it), read with every load poll while it answers (None: not read)
     pause_state: str | None = None
+    #: the server's own KV pulls from other servers, cumulative (vLLM's NIXL connector: its histograms' byte and
+    #: second sums and their count, on the reading side: a decode server): (bytes, seconds, transfers) metric names
+    kv_pulls: tuple[str, str, str] | None = None
 
     @property
     def wanted(self) -> frozenset[str]:
-        names = {*self.running, *self.waiting, *self.kv_usage, "process_start_time_seconds"}
+        names = {*self.running, *self.waiting, *self.kv_usage, *(self.kv_pulls or ()), "process_start_time_seconds"}
         if self.sleep_state:
             names.add(self.sleep_state)
         if self.cache_info:
@@ -55,6 +58,8 @@ VLLM = EngineFlavor(
     hints="--enable-prefix-caching --enable-prompt-tokens-details --block-size N --kv-events-config ...",
     sleep_state="vllm:engine_sleep_state",
     pause_state="/is_paused",
+    kv_pulls=("vllm:nixl_bytes_transferred_sum", "vllm:nixl_xfer_time_seconds_sum",
+              "vllm:nixl_xfer_time_seconds_count"),
 )
 
 
@@ -99,6 +104,8 @@ class EngineStats:
     prefix_caching: bool | None = None
     start_time: float | None = None
     asleep: bool | None = None  # the server sleeps (vLLM: ``awake`` 0 on any engine); None: the page does not say
+    #: its KV pulls so far (bytes, seconds, transfers: :attr:`EngineFlavor.kv_pulls`); None: the page has none
+    kv_pulls: tuple[float, float, float] | None = None
 
 
 
@@ -129,6 +136,10 @@ def engine_stats(text: str, flavor: EngineFlavor, engine: str | None = None) -> 
             prefix = labels["enable_prefix_caching"] == "True"
     start = m.get("process_start_time_seconds")
     awake = [v for labels, v in m.get(flavor.sleep_state or "", ()) if labels.get("sleep_state") == "awake"]
+    pulls = None
+    if flavor.kv_pulls is not None and all(n in m for n in flavor.kv_pulls):
+        b, sec, n = (sum(v for _, v in m[name]) for name in flavor.kv_pulls)
+        pulls = (b, sec, n)
     return EngineStats(
         running=int(sum(first(flavor.running))),
         waiting=int(sum(first(flavor.waiting))),
@@ -138,4 +149,5 @@ def engine_stats(text: str, flavor: EngineFlavor, engine: str | None = None) -> 
         prefix_caching=prefix,
         start_time=start[0][1] if start else None,
         asleep=any(v == 0 for v in awake) if awake else None,
+        kv_pulls=pulls,
     )

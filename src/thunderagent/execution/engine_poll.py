@@ -4,7 +4,8 @@ The engine's Prometheus ``/metrics`` (running, waiting, KV usage, and vLLM's ``c
 block size, number of KV blocks, prefix caching) is polled every heartbeat interval; every answered
 poll is a heartbeat, and while the polls answer the requests in flight are kept alive (touched).
 With each poll vLLM's sleep gauge is read, and its ``/is_paused`` while the server answers it (dev mode):
-a sleep or a pause sent to the server directly, or from before ThunderAgent started, is noticed.
+a sleep or a pause sent to the server directly, or from before ThunderAgent started, is noticed; and its NIXL
+connector's KV pulls so far (a decode server's), which teach the transfer plane its links (``control/pd_plane.py``).
 
 A server that cannot be reached stops heartbeating and leaves routing once the registry's timeout
 expires; one that refused a connection is kept out of routing (:data:`REASON_UNREACHABLE`) until
@@ -245,6 +246,8 @@ class EnginePoller:
         # not a poll begun before a sleep or wake-up asked through ThunderAgent: it may carry the old state)
         if s.asleep is not None and self._cb.on_asleep is not None and epoch in (None, self._marks_epoch):
             self._cb.on_asleep(self.worker_id, s.asleep)
+        if s.kv_pulls is not None and self._cb.on_kv_pulls is not None:  # (a decode server's NIXL reads)
+            self._cb.on_kv_pulls(self.worker_id, *s.kv_pulls)
         if s.prefix_caching is False and not self._warned_prefix:
             self._warned_prefix = True
             log.error("%s: the engine runs without prefix caching: no cache to route to (start it with "

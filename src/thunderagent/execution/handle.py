@@ -117,6 +117,9 @@ class WorkerCallbacks:
     on_asleep: Callable[[str, bool], None] | None = None
     #: its server's generation was paused or resumed (vLLM's ``/is_paused``, while it is awake; None: not passed on)
     on_paused: Callable[[str, bool], None] | None = None
+    #: its server's own KV pulls so far, read with each load poll (vLLM's NIXL metrics: bytes, seconds, transfers,
+    #: cumulative; None: not passed on)
+    on_kv_pulls: Callable[[str, float, float, float], None] | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -122,9 +122,7 @@ class WorkerService:
         self.worker_id = check_token(info.worker_id, "worker id")
         self.wire_info = info_to_wire(info, engine_kind)
         self._engine_kind = engine_kind
-        #: changes on every process start: frontends tell a restarted worker (new cache, seq from 0)
-        #: from the one they knew
-        self.instance = secrets.token_hex(6)
+        self.instance = secrets.token_hex(6)  # a new one every process start: frontends tell a restarted worker
         self.keepalive = keepalive
         self.drain_timeout = drain_timeout
         self.frontend_lease = frontend_lease
@@ -136,6 +134,7 @@ class WorkerService:
         self.cordoned = False  # an operator took this worker out of routing (told every frontend in heartbeats)
         self.asleep = False  # its server was put to sleep through a frontend (told every frontend in heartbeats)
         self.paused = False  # its server's generation was paused through a frontend (likewise)
+        self.kv_pulls: tuple[float, float, float] | None = None  # its server's NIXL reads so far (the next heartbeat's)
         self._load = LoadReport(info.worker_id, 0.0, 0, 0, 0, 0, 0, 0, info.kv_total_blocks)  # last pushed
         self._streams: dict[str, _Out] = {}
         self._keepalive_task: asyncio.Task[None] | None = None
@@ -144,8 +143,7 @@ class WorkerService:
         self.counters = WorkerCounters()  # its metrics endpoint's (thunderagent worker --metrics-port)
         self._calls: set[asyncio.Task[None]] = set()  # operator calls answered from a task (a cache reset)
         self._loop: asyncio.AbstractEventLoop | None = None
-        #: where the KV events go (nats.index: sharded: a subject only the worker's owner subscribes to)
-        self._kv_subject = subjects.worker_kv(self.worker_id, sharded_kv)
+        self._kv_subject = subjects.worker_kv(self.worker_id, sharded_kv)  # (nats.index: sharded: its owner's only)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -154,7 +152,7 @@ class WorkerService:
         self.handle = self._build(WorkerCallbacks(self._on_events, self._on_heartbeat, self._on_load,
                                                   self._on_unavailable, self._now, on_limits=self._on_limits,
                                                   on_adapters=self._on_adapters, on_asleep=self._set_asleep,
-                                                  on_paused=self._set_paused))
+                                                  on_paused=self._set_paused, on_kv_pulls=self._set_kv_pulls))
         # Subscribe (and flush) before saying hello: a frontend dumps a worker as soon as it meets it.
         await self.bus.subscribe(self.subjects.rpcs(self.worker_id), self._on_rpc)
         await self.bus.subscribe(self.subjects.discover(), self._on_discover)
@@ -177,6 +175,9 @@ class WorkerService:
     def _set_asleep(self, worker_id: str, asleep: bool) -> None:
         """Its server fell asleep or woke (its metrics say so)."""
         self._set_marks(asleep=asleep)
+
+    def _set_kv_pulls(self, worker_id: str, nbytes: float, seconds: float, transfers: float) -> None:
+        self.kv_pulls = (nbytes, seconds, transfers)  # (its next heartbeat tells the frontends: their links learn)
 
     def _set_paused(self, worker_id: str, paused: bool) -> None:
         """Its server was paused or resumed (its ``/is_paused`` says so)."""
@@ -242,7 +243,7 @@ class WorkerService:
 
     def _publish_heartbeat(self, kind: str, load: LoadReport) -> None:
         hb = Heartbeat(WIRE_VERSION, self.instance, self.wire_info, load_to_wire(load), self.last_seq, self.cordoned,
-                       self.asleep, self.paused)
+                       self.asleep, self.paused, self.kv_pulls)
         self.counters.heartbeats += 1
         self.bus.publish(self.subjects.worker(self.worker_id, kind), encode(hb))
 

@@ -93,12 +93,12 @@ class TransferPlane:
             return nbytes / self.default_bps + self.cfg.latency_s
         return nbytes / ln.bandwidth_bps + ln.latency_s
 
-    def learn(self, src: str, dst: str, nbytes: int, seconds: float) -> None:
-        """``nbytes`` moved from ``src`` to ``dst`` in ``seconds`` (latency included): the link's
-        bandwidth estimate takes it in (EWMA). The live fleet calls it with the decode worker's own
-        measure of its pull (a plan's duration there includes the prefill)."""
+    def learn(self, src: str, dst: str, nbytes: int, seconds: float, transfers: int = 1) -> None:
+        """``nbytes`` moved from ``src`` to ``dst`` in ``transfers`` transfers taking ``seconds`` in all (each
+        one's latency included): the link's bandwidth estimate takes it in (EWMA). The live fleet calls it with
+        the decode worker's own measure of its pulls (a plan's duration there includes the prefill)."""
         ln = self.link(src, dst)
-        moving = seconds - ln.latency_s
+        moving = seconds - transfers * ln.latency_s
         if moving > 0 and nbytes:
             a = self.cfg.ewma_alpha
             ln.bandwidth_bps = (1 - a) * ln.bandwidth_bps + a * (nbytes / moving)
