@@ -140,6 +140,12 @@ def test_a_prompt_changed_near_its_end_and_grown_replaces_the_one_it_was_tokeniz
     short = "ab|" + "line\n" * 5 + "other|"  # (changed near the branch's end, but shorter: kept beside it)
     cache.store(short, *_entry(short), reused=cache.lookup(short))
     assert len(cache) == 3
+    # rollouts of one task: each parts from the other near its end with a reply of its own: both kept
+    task = "ab|" + "line\n" * 14 + "|"
+    cache.store(task + "reply A", *_entry(task + "reply A"), reused=cache.lookup(task + "reply A"))
+    n = len(cache)
+    cache.store(task + "reply B!", *_entry(task + "reply B!"), reused=cache.lookup(task + "reply B!"))
+    assert len(cache) == n + 1
 
 
 def test_stored_ids_are_compact() -> None:

@@ -19,9 +19,11 @@ not here.
 
 Pure and synchronous; bounded by the bytes it holds (text + 4 bytes per id), least recently used first out. A
 prompt found to contain the whole of a kept one replaces it, so a conversation holds one entry, its latest turn; so
-does a prompt tokenized from a kept one that it changed only in its last ``replace_tail`` characters (a message
-that grows inside a chat template: the template's closing lines come after it, so the next turn is no extension
-of the last; kept side by side, such turns would pile up in one group and each lookup would compare them all).
+does a prompt tokenized from a kept one that it grew inside, within that one's last ``replace_tail`` characters and
+before the same ending (a message growing inside a chat template: the template's closing lines come after it, so
+the next turn is no extension of the last; kept side by side, such turns would pile up in one group and each lookup
+would compare them all). Prompts that part near the end with other endings (rollouts of one task, each with its own
+reply) are kept side by side.
 Prompts are grouped by their first ``key_chars`` characters (agents of one product share a system prompt: a
 group holds all of their conversations, and a lookup compares the prompt with each, which costs at most their
 shared length each: the comparison stops where they differ), within a *scope*: the request's cache salt (its
@@ -141,7 +143,7 @@ class PrefixTokenCache:
               scope: str | None = None, cut_needs: list[int] | None = None, reused: Reuse | None = None) -> None:
         """Keep ``text`` with its ``ids`` and cuts (increasing; ``cut_needs`` their needs, by default each cut's own
         position) in ``scope``, dropping the kept prompts it extends and the one it was tokenized from (``reused``,
-        its lookup) when it changed only that one's last ``replace_tail`` characters."""
+        its lookup) when it grew inside that one's last ``replace_tail`` characters, before the same ending."""
         key = (scope, text[: self.key_chars])
         entry = _Entry(text, ids if isinstance(ids, array) else array("I", ids), cut_chars, cut_tokens,
                        list(cut_chars) if cut_needs is None else cut_needs)
@@ -153,8 +155,9 @@ class PrefixTokenCache:
         else:
             self._groups.move_to_end(key)
             kept = []
-            old = None if reused is None else reused.entry  # (changed near its end and grown past it: replaced)
-            if old is not None and (len(text) < len(old.text) or len(old.text) - reused.shared > self.replace_tail):
+            old = None if reused is None else reused.entry  # (grown inside, before the same ending: replaced)
+            if old is not None and (len(old.text) - reused.shared > self.replace_tail  # type: ignore[union-attr]
+                                    or len(text) < len(old.text) or not text.endswith(old.text[reused.shared :])):
                 old = None
             for e in group:
                 if e is old or text.startswith(e.text):  # (a conversation's previous turn: this one holds it all)
