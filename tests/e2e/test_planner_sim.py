@@ -77,3 +77,31 @@ def test_forecast_sizing_acts_in_the_simulator() -> None:
     ups = [t for t, d, _ in r.steps if d > 0]
     downs = [t for t, d, _ in r.steps if d < 0]
     assert ups and downs and min(ups) < min(downs)
+
+
+def test_planner_in_closed_loop_scales_agent_programs(tmp_path) -> None:
+    """`--planner --closed-loop --horizon H` (agent programs: each session's next step after its previous one and
+    its think time): the planner's looks ride on open-loop markers up to the horizon, it adds workers while the
+    programs queue on one, the session figures are reported, and decisions can be logged. Without a horizon a
+    closed-loop planner run is refused (when its last request ends is not known beforehand)."""
+    from tests.e2e.test_sim_cli import AGENTIC_EXCERPT, run_sim
+
+    cfg = tmp_path / "planner.yaml"
+    cfg.write_text("planner:\n  enabled: true\n  interval_s: 1\n  window_s: 5\n  cooldown_s: 5\n  up_ttft_s: 0.5\n  down_ttft_s: 0.2\n"
+                   "  up_queue_per_worker: 0.5\n")
+    out, log = tmp_path / "out.json", tmp_path / "decisions.jsonl"
+    res = run_sim("--trace", str(AGENTIC_EXCERPT), "--workers", "3", "--kv-blocks", "1200", "--closed-loop",
+                  "--think-cap", "2", "--policy", "kv_aware", "--config", str(cfg), "--planner",
+                  "--planner-startup-s", "2", "--horizon", "600", "--decision-log", str(log), "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["policy"] == "kv_aware+planner"
+    x = run["extra"]
+    assert x["sessions"] == 4 and x["steps_per_min"] > 0 and x["horizon_s"] == 600
+    assert x["scaling"]["mode"] == "step" and x["scaling"]["steps"] and x["scaling"]["steps"][0][1] == 1
+    assert 1 < x["scaling"]["peak_workers"] <= 3
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert lines and {line["run"] for line in lines} == {"kv_aware+planner"}
+    assert len(lines) == run["requests"]  # (every request decided once: the planner's markers are no requests)
+    res = run_sim("--trace", str(AGENTIC_EXCERPT), "--closed-loop", "--config", str(cfg), "--planner")
+    assert res.returncode == 2 and "--horizon" in res.stderr

@@ -173,10 +173,9 @@ def sim(
     asked = cfg.scheduler.enabled and "enabled" in cfg.scheduler.model_fields_set
     modes = scheduler or [SchedulerMode.on if asked else SchedulerMode.off]
     pacings = pacing or [PacingMode.ours if cfg.scheduler.pacing.enabled else PacingMode.off]
-    if planner and (not cfg.planner.enabled or closed_loop or horizon is not None or decision_log is not None
-                    or pd is not None):
-        typer.echo("error: --planner needs a config with planner: enabled: true, and runs open loop without "
-                   "--horizon, --decision-log or --pd", err=True)
+    if planner and (not cfg.planner.enabled or pd is not None or (closed_loop and horizon is None)):
+        typer.echo("error: --planner needs a config with planner: enabled: true, no --pd, and with --closed-loop a "
+                   "--horizon (the planner's looks go on until then)", err=True)
         raise typer.Exit(2)
     dlog = _open_decision_log(cfg, decision_log)
     for pol, mode, pace, pds in ((p, m, g, d) for p in policies for m in modes for g in pacings for d in pd_setups):
@@ -189,7 +188,8 @@ def sim(
 
             outcome = ScalingSim(node, routing, pol, mode="step", initial=min(cfg.planner.min_workers, workers),
                                  max_workers=workers, planner=cfg.planner, startup_s=planner_startup_s, seed=seed,
-                                 scheduler=sched).replay(requests, 0.0, speedup).outcome
+                                 scheduler=sched, decision_log=dlog, run_label=label + "+planner").replay(
+                requests, 0.0, speedup, closed_loop=closed_loop, horizon_s=horizon).outcome
             assert outcome is not None
             outcome.result.policy = label = label + "+planner"
             outcomes.append(outcome)

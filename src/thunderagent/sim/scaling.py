@@ -18,7 +18,10 @@ the run ended; a started worker is a fresh engine (empty cache) whose index entr
 
 The planner looks every ``planner.interval_s`` of virtual time. The driver has no timer events, so
 looks ride on marker arrivals every ``tick_s`` (:data:`TICK`) that :meth:`ScalingSim._dispatch`
-turns into a look instead of a request (they are not requests: no track, no result line).
+turns into a look instead of a request (they are not requests: no track, no result line, no session).
+In closed loop (agent programs: each session's next request after its previous one and its think time)
+the markers stay open loop, at their times, up to the run's horizon, which such a run needs: when its
+last request ends is not known beforehand.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Literal
 
 from thunderagent.config import NodeConfig, PlannerConfig, Policy, RoutingConfig, SchedulerConfig
 from thunderagent.control.planner import WORKER_TTFT_BUCKETS, Planner, WorkerSample
+from thunderagent.observe.decision_log import DecisionLog
 from thunderagent.engine.simulated import SimulatedEngine
 from thunderagent.sim.driver import SimOutcome, Simulator
 from thunderagent.sim.results import Dist
@@ -78,7 +82,8 @@ class ScalingResult:
 class ScalingSim(Simulator):
     def __init__(self, node: NodeConfig, routing: RoutingConfig, policy: Policy, *, mode: Mode, initial: int,
                  max_workers: int, planner: PlannerConfig | None = None, startup_s: float = 60.0,
-                 tick_s: float = 1.0, seed: int = 0, scheduler: SchedulerConfig | None = None) -> None:
+                 tick_s: float = 1.0, seed: int = 0, scheduler: SchedulerConfig | None = None,
+                 decision_log: DecisionLog | None = None, run_label: str | None = None) -> None:
         if not 1 <= initial <= max_workers:
             raise ValueError(f"need 1 <= initial ({initial}) <= max_workers ({max_workers})")
         if mode != "fixed" and (planner is None or not planner.enabled):
@@ -87,7 +92,8 @@ class ScalingSim(Simulator):
             raise ValueError("startup_s >= 0 and tick_s > 0 are needed")
         # with a scheduler, requests wait in its holding queue (and paced programs by their pacer) and go to
         # the routable workers only; their time held counts in the TTFT the planner reads, as in ``serve``
-        super().__init__(node, routing, max_workers, policy, seed=seed, scheduler=scheduler)
+        super().__init__(node, routing, max_workers, policy, seed=seed, scheduler=scheduler, decision_log=decision_log,
+                         run_label=run_label)
         self.mode = mode
         self.planner = Planner(planner) if planner is not None and mode != "fixed" else None
         self.look_every = planner.interval_s if planner is not None else math.inf
@@ -200,15 +206,21 @@ class ScalingSim(Simulator):
 
     # -- a whole run ---------------------------------------------------------------------------
     def replay(self, requests: Sequence[TraceRequest], scale_up_end_s: float, speedup: float = 1.0,
-               join_window_s: float = 120.0) -> ScalingResult:
-        """Run ``requests`` (open loop, arrivals divided by ``speedup``) with looks every ``tick_s``
-        until a minute after the last arrival; ``scale_up_end_s``: the requests arriving before it (virtual
-        seconds) make the scale-up hit rate. ``result.extra["scaling"]`` gets the fleet's story."""
-        end = max((r.arrival_s for r in requests), default=0.0) / speedup + 60.0
+               join_window_s: float = 120.0, *, closed_loop: bool = False,
+               horizon_s: float | None = None) -> ScalingResult:
+        """Run ``requests`` (open loop, arrivals divided by ``speedup``; ``closed_loop``: each session's requests
+        one after another, as :meth:`Simulator.run`) with looks every ``tick_s`` until a minute after the last
+        arrival, or until ``horizon_s`` (virtual seconds: the run stops there; needed in closed loop);
+        ``scale_up_end_s``: the requests arriving before it (virtual seconds) make the scale-up hit rate.
+        ``result.extra["scaling"]`` gets the fleet's story."""
+        if closed_loop and horizon_s is None:
+            raise ValueError("a closed-loop run with the planner needs horizon_s: its looks go on until then")
+        end = horizon_s if horizon_s is not None else max((r.arrival_s for r in requests), default=0.0) / speedup + 60
+
         bs = requests[0].trace_block_size if requests else 64
         ticks = [TraceRequest(f"{TICK}{k}", k * self.tick_s * speedup, 0, 0, [], bs)
                  for k in range(int(end / self.tick_s) + 1)]
-        out = self.run([*requests, *ticks], speedup)
+        out = self.run([*requests, *ticks], speedup, closed_loop=closed_loop, horizon_s=horizon_s)
         duration = float(out.result.extra["duration_s"])  # type: ignore[arg-type]
         spans = self._paid + [(w.paid_from, math.inf) for w in self.workers if w.state != "off"]
         paid = sum(max(0.0, min(b, duration) - a) for a, b in spans)  # the run ends at its last output
