@@ -35,8 +35,8 @@ from typing import Literal
 
 from thunderagent.config import NodeConfig, PlannerConfig, Policy, RoutingConfig, SchedulerConfig
 from thunderagent.control.planner import WORKER_TTFT_BUCKETS, Planner, WorkerSample
-from thunderagent.observe.decision_log import DecisionLog
 from thunderagent.engine.simulated import SimulatedEngine
+from thunderagent.observe.decision_log import DecisionLog
 from thunderagent.sim.driver import SimOutcome, Simulator
 from thunderagent.sim.results import Dist
 from thunderagent.sim.summary import Track
