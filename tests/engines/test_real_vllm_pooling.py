@@ -64,6 +64,17 @@ async def test_embeddings_pooling_and_scores_on_a_real_pooling_server(tiny_model
                     ours = await r.json()
                     # ThunderAgent's model name is the server's here (front_config names the model by its path)
                     _same(ours, theirs)
+            # a batch's tokens as a tenant's token limit counts them: what the server says it prefilled
+            from thunderagent.frontend.hf_tokenizer import HfTokenizer
+
+            batch = asks[0][1]["input"]
+            counted = sum(map(len, HfTokenizer(tiny_model_dir).encode_many(batch)))
+            assert counted == direct[0]["usage"]["prompt_tokens"], (counted, direct[0]["usage"])
+            bare = {"model": served, "input": batch, "add_special_tokens": False}
+            async with s.post(pooling_server.url + "/v1/embeddings", json=bare, headers=keyed) as r:
+                assert r.status == 200, await r.text()
+                theirs_bare = (await r.json())["usage"]["prompt_tokens"]
+            assert sum(map(len, HfTokenizer(tiny_model_dir).encode_many(batch, special=False))) == theirs_bare
             emb = await front.client.embeddings.create(model=front.model, input="the router",
                                                        encoding_format="float")
             assert emb.data[0].embedding == direct[0]["data"][0]["embedding"]

@@ -97,8 +97,9 @@ async def _routed(base: str, path: str, body: dict) -> tuple[str, int]:
 async def test_embeddings_are_routed_on_the_cache_of_their_first_input(tiny_model_dir: Path) -> None:
     """An embedding, pooling or classification request's first input (text tokenized as vLLM does, or token ids) is
     hashed and routed on the cache as a prompt is: inputs sharing a long instruction go where it was sent; the
-    router's prediction holds its blocks. Where the tokens vLLM runs are not known here (``add_special_tokens``
-    false, a truncation, chat messages) and on the scoring paths, a request is routed on load, its overlap 0."""
+    router's prediction holds its blocks (``add_special_tokens`` false: tokenized without them). Where the tokens vLLM
+    runs are not known here (a truncation, padding, chat messages) and on the scoring paths, a request is routed on
+    load, its overlap 0."""
     from thunderagent.frontend.hf_tokenizer import HfTokenizer
 
     engines = await _engines()
@@ -121,7 +122,11 @@ async def test_embeddings_are_routed_on_the_cache_of_their_first_input(tiny_mode
             assert await routed("/pooling", {"model": model, "input": ids}) == (home, len(ids) // BS)
             w, overlap = await routed("/classify", {"model": model, "input": [ids, [1, 2]]})
             assert (w, overlap) == (home, len(ids) // BS)
-            for body in ({"input": doc, "add_special_tokens": False}, {"input": doc, "truncate_prompt_tokens": 8},
+            # without special tokens: the ids vLLM runs then (this tokenizer adds none anyway: the same blocks)
+            assert tok.encode_many([doc], special=False)[0] == tok.encode(doc)
+            w, overlap = await routed("/v1/embeddings", {"model": model, "input": doc, "add_special_tokens": False})
+            assert w == home and overlap >= full - 1
+            for body in ({"input": doc, "truncate_prompt_tokens": 8}, {"input": doc, "padding": "max_length"},
                          {"messages": [{"role": "user", "content": doc}]}, {"input": [{"not": "text"}]}):
                 assert (await routed("/v1/embeddings", {"model": model, **body}))[1] == 0, body
             assert (await routed("/score", {"model": model, "text_1": doc, "text_2": ["a"]}))[1] == 0
@@ -131,8 +136,10 @@ async def test_embeddings_are_routed_on_the_cache_of_their_first_input(tiny_mode
 
 
 async def test_a_tenants_token_limit_charges_an_embeddings_input_its_tokens(tiny_model_dir: Path) -> None:
-    """A token limit takes a single embedding input, tokenized for routing anyway, for its exact tokens; a batch
-    (its other inputs not tokenized here) and a scoring request for an estimate of the body."""
+    """A token limit takes embedding inputs tokenized here (for routing anyway: a batch's other texts in the same
+    ``encode_many`` call; without special tokens when the body leaves them out) for their exact tokens, a batch of
+    token-id lists for their lengths; what is not known here (a mixed batch, padding, a truncation) an estimate of
+    the body."""
     from thunderagent.frontend.hf_tokenizer import HfTokenizer
     from thunderagent.frontend.tenant_gate import GATE_KEY
 
@@ -149,8 +156,13 @@ async def test_a_tenants_token_limit_charges_an_embeddings_input_its_tokens(tiny
             def left() -> float:
                 return limiter.tokens_left("acme", asyncio.get_running_loop().time())
 
-            for body, charge in (({"input": text}, n), ({"input": [text]}, n),
-                                 ({"input": [text, "b"]}, None), ({"input": text, "add_special_tokens": False}, None)):
+            nb = len(HfTokenizer(tiny_model_dir).encode("b"))
+            n_bare = len(HfTokenizer(tiny_model_dir).encode_many([text], special=False)[0])
+            for body, charge in (({"input": text}, n), ({"input": [text]}, n), ({"input": [text, "b"]}, n + nb),
+                                 ({"input": [[5, 6, 7], [8, 9]]}, 5), ({"input": [5, 6, 7]}, 3),
+                                 ({"input": text, "add_special_tokens": False}, n_bare),
+                                 ({"input": [text, [5, 6]]}, None), ({"input": text, "padding": "max_length"}, None),
+                                 ({"input": text, "truncate_prompt_tokens": 8}, None)):
                 before = left()
                 raw = json.dumps({"model": srv.fleet.model_name, **body}).encode()
                 status, _, _ = await _post(srv.base_url, "/v1/embeddings", json.loads(raw), KEY_A)

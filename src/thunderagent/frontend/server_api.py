@@ -18,21 +18,22 @@ Routing: an embedding, pooling or classification request (``/v1/embeddings``, ``
 pooling model (``LAST`` pooling, e.g. Qwen3-Embedding) caches prefixes and publishes them in KV events like a
 generating one, so inputs that share an instruction or a document go where it is cached. The text is tokenized
 with the model's tokenizer as vLLM tokenizes it (special tokens added, unless the body's ``add_special_tokens`` is
-false: then, and with ``truncate_prompt_tokens`` or chat ``messages``, the tokens vLLM runs are not known here,
+false; with ``truncate_prompt_tokens``, ``padding`` or chat ``messages`` the tokens vLLM runs are not known here,
 and the request is routed on load). A server that caches nothing (encoder models, ``MEAN`` / ``CLS`` pooling)
 leaves only the router's own predictions, which expire. The other paths hold no KV cache worth finding again:
 routed on load alone (in-flight requests and queues, as any request's cost reads them). All of them go through
 the holding queue and count in flight on their server. A request a server did not take (refused connection, a
 5xx before it answered) is routed again.
 With API keys on, each counts against its tenant's request and in-flight limits; a token limit takes an
-embedding, pooling or classification request of one input tokenized here (above) for its tokens, any other an
-estimate of the input (one token per 4 bytes of body: batches, the scoring paths; the tokenizer's paths take
-none, they use no accelerator).
+embedding, pooling or classification request whose inputs are tokenized here (text, a batch of texts in one
+``encode_many``, token ids, a batch of id lists: what vLLM prefills, its ``usage.prompt_tokens``) for their
+tokens, any other an estimate of the input (one token per 4 bytes of body: chat ``messages``, a truncation or
+padding, the scoring paths; the tokenizer's paths take none, they use no accelerator).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -57,6 +58,7 @@ class _Request(msgspec.Struct, kw_only=True):
     add_special_tokens: Any = True
     truncate_prompt_tokens: Any = None
     messages: Any = None
+    padding: Any = None
 
 
 _decoder = msgspec.json.Decoder(_Request)
@@ -66,16 +68,27 @@ _decoder = msgspec.json.Decoder(_Request)
 _INPUT_PATHS = frozenset({"/v1/embeddings", "/pooling", "/classify"})
 
 
-def first_input(req: _Request, encode: Callable[[str], list[int]]) -> list[int]:
-    """The tokens vLLM prefills for the request's first input (text tokenized by ``encode``, with special tokens;
-    token ids as given), or none when they are not known here: no input, chat messages, a truncation, special tokens
-    left out, or a type vLLM will refuse."""
-    if req.messages is not None or req.truncate_prompt_tokens is not None or req.add_special_tokens is not True:
-        return []
-    first = req.input[0] if isinstance(req.input, list) and req.input and not _is_ids(req.input) else req.input
-    if isinstance(first, str):
-        return encode(first) if first else []
-    return list(first) if isinstance(first, list) and first and _is_ids(first) else []
+def pooled_inputs(req: _Request, encode_many: Callable[[Sequence[str], bool], list[list[int]]]
+                  ) -> tuple[list[int], int]:
+    """The tokens vLLM prefills for the request's first input (text tokenized by ``encode_many``, special tokens
+    added unless ``add_special_tokens`` is false; token ids as given) and for all of its inputs together, or
+    ``([], -1)`` when they are not known here: no input, chat messages, a truncation or padding, or a type vLLM will
+    refuse. An empty first text routes on nothing (its count still stands)."""
+    special = req.add_special_tokens
+    if (req.messages is not None or req.truncate_prompt_tokens is not None
+            or req.padding not in (None, "do_not_pad") or type(special) is not bool):
+        return [], -1
+    inputs = req.input
+    if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and _is_ids(inputs)):
+        inputs = [inputs]  # one input
+    if not isinstance(inputs, list) or not inputs:
+        return [], -1
+    if all(isinstance(x, str) for x in inputs):
+        ids = encode_many(inputs, special)
+        return (ids[0] if inputs[0] else []), sum(map(len, ids))
+    if all(isinstance(x, list) and x and _is_ids(x) for x in inputs):
+        return list(inputs[0]), sum(map(len, inputs))
+    return [], -1
 
 
 def _is_ids(seq: list[Any]) -> bool:
@@ -113,13 +126,11 @@ class ServerApi:
         req: _Request = decode_body(_decoder, body)
         lora = relay.admit(req.model, lambda: None, path.lstrip("/"))  # (the fields are the server's to check)
         fields = Routed(1, None, req.priority, False, None, None)
-        ids = await relay.fe.tokenize.run(len(body), first_input, req, relay.fe.tokenizer.encode) \
-            if path in _INPUT_PATHS else []
-        # a single input tokenized here is charged its tokens; a batch (its other inputs not tokenized) an estimate
-        whole = req.input
-        single = isinstance(whole, str) or (isinstance(whole, list) and (len(whole) == 1 or _is_ids(whole)))
+        ids, tokens = await relay.fe.tokenize.run(len(body), pooled_inputs, req, relay.fe.tokenizer.encode_many) \
+            if path in _INPUT_PATHS else ([], -1)
+        # inputs tokenized here are charged their tokens, anything else an estimate of the body
         return await relay.dispatch(request, fields, ids, Passthrough(path, body, False), lora, "input",
-                                    plain=len(ids) if ids and single else charged_tokens(path, body))
+                                    plain=tokens if tokens >= 0 else charged_tokens(path, body))
 
 
 def add_routes(route: Callable[[str, str, Any], None], api: ServerApi) -> None:

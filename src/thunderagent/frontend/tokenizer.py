@@ -27,6 +27,11 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_many(self, texts: Sequence[str], special: bool = True) -> list[list[int]]:
+        """:meth:`encode` of each text (a batch of inputs: one call, which a fast tokenizer runs in parallel);
+        ``special`` False: without the special tokens the tokenizer adds (a BOS...)."""
+        ...
+
     def encode_prompt(self, text: str, scope: str | None = None) -> list[int]:
         """A completion request's text prompt: :meth:`encode`'s ids (``scope``: as for chats)."""
         ...
@@ -89,6 +94,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_many(self, texts: Sequence[str], special: bool = True) -> list[list[int]]:
+        return [self.encode(t) for t in texts]  # (no special tokens to add)
 
     def encode_prompt(self, text: str, scope: str | None = None) -> list[int]:
         return self.encode(text)
