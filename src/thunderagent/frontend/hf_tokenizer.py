@@ -216,19 +216,15 @@ class HfTokenizer:
         pre = getattr(self._fast, "pre_tokenizer", None)
         if pre is None:
             return "no pre-tokenizer: a merge may join a line to the newline before it"
-        texts = (_LINE_PROBE, *self._line_probes)
-        for text in texts:
-            for c in (i + 1 for i, ch in enumerate(text[:-1]) if ch == "\n" and not text[i + 1].isspace()):
-                for tail in _LINE_PROBE_TAILS:
-                    if c not in {span[0] for _, span in pre.pre_tokenize_str(text[: c + 1] + tail)}:
-                        return f"its pre-tokenizer does not start a piece at a line's start (character {c})"
         checked = 0
-        for text in texts:
+        for text in (_LINE_PROBE, *self._line_probes):
             enc = self._fast.encode_batch([text], add_special_tokens=False)[0]
             whole: list[int] = enc.ids
-            for c, k in _line_starts(text, enc, 1):
+            for c, k in _line_starts(text, enc, 1):  # (every line cut of the probe)
                 for tail in _LINE_PROBE_TAILS:
                     grown = text[: c + 1] + tail
+                    if c not in {span[0] for _, span in pre.pre_tokenize_str(grown)}:
+                        return f"its pre-tokenizer does not start a piece at a line's start (character {c})"
                     if whole[:k] + self._encode(grown[c:], False) != self._encode(grown, False):
                         return f"a line tokenizes differently alone (character {c} followed by {tail!r})"
                 checked += 1
