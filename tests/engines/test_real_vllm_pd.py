@@ -1,8 +1,9 @@
 """Prefill/decode disaggregation on real vLLM: real KV moved by NIXL between two CPU servers.
 
-One prefill server (NixlConnector ``kv_producer``) and one decode server (``kv_consumer``), UCX over
-TCP on loopback, each pinned to one core, started once for this module (they are not the session's
-two servers). ThunderAgent runs in front of both; the disaggregation decision is not what is tested
+Two servers with a NixlConnector in ``kv_role: kv_both`` (either side of a transfer; earlier runs of this
+suite used ``kv_producer`` / ``kv_consumer``, which work the same for prefill/decode), UCX over TCP on
+loopback, each pinned to one core, started once for this module (they are not the session's two servers):
+``worker-0`` is the prefill server, ``worker-1`` the decode server. ThunderAgent runs in front of both; the disaggregation decision is not what is tested
 here, so every request is planned by hand (prefill on ``worker-0``, decode on ``worker-1``) and runs
 the live flow (``control.disagg_flow``): the prefill server computes the prompt and answers with its
 ``kv_transfer_params``, the decode server pulls the KV and streams the completion.
@@ -34,6 +35,7 @@ from tests.engines.vllm_env import BLOCK_SIZE, VllmServer, VllmSetupError, cpu_b
 from thunderagent.config import Config, parse_config
 from thunderagent.control.fleet import Fleet
 from thunderagent.frontend.hf_tokenizer import HfTokenizer
+from thunderagent.kv.hashing import block_hashes, hash_seed
 from thunderagent.types import EngineRequest, KvTransfer, PdPlan, Sampling
 
 pytestmark = pytest.mark.real_engine
@@ -50,8 +52,9 @@ HANDSHAKE_TIMEOUT_S = 180
 def pd_pair(engine_tmp: Path, tiny_model_dir: Path) -> Iterator[tuple[VllmServer, VllmServer]]:
     workdir = engine_tmp / "vllm-pd"
     python = engine_python(workdir)
-    pre = VllmServer("prefill", python, tiny_model_dir, workdir, cpu=cpu_binding(0), kv_role="kv_producer")
-    dec = VllmServer("decode", python, tiny_model_dir, workdir, cpu=cpu_binding(1), kv_role="kv_consumer")
+    # kv_both: a cache migration copies either way (test_a_cache_migration_copy_moves_real_kv)
+    pre = VllmServer("prefill", python, tiny_model_dir, workdir, cpu=cpu_binding(0), kv_role="kv_both")
+    dec = VllmServer("decode", python, tiny_model_dir, workdir, cpu=cpu_binding(1), kv_role="kv_both")
     try:
         t0 = time.monotonic()
         start_ready([pre, dec])
@@ -111,7 +114,7 @@ def local(server: VllmServer, model: Path, prompt: list[int], salt: str) -> tupl
     return out["choices"][0]["token_ids"], out["choices"][0]["text"]
 
 
-_METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.e+-]+)$", re.M)
+_METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.e+-]+)$", re.MULTILINE)
 
 
 def _read_metrics(server: VllmServer) -> str:
@@ -342,3 +345,68 @@ async def test_mismatched_transfer_is_refused_and_prefilled_on_the_decode_server
     # apart (seen once in CI); 0 would mean no pull was tried
     assert grown(before, after, "vllm:nixl_num_failed_transfers_total") >= 1
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected[1]
+
+
+async def test_a_cache_migration_copy_moves_real_kv_between_two_servers(pd_pair: tuple[VllmServer, VllmServer],
+                                                                         tiny_model_dir: Path) -> None:
+    """``routing.migration`` on vLLM servers (``control/cache_migration.py``): under injected skew (the prefix's
+    holder made to look busy to the migrator) the health-tick driver copies the prefix to the other server in
+    the two halves of a handoff: the holder's one-token ``remote_decode`` job, the other's one-token pull over
+    NIXL. Evidence from the target itself: its external hits and NIXL bytes grow by the prefix, its own KV
+    events confirm the prefix's blocks in the index, and a request for the prefix sent straight to it finds
+    them in its local prefix cache (``cached_tokens``), under the tenant's cache salt."""
+    pre, dec = pd_pair
+    mig = {"enabled": True, "min_prefix_tokens": 3 * BLOCK_SIZE, "min_demand": 0.5, "sustain_s": 0.0,
+           "link": {"enabled": True, "bandwidth_gbps": 400.0, "latency_s": 0.0}}
+    cfg = parse_config({
+        "model": str(tiny_model_dir), "model_name": "tiny", "routing": {"seed": 7, "migration": mig},
+        "scheduler": {"enabled": False},
+        "control_plane": {"heartbeat_interval": 0.5, "heartbeat_misses": 60},  # (pd_config's lease)
+        "execution_group": {"nodes": [{"engine": "vllm", "block_size": BLOCK_SIZE,
+                                       "endpoints": [pre.endpoint(), dec.endpoint()]}]},
+    }, "test")
+    prefix = text_prompt(tiny_model_dir, 11, 150)
+    salt = "migration-test"  # the prefix's own cache key on both servers: the copy must carry it
+    async with thunderagent(cfg, [pre, dec]) as front:
+        fleet, flow = front.fleet, front.fleet.cache_migration
+        assert flow is not None
+
+        async def ask(tail: list[int]) -> dict:
+            async with aiohttp.ClientSession() as s, s.post(f"{front.base_url}/v1/completions", json={
+                "model": front.model, "prompt": prefix + tail, "max_tokens": 2, "temperature": 0, "explain": True,
+                "cache_salt": salt}, timeout=aiohttp.ClientTimeout(total=HANDSHAKE_TIMEOUT_S)) as r:
+                assert r.status == 200, await r.text()
+                return (await r.json())["thunderagent"]  # type: ignore[no-any-return]
+
+        first = await ask([11, 12])
+        holder = first["worker"]
+        blocks = len(prefix) // BLOCK_SIZE
+        hashes = block_hashes(prefix, BLOCK_SIZE, hash_seed(salt))  # as the frontend hashes the prompt
+        await wait_until(lambda: all(fleet.index.is_confirmed(holder, h) for h in hashes), 30,
+                         "the holder's KV events")
+        second = await ask([21, 22])  # finds the prefix: demand
+        assert second["worker"] == holder and second["overlap_blocks"] >= blocks - 1, second
+        target = next(w for w in fleet.workers if w != holder)
+        server = {"worker-0": pre, "worker-1": dec}[target]
+        before = await metrics(server)
+        states = [dataclasses.replace(w, load=dataclasses.replace(w.load, waiting=w.queue_depth_threshold))
+                  if w.worker_id == holder else w for w in fleet.routable()]
+        flow.tick(states, fleet.now() + 1.0)  # past any look the health tick just had
+        tasks = list(flow._tasks.values())
+        assert len(tasks) == 1, flow.migrator.refusals
+        await asyncio.wait_for(asyncio.gather(*tasks), HANDSHAKE_TIMEOUT_S)
+        after = await metrics(server)
+        assert flow.migrator.completed == 1 and flow.failures == {}, flow.health()
+        copied = flow.migrator.blocks_moved
+        await wait_until(lambda: all(fleet.index.is_confirmed(target, h) for h in hashes[:copied]), 30,
+                         "the target's own KV events for the copied blocks")
+        # straight to the target: its local prefix cache holds the prefix now
+        direct = post(f"{server.url}/v1/completions", {"model": str(tiny_model_dir), "prompt": prefix + [31, 32],
+                                                       "max_tokens": 1, "cache_salt": salt})
+    hits = grown(before, after, "vllm:external_prefix_cache_hits_total")
+    moved = grown(before, after, "vllm:nixl_bytes_transferred_sum")
+    cached = direct["usage"]["prompt_tokens_details"]["cached_tokens"]
+    note(f"cache migration {holder} -> {target}: {copied} blocks, {hits:.0f} external hits, {moved:.0f} NIXL bytes "
+         f"on the target; then {cached} of {len(prefix) + 2} prompt tokens cached there")
+    assert copied >= 3 and hits >= copied * BLOCK_SIZE and moved >= copied * BLOCK_BYTES
+    assert cached >= copied * BLOCK_SIZE

@@ -1,7 +1,8 @@
 """Cache migration on a live server with simulated workers: under injected skew (the prefix's holder made
-to look busy to the migrator) the health-tick driver copies the prefix to the other worker through the
-simulated engines' hash handoff; the target imports the blocks and the next request of the prefix finds
-them there (routing sees the overlap)."""
+to look busy to the migrator) the health-tick driver copies the prefix to the other worker as the two
+halves of a handoff (the holder's one-token prefill-only job, the target's request taking its transfer); the
+target imports the blocks by hash and the next request of the prefix finds them there (routing sees the
+overlap)."""
 
 from __future__ import annotations
 

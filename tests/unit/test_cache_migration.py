@@ -212,6 +212,10 @@ def test_the_live_driver_refuses_what_it_cannot_do():
         make(Config(routing=routing()), Policy.round_robin)
     with pytest.raises(ConfigError, match="link.enabled"):
         make(Config(routing=RoutingConfig(migration=MigrationConfig(enabled=True))))
+    # vLLM servers move real KV (NIXL, kv_both: tests/engines/test_real_vllm_pd.py); other real engines cannot
     vllm = ExecutionGroupConfig(nodes=[NodeConfig(engine="vllm", endpoints=[{"url": "http://127.0.0.1:1"}])])
-    with pytest.raises(ConfigError, match="byte transport"):
-        make(Config(routing=routing(), execution_group=vllm, model="/nonexistent-model-dir"))
+    assert make(Config(routing=routing(), execution_group=vllm, model="/nonexistent-model-dir")) is not None
+    for engine in ("sglang", "openai"):
+        other = ExecutionGroupConfig(nodes=[NodeConfig(engine=engine, endpoints=[{"url": "http://127.0.0.1:1"}])])
+        with pytest.raises(ConfigError, match=f"simulated or vllm.*not engine {engine}"):
+            make(Config(routing=routing(), execution_group=other, model="/nonexistent-model-dir"))

@@ -1,18 +1,28 @@
 """Cache migration in the live fleet (``routing.migration``): the migrator on the health tick.
 
 A thin driver of :class:`~thunderagent.transfer.migration.Migrator` (the policy the simulator runs):
-the fleet reports each routed request (:meth:`CacheMigrationFlow.observe`, the prefix's demand) and calls
-:meth:`CacheMigrationFlow.tick` on its health tick with the routable workers; each planned copy starts on
-the transfer plane (the prefill/decode plane when the fleet has a prefill group, else the one
+the fleet reports each routed request (:meth:`CacheMigrationFlow.observe`, the prefix's demand and its
+tokens) and calls :meth:`CacheMigrationFlow.tick` on its health tick with the routable workers; each planned
+copy starts on the transfer plane (the prefill/decode plane when the fleet has a prefill group, else the one
 ``routing.migration.link`` configures) and runs as a task.
 
-**How a copy moves, live**: as the simulated engines' existing hash handoff (``engine/kv_handoff.py``), not
-as bytes: the target gets a one-token warm-up request whose ``kv_from`` names the source and the
-prefix's block hashes; the engine imports the blocks into its prefix cache on arrival (its ``BlockStored``
-events confirm them in the index), then computes the prompt's last token. The copy ends with that request
-(its seconds are not a byte transfer: the plane's link estimate does not learn from them). The source is
-not pinned (live, as for prefill/decode handoffs, nothing would unpin it). Real engines need byte
-transport (being built separately), so a fleet with non-simulated engines refuses ``routing.migration``.
+**How a copy moves, live**: in the two halves of a prefill/decode handoff (``control/disagg_flow.py``), with
+one token asked of each: the source gets the prefix (its blocks' tokens and the token after them) as a
+``remote_decode`` job, which finds the prefix in its cache and answers with a
+:class:`~thunderagent.types.KvTransfer`; the target gets the same prompt with ``kv_from`` set to it, takes
+the blocks it lacks from the source instead of computing them, and keeps them in its prefix cache (its
+``BlockStored`` events confirm them in the index). vLLM servers move the bytes over NIXL (both started with
+a ``NixlConnector`` in ``kv_role: kv_both``: either side of a copy); simulated engines import the blocks by
+hash (their workers' byte transport moves checksummed bytes over TCP when configured). The copy's requests
+carry the prefix's own ``cache_salt`` and LoRA adapter, which key the engines' caches. The source is not
+pinned beyond its job (live, as for prefill/decode handoffs).
+
+A copy ends when the target's request finishes. Failures are counted by cause (``source_gone``,
+``source_failed``, ``no_kv_transfer``: the source answered without a transfer, a vLLM server without a
+connector; ``target_gone``, ``target_busy``: it did not take the request, ``target_refused``: it failed it (a
+vLLM server that cannot pull answers 500), ``timeout``, ``aborted``); a worker whose
+copies fail for want of a connector (``no_kv_transfer``, ``target_refused``) is left out of the migrator's
+looks for :data:`BROKEN_BACKOFF_S`, so a misconfigured server is not sent a one-token job every look.
 """
 
 from __future__ import annotations
@@ -21,20 +31,30 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 from thunderagent.config import Config, ConfigError, Policy, Role
 from thunderagent.engine.timing import make_timing
-from thunderagent.execution.handle import WorkerHandle
+from thunderagent.execution.handle import OutputQueue, WorkerHandle
 from thunderagent.kv.hashing import BASE_SEED
 from thunderagent.kv.index import KvIndex
 from thunderagent.scheduler.dispatch import Dispatch
-from thunderagent.transfer.migration import Migration, Migrator
+from thunderagent.transfer.migration import Migration, Migrator, PrefixSource
 from thunderagent.transfer.plane import TransferPlane
-from thunderagent.types import EngineRequest, FinishReason, KvTransfer, WorkerState
+from thunderagent.types import EngineRequest, FinishReason, TokenOutput, WorkerState
 
 log = logging.getLogger(__name__)
 
-_FAILED = (FinishReason.ERROR, FinishReason.UNAVAILABLE, FinishReason.ABORT)
+_DONE = (FinishReason.STOP, FinishReason.LENGTH)
+#: engines whose servers can be either side of a copy (``sglang`` / ``openai``: no KV transfer ThunderAgent drives)
+COPY_ENGINES = ("simulated", "vllm")
+#: a copy is two one-token requests (the source's job, the target's pull): it may take longer than the
+#: plane's estimate of its bytes (``timeout_factor`` x the link estimate), by their queueing and passes, and
+#: by the first NIXL handshake between two vLLM servers (1-30 s seen on the CPU test servers)
+MIN_COPY_TIMEOUT_S = 60.0
+#: a worker whose copy failed for want of a KV connector is left out of the looks this long
+BROKEN_BACKOFF_S = 300.0
+_BROKEN = ("no_kv_transfer", "target_refused")
 
 
 class CacheMigrationFlow:
@@ -45,43 +65,67 @@ class CacheMigrationFlow:
         self.index = index
         self.clock = clock
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._broken: dict[str, float] = {}  # worker -> until when its copies are not planned (``_BROKEN``)
+        self.failures: dict[str, int] = {}  # copies failed, by cause (the plane may be shared with handoffs)
 
     def observe(self, d: Dispatch, now: float) -> None:
-        self.migrator.observe(d.request.block_hashes, d.decision.best_overlap_blocks, now, d.request.check_hashes)
+        r = d.request
+        self.migrator.observe(r.block_hashes, d.decision.best_overlap_blocks, now, r.check_hashes,
+                              PrefixSource(r.prompt_tokens, r.hash_seed, r.cache_salt, r.lora_name))
 
     def tick(self, workers: Sequence[WorkerState], now: float) -> None:
         plane = self.migrator.plane
+        if self._broken:
+            self._broken = {w: t for w, t in self._broken.items() if t > now}
+            workers = [w for w in workers if w.worker_id not in self._broken]
         for m in self.migrator.tick(workers, self.index, now):
             t = plane.start(m.tid, m.src, m.dst, m.nbytes, now)
             assert t is not None, "the migrator plans a copy only when the plane has room"
             log.info("cache migration %s: %d blocks of a prefix (demand %.1f) from %s to %s", m.tid, m.blocks,
                      m.demand, m.src, m.dst)
-            self._tasks[m.tid] = asyncio.create_task(self._copy(m, t.deadline - now), name=m.tid)
+            timeout = max(t.deadline - now, MIN_COPY_TIMEOUT_S)
+            self._tasks[m.tid] = asyncio.create_task(self._copy(m, timeout), name=m.tid)
+
+    def _request(self, m: Migration, request_id: str) -> EngineRequest:
+        """One side's request: the prefix's tokens (simulated engines cache by the hashes given and take
+        any tokens of the right length), one token asked."""
+        n, src = len(m.hashes), m.source
+        # a list: the HTTP adapters encode the prompt as JSON (the kept tokens are an array)
+        tokens = list(src.tokens) if src is not None else [0] * (n * self.migrator.block_size + 1)
+        return EngineRequest(request_id, tokens, list(m.hashes), BASE_SEED if src is None else src.hash_seed, 1,
+                             True, cache_salt=None if src is None else src.cache_salt,
+                             lora_name=None if src is None else src.lora_name,
+                             check_hashes=None if m.checks is None else list(m.checks))
 
     async def _copy(self, m: Migration, timeout_s: float) -> None:
-        ok, cause = False, "aborted"
+        ok, cause, side = False, "aborted", None
+        src_id = f"{m.tid}-source"
         try:
-            dst = self.workers.get(m.dst)
-            if dst is None:
-                cause = "target_gone"
-            else:
-                bs = self.migrator.block_size
-                n = len(m.hashes)
-                # the prompt's tokens do not matter to a simulated engine (it caches by the hashes given)
-                req = EngineRequest(m.tid, [0] * (n * bs + 1), list(m.hashes), BASE_SEED, 1, True,
-                                    kv_from=KvTransfer(m.src, n * bs, m.hashes),
-                                    check_hashes=None if m.checks is None else list(m.checks))
-                q = dst.submit(req)
-                cause = "timeout"
-                async with asyncio.timeout(timeout_s):
-                    while not (out := await q.get()).finished:
-                        pass
-                ok = out.finish_reason not in _FAILED
-                cause = "ok" if ok else "failed"
+            async with asyncio.timeout(timeout_s):
+                if (src := self.workers.get(m.src)) is None:
+                    cause = "source_gone"
+                    return
+                side = (src, src_id)
+                out = await _last(src.submit(replace(self._request(m, src_id), remote_decode=True)))
+                side = None
+                if out.finish_reason not in _DONE:
+                    cause = "source_failed"
+                elif out.kv_transfer is None:
+                    cause = "no_kv_transfer"
+                elif (dst := self.workers.get(m.dst)) is None:
+                    cause = "target_gone"
+                else:
+                    side = (dst, m.tid)
+                    out = await _last(dst.submit(replace(self._request(m, m.tid), kv_from=out.kv_transfer)))
+                    side = None
+                    ok = out.finish_reason in _DONE
+                    cause = "ok" if ok else "target_busy" if out.finish_reason == FinishReason.UNAVAILABLE \
+                        else "target_refused"
         except TimeoutError:
-            if (w := self.workers.get(m.dst)) is not None:
-                w.abort(m.tid)
+            cause = "timeout"
         finally:
+            if side is not None:  # cut (timeout, stop) while a side ran: stop it there
+                side[0].abort(side[1])
             self._tasks.pop(m.tid, None)
             now = self.clock()
             self.migrator.plane.finish(m.tid, now, ok=ok, cause=cause, learn=False)
@@ -90,6 +134,12 @@ class CacheMigrationFlow:
                 self.migrator.landed(m, self.index, now)
             else:
                 log.warning("cache migration %s from %s to %s failed (%s)", m.tid, m.src, m.dst, cause)
+                self.failures[cause] = self.failures.get(cause, 0) + 1
+                if cause in _BROKEN:
+                    bad = m.src if cause == "no_kv_transfer" else m.dst
+                    self._broken[bad] = now + BROKEN_BACKOFF_S
+                    log.warning("cache migration: %s left out of copies for %.0f s (%s: a vLLM server needs "
+                                "a NixlConnector in kv_role kv_both)", bad, BROKEN_BACKOFF_S, cause)
 
     async def stop(self) -> None:
         tasks = list(self._tasks.values())
@@ -100,7 +150,15 @@ class CacheMigrationFlow:
                 await t
 
     def health(self) -> dict[str, object]:
-        return {"cache_migration": self.migrator.stats()}
+        return {"cache_migration": self.migrator.stats() | {"failures": dict(self.failures),
+                                                             "left_out": sorted(self._broken)}}
+
+
+async def _last(q: OutputQueue) -> TokenOutput:
+    """A one-token request's finished output."""
+    while not (out := await q.get()).finished:
+        pass
+    return out
 
 
 def make_cache_migration(cfg: Config, plane: TransferPlane | None, workers: Mapping[str, WorkerHandle],
@@ -113,9 +171,10 @@ def make_cache_migration(cfg: Config, plane: TransferPlane | None, workers: Mapp
     if policy is not Policy.kv_aware:
         raise ConfigError(f"routing.migration.enabled acts with policy kv_aware only (the router's is {policy.value})")
     nodes = cfg.execution_group.nodes
-    if any(n.engine != "simulated" for n in nodes):
-        raise ConfigError("routing.migration.enabled: live copies use the simulated engines' hash handoff; "
-                          "real engines (engine: vllm|sglang|openai) need KV byte transport, not built yet")
+    if bad := sorted({n.engine for n in nodes if n.engine not in COPY_ENGINES}):
+        raise ConfigError(f"routing.migration.enabled: copies need engines ThunderAgent can move KV between "
+                          f"({' or '.join(COPY_ENGINES)}; vLLM servers with a NixlConnector in kv_role kv_both), "
+                          f"not engine {' / '.join(bad)}")
     if (plane is None) != mc.link.enabled:
         raise ConfigError("routing.migration.link.enabled must be true without a prefill group (it is the copies' "
                           "plane) and false with one (that group's plane is shared)")

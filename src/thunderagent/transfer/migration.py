@@ -38,6 +38,7 @@ forgotten first), ``max_per_tick`` copies per look, one copy of a prefix in flig
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,9 +53,27 @@ TID_PREFIX = "migrate-"
 
 
 @dataclass(slots=True, frozen=True)
+class PrefixSource:
+    """What a real engine needs to serve a prefix's copy, given to :meth:`Migrator.observe` by a live
+    driver: the request's token ids (a reference: the migrator copies the prefix's part only when it starts
+    tracking the prefix) and what keys the engine's own prefix cache besides them (vLLM salts its block hashes
+    with ``cache_salt`` and the LoRA adapter's name)."""
+
+    tokens: Sequence[int]
+    hash_seed: int
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+    def cut(self, n: int) -> PrefixSource:
+        """This source's first ``n`` tokens, copied (an ``array``: 8 bytes a token, not a list's 36)."""
+        return PrefixSource(array("q", self.tokens[:n]), self.hash_seed, self.cache_salt, self.lora_name)
+
+
+@dataclass(slots=True, frozen=True)
 class Migration:
     """One planned copy: ``hashes`` are the prefix's blocks the source holds (the target imports those it
-    lacks); ``blocks`` / ``nbytes`` what moves."""
+    lacks); ``blocks`` / ``nbytes`` what moves; ``source``: the prefix's tokens (its ``n`` blocks and the token
+    after them when the request had one) when the driver gave them."""
 
     tid: str
     src: str
@@ -65,14 +84,18 @@ class Migration:
     nbytes: int
     demand: float
     checks: tuple[int, ...] | None = None  # the blocks' check hashes (double-hash guard), None if unknown
+    source: PrefixSource | None = None
 
 
 class _Prefix:
-    __slots__ = ("hashes", "checks", "count", "at")
+    __slots__ = ("at", "checks", "count", "hashes", "source")
 
-    def __init__(self, hashes: tuple[int, ...], checks: tuple[int, ...] | None, now: float) -> None:
+    def __init__(self, hashes: tuple[int, ...], checks: tuple[int, ...] | None, source: PrefixSource | None,
+                 now: float) -> None:
         self.hashes = hashes
         self.checks = checks  # carried with a copy: imported blocks must verify like computed ones
+        # real engines: a copy is a request for these tokens on each side (``control/cache_migration.py``)
+        self.source = source
         self.count = 0.0  # decayed requests as of ``at``
         self.at = now
 
@@ -101,9 +124,10 @@ class Migrator:
 
     # -- demand ----------------------------------------------------------------------------------
     def observe(self, block_hashes: Sequence[int], depth: int, now: float,
-                check_hashes: Sequence[int] | None = None) -> None:
+                check_hashes: Sequence[int] | None = None, source: PrefixSource | None = None) -> None:
         """A request was routed; ``depth``: the most of its leading blocks any worker held;
-        ``check_hashes``: its blocks' check hashes (double-hash guard on)."""
+        ``check_hashes``: its blocks' check hashes (double-hash guard on); ``source``: its tokens (a live
+        fleet of real engines; the prefix's part, plus one token, is kept while the prefix is tracked)."""
         if depth <= 0 or depth * self.block_size < self.cfg.min_prefix_tokens:
             return
         key = block_hashes[depth - 1]
@@ -111,7 +135,8 @@ class Migrator:
         p = table.pop(key, None)
         if p is None:
             checks = tuple(check_hashes[:depth]) if check_hashes is not None and len(check_hashes) >= depth else None
-            p = _Prefix(tuple(block_hashes[:depth]), checks, now)
+            kept = None if source is None else source.cut(depth * self.block_size + 1)
+            p = _Prefix(tuple(block_hashes[:depth]), checks, kept, now)
             if len(table) >= self.cfg.max_prefixes:
                 del table[next(iter(table))]  # least recently requested
         table[key] = p  # most recent last
@@ -197,7 +222,8 @@ class Migrator:
             return None
         self._n += 1
         mig = Migration(f"{TID_PREFIX}{self._n}", src.worker_id, dst.worker_id, p.hashes[-1], p.hashes[:n], blocks,
-                        nbytes, dem, None if p.checks is None else p.checks[:n])
+                        nbytes, dem, None if p.checks is None else p.checks[:n],
+                        None if p.source is None else p.source.cut(n * bs + 1))
         given[dst.worker_id] = given.get(dst.worker_id, 0) + 1
         self._active[mig.tid] = mig
         self._moving.add(mig.key)
