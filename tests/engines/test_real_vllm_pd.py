@@ -410,3 +410,44 @@ async def test_a_cache_migration_copy_moves_real_kv_between_two_servers(pd_pair:
          f"on the target; then {cached} of {len(prefix) + 2} prompt tokens cached there")
     assert copied >= 3 and hits >= copied * BLOCK_SIZE and moved >= copied * BLOCK_BYTES
     assert cached >= copied * BLOCK_SIZE
+
+
+async def test_the_links_warm_up_before_any_client(pd_pair: tuple[VllmServer, VllmServer], tiny_model_dir: Path) -> None:
+    """``kv_cache_transfer.warmup_tokens`` (``control/link_warmup.py``): with no client request at all, the fleet
+    runs one handoff on the link worker-0 -> worker-1 once both are routable: the decode server pulls its KV over
+    NIXL (its own metrics), ``/health`` shows the warm-up ok, and the link has learned the server's measured rate
+    (a fresh pair would also pay its NIXL handshake there, not on a client's first request)."""
+    pre, dec = pd_pair
+    plane = {"enabled": True, "bandwidth_gbps": 400.0, "latency_s": 0.0, "ewma_alpha": 1.0,
+             "warmup_tokens": 3 * BLOCK_SIZE}
+    cfg = parse_config({
+        "model": str(tiny_model_dir), "model_name": "tiny", "routing": {"seed": 7},
+        "control_plane": {"heartbeat_interval": 0.5, "heartbeat_misses": 60},  # (pd_config's lease)
+        "execution_group": {"nodes": [
+            {"engine": "vllm", "role": "prefill", "block_size": BLOCK_SIZE, "endpoints": [pre.endpoint()],
+             "kv_cache_transfer": plane},
+            {"engine": "vllm", "role": "decode", "block_size": BLOCK_SIZE, "endpoints": [dec.endpoint()]}]},
+    }, "test")
+    before = await metrics(dec)
+    async with thunderagent(cfg, [pre, dec], wait_healthy=False) as front:
+        front.fleet.disagg.silence_s = 30.0  # (as plan_every_request: CI's loaded cores)
+
+        def warmed() -> list[dict]:
+            return front.fleet.health_summary().get("pd_warmup", [])  # type: ignore[return-value]
+
+        await wait_until(lambda: bool(warmed()), HANDSHAKE_TIMEOUT_S, "the link's warm-up")
+        result = warmed()
+        assert [(x["src"], x["dst"], x["ok"], x["cause"]) for x in result] == [("worker-0", "worker-1", True, "ok")]
+
+        def learned() -> list[dict]:
+            return [x for x in front.fleet.health_summary().get("pd_links", []) if x["samples"]]  # type: ignore[union-attr]
+
+        await wait_until(lambda: bool(learned()), 30, "the link learned from the warm-up's pull")
+        links = learned()
+    after = await metrics(dec)
+    hits = grown(before, after, "vllm:external_prefix_cache_hits_total")
+    moved = grown(before, after, "vllm:nixl_bytes_transferred_sum")
+    note(f"link warm-up: {result}; the decode server: {hits:.0f} external hits, {moved:.0f} NIXL bytes; "
+         f"learned {links}")
+    assert hits >= 3 * BLOCK_SIZE and moved >= 3 * BLOCK_BYTES
+    assert [(x["src"], x["dst"]) for x in links] == [("worker-0", "worker-1")] and links[0]["bandwidth_gbps"] < 400.0

@@ -244,3 +244,30 @@ async def test_strict_a_held_request_whose_kv_never_fits_the_decode_worker_gets_
         for r in (await first, await after):
             assert r.choices[0].finish_reason == "length"
         assert held() == 0
+
+
+async def test_the_links_warm_up_at_start_with_real_bytes_and_learn_before_any_client(server_factory):
+    """``warmup_tokens`` on simulated workers with byte transport: with no client request, each prefill -> decode
+    link runs one handoff (``control/link_warmup.py``): its payload crosses a real connection, checksummed, and the
+    link learns from the pull's own duration."""
+    ex = fleet(4, block_bytes=256 << 10)
+    # latency 0: every pull's seconds are its bandwidth's (else one quicker than the latency teaches nothing)
+    ex["nodes"][0]["kv_cache_transfer"] |= {"warmup_tokens": 4 * 64, "latency_s": 0.0}  # type: ignore[index]
+    async with server_factory(execution_group=ex, routing={"seed": 7}, scheduler={"enabled": False}) as srv:
+        f = srv.fleet
+        for _ in range(500):
+            warm = f.health_summary().get("pd_warmup", [])
+            if len(warm) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert [(w["src"], w["dst"], w["ok"], w["cause"]) for w in warm] == [
+            ("worker-0", "worker-1", True, "ok"), ("worker-0", "worker-2", True, "ok")]
+        stats = f.workers["worker-0"].service.stats  # type: ignore[attr-defined]  (one per process)
+        assert (stats.pulls_ok, stats.bytes_received, stats.checksums_verified) == (2, 2 * 4 * (256 << 10), 8)
+        plane = f.dispatcher.disagg.plane  # type: ignore[union-attr]
+        assert plane.stats.completed == 2 and plane.inflight == {}
+        # each link learnt from its pull, before any client
+        assert {k: link.samples for k, link in plane.links.items()} == {("worker-0", "worker-1"): 1,
+                                                                      ("worker-0", "worker-2"): 1}
+        assert f.metrics.pd_links_learned.labels("pull")._value.get() == 2  # type: ignore[attr-defined]
+        assert f.metrics.pd_ok._value.get() == 2  # type: ignore[attr-defined]

@@ -285,6 +285,10 @@ def _pd_setups(cfg: Config, node: Any, pd: str | None, modes: list[PdMode] | Non
                    "moves virtual bytes (bytes_per_token) and injects faults with --pd-slow-link/--pd-interrupt/"
                    "--pd-target-full: remove it", err=True)
         raise typer.Exit(2)
+    if transfer.warmup_tokens:
+        typer.echo("error: kv_cache_transfer.warmup_tokens warms a live fleet's links up (NIXL handshakes, first "
+                   "measures); the simulator's links start from bandwidth_gbps / links: remove it", err=True)
+        raise typer.Exit(2)
     faults = PdFaults(slow, interrupt, full, seed)
     base = cfg.routing.disaggregation
     pnode = pre[0].model_copy(update={"kv_blocks": node.kv_blocks, "block_size": node.block_size}) if pre else None

@@ -72,10 +72,14 @@ class KvTransferConfig(_Strict):
     links: tuple[LinkEstimate, ...] = Field((), description="measured links (thunderagent probe-links --yaml): "
                                             "the plane starts from these estimates instead of bandwidth_gbps / "
                                             "latency_s")
+    warmup_tokens: int = Field(0, ge=0, description="live fleets: each link from a prefill worker to a decode "
+                               "worker runs one handoff of this many tokens (whole blocks) once both are routable "
+                               "(start-up, a worker added), so vLLM pays its NIXL handshake then and the link "
+                               "learns its measured rate before clients (control/link_warmup.py); 0: off")
 
     @field_validator("bandwidth_gbps", "latency_s", "max_inflight", "max_inflight_bytes", "max_transfer_bytes",
                      "bytes_per_token", "target_watermark", "timeout_factor", "ewma_alpha", "sim_block_bytes",
-                     "sim_host", "sim_faults", "links")
+                     "sim_host", "sim_faults", "links", "warmup_tokens")
     @classmethod
     def _knobs_need_switch(cls, v: object, info: ValidationInfo) -> object:
         return knob_needs_switch(cls, v, info.field_name, bool(info.data.get("enabled")),
@@ -163,6 +167,14 @@ class MigrationConfig(_Strict):
     @classmethod
     def _knobs_need_switch(cls, v: object, info: ValidationInfo) -> object:
         return knob_needs_switch(cls, v, info.field_name, bool(info.data.get("enabled")), "routing.migration.enabled")
+
+    @field_validator("link")
+    @classmethod
+    def _no_warmup(cls, v: KvTransferConfig) -> KvTransferConfig:
+        if v.warmup_tokens:
+            raise ValueError("warmup_tokens: the links warmed up are a prefill group's (set it on that group's "
+                             "kv_cache_transfer), not the copies' link")
+        return v
 
     @model_validator(mode="after")
     def _hysteresis(self) -> MigrationConfig:

@@ -119,6 +119,8 @@ class PdAttempt:
         self.task: asyncio.Task[None] | None = None
         #: strict: the worker at fault when the attempt ended ``UNAVAILABLE`` (routing again leaves it out)
         self.blamed = decode.worker_id
+        #: the transfer's end as reported to the observer: (ok, cause); None until then
+        self.outcome: tuple[bool, str] | None = None
 
     def start(self) -> None:  # the decode worker's own lifecycle is the fleet's business
         pass
@@ -173,6 +175,25 @@ class DisaggFlow:
         attempt.task = asyncio.create_task(self._run(attempt, d.request, relay), name=f"pd-{d.request.request_id}")
         return attempt, relay
 
+    async def run_plan(self, req: EngineRequest, plan: PdPlan, decode: WorkerHandle) -> tuple[bool, str, TokenOutput]:
+        """Run one plan for no client (a link warm-up: ``control/link_warmup.py``), with the halves, plane
+        accounting and fallbacks of a routed request's: whether its transfer landed (and the cause when not) and
+        the finished output a client would have got. Cancelled, it aborts both halves."""
+        a = PdAttempt(req.request_id, plan, decode)
+        if self.observer is not None:
+            self.observer.on_planned(plan)
+        relay = RelayQueue(self.clock())
+        a.task = asyncio.create_task(self._run(a, req, relay), name=f"pd-{req.request_id}")
+        out = None
+        try:
+            while not (out := await relay.get()).finished:
+                pass
+        finally:
+            if out is None or not out.finished:  # cut short: stop both halves
+                a.abort(req.request_id)
+        ok, cause = a.outcome if a.outcome is not None else (False, ABORTED)
+        return ok, cause, out
+
     # -- the two halves -------------------------------------------------------------------------
     async def _run(self, a: PdAttempt, req: EngineRequest, relay: RelayQueue) -> None:
         t0 = self.clock()
@@ -194,6 +215,7 @@ class DisaggFlow:
         def end(ok: bool, cause: str, pull: KvPull | None = None) -> None:
             nonlocal ended
             ended = True
+            a.outcome = (ok, cause)
             now = self.clock()
             self.metrics.observe_pd_end(ok, cause, now - t0)
             if pull is not None and ok:

@@ -26,9 +26,7 @@ from thunderagent.config import Config, Policy, program_caps
 from thunderagent.control import migration
 from thunderagent.control.deadline import Deadlines
 from thunderagent.control.decision_hook import DecisionHook
-from thunderagent.control.cache_migration import make_cache_migration
 from thunderagent.control.disagg_flow import DisaggFlow
-from thunderagent.control.pd_plane import PlaneObserver
 from thunderagent.control.health_view import health_summary
 from thunderagent.control.liveness import LoopLag
 from thunderagent.control.metrics import Metrics
@@ -37,6 +35,7 @@ from thunderagent.control.generation import Generation, HeldCall, abort_held
 from thunderagent.control.autotune_hook import AutotuneHook
 from thunderagent.control.planner_hook import PlannerHook
 from thunderagent.control.registry import Health, WorkerRegistry
+from thunderagent.control.transfer_parts import transfer_parts
 from thunderagent.execution.handle import STALL_TIMEOUT_S, WorkerCallbacks, WorkerHandle, cancel_and_wait
 from thunderagent.kv.feed import KvFeed
 from thunderagent.kv.index import KvIndex
@@ -106,11 +105,10 @@ class Fleet:
         self._wake_at: float | None = None  # when the armed grouping timer fires
         self._health_task: asyncio.Task[None] | None = None
         self.disagg = DisaggFlow(self.workers, self.metrics, self.now, self.loop_lag, stall_timeout=stall_timeout)
-        if self.dispatcher.disagg is not None:  # the plans' transfers on the plane (caps, backpressure)
-            self.disagg.observer = PlaneObserver(self.dispatcher.disagg, self.metrics, self.registry)
-        self.cache_migration = make_cache_migration(  # routing.migration: copies on the health tick
-            cfg, None if self.dispatcher.disagg is None else self.dispatcher.disagg.plane, self.workers, self.index,
-            self.now, Policy(self.router.policy.name))
+        self.transfers = transfer_parts(cfg, self.dispatcher.disagg, self.disagg, self.metrics, self.registry,
+                                        self.workers, self.index, self.block_size, self.now,
+                                        Policy(self.router.policy.name))
+        self.cache_migration = self.transfers.migration  # routing.migration (None when off)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def now(self) -> float:
@@ -132,8 +130,7 @@ class Fleet:
 
     async def stop(self) -> None:
         await cancel_and_wait([t for t in (self._health_task,) if t is not None])
-        if self.cache_migration is not None:
-            await self.cache_migration.stop()
+        await self.transfers.stop()
         await self.membership.stop()
         self.decisions.close()
 
@@ -243,8 +240,7 @@ class Fleet:
                 self.metrics.healthy.labels(wid).set(1)
         self.outliers.tick([w.worker_id for w in self.registry.routable()], now)
         self.dispatcher.tick(self.routable(), now)  # pacing; grouping's bounds (``_wake`` runs them on time)
-        if self.cache_migration is not None:
-            self.cache_migration.tick(self.routable(), now)
+        self.transfers.tick(self.routable(), now)  # cache migration's copies; prefill/decode links' warm-ups
         self.decisions.tick()  # buffered decision-log lines reach the file
         self.metrics.observe_fleet(self.registry.loads().values(), now)
         self.planner.tick(now)
@@ -347,8 +343,7 @@ class Fleet:
         self.metrics.observe_route(d, route_s, self.now())
         self.decisions.record(self, d, program_id)
         self.outliers.launched(d)
-        if self.cache_migration is not None:
-            self.cache_migration.observe(d, self.now())
+        self.transfers.observe(d, self.now())
         worker, received = self.workers[d.decision.worker_id], req.arrival  # before submit: sim engines reset it
         gen = Generation(req.request_id, d, *self.disagg.submit(d, worker), received, program_id=program_id,
                          latency=self.metrics.seed.latency(worker.worker_id, d.route_key))
@@ -496,5 +491,4 @@ class Fleet:
     def health_summary(self) -> dict[str, object]:
         return health_summary(self.registry, self.index, self.unavailable, (self.cordoned, self.asleep, self.paused),
                               self.dispatcher.queue, self.now(), self.membership.summary(), self.outliers.breakers) \
-            | self.autotune.health() | ({} if self.cache_migration is None else self.cache_migration.health()) \
-            | ({"pd_links": self.disagg.observer.links()} if isinstance(self.disagg.observer, PlaneObserver) else {})
+            | self.autotune.health() | self.transfers.health()

@@ -1,0 +1,70 @@
+"""The live fleet's transfer-plane parts, built in one place and driven together by :class:`~thunderagent.control.fleet.Fleet`.
+
+- the prefill/decode plane's observer (``control/pd_plane.py``: the plans' transfers on the plane, the links'
+  learning), with a ``role: prefill`` group;
+- cache migration (``control/cache_migration.py``, ``routing.migration``): copies on the health tick;
+- the links' warm-ups (``control/link_warmup.py``, the prefill group's ``kv_cache_transfer.warmup_tokens``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from thunderagent.config import Config, Policy
+from thunderagent.control.cache_migration import CacheMigrationFlow, make_cache_migration
+from thunderagent.control.disagg_flow import DisaggFlow
+from thunderagent.control.link_warmup import LinkWarmup
+from thunderagent.control.metrics import Metrics
+from thunderagent.control.pd_plane import PlaneObserver
+from thunderagent.control.registry import WorkerRegistry
+from thunderagent.execution.handle import WorkerHandle
+from thunderagent.kv.index import KvIndex
+from thunderagent.scheduler.disagg import Disaggregator
+from thunderagent.scheduler.dispatch import Dispatch
+from thunderagent.types import WorkerState
+
+
+@dataclass(slots=True)
+class TransferParts:
+    observer: PlaneObserver | None
+    migration: CacheMigrationFlow | None
+    warmup: LinkWarmup | None
+
+    def observe(self, d: Dispatch, now: float) -> None:
+        """A request was routed (its prefix's demand, for cache migration)."""
+        if self.migration is not None:
+            self.migration.observe(d, now)
+
+    def tick(self, routable: Sequence[WorkerState], now: float) -> None:
+        """The health tick: copies to start, a link to warm up."""
+        for part in (self.migration, self.warmup):
+            if part is not None:
+                part.tick(routable, now)
+
+    async def stop(self) -> None:
+        for part in (self.migration, self.warmup):
+            if part is not None:
+                await part.stop()
+
+    def health(self) -> dict[str, object]:
+        out: dict[str, object] = {} if self.migration is None else self.migration.health()
+        if self.observer is not None:
+            out["pd_links"] = self.observer.links()
+        if self.warmup is not None:
+            out |= self.warmup.health()
+        return out
+
+
+def transfer_parts(cfg: Config, pd: Disaggregator | None, flow: DisaggFlow, metrics: Metrics, registry: WorkerRegistry,
+                   workers: Mapping[str, WorkerHandle], index: KvIndex, block_size: int, clock: Callable[[], float],
+                   policy: Policy) -> TransferParts:
+    """Build the parts ``cfg`` turns on; ``pd``: the dispatch path's disaggregator (a prefill group), whose plane
+    ``flow``'s plans go on (its observer is set here)."""
+    observer = None
+    if pd is not None:  # the plans' transfers on the plane (caps, backpressure)
+        observer = flow.observer = PlaneObserver(pd, metrics, registry)
+    warm = None if pd is None or not pd.plane.cfg.warmup_tokens else LinkWarmup(
+        pd.plane.cfg.warmup_tokens, block_size, flow, pd.plane, workers, clock)
+    migration = make_cache_migration(cfg, None if pd is None else pd.plane, workers, index, clock, policy)
+    return TransferParts(observer, migration, warm)
