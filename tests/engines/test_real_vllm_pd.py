@@ -80,6 +80,19 @@ def pd_config(model: Path, servers: list[VllmServer]) -> Config:
     return front_config(model, servers, heartbeat_misses=60)
 
 
+def groups_config(model: Path, pre: VllmServer, dec: VllmServer, plane: dict[str, Any]) -> Config:
+    """A fleet with a prefill group (``pre``, its transfer plane ``plane``) and a decode group (``dec``), with
+    pd_config's lease."""
+    return parse_config({
+        "model": str(model), "model_name": "tiny", "routing": {"seed": 7},
+        "control_plane": {"heartbeat_interval": 0.5, "heartbeat_misses": 60},
+        "execution_group": {"nodes": [
+            {"engine": "vllm", "role": "prefill", "block_size": BLOCK_SIZE, "endpoints": [pre.endpoint()],
+             "kv_cache_transfer": plane},
+            {"engine": "vllm", "role": "decode", "block_size": BLOCK_SIZE, "endpoints": [dec.endpoint()]}]},
+    }, "test")
+
+
 def text_prompt(model: Path, seed: int, words: int) -> list[int]:
     """Token ids of a text prompt (not random ids: see test_real_vllm_migration.prompts)."""
     rng = random.Random(seed)
@@ -223,14 +236,7 @@ async def test_the_decode_servers_nixl_metrics_teach_the_transfer_plane(pd_pair:
     latency here, so the estimate is that rate), and the plan's own duration, prefill included, taught nothing."""
     pre, dec = pd_pair
     plane = {"enabled": True, "bandwidth_gbps": 400.0, "latency_s": 0.0, "ewma_alpha": 1.0}
-    cfg = parse_config({
-        "model": str(tiny_model_dir), "model_name": "tiny", "routing": {"seed": 7},
-        "control_plane": {"heartbeat_interval": 0.5, "heartbeat_misses": 60},  # (pd_config's lease)
-        "execution_group": {"nodes": [
-            {"engine": "vllm", "role": "prefill", "block_size": BLOCK_SIZE, "endpoints": [pre.endpoint()],
-             "kv_cache_transfer": plane},
-            {"engine": "vllm", "role": "decode", "block_size": BLOCK_SIZE, "endpoints": [dec.endpoint()]}]},
-    }, "test")
+    cfg = groups_config(tiny_model_dir, pre, dec, plane)
     async with thunderagent(cfg, [pre, dec]) as front:
         plan_every_request(front.fleet)
         before = await metrics(dec)
@@ -420,14 +426,7 @@ async def test_the_links_warm_up_before_any_client(pd_pair: tuple[VllmServer, Vl
     pre, dec = pd_pair
     plane = {"enabled": True, "bandwidth_gbps": 400.0, "latency_s": 0.0, "ewma_alpha": 1.0,
              "warmup_tokens": 3 * BLOCK_SIZE}
-    cfg = parse_config({
-        "model": str(tiny_model_dir), "model_name": "tiny", "routing": {"seed": 7},
-        "control_plane": {"heartbeat_interval": 0.5, "heartbeat_misses": 60},  # (pd_config's lease)
-        "execution_group": {"nodes": [
-            {"engine": "vllm", "role": "prefill", "block_size": BLOCK_SIZE, "endpoints": [pre.endpoint()],
-             "kv_cache_transfer": plane},
-            {"engine": "vllm", "role": "decode", "block_size": BLOCK_SIZE, "endpoints": [dec.endpoint()]}]},
-    }, "test")
+    cfg = groups_config(tiny_model_dir, pre, dec, plane)
     before = await metrics(dec)
     async with thunderagent(cfg, [pre, dec], wait_healthy=False) as front:
         front.fleet.disagg.silence_s = 30.0  # (as plan_every_request: CI's loaded cores)

@@ -126,3 +126,16 @@ async def test_a_copy_past_its_time_is_cut_and_the_side_running_aborted():
     await asyncio.gather(task, return_exceptions=True)
     assert workers["w0"].aborted == ["migrate-1-source"]
     assert f.failures == {"aborted": 1} and f.migrator.plane.inflight == {}
+
+
+def test_a_kept_prefix_is_a_compact_copy_of_its_tokens():
+    from array import array
+
+    src = PrefixSource([5, 70_000, 9, 2**32 - 1], 1, "s", None)
+    kept = src.cut(3)
+    assert isinstance(kept.tokens, array) and kept.tokens.itemsize == 4 and list(kept.tokens) == [5, 70_000, 9]
+    assert (kept.hash_seed, kept.cache_salt, kept.lora_name) == (1, "s", None)
+    assert list(src.cut(10).tokens) == [5, 70_000, 9, 2**32 - 1]  # shorter than asked: all of it
+    src.tokens[0] = 6  # type: ignore[index]  (a copy: the request's list may change, or go)
+    assert list(kept.tokens) == [5, 70_000, 9]
+    assert list(PrefixSource(array("I", [1, 2, 3]), 0).cut(2).tokens) == [1, 2]  # from an array too
