@@ -219,3 +219,26 @@ def test_the_live_driver_refuses_what_it_cannot_do():
         other = ExecutionGroupConfig(nodes=[NodeConfig(engine=engine, endpoints=[{"url": "http://127.0.0.1:1"}])])
         with pytest.raises(ConfigError, match=f"simulated or vllm.*not engine {engine}"):
             make(Config(routing=routing(), execution_group=other, model="/nonexistent-model-dir"))
+
+
+def test_max_gbps_holds_copies_to_an_average_rate():
+    r = RoutingConfig(migration=MigrationConfig(enabled=True, max_gbps=30.0, link=KvTransferConfig(
+        enabled=True, bandwidth_gbps=200.0)))
+    index = KvIndex(prediction_ttl=120.0)
+    for w in ("w0", "w1", "w2"):
+        index.add_worker(w)
+    index.resync("w0", A + B, 0)
+    mig = Migrator(r, TransferPlane(r.migration.link), PolynomialTiming(), BS)
+    demand(mig, A, 5)
+    demand(mig, B, 4)
+    mig.tick(FLEET, index, 0.0)
+    # one second of 30 Gbit/s is 3.75 GB: A's 4.3 GB goes (the level was above zero) and B waits
+    (a,) = mig.tick(FLEET, index, 0.3)
+    assert a.blocks == 512 and mig.refusals == {"rate_limited": 1}
+    assert mig.tick(FLEET, index, 0.4) == []  # 0.1 s refilled 0.375 GB: still below zero (-0.54 GB + 0.375)
+    (b,) = mig.tick(FLEET, index, 0.5)  # 0.2 s: above zero
+    assert b.blocks == 128 and mig.refusals == {"rate_limited": 2}
+    with pytest.raises(ValidationError, match="max_gbps"):
+        MigrationConfig(max_gbps=10.0)  # the switch off
+    with pytest.raises(ValidationError, match="max_gbps"):
+        MigrationConfig(enabled=True, max_gbps=0.0)

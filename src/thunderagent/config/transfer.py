@@ -156,6 +156,10 @@ class MigrationConfig(_Strict):
                               "a prefix that it must have drawn to be copied")
     demand_half_life_s: float = Field(10.0, gt=0, description="half-life of a prefix's request count")
     max_per_tick: int = Field(4, ge=1, description="copies planned at most per look")
+    max_gbps: float | None = Field(None, gt=0, description="copies move at most this many gigabits a second on "
+                                   "average (one second of it may go at once; a larger copy goes, and the next "
+                                   "ones wait its time): the rest of the link stays for prefill/decode handoffs; "
+                                   "None: no cap")
     max_prefixes: int = Field(256, ge=1, description="prefixes whose demand is tracked; past it the least "
                               "recently requested is forgotten")
     link: KvTransferConfig = Field(KvTransferConfig(), description="the plane copies move on in a fleet without "
@@ -163,7 +167,7 @@ class MigrationConfig(_Strict):
                                    "and this must stay unset)")
 
     @field_validator("interval_s", "sustain_s", "hot_backlog_passes", "room_backlog_passes", "min_prefix_tokens",
-                     "min_demand", "demand_half_life_s", "max_per_tick", "max_prefixes", "link")
+                     "min_demand", "demand_half_life_s", "max_per_tick", "max_prefixes", "link", "max_gbps")
     @classmethod
     def _knobs_need_switch(cls, v: object, info: ValidationInfo) -> object:
         return knob_needs_switch(cls, v, info.field_name, bool(info.data.get("enabled")), "routing.migration.enabled")

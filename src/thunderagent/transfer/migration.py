@@ -31,7 +31,8 @@ cost function spills a prefix's requests to a worker without it once the holder'
 prefix's length, so the copy is planned on the same measure, well below that point (a 32 K-token prefix
 spills at about 4 passes; a source is hot at 1 by default), and lands before the recompute would start.
 
-Refusals are counted by cause once per (look, prefix), ``no_target`` once per (look, source); counters
+Refusals are counted by cause once per (look, prefix), ``no_target`` once per (look, source); with ``max_gbps``
+a copy past the average rate waits (``rate_limited``), leaving the link to prefill/decode handoffs; counters
 are plain fields (:meth:`stats`). Bounded: ``max_prefixes`` prefixes tracked (least recently requested
 forgotten first), ``max_per_tick`` copies per look, one copy of a prefix in flight at a time.
 """
@@ -129,6 +130,12 @@ class Migrator:
         self.bytes_moved = 0
         self.blocks_moved = 0
         self.refusals: dict[str, int] = {}
+        # ``max_gbps``: a token bucket of bytes, one second of the rate deep, refilled at each look. A copy goes
+        # while the level is above zero and takes its bytes (the level may go below: a copy larger than a
+        # second's worth still goes, and the next wait as long as it took), so the average stays at the rate.
+        self._rate = None if self.cfg.max_gbps is None else self.cfg.max_gbps * 1e9 / 8  # bytes/s
+        self._level = self._rate or 0.0
+        self._level_at: float | None = None
 
     # -- demand ----------------------------------------------------------------------------------
     def observe(self, block_hashes: Sequence[int], depth: int, now: float,
@@ -165,6 +172,10 @@ class Migrator:
         if now < self._next:
             return []
         self._next = now + cfg.interval_s
+        if self._rate is not None:
+            if self._level_at is not None:
+                self._level = min(self._rate, self._level + (now - self._level_at) * self._rate)
+            self._level_at = now
         sources: list[tuple[float, WorkerState]] = []
         others: list[tuple[float, WorkerState]] = []  # neither hot nor busy
         since: dict[str, float] = {}
@@ -225,9 +236,13 @@ class Migrator:
             why = "not_worth_it"
         if why is None and not self._room(nbytes, planned):
             why = "plane_busy"
+        if why is None and self._rate is not None and self._level <= 0:
+            why = "rate_limited"  # (max_gbps)
         if why is not None:
             self._refuse(why)
             return None
+        if self._rate is not None:
+            self._level -= nbytes
         self._n += 1
         mig = Migration(f"{TID_PREFIX}{self._n}", src.worker_id, dst.worker_id, p.hashes[-1], p.hashes[:n], blocks,
                         nbytes, dem, None if p.checks is None else p.checks[:n],
