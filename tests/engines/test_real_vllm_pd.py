@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from support.waiting import wait_until_blocking
 
 from tests.engines.conftest import Front, engine_python, front_config, note, thunderagent, wait_until
 from tests.engines.tiny_model import _WORDS
@@ -450,3 +451,70 @@ async def test_the_links_warm_up_before_any_client(pd_pair: tuple[VllmServer, Vl
          f"learned {links}")
     assert hits >= 3 * BLOCK_SIZE and moved >= 3 * BLOCK_BYTES
     assert [(x["src"], x["dst"]) for x in links] == [("worker-0", "worker-1")] and links[0]["bandwidth_gbps"] < 400.0
+
+
+def test_nixl_handoffs_behind_nats_worker_processes(pd_pair: tuple[VllmServer, VllmServer], tiny_model_dir: Path,
+                                                     tmp_path: Path) -> None:
+    """The NATS deployment: nats-server, a ``thunderagent worker`` process on each server (``--node 0`` the prefill
+    group, ``--node 1`` the decode group) and a ``thunderagent frontend``, disaggregation mode ``always``. vLLM's
+    ``kv_transfer_params`` cross the bus twice (the prefill worker's answer, the decode worker's request:
+    ``engine_params``), the decode server pulls the prompt's KV over NIXL (its own metrics), the client gets the
+    text of a greedy run on the decode server alone, and the frontend's plane learns the link from the decode
+    server's readings, passed on in its worker process's heartbeats."""
+    pytest.importorskip("nats", reason="the NATS deployment needs the nats extra")
+    from openai import OpenAI
+
+    from tests.integration.nats_cluster import Cluster
+
+    pre, dec = pd_pair
+    cfg = {"model": str(tiny_model_dir), "model_name": "tiny",
+           "control_plane": {"heartbeat_interval": 0.5, "heartbeat_misses": 60},  # (pd_config's lease)
+           "routing": {"seed": 7, "disaggregation": {"mode": "always", "min_uncached_tokens": 0}},
+           "scheduler": {"enabled": False},
+           "execution_group": {"nodes": [
+               {"engine": "vllm", "role": "prefill", "block_size": BLOCK_SIZE, "endpoints": [pre.endpoint()],
+                "kv_cache_transfer": {"enabled": True, "bandwidth_gbps": 400.0, "latency_s": 0.0,
+                                      "ewma_alpha": 1.0}},
+               {"engine": "vllm", "role": "decode", "block_size": BLOCK_SIZE, "endpoints": [dec.endpoint()]}]}}
+    cluster = Cluster(tmp_path)
+    path = tmp_path / "pd-nats.json"
+    path.write_text(json.dumps(cfg))
+    prompt = text_prompt(tiny_model_dir, 13, 90)
+    expected = local(dec, tiny_model_dir, prompt, salt="ref-13")
+    try:
+        cluster.start_nats()
+        cluster.start_worker("p0", "--node", "0", config=path)
+        cluster.start_worker("d1", "--node", "1", config=path)
+        cluster.start_frontend("f", config=path)
+
+        def listed() -> bool:
+            for name in ("nats", "p0", "d1", "f"):
+                if cluster.exited(name):
+                    pytest.fail(f"{name} exited ({cluster.procs[name].returncode}):\n{cluster.logs()}")
+            return cluster.workers("f") == {"p0", "d1"}
+
+        wait_until_blocking(listed, 90, "the frontend to list both worker processes")
+        before = asyncio.run(metrics(dec))
+        client = OpenAI(base_url=f"http://127.0.0.1:{cluster.ports['f']}/v1", api_key="unused", max_retries=0,
+                        timeout=HANDSHAKE_TIMEOUT_S)
+        raw = client.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
+                                                         temperature=0)
+        out = raw.parse()
+        after = asyncio.run(metrics(dec))
+        health = cluster.health("f")
+
+        def learned() -> list[dict]:
+            return [x for x in cluster.health("f").get("pd_links", []) if x["samples"]]
+
+        wait_until_blocking(lambda: bool(learned()), 30, "the link learned from the decode worker's heartbeats")
+        links = learned()
+    finally:
+        cluster.close()
+        logs = cluster.logs()
+    hits = grown(before, after, "vllm:external_prefix_cache_hits_total")
+    moved = grown(before, after, "vllm:nixl_bytes_transferred_sum")
+    note(f"NIXL behind NATS workers: {hits:.0f} external hits, {moved:.0f} bytes on the decode server; learned {links}")
+    assert raw.headers["x-thunderagent-worker"] == "d1", logs
+    assert out.choices[0].text == expected[1], logs
+    assert hits == len(prompt) and moved == -(-len(prompt) // BLOCK_SIZE) * BLOCK_BYTES, (health, logs)
+    assert [(x["src"], x["dst"]) for x in links] == [("p0", "d1")] and links[0]["bandwidth_gbps"] < 400.0
