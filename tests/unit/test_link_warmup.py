@@ -122,3 +122,17 @@ def test_warmup_tokens_is_refused_where_it_cannot_act() -> None:
         MigrationConfig(enabled=True, link=KvTransferConfig(enabled=True, warmup_tokens=64))
     with pytest.raises(ValidationError, match="warmup_tokens"):
         KvTransferConfig(enabled=True, warmup_tokens=-1)
+
+
+async def test_a_warm_up_that_finds_the_plane_full_says_so() -> None:
+    from tests.unit.test_disagg_flow import Observer
+
+    f, ws = await warm_fleet()
+    f.disagg.observer = Observer(room=False)  # the plane at its cap: the plan prefills on its decode worker
+    f.transfers.tick(f.routable(), f.now())
+    await settle(f)
+    warm = f.transfers.warmup
+    assert warm is not None
+    assert [(r.ok, r.cause) for r in warm.links.values()] == [(False, "plane_full")]
+    assert ws["worker-0"].submitted == [] and [r.kv_from for r in ws["worker-1"].submitted] == [None]
+    await f.stop()

@@ -200,6 +200,7 @@ class DisaggFlow:
         obs = self.observer
         strict = obs is not None and obs.strict
         if obs is not None and not obs.on_transfer_start(a.request_id, a.plan, a.worker_id, t0):
+            a.outcome = (False, PLANE_FULL)  # (until the plane takes it: strict waits for room)
             if strict:
                 if not await self._wait_room(a, relay, t0 + self.prefill_timeout):
                     self._reroute(a, relay, PLANE_FULL, a.worker_id)
