@@ -53,3 +53,11 @@ async def test_a_copy_lands_on_the_target_and_routing_sees_it(server_factory):
             assert seen[target] >= 32  # the index holds the copy on the target: routing may send it there
             async with s.get(srv.base_url + "/health") as r:
                 assert (await r.json())["cache_migration"]["completed"] == 1
+            async with s.get(srv.base_url + "/metrics") as r:
+                text = await r.text()
+            assert 'thunderagent_cache_migration_copies_total{outcome="ok"} 1.0' in text
+            moved = flow.migrator.bytes_moved
+            (line,) = [x for x in text.splitlines() if x.startswith("thunderagent_cache_migration_bytes_total ")]
+            assert moved > 0 and float(line.split()[1]) == moved
+            assert "thunderagent_cache_migration_inflight 0.0" in text
+            assert "thunderagent_cache_migration_left_out 0.0" in text

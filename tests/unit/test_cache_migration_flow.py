@@ -11,7 +11,8 @@ import json
 
 from tests.unit.test_cache_migration import BS, MNBT, A, setup, worker
 from tests.unit.test_disagg_flow import PARAMS, PdScripted
-from thunderagent.control.cache_migration import BROKEN_BACKOFF_S, MIN_COPY_TIMEOUT_S, CacheMigrationFlow
+from thunderagent.control.cache_migration import (BROKEN_BACKOFF_S, MIN_COPY_TIMEOUT_S, CacheMigrationFlow,
+                                                   MigrationCollector)
 from thunderagent.transfer.migration import PrefixSource
 from thunderagent.types import FinishReason, TokenOutput
 
@@ -88,6 +89,11 @@ async def test_a_source_without_a_connector_fails_the_copy_and_is_left_out_for_a
     assert workers["w2"].submitted == []  # nothing to pull: the target was never asked
     assert f.health()["cache_migration"]["left_out"] == ["w0"]  # type: ignore[index]
     assert await look(f, clock, 2.0) == [] and len(workers["w0"].submitted) == 1  # not asked again
+    series = {(m.name, tuple(sorted(smp.labels.items()))): smp.value
+              for m in MigrationCollector(f).collect() for smp in m.samples}
+    assert series[("thunderagent_cache_migration_copies", (("outcome", "no_kv_transfer"),))] == 1
+    assert series[("thunderagent_cache_migration_copies", (("outcome", "ok"),))] == 0
+    assert series[("thunderagent_cache_migration_left_out", ())] == 1
     demand(f, 1.0 + BROKEN_BACKOFF_S)  # (demand decays: asked for again)
     assert await look(f, clock, 2.0 + BROKEN_BACKOFF_S) != []  # the backoff is over: tried again
     assert len(workers["w0"].submitted) == 2

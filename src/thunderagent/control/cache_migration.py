@@ -30,8 +30,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from thunderagent.config import Config, ConfigError, Policy, Role
 from thunderagent.engine.timing import make_timing
@@ -149,9 +151,41 @@ class CacheMigrationFlow:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
 
+    def left_out(self) -> list[str]:
+        now = self.clock()
+        return sorted(w for w, t in self._broken.items() if t > now)
+
     def health(self) -> dict[str, object]:
         return {"cache_migration": self.migrator.stats() | {"failures": dict(self.failures),
-                                                             "left_out": sorted(self._broken)}}
+                                                             "left_out": self.left_out()}}
+
+
+class MigrationCollector:
+    """Cache migration's counters as Prometheus series, read at each scrape (the policy's counters are plain fields:
+    ``Migrator.stats``)."""
+
+    def __init__(self, flow: CacheMigrationFlow) -> None:
+        self._flow = flow
+
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        mig, failures = self._flow.migrator, self._flow.failures
+        copies = CounterMetricFamily("thunderagent_cache_migration_copies", "Cache migration copies ended, by outcome "
+                                     "(ok, or why it failed)", labels=["outcome"])
+        copies.add_metric(["ok"], mig.completed)
+        for cause, n in sorted(failures.items()):
+            copies.add_metric([cause], n)
+        yield copies
+        refused = CounterMetricFamily("thunderagent_cache_migration_refusals", "Copies the policy did not plan, by "
+                                      "cause (no_target, too_large, target_full, not_worth_it, plane_busy, "
+                                      "rate_limited)", labels=["cause"])
+        for cause, n in sorted(mig.refusals.items()):
+            refused.add_metric([cause], n)
+        yield refused
+        yield CounterMetricFamily("thunderagent_cache_migration_bytes", "KV bytes of the copies that landed (the "
+                                  "plane's estimate: blocks x bytes_per_token)", value=mig.bytes_moved)
+        yield GaugeMetricFamily("thunderagent_cache_migration_inflight", "Copies in flight", value=mig.inflight)
+        yield GaugeMetricFamily("thunderagent_cache_migration_left_out", "Workers left out of the copies for want of "
+                                "a KV connector (BROKEN_BACKOFF_S)", value=len(self._flow.left_out()))
 
 
 async def _last(q: OutputQueue) -> TokenOutput:

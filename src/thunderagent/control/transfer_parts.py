@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from thunderagent.config import Config, Policy
-from thunderagent.control.cache_migration import CacheMigrationFlow, make_cache_migration
+from thunderagent.control.cache_migration import CacheMigrationFlow, MigrationCollector, make_cache_migration
 from thunderagent.control.disagg_flow import DisaggFlow
 from thunderagent.control.link_warmup import LinkWarmup
 from thunderagent.control.metrics import Metrics
@@ -67,4 +67,6 @@ def transfer_parts(cfg: Config, pd: Disaggregator | None, flow: DisaggFlow, metr
     warm = None if pd is None or not pd.plane.cfg.warmup_tokens else LinkWarmup(
         pd.plane.cfg.warmup_tokens, block_size, flow, pd.plane, workers, clock)
     migration = make_cache_migration(cfg, None if pd is None else pd.plane, workers, index, clock, policy)
+    if migration is not None:
+        metrics.registry.register(MigrationCollector(migration))
     return TransferParts(observer, migration, warm)
