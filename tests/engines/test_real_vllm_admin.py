@@ -59,7 +59,8 @@ async def test_a_vllm_server_added_at_runtime_is_routed_to_indexed_and_drained(
         async with s.post(f"{base}{ADMIN}/worker-0/uncordon") as r:
             assert r.status == 200
         async with s.post(f"{base}{ADMIN}/worker-1/remove", json={"timeout_s": 30}) as r:
-            assert (r.status, await r.json()) == (200, {"id": "worker-1", "removed": True, "requests_moved": 0})
+            assert (r.status, await r.json()) == (200, {"id": "worker-1", "removed": True, "requests_moved": 0,
+                                                        "prefixes_handed_off": 0})
         assert fleet.index.num_blocks("worker-1") == 0 and sorted(fleet.workers) == ["worker-0"]
         raw = await front.client.completions.with_raw_response.create(model=front.model, prompt=PROMPT, max_tokens=2)
         assert raw.headers["x-thunderagent-worker"] == "worker-0"

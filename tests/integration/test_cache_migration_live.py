@@ -61,3 +61,26 @@ async def test_a_copy_lands_on_the_target_and_routing_sees_it(server_factory):
             assert moved > 0 and float(line.split()[1]) == moved
             assert "thunderagent_cache_migration_inflight 0.0" in text
             assert "thunderagent_cache_migration_left_out 0.0" in text
+
+
+async def test_a_removed_worker_hands_its_prefix_off_before_it_leaves(server_factory):
+    """``POST /v1/admin/workers/{id}/remove`` with ``routing.migration`` on: while it drains, the worker's
+    most-demanded prefix, held nowhere else, is copied to the other worker; the answer counts it, and the next
+    request of the prefix finds it there instead of recomputing it."""
+    mig = {"enabled": True, "min_prefix_tokens": 1024, "min_demand": 0.5,
+           "link": {"enabled": True, "bandwidth_gbps": 200.0}}
+    async with server_factory(execution_group={"nodes": [{"count": 2}]}, routing={"migration": mig},
+                              scheduler={"enabled": False}, control_plane={"admin_api": True}) as srv:
+        fleet = srv.fleet
+        async with aiohttp.ClientSession() as s:
+            holder = (await ask(s, srv.base_url, PREFIX + "first question"))["worker"]
+            await ask(s, srv.base_url, PREFIX + "second question")  # finds the prefix: demand
+            other = next(w for w in fleet.workers if w != holder)
+            async with s.post(f"{srv.base_url}/v1/admin/workers/{holder}/remove", json={"timeout_s": 10}) as r:
+                assert r.status == 200, await r.text()
+                assert await r.json() == {"id": holder, "removed": True, "requests_moved": 0,
+                                          "prefixes_handed_off": 1}
+            assert list(fleet.workers) == [other]
+            assert fleet.workers[other].engine.kv_imported_blocks >= 32  # type: ignore[attr-defined]
+            third = await ask(s, srv.base_url, PREFIX + "third question")
+            assert third["worker"] == other and third["overlap_blocks"] >= 32

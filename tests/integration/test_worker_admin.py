@@ -133,7 +133,8 @@ async def test_a_worker_added_at_runtime_serves_and_a_removal_drains_or_moves_it
         assert not removal.done()
         gate.set()
         assert await asyncio.wait_for(slow, 20) == ("worker-2", LONG, "length")
-        assert await asyncio.wait_for(removal, 20) == (200, {"id": "worker-2", "removed": True, "requests_moved": 0})
+        assert await asyncio.wait_for(removal, 20) == (200, {"id": "worker-2", "removed": True, "requests_moved": 0,
+                                                              "prefixes_handed_off": 0})
         assert "worker-2" not in srv.fleet.workers and srv.fleet.index.num_blocks("worker-2") == 0
         status, body = await _call(s, "POST", f"{base}{ADMIN}/worker-2/remove")
         assert status == 404
@@ -147,7 +148,8 @@ async def test_a_worker_added_at_runtime_serves_and_a_removal_drains_or_moves_it
         assert srv.fleet.generations_on(srv.fleet.workers["worker-0"])
         await _call(s, "POST", f"{base}{ADMIN}/worker-1/uncordon")  # somewhere for it to go
         status, body = await _call(s, "POST", f"{base}{ADMIN}/worker-0/remove", {"force": True})
-        assert (status, body) == (200, {"id": "worker-0", "removed": True, "requests_moved": 1})
+        assert (status, body) == (200, {"id": "worker-0", "removed": True, "requests_moved": 1,
+                                        "prefixes_handed_off": 0})
         gate.set()
         assert await asyncio.wait_for(moving, 20) == ("worker-0", *unbroken)  # as if never moved
         assert srv.fleet.metrics.registry.get_sample_value("thunderagent_migrations_total", {"cause": "removed"}) == 1

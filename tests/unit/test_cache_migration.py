@@ -242,3 +242,18 @@ def test_max_gbps_holds_copies_to_an_average_rate():
         MigrationConfig(max_gbps=10.0)  # the switch off
     with pytest.raises(ValidationError, match="max_gbps"):
         MigrationConfig(enabled=True, max_gbps=0.0)
+
+
+def test_a_leaving_worker_hands_its_prefixes_off_by_demand():
+    mig, index = setup()
+    demand(mig, A, 2)
+    demand(mig, B, 5)
+    demand(mig, SHORT, 9)  # under min_prefix_tokens: never copied
+    index.resync("w2", B, 0)  # w2 keeps B already: nothing to hand off for it
+    fleet = [worker("w0"), worker("w1", queued=800), worker("w2")]  # w0 leaving; nobody hot, no sustain needed
+    out = mig.evacuate("w0", fleet, index, 0.0)
+    assert [(m.src, m.dst, m.blocks) for m in out] == [("w0", "w2", 512)]  # A, to the least loaded
+    assert mig.inflight == 1
+    assert mig.evacuate("w0", fleet, index, 0.1) == []  # A in flight, B kept by w2
+    # no worker to take them
+    assert mig.evacuate("w0", [worker("w0")], index, 0.2) == [] and mig.refusals == {"no_target": 1}

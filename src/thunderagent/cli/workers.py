@@ -123,7 +123,9 @@ def remove(worker: Annotated[str, typer.Argument(help="the worker's id")], url: 
     r = _call("POST", f"{url}{PATH}/{worker}/remove", api_key, {"force": force, "timeout_s": timeout},
               timeout=timeout + 30)
     moved = f", {r['requests_moved']} requests moved to other workers" if r["requests_moved"] else ""
-    typer.echo(f"{r['id']} removed{moved}")
+    handed = r.get("prefixes_handed_off") or 0  # (an older server does not say)
+    kept = f", {handed} cached prefixes copied to other workers" if handed else ""
+    typer.echo(f"{r['id']} removed{moved}{kept}")
 
 
 @workers.command("reset-cache")

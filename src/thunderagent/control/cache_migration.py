@@ -66,7 +66,7 @@ class CacheMigrationFlow:
         self.workers = workers
         self.index = index
         self.clock = clock
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tasks: dict[str, asyncio.Task[bool]] = {}
         self._broken: dict[str, float] = {}  # worker -> until when its copies are not planned (``_BROKEN``)
         self.failures: dict[str, int] = {}  # copies failed, by cause (the plane may be shared with handoffs)
 
@@ -76,17 +76,27 @@ class CacheMigrationFlow:
                               PrefixSource(r.prompt_tokens, r.hash_seed, r.cache_salt, r.lora_name))
 
     def tick(self, workers: Sequence[WorkerState], now: float) -> None:
-        plane = self.migrator.plane
         if self._broken:
             self._broken = {w: t for w, t in self._broken.items() if t > now}
             workers = [w for w in workers if w.worker_id not in self._broken]
-        for m in self.migrator.tick(workers, self.index, now):
+        self._start(self.migrator.tick(workers, self.index, now), now)
+
+    def evacuate(self, worker_id: str, workers: Sequence[WorkerState], now: float) -> list[asyncio.Task[bool]]:
+        """``worker_id`` is leaving (an operator's removal): copies of the prefixes it alone holds, by demand, to
+        ``workers`` (:meth:`Migrator.evacuate`); their tasks, to wait for before it goes."""
+        return self._start(self.migrator.evacuate(worker_id, workers, self.index, now), now)
+
+    def _start(self, planned: list[Migration], now: float) -> list[asyncio.Task[bool]]:
+        plane, tasks = self.migrator.plane, []
+        for m in planned:
             t = plane.start(m.tid, m.src, m.dst, m.nbytes, now)
             assert t is not None, "the migrator plans a copy only when the plane has room"
             log.info("cache migration %s: %d blocks of a prefix (demand %.1f) from %s to %s", m.tid, m.blocks,
                      m.demand, m.src, m.dst)
             timeout = max(t.deadline - now, MIN_COPY_TIMEOUT_S)
-            self._tasks[m.tid] = asyncio.create_task(self._copy(m, timeout), name=m.tid)
+            task = self._tasks[m.tid] = asyncio.create_task(self._copy(m, timeout), name=m.tid)
+            tasks.append(task)
+        return tasks
 
     def _request(self, m: Migration, request_id: str) -> EngineRequest:
         """One side's request: the prefix's tokens (simulated engines cache by the hashes given and take
@@ -99,14 +109,15 @@ class CacheMigrationFlow:
                              lora_name=None if src is None else src.lora_name,
                              check_hashes=None if m.checks is None else list(m.checks))
 
-    async def _copy(self, m: Migration, timeout_s: float) -> None:
+    async def _copy(self, m: Migration, timeout_s: float) -> bool:
+        """Run copy ``m``; whether it landed."""
         ok, cause, side = False, "aborted", None
         src_id = f"{m.tid}-source"
         try:
             async with asyncio.timeout(timeout_s):
                 if (src := self.workers.get(m.src)) is None:
                     cause = "source_gone"
-                    return
+                    return False
                 side = (src, src_id)
                 out = await _last(src.submit(replace(self._request(m, src_id), remote_decode=True)))
                 side = None
@@ -142,6 +153,7 @@ class CacheMigrationFlow:
                     self._broken[bad] = now + BROKEN_BACKOFF_S
                     log.warning("cache migration: %s left out of copies for %.0f s (%s: a vLLM server needs "
                                 "a NixlConnector in kv_role kv_both)", bad, BROKEN_BACKOFF_S, cause)
+        return ok
 
     async def stop(self) -> None:
         tasks = list(self._tasks.values())

@@ -56,6 +56,7 @@ class Removal:
     removed: bool
     in_flight: int  # its requests still running here (not removed: the drain ran out of time)
     cut: int  # requests cut (force)
+    handed_off: int = 0  # prefixes copied to other workers before it left (routing.migration on)
 
 
 class WorkerAdmin:
@@ -156,22 +157,28 @@ class WorkerAdmin:
         fleet = self.fleet
         await self.cordon(worker_id)
         cut = 0
-        if force:
+        copies: list[asyncio.Task[bool]] = []
+        if force:  # (its cache goes with it: no copies)
             gens = fleet.generations_on(fleet.workers[worker_id], prefill=True)
             for gen in gens:  # ended here as if the worker were lost: they migrate or are routed again
                 fleet.cut(gen, f"worker {worker_id} removed by an operator")
             cut = len(gens)
         else:
+            # routing.migration on: its most-demanded prefixes that no other worker holds are copied out while
+            # it drains (its cache would go with it); waited for within the same timeout
+            if fleet.cache_migration is not None and worker_id in fleet.workers:
+                copies = fleet.cache_migration.evacuate(worker_id, fleet.routable(), fleet.now())
             deadline = fleet.now() + timeout_s
-            while (n := self.in_flight(worker_id)) and fleet.now() < deadline:
+            while ((n := self.in_flight(worker_id)) or not all(t.done() for t in copies)) and fleet.now() < deadline:
                 await asyncio.sleep(_POLL_S)
             if n:
                 return Removal(worker_id, False, n, 0)
+        handed = sum(1 for t in copies if t.done() and not t.cancelled() and t.result())
         if worker_id in fleet.workers:  # (a concurrent removal may have taken it)
             fleet.leave(worker_id, "removed by an operator", drain=True)  # (nothing of ours runs there now)
             await static.remove(worker_id)
             await self._save(static, f"worker {worker_id} removed")
-        return Removal(worker_id, True, 0, cut)
+        return Removal(worker_id, True, 0, cut, handed)
 
     def _need_static(self, action: str) -> StaticMembership:
         static = self._static()

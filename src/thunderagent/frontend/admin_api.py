@@ -167,7 +167,7 @@ class AdminApi:
             raise RequestError(f"worker {wid!r} still runs {r.in_flight} requests after {body.timeout_s:g}s: it stays "
                                "cordoned; call again to wait longer, or with force: true to move them", status=409,
                                code="worker_busy", param="timeout_s")
-        return web.json_response({"id": wid, "removed": True, "requests_moved": r.cut})
+        return web.json_response({"id": wid, "removed": True, "requests_moved": r.cut, "prefixes_handed_off": r.handed_off})
 
     async def reset_all(self, request: web.Request) -> web.Response:
         self._check()

@@ -264,7 +264,8 @@ def _admin_paths() -> dict[str, Any]:
             "summary": "Cordon a worker, wait for its requests here to finish (or move them: force), then remove it",
             "parameters": [_WORKER_PARAM], "requestBody": {"required": False, "content": {"application/json": {
                 "schema": ref}}},
-            "responses": {"200": _json({"type": "object", "required": ["id", "removed", "requests_moved"]},
+            "responses": {"200": _json({"type": "object", "required": ["id", "removed", "requests_moved",
+                                                                       "prefixes_handed_off"]},
                                        "removed"), **_errors(400, 403, 404, 409, 413, 415, 500, 504)}}},
         f"{WORKERS_PATH}/{{worker_id}}/reset_prefix_cache": {"post": {
             "summary": "Empty a worker's prefix cache (its server's), the index following",

@@ -172,10 +172,7 @@ class Migrator:
         if now < self._next:
             return []
         self._next = now + cfg.interval_s
-        if self._rate is not None:
-            if self._level_at is not None:
-                self._level = min(self._rate, self._level + (now - self._level_at) * self._rate)
-            self._level_at = now
+        self._refill(now)
         sources: list[tuple[float, WorkerState]] = []
         others: list[tuple[float, WorkerState]] = []  # neither hot nor busy
         since: dict[str, float] = {}
@@ -193,7 +190,7 @@ class Migrator:
         if not sources:
             return []
         sources.sort(key=lambda x: -x[0])
-        ranked = sorted(((self._decayed(p, now), k, p) for k, p in self._demand.items()), key=lambda x: -x[0])
+        ranked = self._ranked(now)
         given: dict[str, int] = {}  # target -> copies planned for it in this look
         out: list[Migration] = []
         for load, src in sources:
@@ -218,12 +215,41 @@ class Migrator:
                     continue  # not this source's prefix
                 if any(held.get(w, 0) >= n for w in room_ids):
                     continue  # a worker with room holds it: routing already has a place for it
-                mig = self._plan(src, p, n, dem, held, targets, given, out)
+                mig = self._plan(src.worker_id, p, n, dem, held, targets, given, out)
                 if mig is not None:
                     out.append(mig)
         return out
 
-    def _plan(self, src: WorkerState, p: _Prefix, n: int, dem: float, held: dict[str, int],
+    def evacuate(self, src: str, workers: Sequence[WorkerState], index: KvIndex, now: float) -> list[Migration]:
+        """Copies of the prefixes worker ``src`` holds, for it is leaving (an operator's removal): the tracked ones
+        it holds at least ``min_prefix_tokens`` of and no other worker holds as deeply, by falling demand, each to
+        the least-loaded other worker (not busy, not a prefill worker), through :meth:`tick`'s admission (plane,
+        worth, rate); at most ``max_per_tick``. The caller starts them as it does :meth:`tick`'s."""
+        cfg, bs = self.cfg, self.block_size
+        targets = [w for w in workers
+                   if w.worker_id != src and w.role != "prefill" and not is_busy(w, self.routing)]
+        if not targets:
+            self._refuse("no_target")
+            return []
+        self._refill(now)
+        ranked = self._ranked(now)
+        given: dict[str, int] = {}
+        out: list[Migration] = []
+        for dem, key, p in ranked:
+            if len(out) >= cfg.max_per_tick:
+                break
+            if key in self._moving:
+                continue
+            held = index.find_matches(p.hashes, now)
+            n = held.get(src, 0)
+            if n * bs < cfg.min_prefix_tokens or any(held.get(w.worker_id, 0) >= n for w in targets):
+                continue  # not its prefix, or another worker keeps it
+            mig = self._plan(src, p, n, dem, held, targets, given, out)
+            if mig is not None:
+                out.append(mig)
+        return out
+
+    def _plan(self, src: str, p: _Prefix, n: int, dem: float, held: dict[str, int],
               targets: list[WorkerState], given: dict[str, int], planned: list[Migration]) -> Migration | None:
         plane, bs = self.plane, self.block_size
         dst = min(targets, key=lambda w: (given.get(w.worker_id, 0), base_load(w, self.routing),
@@ -231,7 +257,7 @@ class Migrator:
         blocks = n - held.get(dst.worker_id, 0)
         nbytes = plane.bytes_for(blocks * bs)
         why = plane.refusal(nbytes, blocks, dst.load.kv_active_blocks, dst.load.kv_total_blocks)
-        if why is None and plane.estimate(src.worker_id, dst.worker_id, nbytes) >= self.recompute_s(
+        if why is None and plane.estimate(src, dst.worker_id, nbytes) >= self.recompute_s(
                 blocks * bs, dst.max_num_batched_tokens):
             why = "not_worth_it"
         if why is None and not self._room(nbytes, planned):
@@ -244,7 +270,7 @@ class Migrator:
         if self._rate is not None:
             self._level -= nbytes
         self._n += 1
-        mig = Migration(f"{TID_PREFIX}{self._n}", src.worker_id, dst.worker_id, p.hashes[-1], p.hashes[:n], blocks,
+        mig = Migration(f"{TID_PREFIX}{self._n}", src, dst.worker_id, p.hashes[-1], p.hashes[:n], blocks,
                         nbytes, dem, None if p.checks is None else p.checks[:n],
                         None if p.source is None else p.source.cut(n * bs + 1))
         given[dst.worker_id] = given.get(dst.worker_id, 0) + 1
@@ -252,6 +278,17 @@ class Migrator:
         self._moving.add(mig.key)
         self.planned += 1
         return mig
+
+    def _ranked(self, now: float) -> list[tuple[float, int, _Prefix]]:
+        """The tracked prefixes by falling demand: (demand, key, prefix)."""
+        return sorted(((self._decayed(p, now), k, p) for k, p in self._demand.items()), key=lambda x: -x[0])
+
+    def _refill(self, now: float) -> None:
+        """``max_gbps``' bucket, refilled up to ``now``."""
+        if self._rate is not None:
+            if self._level_at is not None:
+                self._level = min(self._rate, self._level + (now - self._level_at) * self._rate)
+            self._level_at = now
 
     def _room(self, nbytes: int, planned: list[Migration]) -> bool:
         """The plane would start this copy at once after the ones ``planned`` in this look (never queued
