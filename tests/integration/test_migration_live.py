@@ -20,7 +20,13 @@ N = 100
 JSON = {"Content-Type": "application/json"}
 
 
-def body(i: int, stream: bool, max_tokens: int = 120) -> str:
+#: tokens of each stream. Long enough that a stream stays in flight for a few seconds at speedup 1: on CI's loaded
+#: cores a stall of the event loop lets the simulated engine run every pass that came due at once, and with 120
+#: tokens the streams on worker-0 had all finished before the test looked at them mid-way (one CI run)
+LONG_TOKENS = 400
+
+
+def body(i: int, stream: bool, max_tokens: int = LONG_TOKENS) -> str:
     return json.dumps({"model": MODEL, "prompt": f"request {i}: tell me about the river. " * 4,
                        "max_tokens": max_tokens, "stream": stream,
                        **({"stream_options": {"include_usage": True}} if stream else {})})
