@@ -363,8 +363,10 @@ async def test_a_cache_migration_copy_moves_real_kv_between_two_servers(pd_pair:
     events confirm the prefix's blocks in the index, and a request for the prefix sent straight to it finds
     them in its local prefix cache (``cached_tokens``), under the tenant's cache salt."""
     pre, dec = pd_pair
+    # demand_half_life_s an hour: on CI the requests and the /metrics read before the look took over 10 s once, and
+    # the prefix's one request of demand had decayed under min_demand by then (nothing planned, nothing refused)
     mig = {"enabled": True, "min_prefix_tokens": 3 * BLOCK_SIZE, "min_demand": 0.5, "sustain_s": 0.0,
-           "link": {"enabled": True, "bandwidth_gbps": 400.0, "latency_s": 0.0}}
+           "demand_half_life_s": 3600.0, "link": {"enabled": True, "bandwidth_gbps": 400.0, "latency_s": 0.0}}
     cfg = parse_config({
         "model": str(tiny_model_dir), "model_name": "tiny", "routing": {"seed": 7, "migration": mig},
         "scheduler": {"enabled": False},

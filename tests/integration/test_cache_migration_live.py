@@ -27,6 +27,7 @@ async def ask(s: aiohttp.ClientSession, url: str, prompt: str) -> dict:
 
 async def test_a_copy_lands_on_the_target_and_routing_sees_it(server_factory):
     mig = {"enabled": True, "min_prefix_tokens": 1024, "min_demand": 0.5, "sustain_s": 0.0,
+           "demand_half_life_s": 3600.0,  # (a slow CI host must not let the one request of demand decay away)
            "link": {"enabled": True, "bandwidth_gbps": 200.0}}
     async with server_factory(execution_group={"nodes": [{"count": 2}]}, routing={"migration": mig},
                               scheduler={"enabled": False}) as srv:
@@ -67,7 +68,7 @@ async def test_a_removed_worker_hands_its_prefix_off_before_it_leaves(server_fac
     """``POST /v1/admin/workers/{id}/remove`` with ``routing.migration`` on: while it drains, the worker's
     most-demanded prefix, held nowhere else, is copied to the other worker; the answer counts it, and the next
     request of the prefix finds it there instead of recomputing it."""
-    mig = {"enabled": True, "min_prefix_tokens": 1024, "min_demand": 0.5,
+    mig = {"enabled": True, "min_prefix_tokens": 1024, "min_demand": 0.5, "demand_half_life_s": 3600.0,
            "link": {"enabled": True, "bandwidth_gbps": 200.0}}
     async with server_factory(execution_group={"nodes": [{"count": 2}]}, routing={"migration": mig},
                               scheduler={"enabled": False}, control_plane={"admin_api": True}) as srv:
