@@ -240,7 +240,8 @@ class Fleet:
                 self.metrics.healthy.labels(wid).set(1)
         self.outliers.tick([w.worker_id for w in self.registry.routable()], now)
         self.dispatcher.tick(self.routable(), now)  # pacing; grouping's bounds (``_wake`` runs them on time)
-        self.transfers.tick(self.routable(), now)  # cache migration's copies; prefill/decode links' warm-ups
+        if self.transfers.ticking:  # cache migration's copies; prefill/decode links' warm-ups
+            self.transfers.tick(self.routable(), now)
         self.decisions.tick()  # buffered decision-log lines reach the file
         self.metrics.observe_fleet(self.registry.loads().values(), now)
         self.planner.tick(now)

@@ -36,6 +36,11 @@ class TransferParts:
         if self.migration is not None:
             self.migration.observe(d, now)
 
+    @property
+    def ticking(self) -> bool:
+        """Something acts on the health tick (else the fleet need not list its routable workers for it)."""
+        return self.migration is not None or self.warmup is not None
+
     def tick(self, routable: Sequence[WorkerState], now: float) -> None:
         """The health tick: copies to start, a link to warm up."""
         for part in (self.migration, self.warmup):

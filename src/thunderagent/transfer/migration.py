@@ -202,22 +202,7 @@ class Migrator:
             if not targets:
                 self._refuse("no_target")
                 continue
-            room_ids = {w.worker_id for w in targets}
-            # Work: one index match per tracked prefix at most (max_prefixes, each O(its blocks)), per source.
-            for dem, key, p in ranked:
-                if dem < cfg.min_demand or len(out) >= cfg.max_per_tick:
-                    break
-                if key in self._moving:
-                    continue
-                held = index.find_matches(p.hashes, now)
-                n = held.get(src.worker_id, 0)
-                if n * self.block_size < cfg.min_prefix_tokens:
-                    continue  # not this source's prefix
-                if any(held.get(w, 0) >= n for w in room_ids):
-                    continue  # a worker with room holds it: routing already has a place for it
-                mig = self._plan(src.worker_id, p, n, dem, held, targets, given, out)
-                if mig is not None:
-                    out.append(mig)
+            self._copies(src.worker_id, ranked, targets, given, out, index, now, cfg.min_demand)
         return out
 
     def evacuate(self, src: str, workers: Sequence[WorkerState], index: KvIndex, now: float) -> list[Migration]:
@@ -225,29 +210,36 @@ class Migrator:
         it holds at least ``min_prefix_tokens`` of and no other worker holds as deeply, by falling demand, each to
         the least-loaded other worker (not busy, not a prefill worker), through :meth:`tick`'s admission (plane,
         worth, rate); at most ``max_per_tick``. The caller starts them as it does :meth:`tick`'s."""
-        cfg, bs = self.cfg, self.block_size
         targets = [w for w in workers
                    if w.worker_id != src and w.role != "prefill" and not is_busy(w, self.routing)]
         if not targets:
             self._refuse("no_target")
             return []
         self._refill(now)
-        ranked = self._ranked(now)
-        given: dict[str, int] = {}
         out: list[Migration] = []
+        self._copies(src, self._ranked(now), targets, {}, out, index, now, 0.0)  # leaving: any demand counts
+        return out
+
+    def _copies(self, src: str, ranked: list[tuple[float, int, _Prefix]], targets: list[WorkerState],
+                given: dict[str, int], out: list[Migration], index: KvIndex, now: float, min_demand: float) -> None:
+        """Plan into ``out`` copies of ``src``'s prefixes (``ranked``, by falling demand, down to ``min_demand``)
+        that no worker of ``targets`` holds as deeply, up to ``max_per_tick`` in all. Work: one index match per
+        tracked prefix at most (``max_prefixes``, each O(its blocks))."""
+        cfg = self.cfg
         for dem, key, p in ranked:
-            if len(out) >= cfg.max_per_tick:
+            if dem < min_demand or len(out) >= cfg.max_per_tick:
                 break
             if key in self._moving:
                 continue
             held = index.find_matches(p.hashes, now)
             n = held.get(src, 0)
-            if n * bs < cfg.min_prefix_tokens or any(held.get(w.worker_id, 0) >= n for w in targets):
-                continue  # not its prefix, or another worker keeps it
+            if n * self.block_size < cfg.min_prefix_tokens:
+                continue  # not this source's prefix
+            if any(held.get(w.worker_id, 0) >= n for w in targets):
+                continue  # a worker with room holds it: routing already has a place for it
             mig = self._plan(src, p, n, dem, held, targets, given, out)
             if mig is not None:
                 out.append(mig)
-        return out
 
     def _plan(self, src: str, p: _Prefix, n: int, dem: float, held: dict[str, int],
               targets: list[WorkerState], given: dict[str, int], planned: list[Migration]) -> Migration | None:
