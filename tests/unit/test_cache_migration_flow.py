@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from tests.unit.test_cache_migration import BS, MNBT, A, setup, worker
-from tests.unit.test_disagg_flow import PARAMS, PdScripted
+from unit.test_cache_migration import BS, MNBT, A, setup, worker
+from unit.test_disagg_flow import PARAMS, PdScripted
 from thunderagent.control.cache_migration import (BROKEN_BACKOFF_S, MIN_COPY_TIMEOUT_S, CacheMigrationFlow,
                                                    MigrationCollector)
 from thunderagent.transfer.migration import PrefixSource

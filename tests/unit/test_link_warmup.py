@@ -10,7 +10,7 @@ import asyncio
 import pytest
 from pydantic import ValidationError
 
-from tests.unit.test_disagg_flow import PdScripted
+from unit.test_disagg_flow import PdScripted
 from thunderagent.config import KvTransferConfig, MigrationConfig, NodeConfig, parse_config
 from thunderagent.control.fleet import Fleet
 from thunderagent.control.link_warmup import MAX_TRIES, RETRY_S, SALT
@@ -125,7 +125,7 @@ def test_warmup_tokens_is_refused_where_it_cannot_act() -> None:
 
 
 async def test_a_warm_up_that_finds_the_plane_full_says_so() -> None:
-    from tests.unit.test_disagg_flow import Observer
+    from unit.test_disagg_flow import Observer
 
     f, ws = await warm_fleet()
     f.disagg.observer = Observer(room=False)  # the plane at its cap: the plan prefills on its decode worker
