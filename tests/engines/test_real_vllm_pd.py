@@ -361,7 +361,8 @@ async def test_a_cache_migration_copy_moves_real_kv_between_two_servers(pd_pair:
     the two halves of a handoff: the holder's one-token ``remote_decode`` job, the other's one-token pull over
     NIXL. Evidence from the target itself: its external hits and NIXL bytes grow by the prefix, its own KV
     events confirm the prefix's blocks in the index, and a request for the prefix sent straight to it finds
-    them in its local prefix cache (``cached_tokens``), under the tenant's cache salt."""
+    them in its local prefix cache (``cached_tokens``), under the tenant's cache salt. The copies' link learns
+    the target's measured NIXL rate (``/health`` ``migration_links``)."""
     pre, dec = pd_pair
     # demand_half_life_s an hour: on CI the requests and the /metrics read before the look took over 10 s once, and
     # the prefix's one request of demand had decayed under min_demand by then (nothing planned, nothing refused)
@@ -407,6 +408,15 @@ async def test_a_cache_migration_copy_moves_real_kv_between_two_servers(pd_pair:
         after = await metrics(server)
         assert flow.migrator.completed == 1 and flow.failures == {}, flow.health()
         copied = flow.migrator.blocks_moved
+
+        def learned() -> list[dict]:  # the copies' own plane: its link learns from the target's NIXL metrics
+            return [x for x in fleet.health_summary().get("migration_links", []) if x["samples"]]  # type: ignore[union-attr]
+        await wait_until(lambda: learned() != [], 30, "the copy's link learning from the target server's NIXL reads")
+        assert [(x["src"], x["dst"]) for x in learned()] == [(holder, target)]
+        assert learned()[0]["bandwidth_gbps"] != 400.0  # (the configured estimate moved)
+        # both servers' prefill figures are read with their load polls (their measured rates follow once they
+        # computed MIN_PREFILL_SAMPLE_TOKENS more: more than this test sends)
+        assert set(flow.migrator._prefill_seen) == {"worker-0", "worker-1"}
         await wait_until(lambda: all(fleet.index.is_confirmed(target, h) for h in hashes[:copied]), 30,
                          "the target's own KV events for the copied blocks")
         # straight to the target: its local prefix cache holds the prefix now

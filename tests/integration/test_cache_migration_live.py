@@ -2,7 +2,8 @@
 to look busy to the migrator) the health-tick driver copies the prefix to the other worker as the two
 halves of a handoff (the holder's one-token prefill-only job, the target's request taking its transfer); the
 target imports the blocks by hash and the next request of the prefix finds them there (routing sees the
-overlap)."""
+overlap). With ``routing.migration.link.sim_block_bytes`` the copy moves checksummed bytes over TCP, and the
+target's own measure of its pull teaches the copies' link (``/health`` ``migration_links``)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ async def ask(s: aiohttp.ClientSession, url: str, prompt: str) -> dict:
         return (await r.json())["thunderagent"]
 
 
-async def test_a_copy_lands_on_the_target_and_routing_sees_it(server_factory):
+@pytest.mark.parametrize("block_bytes", [0, 65536], ids=["by-hash", "bytes"])
+async def test_a_copy_lands_on_the_target_and_routing_sees_it(server_factory, block_bytes):
     mig = {"enabled": True, "min_prefix_tokens": 1024, "min_demand": 0.5, "sustain_s": 0.0,
            "demand_half_life_s": 3600.0,  # (a slow CI host must not let the one request of demand decay away)
-           "link": {"enabled": True, "bandwidth_gbps": 200.0}}
+           "link": {"enabled": True, "bandwidth_gbps": 200.0, "sim_block_bytes": block_bytes}}
     async with server_factory(execution_group={"nodes": [{"count": 2}]}, routing={"migration": mig},
                               scheduler={"enabled": False}) as srv:
         fleet = srv.fleet
@@ -53,7 +55,16 @@ async def test_a_copy_lands_on_the_target_and_routing_sees_it(server_factory):
             seen = {c["worker"]: c["overlap_blocks"] for c in third["candidates"]}
             assert seen[target] >= 32  # the index holds the copy on the target: routing may send it there
             async with s.get(srv.base_url + "/health") as r:
-                assert (await r.json())["cache_migration"]["completed"] == 1
+                health = await r.json()
+            assert health["cache_migration"]["completed"] == 1
+            learned = [x for x in health["migration_links"] if x["samples"]]
+            if block_bytes:  # the bytes moved, checksummed; the target's pull taught the link its rate
+                stats = fleet.workers[target].service.stats  # type: ignore[attr-defined]
+                assert stats.pulls_ok == 1 and stats.bytes_received == engine.kv_imported_blocks * block_bytes
+                assert [(x["src"], x["dst"], x["samples"]) for x in learned] == [(holder, target, 1)]
+                assert learned[0]["bandwidth_gbps"] != 200.0
+            else:  # by hash: nothing moved, nothing to learn from
+                assert learned == [] and not hasattr(fleet.workers[target], "service")
             async with s.get(srv.base_url + "/metrics") as r:
                 text = await r.text()
             assert 'thunderagent_cache_migration_copies_total{outcome="ok"} 1.0' in text

@@ -359,6 +359,30 @@ def test_one_frontend_acts_for_the_planner_and_the_next_oldest_takes_over_when_i
     assert set(pids()) == {cluster.procs["fa"].pid, cluster.procs["fb"].pid}
 
 
+def test_one_frontend_plans_cache_migrations_copies_and_the_other_takes_over_when_it_dies(cluster: Cluster):
+    """``routing.migration`` on two frontends: one migrator plans the copies (the older frontend; two would copy
+    the same hot prefix twice), the other shows ``planning: false``; when the older one is killed the other plans
+    one lease later. The migrator's own decisions are tested elsewhere (``test_cache_migration_live.py``)."""
+    mig = "migration: {enabled: true, link: {enabled: true, sim_block_bytes: 4096}}"
+    base = cluster.config.read_text()
+    assert "routing: {seed: 7}" in base
+    config = cluster.tmp / "migration.yaml"
+    config.write_text(base.replace("routing: {seed: 7}", f"routing: {{seed: 7, {mig}}}"))
+    cluster.start_nats()
+    cluster.start_worker("w0", config=config)
+    cluster.start_frontend("fa", config=config)
+    wait_until(lambda: cluster.workers("fa") == {"w0"}, 30, "fa to discover its worker")
+    cluster.start_frontend("fb", config=config)
+    wait_until(lambda: cluster.workers("fb") == {"w0"}, 30, "fb to discover its worker")
+
+    def planning() -> tuple[bool, bool]:
+        return tuple(cluster.health(f)["cache_migration"]["planning"] for f in ("fa", "fb"))  # type: ignore[return-value]
+
+    wait_until(lambda: planning() == (True, False), 15, "fa (the older) to plan the copies, fb to hold")
+    cluster.kill("fa")
+    wait_until(lambda: cluster.health("fb")["cache_migration"]["planning"], 15, "fb to plan once fa is gone")
+
+
 def test_a_sharded_index_splits_the_workers_and_routes_on_the_other_frontends_answers(cluster: Cluster):
     """``nats.index: sharded``: each worker's events are indexed by one frontend (rendezvous over the live
     frontends); a prompt sent first through one frontend and continued through the other goes back to the

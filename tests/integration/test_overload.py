@@ -60,10 +60,12 @@ async def test_three_times_capacity_is_refused_not_fatal(tmp_path, gate):
         rep = await load_bench("overload").run(seconds, 3.0, unloaded_s=2.0, capacity_s=4.0, settle_s=2.0,
                                  log_path=tmp_path / f"serve{attempt}.log",
                                  extra_config="scheduler: {prefills_in_flight: 1}" if gate else "")
-        if attempt == 0 and rep.overload.count(429) == 0:
-            # Nothing refused at "3x": the capacity phase under-measured (a stall of the shared machine during
-            # its 4 s: one CI run measured 3.0/s, then served all 71 requests of the "3x" phase at 1.5x
-            # unloaded TTFT), so the offered load was no overload. Measured again, as a timing miss is below.
+        ov = rep.overload
+        if attempt == 0 and ov.count(429) <= 0.3 * len(ov.shots) and rep.ttft_ratio(0.5) < 1.2:
+            # Few refused at "3x" and the admitted ones served without waiting: the capacity phase under-measured
+            # (a stall of the shared machine during its 4 s: one CI run measured 3.0/s, then served all 71
+            # requests of the "3x" phase at 1.5x unloaded TTFT; another 3.7/s, then 81 of 89 at 1.00x), so the
+            # offered load was no overload. Measured again, as a timing miss is below.
             reports.append("\n".join(rep.lines()))
             continue
         reports.append(_check_liveness(rep, seconds))

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from thunderagent.config import KvTransferConfig, MigrationConfig, RoutingConfig
 from thunderagent.engine.timing import PolynomialTiming
 from thunderagent.kv.index import KvIndex
-from thunderagent.transfer.migration import Migration, Migrator
+from thunderagent.transfer.migration import PREFILL_EWMA, Migration, Migrator
 from thunderagent.transfer.plane import TransferPlane
 from thunderagent.types import LoadReport, WorkerState
 
@@ -185,6 +185,43 @@ def test_recompute_time_is_counted_in_passes_of_the_targets_batch():
     t = PolynomialTiming()
     assert mig.recompute_s(2 * MNBT + 100, MNBT) == pytest.approx(
         2 * t.pass_time(MNBT, 0, 1, False) + t.pass_time(100, 0, 1, False))
+
+
+def test_a_servers_measured_prefill_rate_replaces_the_timing_model_in_worth_it():
+    """A real server's own figures (computed prompt tokens, seconds in prefill; cumulative) set its recompute time:
+    a slow CPU server makes a slow link's copy worth it, a fast one makes a fast link's copy not worth it."""
+    r = RoutingConfig(migration=MigrationConfig(enabled=True, link=KvTransferConfig(enabled=True, bandwidth_gbps=1.0)))
+    index = KvIndex(prediction_ttl=120.0)
+    for w in ("w0", "w1", "w2"):
+        index.add_worker(w)
+    index.resync("w0", A, 0)
+    mig = Migrator(r, TransferPlane(r.migration.link), PolynomialTiming(), BS)
+    tokens = len(A) * BS
+    assert mig.recompute_s(tokens, MNBT, "w2") == mig.recompute_s(tokens, MNBT)  # nothing measured: the model
+    mig.server_prefill("w2", 10_000.0, 10.0)  # the first reading: a baseline only
+    mig.server_prefill("w2", 10_500.0, 11.0)  # under MIN_PREFILL_SAMPLE_TOKENS new: not a sample yet
+    assert mig.prefill_tps == {}
+    mig.server_prefill("w2", 12_000.0, 14.0)  # +2,000 tokens in +4 s: 500 tokens/s
+    assert mig.prefill_tps == {"w2": 500.0} and mig.recompute_s(tokens, MNBT, "w2") == tokens / 500.0
+    mig.server_prefill("w2", 14_000.0, 16.0)  # +2,000 in +2 s: 1,000 tokens/s, weighed in
+    assert mig.prefill_tps["w2"] == pytest.approx((1 - PREFILL_EWMA) * 500.0 + PREFILL_EWMA * 1000.0)
+    mig.server_prefill("w2", 100.0, 0.1)  # restarted: a new baseline, the rate kept
+    assert mig.prefill_tps["w2"] > 500.0 and mig.stats()["measured_prefill_tps"] == {"w2": 650.0}
+    demand(mig, A, 5)
+    mig.tick(FLEET, index, 0.0)
+    (m,) = mig.tick(FLEET, index, 0.3)  # 4 GiB at 1 Gb/s (34 s) beats 32 K tokens at 650 tokens/s (50 s)
+    assert m.dst == "w2" and mig.refusals == {}
+    # the default link: worth it against the timing model (``test_only_the_blocks_the_target_lacks_move``), not
+    # against fast servers (1e9 tokens/s)
+    mig2, index2 = setup()
+    for w in ("w1", "w2"):
+        mig2.server_prefill(w, 0.0, 0.0)
+        mig2.server_prefill(w, 1e9, 1.0)
+    demand(mig2, A, 5)
+    mig2.tick(FLEET, index2, 0.0)
+    assert mig2.tick(FLEET, index2, 0.3) == [] and mig2.refusals == {"not_worth_it": 1}
+    mig2.forget_departed({"w0", "w1"})  # w2 left: its rate goes
+    assert set(mig2.prefill_tps) == {"w1"}
 
 
 def test_config_is_off_by_default_and_every_knob_needs_the_switch():

@@ -2,7 +2,8 @@
 as the two halves of a prefill/decode handoff (the source's one-token ``remote_decode`` job on the prefix's
 own tokens, cache salt and adapter; the target's one-token request with ``kv_from`` set to the source's
 transfer), lands in the index, and each failure is counted by cause; a worker without a KV connector is left
-out of the next looks."""
+out of the next looks; the copies that landed teach the plane's links (the target's own pull, or its server's
+NIXL readings), their own durations do not."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from unit.test_cache_migration import BS, MNBT, A, setup, worker
 from unit.test_disagg_flow import PARAMS, PdScripted
 from thunderagent.control.cache_migration import (BROKEN_BACKOFF_S, MIN_COPY_TIMEOUT_S, CacheMigrationFlow,
                                                    MigrationCollector)
+from thunderagent.control.link_learning import LinkLearner
+from thunderagent.control.metrics import Metrics
 from thunderagent.transfer.migration import PrefixSource
-from thunderagent.types import FinishReason, TokenOutput
+from thunderagent.types import FinishReason, KvPull, TokenOutput
 
 TOKENS = [7000 + i for i in range(len(A) * BS + 40)]  # the prompt: the prefix's 512 blocks, then 40 more
 
@@ -145,3 +148,40 @@ def test_a_kept_prefix_is_a_compact_copy_of_its_tokens():
     src.tokens[0] = 6  # type: ignore[index]  (a copy: the request's list may change, or go)
     assert list(kept.tokens) == [5, 70_000, 9]
     assert list(PrefixSource(array("I", [1, 2, 3]), 0).cut(2).tokens) == [1, 2]  # from an array too
+
+
+def learning(f: CacheMigrationFlow) -> LinkLearner:
+    f.learner = LinkLearner(f.migrator.plane, Metrics().pd_links_learned, lambda: ("w0", "w1", "w2"))
+    return f.learner
+
+
+async def test_a_landed_copy_teaches_its_link_by_the_targets_own_pull_not_by_its_duration():
+    f, workers, clock = flow()
+    learner = learning(f)
+    links, alpha = f.migrator.plane.links, f.migrator.plane.cfg.ewma_alpha
+    default = f.migrator.plane.default_bps
+    workers["w2"].pull = KvPull("ok", 10**8, 64, 0.05 + f.migrator.plane.cfg.latency_s)  # 2 GB/s, on its 1st output
+    demand(f)
+    await look(f, clock, 1.0)
+    assert f.migrator.completed == 1 and links[("w0", "w2")].samples == 1
+    assert links[("w0", "w2")].bandwidth_bps == (1 - alpha) * default + alpha * 2e9
+    assert learner._learned.labels("pull")._value.get() == 1
+
+
+async def test_a_copy_to_a_server_learns_from_its_nixl_readings_a_failed_one_teaches_nothing():
+    f, workers, clock = flow()
+    learner = learning(f)
+    links = f.migrator.plane.links
+    learner.on_server_pulls("w2", 0.0, 0.0, 0.0, 0.5)  # the target's server, before: a baseline
+    learner.on_server_pulls("w1", 0.0, 0.0, 0.0, 0.5)
+    demand(f)
+    await look(f, clock, 1.0)  # no pull on the output: a server moved the bytes
+    assert links == {} and learner._landed == {"w2": {"w0": 1.0}}  # (started and landed at 1.0)
+    learner.on_server_pulls("w2", 4e8, 0.2 + f.migrator.plane.cfg.latency_s, 1.0, 2.0)  # 400 MB in 0.2 s
+    assert links[("w0", "w2")].samples == 1 and learner._learned.labels("server")._value.get() == 1
+    learner.on_server_pulls("w1", 4e8, 0.2, 1.0, 2.0)  # nothing landed on w1: no link
+    assert set(links) == {("w0", "w2")}
+    # a reading between a move's start and its end (the server pulled, its answer is on the way) holds its bytes
+    learner.started("w0", "w1", 3.0)
+    learner.on_server_pulls("w1", 6e8, 0.3, 2.0, 3.1)
+    assert links[("w0", "w1")].samples == 1

@@ -99,3 +99,20 @@ vllm:nixl_bytes_transferred_count{engine="0",model_name="m"} 3.0
     assert engine_stats(page, VLLM, engine="1").kv_pulls == (65536.0, 0.004, 1.0)
     assert engine_stats(VLLM_PAGE, VLLM).kv_pulls is None  # (no NIXL connector: not said)
     assert engine_stats(page, SGLANG).kv_pulls is None
+
+
+def test_vllm_prefill_figures_are_read_summed_and_per_rank():
+    """A server's computed prompt tokens (cached ones not counted) and its requests' seconds in prefill, both
+    cumulative sums of vLLM's per-request histograms: its measured prefill rate (cache migration's recompute time)."""
+    page = """\
+vllm:request_prefill_kv_computed_tokens_bucket{engine="0",le="128.0",model_name="m"} 1.0
+vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="m"} 3000.0
+vllm:request_prefill_kv_computed_tokens_sum{engine="1",model_name="m"} 1000.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 1.5
+vllm:request_prefill_time_seconds_sum{engine="1",model_name="m"} 0.5
+vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 4.0
+"""
+    assert engine_stats(page, VLLM).prefill == (4000.0, 2.0)
+    assert engine_stats(page, VLLM, engine="1").prefill == (1000.0, 0.5)
+    assert engine_stats(VLLM_PAGE, VLLM).prefill is None  # (an older vLLM without the computed-tokens histogram)
+    assert engine_stats(page, SGLANG).prefill is None

@@ -77,7 +77,10 @@ def test_a_pull_report_crosses_the_wire():
 
 def test_byte_source_reads_only_a_simulated_workers_transfer():
     params = json.dumps({"kv_bytes": ["127.0.0.1", 4000], "block_bytes": 512})
-    assert byte_source(KvTransfer("p", 64, (1,), params)) == ("127.0.0.1", 4000, 512)
+    assert byte_source(KvTransfer("p", 64, (1,), params)) == ("127.0.0.1", 4000, 512, None)  # the pull's own id
+    keyed = json.dumps({"kv_bytes": ["127.0.0.1", 4000], "block_bytes": 512, "transfer": "migrate-1-source"})
+    assert byte_source(KvTransfer("p", 64, (1,), keyed)) == ("127.0.0.1", 4000, 512, "migrate-1-source")
+    assert byte_source(KvTransfer("p", 64, (1,), "[1, 2]")) is None  # not a map
     assert byte_source(KvTransfer("p", 64, (), params)) is None  # nothing to move
     assert byte_source(KvTransfer("p", 64, (1,), '{"remote_engine_id": "x"}')) is None  # vLLM's
     assert byte_source(KvTransfer("p", 64, (1,), None)) is None and byte_source(None) is None

@@ -98,3 +98,23 @@ def test_long_gone_peers_are_forgotten():
 def test_a_lease_must_be_positive():
     with pytest.raises(ValueError, match="lease_s"):
         Leadership("b", 1.0, True, 0.0, now=0.0)
+
+
+def test_one_frontend_running_cache_migration_plans_the_copies_apart_from_the_planners_leader():
+    """``Leadership.copying``: the oldest live frontend that runs cache migration plans its copies (two migrators
+    would copy the same hot prefix twice), whoever acts for the planner; one that does not run it never plans;
+    starting or unsure, it holds; when the copier goes silent the next oldest takes over a lease later."""
+    ld = Leadership("b", 100.0, False, LEASE, now=0.0, copies=True)
+    assert not ld.copying(0.1)  # starting: it may not know its peers yet
+    ld.heard("b", 100.0, False, now=0.5, copies=True)
+    assert ld.copying(0.6) and ld.copier() == "b"  # alone
+    ld.heard("a", 50.0, True, now=0.6)  # older, acts for the planner, runs no migration
+    assert (ld.leader(), ld.copier(), ld.copying(0.7)) == ("a", "b", True)
+    ld.heard("c", 80.0, False, now=0.7, copies=True)  # older and runs it: c plans, b holds
+    assert (ld.copier(), ld.copying(0.8), ld.state(0.8)) == ("c", False, "follower")
+    ld.heard("b", 100.0, False, now=0.7 + LEASE + 0.01, copies=True)  # c silent past a lease: b again
+    assert ld.copier() == "b" and ld.copying(0.7 + LEASE + 0.02)
+    assert not ld.copying(0.7 + 3 * LEASE)  # its own beat late: unsure, it holds
+    off = Leadership("d", 10.0, True, LEASE, now=0.0)  # runs no migration: never plans
+    off.heard("d", 10.0, True, now=0.5)
+    assert not off.copying(0.6) and off.copier() is None

@@ -124,6 +124,17 @@ async def test_its_servers_kv_pulls_ride_on_the_next_heartbeat(svc):
     assert wire.decode_heartbeat(svc.bus.published[-1][1]).kv_pulls == (196608.0, 0.12, 1.0)
 
 
+async def test_its_servers_prefill_figures_ride_on_the_next_heartbeat(svc):
+    """A vLLM server's computed prompt tokens and prefill seconds (cumulative, from its load polls) go to the
+    frontends in heartbeats, where cache migration measures its prefill rate; a server that reports none sends
+    None."""
+    svc.fake.cb.on_heartbeat("w1", svc.fake.load())
+    assert wire.decode_heartbeat(svc.bus.published[-1][1]).prefill is None
+    svc.fake.cb.on_prefill("w1", 4096.0, 2.0)
+    svc.fake.cb.on_heartbeat("w1", svc.fake.load())
+    assert wire.decode_heartbeat(svc.bus.published[-1][1]).prefill == (4096.0, 2.0)
+
+
 async def test_generate_streams_numbered_batches_until_finished(svc):
     reply = await generate(svc, "r1", [1, 2, 3])
     q = svc.fake.queues["r1"]

@@ -138,44 +138,44 @@ def _land(obs, src: str, dst: str, now: float) -> None:  # type: ignore[no-untyp
 
 
 def test_a_decode_servers_nixl_readings_teach_the_links_of_the_plans_that_landed_there():
-    """vLLM's NIXL metrics on a decode server (``PlaneObserver.on_server_pulls``): what grew between two readings is
+    """vLLM's NIXL metrics on a decode server (``LinkLearner.on_server_pulls``): what grew between two readings is
     one sample of the links into it from the prefill workers whose plans landed there lately; a plan's own duration
     (prefill included) teaches nothing."""
     obs, reg = _observer(bandwidth_gbps=8.0, latency_s=0.0, ewma_alpha=1.0)
     links = obs.plane.links
-    obs.on_server_pulls("d0", 0.0, 0.0, 0.0, 1.0)  # the first reading: a baseline
+    obs.learner.on_server_pulls("d0", 0.0, 0.0, 0.0, 1.0)  # the first reading: a baseline
     _land(obs, "p0", "d0", 2.0)
     assert links == {}  # the plan's 0.5 s taught nothing
-    obs.on_server_pulls("d0", 2e8, 0.1, 2.0, 3.0)  # 200 MB in 0.1 s: 2 GB/s
+    obs.learner.on_server_pulls("d0", 2e8, 0.1, 2.0, 3.0)  # 200 MB in 0.1 s: 2 GB/s
     assert links[("p0", "d0")].bandwidth_bps == pytest.approx(2e9) and links[("p0", "d0")].samples == 1
-    obs.on_server_pulls("d0", 2e8, 0.1, 2.0, 4.0)  # nothing new: nothing learned
+    obs.learner.on_server_pulls("d0", 2e8, 0.1, 2.0, 4.0)  # nothing new: nothing learned
     assert links[("p0", "d0")].samples == 1
     # two sources lately: each of their links learns the server's mean rate
     _land(obs, "p1", "d0", 5.0)
-    obs.on_server_pulls("d0", 3e8, 0.2, 3.0, 6.0)  # +100 MB in +0.1 s: 1 GB/s
+    obs.learner.on_server_pulls("d0", 3e8, 0.2, 3.0, 6.0)  # +100 MB in +0.1 s: 1 GB/s
     assert links[("p0", "d0")].bandwidth_bps == pytest.approx(1e9) and links[("p1", "d0")].bandwidth_bps == 1e9
     # a landing older than LANDED_WINDOW_S no longer counts; a server restart (its sums fall) is a new baseline
-    from thunderagent.control.pd_plane import LANDED_WINDOW_S
+    from thunderagent.control.link_learning import LANDED_WINDOW_S
 
-    obs.on_server_pulls("d0", 4e8, 0.3, 4.0, 3.5 + LANDED_WINDOW_S)  # p0 landed at 2.5, p1 at 5.5
+    obs.learner.on_server_pulls("d0", 4e8, 0.3, 4.0, 3.5 + LANDED_WINDOW_S)  # p0 landed at 2.5, p1 at 5.5
     assert links[("p0", "d0")].samples == 2 and links[("p1", "d0")].samples == 2
     _land(obs, "p0", "d0", 100.0)
-    obs.on_server_pulls("d0", 1e8, 0.4, 1.0, 101.0)  # restarted: baseline only
+    obs.learner.on_server_pulls("d0", 1e8, 0.4, 1.0, 101.0)  # restarted: baseline only
     assert links[("p0", "d0")].samples == 2
-    obs.on_server_pulls("d0", 1.5e8, 0.6, 2.0, 102.0)  # +50 MB in +0.2 s: 0.25 GB/s
+    obs.learner.on_server_pulls("d0", 1.5e8, 0.6, 2.0, 102.0)  # +50 MB in +0.2 s: 0.25 GB/s
     assert links[("p0", "d0")].bandwidth_bps == pytest.approx(2.5e8) and links[("p0", "d0")].samples == 3
     # another decode server's readings teach only its own links; a prefill server reads zeros
-    obs.on_server_pulls("p0", 0.0, 0.0, 0.0, 103.0)
-    obs.on_server_pulls("d1", 0.0, 0.0, 0.0, 103.0)
-    obs.on_server_pulls("d1", 1e6, 0.1, 1.0, 104.0)  # nothing landed on d1: no link to teach
+    obs.learner.on_server_pulls("p0", 0.0, 0.0, 0.0, 103.0)
+    obs.learner.on_server_pulls("d1", 0.0, 0.0, 0.0, 103.0)
+    obs.learner.on_server_pulls("d1", 1e6, 0.1, 1.0, 104.0)  # nothing landed on d1: no link to teach
     assert set(links) == {("p0", "d0"), ("p1", "d0")}
     assert obs.metrics.pd_links_learned.labels("server")._value.get() == 5
     assert [(x["src"], x["dst"], x["samples"]) for x in obs.links()] == [("p0", "d0", 3), ("p1", "d0", 2)]
     assert obs.links()[0]["bandwidth_gbps"] == pytest.approx(2.0)
     # workers that left: their readings go at the next prune
     reg.deregister("d0")
-    from thunderagent.control.pd_plane import PRUNE_EVERY
+    from thunderagent.control.link_learning import PRUNE_EVERY
 
     for k in range(PRUNE_EVERY):
-        obs.on_server_pulls("d1", 1e6, 0.1, 1.0, 105.0 + k)
-    assert set(obs._pulls) == {"p0", "d1"} and "d0" not in obs._landed
+        obs.learner.on_server_pulls("d1", 1e6, 0.1, 1.0, 105.0 + k)
+    assert set(obs.learner._pulls) == {"p0", "d1"} and "d0" not in obs.learner._landed

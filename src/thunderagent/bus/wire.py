@@ -242,6 +242,8 @@ class Heartbeat(msgspec.Struct, array_like=True, frozen=True):
     paused: bool = False  # its server's generation was paused through a frontend (``pause``): routed to last
     #: its server's own KV pulls so far (vLLM's NIXL metrics: bytes, seconds, transfers); None: it reports none
     kv_pulls: tuple[float, float, float] | None = None
+    #: its server's computed prompt tokens and prefill seconds so far (vLLM's metrics); None: it reports none
+    prefill: tuple[float, float] | None = None
 
 
 class Bye(msgspec.Struct, array_like=True, frozen=True):
@@ -287,6 +289,7 @@ class FrontendBeat(msgspec.Struct, array_like=True, frozen=True):
 
     started_at: float  # its wall clock at start: the oldest frontend whose planner can act leads
     planner_acts: bool  # its planner is on, with a command, a webhook or a Deployment to scale
+    copies: bool = False  # it runs cache migration (``routing.migration``): the oldest such frontend plans the copies
 
 
 class WorkerCounters(msgspec.Struct, array_like=True, frozen=True):

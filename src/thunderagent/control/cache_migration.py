@@ -36,6 +36,7 @@ from dataclasses import replace
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from thunderagent.config import Config, ConfigError, Policy, Role
+from thunderagent.control.link_learning import LinkLearner
 from thunderagent.engine.timing import make_timing
 from thunderagent.execution.handle import OutputQueue, WorkerHandle
 from thunderagent.kv.hashing import BASE_SEED
@@ -69,6 +70,8 @@ class CacheMigrationFlow:
         self._tasks: dict[str, asyncio.Task[bool]] = {}
         self._broken: dict[str, float] = {}  # worker -> until when its copies are not planned (``_BROKEN``)
         self.failures: dict[str, int] = {}  # copies failed, by cause (the plane may be shared with handoffs)
+        #: teaches the plane's links from the copies that landed (set where the fleet's parts are built)
+        self.learner: LinkLearner | None = None
 
     def observe(self, d: Dispatch, now: float) -> None:
         r = d.request
@@ -76,6 +79,7 @@ class CacheMigrationFlow:
                               PrefixSource(r.prompt_tokens, r.hash_seed, r.cache_salt, r.lora_name))
 
     def tick(self, workers: Sequence[WorkerState], now: float) -> None:
+        self.migrator.forget_departed(self.workers)  # (servers' measured prefill rates)
         if self._broken:
             self._broken = {w: t for w, t in self._broken.items() if t > now}
             workers = [w for w in workers if w.worker_id not in self._broken]
@@ -111,7 +115,7 @@ class CacheMigrationFlow:
 
     async def _copy(self, m: Migration, timeout_s: float) -> bool:
         """Run copy ``m``; whether it landed."""
-        ok, cause, side = False, "aborted", None
+        ok, cause, side, pull = False, "aborted", None, None
         src_id = f"{m.tid}-source"
         try:
             async with asyncio.timeout(timeout_s):
@@ -128,9 +132,11 @@ class CacheMigrationFlow:
                 elif (dst := self.workers.get(m.dst)) is None:
                     cause = "target_gone"
                 else:
+                    if self.learner is not None:
+                        self.learner.started(m.src, m.dst, self.clock())
                     side = (dst, m.tid)
                     out = await _last(dst.submit(replace(self._request(m, m.tid), kv_from=out.kv_transfer)))
-                    side = None
+                    side, pull = None, out.kv_pull
                     ok = out.finish_reason in _DONE
                     cause = "ok" if ok else "target_busy" if out.finish_reason == FinishReason.UNAVAILABLE \
                         else "target_refused"
@@ -145,6 +151,8 @@ class CacheMigrationFlow:
             self.migrator.finished(m.tid, ok)
             if ok:
                 self.migrator.landed(m, self.index, now)
+                if self.learner is not None:  # the copy's own duration (two requests) teaches nothing: its pull does
+                    self.learner.landed(m.src, m.dst, now, pull)
             else:
                 log.warning("cache migration %s from %s to %s failed (%s)", m.tid, m.src, m.dst, cause)
                 self.failures[cause] = self.failures.get(cause, 0) + 1
@@ -167,9 +175,10 @@ class CacheMigrationFlow:
         now = self.clock()
         return sorted(w for w, t in self._broken.items() if t > now)
 
-    def health(self) -> dict[str, object]:
-        return {"cache_migration": self.migrator.stats() | {"failures": dict(self.failures),
-                                                             "left_out": self.left_out()}}
+    def health(self, planning: bool = True) -> dict[str, object]:
+        """``planning``: this frontend plans the copies (several NATS frontends: one of them does)."""
+        return {"cache_migration": self.migrator.stats() | {"failures": dict(self.failures), "left_out": self.left_out(),
+                                                             "planning": planning}}
 
 
 class MigrationCollector:
@@ -201,9 +210,12 @@ class MigrationCollector:
 
 
 async def _last(q: OutputQueue) -> TokenOutput:
-    """A one-token request's finished output."""
+    """A one-token request's finished output, with the worker's pull of its KV (which rides on the first output)."""
+    pull = None
     while not (out := await q.get()).finished:
-        pass
+        pull = pull or out.kv_pull
+    if out.kv_pull is None and pull is not None:
+        out = replace(out, kv_pull=pull)
     return out
 
 

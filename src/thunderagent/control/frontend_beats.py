@@ -36,13 +36,15 @@ class FrontendBeats:
         self._clock: Callable[[], float] = lambda: 0.0
         self._task: asyncio.Task[None] | None = None
 
-    async def start(self, interval: float, lease: float, planner_acts: bool, clock: Callable[[], float]) -> None:
-        """Beat every ``interval`` seconds; a frontend silent for ``lease`` is gone (``clock``: the fleet's)."""
+    async def start(self, interval: float, lease: float, planner_acts: bool, clock: Callable[[], float],
+                    copies: bool = False) -> None:
+        """Beat every ``interval`` seconds; a frontend silent for ``lease`` is gone (``clock``: the fleet's);
+        ``copies``: this frontend runs cache migration (one of those that do plans the copies)."""
         self._clock = clock
-        self.leadership = Leadership(self.frontend_id, self.started_at, planner_acts, lease, clock())
+        self.leadership = Leadership(self.frontend_id, self.started_at, planner_acts, lease, clock(), copies)
         await self.bus.subscribe(self.subjects.frontend_beats(), self._on_beat)
-        self._task = asyncio.create_task(self._beat(interval, encode(FrontendBeat(self.started_at, planner_acts))),
-                                         name="frontend-beat")
+        body = encode(FrontendBeat(self.started_at, planner_acts, copies))
+        self._task = asyncio.create_task(self._beat(interval, body), name="frontend-beat")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -68,4 +70,4 @@ class FrontendBeats:
                 log.warning("a frontend beat on %s did not decode (a frontend of another version?): ignored; "
                             "that frontend does not count for the planner's leadership", msg.subject)
             return
-        self.leadership.heard(parts[-2], beat.started_at, beat.planner_acts, self._clock())
+        self.leadership.heard(parts[-2], beat.started_at, beat.planner_acts, self._clock(), beat.copies)

@@ -8,6 +8,9 @@ beats (``<p>.frontend.<id>.hb`` carries its start time), so they agree without a
 starts later never takes over from a live leader, and when the leader stops beating the next oldest takes
 over one lease later. The others still compute and show their advice; they do not act on it.
 
+Cache migration's copies (``routing.migration``) are planned by one frontend the same way, chosen among those
+that run it (their beats say so): two migrators would copy the same hot prefix twice (:meth:`Leadership.copying`).
+
 Time is measured on the beats themselves: a frontend hears its own beat on the same subscription as the
 others', and a peer counts as gone only once this frontend heard its *own* beat more than a lease after
 the peer's last one. So a frontend whose event loop stalled (the peers' beats wait unread) does not
@@ -38,21 +41,24 @@ class Peer:
     started_at: float  # its wall clock at start
     acts: bool  # its planner can act (on, with a command, webhook or Kubernetes Deployment)
     seen: float  # when its latest beat arrived here (our clock)
+    copies: bool = False  # it runs cache migration
 
 
 class Leadership:
-    def __init__(self, self_id: str, started_at: float, acts: bool, lease_s: float, now: float) -> None:
+    def __init__(self, self_id: str, started_at: float, acts: bool, lease_s: float, now: float,
+                 copies: bool = False) -> None:
         if not lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.self_id = self_id
         self.started_at = started_at
         self.acts = acts
+        self.copies = copies
         self.lease_s = lease_s
         self._created = now
         self._self_seen: float | None = None  # when our own beat last came back
         self._peers: dict[str, Peer] = {}
 
-    def heard(self, frontend_id: str, started_at: float, acts: bool, now: float) -> None:
+    def heard(self, frontend_id: str, started_at: float, acts: bool, now: float, copies: bool = False) -> None:
         """A frontend's beat arrived (ours included)."""
         if frontend_id == self.self_id:
             self._self_seen = now
@@ -60,9 +66,9 @@ class Leadership:
             return
         peer = self._peers.get(frontend_id)
         if peer is None:
-            self._peers[frontend_id] = Peer(frontend_id, started_at, acts, now)
+            self._peers[frontend_id] = Peer(frontend_id, started_at, acts, now, copies)
         else:
-            peer.started_at, peer.acts, peer.seen = started_at, acts, now
+            peer.started_at, peer.acts, peer.seen, peer.copies = started_at, acts, now, copies
 
     def state(self, now: float) -> str:
         """``alone``: hears no other frontend (acts if its planner can); ``leader`` / ``follower``;
@@ -82,6 +88,22 @@ class Leadership:
         if not self.acts:
             return False
         return self.state(now) in ("alone", "leader", "deaf")
+
+    def copying(self, now: float) -> bool:
+        """Whether this frontend's cache migration should plan copies now: it runs it and, among the live frontends
+        that do, started first (alone or deaf: it does; starting or unsure: it holds, as for the planner)."""
+        if not self.copies:
+            return False
+        st = self.state(now)
+        return st in ("alone", "deaf") or (st in ("leader", "follower") and self.copier() == self.self_id)
+
+    def copier(self) -> str | None:
+        """The frontend planning cache migration's copies among the live ones (None: none of them runs it)."""
+        best: tuple[float, str] | None = (self.started_at, self.self_id) if self.copies else None
+        for p in self.live_peers():
+            if p.copies and (best is None or (p.started_at, p.frontend_id) < best):
+                best = (p.started_at, p.frontend_id)
+        return None if best is None else best[1]
 
     def live_peers(self) -> list[Peer]:
         """Other frontends heard within a lease of our own latest beat (none before we heard it)."""

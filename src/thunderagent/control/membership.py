@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 from thunderagent.config import EndpointConfig, ExecutionGroupConfig, NodeConfig, check_servers
 from thunderagent.control.admin_state import Added, AdminState, Named, load_state, save_state
 from thunderagent.control.marks import apply_asleep, apply_cordon, apply_paused
-from thunderagent.control.pd_plane import PlaneObserver
 from thunderagent.execution.handle import WorkerCallbacks, WorkerFactory, WorkerHandle, snapshot_checks
 from thunderagent.execution.kv_stream import StreamStats
 from thunderagent.types import PromptLimit, WorkerInfo
@@ -56,7 +55,8 @@ class StaticMembership:
     async def start(self, fleet: Fleet) -> None:
         self._fleet = fleet
         self._callbacks = replace(fleet.callbacks(), on_limits=self._on_limits, on_adapters=self._on_adapters,
-                                  on_asleep=self._on_asleep, on_paused=self._on_paused, on_kv_pulls=self._on_kv_pulls)
+                                  on_asleep=self._on_asleep, on_paused=self._on_paused, on_kv_pulls=self._on_kv_pulls,
+                                  on_prefill=self._on_prefill)
         state = self._state
         removed = {(n.id, n.url) for n in state.removed}
         for g, node in enumerate(self.group.nodes):
@@ -235,8 +235,13 @@ class StaticMembership:
     def _on_kv_pulls(self, worker_id: str, nbytes: float, seconds: float, transfers: float) -> None:
         """A server's own KV pulls so far (vLLM's NIXL metrics): the transfer plane's links learn from them."""
         fleet = self._fleet
-        if fleet is not None and isinstance(fleet.disagg.observer, PlaneObserver):
-            fleet.disagg.observer.on_server_pulls(worker_id, nbytes, seconds, transfers, fleet.now())
+        if fleet is not None:
+            fleet.transfers.on_server_pulls(worker_id, nbytes, seconds, transfers, fleet.now())
+
+    def _on_prefill(self, worker_id: str, tokens: float, seconds: float) -> None:
+        """A server's computed prompt tokens and prefill seconds so far (vLLM's metrics): its measured prefill rate."""
+        if self._fleet is not None:
+            self._fleet.transfers.on_server_prefill(worker_id, tokens, seconds)
 
     async def stop(self) -> None:
         for handle in self.handles.values():

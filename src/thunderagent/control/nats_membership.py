@@ -58,7 +58,6 @@ from thunderagent.control.planner_peers import PlannerPeers
 from thunderagent.control.program_peers import ProgramPeers
 from thunderagent.control.tenant_peers import TenantPeers
 from thunderagent.control.marks import apply_asleep, apply_cordon, apply_paused
-from thunderagent.control.pd_plane import PlaneObserver
 from thunderagent.control.remote_worker import RemoteLink, RemoteWorker
 from thunderagent.types import LoadReport, PromptLimit
 
@@ -130,8 +129,9 @@ class NatsMembership:
                                          "max_payload)", body)
         cp = fleet.cfg.control_plane
         await self.beats.start(cp.heartbeat_interval, cp.heartbeat_interval * cp.heartbeat_misses,
-                               fleet.planner.can_act, fleet.now)
+                               fleet.planner.can_act, fleet.now, copies=fleet.cache_migration is not None)
         fleet.planner.lead = self.beats.leadership  # one frontend runs the planner's command / webhook
+        fleet.transfers.copy_gate = self.beats.leadership.copying  # one frontend plans cache migration's copies
         if fleet.planner.planner is not None:
             await self.planner_peers.start(fleet.now)
             fleet.planner.peers = self.planner_peers  # every planner judges every frontend's requests
@@ -245,8 +245,10 @@ class NatsMembership:
             apply_asleep(fleet, wid, hb.asleep, "its heartbeat says so")
         if hb.paused != (wid in fleet.paused):
             apply_paused(fleet, wid, hb.paused, "its heartbeat says so")
-        if hb.kv_pulls is not None and isinstance(fleet.disagg.observer, PlaneObserver):  # (the links learn)
-            fleet.disagg.observer.on_server_pulls(wid, *hb.kv_pulls, fleet.now())
+        if hb.kv_pulls is not None:  # (the links learn)
+            fleet.transfers.on_server_pulls(wid, *hb.kv_pulls, fleet.now())
+        if hb.prefill is not None:  # (cache migration's recompute times)
+            fleet.transfers.on_server_prefill(wid, *hb.prefill)
         fleet.on_heartbeat(wid, worker.load())
         if fleet.feed.heartbeat(wid, hb.last_seq):
             log.warning("worker %s published events up to seq %d, index has %d: resyncing",

@@ -5,30 +5,19 @@ the KV is held from the prefill's end until the decode worker has it) and frees 
 worker's first output shows the KV arrived, or when it failed. A plan that finds the plane at its
 in-flight cap prefills on its decode worker instead (backpressure, counted ``plane_full``; strict
 disaggregation: it waits for room, and nothing is counted until it gives up). A plan's own duration
-never teaches its link: it includes the prefill itself, so it would teach a wrong bandwidth. What
-teaches the links (``TransferPlane.learn``):
-
-- a decode worker that moved the bytes itself (simulated workers, ``execution/kv_bytes.py``) reports its
-  pull's own duration;
-- a vLLM decode server reports its NIXL connector's reads on its ``/metrics`` (bytes and seconds summed
-  over its transfers, and their count: the transfer alone, from its post to its completion), read with
-  each load poll. The growth between two readings is one sample for the links into that server from the
-  prefill workers whose plans landed there in the last :data:`LANDED_WINDOW_S` (a server's metrics do
-  not name the source: with several, each of their links learns the server's mean rate).
+never teaches its link: the links learn from the moves that landed (``control/link_learning.py``: a
+decode worker's own pull, or its server's NIXL metrics).
 """
 
 from __future__ import annotations
 
+from thunderagent.control.link_learning import LinkLearner
 from thunderagent.control.metrics import Metrics
 from thunderagent.control.registry import WorkerRegistry
 from thunderagent.scheduler.disagg import Disaggregator
 from thunderagent.types import KvPull, PdPlan
 
 ABORTED = "aborted"
-#: a plan that landed on a decode worker this recently (seconds) counts as a source of its server's next pulls
-LANDED_WINDOW_S = 60.0
-#: every this many server readings, those of workers that left are dropped
-PRUNE_EVERY = 256
 
 
 class PlaneObserver:
@@ -37,9 +26,8 @@ class PlaneObserver:
         self.strict = disagg.strict
         self.metrics = metrics
         self.registry = registry
-        self._landed: dict[str, dict[str, float]] = {}  # decode worker -> prefill worker -> when a plan last landed
-        self._pulls: dict[str, tuple[float, float, float]] = {}  # decode worker -> its server's pulls at last reading
-        self._readings = 0
+        #: the plane's links learn from the plans that landed (and from cache migration's copies on a shared plane)
+        self.learner = LinkLearner(self.plane, metrics.pd_links_learned, registry.worker_ids)
 
     def on_planned(self, plan: PdPlan) -> None:
         """A plan's prefill half is about to start (in a task): count it on its prefill worker at once, or the
@@ -54,6 +42,7 @@ class PlaneObserver:
                 plane.fallback("plane_full")
             return False
         plane.start(request_id, plan.prefill_worker, decode_worker, plan.transfer_bytes, now)
+        self.learner.started(plan.prefill_worker, decode_worker, now)
         self.metrics.pd_inflight.set(len(plane.inflight))
         return True
 
@@ -64,52 +53,13 @@ class PlaneObserver:
             return
         t = plane.inflight[request_id]
         plane.finish(request_id, now, ok=ok, cause=cause, learn=False)
-        if ok and pull is not None and pull.cause == "ok":
-            plane.learn(t.src, t.dst, pull.nbytes, pull.seconds)
-            self.metrics.pd_links_learned.labels("pull").inc()
-        elif ok:  # (a server moved the bytes: its own metrics will say how fast, ``on_server_pulls``)
-            self._landed.setdefault(t.dst, {})[t.src] = now
         if ok:
+            self.learner.landed(t.src, t.dst, now, pull)
             self.metrics.pd_bytes.inc(nbytes)
         elif cause != ABORTED:
             plane.fallback(cause)
         self.metrics.pd_inflight.set(len(plane.inflight))
 
-    def on_server_pulls(self, dst: str, nbytes: float, seconds: float, transfers: float, now: float) -> None:
-        """Decode worker ``dst``'s server read ``nbytes`` of KV in ``transfers`` transfers taking ``seconds`` in all,
-        so far (cumulative: its NIXL metrics). What grew since the last reading teaches the links into ``dst`` from
-        the prefill workers whose plans landed there within :data:`LANDED_WINDOW_S`; a reading below the last (the
-        server restarted) is only the new baseline."""
-        last = self._pulls.get(dst)
-        self._pulls[dst] = (nbytes, seconds, transfers)
-        self._readings += 1
-        if self._readings % PRUNE_EVERY == 0:
-            self._forget_departed()
-        if last is None or nbytes < last[0] or seconds < last[1] or transfers < last[2]:
-            return
-        db, ds, dn = nbytes - last[0], seconds - last[1], transfers - last[2]
-        if dn < 1 or ds <= 0 or db <= 0:
-            return
-        landed = self._landed.get(dst, {})
-        for src in [s for s, t in landed.items() if now - t > LANDED_WINDOW_S]:
-            del landed[src]
-        for src in landed:
-            self.plane.learn(src, dst, int(db), ds, transfers=int(dn))
-            self.metrics.pd_links_learned.labels("server").inc()
-
-    def _forget_departed(self) -> None:
-        """Readings and landings of workers no longer registered go (one that comes back under its id starts
-        again)."""
-        here = set(self.registry.worker_ids())
-        for w in [w for w in self._pulls if w not in here]:
-            del self._pulls[w]
-        for w in [w for w in self._landed if w not in here]:
-            del self._landed[w]
-        for landed in self._landed.values():
-            for w in [w for w in landed if w not in here]:
-                del landed[w]
-
     def links(self) -> list[dict[str, object]]:
         """The plane's link estimates (``/health``'s ``pd_links``): configured, probed or learned."""
-        return [{"src": src, "dst": dst, "bandwidth_gbps": round(ln.bandwidth_bps * 8 / 1e9, 6),
-                 "latency_s": ln.latency_s, "samples": ln.samples} for (src, dst), ln in self.plane.links.items()]
+        return self.learner.links()

@@ -37,10 +37,14 @@ class EngineFlavor:
     #: the server's own KV pulls from other servers, cumulative (vLLM's NIXL connector: its histograms' byte and
     #: second sums and their count, on the reading side: a decode server): (bytes, seconds, transfers) metric names
     kv_pulls: tuple[str, str, str] | None = None
+    #: the prompt tokens its requests computed (cached ones not counted) and the seconds they spent in prefill,
+    #: cumulative (vLLM's per-request histograms' sums): its measured prefill rate (metric names; None: not read)
+    prefill: tuple[str, str] | None = None
 
     @property
     def wanted(self) -> frozenset[str]:
-        names = {*self.running, *self.waiting, *self.kv_usage, *(self.kv_pulls or ()), "process_start_time_seconds"}
+        names = {*self.running, *self.waiting, *self.kv_usage, *(self.kv_pulls or ()), *(self.prefill or ()),
+                 "process_start_time_seconds"}
         if self.sleep_state:
             names.add(self.sleep_state)
         if self.cache_info:
@@ -60,6 +64,7 @@ VLLM = EngineFlavor(
     pause_state="/is_paused",
     kv_pulls=("vllm:nixl_bytes_transferred_sum", "vllm:nixl_xfer_time_seconds_sum",
               "vllm:nixl_xfer_time_seconds_count"),
+    prefill=("vllm:request_prefill_kv_computed_tokens_sum", "vllm:request_prefill_time_seconds_sum"),
 )
 
 
@@ -106,7 +111,8 @@ class EngineStats:
     asleep: bool | None = None  # the server sleeps (vLLM: ``awake`` 0 on any engine); None: the page does not say
     #: its KV pulls so far (bytes, seconds, transfers: :attr:`EngineFlavor.kv_pulls`); None: the page has none
     kv_pulls: tuple[float, float, float] | None = None
-
+    #: its requests' computed prompt tokens and prefill seconds so far (:attr:`EngineFlavor.prefill`); None: not said
+    prefill: tuple[float, float] | None = None
 
 
 def engine_stats(text: str, flavor: EngineFlavor, engine: str | None = None) -> EngineStats:
@@ -140,6 +146,10 @@ def engine_stats(text: str, flavor: EngineFlavor, engine: str | None = None) -> 
     if flavor.kv_pulls is not None and all(n in m for n in flavor.kv_pulls):
         b, sec, n = (sum(v for _, v in m[name]) for name in flavor.kv_pulls)
         pulls = (b, sec, n)
+    prefill = None
+    if flavor.prefill is not None and all(n in m for n in flavor.prefill):
+        tok, sec = (sum(v for _, v in m[name]) for name in flavor.prefill)
+        prefill = (tok, sec)
     return EngineStats(
         running=int(sum(first(flavor.running))),
         waiting=int(sum(first(flavor.waiting))),
@@ -150,4 +160,5 @@ def engine_stats(text: str, flavor: EngineFlavor, engine: str | None = None) -> 
         start_time=start[0][1] if start else None,
         asleep=any(v == 0 for v in awake) if awake else None,
         kv_pulls=pulls,
+        prefill=prefill,
     )

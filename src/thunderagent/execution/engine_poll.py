@@ -248,6 +248,8 @@ class EnginePoller:
             self._cb.on_asleep(self.worker_id, s.asleep)
         if s.kv_pulls is not None and self._cb.on_kv_pulls is not None:  # (a decode server's NIXL reads)
             self._cb.on_kv_pulls(self.worker_id, *s.kv_pulls)
+        if s.prefill is not None and self._cb.on_prefill is not None:  # (its measured prefill rate)
+            self._cb.on_prefill(self.worker_id, *s.prefill)
         if s.prefix_caching is False and not self._warned_prefix:
             self._warned_prefix = True
             log.error("%s: the engine runs without prefix caching: no cache to route to (start it with "

@@ -44,11 +44,15 @@ def simulated_factory(cfg: Config, eos_token_id: int | None) -> WorkerFactory:
 
 
 def fleet_plane(cfg: Config) -> KvTransferConfig | None:
-    """The fleet's transfer plane config (its prefill groups', which agree) when simulated workers
-    prefill for others, else None."""
+    """The fleet's transfer plane config when simulated workers hand KV to others, else None: its prefill
+    groups' (which agree) when they prefill for others, else cache migration's own link
+    (``routing.migration.link``: its copies are the same two halves, a source's job and a target's pull)."""
     for n in cfg.execution_group.nodes:
         if n.kv_cache_transfer.enabled and n.engine == "simulated":
             return n.kv_cache_transfer
+    mc = cfg.routing.migration
+    if mc.enabled and mc.link.enabled and any(n.engine == "simulated" for n in cfg.execution_group.nodes):
+        return mc.link
     return None
 
 

@@ -120,6 +120,9 @@ class WorkerCallbacks:
     #: its server's own KV pulls so far, read with each load poll (vLLM's NIXL metrics: bytes, seconds, transfers,
     #: cumulative; None: not passed on)
     on_kv_pulls: Callable[[str, float, float, float], None] | None = None
+    #: its server's computed prompt tokens and prefill seconds so far, read with each load poll (vLLM's request
+    #: histograms' sums, cumulative; None: not passed on)
+    on_prefill: Callable[[str, float, float], None] | None = None
 
 
 @dataclass(slots=True, frozen=True)

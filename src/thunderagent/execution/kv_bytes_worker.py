@@ -42,15 +42,17 @@ class _Tap(FollowingQueue):
     queue once there is one (its keepalives)."""
 
 
-def byte_source(t: KvTransfer | None) -> tuple[str, int, int] | None:
-    """(host, port, block bytes) when ``t`` is a simulated worker's byte transfer, else None."""
+def byte_source(t: KvTransfer | None) -> tuple[str, int, int, str | None] | None:
+    """(host, port, block bytes, the offer's key) when ``t`` is a simulated worker's byte transfer, else None. The
+    key is the source job's request id (None from an older worker: the pulling request's own id, a handoff's)."""
     if t is None or not t.engine_params or not t.block_hashes:
         return None
     try:
         p = json.loads(t.engine_params)
         host, port = p["kv_bytes"]
-        return str(host), int(port), int(p["block_bytes"])
-    except (ValueError, KeyError, TypeError):
+        key = p.get("transfer")
+        return str(host), int(port), int(p["block_bytes"]), None if key is None else str(key)
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None  # another engine's transfer object
 
 
@@ -119,8 +121,9 @@ class KvBytesWorker:
             if out.finished and t is not None and t.block_hashes:
                 self.service.offer(req.request_id, t.block_hashes, self.block_bytes, self._clock())
                 host, port = self.service.address
+                # the offer's key rides along: a cache migration's pull is another request than the source's job
                 out.kv_transfer = replace(t, engine_params=json.dumps(
-                    {"kv_bytes": [host, port], "block_bytes": self.block_bytes}))
+                    {"kv_bytes": [host, port], "block_bytes": self.block_bytes, "transfer": req.request_id}))
             tap.put_output(out, q.last_heard)
             if out.finished:
                 return
@@ -144,15 +147,15 @@ class KvBytesWorker:
         missing = len(hashes) - bm.match_prefix(hashes, len(hashes))[0]
         return missing > bm.free_blocks
 
-    async def _pull(self, req: EngineRequest, tap: _Tap, src: tuple[str, int, int]) -> None:
+    async def _pull(self, req: EngineRequest, tap: _Tap, src: tuple[str, int, int, str | None]) -> None:
         t = req.kv_from
         assert t is not None
-        host, port, block_bytes = src
+        host, port, block_bytes, key = src
         if self._target_full(t.block_hashes):
             res = KvPull("target_full", 0, 0, 0.0)
         else:
             nbytes = block_bytes * len(t.block_hashes)
-            res = await pull(host, port, req.request_id, t.block_hashes, self._timeout(t.source_worker, nbytes),
+            res = await pull(host, port, key or req.request_id, t.block_hashes, self._timeout(t.source_worker, nbytes),
                              progress=lambda: tap.touch(self._clock()))
         self.service.count(res)
         if res.cause != "ok":

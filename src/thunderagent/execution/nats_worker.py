@@ -42,13 +42,8 @@ from thunderagent.bus.connect import connect_options
 import msgspec
 
 from thunderagent.bus.nats import Bus, BusMsg, NatsBus
-from thunderagent.bus.wire_admin import (
-    AdminReply,
-    decode_reset_cache,
-    decode_server_call,
-    decode_set_adapter,
-    decode_set_paused,
-)
+from thunderagent.bus.wire_admin import (AdminReply, decode_reset_cache, decode_server_call, decode_set_adapter,
+                                         decode_set_paused)
 from thunderagent.types import WorkerInfo
 from thunderagent.bus.wire import (
     KEEPALIVE_S,
@@ -135,6 +130,7 @@ class WorkerService:
         self.asleep = False  # its server was put to sleep through a frontend (told every frontend in heartbeats)
         self.paused = False  # its server's generation was paused through a frontend (likewise)
         self.kv_pulls: tuple[float, float, float] | None = None  # its server's NIXL reads so far (the next heartbeat's)
+        self.prefill: tuple[float, float] | None = None  # its server's computed prompt tokens, prefill seconds so far
         self._load = LoadReport(info.worker_id, 0.0, 0, 0, 0, 0, 0, 0, info.kv_total_blocks)  # last pushed
         self._streams: dict[str, _Out] = {}
         self._keepalive_task: asyncio.Task[None] | None = None
@@ -152,7 +148,8 @@ class WorkerService:
         self.handle = self._build(WorkerCallbacks(self._on_events, self._on_heartbeat, self._on_load,
                                                   self._on_unavailable, self._now, on_limits=self._on_limits,
                                                   on_adapters=self._on_adapters, on_asleep=self._set_asleep,
-                                                  on_paused=self._set_paused, on_kv_pulls=self._set_kv_pulls))
+                                                  on_paused=self._set_paused, on_kv_pulls=self._set_kv_pulls,
+                                                  on_prefill=self._set_prefill))
         # Subscribe (and flush) before saying hello: a frontend dumps a worker as soon as it meets it.
         await self.bus.subscribe(self.subjects.rpcs(self.worker_id), self._on_rpc)
         await self.bus.subscribe(self.subjects.discover(), self._on_discover)
@@ -178,6 +175,9 @@ class WorkerService:
 
     def _set_kv_pulls(self, worker_id: str, nbytes: float, seconds: float, transfers: float) -> None:
         self.kv_pulls = (nbytes, seconds, transfers)  # (its next heartbeat tells the frontends: their links learn)
+
+    def _set_prefill(self, worker_id: str, tokens: float, seconds: float) -> None:
+        self.prefill = (tokens, seconds)  # (its next heartbeat tells the frontends: cache migration's recompute times)
 
     def _set_paused(self, worker_id: str, paused: bool) -> None:
         """Its server was paused or resumed (its ``/is_paused`` says so)."""
@@ -243,7 +243,7 @@ class WorkerService:
 
     def _publish_heartbeat(self, kind: str, load: LoadReport) -> None:
         hb = Heartbeat(WIRE_VERSION, self.instance, self.wire_info, load_to_wire(load), self.last_seq, self.cordoned,
-                       self.asleep, self.paused, self.kv_pulls)
+                       self.asleep, self.paused, self.kv_pulls, self.prefill)
         self.counters.heartbeats += 1
         self.bus.publish(self.subjects.worker(self.worker_id, kind), encode(hb))
 

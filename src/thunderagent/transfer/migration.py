@@ -31,6 +31,12 @@ cost function spills a prefix's requests to a worker without it once the holder'
 prefix's length, so the copy is planned on the same measure, well below that point (a 32 K-token prefix
 spills at about 4 passes; a source is hot at 1 by default), and lands before the recompute would start.
 
+*Worth it* compares the link's estimate with the target's recompute time: its timing model, or, once the
+driver reports the target server's own prefill figures (:meth:`Migrator.server_prefill`: vLLM's computed
+prompt tokens and the seconds its requests spent in prefill, cumulative), the rate measured there (an
+EWMA over readings of at least :data:`MIN_PREFILL_SAMPLE_TOKENS` new tokens): a configured timing model
+says nothing of a real server's speed.
+
 Refusals are counted by cause once per (look, prefix), ``no_target`` once per (look, source); with ``max_gbps``
 a copy past the average rate waits (``rate_limited``), leaving the link to prefill/decode handoffs; counters
 are plain fields (:meth:`stats`). Bounded: ``max_prefixes`` prefixes tracked (least recently requested
@@ -40,7 +46,7 @@ forgotten first), ``max_per_tick`` copies per look, one copy of a prefix in flig
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 from thunderagent.config import RoutingConfig
@@ -51,6 +57,11 @@ from thunderagent.transfer.plane import TransferPlane
 from thunderagent.types import WorkerState
 
 TID_PREFIX = "migrate-"
+#: a server's prefill reading counts once this many computed tokens grew since the last one counted (a few
+#: tiny prompts' passes are mostly overhead: they would understate its rate)
+MIN_PREFILL_SAMPLE_TOKENS = 1024
+#: weight of a new reading in a server's measured prefill rate
+PREFILL_EWMA = 0.3
 
 
 @dataclass(slots=True, frozen=True)
@@ -136,6 +147,8 @@ class Migrator:
         self._rate = None if self.cfg.max_gbps is None else self.cfg.max_gbps * 1e9 / 8  # bytes/s
         self._level = self._rate or 0.0
         self._level_at: float | None = None
+        self.prefill_tps: dict[str, float] = {}  # worker -> its server's measured prefill rate (tokens/s)
+        self._prefill_seen: dict[str, tuple[float, float]] = {}  # worker -> (tokens, seconds) at the last sample
 
     # -- demand ----------------------------------------------------------------------------------
     def observe(self, block_hashes: Sequence[int], depth: int, now: float,
@@ -250,7 +263,7 @@ class Migrator:
         nbytes = plane.bytes_for(blocks * bs)
         why = plane.refusal(nbytes, blocks, dst.load.kv_active_blocks, dst.load.kv_total_blocks)
         if why is None and plane.estimate(src, dst.worker_id, nbytes) >= self.recompute_s(
-                blocks * bs, dst.max_num_batched_tokens):
+                blocks * bs, dst.max_num_batched_tokens, dst.worker_id):
             why = "not_worth_it"
         if why is None and not self._room(nbytes, planned):
             why = "plane_busy"
@@ -289,8 +302,33 @@ class Migrator:
         return (not p.queue and len(p.inflight) + len(planned) < p.cfg.max_inflight
                 and p.inflight_bytes + sum(m.nbytes for m in planned) + nbytes <= p.cfg.max_inflight_bytes)
 
-    def recompute_s(self, tokens: int, batch: int) -> float:
-        """Seconds a target needs to prefill ``tokens`` in passes of ``batch`` tokens (its timing model)."""
+    def server_prefill(self, worker_id: str, tokens: float, seconds: float) -> None:
+        """Worker ``worker_id``'s server computed ``tokens`` prompt tokens (cached ones not counted) in requests that
+        spent ``seconds`` in prefill, so far (cumulative, vLLM's per-request histograms' sums). The growth since
+        the last sample, once it reaches :data:`MIN_PREFILL_SAMPLE_TOKENS`, is a sample of its prefill rate; a
+        reading below the last (a restart) is only the new baseline."""
+        last = self._prefill_seen.get(worker_id)
+        if last is None or tokens < last[0] or seconds < last[1]:
+            self._prefill_seen[worker_id] = (tokens, seconds)
+            return
+        dt, ds = tokens - last[0], seconds - last[1]
+        if dt < MIN_PREFILL_SAMPLE_TOKENS or ds <= 0:
+            return
+        self._prefill_seen[worker_id] = (tokens, seconds)
+        rate, old = dt / ds, self.prefill_tps.get(worker_id)
+        self.prefill_tps[worker_id] = rate if old is None else (1 - PREFILL_EWMA) * old + PREFILL_EWMA * rate
+
+    def forget_departed(self, present: Container[str]) -> None:
+        """Workers not in ``present`` left: their measured rates go (one back under its id measures again)."""
+        for w in [w for w in self._prefill_seen if w not in present]:
+            self.prefill_tps.pop(w, None)
+            del self._prefill_seen[w]
+
+    def recompute_s(self, tokens: int, batch: int, worker_id: str | None = None) -> float:
+        """Seconds a target needs to prefill ``tokens``: at its server's measured rate when known
+        (:meth:`server_prefill`), else in passes of ``batch`` tokens of its timing model."""
+        if worker_id is not None and (tps := self.prefill_tps.get(worker_id)):
+            return tokens / tps
         full, rest = divmod(tokens, batch)
         t = full * self.timing.pass_time(batch, 0, 1, False) if full else 0.0
         return t + (self.timing.pass_time(rest, 0, 1, False) if rest else 0.0)
@@ -323,4 +361,5 @@ class Migrator:
     def stats(self) -> dict[str, object]:
         return {"planned": self.planned, "completed": self.completed, "failed": self.failed,
                 "bytes_moved": self.bytes_moved, "blocks_moved": self.blocks_moved,
-                "refusals": dict(self.refusals), "tracked_prefixes": len(self._demand)}
+                "refusals": dict(self.refusals), "tracked_prefixes": len(self._demand),
+                "measured_prefill_tps": {w: round(r, 1) for w, r in sorted(self.prefill_tps.items())}}
