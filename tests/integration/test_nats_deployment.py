@@ -296,6 +296,16 @@ def test_tenant_limits_hold_across_the_frontends(cluster: Cluster):
         assert got["sent"] > 0 and got["taken"] > 0, (f, got)
 
 
+def one_worker_two_frontends(cluster: Cluster, config) -> None:  # noqa: ANN001
+    """nats-server, worker w0, then frontends fa and fb (fa the older), each having found w0."""
+    cluster.start_nats()
+    cluster.start_worker("w0", config=config)
+    cluster.start_frontend("fa", config=config)
+    wait_until(lambda: cluster.workers("fa") == {"w0"}, 30, "fa to discover its worker")
+    cluster.start_frontend("fb", config=config)
+    wait_until(lambda: cluster.workers("fb") == {"w0"}, 30, "fb to discover its worker")
+
+
 _RECORD_PID = "import os, sys; open(sys.argv[1], 'a').write(f'{os.getppid()} {sys.argv[2]} {sys.argv[3]}\\n')"
 
 
@@ -311,12 +321,7 @@ def test_one_frontend_acts_for_the_planner_and_the_next_oldest_takes_over_when_i
     planner = {"enabled": True, "interval_s": 0.1, "window_s": 0.5, "cooldown_s": 0.5, "warm_requests": 1,
                "up_ttft_s": 0.0001, "down_ttft_s": 0.0, "command": [sys.executable, "-c", _RECORD_PID, str(calls)]}
     config = cluster.write_config("planner.yaml", f"planner: {json.dumps(planner)}\n")
-    cluster.start_nats()
-    cluster.start_worker("w0", config=config)
-    cluster.start_frontend("fa", config=config)
-    wait_until(lambda: cluster.workers("fa") == {"w0"}, 30, "fa to discover its worker")
-    cluster.start_frontend("fb", config=config)
-    wait_until(lambda: cluster.workers("fb") == {"w0"}, 30, "fb to discover its worker")
+    one_worker_two_frontends(cluster, config)
 
     def planner_view(f: str) -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{cluster.ports[f]}/v1/planner", timeout=5) as r:
@@ -368,12 +373,7 @@ def test_one_frontend_plans_cache_migrations_copies_and_the_other_takes_over_whe
     assert "routing: {seed: 7}" in base
     config = cluster.tmp / "migration.yaml"
     config.write_text(base.replace("routing: {seed: 7}", f"routing: {{seed: 7, {mig}}}"))
-    cluster.start_nats()
-    cluster.start_worker("w0", config=config)
-    cluster.start_frontend("fa", config=config)
-    wait_until(lambda: cluster.workers("fa") == {"w0"}, 30, "fa to discover its worker")
-    cluster.start_frontend("fb", config=config)
-    wait_until(lambda: cluster.workers("fb") == {"w0"}, 30, "fb to discover its worker")
+    one_worker_two_frontends(cluster, config)
 
     def planning() -> tuple[bool, bool]:
         return tuple(cluster.health(f)["cache_migration"]["planning"] for f in ("fa", "fb"))  # type: ignore[return-value]

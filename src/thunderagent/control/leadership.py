@@ -99,11 +99,7 @@ class Leadership:
 
     def copier(self) -> str | None:
         """The frontend planning cache migration's copies among the live ones (None: none of them runs it)."""
-        best: tuple[float, str] | None = (self.started_at, self.self_id) if self.copies else None
-        for p in self.live_peers():
-            if p.copies and (best is None or (p.started_at, p.frontend_id) < best):
-                best = (p.started_at, p.frontend_id)
-        return None if best is None else best[1]
+        return self._oldest(self.copies, [p for p in self.live_peers() if p.copies])
 
     def live_peers(self) -> list[Peer]:
         """Other frontends heard within a lease of our own latest beat (none before we heard it)."""
@@ -114,9 +110,13 @@ class Leadership:
 
     def leader(self) -> str | None:
         """The acting frontend among the live ones (None: none of them can act)."""
-        best: tuple[float, str] | None = (self.started_at, self.self_id) if self.acts else None
-        for p in self.live_peers():
-            if p.acts and (best is None or (p.started_at, p.frontend_id) < best):
+        return self._oldest(self.acts, [p for p in self.live_peers() if p.acts])
+
+    def _oldest(self, mine: bool, peers: list[Peer]) -> str | None:
+        """The first started (ties: the smaller id) of ``peers`` and, when ``mine``, this frontend."""
+        best: tuple[float, str] | None = (self.started_at, self.self_id) if mine else None
+        for p in peers:
+            if best is None or (p.started_at, p.frontend_id) < best:
                 best = (p.started_at, p.frontend_id)
         return None if best is None else best[1]
 
