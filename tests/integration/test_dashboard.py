@@ -60,7 +60,9 @@ def test_extractor_strips_functions_labels_and_ranges():
 
 
 async def test_every_dashboard_expression_names_an_exported_metric(server_factory):
-    async with server_factory() as srv:
+    # cache migration on: its series are registered only then (the transfer plane's panels name them)
+    mig = {"enabled": True, "link": {"enabled": True}}
+    async with server_factory(routing={"migration": mig}) as srv:
         await asyncio.gather(*(srv.client.completions.create(model="thunderagent-sim", prompt="shared prefix " * 30,
                                                               max_tokens=8) for _ in range(6)))
         text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"{srv.base_url}/metrics", timeout=10)
