@@ -88,3 +88,35 @@ def test_a_cordoned_worker_is_shown_out_of_routing():
     console.print(render(frame, "http://x"))
     text = console.export_text()
     assert "out (cordoned)" in text and "out (asleep)" in text
+
+
+def _transfer_scrape(t: float, ok: int, copied: int, failed_copies: int, health: dict) -> Scrape:
+    text = (f"thunderagent_pd_transfers_ok_total {ok}\n"
+            'thunderagent_pd_transfers_failed_total{cause="timeout"} 1\n'
+            'thunderagent_pd_fallbacks_total{cause="plane_full"} 2\n'
+            f"thunderagent_pd_transfer_bytes_total {ok * 250_000_000}\n"
+            f"thunderagent_cache_migration_bytes_total {copied * 500_000_000}\n"
+            f'thunderagent_cache_migration_copies_total{{outcome="ok"}} {copied}\n'
+            f'thunderagent_cache_migration_copies_total{{outcome="timeout"}} {failed_copies}\n')
+    return Scrape(t, {"status": "ok", "workers": [], **health}, parse_metrics(text))
+
+
+def test_the_transfer_plane_line_shows_handoffs_bytes_copies_and_links_over_the_window():
+    health = {"pd_links": [{"src": "p0", "dst": "d0", "samples": 3}, {"src": "p0", "dst": "d1", "samples": 0}],
+              "cache_migration": {"planning": False}}
+    frame = build_frame(_transfer_scrape(12.0, 10, 3, 1, health), _transfer_scrape(10.0, 4, 1, 1, health))
+    t = frame.transfers
+    assert t is not None
+    assert (t.handoffs_per_s, t.handoffs_failed_per_s, t.local_per_s) == (3.0, 0.0, 0.0)  # 6 landed in 2 s
+    # 6 handoffs x 250 MB + 2 copies x 500 MB in 2 s: 1.25 GB/s = 10 Gbit/s
+    assert t.gbps == pytest.approx(10.0) and (t.copies_per_min, t.copies_failed_per_min) == (60.0, 0.0)
+    assert (t.planning, t.links_learned) == (False, 1)
+    from rich.console import Console
+    console = Console(width=200, record=True)
+    console.print(render(frame, "http://x"))
+    out = console.export_text()
+    assert "handoffs 3.0/s" in out and "KV moved 10.00 Gbit/s" in out and "planned by another frontend" in out
+    # a fleet without a prefill group or migration: no line
+    assert build_frame(_scrape(10.0, 1, 1, 0)).transfers is None
+    only_pd = build_frame(_transfer_scrape(1.0, 1, 0, 0, {"pd_links": []}))
+    assert only_pd.transfers is not None and only_pd.transfers.planning is None

@@ -3,7 +3,8 @@
 Pure: a :class:`Scrape` is plain data (its time, the health JSON, the Prometheus samples); :func:`build_frame`
 turns the previous and the latest scrape into a :class:`Frame`; :func:`render` draws it with rich. Fetching
 lives in :mod:`thunderagent.cli.top`. With API keys on, a tenants table shows each tenant's tokens per
-minute, requests in flight (tenants with a ``max_in_flight``) and refusals."""
+minute, requests in flight (tenants with a ``max_in_flight``) and refusals; with a prefill group or cache
+migration, a transfer-plane line (handoffs, KV moved, copies, links learned)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,20 @@ class TenantRow:
 
 
 @dataclass
+class TransferLine:
+    """The transfer plane over the window (shown with a prefill group or cache migration on)."""
+
+    handoffs_per_s: float | None  # prefill/decode handoffs that landed
+    handoffs_failed_per_s: float | None
+    local_per_s: float | None  # requests prefilled on their decode worker instead (fallbacks)
+    gbps: float | None  # KV moved by handoffs and copies (the plane's estimates)
+    copies_per_min: float | None  # cache migration's copies that landed
+    copies_failed_per_min: float | None
+    planning: bool | None  # this frontend plans the copies (several NATS frontends: one does); None: no migration
+    links_learned: int  # link estimates with at least one measured sample
+
+
+@dataclass
 class Frame:
     status: str
     workers: list[WorkerRow]
@@ -72,6 +87,7 @@ class Frame:
     queue_skew: float | None = None  # max queue depth / median
     hot: str | None = None
     tenants: list[TenantRow] = field(default_factory=list)  # most tokens first
+    transfers: TransferLine | None = None
 
 
 def parse_metrics(text: str) -> Samples:
@@ -175,7 +191,31 @@ def build_frame(cur: Scrape, prev: Scrape | None = None, hot_factor: float = HOT
         for q in QUANTILES:
             into[q] = quantile(q, hist)
     frame.tenants = _tenants(cur, win, per_s)
+    frame.transfers = _transfers(cur.health, win, per_s)
     return frame
+
+
+def _transfers(health: dict[str, object], win: Samples, per_s: Callable[[float], float | None]) -> TransferLine | None:
+    mig = health.get("cache_migration")
+    links = health.get("pd_links", health.get("migration_links"))
+    if mig is None and links is None:
+        return None
+    copies = by_label(win, "thunderagent_cache_migration_copies_total", "outcome")
+    moved = per_s(total(win, "thunderagent_pd_transfer_bytes_total")
+                  + total(win, "thunderagent_cache_migration_bytes_total"))
+
+    def per_min(v: float) -> float | None:
+        r = per_s(v)
+        return None if r is None else r * 60
+
+    return TransferLine(per_s(total(win, "thunderagent_pd_transfers_ok_total")),
+                        per_s(total(win, "thunderagent_pd_transfers_failed_total")),
+                        per_s(total(win, "thunderagent_pd_fallbacks_total")),
+                        None if moved is None else moved * 8 / 1e9,
+                        per_min(copies.get("ok", 0.0)), per_min(sum(v for k, v in copies.items() if k != "ok")),
+                        bool(mig.get("planning")) if isinstance(mig, dict) else None,
+                        sum(1 for x in links if isinstance(x, dict) and x.get("samples")) if isinstance(links, list)
+                        else 0)
 
 
 def _tenants(cur: Scrape, win: Samples, per_s: Callable[[float], float | None]) -> list[TenantRow]:
@@ -245,6 +285,16 @@ def render(frame: Frame, url: str) -> Group:
         f"reuse {_pct(frame.reuse_rate)}   recompute {_pct(frame.recompute_rate)}   "
         f"held {_num(frame.held, '{:.0f}')}   queue skew {_num(frame.queue_skew)}x   ")
     summary.append_text(hot)
+    parts = [head, _workers_table(frame)]
     if frame.tenants:  # API keys on
-        return Group(head, _workers_table(frame), _tenants_table(frame), fleet, summary)
-    return Group(head, _workers_table(frame), fleet, summary)
+        parts.append(_tenants_table(frame))
+    parts += [fleet, summary]
+    if (t := frame.transfers) is not None:
+        line = (f"transfers: handoffs {_num(t.handoffs_per_s)}/s (failed {_num(t.handoffs_failed_per_s)}/s, "
+                f"prefilled locally {_num(t.local_per_s)}/s)   KV moved {_num(t.gbps, '{:.2f}')} Gbit/s   "
+                f"links learned {t.links_learned}")
+        if t.planning is not None:
+            line += (f"   copies {_num(t.copies_per_min)}/min (failed {_num(t.copies_failed_per_min)}/min, "
+                     f"{'planned here' if t.planning else 'planned by another frontend'})")
+        parts.append(Text(line, style="yellow" if t.handoffs_failed_per_s or t.copies_failed_per_min else None))
+    return Group(*parts)
