@@ -367,7 +367,8 @@ def test_one_frontend_acts_for_the_planner_and_the_next_oldest_takes_over_when_i
 def test_one_frontend_plans_cache_migrations_copies_and_the_other_takes_over_when_it_dies(cluster: Cluster):
     """``routing.migration`` on two frontends: one migrator plans the copies (the older frontend; two would copy
     the same hot prefix twice), the other shows ``planning: false``; when the older one is killed the other plans
-    one lease later. The migrator's own decisions are tested elsewhere (``test_cache_migration_live.py``)."""
+    one lease later; each hears the other's demand reports. The migrator's own decisions are tested elsewhere
+    (``test_cache_migration_live.py``, ``tests/unit/test_migration_demand.py``)."""
     mig = "migration: {enabled: true, link: {enabled: true, sim_block_bytes: 4096}}"
     base = cluster.config.read_text()
     assert "routing: {seed: 7}" in base
@@ -379,6 +380,11 @@ def test_one_frontend_plans_cache_migrations_copies_and_the_other_takes_over_whe
         return tuple(cluster.health(f)["cache_migration"]["planning"] for f in ("fa", "fb"))  # type: ignore[return-value]
 
     wait_until(lambda: planning() == (True, False), 15, "fa (the older) to plan the copies, fb to hold")
+    ids = {f: cluster.health(f)["frontend"]["planner_leadership"]["id"] for f in ("fa", "fb")}
+    # each reports its own demand every look (routing.migration.interval_s): fa plans on fb's requests too
+    wait_until(lambda: cluster.health("fa")["cache_migration"]["demand_from"] == [ids["fb"]], 15,
+               "fa to hear fb's demand reports")
+    assert cluster.health("fb")["cache_migration"]["demand_from"] == [ids["fa"]]
     cluster.kill("fa")
     wait_until(lambda: cluster.health("fb")["cache_migration"]["planning"], 15, "fb to plan once fa is gone")
 

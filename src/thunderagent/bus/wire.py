@@ -26,6 +26,7 @@ Subjects (``<p>`` is the deployment prefix, ``ta`` by default; ``<id>`` a worker
     <p>.frontend.<frontend>.match    frontend -> frontend   MatchAsk request, MatchAnswer reply (sharded
                                index: how much of a prompt the workers that frontend indexes hold)
     <p>.frontend.abort_held    frontend -> frontends HeldAbort (``bus.wire_admin``): /abort_requests, held requests
+    <p>.frontend.<frontend>.demand   frontend -> frontends  MigrationDemand (``bus.wire_migration``): cache migration
     <p>.programs.release       frontend -> frontends ProgramRelease: a client released an agent program
     <p>.programs.reply.<frontend>.<token>  frontend -> frontend  (any payload): "I held it and released it"
     <p>.tenants.usage          frontend -> frontends TenantUsage: tenants' use since the last report (shared limits)
@@ -479,9 +480,7 @@ def message_limits(max_payload: int, block_size: int) -> tuple[int, int]:
     return blocks * block_size + min(rest // 4, block_size - 1), budget
 
 
-# ---------------------------------------------------------------------------------------------
-# codecs (one encoder; one decoder per type, reused)
-# ---------------------------------------------------------------------------------------------
+# -- codecs (one encoder; one decoder per type, reused) ---------------------------------------
 _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode
 

@@ -178,7 +178,8 @@ class CacheMigrationFlow:
     def health(self, planning: bool = True) -> dict[str, object]:
         """``planning``: this frontend plans the copies (several NATS frontends: one of them does)."""
         return {"cache_migration": self.migrator.stats() | {"failures": dict(self.failures), "left_out": self.left_out(),
-                                                             "planning": planning}}
+                                                             "planning": planning,
+                                                             "demand_from": self.migrator.demand_from(self.clock())}}
 
 
 class MigrationCollector:

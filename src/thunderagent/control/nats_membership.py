@@ -52,6 +52,7 @@ from thunderagent.bus.wire import (
     message_limits,
 )
 from thunderagent.control.frontend_beats import FrontendBeats
+from thunderagent.control.migration_peers import MigrationPeers
 from thunderagent.control.index_shards import IndexShards
 from thunderagent.control.abort_peers import AbortPeers
 from thunderagent.control.planner_peers import PlannerPeers
@@ -90,6 +91,7 @@ class NatsMembership:
         self.aborts = AbortPeers(bus, self.subjects, self.frontend_id,  # /abort_requests: their held requests too
                                  lambda: len(self.beats.leadership.live_peers()) if self.beats.leadership else 0)
         self.shards: IndexShards | None = None  # nats.index: sharded (control/index_shards.py)
+        self.demand: MigrationPeers | None = None  # routing.migration: the frontends' demand (migration_peers.py)
         self._watched: set[str] = set()  # sharded: workers whose KV-event subject we subscribe to
         self._tasks: set[asyncio.Task[None]] = set()
         self.discovery_window = discovery_window
@@ -130,15 +132,19 @@ class NatsMembership:
         cp = fleet.cfg.control_plane
         await self.beats.start(cp.heartbeat_interval, cp.heartbeat_interval * cp.heartbeat_misses,
                                fleet.planner.can_act, fleet.now, copies=fleet.cache_migration is not None)
-        fleet.planner.lead = self.beats.leadership  # one frontend runs the planner's command / webhook
-        fleet.transfers.copy_gate = self.beats.leadership.copying  # one frontend plans cache migration's copies
+        lead = self.beats.leadership
+        assert lead is not None  # (set by start)
+        fleet.planner.lead = lead  # one frontend runs the planner's command / webhook
+        fleet.transfers.copy_gate = lead.copying  # one frontend plans cache migration's copies
+        if fleet.cache_migration is not None:  # ... on the demand every frontend reports
+            self.demand = MigrationPeers(self.bus, self.subjects, self.frontend_id, fleet.cache_migration.migrator)
+            await self.demand.start(fleet.now)
         if fleet.planner.planner is not None:
             await self.planner_peers.start(fleet.now)
             fleet.planner.peers = self.planner_peers  # every planner judges every frontend's requests
         if fleet.cfg.nats.index == "sharded":
-            assert self.beats.leadership is not None
             self.shards = IndexShards(self.bus, self.subjects, self.frontend_id, fleet.cfg.nats.lookup_timeout_s)
-            await self.shards.start(fleet, self.beats.leadership, self.claim, self.release, cp.heartbeat_interval)
+            await self.shards.start(fleet, lead, self.claim, self.release, cp.heartbeat_interval)
             fleet.remote_lookup = self.shards.lookup
             fleet.dispatcher.before_route = self.shards.reenter  # held requests: their answers, again
             fleet.feed.lagged = True  # events on their own subscriptions: heartbeats may overtake them
@@ -163,8 +169,9 @@ class NatsMembership:
         for task in [*self._syncs.values(), *self._probes.values()]:
             task.cancel()
         await self.beats.stop()
-        if self.shards is not None:
-            await self.shards.stop()
+        for part in (self.shards, self.demand):
+            if part is not None:
+                await part.stop()
         # every worker still serving a request of ours, draining ones included
         for worker in {*self.remotes.values(), *self.link.owners.values()}:
             await worker.stop()

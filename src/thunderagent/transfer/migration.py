@@ -37,6 +37,12 @@ prompt tokens and the seconds its requests spent in prefill, cumulative), the ra
 EWMA over readings of at least :data:`MIN_PREFILL_SAMPLE_TOKENS` new tokens): a configured timing model
 says nothing of a real server's speed.
 
+*Several frontends* (NATS): one plans the copies, on its own requests' demand plus what the others report
+(:meth:`Migrator.shared_demand`: each frontend's most-demanded prefixes, by key, every look; :meth:`peer_demand`
+takes them in, decaying from their arrival with the same half-life). A prefix counts the others' demand once this
+frontend tracks it itself (it needs the prefix's blocks, and a real engine its tokens, to copy it): behind a
+balancer a hot prefix reaches every frontend.
+
 Refusals are counted by cause once per (look, prefix), ``no_target`` once per (look, source); with ``max_gbps``
 a copy past the average rate waits (``rate_limited``), leaving the link to prefill/decode handoffs; counters
 are plain fields (:meth:`stats`). Bounded: ``max_prefixes`` prefixes tracked (least recently requested
@@ -62,6 +68,10 @@ TID_PREFIX = "migrate-"
 MIN_PREFILL_SAMPLE_TOKENS = 1024
 #: weight of a new reading in a server's measured prefill rate
 PREFILL_EWMA = 0.3
+#: another frontend's demand report older than this (seconds) no longer counts (it stopped, or left)
+PEER_DEMAND_TTL_S = 60.0
+#: prefixes a frontend reports to the others per look, most demanded first
+SHARED_PREFIXES = 64
 
 
 @dataclass(slots=True, frozen=True)
@@ -149,6 +159,7 @@ class Migrator:
         self._level_at: float | None = None
         self.prefill_tps: dict[str, float] = {}  # worker -> its server's measured prefill rate (tokens/s)
         self._prefill_seen: dict[str, tuple[float, float]] = {}  # worker -> (tokens, seconds) at the last sample
+        self._peers: dict[str, tuple[float, dict[int, float]]] = {}  # frontend -> (when, prefix key -> demand)
 
     # -- demand ----------------------------------------------------------------------------------
     def observe(self, block_hashes: Sequence[int], depth: int, now: float,
@@ -172,11 +183,34 @@ class Migrator:
         p.at = now
 
     def demand(self, key: int, now: float) -> float:
+        """A tracked prefix's demand: this frontend's requests, plus the other frontends' reports."""
         p = self._demand.get(key)
-        return 0.0 if p is None else self._decayed(p, now)
+        return 0.0 if p is None else self._decayed(p, now) + self._from_peers(key, now)
 
     def _decayed(self, p: _Prefix, now: float) -> float:
         return p.count * 0.5 ** (max(0.0, now - p.at) / self.cfg.demand_half_life_s)
+
+    def _from_peers(self, key: int, now: float) -> float:
+        hl = self.cfg.demand_half_life_s
+        return sum(d[key] * 0.5 ** (max(0.0, now - at) / hl) for at, d in self._peers.values()
+                   if key in d and now - at <= PEER_DEMAND_TTL_S)
+
+    def shared_demand(self, now: float) -> list[tuple[int, float]]:
+        """This frontend's own demand to report to the others: its :data:`SHARED_PREFIXES` most-demanded prefixes,
+        (key, demand now)."""
+        own = sorted(((self._decayed(p, now), k) for k, p in self._demand.items()), reverse=True)
+        return [(k, d) for d, k in own[:SHARED_PREFIXES] if d > 0.0]
+
+    def peer_demand(self, frontend_id: str, entries: Sequence[tuple[int, float]], now: float) -> None:
+        """Another frontend's report (:meth:`shared_demand`), arrived ``now``: it replaces that frontend's last;
+        reports older than :data:`PEER_DEMAND_TTL_S` are dropped."""
+        self._peers[frontend_id] = (now, {int(k): float(d) for k, d in entries[:SHARED_PREFIXES] if d > 0.0})
+        for f in [f for f, (at, _) in self._peers.items() if now - at > PEER_DEMAND_TTL_S]:
+            del self._peers[f]
+
+    def demand_from(self, now: float) -> list[str]:
+        """The frontends whose reports count now."""
+        return sorted(f for f, (at, _) in self._peers.items() if now - at <= PEER_DEMAND_TTL_S)
 
     # -- planning --------------------------------------------------------------------------------
     def tick(self, workers: Sequence[WorkerState], index: KvIndex, now: float) -> list[Migration]:
@@ -286,6 +320,8 @@ class Migrator:
 
     def _ranked(self, now: float) -> list[tuple[float, int, _Prefix]]:
         """The tracked prefixes by falling demand: (demand, key, prefix)."""
+        if self._peers:
+            return sorted(((self.demand(k, now), k, p) for k, p in self._demand.items()), key=lambda x: -x[0])
         return sorted(((self._decayed(p, now), k, p) for k, p in self._demand.items()), key=lambda x: -x[0])
 
     def _refill(self, now: float) -> None:
