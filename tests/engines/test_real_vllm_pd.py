@@ -422,13 +422,27 @@ async def test_a_cache_migration_copy_moves_real_kv_between_two_servers(pd_pair:
         # straight to the target: its local prefix cache holds the prefix now
         direct = post(f"{server.url}/v1/completions", {"model": str(tiny_model_dir), "prompt": prefix + [31, 32],
                                                        "max_tokens": 1, "cache_salt": salt})
+        # the target's measured prefill rate (what not_worth_it weighs a copy against): prompts computed straight
+        # on it, 1,024 new tokens or more since the last reading counted make a sample
+        pre_load = await metrics(server)
+        for k in range(3):
+            await asyncio.to_thread(post, f"{server.url}/v1/completions", {
+                "model": str(tiny_model_dir), "prompt": text_prompt(tiny_model_dir, 40 + k, 500), "max_tokens": 1})
+        await wait_until(lambda: target in flow.migrator.prefill_tps, 30, "the target's measured prefill rate")
+        tps = flow.migrator.prefill_tps[target]
+        post_load = await metrics(server)
+    computed = grown(pre_load, post_load, "vllm:request_prefill_kv_computed_tokens_sum")
+    own_rate = computed / grown(pre_load, post_load, "vllm:request_prefill_time_seconds_sum")
     hits = grown(before, after, "vllm:external_prefix_cache_hits_total")
     moved = grown(before, after, "vllm:nixl_bytes_transferred_sum")
     cached = direct["usage"]["prompt_tokens_details"]["cached_tokens"]
     note(f"cache migration {holder} -> {target}: {copied} blocks, {hits:.0f} external hits, {moved:.0f} NIXL bytes "
-         f"on the target; then {cached} of {len(prefix) + 2} prompt tokens cached there")
+         f"on the target; then {cached} of {len(prefix) + 2} prompt tokens cached there; its measured prefill "
+         f"rate {tps:,.0f} tokens/s (its own figures over the prompts sent: {own_rate:,.0f})")
     assert copied >= 3 and hits >= copied * BLOCK_SIZE and moved >= copied * BLOCK_BYTES
     assert cached >= copied * BLOCK_SIZE
+    # the server's own figures over those prompts: the migrator read them (its sample may take in the request before)
+    assert computed >= 1024 and own_rate / 3 < tps < own_rate * 3, (tps, own_rate)
 
 
 async def test_the_links_warm_up_before_any_client(pd_pair: tuple[VllmServer, VllmServer], tiny_model_dir: Path) -> None:
