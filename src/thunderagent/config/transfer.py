@@ -63,7 +63,8 @@ class KvTransferConfig(_Strict):
     # Simulated workers move real bytes (execution/kv_bytes.py): the prefill worker serves each
     # handed-off block's payload over TCP, the decode worker pulls and checksums it before admitting.
     sim_block_bytes: int | None = Field(None, ge=0, description="simulated workers: payload bytes per KV block "
-                                        "moved over TCP from the prefill to the decode worker (None: "
+                                        "moved over TCP from the prefill to the decode worker (on "
+                                        "routing.migration.link: from a copy's source to its target) (None: "
                                         "bytes_per_token x block_size, what the plane charges; 0: no bytes move, "
                                         "the block hashes alone)")
     sim_host: str = Field("127.0.0.1", min_length=1, description="simulated workers: address their KV byte "
