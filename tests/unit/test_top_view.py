@@ -33,6 +33,7 @@ def test_hot_worker(depths, want):
 
 def _scrape(t: float, routed: int, ttft_fast: int, ttft_slow: int) -> Scrape:
     text = (f'thunderagent_routed_total{{worker="w0"}} {routed}\n'
+            f'thunderagent_routed_hits_total{{worker="w0"}} {routed // 2}\n'
             f'thunderagent_ttft_seconds_bucket{{le="0.1"}} {ttft_fast}\n'
             f'thunderagent_ttft_seconds_bucket{{le="1.0"}} {ttft_fast + ttft_slow}\n'
             f'thunderagent_ttft_seconds_bucket{{le="+Inf"}} {ttft_fast + ttft_slow}\n')
@@ -45,6 +46,7 @@ def test_rates_and_percentiles_are_over_the_window_between_scrapes():
     old, new = _scrape(10.0, 100, 100, 0), _scrape(12.0, 120, 100, 10)  # 10 slow first tokens since the last scrape
     frame = build_frame(new, old)
     assert frame.window_s == 2.0 and frame.workers[0].routed_per_s == 10.0
+    assert frame.workers[0].hit_rate == 0.5  # 10 of the 20 routed in the window found part of their prompt there
     assert 0.1 < frame.ttft[0.5] <= 1.0  # the window holds only slow ones; since start, p50 would be fast
     assert build_frame(new).ttft[0.5] <= 0.1 and build_frame(new).window_s is None
 

@@ -45,6 +45,8 @@ class WorkerRow:
     out_of_routing: str | None
     routed_per_s: float | None
     hot: bool = False
+    #: requests routed to it while it held part of their prompt / requests routed to it (over the window)
+    hit_rate: float | None = None
 
 
 @dataclass
@@ -166,11 +168,13 @@ def build_frame(cur: Scrape, prev: Scrape | None = None, hot_factor: float = HOT
     win, dt = _rates(cur, prev)
     per_s = (lambda n: n / dt) if dt else (lambda n: None)
     routed = by_label(win, "thunderagent_routed_total", "worker")
+    hits = by_label(win, "thunderagent_routed_hits_total", "worker")
     workers = [WorkerRow(str(w["id"]), str(w.get("role", "")), str(w["health"]), int(w["running"]),
                          int(w["waiting"]), float(w["kv_usage"]), w.get("indexed_blocks"),
                          w.get("out_of_routing") or ("cordoned" if w.get("cordoned") else None)
                          or ("asleep" if w.get("asleep") else "paused" if w.get("paused") else None),
-                         per_s(routed.get(str(w["id"]), 0.0)))
+                         per_s(routed.get(str(w["id"]), 0.0)),
+                         hit_rate=_ratio(hits.get(str(w["id"]), 0.0), routed.get(str(w["id"]), 0.0)))
                for w in cur.health.get("workers", [])]  # type: ignore[union-attr]
     depths = {w.id: float(w.waiting) for w in workers}
     hot = hot_worker(depths, hot_factor, hot_min)
@@ -249,14 +253,14 @@ def _num(v: float | None, fmt: str = "{:.1f}") -> str:
 
 def _workers_table(frame: Frame) -> Table:
     table = Table(title="workers", title_justify="left", expand=False)
-    for col in ("worker", "role", "health", "running", "waiting", "KV use", "indexed", "routed/s", ""):
+    for col in ("worker", "role", "health", "running", "waiting", "KV use", "indexed", "routed/s", "hit rate", ""):
         table.add_column(col, justify="left" if col in ("worker", "role", "health", "") else "right")
     for w in frame.workers:
         health = w.health if not w.out_of_routing else f"out ({w.out_of_routing})"
         mark = Text("HOT queue", style="bold red") if w.hot else Text("")
         table.add_row(w.id, w.role, Text(health, style="green" if health == "healthy" else "yellow"),
                       str(w.running), str(w.waiting), f"{w.kv_usage:.1%}", _num(w.indexed_blocks, "{:.0f}"),
-                      _num(w.routed_per_s), mark, style="on dark_red" if w.hot else None)
+                      _num(w.routed_per_s), _pct(w.hit_rate), mark, style="on dark_red" if w.hot else None)
     return table
 
 
