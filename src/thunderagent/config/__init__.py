@@ -426,8 +426,8 @@ class Config(_Strict):
         # (defaults accepted: a dumped config, defaults filled in, must load again)
         check_roles(self.execution_group.nodes, self.routing.disaggregation != DisaggConfig())
         if (mc := self.routing.migration).link.enabled:  # its copies move simulated workers' bytes, or their own
-            for k in (k for k, n in enumerate(self.execution_group.nodes) if n.engine != "simulated"):
-                check_sim_fields("routing.migration.link", self.execution_group.nodes[k].engine, mc.link)
+            for n in self.execution_group.nodes:
+                check_sim_fields("routing.migration.link", n.engine, mc.link)
         resolve_relay(self.execution_group.nodes)
         return self
 

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from thunderagent.config import Config, Policy
 from thunderagent.control.cache_migration import CacheMigrationFlow, MigrationCollector, make_cache_migration
@@ -35,7 +35,7 @@ class TransferParts:
     learner: LinkLearner | None
     #: several NATS frontends: whether this one plans cache migration's copies now (``Leadership.copying``: one
     #: of them does, or two would copy the same prefix); None: it alone
-    copy_gate: Callable[[float], bool] | None = field(default=None)
+    copy_gate: Callable[[float], bool] | None = None
 
     def observe(self, d: Dispatch, now: float) -> None:
         """A request was routed (its prefix's demand, for cache migration)."""

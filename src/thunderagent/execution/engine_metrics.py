@@ -129,6 +129,12 @@ def engine_stats(text: str, flavor: EngineFlavor, engine: str | None = None) -> 
                 return [v for _, v in m[n]]
         return []
 
+    def sums(names: tuple[str, ...] | None) -> tuple[float, ...] | None:
+        """Each metric summed over its label sets, when the page has them all (None: it does not say)."""
+        if names is None or not all(n in m for n in names):
+            return None
+        return tuple(sum(v for _, v in m[name]) for name in names)
+
     usage = first(flavor.kv_usage)
     block_size = num_blocks = None
     prefix = None
@@ -142,14 +148,6 @@ def engine_stats(text: str, flavor: EngineFlavor, engine: str | None = None) -> 
             prefix = labels["enable_prefix_caching"] == "True"
     start = m.get("process_start_time_seconds")
     awake = [v for labels, v in m.get(flavor.sleep_state or "", ()) if labels.get("sleep_state") == "awake"]
-    pulls = None
-    if flavor.kv_pulls is not None and all(n in m for n in flavor.kv_pulls):
-        b, sec, n = (sum(v for _, v in m[name]) for name in flavor.kv_pulls)
-        pulls = (b, sec, n)
-    prefill = None
-    if flavor.prefill is not None and all(n in m for n in flavor.prefill):
-        tok, sec = (sum(v for _, v in m[name]) for name in flavor.prefill)
-        prefill = (tok, sec)
     return EngineStats(
         running=int(sum(first(flavor.running))),
         waiting=int(sum(first(flavor.waiting))),
@@ -159,6 +157,6 @@ def engine_stats(text: str, flavor: EngineFlavor, engine: str | None = None) -> 
         prefix_caching=prefix,
         start_time=start[0][1] if start else None,
         asleep=any(v == 0 for v in awake) if awake else None,
-        kv_pulls=pulls,
-        prefill=prefill,
+        kv_pulls=sums(flavor.kv_pulls),  # type: ignore[arg-type]  # three names, three sums
+        prefill=sums(flavor.prefill),  # type: ignore[arg-type]  # two names, two sums
     )

@@ -191,6 +191,8 @@ class Migrator:
         return p.count * 0.5 ** (max(0.0, now - p.at) / self.cfg.demand_half_life_s)
 
     def _from_peers(self, key: int, now: float) -> float:
+        if not self._peers:  # (one frontend: nothing to add)
+            return 0.0
         hl = self.cfg.demand_half_life_s
         return sum(d[key] * 0.5 ** (max(0.0, now - at) / hl) for at, d in self._peers.values()
                    if key in d and now - at <= PEER_DEMAND_TTL_S)
@@ -320,9 +322,8 @@ class Migrator:
 
     def _ranked(self, now: float) -> list[tuple[float, int, _Prefix]]:
         """The tracked prefixes by falling demand: (demand, key, prefix)."""
-        if self._peers:
-            return sorted(((self.demand(k, now), k, p) for k, p in self._demand.items()), key=lambda x: -x[0])
-        return sorted(((self._decayed(p, now), k, p) for k, p in self._demand.items()), key=lambda x: -x[0])
+        return sorted(((self._decayed(p, now) + self._from_peers(k, now), k, p) for k, p in self._demand.items()),
+                      key=lambda x: -x[0])
 
     def _refill(self, now: float) -> None:
         """``max_gbps``' bucket, refilled up to ``now``."""
