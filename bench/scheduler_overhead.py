@@ -15,6 +15,10 @@ per request) is timed on its own: it walks every program's blocks.
 ``--clock cpu`` times with the thread's CPU clock instead of the wall clock: on a shared machine the
 wall clock's tail is other processes' time slices, not ours.
 
+A fourth row pumps with half the workers unable to start a request (their engines report a queue):
+there the dispatch re-ranks the next ``scheduler.affinity_candidates`` requests of the chosen route key by
+their uncached tokens on the free workers (``scheduler/affinity.py``), one index match each.
+
 The garbage collector: the first two paths run first under CPython's default collector (the last two
 rows), then again under the policy the serving processes apply after start-up
 (``thunderagent.gc_policy.tune_gc``: start-up frozen, young threshold 20,000); the targets are judged on
@@ -88,6 +92,7 @@ def main() -> None:
     tune_gc()
     ours, ticks = held_path(steps, pacing=False, clock=clock)
     paced, ticks = held_path(steps, pacing=True, clock=clock)
+    affine, _ = held_path(steps, pacing=False, clock=clock, half_full=True)
     rng = random.Random(7)
     plain_d, workers = build(False)
     base = []
@@ -102,12 +107,13 @@ def main() -> None:
         base.append((clock() - t1) * 1e6)
     rows = [("held: prepare + submit + pump", f"{median(ours):.1f}", f"{percentile(ours, 0.99):.1f}"),
             ("held, programs paced: same", f"{median(paced):.1f}", f"{percentile(paced, 0.99):.1f}"),
+            ("held, half the fleet full (cache affinity)", f"{median(affine):.1f}", f"{percentile(affine, 0.99):.1f}"),
             ("at once: prepare + dispatch", f"{median(base):.1f}", f"{percentile(base, 0.99):.1f}"),
             ("held, CPython's default GC", f"{median(default_ours):.1f}", f"{percentile(default_ours, 0.99):.1f}"),
             ("paced, CPython's default GC", f"{median(default_paced):.1f}", f"{percentile(default_paced, 0.99):.1f}")]
     print_table(f"{steps} requests, {HELD} held, {WORKERS} workers, {PROGRAMS} programs (µs, {args.clock} clock)",
                 ("path", "median", "p99"), rows)
-    for name, xs in (("scheduler", ours), ("scheduler + pacing", paced)):
+    for name, xs in (("scheduler", ours), ("scheduler + pacing", paced), ("scheduler, cache affinity", affine)):
         p99 = percentile(xs, 0.99)
         print(f"{name} path p99 {p99 / 1e3:.3f} ms (target <= 1 ms: {'met' if p99 <= 1000 else 'MISSED'}); "
               f"median {median(xs) / median(base):.2f}x routing at once")
@@ -115,10 +121,12 @@ def main() -> None:
           f"({len(ticks)} ticks; once per tick_s, not per request)")
 
 
-def held_path(steps: int, *, pacing: bool, clock: Callable[[], float] = time.perf_counter
-              ) -> tuple[list[float], list[float]]:
+def held_path(steps: int, *, pacing: bool, clock: Callable[[], float] = time.perf_counter,
+              half_full: bool = False) -> tuple[list[float], list[float]]:
     """Per request: prepare + submit + pump with the queue held at HELD; with ``pacing`` each request
-    names a program and the pacing ticks (run inside submit when due) are timed apart."""
+    names a program and the pacing ticks (run inside submit when due) are timed apart. ``half_full``: the
+    pump sees half the workers unable to start a request, so the cache-affinity pick re-ranks its
+    ``affinity_candidates`` (``scheduler/affinity.py``: one index match each) at every dispatch."""
     rng = random.Random(7)
     held_d, workers = build(True, pacing)
     busy = [WorkerState(w.worker_id, BLOCK, 8192, 64, LoadReport(w.worker_id, 0.0, 4, 2, 9000, 0, 0, 0, 16384))
@@ -128,6 +136,7 @@ def held_path(steps: int, *, pacing: bool, clock: Callable[[], float] = time.per
         req = held_d.prepare(f"h{k}", prompt(p, 1), 16, priority=rng.randrange(3))
         held_d.submit(req, f"key{k % 50}", busy, 0.0, program=f"p{p}" if pacing else None)
     held_d.tick(workers, 0.0)
+    mixed = workers[: WORKERS // 2] + busy[WORKERS // 2:]
     out, ticks = [], []
     now = 1.0
     for k in range(steps):
@@ -142,7 +151,7 @@ def held_path(steps: int, *, pacing: bool, clock: Callable[[], float] = time.per
         t0 = clock()
         req = held_d.prepare(f"n{k}", toks, 16, priority=pr)
         held_d.submit(req, f"key{k % 50}", workers, now, program=f"p{p}" if pacing else None)
-        d = held_d.pump(workers, now)
+        d = held_d.pump(mixed if half_full else workers, now)
         out.append((clock() - t0) * 1e6)
         assert d is not None and len(held_d.queue) == HELD
     return out, ticks

@@ -22,6 +22,7 @@ from pathlib import Path
 #: compiled by the build, as paths under ``src/``. Kept to the decision's hot path, and to modules whose
 #: classes are not subclassed or patched from interpreted code (a compiled class is closed).
 MODULES = (
+    "thunderagent/kv/check.py",
     "thunderagent/kv/hashing.py",
     "thunderagent/kv/index.py",
     "thunderagent/kv/predictions.py",

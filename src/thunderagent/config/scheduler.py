@@ -203,6 +203,14 @@ class SchedulerConfig(_Strict):
         2048.0, ge=0,
         description="short-first ageing: each second waited counts as this many fewer uncached prompt tokens",
     )
+    affinity_candidates: int = Field(
+        16, ge=1,
+        description="when a worker frees up while others cannot start a request, the next request is the best of "
+        "this many at the head of its route key's order (short first with ageing) re-ranked by the uncached prompt "
+        "tokens on the workers that can start it now: a request whose cache holder is busy lets one through whose "
+        "holder is free, instead of recomputing its prefix elsewhere; priority tiers, route-key fairness and "
+        "max_wait_s are unchanged. 1: the order alone",
+    )
     drr_quantum_tokens: int = Field(
         8192, ge=1, description="deficit round robin across route keys: prompt tokens a key may send per round"
     )

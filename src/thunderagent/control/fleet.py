@@ -387,6 +387,8 @@ class Fleet:
             if d is None:
                 break
             self.metrics.scheduler_wait.observe(d.queue_wait)
+            if d.affinity:
+                self.metrics.scheduler_affinity.inc()
             call = self._held.pop(d.request.request_id, None)
             if call is None or call.fut.done():  # its caller was cancelled, its cleanup not run yet: no submit
                 self.dispatcher.retract(d)

@@ -240,6 +240,10 @@ class Metrics:
             "thunderagent_scheduler_queue_wait_seconds", "Time requests waited in the scheduler before dispatch",
             buckets=(0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=r,
         )
+        self.scheduler_affinity = Counter(
+            "thunderagent_scheduler_affinity_dispatches", "Held requests dispatched ahead of the queue's next because "
+            "a worker that could start them held their prefix (scheduler.affinity_candidates)", registry=r,
+        )
         self.scheduler_rejected = Counter(
             "thunderagent_scheduler_rejected", "Requests refused with 429: the scheduler's queue was full", registry=r,
         )

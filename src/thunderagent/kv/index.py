@@ -1,6 +1,4 @@
-"""KvIndex: which worker holds which KV block.
-
-Pure, synchronous, clock-free: every time is passed in as ``now`` (seconds on the driver's clock).
+"""KvIndex: which worker holds which KV block. Pure, synchronous, clock-free: every time is passed in as ``now``.
 
 Layout
 ------
@@ -20,8 +18,7 @@ hold block i" is one dict lookup and one ``&`` per block, whatever the number of
 (block, worker); an int per hash is also far smaller than a dict per hash. Predictions are consulted only for blocks
 where some still-matching worker lacks a confirmed entry.
 
-Each worker also keeps the set of hashes it has entries for, so ``remove_worker`` and ``AllBlocksCleared`` cost
-O(that worker's entries), never a scan of the whole index.
+Each worker also keeps the set of hashes it has entries for: ``remove_worker`` and ``AllBlocksCleared`` cost O(them).
 
 Confidence levels
 -----------------
@@ -32,9 +29,7 @@ Confidence levels
 (c) lazy verification: ``report_missing`` drops entries the worker found absent.
 
 Double hash: with ``double_hash`` on, a :class:`~thunderagent.kv.check.CheckMap` verifies primary hashes against a
-second, independent hash (see that module for the exact guarantee).
-
-Time semantics: a prediction made at ``t`` is valid while ``now < t + ttl`` (the boundary instant is expired)."""
+second, independent hash (see that module). A prediction made at ``t`` is valid while ``now < t + ttl``."""
 
 from __future__ import annotations
 
@@ -305,18 +300,21 @@ class KvIndex:
         return cut_unverified(result, block_hashes, checks.unverified, self.bit_of) if checks.unverified else result
 
     def match_levels(
-        self, block_hashes: Sequence[int], now: float, check_hashes: Sequence[int] | None = None
+        self, block_hashes: Sequence[int], now: float, check_hashes: Sequence[int] | None = None, within: int = -1
     ) -> list[tuple[int, int]]:
         """``find_matches`` as (blocks, mask of ``bit_of`` bits) pairs, fewest blocks first: O(query
-        blocks) whatever the number of holders (a prefix the whole fleet holds is one mask)."""
+        blocks) whatever the number of holders (a prefix the whole fleet holds is one mask). ``within``:
+        only those workers' bits (the walk stops at the first block none of them holds; -1: all)."""
         levels: list[tuple[int, int]] = []
-        self._match(block_hashes, now, levels)
+        if not within:
+            return levels
+        self._match(block_hashes, now, levels, within)
         if check_hashes is None or self.checks is None or not levels:
             return levels
         n_ok = self.checks.verified_prefix(block_hashes, check_hashes, levels[-1][0])
         if n_ok < levels[-1][0]:
             levels = []
-            self._match(block_hashes[:n_ok], now, levels)
+            self._match(block_hashes[:n_ok], now, levels, within)
         unverified = self.checks.unverified
         return cut_levels(levels, block_hashes, unverified) if unverified and levels else levels
 
@@ -327,8 +325,8 @@ class KvIndex:
     def worker_of(self, bit: int) -> str:  # bit: one ``bit_of`` bit of a known worker
         return self._by_bit[bit].worker_id
 
-    def _match(self, block_hashes: Sequence[int], now: float, levels: list[tuple[int, int]] | None = None
-               ) -> dict[str, int]:  # with ``levels``: (blocks, mask) pairs go there, the dict stays empty
+    def _match(self, block_hashes: Sequence[int], now: float, levels: list[tuple[int, int]] | None = None,
+               within: int = -1) -> dict[str, int]:  # with ``levels``: (blocks, mask) pairs go there, the dict empty
         result: dict[str, int] = {}
         if not block_hashes:
             return result
@@ -337,7 +335,9 @@ class KvIndex:
         # Workers still matching. Before block 0: "everyone not stale" as an infinite mask (~x);
         # the first ``&`` with a real mask makes it finite (block 0 always takes the branch
         # below, since a finite mask never equals a negative one).
-        alive = ~self._stale_mask
+        alive = ~self._stale_mask & within  # (within a finite mask: finite from the start, same walk)
+        if not alive:  # (only a finite ``within`` of stale workers)
+            return result
         n = 0  # blocks matched so far by every worker in ``alive``
         for h in block_hashes:
             held = confirmed.get(h, 0) & alive

@@ -43,6 +43,7 @@ from thunderagent.kv.hashing import block_hash_pairs, block_hashes, hash_seed
 from thunderagent.router.cost import is_busy
 from thunderagent.router.errors import HeldRefused
 from thunderagent.router.router import KvRouter, NoWorkerAvailable
+from thunderagent.scheduler import affinity
 from thunderagent.scheduler.disagg import Disaggregator, split_pools
 from thunderagent.scheduler.grouping import Grouper
 from thunderagent.scheduler.pacing import ProgramPacer
@@ -78,6 +79,8 @@ class Dispatch:
     route_key: str = ""
     #: a follower released to its group leader's worker (``scheduler.grouping``)
     grouped: bool = False
+    #: dispatched ahead of the queue's next for its cache on a worker that could start it (``scheduler/affinity.py``)
+    affinity: bool = False
 
 
 def _has_slot(w: WorkerState, depth: int) -> bool:
@@ -120,6 +123,7 @@ class Dispatcher:
         self._sent: dict[str, int] = {}
         self._pending: dict[str, int] = {}
         self._unprefilled: dict[str, tuple[str, int]] = {}
+        self.affinity_dispatches = 0  # held requests sent ahead of the queue's next for their cache (affinity.py)
         self._ready: deque[Held] = deque()  # released requests (resumed programs, followers), to dispatch first
         #: called with each request about to be routed (a sharded index re-enters other frontends' answers)
         self.before_route: Callable[[EngineRequest, float], None] | None = None
@@ -191,7 +195,8 @@ class Dispatcher:
                     d = self.dispatch(req, pool, now, exclude=avoid, program=program, pin=pin)
                     d.route_key = key
                     return d
-            queue.push(Held(req, key, req.priority, now, self._uncached(req, now), program, pin,
+            uncached = affinity.uncached_on(req, self.index, self.block_size, now)
+            queue.push(Held(req, key, req.priority, now, uncached, program, pin,
                             admitted=program is not None and prog.admitted), now)
         except (QueueFull, NoWorkerAvailable) as e:
             if program is not None:  # refused: not a step of the program
@@ -310,6 +315,10 @@ class Dispatcher:
         forced = queue.forced(held, now)
         if not forced and not (self.can_start(workers) and self._prefill_room(workers, held.req.priority)):
             return None
+        head = held
+        if not forced and held.pin is None and self.before_route is None:  # (sharded index: matches are local only)
+            held = affinity.choose(queue, held, workers, self._startable, self.scheduler.affinity_candidates,
+                                   self.index, self.block_size, now)
         if pinned is not None and held.pin is not None:
             workers = pinned(held.pin)
         try:  # (a pin: a stored response's read or continuation, held here like any request)
@@ -321,7 +330,8 @@ class Dispatcher:
             queue.cancel(held.req.request_id)
             raise self._refused(held, e, now) from e
         queue.take(held, now)
-        d.queue_wait, d.route_key = now - held.enqueued, held.key
+        d.queue_wait, d.route_key, d.affinity = now - held.enqueued, held.key, held is not head
+        self.affinity_dispatches += d.affinity
         return d
 
     def _refused(self, held: Held, e: NoWorkerAvailable, now: float) -> HeldRefused:
@@ -403,13 +413,6 @@ class Dispatcher:
         if self._gate is None:
             return workers
         return [w for w in workers if w.role == "prefill" or self._startable(w)]
-
-    def _uncached(self, req: EngineRequest, now: float) -> int:
-        n = len(req.prompt_tokens)
-        if not req.block_hashes:
-            return n
-        best = max(self.index.find_matches(req.block_hashes, now).values(), default=0)
-        return n - min(best * self.block_size, n)
 
     def dispatch(self, req: EngineRequest, workers: Sequence[WorkerState], now: float,
                  exclude: tuple[str, ...] = (), program: str | None = None, pin: str | None = None,

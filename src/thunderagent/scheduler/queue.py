@@ -162,8 +162,7 @@ class HoldingQueue:
         if key is None:
             key = tier.keys[held.key] = _Key()
             tier.order.append(held.key)
-        rank = held.uncached + self.cfg.aging_tokens_per_s * held.enqueued
-        heapq.heappush(key.heap, (rank, next(self._seq), held))
+        heapq.heappush(key.heap, (self.rank(held, held.uncached), next(self._seq), held))
         key.n += 1
         tier.n += 1
         cost = max(1, held.uncached)
@@ -245,6 +244,25 @@ class HoldingQueue:
             return overdue
         tier = self._tiers[max(t for t, tier in self._tiers.items() if tier.order)]
         return self._drr_pick(tier, now)
+
+    def candidates(self, held: Held, k: int) -> list[Held]:
+        """``held`` (what :meth:`next` returned, not overdue: its key's best) and the requests that follow it in its
+        key's order, ``k`` at most, best first: what the dispatcher re-ranks by cache affinity. O(k log n): the live
+        entries are popped and pushed back (the gone ones met on the way are dropped, as :meth:`_best` does)."""
+        heap = self._tiers[held.tier].keys[held.key].heap
+        live: list[tuple[float, int, Held]] = []
+        while heap and len(live) < k:
+            e = heapq.heappop(heap)
+            if not e[2].gone:
+                live.append(e)
+        for e in live:
+            heapq.heappush(heap, e)
+        return [e[2] for e in live]
+
+    def rank(self, held: Held, uncached: int) -> float:
+        """Where ``held`` would sit in its key's order with ``uncached`` tokens to prefill (short first with
+        ageing: the heap's own key, comparable across requests whatever ``now`` is)."""
+        return uncached + self.cfg.aging_tokens_per_s * held.enqueued
 
     def _overdue_turn(self) -> bool:
         """An overdue request's turn: always with ``overdue_share`` 1, else once ``1 / share - 1``

@@ -137,5 +137,6 @@ def _scheduler_extra(sim: Replay, done: list[Track], duration: float) -> dict[st
         "ttft_ms_by_priority": {str(k): {"n": len(v), "mean": Dist.of(v).mean, "p99": Dist.of(v).p99}
                                 for k, v in sorted(by_tier.items())},
         "held_at_end": sim.dispatcher.held(),
+        "affinity_dispatches": sim.dispatcher.affinity_dispatches,
         **_pacing_extra(sim, duration),
     }

@@ -1,0 +1,77 @@
+"""Cache affinity at dispatch: which held request goes when some workers can start one and others cannot.
+
+Pure and clock-free (``now`` is passed in). The holding queue orders a route key's requests by their
+uncached prompt tokens *anywhere* in the fleet (estimated at enqueue), less ageing. When a worker frees
+up while the others are still full, the queue's head may be a request whose cache sits on one of the
+full workers: routed now, it either recomputes its prefix on the free worker or waits in its holder's
+engine. A request a few places behind it may find its own prefix on the free worker. So the next
+request is the best of the ``scheduler.affinity_candidates`` at the head of the key's order, re-ranked by
+the uncached tokens *on the workers that can start it now* (the index's current matches, predictions
+included), with the same ageing: an SGLang-style longest-prefix-first pick, restricted to a bounded
+window so that priorities, route-key fairness (deficit round robin charges what the chosen one costs)
+and ``max_wait_s`` (an overdue request is forced through before this is asked) keep their meaning.
+
+Measured on the Mooncake conversation trace x8 (README "Scheduler"): more of each prompt served from
+cache, so the overloaded fleet drains faster; both the mean and the tail of TTFT fall.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from thunderagent.kv.index import KvIndex
+from thunderagent.scheduler.queue import Held, HoldingQueue
+from thunderagent.types import EngineRequest, WorkerState
+
+
+def uncached_on(req: EngineRequest, index: KvIndex, block_size: int, now: float, within: int = -1) -> int:
+    """Prompt tokens ``req`` would prefill on the best worker (of those whose ``bit_of`` bits are in ``within``;
+    -1: any), its longest cached prefix there per the index. Within a mask the index's walk stops at the first
+    block none of those workers holds: a candidate whose prefix sits on full workers costs a block or two."""
+    n = len(req.prompt_tokens)
+    if not req.block_hashes:
+        return n
+    if within < 0:
+        best = max(index.find_matches(req.block_hashes, now, req.check_hashes).values(), default=0)
+    else:  # (the double-hash guard as the router's: the check hashes cut unverified blocks)
+        best = max((blocks for blocks, _ in index.match_levels(req.block_hashes, now, req.check_hashes, within)),
+                   default=0)
+    return n - min(best * block_size, n)
+
+
+def choose(queue: HoldingQueue, held: Held, workers: Sequence[WorkerState], startable: Callable[[WorkerState], bool],
+           k: int, index: KvIndex, block_size: int, now: float) -> Held:
+    """What goes instead of ``held`` (the queue's next, neither overdue-forced nor pinned) given which of
+    ``workers`` can start a request now: ``held`` itself while every worker can (the queue's order already
+    counts the whole fleet's cache) or none can, with ``k`` 1, and with prefill-role workers in the pool
+    (disaggregation: the prefix that matters is on the prefill tier, which this gate does not judge)."""
+    if k <= 1:
+        return held
+    free, full = 0, False  # the workers that can start a request now, as a mask of the index's bits
+    for w in workers:
+        if w.role == "prefill":
+            return held
+        if startable(w):
+            free |= index.bit_of(w.worker_id)
+        else:
+            full = True
+    if not free or not full:
+        return held
+    return pick(queue, held, free, k, index, block_size, now)
+
+
+def pick(queue: HoldingQueue, held: Held, startable: int, k: int, index: KvIndex, block_size: int,
+         now: float) -> Held:
+    """The request to dispatch instead of ``held`` (the queue's next, not overdue), among it and the ``k - 1``
+    that follow it in its key's order: the lowest rank with its uncached tokens counted on ``startable`` (the
+    workers that can start a request now, as a mask of ``KvIndex.bit_of`` bits). Ties keep the queue's order.
+    Requests pinned to a worker (a released follower, a stored response's continuation) are not candidates:
+    where they go is decided."""
+    best, best_rank = held, queue.rank(held, uncached_on(held.req, index, block_size, now, startable))
+    for cand in queue.candidates(held, k):
+        if cand is held or cand.pin is not None:
+            continue
+        rank = queue.rank(cand, uncached_on(cand.req, index, block_size, now, startable))
+        if rank < best_rank:
+            best, best_rank = cand, rank
+    return best

@@ -1,0 +1,102 @@
+"""Cache affinity at dispatch (``scheduler/affinity.py``): when a worker frees up while its peers are full, the
+held request whose prefix that worker holds goes ahead of the queue's head, within ``affinity_candidates``."""
+
+from __future__ import annotations
+
+import random
+
+from thunderagent.config import RoutingConfig, SchedulerConfig
+from thunderagent.kv.index import KvIndex
+from thunderagent.router.router import KvRouter
+from thunderagent.scheduler.dispatch import Dispatcher
+from thunderagent.scheduler.queue import Held, HoldingQueue
+from thunderagent.types import BlockStored, EngineRequest, LoadReport, WorkerState
+
+BS = 16
+A = list(range(64))  # a 4-block prefix cached on w0
+B = list(range(100, 164))  # another, cached on w1
+
+
+def _worker(wid: str, waiting: int = 0) -> WorkerState:
+    # no slots reported: the engine-reported gate lets a worker start a request while nothing waits in its engine
+    return WorkerState(wid, BS, 8192, 64, LoadReport(wid, 0.0, 0, waiting, 0, 0, 0, 0, 1000))
+
+
+def _fleet(**sched: object) -> tuple[Dispatcher, KvIndex]:
+    index = KvIndex(prediction_ttl=60.0)
+    for w in ("w0", "w1"):
+        index.add_worker(w)
+    d = Dispatcher(KvRouter(RoutingConfig(seed=1), index, random.Random(1)), BS,
+                   SchedulerConfig(**{"enabled": True, "aging_tokens_per_s": 0.0, **sched}))
+    for wid, prompt in (("w0", A), ("w1", B)):  # stored by an engine that hashed the tokens itself (verified)
+        req = d.prepare(wid, prompt, 1)
+        index.apply_event(BlockStored(wid, 0, tuple(req.block_hashes), None, tuple(req.check_hashes or ())), 0.0)
+    return d, index
+
+
+def _hold(d: Dispatcher, full: list[WorkerState]) -> None:
+    """Three requests held while both workers are full: on A (16 new tokens), on B (32 new), and one with no
+    cache anywhere (8 tokens: the queue's head)."""
+    assert d.submit(d.prepare("a2", A + [1] * 16, 4), "", full, 0.0) is None
+    assert d.submit(d.prepare("b2", B + [2] * 32, 4), "", full, 0.1) is None
+    assert d.submit(d.prepare("c", [3] * 8, 4), "", full, 0.2) is None
+
+
+def test_a_freed_worker_takes_the_request_whose_prefix_it_holds_before_the_queues_head() -> None:
+    d, _ = _fleet()
+    _hold(d, [_worker("w0", 1), _worker("w1", 1)])
+    # the queue's order counts the whole fleet's cache: c (8 uncached) < a2 (16) < b2 (32)
+    assert [h.req.request_id for h in d.queue.candidates(d.queue.next(0.3), 8)] == ["c", "a2", "b2"]
+    # w1 frees up, w0 is still full: on w1, c costs 8, a2 80 and b2 32 -> c still goes first (fewest)
+    first = d.pump([_worker("w0", 1), _worker("w1", 0)], 0.3)
+    assert first is not None and first.request.request_id == "c" and not first.affinity
+    # then b2 (32 on w1) overtakes a2 (16 on the full w0, 80 on w1), and lands on its cache
+    second = d.pump([_worker("w0", 1), _worker("w1", 0)], 0.4)
+    assert second is not None and second.request.request_id == "b2" and second.affinity
+    assert second.decision.worker_id == "w1" and second.predicted_tokens == 64
+    assert len(d.queue) == 1 and d.queue.next(0.5).req.request_id == "a2"
+
+
+def test_with_every_worker_free_or_one_candidate_the_queues_order_stands() -> None:
+    d, _ = _fleet(affinity_candidates=1)
+    _hold(d, [_worker("w0", 1), _worker("w1", 1)])
+    half = [_worker("w0", 1), _worker("w1", 0)]
+    assert [d.pump(half, t).request.request_id for t in (0.3, 0.4, 0.5)] == ["c", "a2", "b2"]
+    d2, _ = _fleet()
+    _hold(d2, [_worker("w0", 1), _worker("w1", 1)])
+    free = [_worker("w0", 0), _worker("w1", 0)]
+    out = [d2.pump(free, t) for t in (0.3, 0.4, 0.5)]
+    assert [x.request.request_id for x in out] == ["c", "a2", "b2"] and not any(x.affinity for x in out)
+
+
+def test_only_the_first_candidates_of_the_key_are_re_ranked() -> None:
+    d, _ = _fleet(affinity_candidates=2)
+    full = [_worker("w0", 1), _worker("w1", 1)]
+    _hold(d, full)
+    # with 2 candidates b2 is out of reach at first: c against a2 -> c
+    half = [_worker("w0", 1), _worker("w1", 0)]
+    assert d.pump(half, 0.3).request.request_id == "c"
+    second = d.pump(half, 0.4)  # now the first two are a2 and b2: b2 goes
+    assert second.request.request_id == "b2" and second.affinity
+    d3, _ = _fleet(affinity_candidates=2)
+    _hold(d3, full)
+    assert d3.submit(d3.prepare("tiny", [4] * 4, 4), "", full, 0.25) is None  # now tiny (4), c (8) lead
+    assert [d3.pump(half, t).request.request_id for t in (0.3, 0.4)] == ["tiny", "c"]
+
+
+def test_ageing_counts_in_the_re_ranking_and_overdue_requests_go_as_before() -> None:
+    d, _ = _fleet(max_wait_s=5.0)
+    _hold(d, [_worker("w0", 1), _worker("w1", 1)])
+    half = [_worker("w0", 1), _worker("w1", 0)]
+    # at 5.05 a2 (held at 0.0) is overdue and forced through first, then b2 and c are ranked on w1
+    assert d.pump(half, 5.05).request.request_id == "a2"
+    q = HoldingQueue(SchedulerConfig(enabled=True, aging_tokens_per_s=100.0))
+    old = Held(EngineRequest("old", [1] * 50, [], 0, 4), "", 0, 0.0, 50)
+    new = Held(EngineRequest("new", [1] * 10, [], 0, 4), "", 0, 1.0, 10)
+    # rank = uncached + age x enqueued: old 50 + 0 against new 10 + 100 -> old first, whatever the clock
+    assert q.rank(old, 50) < q.rank(new, 10)
+    q.push(old, 0.0)
+    q.push(new, 1.0)
+    assert [h.req.request_id for h in q.candidates(q.next(1.0), 8)] == ["old", "new"]
+    q.cancel("old")
+    assert [h.req.request_id for h in q.candidates(q.next(1.0), 8)] == ["new"]  # gone entries dropped
