@@ -49,7 +49,8 @@ def _render(files: list[Path], runs: dict[str, dict[str, Any]]) -> None:
         tok = s["tokens"]
         console.print(f"prompt tokens {tok['prompt']:,}: predicted cached {tok['predicted_cached']:,}, "
                       f"best known anywhere {tok['best_known_cached']:,}; queue wait mean "
-                      f"{s['queue_wait_s']['mean']:.3f} s max {s['queue_wait_s']['max']:.3f} s")
+                      f"{s['queue_wait_s']['mean']:.3f} s max {s['queue_wait_s']['max']:.3f} s, "
+                      f"{s['queue_wait_s']['sent_ahead_for_cache']:,} sent ahead for their cache")
         _table(console, Table, "went elsewhere: why", ("why", "decisions"), s["elsewhere_why"].items())
         _table(console, Table, "decisions by reason", ("reason", "decisions"), s["by_reason"].items())
         rows = [(w, x["chosen"], x["busy_filtered"], "; ".join(f"{k} ×{v}" for k, v in x["skipped"].items()) or "—")

@@ -68,6 +68,8 @@ def decision_line(d: Dispatch, t: float, *, program: str | None = None, tried: I
             for c in dec.candidates
         ],
     }
+    if d.affinity:  # sent ahead of the queue's next for its cache on a free worker (scheduler/affinity.py)
+        line["affinity"] = True
     if program is not None:
         line["program"] = program
     tried = list(tried)

@@ -142,6 +142,7 @@ class _Run:
         self.predicted_tokens = 0
         self.best_known_tokens = 0
         self.waits: list[float] = []
+        self.affinity = 0  # held requests sent ahead of the queue's next for their cache
 
     def add(self, line: dict[str, Any]) -> None:
         self.decisions += 1
@@ -161,6 +162,7 @@ class _Run:
         self.predicted_tokens += line["predicted_tokens"]
         self.best_known_tokens += line["best_known_tokens"]
         self.waits.append(line["queue_wait"])
+        self.affinity += bool(line.get("affinity"))
 
     def summary(self) -> dict[str, Any]:
         n = self.decisions
@@ -180,5 +182,6 @@ class _Run:
             "tokens": {"prompt": self.prompt_tokens, "predicted_cached": self.predicted_tokens,
                        "best_known_cached": self.best_known_tokens},
             "queue_wait_s": {"mean": round(sum(self.waits) / n, 6) if n else 0.0,
-                             "max": round(max(self.waits, default=0.0), 6)},
+                             "max": round(max(self.waits, default=0.0), 6),
+                             "sent_ahead_for_cache": self.affinity},
         }
