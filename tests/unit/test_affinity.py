@@ -100,3 +100,19 @@ def test_ageing_counts_in_the_re_ranking_and_overdue_requests_go_as_before() -> 
     assert [h.req.request_id for h in q.candidates(q.next(1.0), 8)] == ["old", "new"]
     q.cancel("old")
     assert [h.req.request_id for h in q.candidates(q.next(1.0), 8)] == ["new"]  # gone entries dropped
+
+
+def test_affinity_never_crosses_a_priority_tier_or_a_route_key() -> None:
+    d, _ = _fleet()
+    full = [_worker("w0", 1), _worker("w1", 1)]
+    half = [_worker("w0", 1), _worker("w1", 0)]
+    # the head is a2 (cached on the full w0) at priority 1; b2, cached on the free w1, waits at priority 0
+    assert d.submit(d.prepare("a2", A + [1] * 16, 4, priority=1), "", full, 0.0) is None
+    assert d.submit(d.prepare("b2", B + [2] * 32, 4), "", full, 0.1) is None
+    first = d.pump(half, 0.2)
+    assert first.request.request_id == "a2" and not first.affinity  # strict tiers: b2 is no candidate
+    d2, _ = _fleet(drr_quantum_tokens=100)
+    # route key "x" holds a2, key "y" holds b2: round robin gives x the first turn, and x has only a2
+    assert d2.submit(d2.prepare("a2", A + [1] * 16, 4), "x", full, 0.0) is None
+    assert d2.submit(d2.prepare("b2", B + [2] * 32, 4), "y", full, 0.1) is None
+    assert [d2.pump(half, t).request.request_id for t in (0.2, 0.3)] == ["a2", "b2"]
