@@ -243,12 +243,17 @@ def main() -> None:
                          "p50": pct(stats.ttft, 0.5), "p99": pct(stats.ttft, 0.99), "jain": jain(stats.steps),
                          "pauses": counter(metrics, "thunderagent_program_pauses_total"),
                          "resumes": counter(metrics, "thunderagent_program_resumes_total"),
+                         # requests that waited in the holding queue, and those of them it sent ahead of its next
+                         # for their cache on a free server (scheduler/affinity.py)
+                         "held": counter(metrics, "thunderagent_scheduler_queue_wait_seconds_count"),
+                         "ahead": counter(metrics, "thunderagent_scheduler_affinity_dispatches_total"),
                          "unserved": sum(1 for s in stats.steps if s == 0), "errors": len(stats.errors),
                          "ctx": statistics.mean(stats.contexts) if stats.contexts else 0.0,
                          "recomputed": stats.prompt - stats.cached}
                     results[arm].append(r)
                     print(f"round {rnd + 1} {arm}: {r['steps']:.1f} steps/min, hit {r['hit']:.1%}, TTFT p50 "
                           f"{r['p50']:.2f} s p99 {r['p99']:.2f} s, Jain {r['jain']:.2f}, pauses {r['pauses']:.0f}, "
+                          f"held {r['held']:.0f} (sent ahead for their cache {r['ahead']:.0f}), "
                           f"mean prompt {r['ctx']:.0f} (vLLM num_gpu_blocks {caps}), errors {r['errors']}"
                           + (f" first: {stats.errors[0]}" if stats.errors else ""), flush=True)
         finally:
