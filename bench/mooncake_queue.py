@@ -12,13 +12,16 @@ half, requests 6,001-12,031, at x10: another slice and speed), ``chat`` (3,000 r
 as Mooncake JSONL with 512-token blocks, x4). Prints TTFT mean / p99 and reuse, and our ratios to both
 Dynamo arms (targets: mean <= 0.5x Dynamo's defaults and <= 0.8x its queue; p99 <= Dynamo's defaults).
 
-Run: ``python bench/mooncake_queue.py [--traces full,half2,chat] [--config configs/x.yaml]``: about 5
+``--route-keys N`` spreads our requests over N route keys (Dynamo's router has no such notion).
+
+Run: ``python bench/mooncake_queue.py [--traces full,half2,chat] [--config configs/x.yaml] [--route-keys N]``: about 5
 minutes for ``full`` on a quiet core, 2-3 for each other trace.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -56,6 +59,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", default="full,half2,chat")
     ap.add_argument("--config", type=Path, default=None, help="YAML config whose scheduler: section ours uses")
+    ap.add_argument("--route-keys", type=int, default=0, metavar="N",
+                    help="spread our requests round robin over N route keys (tenants / users, as the body's `user` "
+                    "would), so the holding queue's deficit round robin and cache affinity work across keys; 0: one key")
     args = ap.parse_args()
     cfg = load_config(args.config) if args.config else Config()
     sched = cfg.scheduler.model_copy(update={"enabled": True, "max_queued": 1_000_000,
@@ -69,8 +75,11 @@ def main() -> None:
                 "chat": lambda: (_chat(Path(tmp) / "chat.jsonl"), 4.0)}
         for name in args.traces.split(","):
             path, speed = make[name]()
+            reqs = sorted(load_traces([path]), key=lambda r: r.arrival_s)
+            if args.route_keys > 0:  # (an open-loop replay's session is only its route key)
+                reqs = [dataclasses.replace(r, session=f"user-{i % args.route_keys}") for i, r in enumerate(reqs)]
             ours = Simulator(node, cfg.routing, WORKERS, Policy.kv_aware, seed=0, scheduler=sched).run(
-                load_traces([path]), speed).result
+                reqs, speed).result
             dyn = run_dynamo(path, workers=WORKERS, kv_blocks=KV_BLOCKS, block_size=BLOCK, speedup=speed,
                              router_mode="kv_router")
             dynq = run_dynamo(path, workers=WORKERS, kv_blocks=KV_BLOCKS, block_size=BLOCK, speedup=speed,

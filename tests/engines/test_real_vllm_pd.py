@@ -380,6 +380,9 @@ async def test_a_cache_migration_copy_moves_real_kv_between_two_servers(pd_pair:
     async with thunderagent(cfg, [pre, dec]) as front:
         fleet, flow = front.fleet, front.fleet.cache_migration
         assert flow is not None
+        # a first request on a NIXL-enabled server was once silent 26 s on CI's loaded cores (past the 8 s stall
+        # bound): cut and continued on the other server, which then held the prefix too (nothing to copy)
+        fleet.stall_timeout = 60.0
 
         async def ask(tail: list[int]) -> dict:
             async with aiohttp.ClientSession() as s, s.post(f"{front.base_url}/v1/completions", json={

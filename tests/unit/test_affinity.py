@@ -102,7 +102,7 @@ def test_ageing_counts_in_the_re_ranking_and_overdue_requests_go_as_before() -> 
     assert [h.req.request_id for h in q.candidates(q.next(1.0), 8)] == ["new"]  # gone entries dropped
 
 
-def test_affinity_never_crosses_a_priority_tier_or_a_route_key() -> None:
+def test_affinity_never_crosses_a_priority_tier_and_borrows_across_route_keys() -> None:
     d, _ = _fleet()
     full = [_worker("w0", 1), _worker("w1", 1)]
     half = [_worker("w0", 1), _worker("w1", 0)]
@@ -111,8 +111,18 @@ def test_affinity_never_crosses_a_priority_tier_or_a_route_key() -> None:
     assert d.submit(d.prepare("b2", B + [2] * 32, 4), "", full, 0.1) is None
     first = d.pump(half, 0.2)
     assert first.request.request_id == "a2" and not first.affinity  # strict tiers: b2 is no candidate
+    # route key "x" holds a2, key "y" holds b2 (32 uncached at enqueue) and b3: round robin gives x the first turn
     d2, _ = _fleet(drr_quantum_tokens=100)
-    # route key "x" holds a2, key "y" holds b2: round robin gives x the first turn, and x has only a2
     assert d2.submit(d2.prepare("a2", A + [1] * 16, 4), "x", full, 0.0) is None
     assert d2.submit(d2.prepare("b2", B + [2] * 32, 4), "y", full, 0.1) is None
-    assert [d2.pump(half, t).request.request_id for t in (0.2, 0.3)] == ["a2", "b2"]
+    assert d2.submit(d2.prepare("b3", [5] * 200, 4), "y", full, 0.15) is None
+    out = d2.pump(half, 0.2)
+    # b2 goes out of y's turn for its cache on w1, and y owes its cost: deficit 0 - 32 (at most one quantum)
+    assert out.request.request_id == "b2" and out.affinity and out.route_key == "y"
+    assert d2.queue._tiers[0].keys["y"].deficit == -32.0
+    assert d2.pump(half, 0.3).request.request_id == "a2"  # x's turn was kept
+    # with a quantum of 16 a 32-token debt is too deep: no borrowing, x's a2 goes first
+    d3, _ = _fleet(drr_quantum_tokens=16)
+    assert d3.submit(d3.prepare("a2", A + [1] * 16, 4), "x", full, 0.0) is None
+    assert d3.submit(d3.prepare("b2", B + [2] * 32, 4), "y", full, 0.1) is None
+    assert d3.pump(half, 0.2).request.request_id == "a2"

@@ -8,8 +8,11 @@ engine. A request a few places behind it may find its own prefix on the free wor
 request is the best of the ``scheduler.affinity_candidates`` at the head of the key's order, re-ranked by
 the uncached tokens *on the workers that can start it now* (the index's current matches, predictions
 included), with the same ageing: an SGLang-style longest-prefix-first pick, restricted to a bounded
-window so that priorities, route-key fairness (deficit round robin charges what the chosen one costs)
-and ``max_wait_s`` (an overdue request is forced through before this is asked) keep their meaning.
+window so that priorities and ``max_wait_s`` (an overdue request is forced through before this is asked)
+keep their meaning. The window also holds the best request of other route keys of the same tier: one of
+those sent out of its key's turn is charged to its key's deficit, which may go at most one quantum below
+zero, so deficit round robin's shares hold over time (per-user keys, e.g. the body's ``user``, would
+otherwise leave one request per key and nothing to choose from).
 
 Measured on the Mooncake conversation trace x8 (README "Scheduler"): more of each prompt served from
 cache, so the overloaded fleet drains faster; both the mean and the tail of TTFT fall.
@@ -62,13 +65,15 @@ def choose(queue: HoldingQueue, held: Held, workers: Sequence[WorkerState], star
 
 def pick(queue: HoldingQueue, held: Held, startable: int, k: int, index: KvIndex, block_size: int,
          now: float) -> Held:
-    """The request to dispatch instead of ``held`` (the queue's next, not overdue), among it and the ``k - 1``
-    that follow it in its key's order: the lowest rank with its uncached tokens counted on ``startable`` (the
-    workers that can start a request now, as a mask of ``KvIndex.bit_of`` bits). Ties keep the queue's order.
-    Requests pinned to a worker (a released follower, a stored response's continuation) are not candidates:
-    where they go is decided."""
+    """The request to dispatch instead of ``held`` (the queue's next, not overdue), among it, the ``k - 1`` that
+    follow it in its key's order and the best of up to ``k - 1`` other route keys of its tier that may borrow
+    (:meth:`HoldingQueue.peers`: one of those goes out of its key's turn, which its key repays from its next
+    rounds): the lowest rank with its uncached tokens counted on ``startable`` (the workers that can start a
+    request now, as a mask of ``KvIndex.bit_of`` bits). Ties keep the queue's order. Requests pinned to a
+    worker (a released follower, a stored response's continuation) are not candidates: where they go is
+    decided."""
     best, best_rank = held, queue.rank(held, uncached_on(held.req, index, block_size, now, startable))
-    for cand in queue.candidates(held, k):
+    for cand in (*queue.candidates(held, k), *queue.peers(held, k - 1, now)):
         if cand is held or cand.pin is not None:
             continue
         rank = queue.rank(cand, uncached_on(cand.req, index, block_size, now, startable))

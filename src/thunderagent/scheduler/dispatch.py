@@ -329,7 +329,7 @@ class Dispatcher:
                 raise  # it stays first in line, as above
             queue.cancel(held.req.request_id)
             raise self._refused(held, e, now) from e
-        queue.take(held, now)
+        queue.take(held, now, borrow=held.key != head.key)
         d.queue_wait, d.route_key, d.affinity = now - held.enqueued, held.key, held is not head
         self.affinity_dispatches += d.affinity
         return d

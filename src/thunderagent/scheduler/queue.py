@@ -259,6 +259,25 @@ class HoldingQueue:
             heapq.heappush(heap, e)
         return [e[2] for e in live]
 
+    def peers(self, held: Held, k: int, now: float) -> list[Held]:
+        """The best requests of up to ``k`` other route keys of ``held``'s tier that may go out of their turn: a
+        key's deficit less its best request's cost stays at or above minus one quantum (``drr_quantum_tokens``),
+        so a key is at most one quantum in debt (:meth:`take` with ``borrow``) and the rotation still finds a
+        key that can pay within a round or two. At most ``4 k`` keys are looked at (bounded work per pick)."""
+        tier = self._tiers[held.tier]
+        floor = -float(self.cfg.drr_quantum_tokens)
+        out: list[Held] = []
+        for name in itertools.islice(tier.order, 4 * k):
+            if len(out) >= k:
+                break
+            if name == held.key:
+                continue
+            key = tier.keys[name]
+            best = self._best(key, now)
+            if key.deficit - max(1, best.uncached) >= floor:
+                out.append(best)
+        return out
+
     def rank(self, held: Held, uncached: int) -> float:
         """Where ``held`` would sit in its key's order with ``uncached`` tokens to prefill (short first with
         ageing: the heap's own key, comparable across requests whatever ``now`` is)."""
@@ -278,11 +297,14 @@ class HoldingQueue:
         engines' FIFO queues)."""
         return now - held.enqueued >= self.cfg.max_wait_s and self._overdue_turn()
 
-    def take(self, held: Held, now: float) -> None:
-        """``held`` was dispatched: remove it, charge its key's deficit, measure the drain rate."""
+    def take(self, held: Held, now: float, *, borrow: bool = False) -> None:
+        """``held`` was dispatched: remove it, charge its key's deficit, measure the drain rate. ``borrow``: it went
+        out of its key's turn (:meth:`peers`): the charge may take the deficit below 0, a debt its key's next
+        rounds repay, so its share over time stays what deficit round robin gives."""
         tier = self._tiers[held.tier]
         key = tier.keys[held.key]
-        key.deficit = max(0.0, key.deficit - max(1, held.uncached))
+        left = key.deficit - max(1, held.uncached)
+        key.deficit = left if borrow else max(0.0, left)
         share = self.cfg.overdue_share
         if share < 1.0:
             self._since_overdue = 0.0 if now - held.enqueued >= self.cfg.max_wait_s else self._since_overdue + share
