@@ -206,10 +206,11 @@ class SchedulerConfig(_Strict):
     affinity_candidates: int = Field(
         16, ge=1,
         description="when a worker frees up while others cannot start a request, the next request is the best of "
-        "this many at the head of its route key's order (short first with ageing) re-ranked by the uncached prompt "
-        "tokens on the workers that can start it now: a request whose cache holder is busy lets one through whose "
-        "holder is free, instead of recomputing its prefix elsewhere; priority tiers, route-key fairness and "
-        "max_wait_s are unchanged. 1: the order alone",
+        "this many at the head of its route key's order (short first with ageing), and of the best requests of up "
+        "to this many - 1 other route keys of its tier, re-ranked by the uncached prompt tokens on the workers that "
+        "can start it now: a request whose cache holder is busy lets one through whose holder is free, instead of "
+        "recomputing its prefix elsewhere. Priority tiers and max_wait_s are unchanged; a key served out of its "
+        "turn goes at most one drr_quantum_tokens into debt, so route-key shares hold over time. 1: the order alone",
     )
     drr_quantum_tokens: int = Field(
         8192, ge=1, description="deficit round robin across route keys: prompt tokens a key may send per round"

@@ -306,8 +306,6 @@ class KvIndex:
         blocks) whatever the number of holders (a prefix the whole fleet holds is one mask). ``within``:
         only those workers' bits (the walk stops at the first block none of them holds; -1: all)."""
         levels: list[tuple[int, int]] = []
-        if not within:
-            return levels
         self._match(block_hashes, now, levels, within)
         if check_hashes is None or self.checks is None or not levels:
             return levels
@@ -336,7 +334,7 @@ class KvIndex:
         # the first ``&`` with a real mask makes it finite (block 0 always takes the branch
         # below, since a finite mask never equals a negative one).
         alive = ~self._stale_mask & within  # (within a finite mask: finite from the start, same walk)
-        if not alive:  # (only a finite ``within`` of stale workers)
+        if not alive:  # (only a finite ``within``: empty, or of stale workers)
             return result
         n = 0  # blocks matched so far by every worker in ``alive``
         for h in block_hashes:

@@ -34,11 +34,9 @@ def uncached_on(req: EngineRequest, index: KvIndex, block_size: int, now: float,
     n = len(req.prompt_tokens)
     if not req.block_hashes:
         return n
-    if within < 0:
-        best = max(index.find_matches(req.block_hashes, now, req.check_hashes).values(), default=0)
-    else:  # (the double-hash guard as the router's: the check hashes cut unverified blocks)
-        best = max((blocks for blocks, _ in index.match_levels(req.block_hashes, now, req.check_hashes, within)),
-                   default=0)
+    # (the double-hash guard as the router's: the check hashes cut unverified blocks)
+    levels = index.match_levels(req.block_hashes, now, req.check_hashes, within)
+    best = max((blocks for blocks, _ in levels), default=0)
     return n - min(best * block_size, n)
 
 
