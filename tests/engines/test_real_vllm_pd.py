@@ -428,11 +428,16 @@ async def test_a_cache_migration_copy_moves_real_kv_between_two_servers(pd_pair:
         # the target's measured prefill rate (what not_worth_it weighs a copy against): prompts computed straight
         # on it, 1,024 new tokens or more since the last reading counted make a sample
         pre_load = await metrics(server)
+        # the migrator's baseline: the server's sums at its last reading that made no sample (a window takes in
+        # every request since, the copy's pull and ``direct`` too: on CI's loaded cores their one-pass prefills
+        # once weighed 4x the three prompts' time, so the window's rate, not the prompts' alone, is the reference)
+        base = flow.migrator._prefill_seen[target]
         for k in range(3):
             await asyncio.to_thread(post, f"{server.url}/v1/completions", {
                 "model": str(tiny_model_dir), "prompt": text_prompt(tiny_model_dir, 40 + k, 500), "max_tokens": 1})
         await wait_until(lambda: target in flow.migrator.prefill_tps, 30, "the target's measured prefill rate")
         tps = flow.migrator.prefill_tps[target]
+        reading = flow.migrator._prefill_seen[target]  # the reading that made the sample (the new baseline)
         post_load = await metrics(server)
     computed = grown(pre_load, post_load, "vllm:request_prefill_kv_computed_tokens_sum")
     own_rate = computed / grown(pre_load, post_load, "vllm:request_prefill_time_seconds_sum")
@@ -444,8 +449,13 @@ async def test_a_cache_migration_copy_moves_real_kv_between_two_servers(pd_pair:
          f"rate {tps:,.0f} tokens/s (its own figures over the prompts sent: {own_rate:,.0f})")
     assert copied >= 3 and hits >= copied * BLOCK_SIZE and moved >= copied * BLOCK_BYTES
     assert cached >= copied * BLOCK_SIZE
-    # the server's own figures over those prompts: the migrator read them (its sample may take in the request before)
-    assert computed >= 1024 and own_rate / 3 < tps < own_rate * 3, (tps, own_rate)
+    # the sample is the server's own figures over the migrator's window: its two readings are the server's sums
+    # (bracketed by the test's reads around the prompts), at least MIN_PREFILL_SAMPLE_TOKENS apart, and the rate is
+    # their growth's ratio (a first sample: no EWMA yet)
+    tok, sec = "vllm:request_prefill_kv_computed_tokens_sum", "vllm:request_prefill_time_seconds_sum"
+    assert computed >= 1024 and base[0] <= pre_load[tok] and base[1] <= pre_load[sec], (base, pre_load)
+    assert pre_load[tok] < reading[0] <= post_load[tok] and pre_load[sec] < reading[1] <= post_load[sec]
+    assert reading[0] - base[0] >= 1024 and tps == pytest.approx((reading[0] - base[0]) / (reading[1] - base[1]))
 
 
 async def test_the_links_warm_up_before_any_client(pd_pair: tuple[VllmServer, VllmServer], tiny_model_dir: Path) -> None:
