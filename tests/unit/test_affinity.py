@@ -8,6 +8,7 @@ import random
 from thunderagent.config import RoutingConfig, SchedulerConfig
 from thunderagent.kv.index import KvIndex
 from thunderagent.router.router import KvRouter
+from thunderagent.scheduler import affinity
 from thunderagent.scheduler.dispatch import Dispatcher
 from thunderagent.scheduler.queue import Held, HoldingQueue
 from thunderagent.types import BlockStored, EngineRequest, LoadReport, WorkerState
@@ -126,3 +127,29 @@ def test_affinity_never_crosses_a_priority_tier_and_borrows_across_route_keys() 
     assert d3.submit(d3.prepare("a2", A + [1] * 16, 4), "x", full, 0.0) is None
     assert d3.submit(d3.prepare("b2", B + [2] * 32, 4), "y", full, 0.1) is None
     assert d3.pump(half, 0.2).request.request_id == "a2"
+
+
+def test_recomputing_a_full_workers_prefix_counts_against_a_candidate() -> None:
+    """a2's 64-token prefix sits on w0 (full); f is fresh (96 tokens, cached nowhere). The queue's order puts a2
+    first (16 uncached anywhere against 96). On the free w1, a2 would prefill 80 tokens, 64 of them the fleet
+    holds: weighted 0 it still costs less than f (80 < 96) and goes first, recomputing w0's prefix; weighted 3
+    it costs 80 + 3 x 64 = 272, so f goes ahead and a2 waits for its holder."""
+    full = [_worker("w0", 1), _worker("w1", 1)]
+    half = [_worker("w0", 1), _worker("w1", 0)]
+    picked = {}
+    for weight in (0.0, 3.0):
+        d, index = _fleet(affinity_recompute_weight=weight)
+        assert d.submit(d.prepare("a2", A + [1] * 16, 4), "", full, 0.0) is None
+        assert d.submit(d.prepare("f", [7] * 96, 4), "", full, 0.1) is None
+        free = index.bit_of("w1")
+        assert [affinity.cost_on(h.req, index, BS, 0.2, free, weight)
+                for h in d.queue.candidates(d.queue.next(0.2), 8)] == ([80, 96] if not weight else [272.0, 96])
+        out = d.pump(half, 0.2)
+        picked[weight] = (out.request.request_id, out.affinity)
+    assert picked == {0.0: ("a2", False), 3.0: ("f", True)}
+    # (the default weight is 3) a2 is still held, first in line for when its holder can start it
+    d, _ = _fleet()
+    assert d.submit(d.prepare("a2", A + [1] * 16, 4), "", full, 0.0) is None
+    assert d.submit(d.prepare("f", [7] * 96, 4), "", full, 0.1) is None
+    assert d.pump(half, 0.2).request.request_id == "f"
+    assert len(d.queue) == 1 and d.queue.next(0.3).req.request_id == "a2"

@@ -212,6 +212,13 @@ class SchedulerConfig(_Strict):
         "recomputing its prefix elsewhere. Priority tiers and max_wait_s are unchanged; a key served out of its "
         "turn goes at most one drr_quantum_tokens into debt, so route-key shares hold over time. 1: the order alone",
     )
+    affinity_recompute_weight: float = Field(
+        3.0, ge=0,
+        description="in that re-ranking, each prompt token the workers that can start a request would compute "
+        "although a worker that cannot holds it counts this many times more (recomputing cache the fleet has "
+        "spends an overloaded fleet's capacity twice): a fresh request goes before one that can wait for its "
+        "holder. 0: only the tokens to prefill count",
+    )
     drr_quantum_tokens: int = Field(
         8192, ge=1, description="deficit round robin across route keys: prompt tokens a key may send per round"
     )

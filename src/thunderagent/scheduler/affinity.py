@@ -14,6 +14,12 @@ those sent out of its key's turn is charged to its key's deficit, which may go a
 zero, so deficit round robin's shares hold over time (per-user keys, e.g. the body's ``user``, would
 otherwise leave one request per key and nothing to choose from).
 
+Re-ranked by the uncached tokens on the free workers alone, a candidate whose long prefix sits on a full
+worker still wins over a fresh request of the same size, and the free worker computes that prefix a second
+time: the fleet spends capacity on cache it has, exactly when it is overloaded. So each token the free
+workers would recompute although a full worker holds it counts ``scheduler.affinity_recompute_weight`` times
+more (a fresh request costs what it costs anywhere; one that can wait for its holder ranks behind it).
+
 Measured on the Mooncake conversation trace x8 (README "Scheduler"): more of each prompt served from
 cache, so the overloaded fleet drains faster; both the mean and the tail of TTFT fall.
 """
@@ -40,8 +46,26 @@ def uncached_on(req: EngineRequest, index: KvIndex, block_size: int, now: float,
     return n - min(best * block_size, n)
 
 
+def cost_on(req: EngineRequest, index: KvIndex, block_size: int, now: float, free: int, recompute_weight: float) -> float:
+    """What sending ``req`` to the workers of ``free`` (a mask of ``bit_of`` bits) costs the fleet, in prompt tokens:
+    the tokens it would prefill on the best of them, plus ``recompute_weight`` times those of them that some other
+    (full) worker holds, i.e. cache the fleet has and would compute again. With a weight of 0 only the first term,
+    from a walk restricted to ``free``; else one walk over the whole fleet gives both (its levels name the workers
+    whose match ends at each depth)."""
+    if not recompute_weight:
+        return uncached_on(req, index, block_size, now, free)
+    n = len(req.prompt_tokens)
+    if not req.block_hashes:
+        return n
+    levels = index.match_levels(req.block_hashes, now, req.check_hashes)
+    anywhere = max((blocks for blocks, _ in levels), default=0)
+    here = max((blocks for blocks, mask in levels if mask & free), default=0)
+    uncached = n - min(here * block_size, n)
+    return uncached + recompute_weight * (min(anywhere * block_size, n) - min(here * block_size, n))
+
+
 def choose(queue: HoldingQueue, held: Held, workers: Sequence[WorkerState], startable: Callable[[WorkerState], bool],
-           k: int, index: KvIndex, block_size: int, now: float) -> Held:
+           k: int, index: KvIndex, block_size: int, now: float, recompute_weight: float = 0.0) -> Held:
     """What goes instead of ``held`` (the queue's next, neither overdue-forced nor pinned) given which of
     ``workers`` can start a request now: ``held`` itself while every worker can (the queue's order already
     counts the whole fleet's cache) or none can, with ``k`` 1, and with prefill-role workers in the pool
@@ -58,23 +82,25 @@ def choose(queue: HoldingQueue, held: Held, workers: Sequence[WorkerState], star
             full = True
     if not free or not full:
         return held
-    return pick(queue, held, free, k, index, block_size, now)
+    return pick(queue, held, free, k, index, block_size, now, recompute_weight)
 
 
 def pick(queue: HoldingQueue, held: Held, startable: int, k: int, index: KvIndex, block_size: int,
-         now: float) -> Held:
+         now: float, recompute_weight: float = 0.0) -> Held:
     """The request to dispatch instead of ``held`` (the queue's next, not overdue), among it, the ``k - 1`` that
     follow it in its key's order and the best of up to ``k - 1`` other route keys of its tier that may borrow
     (:meth:`HoldingQueue.peers`: one of those goes out of its key's turn, which its key repays from its next
     rounds): the lowest rank with its uncached tokens counted on ``startable`` (the workers that can start a
-    request now, as a mask of ``KvIndex.bit_of`` bits). Ties keep the queue's order. Requests pinned to a
-    worker (a released follower, a stored response's continuation) are not candidates: where they go is
-    decided."""
-    best, best_rank = held, queue.rank(held, uncached_on(held.req, index, block_size, now, startable))
+    request now, as a mask of ``KvIndex.bit_of`` bits) and, with ``recompute_weight``, the tokens a full worker
+    holds that they would compute again weighted in (:func:`cost_on`). Ties keep the queue's order. Requests
+    pinned to a worker (a released follower, a stored response's continuation) are not candidates: where they go
+    is decided."""
+    w = recompute_weight
+    best, best_rank = held, queue.rank(held, cost_on(held.req, index, block_size, now, startable, w))
     for cand in (*queue.candidates(held, k), *queue.peers(held, k - 1, now)):
         if cand is held or cand.pin is not None:
             continue
-        rank = queue.rank(cand, uncached_on(cand.req, index, block_size, now, startable))
+        rank = queue.rank(cand, cost_on(cand.req, index, block_size, now, startable, w))
         if rank < best_rank:
             best, best_rank = cand, rank
     return best
