@@ -153,3 +153,35 @@ def test_recomputing_a_full_workers_prefix_counts_against_a_candidate() -> None:
     assert d.submit(d.prepare("f", [7] * 96, 4), "", full, 0.1) is None
     assert d.pump(half, 0.2).request.request_id == "f"
     assert len(d.queue) == 1 and d.queue.next(0.3).req.request_id == "a2"
+
+
+def test_candidates_skip_requests_whose_cache_sits_on_full_workers_only() -> None:
+    """At enqueue each request records the workers holding its longest cached prefix (``Held.holders``): a2 and
+    a3 -> w0, b2 -> w1, c -> none. When only w1 can start a request, a2 and a3 would recompute w0's prefix there:
+    the window of 2 candidates looks past them (at most 4 x 2 live entries) to b2, which goes on its cache."""
+    d, index = _fleet(affinity_candidates=2)
+    full = [_worker("w0", 1), _worker("w1", 1)]
+    assert d.submit(d.prepare("a2", A + [1] * 16, 4), "", full, 0.0) is None
+    assert d.submit(d.prepare("a3", A + [1] * 20, 4), "", full, 0.1) is None
+    assert d.submit(d.prepare("b2", B + [2] * 32, 4), "", full, 0.2) is None
+    assert d.submit(d.prepare("c", [3] * 48, 4), "", full, 0.3) is None
+    w0, w1 = index.bit_of("w0"), index.bit_of("w1")
+    q = d.queue
+    head = q.next(0.4)
+    assert [(h.req.request_id, h.holders) for h in q.candidates(head, 8)] == [
+        ("a2", w0), ("a3", w0), ("b2", w1), ("c", 0)]
+    assert [h.req.request_id for h in q.candidates(head, 2, w1)] == ["a2", "b2"]  # the head always; a3 skipped
+    assert [h.req.request_id for h in q.candidates(head, 3, w1)] == ["a2", "b2", "c"]  # c: held nowhere, fits any
+    assert [h.req.request_id for h in q.candidates(head, 1, w1)] == ["a2"]
+    assert [h.req.request_id for h in q.candidates(head, 2, w0)] == ["a2", "a3"]
+    out = d.pump([_worker("w0", 1), _worker("w1", 0)], 0.4)
+    assert out.request.request_id == "b2" and out.affinity and out.decision.worker_id == "w1"
+    # a key whose best is held by full workers only offers no peer
+    d2, index2 = _fleet()
+    assert d2.submit(d2.prepare("a2", A + [1] * 16, 4), "x", full, 0.0) is None
+    assert d2.submit(d2.prepare("a3", A + [1] * 20, 4), "y", full, 0.1) is None
+    assert d2.submit(d2.prepare("b2", B + [2] * 32, 4), "z", full, 0.2) is None
+    head2 = d2.queue.next(0.3)
+    assert head2.req.request_id == "a2"
+    assert [h.req.request_id for h in d2.queue.peers(head2, 4, 0.3)] == ["a3", "b2"]
+    assert [h.req.request_id for h in d2.queue.peers(head2, 4, 0.3, index2.bit_of("w1"))] == ["b2"]

@@ -46,6 +46,19 @@ def uncached_on(req: EngineRequest, index: KvIndex, block_size: int, now: float,
     return n - min(best * block_size, n)
 
 
+def estimate(req: EngineRequest, index: KvIndex, block_size: int, now: float) -> tuple[int, int]:
+    """At enqueue: the prompt tokens ``req`` would prefill on the best worker, and the workers holding that
+    longest prefix (a mask of ``bit_of`` bits; 0 when no worker holds any of its blocks)."""
+    n = len(req.prompt_tokens)
+    if not req.block_hashes:
+        return n, 0
+    levels = index.match_levels(req.block_hashes, now, req.check_hashes)
+    if not levels:
+        return n, 0
+    blocks, holders = levels[-1]
+    return n - min(blocks * block_size, n), holders
+
+
 def cost_on(req: EngineRequest, index: KvIndex, block_size: int, now: float, free: int, recompute_weight: float) -> float:
     """What sending ``req`` to the workers of ``free`` (a mask of ``bit_of`` bits) costs the fleet, in prompt tokens:
     the tokens it would prefill on the best of them, plus ``recompute_weight`` times those of them that some other
@@ -97,7 +110,7 @@ def pick(queue: HoldingQueue, held: Held, startable: int, k: int, index: KvIndex
     is decided."""
     w = recompute_weight
     best, best_rank = held, queue.rank(held, cost_on(held.req, index, block_size, now, startable, w))
-    for cand in (*queue.candidates(held, k), *queue.peers(held, k - 1, now)):
+    for cand in (*queue.candidates(held, k, startable), *queue.peers(held, k - 1, now, startable)):
         if cand is held or cand.pin is not None:
             continue
         rank = queue.rank(cand, cost_on(cand.req, index, block_size, now, startable, w))

@@ -195,9 +195,9 @@ class Dispatcher:
                     d = self.dispatch(req, pool, now, exclude=avoid, program=program, pin=pin)
                     d.route_key = key
                     return d
-            uncached = affinity.uncached_on(req, self.index, self.block_size, now)
+            uncached, holders = affinity.estimate(req, self.index, self.block_size, now)
             queue.push(Held(req, key, req.priority, now, uncached, program, pin,
-                            admitted=program is not None and prog.admitted), now)
+                            admitted=program is not None and prog.admitted, holders=holders), now)
         except (QueueFull, NoWorkerAvailable) as e:
             if program is not None:  # refused: not a step of the program
                 self.programs.request_finished(program, 0, now, completed=False)

@@ -73,6 +73,9 @@ class Held:
     #: a later step of an agent program already served: with ``hold_admitted_programs`` the wait
     #: bounds do not refuse it (the count bounds still do)
     admitted: bool = False
+    #: the workers (``KvIndex.bit_of`` bits) holding its longest cached prefix at enqueue; 0: none held any block.
+    #: Cache affinity looks for candidates among the requests a free worker holds, or no worker does.
+    holders: int = field(default=0, repr=False)
 
 
 class _Key:
@@ -245,25 +248,33 @@ class HoldingQueue:
         tier = self._tiers[max(t for t, tier in self._tiers.items() if tier.order)]
         return self._drr_pick(tier, now)
 
-    def candidates(self, held: Held, k: int) -> list[Held]:
+    def candidates(self, held: Held, k: int, free: int = -1) -> list[Held]:
         """``held`` (what :meth:`next` returned, not overdue: its key's best) and the requests that follow it in its
-        key's order, ``k`` at most, best first: what the dispatcher re-ranks by cache affinity. O(k log n): the live
-        entries are popped and pushed back (the gone ones met on the way are dropped, as :meth:`_best` does)."""
+        key's order, ``k`` at most, best first: what the dispatcher re-ranks by cache affinity. With ``free`` (a mask
+        of the workers that can start a request now) only requests held by one of them at enqueue, or by none
+        (:attr:`Held.holders`), count: one whose cache sits on full workers only would recompute it, and looking
+        past it finds one that would not (at most ``4 k`` live entries are looked at). O(k log n): the live entries
+        are popped and pushed back (the gone ones met on the way are dropped, as :meth:`_best` does)."""
         heap = self._tiers[held.tier].keys[held.key].heap
         live: list[tuple[float, int, Held]] = []
-        while heap and len(live) < k:
+        out: list[Held] = []
+        while heap and len(out) < k and len(live) < 4 * k:
             e = heapq.heappop(heap)
-            if not e[2].gone:
+            h = e[2]
+            if not h.gone:
                 live.append(e)
+                if h is held or not h.holders or h.holders & free:
+                    out.append(h)
         for e in live:
             heapq.heappush(heap, e)
-        return [e[2] for e in live]
+        return out
 
-    def peers(self, held: Held, k: int, now: float) -> list[Held]:
+    def peers(self, held: Held, k: int, now: float, free: int = -1) -> list[Held]:
         """The best requests of up to ``k`` other route keys of ``held``'s tier that may go out of their turn: a
         key's deficit less its best request's cost stays at or above minus one quantum (``drr_quantum_tokens``),
         so a key is at most one quantum in debt (:meth:`take` with ``borrow``) and the rotation still finds a
-        key that can pay within a round or two. At most ``4 k`` keys are looked at (bounded work per pick)."""
+        key that can pay within a round or two. At most ``4 k`` keys are looked at (bounded work per pick). ``free``:
+        as in :meth:`candidates`, a key whose best is held by full workers only offers none."""
         tier = self._tiers[held.tier]
         floor = -float(self.cfg.drr_quantum_tokens)
         out: list[Held] = []
@@ -274,7 +285,7 @@ class HoldingQueue:
                 continue
             key = tier.keys[name]
             best = self._best(key, now)
-            if key.deficit - max(1, best.uncached) >= floor:
+            if key.deficit - max(1, best.uncached) >= floor and (not best.holders or best.holders & free):
                 out.append(best)
         return out
 
