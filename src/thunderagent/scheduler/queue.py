@@ -289,7 +289,7 @@ class HoldingQueue:
                 out.append(best)
         return out
 
-    def rank(self, held: Held, uncached: int) -> float:
+    def rank(self, held: Held, uncached: float) -> float:
         """Where ``held`` would sit in its key's order with ``uncached`` tokens to prefill (short first with
         ageing: the heap's own key, comparable across requests whatever ``now`` is)."""
         return uncached + self.cfg.aging_tokens_per_s * held.enqueued
