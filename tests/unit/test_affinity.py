@@ -185,3 +185,18 @@ def test_candidates_skip_requests_whose_cache_sits_on_full_workers_only() -> Non
     assert head2.req.request_id == "a2"
     assert [h.req.request_id for h in d2.queue.peers(head2, 4, 0.3)] == ["a3", "b2"]
     assert [h.req.request_id for h in d2.queue.peers(head2, 4, 0.3, index2.bit_of("w1"))] == ["b2"]
+
+
+def test_a_candidates_cost_is_exact_below_its_bound_and_walked_no_further_above_it() -> None:
+    """a2 on the free w1: 80 tokens to prefill, 64 of them held by w0 (4 blocks): 80 + 3 x 64 = 272. Below a bound
+    the figure is exact; at or above it the walk over the whole fleet stops once the cost reaches the bound (here
+    after one block: 80 + 3 x 16 = 128 >= 100), and a candidate with more to prefill than the bound is not walked."""
+    d, index = _fleet()
+    req = d.prepare("a2", A + [1] * 16, 4)
+    w1 = index.bit_of("w1")
+    assert affinity.cost_on(req, index, BS, 0.0, w1, 3.0) == 272
+    assert affinity.cost_on(req, index, BS, 0.0, w1, 3.0, bound=273.0) == 272
+    assert affinity.cost_on(req, index, BS, 0.0, w1, 3.0, bound=272.0) == 272  # (ties lose: 272 >= 272)
+    assert affinity.cost_on(req, index, BS, 0.0, w1, 3.0, bound=100.0) == 128
+    assert affinity.cost_on(req, index, BS, 0.0, w1, 3.0, bound=80.0) == 80
+    assert affinity.cost_on(req, index, BS, 0.0, index.bit_of("w0"), 3.0, bound=20.0) == 16  # on its holder: 16

@@ -26,6 +26,7 @@ cache, so the overloaded fleet drains faster; both the mean and the tail of TTFT
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from thunderagent.kv.index import KvIndex
@@ -59,22 +60,28 @@ def estimate(req: EngineRequest, index: KvIndex, block_size: int, now: float) ->
     return n - min(blocks * block_size, n), holders
 
 
-def cost_on(req: EngineRequest, index: KvIndex, block_size: int, now: float, free: int, recompute_weight: float) -> float:
+def cost_on(req: EngineRequest, index: KvIndex, block_size: int, now: float, free: int, recompute_weight: float,
+            bound: float = math.inf) -> float:
     """What sending ``req`` to the workers of ``free`` (a mask of ``bit_of`` bits) costs the fleet, in prompt tokens:
-    the tokens it would prefill on the best of them, plus ``recompute_weight`` times those of them that some other
-    (full) worker holds, i.e. cache the fleet has and would compute again. With a weight of 0 only the first term,
-    from a walk restricted to ``free``; else one walk over the whole fleet gives both (its levels name the workers
-    whose match ends at each depth)."""
-    if not recompute_weight:
-        return uncached_on(req, index, block_size, now, free)
+    the tokens it would prefill on the best of them (a walk restricted to ``free``, which stops at the first block
+    none of them holds), plus ``recompute_weight`` times those of them that some other (full) worker holds, i.e.
+    cache the fleet has and would compute again (a walk over the whole fleet). Exact below ``bound``; at or above
+    it the figure is only a lower bound: the second walk stops once the cost has reached ``bound`` (a candidate
+    that cannot beat the best so far is not walked to the end of a 100k-token prompt's cache)."""
+    uncached = uncached_on(req, index, block_size, now, free)
+    if not recompute_weight or uncached >= bound:
+        return uncached
     n = len(req.prompt_tokens)
-    if not req.block_hashes:
-        return n
-    levels = index.match_levels(req.block_hashes, now, req.check_hashes)
-    anywhere = max((blocks for blocks, _ in levels), default=0)
-    here = max((blocks for blocks, mask in levels if mask & free), default=0)
-    uncached = n - min(here * block_size, n)
-    return uncached + recompute_weight * (min(anywhere * block_size, n) - min(here * block_size, n))
+    here = n - uncached  # whole blocks: the hashes cover full blocks only
+    hashes, checks = req.block_hashes, req.check_hashes
+    if bound != math.inf:  # blocks past ``here`` worth ``bound`` in weighted tokens, and one more
+        limit = here // block_size + int((bound - uncached) / (recompute_weight * block_size)) + 1
+        if limit < len(hashes):
+            hashes, checks = hashes[:limit], None if checks is None else checks[:limit]
+    anywhere = 0
+    for blocks, _ in index.match_levels(hashes, now, checks):
+        anywhere = max(anywhere, blocks)
+    return uncached + recompute_weight * max(0, min(anywhere * block_size, n) - here)
 
 
 def choose(queue: HoldingQueue, held: Held, workers: Sequence[WorkerState], startable: Callable[[WorkerState], bool],
@@ -113,7 +120,9 @@ def pick(queue: HoldingQueue, held: Held, startable: int, k: int, index: KvIndex
     for cand in (*queue.candidates(held, k, startable), *queue.peers(held, k - 1, now, startable)):
         if cand is held or cand.pin is not None:
             continue
-        rank = queue.rank(cand, cost_on(cand.req, index, block_size, now, startable, w))
+        # (the rank is linear in the cost: the cost that would tie the best so far bounds the walk)
+        rank = queue.rank(cand, cost_on(cand.req, index, block_size, now, startable, w,
+                                        best_rank - queue.rank(cand, 0)))
         if rank < best_rank:
             best, best_rank = cand, rank
     return best
