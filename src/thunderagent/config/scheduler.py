@@ -209,7 +209,8 @@ class SchedulerConfig(_Strict):
         "this many at the head of its route key's order (short first with ageing), and of the best requests of up "
         "to this many - 1 other route keys of its tier, re-ranked by the uncached prompt tokens on the workers that "
         "can start it now: a request whose cache holder is busy lets one through whose holder is free, instead of "
-        "recomputing its prefix elsewhere. Priority tiers and max_wait_s are unchanged; a key served out of its "
+        "recomputing its prefix elsewhere (requests whose cache sat on busy workers only at enqueue are looked past, "
+        "up to 4x this many). Priority tiers and max_wait_s are unchanged; a key served out of its "
         "turn goes at most one drr_quantum_tokens into debt, so route-key shares hold over time. 1: the order alone",
     )
     affinity_recompute_weight: float = Field(
