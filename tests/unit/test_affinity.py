@@ -200,3 +200,27 @@ def test_a_candidates_cost_is_exact_below_its_bound_and_walked_no_further_above_
     assert affinity.cost_on(req, index, BS, 0.0, w1, 3.0, bound=100.0) == 128
     assert affinity.cost_on(req, index, BS, 0.0, w1, 3.0, bound=80.0) == 80
     assert affinity.cost_on(req, index, BS, 0.0, index.bit_of("w0"), 3.0, bound=20.0) == 16  # on its holder: 16
+
+
+def test_a_head_no_free_worker_holds_goes_to_its_holders_queue_instead_of_recomputing() -> None:
+    """Only a2 is held; its 64-token prefix sits on w0, which cannot start a request (one waits in its engine, and
+    100,000 prompt tokens are queued there, so the router alone would send a2 to the free w1 and recompute the
+    prefix). No other candidate is better for w1, and w0 holds more of a2's prompt than any free worker: a2 goes
+    to w0's queue. With the recompute weight 0 (the first pass), or under the latency gate, the router decides."""
+    loaded = WorkerState("w0", BS, 8192, 64, LoadReport("w0", 0.0, 0, 1, 100_000, 0, 0, 0, 1000))
+    full = [loaded, _worker("w1", 1)]
+    half = [loaded, _worker("w1", 0)]
+    out = {}
+    for weight in (3.0, 0.0):
+        d, _ = _fleet(affinity_recompute_weight=weight)
+        assert d.submit(d.prepare("a2", A + [1] * 16, 4), "", full, 0.0) is None
+        got = d.pump(half, 0.1)
+        out[weight] = (got.request.request_id, got.decision.worker_id, got.predicted_tokens, got.affinity)
+    assert out == {3.0: ("a2", "w0", 64, False), 0.0: ("a2", "w1", 0, False)}
+    # a fresh request (held nowhere) is no holder's: it goes where the router sends it
+    d, _ = _fleet()
+    assert d.submit(d.prepare("f", [7] * 96, 4), "", full, 0.0) is None
+    assert d.pump(half, 0.1).decision.worker_id == "w1"
+    d2, _ = _fleet(prefills_in_flight=1)  # the latency gate: a request goes only where it can start now
+    assert d2.submit(d2.prepare("a2", A + [1] * 16, 4), "", full, 0.0) is None
+    assert d2.pump(half, 0.1).decision.worker_id == "w1"

@@ -317,8 +317,8 @@ class Dispatcher:
             return None
         head = held
         if not forced and held.pin is None and self.before_route is None:  # (sharded index: matches are local only)
-            held = affinity.choose(queue, held, workers, self._startable, self.scheduler.affinity_candidates,
-                                   self.index, self.block_size, now, self.scheduler.affinity_recompute_weight)
+            held, workers = affinity.choose(queue, held, workers, self._startable, self.scheduler, self.index,
+                                            self.block_size, now, to_holders=self._gate is None)
         if pinned is not None and held.pin is not None:
             workers = pinned(held.pin)
         try:  # (a pin: a stored response's read or continuation, held here like any request)
