@@ -23,11 +23,11 @@ def _worker(wid: str, waiting: int = 0) -> WorkerState:
     return WorkerState(wid, BS, 8192, 64, LoadReport(wid, 0.0, 0, waiting, 0, 0, 0, 0, 1000))
 
 
-def _fleet(**sched: object) -> tuple[Dispatcher, KvIndex]:
+def _fleet(routing: dict[str, object] | None = None, **sched: object) -> tuple[Dispatcher, KvIndex]:
     index = KvIndex(prediction_ttl=60.0)
     for w in ("w0", "w1"):
         index.add_worker(w)
-    d = Dispatcher(KvRouter(RoutingConfig(seed=1), index, random.Random(1)), BS,
+    d = Dispatcher(KvRouter(RoutingConfig(seed=1, **(routing or {})), index, random.Random(1)), BS,
                    SchedulerConfig(**{"enabled": True, "aging_tokens_per_s": 0.0, **sched}))
     for wid, prompt in (("w0", A), ("w1", B)):  # stored by an engine that hashed the tokens itself (verified)
         req = d.prepare(wid, prompt, 1)
@@ -203,24 +203,28 @@ def test_a_candidates_cost_is_exact_below_its_bound_and_walked_no_further_above_
 
 
 def test_a_head_no_free_worker_holds_goes_to_its_holders_queue_instead_of_recomputing() -> None:
-    """Only a2 is held; its 64-token prefix sits on w0, which cannot start a request (one waits in its engine, and
-    100,000 prompt tokens are queued there, so the router alone would send a2 to the free w1 and recompute the
-    prefix). No other candidate is better for w1, and w0 holds more of a2's prompt than any free worker: a2 goes
-    to w0's queue. With the recompute weight 0 (the first pass), or under the latency gate, the router decides."""
-    loaded = WorkerState("w0", BS, 8192, 64, LoadReport("w0", 0.0, 0, 1, 100_000, 0, 0, 0, 1000))
-    full = [loaded, _worker("w1", 1)]
-    half = [loaded, _worker("w1", 0)]
+    """Only a2 is held; its 64-token prefix sits on w0, whose KV is 99 % full of running requests (busy: the router
+    alone leaves it out and sends a2 to the free w1, recomputing the prefix). No other candidate is better for w1,
+    and w0 holds more of a2's prompt than any free worker, with no more queued prefill than the 64 tokens w1 would
+    recompute: a2 goes to w0's queue. With the recompute weight 0 (the first pass), under the latency gate, or
+    when w0's queued prefill passes those 64 tokens (a hot prefix's requests must not pile onto one holder), or when
+    the router refuses busy workers (``fallback: reject``), the router decides."""
+    def w0(queued: int) -> WorkerState:
+        return WorkerState("w0", BS, 8192, 64, LoadReport("w0", 0.0, 1, 0, queued, 0, 990, 0, 1000))
+
     out = {}
-    for weight in (3.0, 0.0):
-        d, _ = _fleet(affinity_recompute_weight=weight)
+    for label, sched, queued in (("weight 3", {}, 64), ("weight 0", {"affinity_recompute_weight": 0.0}, 64),
+                                 ("latency gate", {"prefills_in_flight": 1}, 64), ("65 queued", {}, 65),
+                                 ("busy refused", {"routing": {"fallback": "reject"}}, 0)):
+        d, _ = _fleet(**sched)  # type: ignore[arg-type]
+        full = [w0(queued), _worker("w1", 1)]
         assert d.submit(d.prepare("a2", A + [1] * 16, 4), "", full, 0.0) is None
-        got = d.pump(half, 0.1)
-        out[weight] = (got.request.request_id, got.decision.worker_id, got.predicted_tokens, got.affinity)
-    assert out == {3.0: ("a2", "w0", 64, False), 0.0: ("a2", "w1", 0, False)}
+        got = d.pump([w0(queued), _worker("w1", 0)], 0.1)
+        out[label] = (got.request.request_id, got.decision.worker_id, got.predicted_tokens, got.affinity)
+    assert out == {"weight 3": ("a2", "w0", 64, False), "weight 0": ("a2", "w1", 0, False),
+                   "latency gate": ("a2", "w1", 0, False), "65 queued": ("a2", "w1", 0, False),
+                   "busy refused": ("a2", "w1", 0, False)}  # (fallback reject: a busy holder would not be routed)
     # a fresh request (held nowhere) is no holder's: it goes where the router sends it
     d, _ = _fleet()
-    assert d.submit(d.prepare("f", [7] * 96, 4), "", full, 0.0) is None
-    assert d.pump(half, 0.1).decision.worker_id == "w1"
-    d2, _ = _fleet(prefills_in_flight=1)  # the latency gate: a request goes only where it can start now
-    assert d2.submit(d2.prepare("a2", A + [1] * 16, 4), "", full, 0.0) is None
-    assert d2.pump(half, 0.1).decision.worker_id == "w1"
+    assert d.submit(d.prepare("f", [7] * 96, 4), "", [w0(0), _worker("w1", 1)], 0.0) is None
+    assert d.pump([w0(0), _worker("w1", 0)], 0.1).decision.worker_id == "w1"

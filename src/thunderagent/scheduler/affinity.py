@@ -27,10 +27,11 @@ cache, so the overloaded fleet drains faster; both the mean and the tail of TTFT
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from thunderagent.config import SchedulerConfig
+from thunderagent.config import RoutingConfig, SchedulerConfig
 from thunderagent.kv.index import KvIndex
+from thunderagent.router.cost import is_busy, queued_prefill
 from thunderagent.scheduler.queue import Held, HoldingQueue
 from thunderagent.types import EngineRequest, WorkerState
 
@@ -85,20 +86,35 @@ def cost_on(req: EngineRequest, index: KvIndex, block_size: int, now: float, fre
     return uncached + recompute_weight * max(0, min(anywhere * block_size, n) - here)
 
 
+def holder_queue(sent: Mapping[str, int], routing: RoutingConfig) -> Callable[[WorkerState], int]:
+    """:func:`choose`'s ``queued``: the uncached prompt tokens sent to a worker and not prefilled yet, the larger of
+    the dispatcher's own count (``sent``, exact at once) and the worker's last report. A worker the router would
+    refuse as busy (``routing.fallback: reject``) counts as unbounded: a head sent there would not be routed."""
+    reject = routing.fallback == "reject"
+
+    def queued(w: WorkerState) -> int:
+        if reject and is_busy(w, routing):
+            return 1 << 62
+        return max(sent.get(w.worker_id, 0), queued_prefill(w))
+    return queued
+
+
 def choose(queue: HoldingQueue, held: Held, workers: Sequence[WorkerState], startable: Callable[[WorkerState], bool],
            cfg: SchedulerConfig, index: KvIndex, block_size: int, now: float,
-           to_holders: bool = False) -> tuple[Held, Sequence[WorkerState]]:
+           queued: Callable[[WorkerState], int] | None = None) -> tuple[Held, Sequence[WorkerState]]:
     """What goes instead of ``held`` (the queue's next, neither overdue-forced nor pinned) given which of
     ``workers`` can start a request now, and where it may go: ``held`` itself, anywhere, while every worker can
     (the queue's order already counts the whole fleet's cache) or none can, with ``affinity_candidates`` 1, and
     with prefill-role workers in the pool (disaggregation: the prefix that matters is on the prefill tier, which
     this gate does not judge). When ``held`` stays the best (no other candidate costs the free workers less) but
-    a full worker holds more of its prompt than any free one, it goes to its deepest holders (``to_holders``: the
-    caller's engines may queue a request, as they may but under the latency gate; and
-    ``affinity_recompute_weight`` above 0): it waits in that engine's queue, where a KV-full engine admits it as
-    blocks free, instead of recomputing cache the fleet has, and the free workers take the next candidates. (Those
-    holders were left to their engines' own admission on purpose: keeping out the ones whose KV is full of
-    running requests gave back most of the gain on the Mooncake trace, 1,532 against 1,395 ms mean at x8.)"""
+    a full worker holds more of its prompt than any free one, it goes to those of its deepest holders whose queued
+    prefill (``queued``: uncached prompt tokens sent there and not prefilled yet; None: no holder may queue it,
+    as under the latency gate) is at most what the free workers would recompute: it waits there no longer than
+    that recomputation would take, the fleet computes less, and the free workers take the next candidates. (Only
+    with ``affinity_recompute_weight`` above 0. The bound keeps a hot prefix's requests from piling onto one
+    holder while other workers idle: past it they recompute the prefix once elsewhere. A holder whose KV is full
+    of running requests is not kept out: its engine admits the request as blocks free, and keeping those out gave
+    back most of the gain on the Mooncake trace, 1,532 against 1,395 ms mean at x8.)"""
     if cfg.affinity_candidates <= 1:
         return held, workers
     free, full = 0, False  # the workers that can start a request now, as a mask of the index's bits
@@ -112,11 +128,14 @@ def choose(queue: HoldingQueue, held: Held, workers: Sequence[WorkerState], star
     if not free or not full:
         return held, workers
     best = pick(queue, held, free, cfg.affinity_candidates, index, block_size, now, cfg.affinity_recompute_weight)
-    if best is not held or not to_holders or not cfg.affinity_recompute_weight or not held.req.block_hashes:
+    if best is not held or queued is None or not cfg.affinity_recompute_weight or not held.req.block_hashes:
         return best, workers
     levels = index.match_levels(held.req.block_hashes, now, held.req.check_hashes)
-    holders = levels[-1][1] if levels and not levels[-1][1] & free else 0  # the deepest, none of them free
-    pool = [w for w in workers if index.bit_of(w.worker_id) & holders] if holders else workers
+    if not levels or levels[-1][1] & free:  # (a free worker is among the deepest holders)
+        return held, workers
+    deep, holders = levels[-1]
+    recompute = (deep - max((b for b, m in levels if m & free), default=0)) * block_size
+    pool = [w for w in workers if index.bit_of(w.worker_id) & holders and queued(w) <= recompute]
     return held, pool or workers
 
 

@@ -317,8 +317,9 @@ class Dispatcher:
             return None
         head = held
         if not forced and held.pin is None and self.before_route is None:  # (sharded index: matches are local only)
+            queued = None if self._gate is not None else affinity.holder_queue(self._sent, self.router.cfg)
             held, workers = affinity.choose(queue, held, workers, self._startable, self.scheduler, self.index,
-                                            self.block_size, now, to_holders=self._gate is None)
+                                            self.block_size, now, queued)
         if pinned is not None and held.pin is not None:
             workers = pinned(held.pin)
         try:  # (a pin: a stored response's read or continuation, held here like any request)
