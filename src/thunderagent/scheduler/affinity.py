@@ -63,13 +63,14 @@ def estimate(req: EngineRequest, index: KvIndex, block_size: int, now: float) ->
 
 
 def cost_on(req: EngineRequest, index: KvIndex, block_size: int, now: float, free: int, recompute_weight: float,
-            bound: float = math.inf) -> float:
+            bound: float = math.inf, levels: list[tuple[int, int]] | None = None) -> float:
     """What sending ``req`` to the workers of ``free`` (a mask of ``bit_of`` bits) costs the fleet, in prompt tokens:
     the tokens it would prefill on the best of them (a walk restricted to ``free``, which stops at the first block
     none of them holds), plus ``recompute_weight`` times those of them that some other (full) worker holds, i.e.
     cache the fleet has and would compute again (a walk over the whole fleet). Exact below ``bound``; at or above
     it the figure is only a lower bound: the second walk stops once the cost has reached ``bound`` (a candidate
-    that cannot beat the best so far is not walked to the end of a 100k-token prompt's cache)."""
+    that cannot beat the best so far is not walked to the end of a 100k-token prompt's cache). ``levels``: that
+    whole-fleet walk when the caller made it already (unbounded)."""
     uncached = uncached_on(req, index, block_size, now, free)
     if not recompute_weight or uncached >= bound:
         return uncached
@@ -81,7 +82,7 @@ def cost_on(req: EngineRequest, index: KvIndex, block_size: int, now: float, fre
         if limit < len(hashes):
             hashes, checks = hashes[:limit], None if checks is None else checks[:limit]
     anywhere = 0
-    for blocks, _ in index.match_levels(hashes, now, checks):
+    for blocks, _ in index.match_levels(hashes, now, checks) if levels is None else levels:
         anywhere = max(anywhere, blocks)
     return uncached + recompute_weight * max(0, min(anywhere * block_size, n) - here)
 
@@ -127,10 +128,12 @@ def choose(queue: HoldingQueue, held: Held, workers: Sequence[WorkerState], star
             full = True
     if not free or not full:
         return held, workers
-    best = pick(queue, held, free, cfg.affinity_candidates, index, block_size, now, cfg.affinity_recompute_weight)
-    if best is not held or queued is None or not cfg.affinity_recompute_weight or not held.req.block_hashes:
+    weight = cfg.affinity_recompute_weight
+    # the head's walk over the whole fleet: its cost in ``pick`` and, if it stays, where its deepest holders are
+    levels = index.match_levels(held.req.block_hashes, now, held.req.check_hashes) if weight else None
+    best = pick(queue, held, free, cfg.affinity_candidates, index, block_size, now, weight, levels)
+    if best is not held or queued is None or levels is None:
         return best, workers
-    levels = index.match_levels(held.req.block_hashes, now, held.req.check_hashes)
     if not levels or levels[-1][1] & free:  # (a free worker is among the deepest holders)
         return held, workers
     deep, holders = levels[-1]
@@ -140,7 +143,7 @@ def choose(queue: HoldingQueue, held: Held, workers: Sequence[WorkerState], star
 
 
 def pick(queue: HoldingQueue, held: Held, startable: int, k: int, index: KvIndex, block_size: int,
-         now: float, recompute_weight: float = 0.0) -> Held:
+         now: float, recompute_weight: float = 0.0, held_levels: list[tuple[int, int]] | None = None) -> Held:
     """The request to dispatch instead of ``held`` (the queue's next, not overdue), among it, the ``k - 1`` that
     follow it in its key's order and the best of up to ``k - 1`` other route keys of its tier that may borrow
     (:meth:`HoldingQueue.peers`: one of those goes out of its key's turn, which its key repays from its next
@@ -148,9 +151,10 @@ def pick(queue: HoldingQueue, held: Held, startable: int, k: int, index: KvIndex
     request now, as a mask of ``KvIndex.bit_of`` bits) and, with ``recompute_weight``, the tokens a full worker
     holds that they would compute again weighted in (:func:`cost_on`). Ties keep the queue's order. Requests
     pinned to a worker (a released follower, a stored response's continuation) are not candidates: where they go
-    is decided."""
+    is decided. ``held_levels``: ``held``'s whole-fleet walk, when the caller made it."""
     w = recompute_weight
-    best, best_rank = held, queue.rank(held, cost_on(held.req, index, block_size, now, startable, w))
+    best, best_rank = held, queue.rank(held, cost_on(held.req, index, block_size, now, startable, w,
+                                                     levels=held_levels))
     for cand in (*queue.candidates(held, k, startable), *queue.peers(held, k - 1, now, startable)):
         if cand is held or cand.pin is not None:
             continue
