@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -28,6 +29,7 @@ def venv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[li
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(vllm_env.subprocess, "run", run)
+    monkeypatch.setattr(vllm_env.shutil, "disk_usage", lambda _p: SimpleNamespace(free=2**40))
     return root, ran
 
 
@@ -44,6 +46,16 @@ def test_fresh_machine_gets_vllm_then_nixl(venv: tuple[Path, list[list[str]]], t
     ran.clear()
     vllm_python = vllm_env.vllm_python(tmp_path)
     assert vllm_python.exists() and ran == [], "ready: nothing runs again"
+
+
+def test_too_little_disk_is_said_before_pip_runs(venv: tuple[Path, list[list[str]]], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CI machine once ran out of disk mid-install; the error now names the space needed and found."""
+    _root, ran = venv
+    monkeypatch.setattr(vllm_env.shutil, "disk_usage", lambda _p: SimpleNamespace(free=2**30))
+    with pytest.raises(vllm_env.VllmSetupError, match=r"needs about 6 GiB free; 1.0 GiB are"):
+        vllm_env.vllm_python(tmp_path)
+    assert ran == []
 
 
 def test_a_venv_from_before_nixl_gets_only_nixl(venv: tuple[Path, list[list[str]]], tmp_path: Path) -> None:

