@@ -196,7 +196,17 @@ async def test_abort_requests_ends_the_servers_requests_and_the_held_ones_alike(
             async with s.post(base + "/abort_requests", json={}) as r:
                 answer = await r.json()
                 assert r.status == 200 and answer["held_aborted"] == 1, answer
-            done = await asyncio.wait_for(asyncio.gather(*sent), 30)
+            # vLLM aborts the requests its engine tracks: one still in its API server's preprocessing when the
+            # call came (seen in CI: the relayed one, sent a moment before) is not among them and would wait for
+            # /resume. An operator calls again, as this does for such a late one (nothing held is left to end).
+            for _ in range(6):
+                _, pending = await asyncio.wait(sent, timeout=5)
+                if not pending:
+                    break
+                async with s.post(base + "/abort_requests", json={}) as r:
+                    answer = await r.json()
+                    assert r.status == 200 and answer["held_aborted"] == 0, answer
+            done = await asyncio.wait_for(asyncio.gather(*sent), 5)
             for status, out in done:  # vLLM's own (relayed), ThunderAgent's from vLLM's abort, and the held one
                 choice = out["choices"][0]
                 assert status == 200 and choice["finish_reason"] == "abort" and choice["text"] == "", out
