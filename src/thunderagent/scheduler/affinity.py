@@ -36,9 +36,9 @@ from thunderagent.scheduler.queue import Held, HoldingQueue
 from thunderagent.types import EngineRequest, WorkerState
 
 
-def uncached_on(req: EngineRequest, index: KvIndex, block_size: int, now: float, within: int = -1) -> int:
-    """Prompt tokens ``req`` would prefill on the best worker (of those whose ``bit_of`` bits are in ``within``;
-    -1: any), its longest cached prefix there per the index. Within a mask the index's walk stops at the first
+def uncached_on(req: EngineRequest, index: KvIndex, block_size: int, now: float, within: int) -> int:
+    """Prompt tokens ``req`` would prefill on the best worker of those whose ``bit_of`` bits are in ``within``, its
+    longest cached prefix there per the index. Within a mask the index's walk stops at the first
     block none of those workers holds: a candidate whose prefix sits on full workers costs a block or two."""
     n = len(req.prompt_tokens)
     if not req.block_hashes:

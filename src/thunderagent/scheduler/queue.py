@@ -77,6 +77,11 @@ class Held:
     #: Cache affinity looks for candidates among the requests a free worker holds, or no worker does.
     holders: int = field(default=0, repr=False)
 
+    def cached_on(self, free: int) -> bool:
+        """Served from cache by one of ``free`` (a mask of ``bit_of`` bits) as far as enqueue knew, or held nowhere
+        (any worker computes it all alike): what cache affinity's candidates are drawn from."""
+        return not self.holders or bool(self.holders & free)
+
 
 class _Key:
     # Short first with ageing ranks by ``uncached - age * (now - enqueued)``, which orders requests
@@ -263,7 +268,7 @@ class HoldingQueue:
             h = e[2]
             if not h.gone:
                 live.append(e)
-                if h is held or not h.holders or h.holders & free:
+                if h is held or h.cached_on(free):
                     out.append(h)
         for e in live:
             heapq.heappush(heap, e)
@@ -285,7 +290,7 @@ class HoldingQueue:
                 continue
             key = tier.keys[name]
             best = self._best(key, now)
-            if key.deficit - max(1, best.uncached) >= floor and (not best.holders or best.holders & free):
+            if key.deficit - max(1, best.uncached) >= floor and best.cached_on(free):
                 out.append(best)
         return out
 
