@@ -20,6 +20,9 @@ pytestmark = pytest.mark.integration
 
 MODEL = "thunderagent-sim"
 ONE_AT_A_TIME = {"nodes": [{"count": 1, "max_batch_size": 1}]}
+#: the same, with an engine 10x slower: what runs must outlast a test's setup on a loaded machine (seen in CI: at full
+#: speed two 60-token requests were done before "the engine is full" was read, the loop starved 0.7 s)
+SLOW = {"nodes": [{"count": 1, "max_batch_size": 1, "timing": {"speedup": 0.1}}]}
 
 
 def scheduler(**kw: object) -> dict[str, object]:
@@ -55,9 +58,7 @@ async def test_full_queue_gives_429_with_retry_after_and_nothing_admitted_is_los
 
 
 async def test_high_priority_overtakes_held_low_priority_requests(server_factory):
-    # an engine 10x slower than the others here: "running" must outlast the setup below on a loaded machine
-    slow = {"nodes": [{"count": 1, "max_batch_size": 1, "timing": {"speedup": 0.1}}]}
-    async with server_factory(execution_group=slow, simulation={"speedup": 5.0},
+    async with server_factory(execution_group=SLOW, simulation={"speedup": 5.0},
                               scheduler=scheduler()) as srv:
         finished: list[str] = []
 
@@ -80,7 +81,7 @@ async def test_high_priority_overtakes_held_low_priority_requests(server_factory
 
 
 async def test_a_client_that_leaves_while_held_leaves_the_queue(server_factory):
-    async with server_factory(execution_group=ONE_AT_A_TIME, simulation={"speedup": 2.0},
+    async with server_factory(execution_group=SLOW, simulation={"speedup": 2.0},
                               scheduler=scheduler()) as srv:
         busy = [asyncio.create_task(complete(srv.client, f"busy {i} " * 8, 60)) for i in range(2)]
         await wait_until(lambda: srv.fleet.registry.loads()["worker-0"].waiting == 1, 10, "the engine is full")
@@ -96,7 +97,7 @@ async def test_a_client_that_leaves_while_held_leaves_the_queue(server_factory):
 
 
 async def test_a_program_whose_held_request_is_abandoned_does_not_stay_reasoning(server_factory):
-    async with server_factory(execution_group=ONE_AT_A_TIME, simulation={"speedup": 2.0},
+    async with server_factory(execution_group=SLOW, simulation={"speedup": 2.0},
                               scheduler=scheduler()) as srv:
         busy = [asyncio.create_task(complete(srv.client, f"busy {i} " * 8, 60)) for i in range(2)]
         await wait_until(lambda: srv.fleet.registry.loads()["worker-0"].waiting == 1, 10, "the engine is full")
